@@ -1,0 +1,167 @@
+"""Task artifacts: a content-addressed directory holding a JSON spec, the reference module, and captured cases.
+
+Layout of `<root>/<task_id>/`:
+    spec.json                 TaskSpec
+    module.pt                 one instance of the module (the reference callable, driven with functional_call)
+    cases/<k>.safetensors     one representative call per distinct shape signature:
+                              in.<name> (inputs), w.<name> (weights), state.<name> (state-in),
+                              ref.<name> (reference outputs, incl. ref.state_out.<name>)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from safetensors.torch import load_file, save_file
+
+SPEC_VERSION = 1
+
+
+class TensorSig(BaseModel):
+    shape: list[int]
+    dtype: str
+
+
+class CaseSig(BaseModel):
+    """The shape signature of one captured call: every tensor's shape and dtype by boundary name."""
+
+    inputs: dict[str, TensorSig]
+    state: dict[str, TensorSig] = Field(default_factory=dict)
+    outputs: dict[str, TensorSig] = Field(default_factory=dict)
+    calls: int = 1  # how many calls of the workload had this signature
+
+    def key(self) -> str:
+        parts = [f"{k}:{v.dtype}{v.shape}" for k, v in sorted({**self.inputs, **self.state}.items())]
+        return "|".join(parts)
+
+
+class DispatchTemplate(BaseModel):
+    """How phase-specialised candidates rejoin into one patched module."""
+
+    phase: str  # the phase this task covers
+    predicate: str  # "prefill: new positions > 1" / "decode: new positions == 1 with a cache"
+    sibling_tasks: list[str] = Field(default_factory=list)  # the other phase's task(s) of the same module class
+    fallback: str = "original forward captured at patch time"
+
+
+class TaskSpec(BaseModel):
+    spec_version: int = SPEC_VERSION
+    task_id: str = ""
+    workload: str = ""
+    run_id: str = ""
+    family: str
+    module_class: str  # import path, e.g. transformers.models.qwen3.modeling_qwen3.Qwen3Attention
+    instances: list[str]  # module paths grouped into this task
+    phase: str
+    input_names: list[str]
+    weight_names: list[str]
+    state_names: list[str] = Field(default_factory=list)
+    output_names: list[str]
+    static: dict[str, Any] = Field(default_factory=dict)
+    cases: list[CaseSig]  # every distinct signature observed, in the order of cases/<k>.safetensors
+    dtype: str
+    hardware: dict[str, Any] = Field(default_factory=dict)  # {"gpu_name", "capability", "device"}
+    hotspot_score: float = 0.0
+    time_ms: float = 0.0
+    deployable: bool = True
+    reason: str = ""
+    dispatch: DispatchTemplate | None = None
+    reference: str = "module.pt via torch.func.functional_call"
+
+    def content_id(self) -> str:
+        """Content address: family, class, phase, names, static values and shapes; not run ids or scores."""
+        payload = self.model_dump(include={"family", "module_class", "phase", "input_names", "weight_names",
+                                           "state_names", "output_names", "static", "cases", "dtype", "hardware"})
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return f"{self.family}-{self.phase}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+@dataclass
+class Case:
+    inputs: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor]  # outputs and "state_out.<name>"
+
+
+@dataclass
+class Task:
+    spec: TaskSpec
+    path: Path
+    cases: list[Case] = field(default_factory=list)
+
+    def load_module(self, map_location: str | torch.device = "cpu") -> torch.nn.Module:
+        return torch.load(self.path / "module.pt", map_location=map_location, weights_only=False)
+
+
+_PREFIX = {"inputs": "in.", "weights": "w.", "state": "state.", "ref": "ref."}
+
+
+def _flatten_case(case: Case) -> dict[str, torch.Tensor]:
+    flat = {}
+    for field_name, prefix in _PREFIX.items():
+        for name, t in getattr(case, field_name).items():
+            flat[prefix + name] = t.detach().contiguous().cpu()
+    return flat
+
+
+def _unflatten_case(flat: dict[str, torch.Tensor]) -> Case:
+    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _PREFIX}
+    for key, t in flat.items():
+        for field_name, prefix in _PREFIX.items():
+            if key.startswith(prefix):
+                parts[field_name][key[len(prefix):]] = t
+                break
+    return Case(**parts)
+
+
+def write_task(root: Path, spec: TaskSpec, module: torch.nn.Module, cases: list[Case]) -> Path:
+    """Write a task atomically (temp dir + rename) under its content id; returns the directory."""
+    if len(cases) != len(spec.cases):
+        raise ValueError(f"write_task: expected {len(spec.cases)} cases for the spec, got {len(cases)}")
+    spec.task_id = spec.task_id or spec.content_id()
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / spec.task_id
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.task_id}-", dir=root))
+    try:
+        (tmp / "cases").mkdir()
+        for k, case in enumerate(cases):
+            save_file(_flatten_case(case), str(tmp / "cases" / f"{k}.safetensors"))
+        torch.save(module, tmp / "module.pt")
+        (tmp / "spec.json").write_text(spec.model_dump_json(indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_spec(path: Path) -> TaskSpec:
+    path = Path(path)
+    spec_file = path / "spec.json"
+    if not spec_file.exists():
+        raise FileNotFoundError(f"task: expected {spec_file}, got no such file")
+    spec = TaskSpec.model_validate_json(spec_file.read_text())
+    if spec.spec_version != SPEC_VERSION:
+        raise ValueError(f"task {path}: expected spec_version {SPEC_VERSION}, got {spec.spec_version}")
+    return spec
+
+
+def load_task(path: Path, with_cases: bool = True) -> Task:
+    path = Path(path)
+    spec = load_spec(path)
+    task = Task(spec=spec, path=path)
+    if with_cases:
+        task.cases = [_unflatten_case(load_file(str(path / "cases" / f"{k}.safetensors"))) for k in range(len(spec.cases))]
+    return task
