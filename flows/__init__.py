@@ -1,0 +1,1 @@
+"""Prefect flows: compose the tasks of tasks/ into the closed loop (profile -> extract -> search -> accept)."""

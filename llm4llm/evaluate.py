@@ -1,0 +1,129 @@
+"""End-to-end evaluation: eager vs patched vs torch.compile through the user's own script, in one process.
+
+Timing is wall clock around the script's `run`, synchronized on the GPU: it includes HF generate's host time, which
+is what a user waits for. Prefill is a run with one new token; decode per token is the rest divided by the
+remaining steps. Every variant runs in the same process on the same inputs, because absolute times drift between
+machines of one kind. On the CPU the numbers are reported but marked, and never used to accept anything.
+"""
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+VARIANTS = ("eager", "torch_compile", "patched")
+
+
+@dataclass
+class E2EResult:
+    variant: str
+    prefill_ms: float | None
+    decode_ms_per_token: float | None
+    total_ms: float | None
+    tokens_per_s: float | None
+    peak_mem_mb: float | None
+    compile_s: float | None = None
+    repeats: int = 0
+    timer: str = "wall+cuda_sync"
+    notes: str = ""
+    samples_ms: list[float] = field(default_factory=list)
+
+    def to_row(self) -> dict:
+        d = asdict(self)
+        d.pop("samples_ms")
+        d.pop("timer")
+        return d
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any], device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def accepts_generate_kwargs(run_fn: Callable) -> bool:
+    params = inspect.signature(run_fn).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def measure(model, workload, batch, run_fn, *, repeats: int = 3, warmup: int = 1, label: str = "eager",
+            **gen_kwargs) -> E2EResult:
+    """Median over `repeats` of the full run and of a one-token run (prefill)."""
+    from llm4llm.workload import call_script
+
+    def full():
+        return call_script(run_fn, model, workload, batch, **gen_kwargs)
+
+    one = workload.model_copy(update={"decode_len": 1})
+
+    def prefill():
+        return call_script(run_fn, model, one, batch, **gen_kwargs)
+
+    compile_s = None
+    t0 = time.perf_counter()
+    for _ in range(max(warmup, 1)):
+        _timed(full, workload.device)
+        _timed(prefill, workload.device)
+    if label == "torch_compile":
+        compile_s = time.perf_counter() - t0
+    if workload.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    totals = [_timed(full, workload.device) for _ in range(repeats)]
+    prefills = [_timed(prefill, workload.device) for _ in range(repeats)]
+    peak = torch.cuda.max_memory_allocated() / 2**20 if workload.device.startswith("cuda") else None
+    total, pre = statistics.median(totals), statistics.median(prefills)
+    steps = max(workload.decode_len - 1, 1)
+    decode = max(total - pre, 0.0) / steps
+    new_tokens = workload.batch_size * workload.decode_len
+    return E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, repeats,
+                     "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
+                     samples_ms=totals)
+
+
+def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
+                      repeats: int = 3) -> list[E2EResult]:
+    """Build the model once through the script and measure each variant in turn, in this process."""
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    wl = load_workload(workload_path)
+    script = load_script(wl)
+    model = call_script(script.build, wl)
+    batch = call_script(script.inputs, wl)
+    results: list[E2EResult] = []
+    for variant in variants:
+        if variant == "eager":
+            results.append(measure(model, wl, batch, script.run, repeats=repeats, label="eager"))
+        elif variant == "torch_compile":
+            if not accepts_generate_kwargs(script.run):
+                results.append(E2EResult("torch_compile", None, None, None, None, None,
+                                         notes="skipped: the script's run() takes no generate kwargs"))
+                continue
+            results.append(measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
+                                   cache_implementation="static"))
+        elif variant == "patched":
+            if bundle is None:
+                results.append(E2EResult("patched", None, None, None, None, None, notes="skipped: no bundle"))
+                continue
+            import kernels_runtime
+
+            report = kernels_runtime.apply(model, bundle)
+            try:
+                r = measure(model, wl, batch, script.run, repeats=repeats, label="patched")
+                r.notes = str(report).replace("\n", "; ")[:500]
+                results.append(r)
+            finally:
+                kernels_runtime.revert(model)
+        else:
+            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    return results

@@ -1,0 +1,100 @@
+"""The DuckDB file: location, connection, versioned migrations, transactions.
+
+The flow process is the only writer. Every write goes through `Database.transaction()`, so a failure leaves no
+half-written run behind.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+
+DB_ENV = "LLM4LLM_DB"
+HOME_ENV = "LLM4LLM_HOME"
+
+
+def data_home() -> Path:
+    """Project data dir: $LLM4LLM_HOME, else ./.llm4llm (artifacts, the DuckDB file, Prefect results)."""
+    return Path(os.environ.get(HOME_ENV, ".llm4llm")).resolve()
+
+
+def default_db_path() -> Path:
+    return Path(os.environ[DB_ENV]).resolve() if os.environ.get(DB_ENV) else data_home() / "llm4llm.duckdb"
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    out = []
+    for entry in resources.files("storage").joinpath("migrations").iterdir():
+        m = re.match(r"(\d+)_(.+)\.sql$", entry.name)
+        if m:
+            out.append((int(m.group(1)), m.group(2), entry.read_text()))
+    return sorted(out)
+
+
+class Database:
+    """One DuckDB file. Open, migrate to the newest schema, write in transactions."""
+
+    def __init__(self, path: str | Path | None = None, read_only: bool = False):
+        self.path = Path(path).resolve() if path else default_db_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except duckdb.Error as e:
+            raise RuntimeError(f"database {self.path}: cannot open ({e})") from e
+        if not read_only:
+            self.migrate()
+
+    def migrate(self) -> int:
+        with self._lock:
+            self.con.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, name VARCHAR, "
+                "applied_at TIMESTAMP DEFAULT current_timestamp)"
+            )
+            applied = {r[0] for r in self.con.execute("SELECT version FROM schema_version").fetchall()}
+            for version, name, sql in _migrations():
+                if version in applied:
+                    continue
+                with self.transaction() as con:
+                    con.execute(sql)
+                    con.execute("INSERT INTO schema_version (version, name) VALUES (?, ?)", [version, name])
+            return self.schema_version()
+
+    def schema_version(self) -> int:
+        row = self.con.execute("SELECT max(version) FROM schema_version").fetchone()
+        return int(row[0] or 0)
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        with self._lock:
+            self.con.execute("BEGIN TRANSACTION")
+            try:
+                yield self.con
+            except BaseException:
+                self.con.execute("ROLLBACK")
+                raise
+            else:
+                self.con.execute("COMMIT")
+
+    def query_df(self, sql: str, params: list | None = None):
+        with self._lock:
+            return self.con.execute(sql, params or []).df()
+
+    def query(self, sql: str, params: list | None = None) -> list[tuple]:
+        with self._lock:
+            return self.con.execute(sql, params or []).fetchall()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> "Database":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

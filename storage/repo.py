@@ -1,0 +1,172 @@
+"""Every SQL string the project runs lives here. Functions take plain dicts/records and a Database."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from storage.db import Database
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def _insert(con, table: str, row: dict[str, Any], replace: bool = False) -> None:
+    cols = list(row)
+    verb = "INSERT OR REPLACE" if replace else "INSERT"
+    con.execute(
+        f"{verb} INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)})",
+        [json.dumps(v, default=str) if isinstance(v, (dict, list)) else v for v in row.values()],
+    )
+
+
+# ---- workloads / runs / profiles -----------------------------------------------------------------------------
+
+def upsert_workload(con, workload_hash: str, name: str, path: str, config: dict) -> None:
+    con.execute(
+        "INSERT INTO workloads (workload_hash, name, path, config_json) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (workload_hash) DO NOTHING",
+        [workload_hash, name, path, json.dumps(config, default=str)],
+    )
+
+
+def record_profile_run(db: Database, run: dict, workload: dict, profile_rows: Iterable[dict]) -> None:
+    """Write a workload, its run and the run's profile rows in one transaction (all or nothing)."""
+    with db.transaction() as con:
+        upsert_workload(con, workload["workload_hash"], workload["name"], workload["path"], workload["config"])
+        _insert(con, "runs", {**run, "finished_at": run.get("finished_at") or _now()})
+        for row in profile_rows:
+            _insert(con, "profiles", {"run_id": run["run_id"], **row})
+
+
+def record_tasks(db: Database, run_id: str, task_rows: Iterable[dict]) -> int:
+    n = 0
+    with db.transaction() as con:
+        con.execute("DELETE FROM tasks WHERE run_id = ?", [run_id])
+        for row in task_rows:
+            _insert(con, "tasks", {"run_id": run_id, **row})
+            n += 1
+    return n
+
+
+def list_runs(db: Database, limit: int = 50):
+    return db.query_df(
+        "SELECT run_id, workload_name, kind, status, started_at, device, gpu_name, prefill_ms, decode_ms, "
+        "prefill_forwards, decode_forwards FROM runs ORDER BY started_at DESC LIMIT ?",
+        [limit],
+    )
+
+
+def get_run(db: Database, run_id: str) -> dict | None:
+    df = db.query_df("SELECT * FROM runs WHERE run_id = ?", [run_id])
+    return None if df.empty else df.iloc[0].to_dict()
+
+
+def latest_run_id(db: Database, kind: str | None = None) -> str | None:
+    sql = "SELECT run_id FROM runs" + (" WHERE kind = ?" if kind else "") + " ORDER BY started_at DESC LIMIT 1"
+    rows = db.query(sql, [kind] if kind else [])
+    return rows[0][0] if rows else None
+
+
+def profile_rows(db: Database, run_id: str, top: int | None = None):
+    sql = "SELECT * FROM profiles WHERE run_id = ? ORDER BY hotspot_score DESC" + (" LIMIT ?" if top else "")
+    return db.query_df(sql, [run_id, top] if top else [run_id])
+
+
+def task_rows(db: Database, run_id: str | None = None):
+    if run_id:
+        return db.query_df("SELECT * FROM tasks WHERE run_id = ? ORDER BY score DESC", [run_id])
+    return db.query_df("SELECT * FROM tasks ORDER BY score DESC")
+
+
+def get_task(db: Database, task_id: str) -> dict | None:
+    df = db.query_df("SELECT * FROM tasks WHERE task_id = ? ORDER BY run_id DESC LIMIT 1", [task_id])
+    return None if df.empty else df.iloc[0].to_dict()
+
+
+# ---- search ---------------------------------------------------------------------------------------------------
+
+def record_search_start(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "searches", {"started_at": _now(), "trials": 0, "passed": 0, **row}, replace=True)
+
+
+def record_candidate(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "candidates", row, replace=True)
+
+
+def record_episode(db: Database, row: dict, experience: dict | None, task_id: str) -> None:
+    with db.transaction() as con:
+        _insert(con, "episodes", row, replace=True)
+        if experience is not None:
+            _insert(con, "experience", {"task_id": task_id, "search_id": row["search_id"], "episode": row["episode"],
+                                        "record_json": experience}, replace=True)
+
+
+def record_search_end(db: Database, search_id: str, trials: int, passed: int, best_id: str | None,
+                      best_utility: float | None) -> None:
+    with db.transaction() as con:
+        con.execute(
+            "UPDATE searches SET trials = ?, passed = ?, best_candidate_id = ?, best_utility = ?, finished_at = ? "
+            "WHERE search_id = ?",
+            [trials, passed, best_id, best_utility, _now(), search_id],
+        )
+
+
+def candidate_rows(db: Database, task_id: str | None = None, search_id: str | None = None):
+    where, params = [], []
+    if task_id:
+        where.append("task_id = ?")
+        params.append(task_id)
+    if search_id:
+        where.append("search_id = ?")
+        params.append(search_id)
+    sql = "SELECT * FROM candidates" + (" WHERE " + " AND ".join(where) if where else "")
+    return db.query_df(sql + " ORDER BY created_at", params)
+
+
+def experience_records(db: Database, task_id: str) -> list[dict]:
+    rows = db.query("SELECT record_json FROM experience WHERE task_id = ? ORDER BY created_at", [task_id])
+    return [json.loads(r[0]) for r in rows]
+
+
+def record_llm_call(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "llm_calls", row, replace=True)
+
+
+# ---- acceptance / patches / e2e / benchmarks ------------------------------------------------------------------
+
+def record_acceptance(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "acceptances", row, replace=True)
+
+
+def record_patch_bundle(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "patches", row, replace=True)
+
+
+def record_e2e(db: Database, rows: Iterable[dict]) -> None:
+    with db.transaction() as con:
+        for row in rows:
+            _insert(con, "e2e_results", row, replace=True)
+
+
+def record_op_benchmarks(db: Database, rows: Iterable[dict]) -> int:
+    n = 0
+    with db.transaction() as con:
+        for row in rows:
+            _insert(con, "op_benchmarks", row)
+            n += 1
+    return n
+
+
+def table_df(db: Database, table: str, where: str = "", params: list | None = None):
+    """Read a whole table (CLI `llm4llm sql`-style inspection); `table` is checked against the schema."""
+    known = {r[0] for r in db.query("SELECT table_name FROM information_schema.tables")}
+    if table not in known:
+        raise ValueError(f"table: expected one of {sorted(known)}, got {table!r}")
+    return db.query_df(f"SELECT * FROM {table}" + (f" WHERE {where}" if where else ""), params)

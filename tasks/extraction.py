@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from llm4llm import pipeline
+from tasks.common import infrastructure_only, stage_cache_key
+
+
+@task(
+    name="extract-tasks",
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=infrastructure_only,
+    cache_key_fn=lambda ctx, p: stage_cache_key("extract", p, "profile_path", "data_dir", "min_score"),
+    persist_result=True,
+)
+def extract(workload: dict, profile_path: str, data_dir: str, min_score: float = 0.0) -> str:
+    return pipeline.run_extract(workload["path"], profile_path, data_dir, min_score)
+
+
+@task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
+def record_tasks(index_path: str, run_id: str, db_path: str | None) -> int:
+    return pipeline.record_task_index(index_path, run_id, db_path)
+
+
+@task(name="publish-tasks")
+def publish_tasks(index_path: str) -> None:
+    index = json.loads(Path(index_path).read_text())
+    rows = [{"task_id": t["task_id"], "family": t["family"], "phase": t["phase"], "instances": len(t["instances"]),
+             "score": round(float(t.get("hotspot_score", 0.0)), 4), "deployable": t["deployable"],
+             "reason": t.get("reason", "")} for t in index]
+    create_table_artifact(key="tasks", table=rows, description="Extracted phase-aware tasks")

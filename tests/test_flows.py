@@ -1,0 +1,131 @@
+"""The tiny workloads end to end through the Prefect flows (one test harness per session), into DuckDB."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llm4llm.errors import ScriptError, WorkloadError
+from llm4llm.taskspec import load_task
+from storage import repo
+from storage.db import Database
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "workloads"
+
+
+@pytest.fixture(scope="module")
+def optimized(prefect_harness, tmp_path_factory):
+    """tiny-llama and tiny-mamba through optimize_workload, once for the module."""
+    from flows.optimize import optimize_workload
+
+    root = tmp_path_factory.mktemp("flows")
+    db_path = str(root / "l4l.duckdb")
+    out = {}
+    for name in ("tiny-llama", "tiny-mamba"):
+        out[name] = optimize_workload(str(EXAMPLES / f"{name}.toml"), db_path=db_path, data_dir=str(root / "data"))
+    return root, db_path, out
+
+
+def test_runs_and_profiles_in_duckdb(optimized):
+    _, db_path, out = optimized
+    with Database(db_path) as db:
+        runs = repo.list_runs(db)
+        assert set(runs["workload_name"]) == {"tiny-llama", "tiny-mamba"}
+        for name, res in out.items():
+            run = repo.get_run(db, res["run_id"])
+            assert run["status"] == "ok" and run["prefill_forwards"] == 1 and run["decode_forwards"] == 3
+            prof = repo.profile_rows(db, res["run_id"])
+            assert set(prof["phase"]) == {"prefill", "decode"}
+            top_level = prof[prof["depth"] == 0]
+            assert (top_level["share"].round(6) == 1.0).all()
+
+
+def test_hotspot_ranking_families(optimized):
+    _, db_path, out = optimized
+    with Database(db_path) as db:
+        llama = repo.profile_rows(db, out["tiny-llama"]["run_id"])
+        mamba = repo.profile_rows(db, out["tiny-mamba"]["run_id"])
+    leafish = {"attention", "mlp", "norm", "ssm_mixer"}
+    llama_top = [f for f in llama["family"] if f in leafish][:3]
+    assert "attention" in llama_top or "mlp" in llama_top
+    mamba_families = [f for f in mamba["family"] if f in leafish]
+    assert mamba_families[0] == "ssm_mixer"
+
+
+def test_tasks_extracted_and_round_trip(optimized):
+    _, db_path, out = optimized
+    with Database(db_path) as db:
+        tasks = repo.task_rows(db, out["tiny-llama"]["run_id"])
+        mtasks = repo.task_rows(db, out["tiny-mamba"]["run_id"])
+    dep = tasks[tasks["deployable"]]
+    assert {"prefill", "decode"} <= set(dep["phase"])
+    assert {"attention", "mlp", "norm"} <= set(dep["family"])
+    attn = dep[(dep["family"] == "attention") & (dep["phase"] == "prefill")].iloc[0]
+    assert attn["instances"] == 2  # both layers grouped into one task
+    task = load_task(Path(attn["artifact_path"]))
+    assert task.spec.dispatch is not None and task.spec.dispatch.sibling_tasks
+    assert task.cases and task.cases[0].ref
+    assert "ssm_mixer" in set(mtasks[mtasks["deployable"]]["family"])
+    index = json.loads(Path(out["tiny-llama"]["index_path"]).read_text())
+    assert len(index) == len(tasks)
+
+
+def test_cached_rerun_reuses_profile(prefect_harness, optimized):
+    from flows.profile import profile_workload
+
+    root, db_path, out = optimized
+    again = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"))
+    assert again["run_id"] == out["tiny-llama"]["run_id"]
+    fresh = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"),
+                             refresh=True)
+    assert fresh["run_id"] != out["tiny-llama"]["run_id"]
+
+
+def _bad_workload(tmp_path: Path, script_body: str | None, **overrides) -> Path:
+    text = (EXAMPLES / "tiny-llama.toml").read_text()
+    if script_body is not None:
+        (tmp_path / "bad_script.py").write_text(script_body)
+        text = text.replace('script = "../scripts/hf_generate.py"', 'script = "bad_script.py"')
+    for k, v in overrides.items():
+        text = text.replace(k, v)
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("case", ["raises", "missing_field", "unknown_model"])
+def test_bad_input_leaves_no_run(prefect_harness, tmp_path, case):
+    from flows.profile import profile_workload
+
+    if case == "raises":
+        path = _bad_workload(tmp_path, "def build(w):\n    raise RuntimeError('boom in user code')\n"
+                                       "def inputs(w):\n    return {}\ndef run(m, w, i):\n    return None\n")
+        expected = ScriptError
+    elif case == "missing_field":
+        path = _bad_workload(tmp_path, None, **{"decode_len = 4\n": ""})
+        expected = WorkloadError
+    else:
+        path = _bad_workload(tmp_path, None, **{'model_type = "llama"': 'model_type = "lama"'})
+        expected = WorkloadError
+    db_path = str(tmp_path / "db.duckdb")
+    with pytest.raises(expected) as info:
+        profile_workload(str(path), db_path=db_path, data_dir=str(tmp_path / "data"))
+    if case == "raises":
+        assert "boom in user code" in str(info.value)
+    with Database(db_path) as db:
+        assert repo.list_runs(db).empty
+        assert db.query("select count(*) from profiles")[0][0] == 0
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)
+
+
+def test_cli_reports_bad_input_in_one_line(prefect_harness, tmp_path):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+
+    path = _bad_workload(tmp_path, None, **{"decode_len = 4\n": ""})
+    res = CliRunner().invoke(app, ["profile", str(path), "--db", str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 2
+    assert "decode_len" in res.output and "Traceback" not in res.output
