@@ -2,15 +2,42 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.profile import extract_tasks, profile_workload
+from flows.profile import _defaults, extract_tasks, profile_workload
+from flows.search import search_tasks
+from tasks.acceptance import accept_patches, evaluate_e2e
+
+STAGES = ("profile", "extract", "search", "accept", "evaluate")
 
 
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: str | None = None,
-                      min_score: float = 0.0, refresh: bool = False) -> dict:
-    """The closed loop over one workload. Stages: profile -> extract (search and acceptance join as they land)."""
+                      min_score: float = 0.0, refresh: bool = False, stages: tuple[str, ...] = STAGES,
+                      mode: str = "episodic", budget: int = 15, proposer: str = "library", top: int | None = 6,
+                      families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
+                      timeout_s: float = 120.0, llm: dict | None = None) -> dict:
+    """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate."""
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"stages: expected a subset of {STAGES}, got {sorted(unknown)}")
+    data_dir = _defaults(data_dir)
     prof = profile_workload(workload_path, db_path=db_path, data_dir=data_dir, refresh=refresh)
+    out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
+    if "extract" not in stages:
+        return out
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
                         min_score=min_score, refresh=refresh)
-    return {"run_id": prof["run_id"], "profile_path": prof["profile_path"], "index_path": ext["index_path"],
-            "tasks": ext["tasks"]}
+    out.update(index_path=ext["index_path"], tasks=ext["tasks"])
+    if "search" not in stages:
+        return out
+    device = prof["workload"]["device"]
+    out["searches"] = search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
+                                   proposer=proposer, device=device, timeout_s=timeout_s, top=top,
+                                   families=families, llm=llm)
+    if "accept" not in stages:
+        return out
+    out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, "logits_rel_l2",
+                                       repeats)
+    if "evaluate" in stages:
+        out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
+                                  ("eager", "torch_compile", "patched"), prof["run_id"] + "-e2e")
+    return out

@@ -87,21 +87,131 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
 
 @app.command()
 def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Optional[Path] = DbOpt,
-             data_dir: Optional[Path] = DataOpt, min_score: float = typer.Option(0.0, help="skip colder modules"),
-             top: int = typer.Option(15), refresh: bool = typer.Option(False, help="ignore cached results"),
+             data_dir: Optional[Path] = DataOpt,
+             stages: str = typer.Option("profile,extract,search,accept,evaluate", help="comma-separated stages"),
+             budget: int = typer.Option(15, help="trials per task"), mode: str = typer.Option("episodic"),
+             proposer: str = typer.Option("library", help="library | llm | hybrid"),
+             top: int = typer.Option(6, help="search the top-N tasks by hotspot score"),
+             delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
+             min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
+             llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
+             llm_api_base: Optional[str] = typer.Option(None),
+             refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
-    """Run the closed loop on a workload (the stages that exist: profile -> extract)."""
+    """Run the closed loop on a workload: profile -> extract -> search -> accept -> evaluate."""
     _quiet_prefect(verbose)
     with _user_errors():
         from flows.optimize import optimize_workload
 
+        llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
         with console.status(f"optimizing {workload} ..."):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None, min_score=min_score,
-                                    refresh=refresh)
+                                    refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
+                                    mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm)
         console.print(f"run [bold]{out['run_id']}[/]")
-        _print_hotspots(out["profile_path"], top)
-        _print_tasks(db, out["run_id"])
+        _print_hotspots(out["profile_path"], 15)
+        if "tasks" in out:
+            _print_tasks(db, out["run_id"])
+        for r in out.get("searches", []):
+            console.print(f"search {r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, "
+                          f"best utility {r['best_utility']}")
+        if "acceptance" in out:
+            a = out["acceptance"]
+            console.print(f"acceptance ({a['timing']}): {a['accepted']} accepted, {a['rejected']} rejected; "
+                          f"bundle {a['bundle']}")
+        if "e2e" in out:
+            _print_e2e(out["e2e"]["rows"])
+
+
+def _llm_options(workload: Path, model: Optional[str], api_base: Optional[str]) -> dict:
+    from llm4llm.llm.config import load_llm_config
+
+    return load_llm_config(workload=workload, model=model, api_base=api_base).model_dump()
+
+
+def _print_e2e(rows: list[dict]) -> None:
+    import pandas as pd
+
+    cols = ["variant", "prefill_ms", "decode_ms_per_token", "total_ms", "tokens_per_s", "peak_mem_mb", "compile_s",
+            "notes"]
+    console.print(_df_table(pd.DataFrame(rows)[cols], "end to end"))
+
+
+@app.command()
+def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
+           run: Optional[str] = typer.Option(None, "--run", help="run id (default: latest)"),
+           budget: int = typer.Option(15), mode: str = typer.Option("episodic", help="episodic | sample | iter"),
+           proposer: str = typer.Option("library", help="library | llm | hybrid"),
+           device: Optional[str] = typer.Option(None, help="default: the run's device"),
+           top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
+           timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
+           llm_model: Optional[str] = typer.Option(None), llm_api_base: Optional[str] = typer.Option(None),
+           db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
+           verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
+    """Search Triton candidates for the tasks of a run (episodic with restart by default)."""
+    _quiet_prefect(verbose)
+    with _user_errors():
+        from flows.search import search_tasks
+        from llm4llm.errors import TaskError
+        from storage import repo
+
+        with _db(db) as d:
+            run = run or repo.latest_run_id(d)
+            info = repo.get_run(d, run) if run else None
+        if info is None:
+            raise TaskError(f"run: expected an existing run id (see `llm4llm runs`), got {run!r}")
+        llm = None
+        if proposer != "library":
+            from llm4llm.llm.config import load_llm_config
+
+            llm = load_llm_config(model=llm_model, api_base=llm_api_base).model_dump()
+        with console.status(f"searching tasks of {run} ..."):
+            results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
+                                   mode=mode, budget=budget, proposer=proposer,
+                                   device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
+                                   timeout_s=timeout_s, task_ids=task or None, top=top, llm=llm)
+        for r in results:
+            console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
+                          f"{r['best_utility']}, best {r['best_candidate']}")
+
+
+@app.command()
+def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
+             bundle: Optional[Path] = typer.Option(None, help="patch bundle dir for the patched variant"),
+             repeats: int = typer.Option(3), db: Optional[Path] = DbOpt,
+             variants: str = typer.Option("eager,torch_compile,patched"),
+             verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
+    """End to end, in one process: eager vs torch.compile (HF static-cache compiled generate) vs patched."""
+    _quiet_prefect(verbose)
+    with _user_errors():
+        from llm4llm.pipeline import run_evaluate
+
+        with console.status(f"evaluating {workload} ..."):
+            out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,
+                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")))
+        _print_e2e(out["rows"])
+
+
+@app.command()
+def watch(paths: list[Path] = typer.Argument(..., help="workload files or directories"), db: Optional[Path] = DbOpt,
+          stages: str = typer.Option("profile,extract", help="stages to run on a changed workload")) -> None:
+    """Re-profile (and re-optimize) a workload whenever its config or script changes (content hash)."""
+    _quiet_prefect(False)
+    from deployments.triggers import watch as _watch
+    from flows.optimize import optimize_workload
+    from llm4llm.errors import Llm4llmError
+
+    def on_change(path: Path) -> None:
+        console.print(f"[bold]{path}[/] changed: running {stages}")
+        try:
+            out = optimize_workload(str(path), db_path=str(db) if db else None,
+                                    stages=tuple(s.strip() for s in stages.split(",")))
+            console.print(f"run {out['run_id']}")
+        except Llm4llmError as e:
+            err_console.print(f"[bold red]error:[/] {e}")
+
+    _watch([str(p) for p in paths], on_change, str(db) if db else None)
 
 
 def _print_tasks(db: Optional[Path], run_id: Optional[str]) -> None:

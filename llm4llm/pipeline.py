@@ -210,3 +210,201 @@ def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRe
     """Ranked hotspots, leaving out the top-level model (its share is 1 by definition)."""
     rows = [r for r in result.ranked() if r.depth > 0]
     return rows[:top] if top else rows
+
+
+# ---- search -----------------------------------------------------------------------------------------------------
+
+_POOLS: dict = {}
+
+
+def verifier_pool(device: str, timeout_s: float = 120.0):
+    """One verifier worker per device in this (flow) process; its lock makes timing jobs on a GPU one at a time."""
+    import threading
+
+    from llm4llm.verify.worker import VerifierPool
+
+    key = (device, timeout_s)
+    if key not in _POOLS:
+        _POOLS[key] = (VerifierPool(device, timeout_s), threading.Lock())
+    return _POOLS[key]
+
+
+def close_pools() -> None:
+    for pool, _ in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def make_proposer(kind: str, seed: int = 0, llm: dict | None = None):
+    """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget)."""
+    from llm4llm.search.builtin import LibraryProposer
+
+    if kind == "library":
+        return LibraryProposer(seed=seed)
+    from llm4llm.llm.config import LLMConfig
+    from llm4llm.llm.proposer import HybridProposer, LLMProposer
+
+    cfg = LLMConfig(**(llm or {}))
+    if kind == "llm":
+        return LLMProposer(cfg)
+    if kind == "hybrid":
+        return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed), cfg.hybrid_share)
+    raise ValueError(f"proposer: expected library, llm or hybrid, got {kind!r}")
+
+
+def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
+                    proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
+                    run_id: str | None = None, llm: dict | None = None) -> dict:
+    """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
+    and an `experience` record. Returns a small summary."""
+    from llm4llm.search.episode import run_search
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    spec = load_spec(Path(task_dir))
+    prop = make_proposer(proposer, seed, llm)
+    pool, lock = verifier_pool(device, timeout_s)
+    search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
+    cand_dir = Path(data_dir) / "candidates" / spec.task_id
+    cand_dir.mkdir(parents=True, exist_ok=True)
+
+    def verify(task_path, source):
+        with lock:
+            return pool.verify(task_path, source)
+
+    with Database(db_path) as db:
+        repo.record_search_start(db, {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id,
+                                      "mode": mode, "proposer": prop.name, "budget": budget})
+        if hasattr(prop, "on_call"):
+            prop.on_call = lambda call: repo.record_llm_call(db, {**llm_call_row(call), "search_id": search_id,
+                                                                  "task_id": spec.task_id})
+
+        def on_trial(candidate, verdict, episode, iteration):
+            src = cand_dir / f"{candidate.id}.py"
+            src.write_text(candidate.source)
+            repo.record_candidate(db, candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration,
+                                                    str(src)))
+
+        result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed, on_trial=on_trial,
+                            archive_dir=Path(data_dir) / "searches" / search_id)
+        for ep in result.episodes:
+            passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
+            utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
+            repo.record_episode(db, {"search_id": search_id, "episode": ep.index, "trials": len(ep.trials),
+                                     "passed": passed, "best_utility": max(utils) if utils else None,
+                                     "transcript_path": ep.transcript},
+                                json.loads(ep.experience.to_json()), spec.task_id)
+        best = result.best
+        repo.record_search_end(db, search_id, result.trials_used, sum(t.feedback.passed for t in result.trials),
+                               best.candidate.id if best else None, best.feedback.utility if best else None)
+    return {"search_id": search_id, "task_id": spec.task_id, "trials": result.trials_used,
+            "pass_rate": result.pass_rate, "best_candidate": best.candidate.id if best else None,
+            "best_utility": best.feedback.utility if best else None, "episodes": len(result.episodes)}
+
+
+def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
+                  source_path: str) -> dict:
+    from llm4llm.search.types import verdict_dict
+
+    v = verdict_dict(verdict)
+
+    def lat(key, q):
+        d = v.get(key) or {}
+        return d.get(q)
+
+    return {
+        "candidate_id": candidate.id, "task_id": task_id, "search_id": search_id, "episode": episode,
+        "iteration": iteration, "proposer": candidate.proposer, "template": candidate.template,
+        "parent_id": candidate.parent, "config_json": candidate.config, "source_path": source_path,
+        "passed": bool(v.get("passed")), "failure_class": v.get("failure_class"),
+        "message": (v.get("message") or "")[:2000], "max_abs_err": v.get("max_abs_err"),
+        "max_rel_err": v.get("max_rel_err"),
+        "cold_p20_ms": lat("candidate_cold", "p20"), "cold_p50_ms": lat("candidate_cold", "p50"),
+        "cold_p80_ms": lat("candidate_cold", "p80"),
+        "ctx_p20_ms": lat("candidate_in_context", "p20"), "ctx_p50_ms": lat("candidate_in_context", "p50"),
+        "ctx_p80_ms": lat("candidate_in_context", "p80"),
+        "ref_cold_p50_ms": lat("reference_cold", "p50"), "ref_ctx_p50_ms": lat("reference_in_context", "p50"),
+        "speedup_cold": v.get("speedup_cold"), "speedup_in_context": v.get("speedup_in_context"),
+        "utility": float(v.get("utility") or 0.0), "gates_json": v.get("gates", []),
+        "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
+    }
+
+
+def llm_call_row(call) -> dict:
+    d = call if isinstance(call, dict) else (call.model_dump() if hasattr(call, "model_dump") else vars(call))
+    return {"call_id": d.get("call_id") or uuid.uuid4().hex, "model": d.get("model", ""),
+            "prompt_tokens": d.get("prompt_tokens"), "completion_tokens": d.get("completion_tokens"),
+            "cost_usd": d.get("cost_usd", d.get("cost")), "latency_ms": d.get("latency_ms"),
+            "status": d.get("status", ""), "error": d.get("error"), "attempt": d.get("attempt")}
+
+
+# ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
+
+def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
+    """Each searched task's best passing candidate (by utility, then lowest error)."""
+    from llm4llm.accept import Proposal
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = db.query_df(
+            "SELECT c.task_id, c.candidate_id, c.source_path, c.utility, c.speedup_in_context, c.config_json, "
+            "c.max_abs_err, t.artifact_path FROM candidates c JOIN searches s USING (search_id) "
+            "JOIN tasks t ON t.task_id = c.task_id AND t.run_id = s.run_id "
+            "WHERE s.run_id = ? AND c.passed AND c.utility >= ? "
+            "QUALIFY row_number() OVER (PARTITION BY c.task_id ORDER BY c.utility DESC, c.max_abs_err ASC) = 1",
+            [run_id, min_utility],
+        )
+    return [Proposal(task_dir=r.artifact_path, candidate_id=r.candidate_id, source=Path(r.source_path).read_text(),
+                     speedup=float(r.speedup_in_context or 0.0), config=json.loads(r.config_json or "{}"))
+            for r in df.itertuples()]
+
+
+def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
+               metric: str = "logits_rel_l2", repeats: int = 5) -> dict:
+    """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
+    experience for the next search round) go to DuckDB."""
+    from llm4llm.accept import AcceptConfig, accept, decision_rows
+    from storage import repo
+    from storage.db import Database
+
+    proposals = best_proposals(run_id, db_path, min_utility=0.0)
+    bundle_dir = Path(data_dir) / "bundles" / run_id
+    result = accept(workload_path, proposals, str(bundle_dir),
+                    cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats), run_id=run_id)
+    wl = describe_workload(workload_path)
+    with Database(db_path) as db:
+        for row in decision_rows(result, run_id):
+            repo.record_acceptance(db, row)
+        for d in result.decisions:
+            if d.decision == "rejected":
+                repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": len(result.decisions),
+                                         "trials": 1, "passed": 0, "best_utility": None, "transcript_path": None},
+                                    {"source": "acceptance", "candidate_id": d.candidate_id,
+                                     "notes": [f"rejected in-model: {d.reason}"]}, d.task_id)
+        if result.bundle_dir:
+            manifest = (Path(result.bundle_dir) / "manifest.json").read_text()
+            repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
+                                          "workload_hash": wl["workload_hash"], "bundle_path": result.bundle_dir,
+                                          "manifest_json": json.loads(manifest)})
+    return {"bundle": result.bundle_dir, "accepted": sum(d.decision == "accepted" for d in result.decisions),
+            "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
+            "baseline_ms": result.baseline_ms, "final_ms": result.final_ms}
+
+
+def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,
+                 variants: tuple[str, ...] = ("eager", "torch_compile", "patched"), run_id: str | None = None) -> dict:
+    from llm4llm.evaluate import evaluate_workload
+    from llm4llm.profiler import hardware_info
+    from storage import repo
+    from storage.db import Database
+
+    wl = describe_workload(workload_path)
+    results = evaluate_workload(workload_path, bundle=bundle, variants=variants, repeats=repeats)
+    run_id = run_id or new_run_id(wl["name"] + "-eval")
+    hw = hardware_info(wl["device"])
+    rows = [{"run_id": run_id, "workload_hash": wl["workload_hash"], **r.to_row(), "gpu_name": hw.get("gpu_name"),
+             "versions_json": {k: hw.get(k) for k in ("torch", "triton", "transformers")}} for r in results]
+    with Database(db_path) as db:
+        repo.record_e2e(db, rows)
+    return {"run_id": run_id, "rows": rows}

@@ -75,6 +75,9 @@ class TaskSpec(BaseModel):
     reason: str = ""
     dispatch: DispatchTemplate | None = None
     reference: str = "module.pt via torch.func.functional_call"
+    recipe: dict[str, Any] = Field(default_factory=dict)  # how boundary names rebuild the forward's (args, kwargs)
+    # Every distinct signature observed in the phase with its call count; `cases` holds the captured subset.
+    observed: list[CaseSig] = Field(default_factory=list)
 
     def content_id(self) -> str:
         """Content address: family, class, phase, names, static values and shapes; not run ids or scores."""
@@ -100,6 +103,19 @@ class Task:
 
     def load_module(self, map_location: str | torch.device = "cpu") -> torch.nn.Module:
         return torch.load(self.path / "module.pt", map_location=map_location, weights_only=False)
+
+    def reference(self, map_location: str | torch.device = "cpu"):
+        """The reference callable with the candidate contract: (inputs, weights, state, static) -> dict, where the
+        dict holds the outputs and `state_out.<name>`. Built on kernels_runtime.boundary.call_reference."""
+        from kernels_runtime.boundary import call_reference
+
+        module = self.load_module(map_location)
+        recipe = self.spec.recipe
+
+        def ref(inputs, weights, state, static):
+            return call_reference(module, weights, inputs, state, static, recipe)
+
+        return ref
 
 
 _PREFIX = {"inputs": "in.", "weights": "w.", "state": "state.", "ref": "ref."}

@@ -1,0 +1,583 @@
+"""Call boundaries: a module call as a function of named tensors.
+
+    fn(inputs, weights, state, static) -> {"out", "out.1", ..., "state_out.<name>"}
+
+- inputs: the call's tensor arguments, positional ones named by the forward's signature; tuples/lists flatten to
+  `name.0`, `name.1`, dicts to `name.<key>`. None arguments are absent from `inputs` (the recipe keeps their place).
+- static: JSON values: the call's non-tensor arguments (by argument name) and the module's scalar attributes
+  (`variance_epsilon`, `head_dim`, `q_norm.variance_epsilon`, `attn_implementation`, `act_fn.__class__`, ...).
+- weights: the module's parameters and buffers by qualified name.
+- state: what the call reads and writes beyond its arguments (this layer's KV cache, SSM conv/ssm state), by name.
+  The HF Cache object is never an input: a StateAdapter reads this layer's tensors out of it before the call
+  (cloned: Mamba updates its conv/ssm state in place) and after it, and builds a one-layer cache back from them.
+  An empty `state` means a fresh layer (nothing cached yet, e.g. the first prefill).
+- outputs: a bare tensor is `out`; a tuple's element 0 is `out`, element i is `out.i` (nested: `out.i.j`).
+
+`recipe` (JSON) rebuilds the original (args, kwargs) from those names and says which adapter owns the state.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+OUT = "out"
+STATE_OUT = "state_out."
+# Module attributes that identify an instance rather than its computation: excluded when grouping instances.
+INSTANCE_KEYS = ("layer_idx",)
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+class UnsupportedBoundary(Exception):
+    """A module call that cannot be expressed over named tensors (a non-JSON argument, state without an adapter)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class BoundaryCall:
+    inputs: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # state-in, read before the call
+    static: dict[str, Any]
+    recipe: dict[str, Any]
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_out: dict[str, torch.Tensor] = field(default_factory=dict)  # state after the call, without the prefix
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        """The outputs as call_reference returns them: outputs plus `state_out.<name>`."""
+        return {**self.outputs, **{STATE_OUT + k: v for k, v in self.state_out.items()}}
+
+    def structure_key(self, drop_instance_keys: bool = False) -> str:
+        """Argument structure (names, tensor vs None vs static, state names) and static values, as one string."""
+        static = {k: v for k, v in self.static.items() if not (drop_instance_keys and _is_instance_key(k))}
+        payload = {"recipe": self.recipe, "static": static, "state": sorted(self.state)}
+        return json.dumps(payload, sort_keys=True, default=str)
+
+    def shape_key(self) -> str:
+        """Every input and state tensor's dtype and shape (the CaseSig key)."""
+        return shape_key(self.inputs, self.state)
+
+    def cloned(self) -> BoundaryCall:
+        return BoundaryCall(_clone_all(self.inputs), _clone_all(self.state), copy.deepcopy(self.static),
+                            copy.deepcopy(self.recipe), _clone_all(self.outputs), _clone_all(self.state_out))
+
+
+def shape_key(inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str:
+    parts = [f"{k}:{_dtype_name(v.dtype)}{list(v.shape)}" for k, v in sorted({**inputs, **state}.items())]
+    return "|".join(parts)
+
+
+def _is_instance_key(key: str) -> bool:
+    return key.rpartition(".")[2] in INSTANCE_KEYS
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _clone_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+# ----------------------------------------------------------------------------------------------- state adapters
+
+class StateAdapter:
+    """Reads one module's state out of whatever holds it, and builds that holder back from named tensors.
+
+    `describe` returns the JSON the recipe keeps (`recipe["state"]`; the layer index is read from the module's
+    `layer_idx` at call time, so one recipe serves every layer of a group); `build` returns the object to pass where the
+    call had its cache (None for state that lives on the module) and a function that undoes what it changed."""
+
+    name: str = ""
+    state_names: tuple[str, ...] = ()
+    owned_attributes: tuple[str, ...] = ()  # tensor attributes of the module that this adapter reads and writes
+
+    def describe(self, module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+        return {"adapter": self.name}
+
+    def extract(self, module: torch.nn.Module, cache: Any, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def build(self, module: torch.nn.Module, state: dict[str, torch.Tensor],
+              spec: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+        raise NotImplementedError
+
+    def clear(self, module: torch.nn.Module) -> None:
+        """Drop state held on the module itself (before it is saved as a task's reference)."""
+
+
+def _layer_idx(module: torch.nn.Module) -> int:
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int):
+        raise UnsupportedBoundary(f"{type(module).__name__} takes a cache but has no integer layer_idx")
+    return idx
+
+
+def _cache_layer(cache: Any, idx: int) -> Any:
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        raise UnsupportedBoundary(f"cache {type(cache).__name__}: expected a Cache with per-layer `layers`")
+    return layers[idx] if idx < len(layers) else None
+
+
+def _one_layer_cache(layer: Any, idx: int, placeholder: Callable[[], Any]) -> Any:
+    """A DynamicCache holding `layer` at index `idx` (empty placeholders below it)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    cache.layers = [placeholder() for _ in range(idx)] + [layer]
+    return cache
+
+
+class KVLayerAdapter(StateAdapter):
+    """DynamicLayer / DynamicSlidingWindowLayer: `key_cache`, `value_cache` [B, Hkv, S_past, D]."""
+
+    state_names = ("key_cache", "value_cache")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def describe(self, module, cache):
+        spec = {"adapter": self.name}
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is not None and getattr(layer, "record_past", False):
+            raise UnsupportedBoundary(f"{self.name}: past recording (speculative rollback) is not adapted")
+        if self.name == "DynamicSlidingWindowLayer":
+            window = getattr(layer, "sliding_window", None)
+            if window is None:  # layer not created yet: DynamicCache(config) always creates it, so this is unexpected
+                raise UnsupportedBoundary("DynamicSlidingWindowLayer: sliding_window unknown before the first call")
+            spec["sliding_window"] = int(window)
+        return spec
+
+    def extract(self, module, cache, spec):
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is None or not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+            return {}
+        return {"key_cache": layer.keys, "value_cache": layer.values}
+
+    def _new_layer(self, spec):
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        if self.name == "DynamicSlidingWindowLayer":
+            return DynamicSlidingWindowLayer(sliding_window=spec["sliding_window"])
+        return DynamicLayer()
+
+    def build(self, module, state, spec):
+        from transformers.cache_utils import DynamicLayer
+
+        layer = self._new_layer(spec)
+        if state:
+            keys, values = state["key_cache"].clone(), state["value_cache"].clone()
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = keys.shape[-2]  # read only by mask construction, outside the module
+        return _one_layer_cache(layer, _layer_idx(module), DynamicLayer), lambda: None
+
+    def read_out(self, module, cache, spec):
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is None or not layer.is_initialized:
+            return {}
+        return {"key_cache": layer.keys, "value_cache": layer.values}
+
+
+class LinearAttentionLayerAdapter(StateAdapter):
+    """LinearAttentionLayer (Mamba, Mamba2): `conv_state` [B, C, K], `ssm_state` (Mamba [B, D, N], Mamba2
+    [B, H, P, N]). Only a layer with previous state has state-in; the module reads nothing from a fresh one."""
+
+    name = "LinearAttentionLayer"
+    state_names = ("conv_state", "ssm_state")
+
+    def describe(self, module, cache):
+        spec = {"adapter": self.name}
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is not None:
+            if layer.number_of_states != 1:
+                raise UnsupportedBoundary(f"LinearAttentionLayer with {layer.number_of_states} states is not adapted")
+            if layer.record_past:
+                raise UnsupportedBoundary("LinearAttentionLayer: past recording (speculative rollback) is not adapted")
+        return spec
+
+    def extract(self, module, cache, spec):
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is None or not layer.has_previous_state[0]:
+            return {}
+        return self._read(layer)
+
+    @staticmethod
+    def _read(layer) -> dict[str, torch.Tensor]:
+        state = {}
+        if layer.is_conv_states_initialized[0]:
+            state["conv_state"] = layer.conv_states[0]
+        if layer.is_recurrent_states_initialized[0]:
+            state["ssm_state"] = layer.recurrent_states[0]
+        return state
+
+    def build(self, module, state, spec):
+        from transformers.cache_utils import LinearAttentionLayer
+
+        layer = LinearAttentionLayer()
+        if "conv_state" in state:
+            conv = state["conv_state"]
+            layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
+            layer.conv_states[0].copy_(conv)
+        if "ssm_state" in state:
+            layer.lazy_initialization(recurrent_states=state["ssm_state"])
+            layer.recurrent_states[0].copy_(state["ssm_state"])
+        layer.has_previous_state[0] = bool(state)
+        return _one_layer_cache(layer, _layer_idx(module), LinearAttentionLayer), lambda: None
+
+    def read_out(self, module, cache, spec):
+        layer = _cache_layer(cache, _layer_idx(module))
+        return {} if layer is None else self._read(layer)
+
+
+class RecurrentGemmaBlockAdapter(StateAdapter):
+    """RecurrentGemmaRecurrentBlock keeps its state on itself (transformers 5.17): `conv_state` = `conv1d_state`
+    [B, W, K-1], `rg_lru_state` = `rg_lru.recurrent_states` [B, W] (fp32). The cache it is handed is unused by its
+    forward in 5.17 and is passed back as None."""
+
+    name = "RecurrentGemmaRecurrentBlock"
+    state_names = ("conv_state", "rg_lru_state")
+    owned_attributes = ("conv1d_state", "rg_lru.recurrent_states")
+
+    def extract(self, module, cache, spec):
+        return self.read_out(module, None, spec)
+
+    def read_out(self, module, cache, spec):
+        state = {}
+        if module.conv1d_state is not None:
+            state["conv_state"] = module.conv1d_state
+        if module.rg_lru.recurrent_states is not None:
+            state["rg_lru_state"] = module.rg_lru.recurrent_states
+        return state
+
+    def build(self, module, state, spec):
+        saved = (module.conv1d_state, module.rg_lru.recurrent_states)
+        conv, lru = state.get("conv_state"), state.get("rg_lru_state")
+        module.conv1d_state = None if conv is None else conv.clone()
+        module.rg_lru.recurrent_states = None if lru is None else lru.clone()
+
+        def restore():
+            module.conv1d_state, module.rg_lru.recurrent_states = saved
+
+        return None, restore
+
+    def clear(self, module):
+        module.conv1d_state = None
+        module.rg_lru.recurrent_states = None
+
+
+# Keyed by the cache layer's class name (state in an HF Cache) or the module's class name (state on the module).
+# Exact names: a subclass (QuantizedLayer, StaticLayer, ...) stores its state differently and is not adapted.
+CACHE_LAYER_ADAPTERS: dict[str, StateAdapter] = {
+    "DynamicLayer": KVLayerAdapter("DynamicLayer"),
+    "DynamicSlidingWindowLayer": KVLayerAdapter("DynamicSlidingWindowLayer"),
+    "LinearAttentionLayer": LinearAttentionLayerAdapter(),
+}
+MODULE_ADAPTERS: dict[str, StateAdapter] = {
+    "RecurrentGemmaRecurrentBlock": RecurrentGemmaBlockAdapter(),
+}
+
+
+def register_state_adapter(key: str, adapter: StateAdapter, *, on_module: bool = False) -> None:
+    (MODULE_ADAPTERS if on_module else CACHE_LAYER_ADAPTERS)[key] = adapter
+
+
+def adapter_by_name(name: str) -> StateAdapter:
+    for registry in (CACHE_LAYER_ADAPTERS, MODULE_ADAPTERS):
+        for adapter in registry.values():
+            if adapter.name == name:
+                return adapter
+    raise UnsupportedBoundary(f"state adapter: expected one of {sorted({**CACHE_LAYER_ADAPTERS, **MODULE_ADAPTERS})}, "
+                              f"got {name!r}")
+
+
+def state_adapter_for(module: torch.nn.Module, cache: Any) -> StateAdapter | None:
+    """The adapter owning `module`'s state, None for a stateless call; UnsupportedBoundary when state is there but
+    no adapter knows it."""
+    own = MODULE_ADAPTERS.get(type(module).__name__)
+    if own is not None:
+        return own
+    if cache is None:
+        return None
+    layer = _cache_layer(cache, _layer_idx(module))
+    layer_cls = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
+    name = getattr(layer_cls, "__name__", type(cache).__name__)
+    adapter = CACHE_LAYER_ADAPTERS.get(name)
+    if adapter is None:
+        raise UnsupportedBoundary(f"no state adapter for cache layer {name} (cache {type(cache).__name__}); "
+                                  f"adapted: {sorted(CACHE_LAYER_ADAPTERS)}")
+    return adapter
+
+
+# ---------------------------------------------------------------------------------------------------- capture
+
+def _is_cache(value: Any) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # transformers absent: nothing can be an HF cache
+        return False
+    return isinstance(value, Cache)
+
+
+def _positional_names(module: torch.nn.Module, n: int) -> list[str]:
+    names, var = [], "args"
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            var = p.name
+    return [names[i] if i < len(names) else f"{var}.{i - len(names)}" for i in range(n)]
+
+
+class _Flattener:
+    """Walks (args, kwargs) into named tensors + static values, recording the recipe nodes that rebuild them."""
+
+    def __init__(self):
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.static: dict[str, Any] = {}
+        self.cache: Any = None
+
+    def node(self, value: Any, name: str) -> dict[str, Any]:
+        if isinstance(value, torch.Tensor):
+            self.inputs[name] = value
+            return {"kind": "tensor", "name": name}
+        if value is None:
+            return {"kind": "none"}
+        if _is_cache(value):
+            if self.cache is not None and self.cache is not value:
+                raise UnsupportedBoundary(f"argument {name}: a second cache object in one call")
+            self.cache = value
+            return {"kind": "cache"}
+        if isinstance(value, (tuple, list)):
+            items = [self.node(v, f"{name}.{i}") for i, v in enumerate(value)]
+            return {"kind": type(value).__name__ if type(value) in (tuple, list) else "tuple", "items": items}
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {"kind": "dict", "items": {k: self.node(v, f"{name}.{k}") for k, v in value.items()}}
+        if isinstance(value, _JSON_SCALARS):
+            self.static[name] = value
+            return {"kind": "static", "name": name}
+        raise UnsupportedBoundary(f"argument {name}: expected a tensor, None, a JSON value or an HF cache, "
+                                  f"got {type(value).__name__}")
+
+
+def _json_value(value: Any) -> tuple[bool, Any]:
+    if isinstance(value, _JSON_SCALARS):
+        return True, value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _JSON_SCALARS) for v in value):
+        return True, list(value)
+    return False, None
+
+
+def module_static(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's (and its submodules') scalar attributes, the class of parameterless submodules (activations),
+    and the attention implementation from its config."""
+    static: dict[str, Any] = {}
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for attr, value in vars(sub).items():
+            if attr.startswith("_") or attr == "training":
+                continue
+            ok, value = _json_value(value)
+            if ok:
+                static[dot + attr] = value
+        if prefix and not any(True for _ in sub.parameters()) and not any(True for _ in sub.buffers()):
+            static[dot + "__class__"] = type(sub).__name__
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if isinstance(impl, str):
+        static["attn_implementation"] = impl
+    return static
+
+
+def tensor_attributes(module: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Tensors held as plain attributes of the module or its submodules (not parameters or buffers), by qualified
+    name, with their identity and shape. A call that changes them keeps state that the boundary must adapt."""
+    adapter = MODULE_ADAPTERS.get(type(module).__name__)
+    owned = set(adapter.owned_attributes) if adapter is not None else set()
+    found = {}
+    for prefix, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(value, torch.Tensor) and name not in owned:
+                found[name] = (id(value), tuple(value.shape))
+    return found
+
+
+def hidden_state_writes(before: dict, after: dict) -> list[str]:
+    """Names of tensor attributes that a call created, replaced or dropped (see tensor_attributes)."""
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+
+
+def capture_boundary(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: Any = None, *,
+                     clone: bool = True) -> BoundaryCall:
+    """Name a call's tensors. Call it BEFORE the module runs (it reads the state-in); then `record_outputs` after.
+    With `outputs` given in the same call the module must be stateless (its state-in would already be overwritten).
+    `clone=False` keeps references (cheap, for signatures only); `.cloned()` copies later, still before the call."""
+    flat = _Flattener()
+    arg_nodes = [flat.node(a, n) for a, n in zip(args, _positional_names(module, len(args)))]
+    kw_nodes = {k: flat.node(v, k) for k, v in kwargs.items()}
+    adapter = state_adapter_for(module, flat.cache)
+    state_spec = adapter.describe(module, flat.cache) if adapter is not None else None
+    state = adapter.extract(module, flat.cache, state_spec) if adapter is not None else {}
+    static = dict(flat.static)
+    for key, value in module_static(module).items():
+        static[key if key not in static else f"module.{key}"] = value
+    recipe = {"args": arg_nodes, "kwargs": kw_nodes, "state": state_spec}
+    call = BoundaryCall(inputs=dict(flat.inputs), state=dict(state), static=static, recipe=recipe)
+    if clone:
+        call.inputs, call.state = _clone_all(call.inputs), _clone_all(call.state)
+    if outputs is not None:
+        if state_spec is not None:
+            raise ValueError(f"capture_boundary: expected no outputs for stateful {type(module).__name__} "
+                             f"(call it before the module runs, then record_outputs), got outputs")
+        record_outputs(call, module, outputs, cache=None, clone=clone)
+    return call
+
+
+def record_outputs(call: BoundaryCall, module: torch.nn.Module, outputs: Any, cache: Any = None, *,
+                   clone: bool = True) -> BoundaryCall:
+    """Fill `call.outputs` and `call.state_out` after the module ran; `cache` is the cache object of the call."""
+    named, node = flatten_outputs(outputs)
+    call.recipe["outputs"] = node
+    state_spec = call.recipe.get("state")
+    state_out = {}
+    if state_spec is not None:
+        state_out = adapter_by_name(state_spec["adapter"]).read_out(module, cache, state_spec)
+    call.outputs = _clone_all(named) if clone else named
+    call.state_out = _clone_all(state_out) if clone else dict(state_out)
+    return call
+
+
+def capture_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> BoundaryCall:
+    """Capture, run the module, record its outputs and state-out: one observed call."""
+    call = capture_boundary(module, args, kwargs)
+    with torch.inference_mode():
+        outputs = module(*args, **kwargs)
+    return record_outputs(call, module, outputs, cache=find_cache(args, kwargs))
+
+
+def find_cache(args: tuple, kwargs: dict) -> Any:
+    for value in (*args, *kwargs.values()):
+        if _is_cache(value):
+            return value
+    return None
+
+
+def _out_name(path: tuple[int, ...]) -> str:
+    if path in ((), (0,)):
+        return OUT
+    return OUT + "." + ".".join(map(str, path))
+
+
+def flatten_outputs(outputs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Outputs by boundary name, plus the recipe node that rebuilds the structure (`rebuild_outputs`)."""
+    named: dict[str, torch.Tensor] = {}
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            name = _out_name(path)
+            named[name] = value
+            return {"kind": "tensor", "name": name}
+        if value is None:
+            return {"kind": "none"}
+        if isinstance(value, (tuple, list)):
+            kind = "list" if isinstance(value, list) else "tuple"
+            return {"kind": kind, "items": [walk(v, (*path, i)) for i, v in enumerate(value)]}
+        raise UnsupportedBoundary(f"output {_out_name(path)}: expected tensors, tuples or None, "
+                                  f"got {type(value).__name__}")
+
+    return named, walk(outputs, ())
+
+
+def rebuild_outputs(node: dict[str, Any], result: dict[str, torch.Tensor]) -> Any:
+    """The forward's return value from a boundary result (the inverse of flatten_outputs)."""
+    return _rebuild(node, result, {}, None)
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name, detached (they share storage with the module)."""
+    named = {k: v.detach() for k, v in module.named_parameters()}
+    named.update({k: v.detach() for k, v in module.named_buffers()})
+    return named
+
+
+def boundary_names(module: torch.nn.Module, call: BoundaryCall | None = None) -> dict[str, list[str]]:
+    """Boundary names of a module: weights always; inputs, state and outputs when a captured call is given (they
+    depend on how the module is called)."""
+    names = {"weights": list(weights_of(module))}
+    if call is not None:
+        names.update(inputs=list(call.inputs), state=list(call.state), outputs=list(call.reference()))
+    return names
+
+
+def _rebuild(node: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict[str, Any], cache: Any) -> Any:
+    kind = node["kind"]
+    if kind == "tensor":
+        if node["name"] not in inputs:
+            raise KeyError(f"boundary: expected tensor {node['name']!r}, got names {sorted(inputs)}")
+        return inputs[node["name"]]
+    if kind == "none":
+        return None
+    if kind == "cache":
+        return cache
+    if kind == "static":
+        return static[node["name"]]
+    if kind in ("tuple", "list"):
+        items = [_rebuild(n, inputs, static, cache) for n in node["items"]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: _rebuild(n, inputs, static, cache) for k, n in node["items"].items()}
+    raise ValueError(f"boundary recipe: expected a known node kind, got {kind!r}")
+
+
+def rebuild_call(recipe: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict[str, Any],
+                 cache: Any = None) -> tuple[tuple, dict]:
+    """The original (args, kwargs) from named tensors, static values and a cache object."""
+    args = tuple(_rebuild(n, inputs, static, cache) for n in recipe["args"])
+    kwargs = {k: _rebuild(n, inputs, static, cache) for k, n in recipe["kwargs"].items()}
+    return args, kwargs
+
+
+_CPU_ALIGNMENT = 64  # bytes; what the CPU allocator guarantees and the vectorised CPU GEMM paths assume
+
+
+def _aligned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors copied to fresh (aligned) memory where they are not: tensors read from a safetensors file can sit at
+    any offset, and oneDNN/MKL take a different summation order for unaligned operands, which breaks bitwise
+    reproduction of the captured outputs."""
+    return {k: v.clone() if v.device.type == "cpu" and v.data_ptr() % _CPU_ALIGNMENT else v
+            for k, v in tensors.items()}
+
+
+def call_reference(module: torch.nn.Module, weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
+                   state: dict[str, torch.Tensor], static: dict[str, Any],
+                   recipe: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Run the original forward over named tensors: a fresh cache holding `state` for the module's layer,
+    `torch.func.functional_call(module, weights, args, kwargs)`; returns outputs and `state_out.<name>`.
+    Neither `state` nor the module's own state is modified."""
+    weights, inputs, state = _aligned(weights), _aligned(inputs), _aligned(state)
+    state_spec = recipe.get("state")
+    adapter = adapter_by_name(state_spec["adapter"]) if state_spec else None
+    cache, restore = adapter.build(module, state, state_spec) if adapter else (None, lambda: None)
+    try:
+        args, kwargs = rebuild_call(recipe, inputs, static, cache)
+        with torch.inference_mode():
+            outputs = torch.func.functional_call(module, weights, args, kwargs)
+            named, _ = flatten_outputs(outputs)
+            result = dict(named)
+            if adapter is not None:
+                state_out = adapter.read_out(module, cache, state_spec)
+                result.update({STATE_OUT + k: v.clone() for k, v in state_out.items()})
+    finally:
+        restore()
+    return result

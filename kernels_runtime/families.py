@@ -1,0 +1,100 @@
+"""Module families: what kind of computation a module instance is, from its class name and structure.
+
+Families are the unit the rest of the system reasons about (boundaries, templates, tolerances of a task). The rules
+are generic patterns over class names and module types, ordered from the most specific to the least; none of them
+names one architecture only.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+FAMILIES = (
+    "model", "decoder_layer", "attention", "mlp", "ssm_mixer", "recurrent_block", "norm", "rotary", "conv",
+    "embedding", "lm_head", "linear", "activation", "other",
+)
+
+# (family, pattern over the lower-cased class name), first match wins.
+_NAME_RULES: tuple[tuple[str, re.Pattern], ...] = (
+    ("recurrent_block", re.compile(r"recurrentblock$|rglru$|rg_lru|recurrentlayer$")),
+    ("ssm_mixer", re.compile(r"mixer$")),
+    ("rotary", re.compile(r"rotary|rope")),
+    ("norm", re.compile(r"norm")),
+    ("attention", re.compile(r"attention|attn$")),
+    ("mlp", re.compile(r"mlp$|feedforward$|ffn$|\bff$|sparsemoeblock$|moe$")),
+    ("decoder_layer", re.compile(r"decoderlayer$|encoderlayer$|block$|layer$")),
+    ("activation", re.compile(r"activation$|gelu|silu|swish|relu|tanh$|sigmoid$|softplus$")),
+    ("embedding", re.compile(r"embedding")),
+)
+
+_NORM_TYPES = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+
+
+def family_of(module: nn.Module, *, name: str = "", root: nn.Module | None = None) -> str:
+    """The family of `module`; `name` (its path under `root`) and `root` (the top-level model) refine `lm_head`
+    (the output projection over the vocabulary) and `model` (the top level)."""
+    cls = type(module)
+    if root is not None and module is root:
+        return "model"
+    if any(base.__name__.endswith("PreTrainedModel") for base in cls.__mro__):
+        return "model"  # the top-level model and its backbone (LlamaModel, MambaModel, ...)
+    if isinstance(module, nn.Linear) and _is_output_projection(module, name, root):
+        return "lm_head"
+    if isinstance(module, _NORM_TYPES):
+        return "norm"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if cls.__module__.startswith("torch.nn.modules.activation"):
+        return "activation"
+    lowered = cls.__name__.lower()
+    for family, pattern in _NAME_RULES:
+        if pattern.search(lowered):
+            if family == "decoder_layer" and not _has_children(module):
+                continue  # a leaf named "...Layer" is not a decoder layer
+            return family
+    if _is_gradient_checkpointing_layer(cls):
+        return "decoder_layer"
+    return "other"
+
+
+def _is_output_projection(module: nn.Linear, name: str, root: nn.Module | None) -> bool:
+    if root is not None:
+        get_output = getattr(root, "get_output_embeddings", None)
+        if callable(get_output):
+            try:
+                if get_output() is module:
+                    return True
+            except (NotImplementedError, AttributeError):
+                pass
+        vocab = _vocab_size(root)
+        if vocab is not None and module.out_features == vocab and name.count(".") == 0:
+            return True
+    return name.rsplit(".", 1)[-1] in ("lm_head", "output", "embed_out")
+
+
+def _vocab_size(root: nn.Module) -> int | None:
+    config = getattr(root, "config", None)
+    if config is None:
+        return None
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    return getattr(text, "vocab_size", None)
+
+
+def _has_children(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _is_gradient_checkpointing_layer(cls: type) -> bool:
+    return any(base.__name__ == "GradientCheckpointingLayer" for base in cls.__mro__)
+
+
+def is_container(family: str) -> bool:
+    """Families that only compose others (their time is their children's)."""
+    return family in ("model", "decoder_layer")
+

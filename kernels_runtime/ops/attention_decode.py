@@ -1,0 +1,252 @@
+"""Split-KV flash-decoding for one new token per sequence, with grouped-query attention.
+
+Stage 1 gives each (batch, kv head, split) one program: it loads the GROUP query heads that share the kv head as one
+[BLOCK_G, D] tile (padded to 16 rows for tl.dot), so each K/V tile is read once per group, and writes the split's
+normalized partial output and log-sum-exp (fp32). Stage 2 merges the splits per query head.
+
+Two entry points:
+- `attention_decode`: the caller has already appended the new token's k/v (as HF's DynamicCache does); the query
+  attends to the first `kv_len` cache positions (default: all of them).
+- `attention_decode_update`: fused cache update for a preallocated cache. It writes `k_new`/`v_new` into
+  position `cache_len` of `k_cache`/`v_cache` IN PLACE and attends to positions 0..cache_len. Because it writes
+  state, it is tuned by hand (CONFIGS are for `attention_decode`), never autotuned: a re-run would rewrite the cache.
+Limits: one `kv_len`/`cache_len` for the whole batch (no per-sequence lengths); the grid depends on it, so a CUDA
+graph captured at one length is not valid at another.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_runtime.ops._common import interpreting
+
+CONFIG_SPACE: dict[str, list] = {
+    "BLOCK_N": [16, 32, 64, 128],
+    "num_splits": [None, 1, 2, 4, 8, 16, 32],  # None: `default_num_splits`
+    "num_warps": [2, 4, 8],
+    "num_stages": [1, 2, 3],
+}
+CONFIGS: list[dict] = [
+    {"BLOCK_N": bn, "num_splits": None, "num_warps": w, "num_stages": s}
+    for bn in CONFIG_SPACE["BLOCK_N"] for w in CONFIG_SPACE["num_warps"] for s in CONFIG_SPACE["num_stages"]
+]
+_LOG2E = 1.4426950408889634
+# Aim for about two waves of programs on an H100/H200 (132 SMs); a split never goes below one BLOCK_N tile.
+TARGET_PROGRAMS = 264
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are padded
+
+
+@triton.jit
+def _attention_decode_kernel(
+    # Pointers
+    Q, K, V, K_NEW, V_NEW, O_PART, LSE_PART,
+    # Matrix dimensions
+    Hkv, KV_LEN, SPLIT_LEN, NUM_SPLITS, GROUP, D, qk_scale,
+    # Strides
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_knb, stride_knh, stride_knd,
+    stride_vnb, stride_vnh, stride_vnd,
+    # Meta-parameters
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_NEW_KV: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b, hkv = pid_bh // Hkv, pid_bh % Hkv
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_d = offs_g < GROUP, offs_d < D
+    hq = hkv * GROUP + offs_g
+    q_ptrs = Q + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + hkv * stride_kh
+    v_base = V + b * stride_vb + hkv * stride_vh
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, KV_LEN)
+    if HAS_NEW_KV:
+        # The split that holds the new position writes it; every read of that slot is replaced by the new value,
+        # so no program depends on the order of the write and the reads.
+        new_pos = KV_LEN - 1
+        k_new = tl.load(K_NEW + b * stride_knb + hkv * stride_knh + offs_d * stride_knd, mask=mask_d, other=0.0)
+        v_new = tl.load(V_NEW + b * stride_vnb + hkv * stride_vnh + offs_d * stride_vnd, mask=mask_d, other=0.0)
+        if (new_pos >= start) & (new_pos < end):
+            tl.store(k_base + new_pos * stride_ks + offs_d * stride_kd, k_new, mask=mask_d)
+            tl.store(v_base + new_pos * stride_vs + offs_d * stride_vd, v_new, mask=mask_d)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < end
+        kt = tl.load(  # [BLOCK_D, BLOCK_N]
+            k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+            mask=kv_ok[None, :] & mask_d[:, None], other=0.0,
+        )
+        v = tl.load(  # [BLOCK_N, BLOCK_D]
+            v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+            mask=kv_ok[:, None] & mask_d[None, :], other=0.0,
+        )
+        if HAS_NEW_KV:
+            is_new = offs_n == new_pos
+            kt = tl.where(is_new[None, :], k_new[:, None], kt)
+            v = tl.where(is_new[:, None], v_new[None, :], v)
+        if UPCAST_DOT:
+            kt, v = kt.to(tl.float32), v.to(tl.float32)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        qk = tl.where(kv_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Splits are never empty (the launcher sizes them), so l_i > 0.
+    rows = (b * Hkv * GROUP + hq) * NUM_SPLITS + split  # [BLOCK_G] into [B, Hq, NUM_SPLITS]
+    tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(LSE_PART + rows, m_i + tl.log2(l_i), mask=mask_g)
+
+
+@triton.jit
+def _attention_decode_reduce_kernel(
+    # Pointers
+    O_PART, LSE_PART, O,
+    # Matrix dimensions
+    Hq, NUM_SPLITS, D,
+    # Strides
+    stride_ob, stride_oh, stride_od,
+    # Meta-parameters
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o_ptrs = O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    b, h = pid // Hq, pid % Hq
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < D)
+
+
+def attention_decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None, kv_len: int | None = None
+) -> torch.Tensor:
+    """q: [B, Hq, 1, D], k_cache/v_cache: [B, Hkv, S_kv, D], attend to the first kv_len (default S_kv) positions
+    -> [B, Hq, 1, D]. SDPA over K/V repeated to Hq heads, as transformers 5.17's default attention does."""
+    kv_len = k_cache.shape[2] if kv_len is None else kv_len
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache[:, :, :kv_len].repeat_interleave(group, dim=1)
+    v = v_cache[:, :, :kv_len].repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def attention_decode_update_ref(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_len: int, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q: [B, Hq, 1, D], k_new/v_new: [B, Hkv, 1, D], k_cache/v_cache: [B, Hkv, S_max, D] holding cache_len valid
+    positions -> (out [B, Hq, 1, D], k_cache_out, v_cache_out) with the new token at position cache_len.
+    Does not modify its inputs."""
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    k_out[:, :, cache_len], v_out[:, :, cache_len] = k_new[:, :, 0], v_new[:, :, 0]
+    return attention_decode_ref(q, k_out, v_out, scale, cache_len + 1), k_out, v_out
+
+
+def default_num_splits(batch_kv_heads: int, kv_len: int, block_n: int) -> int:
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, batch_kv_heads), triton.cdiv(kv_len, block_n)))
+
+
+def _check(q, k_cache, v_cache, kv_len) -> None:
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"attention_decode: expected q [B, Hq, 1, D], caches [B, Hkv, S, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    B, Hq, S_q, D = q.shape
+    if S_q != 1:
+        raise ValueError(f"attention_decode: expected q_len == 1 (decode), got q_len == {S_q}; use attention_prefill")
+    if k_cache.shape[0] != B or k_cache.shape[3] != D or k_cache.shape[1] == 0 or Hq % k_cache.shape[1]:
+        raise ValueError(
+            f"attention_decode: expected caches [{B}, Hkv dividing {Hq}, S, {D}], got {tuple(k_cache.shape)}"
+        )
+    if not 1 <= kv_len <= k_cache.shape[2]:
+        raise ValueError(f"attention_decode: expected 1 <= kv_len <= {k_cache.shape[2]}, got {kv_len}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"attention_decode: expected {name} {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+
+
+def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages):
+    B, Hq, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    n_splits = num_splits or default_num_splits(B * Hkv, kv_len, BLOCK_N)
+    split_len = triton.cdiv(triton.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+    n_splits = triton.cdiv(kv_len, split_len)  # after rounding to whole tiles, no split is empty
+    o_part = torch.empty((B, Hq, n_splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, n_splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
+    has_new = k_new is not None
+    kn, vn = (k_new, v_new) if has_new else (k_cache, v_cache)
+    block_d = max(16, triton.next_power_of_2(D))
+    _attention_decode_kernel[(B * Hkv, n_splits)](
+        q, k_cache, v_cache, kn, vn, o_part, lse_part,
+        Hkv, kv_len, split_len, n_splits, Hq // Hkv, D, (D**-0.5 if scale is None else scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
+        kn.stride(0), kn.stride(1), kn.stride(3), vn.stride(0), vn.stride(1), vn.stride(3),
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        HAS_NEW_KV=has_new, UPCAST_DOT=interpreting(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _attention_decode_reduce_kernel[(B * Hq,)](
+        o_part, lse_part, o, Hq, n_splits, D, o.stride(0), o.stride(1), o.stride(3),
+        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, num_warps=4,
+    )
+    return o
+
+
+def attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None, *,
+    kv_len: int | None = None, BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q: [B, Hq, 1, D], k_cache/v_cache: [B, Hkv, S_kv, D] already holding the new token (any strides),
+    attend to the first kv_len (default S_kv) positions, scale (default D**-0.5) -> [B, Hq, 1, D] in q's dtype."""
+    kv_len = k_cache.shape[2] if kv_len is None else kv_len
+    _check(q, k_cache, v_cache, kv_len)
+    return _launch(q, k_cache, v_cache, None, None, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages)
+
+
+def attention_decode_update(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_len: int, scale: float | None = None, *,
+    BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """q: [B, Hq, 1, D], k_new/v_new: [B, Hkv, 1, D], k_cache/v_cache: [B, Hkv, S_max, D] preallocated with
+    cache_len valid positions. Writes k_new/v_new at position cache_len of the caches IN PLACE and returns
+    attention over positions 0..cache_len -> [B, Hq, 1, D]."""
+    if not 0 <= cache_len < k_cache.shape[2]:
+        raise ValueError(f"attention_decode_update: expected 0 <= cache_len < {k_cache.shape[2]}, got {cache_len}")
+    _check(q, k_cache, v_cache, cache_len + 1)
+    Hkv, D = k_cache.shape[1], k_cache.shape[3]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.shape != (q.shape[0], Hkv, 1, D) or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"attention_decode_update: expected {name} ({q.shape[0]}, {Hkv}, 1, {D}) {q.dtype}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+    return _launch(q, k_cache, v_cache, k_new, v_new, cache_len + 1, scale, BLOCK_N, num_splits, num_warps, num_stages)

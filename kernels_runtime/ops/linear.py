@@ -1,0 +1,186 @@
+"""Linear layer `y = act(x @ w.T + b)` (and the gated form `silu(x @ wg.T) * (x @ wu.T)`) for the projections of
+attention, MLP and SSM mixers.
+
+Two kernels: a tiled `tl.dot` GEMM for prefill-sized M, and a GEMV-style kernel for M <= GEMV_MAX_M (decode: one or
+a few new tokens), where a 16-row dot tile would waste most of its work and the op is bound by reading the weight.
+Accumulation is always fp32; the output takes x's dtype. fp32 inputs use IEEE dots unless a config asks for TF32
+(TF32 misses the fp32 tolerance on all but tiny K: a lesson the search should be able to learn and record).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_runtime.ops._common import interpreting
+
+GEMV_MAX_M = 16  # at or below this many rows the GEMV kernel is used unless a config forces the dot path
+EPILOGUES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
+
+# Hand-picked rather than autotuned: the search explores these (and neighbours) per task and records what wins.
+CONFIGS = [
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+]
+GEMV_CONFIGS = [
+    dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2),
+    dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=2),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+]
+
+
+@triton.jit
+def _epilogue(acc, EPILOGUE: tl.constexpr):
+    if EPILOGUE == 1:  # silu
+        acc = acc * tl.sigmoid(acc)
+    elif EPILOGUE == 2:  # gelu (erf)
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif EPILOGUE == 3:  # gelu, tanh approximation; tanh(z) = 2 * sigmoid(2z) - 1 (tl.math.tanh is not portable)
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z)
+    return acc
+
+
+@triton.jit
+def _linear_kernel(
+    # Pointers
+    x_ptr, w_ptr, wu_ptr, b_ptr, y_ptr,
+    # Matrix dimensions
+    M, N, K,
+    # Strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
+        w_off = rn[None, :] * stride_wn + kk[:, None] * stride_wk
+        w_mask = (rn[None, :] < N) & (kk[:, None] < K)
+        w = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)  # [BK, BN]
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        if GATED:
+            wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0)
+            if UPCAST_DOT:
+                wu = wu.to(tl.float32)
+            if IEEE:
+                acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(x, wu, acc_u)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = _epilogue(acc, EPILOGUE)
+    if GATED:
+        acc = acc * acc_u
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gemv_kernel(
+    # Pointers
+    x_ptr, w_ptr, wu_ptr, b_ptr, y_ptr,
+    # Matrix dimensions
+    M, N, K,
+    # Strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid (M, N / BLOCK_N): the rows sharing one weight block run back to back, so it is read from HBM once.
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + row * stride_xm + kk * stride_xk, mask=kk < K, other=0.0).to(tl.float32)  # [BK]
+        w_off = rn[:, None] * stride_wn + kk[None, :] * stride_wk
+        w_mask = (rn[:, None] < N) & (kk[None, :] < K)
+        w = tl.load(w_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)  # [BN, BK]
+        acc += tl.sum(w * x[None, :], axis=1)
+        if GATED:
+            wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+            acc_u += tl.sum(wu * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    acc = _epilogue(acc, EPILOGUE)
+    if GATED:
+        acc = acc * acc_u
+    tl.store(y_ptr + row * stride_ym + rn * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,
+               w_up: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K], w: [N, K], bias: [N] -> [..., N]; `w_up` [N, K] makes it act(x @ w.T) * (x @ w_up.T)."""
+    y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    if epilogue == "silu":
+        y = torch.nn.functional.silu(y)
+    elif epilogue in ("gelu", "gelu_tanh"):
+        y = torch.nn.functional.gelu(y, approximate="tanh" if epilogue == "gelu_tanh" else "none")
+    elif epilogue is not None:
+        raise ValueError(f"linear_ref: expected epilogue in {list(EPILOGUES)}, got {epilogue!r}")
+    if w_up is not None:
+        y = y * torch.nn.functional.linear(x.float(), w_up.float())
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None, *,
+           w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
+           BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
+           GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64) -> torch.Tensor:
+    """x: [..., K], w: [N, K] (nn.Linear layout), bias: [N] -> y: [..., N] in x's dtype.
+
+    `epilogue` in None|"silu"|"gelu"|"gelu_tanh" is applied to x @ w.T + bias; with `w_up` the output is
+    epilogue(x @ w.T) * (x @ w_up.T) (gate/up projections of a gated MLP in one pass over x).
+    `gemv` None picks the GEMV kernel for M <= GEMV_MAX_M; the block sizes of the chosen kernel apply.
+    """
+    if x.shape[-1] != w.shape[1] or w.dim() != 2:
+        raise ValueError(f"linear: expected x [..., {w.shape[-1]}] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if w_up is not None and w_up.shape != w.shape:
+        raise ValueError(f"linear: expected w_up {tuple(w.shape)}, got {tuple(w_up.shape)}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"linear: expected epilogue in {list(EPILOGUES)}, got {epilogue!r}")
+    N, K = w.shape
+    x2 = x.reshape(-1, K)  # [M, K]; a view whenever the leading dims allow
+    M = x2.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y.reshape(*x.shape[:-1], N)
+    args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, y, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue])
+    if gemv if gemv is not None else M <= GEMV_MAX_M:
+        grid = (M, triton.cdiv(N, GEMV_BLOCK_N))
+        _gemv_kernel[grid](*args, **meta, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,
+                           num_stages=num_stages)
+    else:
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        _linear_kernel[grid](*args, **meta, IEEE=x.dtype == torch.float32 and not TF32, UPCAST_DOT=interpreting(),
+                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
+                             num_stages=num_stages)
+    return y.reshape(*x.shape[:-1], N)

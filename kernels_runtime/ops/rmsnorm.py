@@ -1,0 +1,119 @@
+"""RMSNorm over the last dim, optionally fused with the residual add that precedes it in a decoder layer.
+
+Numerics follow Hugging Face's LlamaRMSNorm / Qwen3RMSNorm (transformers 5.17): the sum of squares and the
+scaling run in fp32, the normalized value is rounded to the input dtype, then multiplied by the weight (and
+rounded again). The fused residual add rounds `x + residual` to the input dtype first, as the eager `+` does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The whole row lives in one tile; above this, registers spill and a two-pass kernel would be needed.
+MAX_HIDDEN = 65536
+
+CONFIG_SPACE: dict[str, list] = {"num_warps": [1, 2, 4, 8, 16]}
+CONFIGS: list[dict] = [{"num_warps": w} for w in CONFIG_SPACE["num_warps"]]
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    # Pointers
+    X, R, W, Y, RES_OUT,
+    # Matrix dimensions
+    N, eps,
+    # Strides
+    stride_x_row, stride_r_row, stride_y_row, stride_res_row,
+    # Meta-parameters
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0)  # [BLOCK_N]
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r_row + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RES_OUT + row * stride_res_row + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    xn = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, (w * xn).to(Y.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+def rmsnorm_residual_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., N], weight: [N] -> (normed [..., N], new_residual = x + residual [..., N])."""
+    new_residual = residual + x
+    return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def _default_num_warps(block_n: int) -> int:
+    return min(16, max(1, block_n // 512))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rmsnorm: expected weight of shape ({n},), got {tuple(weight.shape)}")
+    if n > MAX_HIDDEN:
+        raise ValueError(f"rmsnorm: expected hidden size <= {MAX_HIDDEN}, got {n}")
+    if weight.device != x.device:
+        raise ValueError(f"rmsnorm: expected weight on {x.device}, got {weight.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rmsnorm_residual: expected residual {tuple(x.shape)} {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x, weight, residual, eps, num_warps):
+    _check(x, weight, residual)
+    n = x.shape[-1]
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y
+    y2, res2 = y.view(-1, n), res_out.view(-1, n)
+    block_n = triton.next_power_of_2(n)
+    if x2.shape[0] > 0:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, r2, weight, y2, res2,
+            n, eps,
+            x2.stride(0), r2.stride(0), y2.stride(0), res2.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+            num_warps=num_warps or _default_num_warps(block_n),
+        )
+    return y, res_out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, num_warps: int | None = None) -> torch.Tensor:
+    """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype). Any leading shape."""
+    return _launch(x, weight, None, eps, num_warps)[0]
+
+
+def rmsnorm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., N], weight: [N] -> (rmsnorm(x + residual), x + residual). Inputs are not modified."""
+    return _launch(x, weight, residual, eps, num_warps)
+
+
+__all__ = ["CONFIGS", "CONFIG_SPACE", "rmsnorm", "rmsnorm_ref", "rmsnorm_residual", "rmsnorm_residual_ref"]

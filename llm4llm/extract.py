@@ -1,0 +1,316 @@
+"""Task extraction: from a profile's hotspots to phase-aware, deployable task artifacts.
+
+1. Candidates: profiled (module, phase) records of a kernel-target family with hotspot_score >= min_score.
+2. Capture run: the workload runs once more (`run_fn()`) under a PhaseTracker with hooks on the candidates. Every
+   call is named (kernels_runtime.boundary); per (instance, phase) the first call of each distinct shape signature is
+   kept, up to `max_cases`, and every signature is counted.
+3. Deployability, each failure with its reason: the state is adaptable and every argument nameable; the call
+   writes no tensor attribute on the module that no state adapter owns (hidden state); the call boundary is
+   stable (one argument structure and the same static values over all calls of a phase); the captured calls are
+   reproducible (call_reference run twice on the captured inputs matches the captured outputs and state, bitwise
+   or within the dtype's tolerance). The fallback is always the original forward.
+4. Grouping: instances of one class, family and phase with the same argument structure, static values (apart from
+   `layer_idx`), weight shapes and shape signatures become one task; its cases come from the first instance (weights
+   are inputs), `instances` lists all, hotspot_score sums theirs. Non-deployable instances group by (class, family,
+   phase, kind of reason).
+5. Dispatch: a task names the deployable tasks of the same module class in the other phase as siblings.
+
+Deployable tasks are written with taskspec.write_task (module.pt = the first instance, on the CPU). Non-deployable
+ones are only returned (deployable=False, reason, no cases, the observed signatures), never written: there is
+nothing to search against.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from kernels_runtime.boundary import (MODULE_ADAPTERS, BoundaryCall, UnsupportedBoundary, call_reference,
+                                      capture_boundary, find_cache, hidden_state_writes, record_outputs,
+                                      tensor_attributes, weights_of)
+from kernels_runtime.phase import CURRENT_PHASE, PHASES, PhaseTracker
+from kernels_runtime.tolerances import TOLERANCES, compare
+from llm4llm.records import ModuleRecord, ProfileResult
+from llm4llm.taskspec import Case, CaseSig, DispatchTemplate, TaskSpec, TensorSig, write_task
+
+TARGET_FAMILIES = ("norm", "mlp", "attention", "ssm_mixer", "recurrent_block", "rotary", "conv")
+PREDICATES = {"prefill": "prefill: new positions > 1", "decode": "decode: new positions == 1 with a cache"}
+
+
+@dataclass
+class _Observed:
+    """All calls of one instance in one phase."""
+
+    structures: Counter = field(default_factory=Counter)  # structure key -> calls
+    sigs: dict[str, CaseSig] = field(default_factory=dict)  # shape key -> signature and count, first-seen order
+    calls: list[BoundaryCall] = field(default_factory=list)  # captured, one per kept signature
+    error: str = ""
+
+
+class _Recorder:
+    """Forward hooks that name every call of the candidate instances, per phase."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], max_cases: int):
+        self.modules = modules
+        self.max_cases = max_cases
+        self.observed: dict[tuple[str, str], _Observed] = defaultdict(_Observed)
+        self._pending: dict[str, list] = defaultdict(list)
+        self._handles: list = []
+
+    def __enter__(self) -> _Recorder:
+        for path, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, p=path: self._pre(p, m, a, k), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, k, o, p=path: self._post(p, m, a, k, o), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, path, module, args, kwargs):
+        phase = CURRENT_PHASE.get()
+        obs = self.observed[(path, phase)] if phase is not None else None
+        if obs is None or obs.error:
+            self._pending[path].append(None)
+            return
+        try:
+            call = capture_boundary(module, args, kwargs, clone=False)
+        except Exception as exc:  # never break the user's run: the instance becomes non-deployable with the reason
+            obs.error = _reason(exc)
+            self._pending[path].append(None)
+            return
+        skey = call.shape_key()
+        obs.structures[call.structure_key()] += 1
+        keep = skey not in obs.sigs and len(obs.calls) < self.max_cases
+        if skey not in obs.sigs:
+            obs.sigs[skey] = CaseSig(inputs=_sigs(call.inputs), state=_sigs(call.state), calls=0)
+        obs.sigs[skey].calls += 1
+        attrs = tensor_attributes(module)
+        self._pending[path].append((obs, call.cloned() if keep else call, keep, skey, attrs))  # state-in cloned now
+
+    def _post(self, path, module, args, kwargs, output):
+        item = self._pending[path].pop() if self._pending[path] else None
+        if item is None:
+            return
+        obs, call, keep, skey, attrs = item
+        written = hidden_state_writes(attrs, tensor_attributes(module))
+        if written:
+            obs.error = f"unsupported boundary: the call writes state kept on the module ({', '.join(written)}) " \
+                        f"and no state adapter owns it"
+            return
+        try:
+            record_outputs(call, module, output, find_cache(args, kwargs), clone=keep)
+        except Exception as exc:
+            obs.error = _reason(exc)
+            return
+        if not obs.sigs[skey].outputs:
+            obs.sigs[skey].outputs = _sigs(call.reference())
+        if keep:
+            obs.calls.append(call)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, UnsupportedBoundary):
+        return f"unsupported boundary: {exc.reason}"
+    return f"capture failed: {type(exc).__name__}: {exc}"
+
+
+def _sigs(tensors: dict[str, torch.Tensor]) -> dict[str, TensorSig]:
+    return {k: TensorSig(shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()}
+
+
+# ------------------------------------------------------------------------------------------------ deployability
+
+def check_stable(obs: _Observed) -> str:
+    """"" when every call of the phase had one argument structure and the same static values, else the reason."""
+    if len(obs.structures) <= 1:
+        return ""
+    (first, n1), (second, n2) = obs.structures.most_common(2)
+    a, b = json.loads(first), json.loads(second)
+    diffs = [f"static {k}: {a['static'].get(k)!r} vs {b['static'].get(k)!r}"
+             for k in sorted(set(a["static"]) | set(b["static"])) if a["static"].get(k) != b["static"].get(k)]
+    if a["state"] != b["state"]:
+        diffs.append(f"state {a['state']} vs {b['state']}")
+    for part in ("args", "kwargs"):
+        if a["recipe"][part] != b["recipe"][part]:
+            diffs.append(f"{part} {json.dumps(a['recipe'][part])} vs {json.dumps(b['recipe'][part])}")
+    return (f"unstable call boundary: {len(obs.structures)} argument structures in one phase "
+            f"({n1} and {n2} calls of the two most common; {'; '.join(diffs) or 'recipe differs'})")
+
+
+def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repeats: int = 2) -> str:
+    """"" when call_reference on each captured call's inputs and state-in reproduces its outputs and state-out
+    `repeats` times, bitwise or within TOLERANCES of the output's dtype; else "not reproducible: ..."."""
+    weights = weights_of(module)
+    for k, call in enumerate(calls):
+        ref = call.reference()
+        for attempt in range(1, repeats + 1):
+            try:
+                got = call_reference(module, weights, call.inputs, call.state, call.static, call.recipe)
+            except Exception as exc:
+                return f"not reproducible: the reference call raised {type(exc).__name__}: {exc}"
+            if set(got) != set(ref):
+                return f"not reproducible: expected outputs {sorted(ref)}, the re-run returned {sorted(got)}"
+            for name, expected in ref.items():
+                problem = _mismatch(got[name], expected)
+                if problem:
+                    return f"not reproducible: {name} of case {k} differs from the captured call on re-run " \
+                           f"{attempt} ({problem})"
+    return ""
+
+
+def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> str:
+    if got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected):
+        return ""
+    if expected.dtype not in TOLERANCES:
+        return f"{expected.dtype} values differ"
+    report = compare(got, expected)
+    return "" if report.ok else report.reason
+
+
+# ------------------------------------------------------------------------------------------------------ grouping
+
+@dataclass
+class _Instance:
+    path: str
+    module: torch.nn.Module
+    record: ModuleRecord
+    obs: _Observed
+    reason: str
+
+
+def _group_key(inst: _Instance) -> tuple:
+    cls = _class_path(inst.module)
+    if inst.reason:
+        return (cls, inst.record.family, inst.record.phase, False, inst.reason.split(":", 1)[0])
+    weight_sig = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(inst.module).items())
+    structure = inst.obs.calls[0].structure_key(drop_instance_keys=True)
+    return (cls, inst.record.family, inst.record.phase, True, structure, tuple(inst.obs.sigs), weight_sig)
+
+
+def _class_path(module: torch.nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _spec_for(group: list[_Instance], hardware: dict, workload_name: str, run_id: str) -> TaskSpec:
+    rep = group[0]
+    calls = rep.obs.calls
+    observed = []
+    for skey, sig in rep.obs.sigs.items():
+        total = sum(inst.obs.sigs[skey].calls for inst in group if skey in inst.obs.sigs)
+        observed.append(sig.model_copy(update={"calls": total}, deep=True))
+    by_key = dict(zip(rep.obs.sigs, observed))
+    first = calls[0] if calls else None
+    reason = rep.reason if len(group) == 1 else f"{rep.path}: {rep.reason}" if rep.reason else ""
+    return TaskSpec(
+        workload=workload_name,
+        run_id=run_id,
+        family=rep.record.family,
+        module_class=_class_path(rep.module),
+        instances=[inst.path for inst in group],
+        phase=rep.record.phase,
+        input_names=list(first.inputs) if first else [],
+        weight_names=list(weights_of(rep.module)),
+        state_names=_union(list(c.state) for c in calls),
+        output_names=_union(list(c.reference()) for c in calls),
+        static={k: v for k, v in first.static.items() if k.rpartition(".")[2] != "layer_idx"} if first else {},
+        cases=[by_key[c.shape_key()] for c in calls] if not rep.reason else [],
+        observed=observed,
+        dtype=_dtype_of(first, rep),
+        hardware=dict(hardware or {}),
+        hotspot_score=sum(inst.record.hotspot_score for inst in group),
+        time_ms=sum(inst.record.time_ms for inst in group),
+        deployable=not rep.reason,
+        reason=reason,
+        recipe=copy.deepcopy(first.recipe) if first else {},
+    )
+
+
+def _union(lists: Iterable[list[str]]) -> list[str]:
+    out: list[str] = []
+    for names in lists:
+        out.extend(n for n in names if n not in out)
+    return out
+
+
+def _dtype_of(call: BoundaryCall | None, inst: _Instance) -> str:
+    tensors = list(call.inputs.values()) if call else []
+    tensors += list(weights_of(inst.module).values())
+    for t in tensors:
+        if t.is_floating_point():
+            return str(t.dtype).removeprefix("torch.")
+    return "unknown"
+
+
+def _cases(group: list[_Instance]) -> list[Case]:
+    rep = group[0]
+    weights = {k: v.detach().cpu().clone() for k, v in weights_of(rep.module).items()}
+    return [Case(inputs=c.inputs, weights=weights, state=c.state, ref=c.reference()) for c in rep.obs.calls]
+
+
+def _reference_module(module: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(module).cpu()
+    adapter = MODULE_ADAPTERS.get(type(module).__name__)
+    if adapter is not None:
+        adapter.clear(ref)
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------------- extraction
+
+def candidate_records(model: torch.nn.Module, profile: ProfileResult, min_score: float,
+                      families: Iterable[str] | None) -> list[ModuleRecord]:
+    wanted = set(TARGET_FAMILIES) & set(families if families is not None else TARGET_FAMILIES)
+    paths = {name for name, _ in model.named_modules()}
+    return [r for r in profile.records
+            if r.family in wanted and r.phase in PHASES and r.module_path in paths and r.hotspot_score >= min_score]
+
+
+def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: ProfileResult, out_root: Path, *,
+                  workload_name: str = "", run_id: str = "", hardware: dict | None = None, min_score: float = 0.0,
+                  families: Iterable[str] | None = None, max_cases: int = 4) -> list[TaskSpec]:
+    """Capture the candidates' calls in one more run of the workload and turn them into tasks; deployable ones are
+    written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score."""
+    records = candidate_records(model, profile, min_score, families)
+    named = dict(model.named_modules())
+    order = {name: i for i, name in enumerate(named)}
+    modules = {r.module_path: named[r.module_path] for r in records}
+    with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
+        run_fn()
+
+    instances = []
+    for rec in sorted(records, key=lambda r: (r.phase, order[r.module_path])):
+        obs = recorder.observed.get((rec.module_path, rec.phase), _Observed())
+        module = modules[rec.module_path]
+        reason = obs.error or ("" if obs.calls else "no call captured in this phase")
+        reason = reason or check_stable(obs) or check_reproducible(module, obs.calls)
+        instances.append(_Instance(rec.module_path, module, rec, obs, reason))
+
+    groups: dict[tuple, list[_Instance]] = defaultdict(list)
+    for inst in instances:
+        groups[_group_key(inst)].append(inst)
+
+    specs = [(_spec_for(g, hardware or profile.hardware, workload_name, run_id), g) for g in groups.values()]
+    seen: Counter = Counter()
+    for spec, _ in specs:
+        base = spec.content_id()
+        seen[base] += 1
+        spec.task_id = base if seen[base] == 1 else f"{base}-{seen[base]}"
+    for spec, _ in specs:
+        siblings = [s.task_id for s, _ in specs
+                    if s.deployable and s.module_class == spec.module_class and s.phase != spec.phase]
+        spec.dispatch = DispatchTemplate(phase=spec.phase, predicate=PREDICATES.get(spec.phase, spec.phase),
+                                         sibling_tasks=siblings)
+    for spec, group in specs:
+        if spec.deployable:
+            write_task(Path(out_root), spec, _reference_module(group[0].module), _cases(group))
+    return sorted((s for s, _ in specs), key=lambda s: s.hotspot_score, reverse=True)

@@ -1,0 +1,170 @@
+"""The built-in proposer (no API key): samples the config spaces of the task family's templates.
+
+Policy per pick: with probability 1 - `explore`, exploit (the nearest untried neighbour of the best config known
+from feedback or experience); after a failure with nothing passing yet, repair (step the failed config on the keys
+its failure implicates, toward the template's default); otherwise explore (template defaults first, then random
+points, favouring values not tried yet). Points ruled out by experience or by the evidence of this episode's
+feedback (exact failures and the rules derived from them) are never proposed, and neither is a point this search
+already tried: the proposer remembers what it emitted per task until `reset()`.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+from llm4llm.search.experience import Point, derive_rules, points_from_experience, points_from_feedback
+from llm4llm.search.templates.base import Template
+from llm4llm.search.types import Candidate, Experience, Feedback, config_key
+from llm4llm.taskspec import TaskSpec
+
+NUMERIC_FAILURES = ("wrong_output", "nan_inf")
+
+
+class LibraryProposer:
+    name = "library"
+
+    def __init__(self, seed: int = 0, explore: float = 0.25, templates: Sequence[Template] | None = None):
+        self.seed = seed
+        self.explore = explore
+        self._templates = list(templates) if templates is not None else None
+        self._emitted: dict[str, set[str]] = {}
+
+    def reset(self) -> None:
+        """Forget what was emitted: the start of a new search."""
+        self._emitted.clear()
+
+    def templates_for(self, spec: TaskSpec) -> list[Template]:
+        return [t for t in self._all_templates() if t.why_not(spec) is None]
+
+    def skipped(self, spec: TaskSpec) -> dict[str, str]:
+        """Why each template of the task's family is not used (ops missing, out of scope)."""
+        return {t.name: t.why_not(spec) or "" for t in self._all_templates()
+                if t.family == spec.family and t.why_not(spec)}
+
+    def _all_templates(self) -> list[Template]:
+        if self._templates is None:
+            from llm4llm.search.templates import TEMPLATES
+
+            return list(TEMPLATES)
+        return self._templates
+
+    def propose(self, task: TaskSpec, experience: list[Experience], feedback: list[Feedback], n: int) -> list[Candidate]:
+        templates = {t.name: t for t in self.templates_for(task)}
+        if not templates or n <= 0:
+            return []
+        emitted = self._emitted.setdefault(task.task_id, set())
+        evidence = points_from_experience(experience) + points_from_feedback(feedback)
+        tried = emitted | {config_key(p.template, p.config) for p in evidence}
+        rules = derive_rules(evidence)
+        rng = random.Random(f"{self.seed}:{task.task_id}:{len(tried)}:{len(feedback)}:{len(experience)}")
+
+        def allowed(t: str, c: dict) -> bool:
+            return config_key(t, c) not in tried and not any(r.matches(t, c) for r in rules) and \
+                not any(e.failure_for(t, c) for e in experience)
+
+        pool = [(name, c) for name, t in templates.items() for c in t.configs(task) if allowed(name, c)]
+        best = _best(evidence, experience, templates)
+        last = feedback[-1] if feedback else None
+        picks: list[tuple[str, dict, str | None]] = []
+        while len(picks) < n and pool:
+            if best is not None and rng.random() >= self.explore:
+                pick, parent = _nearest(pool, best.template, best.config, templates, task, rng), best
+            elif best is None and last is not None and not last.passed and last.template in templates:
+                pick, parent = _repair(pool, last, templates[last.template], task, rng), last
+            else:
+                pick, parent = _explore(pool, templates, task, evidence, picks, rng), None
+            pool.remove(pick)
+            picks.append((pick[0], pick[1], getattr(parent, "candidate_id", None)))
+        out = []
+        for name, config, parent in picks:
+            emitted.add(config_key(name, config))
+            source = templates[name].render(task, config)
+            out.append(Candidate(source=source, config=config, template=name, proposer=self.name, parent=parent))
+        return out
+
+
+class _Best:
+    def __init__(self, template: str, config: dict, utility: float, candidate_id: str | None = None):
+        self.template, self.config, self.utility, self.candidate_id = template, config, utility, candidate_id
+
+
+def _best(evidence: list[Point], experience: list[Experience], templates: dict[str, Template]) -> _Best | None:
+    best: _Best | None = None
+    for e in experience:
+        if e.best and e.best.template in templates and (best is None or e.best.utility > best.utility):
+            best = _Best(e.best.template, e.best.config, e.best.utility)
+    for p in evidence:
+        if p.passed and p.template in templates and (best is None or p.utility > best.utility):
+            best = _Best(p.template, p.config, p.utility, p.candidate_id)
+    return best
+
+
+def _distance(t: Template, spec: TaskSpec, a: dict, b: dict) -> int:
+    space = t.space(spec)
+    d = 0
+    for k, vals in space.items():
+        if a.get(k) == b.get(k):
+            continue
+        if a.get(k) in vals and b.get(k) in vals and all(_num(v) for v in vals):
+            d += abs(vals.index(a[k]) - vals.index(b[k]))
+        else:
+            d += 1
+    return d
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _nearest(pool, template: str, config: dict, templates, spec, rng) -> tuple[str, dict]:
+    same = [p for p in pool if p[0] == template]
+    if not same:
+        return rng.choice(pool)
+    scored = [(_distance(templates[template], spec, c, config), rng.random(), (t, c)) for t, c in same]
+    return min(scored, key=lambda s: s[:2])[2]
+
+
+def _implicated(last: Feedback, t: Template, spec: TaskSpec) -> list[str]:
+    """Keys a failure points at: named in its message, else by kind (resources: the largest tiles and stages;
+    numerics: precision and fusion choices), else every key."""
+    space, msg = t.space(spec), (last.message or "").lower()
+    named = [k for k in space if k.lower() in msg]
+    if named:
+        return named
+    if last.failure_class in NUMERIC_FAILURES:
+        picked = [k for k, vals in space.items() if not all(_num(v) for v in vals)]
+    else:
+        picked = [k for k, vals in space.items() if all(_num(v) for v in vals) and
+                  ("BLOCK" in k.upper() or "stages" in k)]
+    return picked or list(space)
+
+
+def _repair(pool, last: Feedback, t: Template, spec: TaskSpec, rng) -> tuple[str, dict]:
+    """The untried point closest to the failed one that changes an implicated key toward the default."""
+    keys, default = _implicated(last, t, spec), t.default(spec)
+    same = [(name, c) for name, c in pool if name == t.name]
+    moved = [(name, c) for name, c in same if any(c[k] != last.config.get(k) for k in keys)
+             and all(c[k] == last.config.get(k) for k in c if k not in keys)]
+    if last.failure_class not in NUMERIC_FAILURES:  # resources and the like: shrink, never grow
+        smaller = [(name, c) for name, c in moved if all(not _num(c[k]) or c[k] <= last.config[k] for k in keys)]
+        moved = smaller or moved
+    cands = moved or same or pool
+    return min(cands, key=lambda p: (_distance(t, spec, p[1], last.config) if p[0] == t.name else 99,
+                                     _distance(t, spec, p[1], default) if p[0] == t.name else 99, rng.random()))
+
+
+def _explore(pool, templates, spec, evidence: list[Point], picks, rng) -> tuple[str, dict]:
+    chosen = {config_key(t, c) for t, c, _ in picks}
+    for name, t in templates.items():  # each template's default first: the known-safe starting points
+        d = t.default(spec)
+        if (name, d) in pool and config_key(name, d) not in chosen:
+            return (name, d)
+    used_t = [p.template for p in evidence] + [t for t, _, _ in picks]
+    fresh_t = [name for name in templates if name not in used_t]
+    cands = [p for p in pool if p[0] in fresh_t] or pool
+    counts: dict[tuple, int] = {}
+    for p in evidence:
+        for kv in p.config.items():
+            counts[(p.template, repr(kv))] = counts.get((p.template, repr(kv)), 0) + 1
+    sample = rng.sample(cands, min(len(cands), 64))
+    return min(sample, key=lambda p: (sum(counts.get((p[0], repr(kv)), 0) for kv in p[1].items()), rng.random()))

@@ -1,0 +1,175 @@
+"""The search loop over one task, in the paper's three modes, at one trial budget.
+
+- "sample" (sample-N): one step of `budget` independent candidates, no feedback.
+- "iter" (iter-N): one trajectory of `budget` single candidates, each proposed with all feedback so far
+  (iterate on the best, repair failures).
+- "episodic": episodes of up to `episode_len` trials, each a loop of generate (`samples_per_step` candidates) ->
+  verify -> decide; an episode ends at its length, or early when its last trials repeat one failure signature. At
+  the end its trials are distilled into an Experience, its transcript is archived as JSON, and the next episode
+  restarts from the task spec plus the experiences only.
+
+Every mode spends exactly `budget` trials unless the proposer runs out of new candidates.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from llm4llm.search.experience import distil, signature_of
+from llm4llm.search.proposer import Proposer
+from llm4llm.search.types import Candidate, Experience, Feedback, verdict_dict
+from llm4llm.taskspec import TaskSpec, load_spec
+
+Mode = Literal["episodic", "sample", "iter"]
+Verify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like
+OnTrial = Callable[[Candidate, Any, int, int], None]  # (candidate, verdict, episode, iteration)
+STUCK_REPEATS = 2  # an episode whose last this-many trials fail with one signature ends early (restart)
+EMPTY_RETRIES = 2  # proposer calls that return nothing new before the search stops short of its budget
+
+
+class Trial(BaseModel):
+    candidate: Candidate
+    feedback: Feedback
+    verdict: dict[str, Any]
+    episode: int
+    iteration: int  # 0-based index within the whole search
+
+
+class EpisodeRecord(BaseModel):
+    index: int
+    trials: list[str]  # candidate ids
+    experience: Experience
+    transcript: str  # path of the archived JSON transcript
+    ended_by: str  # "length" | "stuck: <signature>" | "budget" | "exhausted"
+
+
+class SearchResult(BaseModel):
+    task_id: str
+    mode: str
+    budget: int
+    proposer: str
+    best: Trial | None = None
+    trials: list[Trial] = Field(default_factory=list)
+    episodes: list[EpisodeRecord] = Field(default_factory=list)
+
+    @property
+    def trials_used(self) -> int:
+        return len(self.trials)
+
+    @property
+    def pass_rate(self) -> float:
+        return sum(t.feedback.passed for t in self.trials) / len(self.trials) if self.trials else 0.0
+
+    @property
+    def best_candidate(self) -> Candidate | None:
+        return self.best.candidate if self.best else None
+
+
+def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode = "episodic", budget: int = 15,
+               samples_per_step: int = 3, episode_len: int = 5, seed: int = 0, on_trial: OnTrial | None = None,
+               archive_dir: Path | None = None) -> SearchResult:
+    """Search one task. `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode
+    (sample and iter runs archive their single trajectory as episode 0). `seed` names the run in the archive;
+    the proposer carries its own seed."""
+    if mode not in ("episodic", "sample", "iter"):
+        raise ValueError(f"run_search: expected mode in ('episodic', 'sample', 'iter'), got {mode!r}")
+    if budget < 1 or samples_per_step < 1 or episode_len < 1:
+        raise ValueError(f"run_search: expected budget, samples_per_step, episode_len >= 1, got "
+                         f"{budget}, {samples_per_step}, {episode_len}")
+    task_dir = Path(task_dir)
+    spec = load_spec(task_dir)
+    archive = Path(archive_dir) if archive_dir else task_dir / "search"
+    archive.mkdir(parents=True, exist_ok=True)
+    if hasattr(proposer, "reset"):
+        proposer.reset()
+    run = _Run(spec, task_dir, proposer, verify, on_trial, archive, f"{mode}-s{seed}-{int(time.time() * 1000)}")
+    result = SearchResult(task_id=spec.task_id, mode=mode, budget=budget, proposer=proposer.name)
+    if mode == "sample":
+        ended = run.episode(0, [], length=budget, step=budget, stop_when_stuck=False)
+        result.episodes.append(run.close_episode(0, [], ended))
+    elif mode == "iter":
+        ended = run.episode(0, [], length=budget, step=1, stop_when_stuck=False)
+        result.episodes.append(run.close_episode(0, [], ended))
+    else:
+        experiences: list[Experience] = []
+        k = 0
+        while len(run.trials) < budget:
+            length = min(episode_len, budget - len(run.trials))
+            ended = run.episode(k, experiences, length=length, step=samples_per_step, stop_when_stuck=True)
+            record = run.close_episode(k, experiences, ended)
+            result.episodes.append(record)
+            experiences.append(record.experience)
+            if ended == "exhausted":
+                break
+            k += 1
+    result.trials = run.trials
+    passed = [t for t in run.trials if t.feedback.passed]
+    result.best = max(passed, key=lambda t: t.feedback.utility) if passed else None
+    return result
+
+
+class _Run:
+    def __init__(self, spec: TaskSpec, task_dir: Path, proposer: Proposer, verify: Verify,
+                 on_trial: OnTrial | None, archive: Path, name: str):
+        self.spec, self.task_dir, self.proposer, self.verify = spec, task_dir, proposer, verify
+        self.on_trial, self.archive, self.name = on_trial, archive, name
+        self.trials: list[Trial] = []
+        self.tried: set[str] = set()
+        self.episode_trials: list[Trial] = []
+
+    def episode(self, k: int, experiences: list[Experience], *, length: int, step: int, stop_when_stuck: bool) -> str:
+        """Generate -> verify -> decide until `length` trials; returns why the episode ended."""
+        self.episode_trials = []
+        empty = 0
+        while len(self.episode_trials) < length:
+            want = min(step, length - len(self.episode_trials))
+            feedback = [t.feedback for t in self.episode_trials]
+            fresh = [c for c in self.proposer.propose(self.spec, list(experiences), feedback, want)
+                     if c.id not in self.tried][:want]
+            if not fresh:
+                empty += 1
+                if empty >= EMPTY_RETRIES:
+                    return "exhausted"
+                continue
+            for c in fresh:
+                self._trial(c, k)
+            stuck = self._stuck()
+            if stop_when_stuck and stuck and len(self.episode_trials) < length:
+                return f"stuck: {stuck}"
+        return "length"
+
+    def _trial(self, candidate: Candidate, k: int) -> None:
+        iteration = len(self.trials)
+        candidate = candidate.model_copy(update={"episode": k, "iteration": iteration})
+        verdict = self.verify(self.task_dir, candidate.source)
+        self.tried.add(candidate.id)
+        trial = Trial(candidate=candidate, feedback=Feedback.from_verdict(candidate, verdict),
+                      verdict=verdict_dict(verdict), episode=k, iteration=iteration)
+        self.trials.append(trial)
+        self.episode_trials.append(trial)
+        if self.on_trial:
+            self.on_trial(candidate, verdict, k, iteration)
+
+    def _stuck(self) -> str | None:
+        tail = self.episode_trials[-STUCK_REPEATS:]
+        if len(tail) < STUCK_REPEATS or any(t.feedback.passed for t in tail):
+            return None
+        sigs = {(t.feedback.failure_class, signature_of(t.feedback.message)) for t in tail}
+        return f"{tail[-1].feedback.failure_class}: {signature_of(tail[-1].feedback.message)}" if len(sigs) == 1 \
+            else None
+
+    def close_episode(self, k: int, prior: list[Experience], ended: str) -> EpisodeRecord:
+        notes = [f"ended by {ended}"] if ended != "length" else []
+        exp = distil(self.spec, [t.feedback for t in self.episode_trials], episode=k, prior=prior, notes=notes)
+        path = self.archive / f"{self.name}-e{k}.json"
+        transcript = {"task_id": self.spec.task_id, "episode": k, "ended_by": ended,
+                      "proposer": self.proposer.name, "experience_in": [e.model_dump(mode="json") for e in prior],
+                      "trials": [t.model_dump(mode="json") for t in self.episode_trials],
+                      "experience_out": exp.model_dump(mode="json")}
+        path.write_text(json.dumps(transcript, indent=1, default=str))
+        return EpisodeRecord(index=k, trials=[t.candidate.id for t in self.episode_trials], experience=exp,
+                             transcript=str(path), ended_by=ended)

@@ -1,0 +1,135 @@
+"""attention family (LlamaAttention, Qwen3Attention): q/k/v projections (Triton linear), rotary (fused with
+Qwen3's q_norm/k_norm when those weights exist), the KV cache as state_out, causal flash attention (prefill) or
+split-KV flash decoding (decode), o_proj (Triton linear). Limit: the attention mask is taken to be causal only
+(no padding); a padded batch fails verification rather than being silently accepted."""
+from __future__ import annotations
+
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP
+from llm4llm.search.templates.base import Template, header
+from llm4llm.taskspec import TaskSpec
+
+ROTARY = ("kernels_runtime.ops.rotary", "rotary")
+QK_NORM_ROTARY = ("kernels_runtime.ops.rotary", "qk_norm_rotary")
+PREFILL_OP = ("kernels_runtime.ops.attention_prefill", "attention_prefill")
+DECODE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode")
+DECODE_UPDATE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode_update")
+
+# Smaller linear space than the MLP's: the attention and rotary keys multiply it.
+LIN_PREFILL = {"lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128], "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8],
+               "lin_num_stages": [3, 4]}
+LIN_DECODE = {"lin_GEMV_BLOCK_N": [32, 64, 128], "lin_GEMV_BLOCK_K": [64, 128, 256], "lin_num_warps": [4, 8]}
+ROPE = {"rope_BLOCK_H": [2, 4, 8], "rope_num_warps": [1, 2, 4]}
+ATTN_PREFILL = {"attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [32, 64, 128], "attn_num_warps": [4, 8],
+                "attn_num_stages": [2, 3]}
+ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128], "attn_num_splits": [None, 2, 8, 32],
+               "attn_num_warps": [4, 8]}
+
+PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
+ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
+
+
+def _proj(x, weights, name, B, S, D):
+    # [B, S, H*D] -> [B, H, S, D] (a transposed view, as HF lays it out)
+    return linear(x, weights[name + ".weight"], weights.get(name + ".bias"), **LIN).view(B, S, -1, D).transpose(1, 2)
+
+
+def _rope(q, k, inputs, weights, static):
+    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, D]
+    if "q_norm.weight" in weights:
+        eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps"))
+        return qk_norm_rotary(q, k, cos, sin, weights["q_norm.weight"], weights["k_norm.weight"], eps, **ROPE)
+    return rotary(q, k, cos, sin, **ROPE)
+
+
+def _with_past(past, new, extra=0):
+    # [B, Hkv, S_past, D] ++ [B, Hkv, S, D] by copies into a new buffer (the state-in is never modified);
+    # `extra` > 0 leaves that many positions unwritten after the past instead of copying `new`.
+    sp = 0 if past is None else past.shape[2]
+    B, H, S, D = new.shape
+    out = torch.empty((B, H, sp + (extra or S), D), dtype=new.dtype, device=new.device)
+    if sp:
+        out[:, :, :sp].copy_(past)
+    if not extra:
+        out[:, :, sp:].copy_(new)
+    return out, sp
+'''
+
+
+def _applies(spec: TaskSpec) -> str | None:
+    need = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+    if not need <= set(spec.weight_names):
+        return f"attention: expected weights {sorted(need)}, got {spec.weight_names}"
+    if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
+        return f"attention: expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
+    if spec.static.get("sliding_window"):
+        return "attention: sliding-window attention is out of scope"
+    return None
+
+
+def _imports(extra: list[str]) -> list[str]:
+    return ["from kernels_runtime.ops.linear import linear",
+            "from kernels_runtime.ops.rotary import rotary, qk_norm_rotary", *extra]
+
+
+def _render_prefill(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.attention_prefill import attention_prefill"])
+    return header("attention.prefill_flash", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]  # [B, S, H]
+    B, S, _ = x.shape
+    D = int(_static(static, "head_dim"))
+    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k = _rope(q, k, inputs, weights, static)
+    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+    v_all, _ = _with_past(state.get("value_cache"), v)
+    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), **ATTN)  # [B, Hq, S, D]
+    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+'''
+
+
+def _render_decode(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.attention_decode import attention_decode, attention_decode_update"])
+    if config["cache_update"] == "fused":
+        body = '''    k_all, sp = _with_past(state.get("key_cache"), k, extra=1)  # [B, Hkv, S_past + 1, D]
+    v_all, _ = _with_past(state.get("value_cache"), v, extra=1)
+    o = attention_decode_update(q, k, v, k_all, v_all, sp, scale, **ATTN)  # writes position S_past
+'''
+    else:
+        body = '''    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + 1, D]
+    v_all, _ = _with_past(state.get("value_cache"), v)
+    o = attention_decode(q, k_all, v_all, scale, **ATTN)
+'''
+    return header("attention.decode_splitkv", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]  # [B, 1, H]
+    B, S, _ = x.shape
+    D = int(_static(static, "head_dim"))
+    scale = float(_static(static, "scaling"))
+    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k = _rope(q, k, inputs, weights, static)  # q: [B, Hq, 1, D], k: [B, Hkv, 1, D]
+''' + body + '''    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+'''
+
+
+TEMPLATES = [
+    Template(name="attention.prefill_flash", family="attention", phases=("prefill",),
+             requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, PREFILL_OP),
+             space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **ATTN_PREFILL}, render_fn=_render_prefill,
+             applies_fn=_applies,
+             default_fn=lambda spec: {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4,
+                                      "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
+                                      "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
+                                      "attn_num_stages": 2}),
+    Template(name="attention.decode_splitkv", family="attention", phases=("decode",),
+             requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, DECODE_OP),
+             space_fn=lambda spec: {**LIN_DECODE, **ROPE, **ATTN_DECODE}, render_fn=_render_decode,
+             applies_fn=_applies,
+             default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
+                                      "rope_BLOCK_H": 4, "rope_num_warps": 2, "cache_update": "copy",
+                                      "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4},
+             choice_requires={("cache_update", "fused"): (DECODE_UPDATE_OP,)}),
+]

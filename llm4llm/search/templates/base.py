@@ -1,0 +1,107 @@
+"""A kernel-family template: a declared config space and a renderer from (task spec, config) to candidate source.
+
+Rendered sources implement the candidate contract `entry(inputs, weights, state, static) -> dict` by calling the
+project's Triton ops (imported inside the source). They bake in the config, never weights, and read every static
+value from `static` at call time, so one source serves every instance and shape of the task. They pass the
+verifier's static gate: torch only allocates, views and copies; compute happens in Triton kernels.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from llm4llm.taskspec import TaskSpec
+
+Space = dict[str, list[Any]]
+
+# Helper pasted into every rendered source: static values by any of the names the extraction may record.
+STATIC_HELPER = '''
+def _static(static, *names):
+    for n in names:
+        if n in static:
+            return static[n]
+    raise KeyError(f"static: expected one of {names}, got {sorted(static)}")
+'''
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    family: str
+    phases: tuple[str, ...]
+    requires: tuple[tuple[str, str], ...]  # (module, attribute) every rendering imports
+    space_fn: Callable[[TaskSpec], Space]  # ordered values per key (numeric keys ascending: neighbours are adjacent)
+    render_fn: Callable[[TaskSpec, dict[str, Any]], str]
+    applies_fn: Callable[[TaskSpec], str | None] = lambda spec: None  # None, or why the task is out of scope
+    default_fn: Callable[[TaskSpec], dict[str, Any]] = lambda spec: {}  # preferred values (else each key's first)
+    choice_requires: dict[tuple[str, Any], tuple[tuple[str, str], ...]] = field(default_factory=dict)
+
+    def missing_ops(self, config: dict[str, Any] | None = None) -> list[str]:
+        """The `module.attr` names this template (or this config of it) imports that do not exist yet."""
+        needs = list(self.requires)
+        for (key, value), extra in self.choice_requires.items():
+            if config is None or config.get(key) == value:
+                needs += [] if config is None else list(extra)
+        return [f"{m}.{a}" for m, a in needs if not _importable(m, a)]
+
+    def why_not(self, spec: TaskSpec) -> str | None:
+        if spec.family != self.family:
+            return f"{self.name}: expected family {self.family}, got {spec.family}"
+        if spec.phase not in self.phases:
+            return f"{self.name}: written for phases {self.phases}, not {spec.phase}"
+        missing = self.missing_ops()
+        if missing:
+            return f"{self.name}: ops not available yet: {missing}"
+        return self.applies_fn(spec)
+
+    def space(self, spec: TaskSpec) -> Space:
+        """The config space with choices whose ops are missing removed."""
+        space = {k: list(v) for k, v in self.space_fn(spec).items()}
+        for (key, value), extra in self.choice_requires.items():
+            if key in space and any(not _importable(m, a) for m, a in extra):
+                space[key] = [v for v in space[key] if v != value]
+        return space
+
+    def default(self, spec: TaskSpec) -> dict[str, Any]:
+        space, pref = self.space(spec), self.default_fn(spec)
+        return {k: pref[k] if pref.get(k) in vals else vals[0] for k, vals in space.items()}
+
+    def configs(self, spec: TaskSpec, limit: int = 20000) -> list[dict[str, Any]]:
+        space = self.space(spec)
+        keys = list(space)
+        return [dict(zip(keys, vals)) for vals in itertools.islice(itertools.product(*space.values()), limit)]
+
+    def render(self, spec: TaskSpec, config: dict[str, Any]) -> str:
+        space = self.space(spec)
+        if set(config) != set(space):
+            raise ValueError(f"{self.name}: expected config keys {sorted(space)}, got {sorted(config)}")
+        bad = {k: v for k, v in config.items() if v not in space[k]}
+        if bad:
+            raise ValueError(f"{self.name}: expected values from the config space, got {bad}")
+        return self.render_fn(spec, config)
+
+
+_IMPORT_CACHE: dict[tuple[str, str], bool] = {}
+
+
+def _importable(module: str, attr: str) -> bool:
+    if (module, attr) not in _IMPORT_CACHE:
+        try:
+            _IMPORT_CACHE[(module, attr)] = hasattr(importlib.import_module(module), attr)
+        except Exception:  # noqa: BLE001 - an op file being written may fail to import for any reason
+            _IMPORT_CACHE[(module, attr)] = False
+    return _IMPORT_CACHE[(module, attr)]
+
+
+def header(template: str, spec: TaskSpec, imports: list[str], config: dict[str, Any]) -> str:
+    """Module docstring, imports, the baked config and the static helper of a rendered source."""
+    doc = f'"""Candidate from template {template} for a {spec.family}/{spec.phase} task ({spec.dtype})."""'
+    cfg = repr({k: config[k] for k in sorted(config)})
+    return "\n".join([doc, "import torch", "import triton", "import triton.language as tl", *imports, "",
+                      f"CONFIG = {cfg}", STATIC_HELPER])
+
+
+def short_class(spec: TaskSpec) -> str:
+    return spec.module_class.rsplit(".", 1)[-1]

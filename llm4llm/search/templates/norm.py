@@ -1,0 +1,73 @@
+"""norm family: Llama-style RMSNorm (`weight * normed.to(input dtype)`) over the last dim."""
+from __future__ import annotations
+
+from llm4llm.search.templates.base import Template, header, short_class
+from llm4llm.taskspec import TaskSpec
+
+EPS_NAMES = '"variance_epsilon", "eps", "rms_norm_eps"'
+
+
+def _applies(spec: TaskSpec) -> str | None:
+    if "Gemma" in short_class(spec):
+        return "norm: Gemma-style RMSNorm scales by (1 + weight); not this template's numerics"
+    if spec.input_names != ["hidden_states"] or spec.weight_names != ["weight"]:
+        return f"norm: expected inputs ['hidden_states'] and weights ['weight'], got {spec.input_names}, " \
+               f"{spec.weight_names} (gated norms are out of scope)"
+    return None
+
+
+def _render_op(spec: TaskSpec, config: dict) -> str:
+    return header("norm.rmsnorm_op", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm"], config) + f'''
+
+def entry(inputs, weights, state, static):
+    eps = float(_static(static, {EPS_NAMES}))
+    return {{"out": rmsnorm(inputs["hidden_states"], weights["weight"], eps, num_warps=CONFIG["num_warps"])}}
+'''
+
+
+def _render_rows(spec: TaskSpec, config: dict) -> str:
+    return header("norm.rmsnorm_rows", spec, [], config) + f'''
+
+@triton.jit
+def _rmsnorm_rows_kernel(X, W, Y, n_rows, N, eps, stride_x, stride_y,
+                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # ROWS rows per program: small hidden sizes (and decode's few rows) need fewer, fuller programs
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_N]
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)  # [ROWS]
+    xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=mask)
+
+
+def entry(inputs, weights, state, static):
+    x, w = inputs["hidden_states"], weights["weight"]
+    eps = float(_static(static, {EPS_NAMES}))
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out_dtype = x.dtype if x.dtype == w.dtype else torch.float32  # torch.promote_types for float pairs
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = y.view(-1, n)
+    rows = CONFIG["ROWS"]
+    if x2.shape[0] > 0:
+        _rmsnorm_rows_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, w, y2, x2.shape[0], n, eps, x2.stride(0), y2.stride(0),
+            ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
+    return {{"out": y}}
+'''
+
+
+TEMPLATES = [
+    Template(name="norm.rmsnorm_op", family="norm", phases=("prefill", "decode"),
+             requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm"),),
+             space_fn=lambda spec: {"num_warps": [1, 2, 4, 8, 16]}, render_fn=_render_op, applies_fn=_applies,
+             default_fn=lambda spec: {"num_warps": 4}),
+    Template(name="norm.rmsnorm_rows", family="norm", phases=("prefill", "decode"), requires=(),
+             space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_rows,
+             applies_fn=_applies, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
+]

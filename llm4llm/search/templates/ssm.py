@@ -1,0 +1,163 @@
+"""ssm_mixer family, Mamba (v1) `MambaMixer`: in_proj (Triton linear) -> causal_conv1d + SiLU (prefill; the conv
+state is the last K inputs) or causal_conv1d_update (decode) -> x_proj, dt_proj (Triton linear) -> selective_scan
+with the D skip and the silu(z) gate fused (prefill) or selective_state_update (decode) -> out_proj. The state-in is
+copied before the in-place decode updates: a candidate never modifies its inputs. A 2-D `attention_mask` input
+(prefill) zeroes padded positions before in_proj and after the conv, as HF does. Limit: the SiLU activation only
+(MambaConfig's default)."""
+from __future__ import annotations
+
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
+from llm4llm.search.templates.base import Template, header
+from llm4llm.taskspec import TaskSpec
+
+CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
+CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
+SCAN = ("kernels_runtime.ops.selective_scan", "selective_scan")
+STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
+MAMBA_WEIGHTS = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+                 "out_proj.weight"}
+
+PRELUDE = LIN_KWARGS + '''
+
+@triton.jit
+def _neg_exp_kernel(X, Y, n, BLOCK: tl.constexpr):
+    # A = -exp(A_log) in fp32 (the scan ops take A, not A_log)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(Y + offs, -tl.exp(x), mask=offs < n)
+
+
+def _neg_exp(a_log):
+    a = torch.empty(a_log.shape, dtype=torch.float32, device=a_log.device)
+    _neg_exp_kernel[(triton.cdiv(a_log.numel(), 1024),)](a_log.contiguous(), a, a_log.numel(), BLOCK=1024)
+    return a
+
+
+@triton.jit
+def _mask_rows_kernel(X, M, Y, L, C, sxb, sxl, sxc, smb, sml, syb, syl, syc,
+                      BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    # y[b, l, c] = x[b, l, c] * mask[b, l]: HF's apply_mask_to_padding_states (any strides: x may be a [B, C, L] view)
+    b = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ml, mc = offs_l < L, offs_c < C
+    m = tl.load(M + b * smb + offs_l * sml, mask=ml, other=0).to(tl.float32)
+    x = tl.load(X + b * sxb + offs_l[:, None] * sxl + offs_c[None, :] * sxc, mask=ml[:, None] & mc[None, :], other=0.0)
+    y = x.to(tl.float32) * m[:, None]
+    tl.store(Y + b * syb + offs_l[:, None] * syl + offs_c[None, :] * syc, y.to(Y.dtype.element_ty),
+             mask=ml[:, None] & mc[None, :])
+
+
+def _mask_rows(x, mask, channels_last=True):
+    # x: [B, L, C] (channels_last) or [B, C, L]; mask: [B, L] or None -> a masked copy in x's layout (or x itself)
+    if mask is None:
+        return x
+    xv = x if channels_last else x.transpose(1, 2)  # [B, L, C] view
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    yv = y if channels_last else y.transpose(1, 2)
+    B, L, C = xv.shape
+    _mask_rows_kernel[(B, triton.cdiv(L, 16), triton.cdiv(C, 64))](
+        xv, mask, yv, L, C, *xv.stride(), *mask.stride(), *yv.stride(), BLOCK_L=16, BLOCK_C=64)
+    return y
+
+
+def _copy(t):
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _ssm_params(xc, weights, static):
+    # xc: [..., I] -> dt [..., I] (no bias: the scan adds dt_proj.bias in fp32, as HF does), B, C [..., N]
+    N = weights["A_log"].shape[1]
+    R = weights["dt_proj.weight"].shape[1]
+    p = linear(xc, weights["x_proj.weight"], **LIN)  # [..., R + 2N]
+    dt = linear(p[..., :R], weights["dt_proj.weight"], **LIN)
+    return dt, p[..., R:R + N], p[..., R + N:]
+'''
+
+
+def _applies(spec: TaskSpec) -> str | None:
+    if not MAMBA_WEIGHTS <= set(spec.weight_names):
+        return f"ssm_mixer.mamba: expected weights {sorted(MAMBA_WEIGHTS)}, got {spec.weight_names}"
+    if spec.static.get("activation", "silu") != "silu":
+        return f"ssm_mixer.mamba: expected activation silu, got {spec.static.get('activation')!r}"
+    return None
+
+
+def _space(spec: TaskSpec) -> dict[str, list]:
+    if spec.phase == "decode":
+        ops = {"conv_BLOCK_C": [64, 128, 256], "scan_BLOCK_D": [16, 32, 64], "scan_num_warps": [1, 2, 4]}
+    else:
+        ops = {"conv_BLOCK_C": [16, 32, 64], "conv_BLOCK_L": [32, 64, 128], "scan_BLOCK_D": [8, 16, 32, 64],
+               "scan_num_warps": [1, 2, 4]}
+    lin = linear_space(spec)
+    lin.pop("lin_TF32", None)
+    return {**lin, **ops}
+
+
+def _default(spec: TaskSpec) -> dict:
+    ops = {"conv_BLOCK_C": 128, "scan_BLOCK_D": 32, "scan_num_warps": 2} if spec.phase == "decode" else \
+        {"conv_BLOCK_C": 32, "conv_BLOCK_L": 64, "scan_BLOCK_D": 16, "scan_num_warps": 2}
+    return {**linear_default(spec), **ops}
+
+
+def _render_prefill(spec: TaskSpec, config: dict) -> str:
+    imports = ["from kernels_runtime.ops.linear import linear",
+               "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+               "from kernels_runtime.ops.selective_scan import selective_scan"]
+    return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    mask = inputs.get("attention_mask")  # [B, L] or None
+    x = _mask_rows(inputs["hidden_states"], mask)  # [B, L, H]
+    I = weights["in_proj.weight"].shape[0] // 2
+    proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, 2I]
+    xs, gate = proj[..., :I].transpose(1, 2), proj[..., I:].transpose(1, 2)  # [B, I, L] views
+    conv_w = weights["conv1d.weight"]  # [I, 1, K]
+    xc, conv_state = causal_conv1d(xs, conv_w.view(I, conv_w.shape[-1]), weights.get("conv1d.bias"), silu=True,
+                                   BLOCK_C=CONFIG["conv_BLOCK_C"], BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, I, L]
+    xc = _mask_rows(xc, mask, channels_last=False)
+    dt, Bm, Cm = _ssm_params(xc.transpose(1, 2), weights, static)  # [B, L, I], [B, L, N], [B, L, N]
+    y, ssm_state = selective_scan(xc, dt.transpose(1, 2), _neg_exp(weights["A_log"]), Bm.transpose(1, 2),
+                                  Cm.transpose(1, 2), D=weights["D"].float(), z=gate,
+                                  delta_bias=weights["dt_proj.bias"].float(), delta_softplus=True,
+                                  BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"])  # [B, I, L]
+    out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, H]
+    ssm_dtype = state["ssm_state"].dtype if "ssm_state" in state else x.dtype
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state.to(ssm_dtype)}
+'''
+
+
+def _render_decode(spec: TaskSpec, config: dict) -> str:
+    imports = ["from kernels_runtime.ops.linear import linear",
+               "from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
+               "from kernels_runtime.ops.selective_scan import selective_state_update"]
+    return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]  # [B, 1, H]
+    I = weights["in_proj.weight"].shape[0] // 2
+    proj = linear(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, 2I]
+    xs, gate = proj[:, :I], proj[:, I:]
+    conv_w = weights["conv1d.weight"]  # [I, 1, K]
+    conv_state = _copy(state["conv_state"])  # [B, I, K], advanced in place below
+    xc = causal_conv1d_update(xs, conv_state, conv_w.view(I, conv_w.shape[-1]), weights.get("conv1d.bias"),
+                              silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, I]
+    dt, Bm, Cm = _ssm_params(xc, weights, static)  # [B, I], [B, N], [B, N]
+    ssm_state = _copy(state["ssm_state"])  # [B, I, N]
+    y = selective_state_update(ssm_state, xc, dt, _neg_exp(weights["A_log"]), Bm, Cm, D=weights["D"], z=gate,
+                               dt_bias=weights["dt_proj.bias"].float(), dt_softplus=True,
+                               BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"])  # [B, I]
+    out = linear(y.view(y.shape[0], 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+
+TEMPLATES = [
+    Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN),
+             space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
+    Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
+             requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE), space_fn=_space, render_fn=_render_decode,
+             applies_fn=_applies, default_fn=_default),
+]

@@ -1,0 +1,109 @@
+"""CUDA-only timing of a candidate against its reference, in the same process and the same way.
+
+Two modes, each reported as p20/p50/p80 of per-call CUDA-event times over at least `MIN_REPS` calls and
+`MIN_TIME_MS` of measurement after a warm-up:
+- cold: before each call a 256 MB buffer is written (flushes L2) and the call gets the next of several fresh input
+  buffers in rotation;
+- in_context: right before each call a producer op (a copy) writes the inputs, as the preceding layer would, so they
+  are as warm as in the model.
+There is no CPU timing: a CPU time would say nothing about the GPU and must never count as a speedup.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+
+from llm4llm.verify.verdict import GateResult, Latency, Verdict
+
+FLUSH_BYTES = 256 << 20
+MIN_REPS = 50
+MIN_TIME_MS = 200.0
+MAX_REPS = 2000
+WARMUP = 5
+ROTATION = 4  # fresh input buffers cycled through in cold mode
+
+Args = tuple[dict, dict, dict, dict]
+
+
+def latency(times_ms: list[float]) -> Latency:
+    t = torch.tensor(times_ms, dtype=torch.float64)
+    p20, p50, p80 = (float(x) for x in torch.quantile(t, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)))
+    return Latency(p20=p20, p50=p50, p80=p80, reps=len(times_ms))
+
+
+def _clone_args(a: Args) -> Args:
+    inputs, weights, state, static = a
+    return ({n: t.clone() for n, t in inputs.items()}, weights, {n: t.clone() for n, t in state.items()},
+            copy.deepcopy(static))
+
+
+def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device) -> Latency:
+    """Time `fn(*args)` on the current stream; `args` are the draws to use (cold mode rotates over fresh copies)."""
+    stream = torch.cuda.current_stream(device)
+    if mode == "cold":
+        sets = [_clone_args(args[i % len(args)]) for i in range(ROTATION)]
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    else:
+        sets = [_clone_args(args[0])]
+        sources = _clone_args(args[0])
+    with torch.no_grad():
+        for i in range(WARMUP):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize(device)
+        times, events, spent, i = [], [], 0.0, 0
+        while (i < MIN_REPS or spent < MIN_TIME_MS) and i < MAX_REPS:
+            a = sets[i % len(sets)]
+            if mode == "cold":
+                flush.zero_()
+            else:
+                for n, t in a[0].items():
+                    t.copy_(sources[0][n])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn(*a)
+            end.record(stream)
+            events.append((start, end))
+            i += 1
+            if i % 10 == 0:
+                end.synchronize()
+                times += [s.elapsed_time(e) for s, e in events]
+                spent, events = sum(times), []
+        torch.cuda.synchronize(device)
+        times += [s.elapsed_time(e) for s, e in events]
+    return latency(times)
+
+
+def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
+    w = sum(weights)
+    return Latency(p20=sum(x.p20 * k for x, k in zip(lats, weights)) / w,
+                   p50=sum(x.p50 * k for x, k in zip(lats, weights)) / w,
+                   p80=sum(x.p80 * k for x, k in zip(lats, weights)) / w,
+                   reps=min(x.reps for x in lats))
+
+
+def time_task(v: Verdict, task, entry: Callable, ref: Callable, draws: list, device: torch.device) -> None:
+    """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count."""
+    from llm4llm.verify.gates import _classify_exception
+
+    weights = [float(max(c.calls, 1)) for c in task.spec.cases]
+    for mode in ("cold", "in_context"):
+        cand, refs = [], []
+        for k in range(len(task.cases)):
+            args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
+            try:
+                cand.append(time_call(entry, args, mode, device))
+            except Exception as e:  # noqa: BLE001
+                failure = _classify_exception(e, first_call=False)
+                failure.gate = f"timing_{mode}"
+                raise failure from None
+            refs.append(time_call(ref, args, mode, device))
+        c, r = _weighted(cand, weights), _weighted(refs, weights)
+        speedup = r.p50 / c.p50 if c.p50 > 0 else None
+        setattr(v, f"candidate_{mode}", c)
+        setattr(v, f"reference_{mode}", r)
+        setattr(v, f"speedup_{mode}", speedup)
+        ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
+        v.gates.append(GateResult(name=f"timing_{mode}", passed=True,
+                                  detail=f"p50 {c.p50:.4f} ms vs reference {r.p50:.4f} ms: {ratio}"))

@@ -1,0 +1,66 @@
+"""The verifier's typed result: one `GateResult` per gate, in the order they ran, and a `Verdict` per candidate."""
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FailureClass = Literal[
+    "static", "compile", "runtime_error", "timeout", "gpu_fault", "oom", "wrong_output", "nan_inf", "shape_dtype",
+    "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
+]
+
+NO_GPU = "skipped: no GPU"
+
+
+class GateResult(BaseModel):
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+class Latency(BaseModel):
+    """Per-call latency percentiles in milliseconds over the timed repetitions."""
+
+    p20: float
+    p50: float
+    p80: float
+    reps: int = 0
+
+
+class Verdict(BaseModel):
+    source_hash: str
+    task_id: str
+    gates: list[GateResult] = Field(default_factory=list)
+    passed: bool = False
+    failure_class: FailureClass | None = None
+    message: str = ""
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    candidate_cold: Latency | None = None
+    reference_cold: Latency | None = None
+    candidate_in_context: Latency | None = None
+    reference_in_context: Latency | None = None
+    speedup_cold: float | None = None
+    speedup_in_context: float | None = None
+    utility: float = 0.0
+    worker_pid: int | None = None
+    device_name: str = ""
+    timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"
+
+    def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
+        """Record a failing gate; the verdict is then final (later gates do not run)."""
+        self.gates.append(GateResult(name=gate, passed=False, detail=message))
+        self.passed, self.failure_class, self.message, self.utility = False, failure_class, message, 0.0
+        return self
+
+    def finish(self) -> "Verdict":
+        """Passed iff every gate passed; utility is the in-context speedup then, else 0 (a CPU run never has one)."""
+        self.passed = self.failure_class is None and all(g.passed for g in self.gates)
+        self.utility = float(self.speedup_in_context) if self.passed and self.speedup_in_context else 0.0
+        return self
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()

@@ -1,0 +1,283 @@
+"""Workloads: a validated TOML config plus the user's inference script (`build`, `inputs`, `run`).
+
+`load_workload(path)` turns every bad input into one `WorkloadError` that names the field, what was expected and
+what was got. `load_script(workload)` imports the script; `call_script(fn, ...)` runs one of its functions so that
+an exception inside the user's code surfaces as a `ScriptError` carrying the script's own traceback.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import sys
+import tomllib
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+
+from llm4llm.errors import DeviceError, ScriptError, WorkloadError
+
+SCRIPT_FUNCTIONS = ("build", "inputs", "run")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelSpec(BaseModel):
+    """Which model the script builds: `model_type` + `config` (seeded random weights) or a local `checkpoint`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_type: str | None = None
+    checkpoint: Path | None = None
+    config: dict[str, Any] = Field(default_factory=dict)  # validated after model_type and checkpoint
+
+    @field_validator("model_type")
+    @classmethod
+    def _known_model_type(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from transformers import CONFIG_MAPPING
+
+        if value not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(value, list(CONFIG_MAPPING.keys()), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"a transformers model_type such as llama, qwen3, mamba{hint}, got {value!r}")
+        return value
+
+    @field_validator("config")
+    @classmethod
+    def _valid_config(cls, value: dict, info: ValidationInfo) -> dict:
+        model_type = info.data.get("model_type")
+        if model_type is not None and info.data.get("checkpoint") is None:
+            _check_config(model_type, value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if self.checkpoint is None and self.model_type is None:
+            raise ValueError("model_type (random weights from a config) or checkpoint (a local directory), got neither")
+        if self.checkpoint is not None and self.config:
+            raise ValueError(f"no [model.config] beside a checkpoint (its config.json rules), got {sorted(self.config)}")
+        return self
+
+
+class PhaseWeights(BaseModel):
+    """The user's weights of the two phases in the deployment (normalised before use)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: float = Field(ge=0)
+    decode: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _positive_sum(self) -> PhaseWeights:
+        if self.prefill + self.decode <= 0:
+            raise ValueError(f"prefill + decode > 0, got {self.prefill} + {self.decode}")
+        return self
+
+    def normalised(self) -> dict[str, float]:
+        total = self.prefill + self.decode
+        return {"prefill": self.prefill / total, "decode": self.decode / total}
+
+
+class Workload(BaseModel):
+    """One inference workload: the model, the script that runs it, the shapes, the device and dtype."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    script: Path  # absolute once loaded by load_workload (the TOML holds it relative to itself)
+    model: ModelSpec
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    batch_size: StrictInt = Field(default=1, gt=0)
+    prompt_len: StrictInt = Field(gt=0)
+    decode_len: StrictInt = Field(gt=0)
+    seed: StrictInt = Field(default=0, ge=0)
+    phase_weights: PhaseWeights | None = None
+
+    _toml_path: Path | None = PrivateAttr(default=None)
+    _toml_text: str | None = PrivateAttr(default=None)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def toml_path(self) -> Path | None:
+        return self._toml_path
+
+    def content_hash(self) -> str:
+        """sha256 of the TOML text and the script text, first 16 hex digits."""
+        toml_text = self._toml_text if self._toml_text is not None else self.model_dump_json()
+        digest = hashlib.sha256()
+        digest.update(toml_text.encode())
+        digest.update(b"\0")
+        digest.update(Path(self.script).read_bytes() if Path(self.script).is_file() else b"")
+        return digest.hexdigest()[:16]
+
+
+def load_workload(path: str | Path, *, check_device: bool = True) -> Workload:
+    """Read and validate a workload TOML. `check_device=False` skips the "is that GPU here" check."""
+    path = Path(path)
+    where = str(path)
+    if not path.is_file():
+        raise WorkloadError(f"expected a workload TOML file, got {'a directory' if path.is_dir() else 'no such file'}",
+                            path=where)
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise WorkloadError(f"expected valid TOML, got a syntax error: {exc}", path=where) from None
+    base = path.resolve().parent
+    data = _resolve_paths(data, base)
+    try:
+        workload = Workload.model_validate(data)
+    except ValidationError as exc:
+        field, message = _describe(exc)
+        raise WorkloadError(message, path=where, field=field) from None
+    _check_files(workload, where)
+    if check_device:
+        problem = device_problem(workload.device)
+        if problem:
+            raise WorkloadError(f"field `device`: {problem}", path=where, field="device")
+    workload._toml_path = path.resolve()
+    workload._toml_text = text
+    return workload
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used on this machine, or None."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return f"expected a machine with CUDA for device {device!r}, got torch.cuda.is_available() == False"
+    index = int(device.split(":")[1]) if ":" in device else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        return f"expected a CUDA device index below {count}, got {device!r}"
+    return None
+
+
+def load_script(workload: Workload) -> ModuleType:
+    """Import the workload's inference script and check that it defines `build`, `inputs` and `run`."""
+    script = Path(workload.script).resolve()
+    if not script.is_file():
+        raise ScriptError("expected an existing Python file, got no such file", script=str(script))
+    name = "llm4llm_script_" + hashlib.sha256(str(script).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise ScriptError("expected an importable Python file (.py)", script=str(script))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that classes defined in the script can be pickled and inspected
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise ScriptError(f"importing it raised {type(exc).__name__}: {exc}", script=str(script),
+                          traceback_text=_user_traceback(exc)) from exc
+    missing = [fn for fn in SCRIPT_FUNCTIONS if not callable(getattr(module, fn, None))]
+    if missing:
+        raise ScriptError(f"expected functions {', '.join(SCRIPT_FUNCTIONS)}, got none named {', '.join(missing)}",
+                          script=str(script))
+    return module
+
+
+def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call a function of the user's script: its exceptions become ScriptError (with its traceback), running out
+    of GPU memory becomes DeviceError."""
+    try:
+        return fn(*args, **kwargs)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise DeviceError(f"out of GPU memory in {_qualname(fn)}(): {exc}. Expected the workload to fit; try a "
+                          f"smaller batch_size / prompt_len or a GPU with more free memory") from exc
+    except (WorkloadError, DeviceError):
+        raise
+    except Exception as exc:
+        raise ScriptError(f"{_qualname(fn)}() raised {type(exc).__name__}: {exc}", script=_script_of(fn),
+                          traceback_text=_user_traceback(exc)) from exc
+
+
+def _check_config(model_type: str | None, config: dict) -> None:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(model_type, **config)
+    except Exception as exc:  # transformers validates field types and architecture constraints
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"a valid {model_type} config, got {type(exc).__name__}: {detail}") from None
+
+
+def _resolve_paths(data: dict, base: Path) -> dict:
+    """Make `script` and `model.checkpoint` absolute, relative to the TOML's directory."""
+    data = dict(data)
+    if isinstance(data.get("script"), str):
+        data["script"] = str((base / Path(data["script"]).expanduser()).resolve())
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("checkpoint"), str):
+        data["model"] = {**model, "checkpoint": str((base / Path(model["checkpoint"]).expanduser()).resolve())}
+    return data
+
+
+def _check_files(workload: Workload, where: str) -> None:
+    if not workload.script.is_file():
+        raise WorkloadError(f"field `script`: expected an existing Python file, got no such file {workload.script}",
+                            path=where, field="script")
+    checkpoint = workload.model.checkpoint
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        got = "a directory without config.json" if checkpoint.is_dir() else "no such directory"
+        raise WorkloadError(f"field `model.checkpoint`: expected a local checkpoint directory with config.json, "
+                            f"got {got}: {checkpoint}", path=where, field="model.checkpoint")
+
+
+_NESTED = {"model": ModelSpec, "phase_weights": PhaseWeights}
+
+
+def _describe(exc: ValidationError) -> tuple[str, str]:
+    """(first field, one message) for a pydantic ValidationError: each problem as `field: expected ..., got ...`."""
+    lines, fields = [], []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        fields.append(field)
+        lines.append(f"field `{field}`: {_expected_got(err)}")
+    message = lines[0] if len(lines) == 1 else f"{len(lines)} problems:\n  " + "\n  ".join(lines)
+    return fields[0], message
+
+
+def _expected_got(err: dict) -> str:
+    kind, msg, got = err["type"], err["msg"], err.get("input")
+    if kind == "missing":
+        return "a value (the field is required), got nothing"
+    if kind == "extra_forbidden":
+        parent = _NESTED.get(str(err["loc"][0])) if len(err["loc"]) > 1 else Workload
+        known = ", ".join(parent.model_fields) if parent else "a known field"
+        return f"one of the known fields ({known}), got an unknown field"
+    if kind == "value_error":
+        return "expected " + msg.removeprefix("Value error, ")
+    if msg.startswith("Input should be "):
+        return f"expected {msg.removeprefix('Input should be ')}, got {got!r}"
+    if kind == "string_pattern_mismatch":
+        return f"expected cpu, cuda or cuda:N, got {got!r}"
+    return f"expected a valid value ({msg}), got {got!r}"
+
+
+def _qualname(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def _script_of(fn: Callable) -> str | None:
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code is not None else None
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The exception's traceback without llm4llm's own frames and importlib's machinery."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen importlib")):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from llm4llm import pipeline
+from tasks.common import infrastructure_only
+
+
+@task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
+def accept_patches(workload_path: str, run_id: str, db_path: str | None, data_dir: str, delta: float,
+                   metric: str, repeats: int) -> dict:
+    return pipeline.run_accept(workload_path, run_id, db_path, data_dir, delta=delta, metric=metric, repeats=repeats)
+
+
+@task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
+def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, repeats: int,
+                 variants: tuple[str, ...], run_id: str | None) -> dict:
+    out = pipeline.run_evaluate(workload_path, db_path, bundle=bundle, repeats=repeats, variants=variants,
+                                run_id=run_id)
+    create_table_artifact(key="e2e", table=[{k: r[k] for k in ("variant", "prefill_ms", "decode_ms_per_token",
+                                                                  "total_ms", "tokens_per_s", "peak_mem_mb",
+                                                                  "compile_s", "notes")} for r in out["rows"]],
+                          description="End to end: eager vs torch.compile vs patched")
+    return out

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from prefect import task
+
+from llm4llm import pipeline
+from tasks.common import infrastructure_only
+
+
+@task(name="search-task", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
+      task_run_name="search-{task_dir}")
+def search_task(task_dir: str, db_path: str | None, data_dir: str, mode: str, budget: int, proposer: str,
+                device: str, timeout_s: float, seed: int, run_id: str | None, llm: dict | None = None) -> dict:
+    """One task's search. A failing candidate is data (a row), not a task failure: only infrastructure errors
+    (the worker pool cannot start, the database is unavailable) fail and retry this task."""
+    return pipeline.run_task_search(task_dir, db_path, data_dir, mode=mode, budget=budget, proposer=proposer,
+                                    device=device, timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm)
+
+
+@task(name="searchable-tasks")
+def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
+                     top: int | None) -> list[str]:
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = repo.task_rows(db, run_id)
+    df = df[df["deployable"] & df["artifact_path"].notna()]
+    if task_ids:
+        df = df[df["task_id"].isin(task_ids)]
+    if families:
+        df = df[df["family"].isin(families)]
+    df = df.sort_values("score", ascending=False)
+    if top:
+        df = df.head(top)
+    return list(df["artifact_path"])

@@ -1,0 +1,25 @@
+# expect: unwritten_output wrong_output
+"""Normalises only the first half of the rows; the rest of torch.empty's memory is returned as is."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + offs, (x * rstd).to(w.dtype) * w, mask=mask)
+
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    rows = x.numel() // n
+    _rmsnorm_kernel[(rows // 2,)](x, weights["weight"], out, n, static["variance_epsilon"], BLOCK=128)
+    return {"out": out}

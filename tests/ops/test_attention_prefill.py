@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from kernels_runtime.ops.attention_prefill import attention_prefill, attention_prefill_ref
+from kernels_runtime.tolerances import assert_close
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def _qkv(B, Hq, Hkv, S_q, S_kv, D, dtype, device="cpu"):
+    q = torch.randn(B, Hq, S_q, D, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, S_kv, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, S_kv, D, dtype=dtype, device=device)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4, 2, 37, 37, 16), (2, 2, 2, 19, 19, 32), (1, 4, 1, 11, 30, 16)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_prefill_matches_ref(dtype, shape, seed):
+    torch.manual_seed(seed)
+    q, k, v = _qkv(*shape, dtype)
+    out = attention_prefill(q, k, v, 0.3, BLOCK_M=16, BLOCK_N=16)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, attention_prefill_ref(q, k, v, 0.3), dtype)
+    assert_close(out, attention_prefill_ref(q.double(), k.double(), v.double(), 0.3).to(dtype), dtype, name="vs float64")
+
+
+def test_attention_prefill_strided_inputs_default_scale():
+    # HF layout: projections [B, S, H, D] viewed as [B, H, S, D]
+    q = torch.randn(1, 21, 4, 16).transpose(1, 2)
+    k, v = torch.randn(1, 21, 2, 16).transpose(1, 2), torch.randn(1, 21, 2, 16).transpose(1, 2)
+    assert_close(attention_prefill(q, k, v, BLOCK_M=16, BLOCK_N=16), attention_prefill_ref(q, k, v))
+
+
+def test_attention_prefill_phase_contract():
+    q, k, v = _qkv(1, 4, 2, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="q_len > 1"):
+        attention_prefill(q, k, v)
+    q, k, v = _qkv(1, 4, 3, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="Hkv dividing"):
+        attention_prefill(q, k, v)
+    q, k, v = _qkv(1, 4, 2, 8, 6, 16, torch.float32)
+    with pytest.raises(ValueError, match="S_kv >= S_q"):
+        attention_prefill(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 32, 8, 512, 512, 128), (2, 32, 32, 67, 67, 128), (1, 8, 2, 300, 300, 64)])
+def test_attention_prefill_cuda_bf16(shape):
+    q, k, v = _qkv(*shape, torch.bfloat16, "cuda")
+    assert_close(attention_prefill(q, k, v), attention_prefill_ref(q, k, v))

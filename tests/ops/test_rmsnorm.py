@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from kernels_runtime.ops.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_residual, rmsnorm_residual_ref
+from kernels_runtime.tolerances import assert_close
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 80), (2, 5, 200), (1, 37)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rmsnorm_matches_ref(dtype, shape, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(shape, dtype=dtype) * 3
+    w = torch.randn(shape[-1], dtype=dtype)
+    out = rmsnorm(x, w, 1e-5)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, rmsnorm_ref(x, w, 1e-5), dtype)
+    assert_close(out, rmsnorm_ref(x.double(), w.double(), 1e-5).to(dtype), dtype, name="vs float64")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rmsnorm_residual_matches_ref_and_keeps_inputs(dtype, seed):
+    torch.manual_seed(seed)
+    x, r = torch.randn(2, 3, 200, dtype=dtype), torch.randn(2, 3, 200, dtype=dtype)
+    w = torch.randn(200, dtype=dtype)
+    x0, r0 = x.clone(), r.clone()
+    out, res = rmsnorm_residual(x, r, w)
+    out_ref, res_ref = rmsnorm_residual_ref(x, r, w)
+    assert_close(out, out_ref, dtype)
+    assert_close(res, res_ref, dtype, name="new_residual")
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
+def test_rmsnorm_strided_rows_and_fp32_weight():
+    x = torch.randn(4, 160, dtype=torch.float16)[:, :80]  # row stride 160
+    w = torch.randn(80, dtype=torch.float32)
+    out = rmsnorm(x, w)
+    assert out.dtype == torch.float32
+    assert_close(out, rmsnorm_ref(x, w), torch.float16)
+
+
+def test_rmsnorm_rejects_bad_weight():
+    with pytest.raises(ValueError, match="expected weight of shape"):
+        rmsnorm(torch.randn(2, 80), torch.randn(64))
+    with pytest.raises(ValueError, match="residual"):
+        rmsnorm_residual(torch.randn(2, 80), torch.randn(2, 81), torch.randn(80))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2560, 4096, 4000])
+def test_rmsnorm_cuda_bf16(n):
+    x, r = torch.randn(67, n, device="cuda", dtype=torch.bfloat16), torch.randn(67, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert_close(rmsnorm(x, w), rmsnorm_ref(x, w))
+    out, res = rmsnorm_residual(x, r, w)
+    out_ref, res_ref = rmsnorm_residual_ref(x, r, w)
+    assert_close(out, out_ref)
+    assert_close(res, res_ref)

@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from kernels_runtime.ops.selective_scan import (
+    selective_scan,
+    selective_scan_ref,
+    selective_state_update,
+    selective_state_update_ref,
+)
+from kernels_runtime.tolerances import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _inputs(Bsz, D, L, N, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    u, delta, z = r(Bsz, D, L).to(dtype), (r(Bsz, D, L) * 0.5 - 1.0).to(dtype), r(Bsz, D, L).to(dtype)
+    A = -torch.exp(r(D, N) * 0.5)  # fp32, as HF passes -exp(A_log.float())
+    B, C = r(Bsz, N, L).to(dtype), r(Bsz, N, L).to(dtype)
+    Dv, dbias = r(D), r(D) * 0.5  # fp32 (HF: self.D.float(), dt_proj.bias.float())
+    return u, delta, A, B, C, Dv, z, dbias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Bsz,D,L,N", [(2, 40, 37, 16), (1, 24, 5, 12)])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_selective_scan(dtype, Bsz, D, L, N, fused, seed):
+    u, delta, A, B, C, Dv, z, dbias = _inputs(Bsz, D, L, N, dtype, seed)
+    kw = dict(D=Dv, z=z) if fused else {}
+    y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, delta_bias=dbias, **kw)
+    y, h = selective_scan(u, delta, A, B, C, delta_bias=dbias, BLOCK_D=16, **kw)
+    assert_close(y, y_ref, name="y")
+    assert_close(h, h_ref, torch.float32 if dtype == torch.float32 else dtype, name="final state")
+
+
+def test_selective_scan_strided_views_and_initial_state():
+    # HF passes B, C as transposed views of the x_proj output and z as a view of in_proj's output
+    u, delta, A, _, _, Dv, _, dbias = _inputs(2, 40, 11, 16, torch.float32, 3)
+    bc = torch.randn(2, 11, 5 + 32)
+    B, C = bc[..., 5:21].transpose(1, 2), bc[..., 21:].transpose(1, 2)
+    z = torch.randn(2, 11, 80).transpose(1, 2)[:, 40:]
+    h0 = torch.randn(2, 40, 16)
+    y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, Dv, z, dbias, initial_state=h0)
+    y, h = selective_scan(u, delta, A, B, C, Dv, z, dbias, initial_state=h0)
+    assert_close(y, y_ref)
+    assert_close(h, h_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_selective_state_update_matches_prefill(dtype, seed):
+    Bsz, D, L, N = 2, 40, 9, 16
+    u, delta, A, B, C, Dv, z, dbias = _inputs(Bsz, D, L + 1, N, dtype, seed)
+    y_full, h_full = selective_scan_ref(u, delta, A, B, C, Dv, z, dbias)
+    _, state = selective_scan(u[..., :L], delta[..., :L], A, B[..., :L], C[..., :L], Dv, z[..., :L], dbias)
+    state_ref = state.clone()
+    args = (u[..., L], delta[..., L], A, B[..., L], C[..., L], Dv, z[..., L], dbias)
+    y_ref = selective_state_update_ref(state_ref, *args)
+    y = selective_state_update(state, *args, BLOCK_D=16)
+    assert_close(y, y_ref, name="y")
+    assert_close(state, state_ref, name="state")
+    assert_close(y, y_full[..., L], name="decode vs prefill")
+    assert_close(state, h_full, name="state vs prefill over L+1")
+
+
+def test_ref_matches_hf_torch_path():
+    from transformers.models.mamba import modeling_mamba as hf
+
+    u, delta, A, B, C, Dv, z, dbias = _inputs(2, 24, 7, 16, torch.float32, 4)
+    y_hf, h_hf = hf.mamba_selective_scan(u, delta, A, B, C, Dv, z, dbias, True, True)
+    y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, Dv, z, dbias)
+    assert_close(y_ref, y_hf.to(y_ref.dtype))
+    assert_close(h_ref, h_hf)
+    s_hf, s_ref = h_ref.clone(), h_ref.clone()
+    kw = dict(x=u[..., 0], dt=delta[..., 0], A=A, B=B[..., 0], C=C[..., 0], D=Dv, z=z[..., 0], dt_bias=dbias)
+    y_hf = hf.mamba_selective_state_update(s_hf, kw.pop("x"), dt_softplus=True, **kw)
+    assert_close(selective_state_update_ref(s_ref, u[..., 0], **kw), y_hf)
+    assert_close(s_ref, s_hf)

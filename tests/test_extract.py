@@ -1,0 +1,196 @@
+"""Task extraction on tiny HF models: phase-split tasks, grouping, sibling dispatch, artifacts that reproduce, and
+non-deployable modules with their reasons."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from kernels_runtime.boundary import call_reference
+from kernels_runtime.families import family_of
+from llm4llm.extract import extract_tasks
+from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
+from llm4llm.taskspec import load_task
+from test_boundary import generate, tiny_model
+
+
+def profile_of(model: torch.nn.Module) -> ProfileResult:
+    """Every module in both phases, each with the same score: extraction decides on the captured calls alone."""
+    records = [ModuleRecord(module_path=name, class_name=type(m).__name__, phase=phase, calls=1, time_ms=1.0,
+                            share=0.1, hotspot_score=0.05, family=family_of(m, name=name, root=model))
+               for phase in ("prefill", "decode") for name, m in model.named_modules()]
+    phases = {p: PhaseInfo(phase=p, forwards=1, time_ms=10.0, weight=0.5) for p in ("prefill", "decode")}
+    return ProfileResult(phases=phases, records=records, hardware={"device": "cpu"}, timer="perf_counter")
+
+
+def extract(model, tmp_path, **kw):
+    return extract_tasks(model, lambda: generate(model), profile_of(model), tmp_path, workload_name="tiny",
+                         run_id="r1", **kw)
+
+
+def find(specs, cls: str, phase: str, **match):
+    found = [s for s in specs if s.module_class.endswith("." + cls) and s.phase == phase
+             and all(getattr(s, k) == v for k, v in match.items())]
+    assert found, f"no {cls} {phase} task among {[(s.module_class, s.phase) for s in specs]}"
+    return found
+
+
+def assert_task_reproduces(path):
+    task = load_task(path)
+    module = task.load_module()
+    assert task.cases
+    for case in task.cases:
+        got = call_reference(module, case.weights, case.inputs, case.state, task.spec.static, task.spec.recipe)
+        assert set(got) == set(case.ref)
+        for name, ref in case.ref.items():
+            assert torch.equal(got[name], ref), name
+    return task
+
+
+def test_qwen3_tasks_split_by_phase_grouped_and_round_trip(tmp_path):
+    model = tiny_model("qwen3")
+    specs = extract(model, tmp_path)
+
+    prefill, = find(specs, "Qwen3Attention", "prefill")
+    decode, = find(specs, "Qwen3Attention", "decode")
+    for spec in (prefill, decode):
+        assert spec.deployable, spec.reason
+        assert spec.instances == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        assert spec.hotspot_score == pytest.approx(0.1)
+        assert spec.input_names == ["hidden_states", "position_ids", "position_embeddings.0", "position_embeddings.1"]
+        assert spec.output_names == ["out", "state_out.key_cache", "state_out.value_cache"]
+        assert "layer_idx" not in spec.static and spec.static["head_dim"] == 16
+        assert {"q_proj.weight", "q_norm.weight", "k_norm.weight", "o_proj.weight"} <= set(spec.weight_names)
+    assert prefill.state_names == [] and decode.state_names == ["key_cache", "value_cache"]
+    assert prefill.dispatch.sibling_tasks == [decode.task_id] and decode.dispatch.sibling_tasks == [prefill.task_id]
+    assert prefill.dispatch.phase == "prefill" and prefill.task_id != decode.task_id
+    # 3 decode steps, one signature each (the cache grows): all captured, counted over both layers
+    assert [c.state["key_cache"].shape for c in decode.cases] == [[1, 2, 16, 16], [1, 2, 17, 16], [1, 2, 18, 16]]
+    assert [c.calls for c in decode.cases] == [2, 2, 2]
+
+    # Qwen3RMSNorm: the hidden-size norms (4 per-layer + final) group apart from q_norm [B, S, 4, D] and
+    # k_norm [B, S, 2, D]: same class and weights, different shapes
+    norms = find(specs, "Qwen3RMSNorm", "prefill")
+    assert sorted(len(s.instances) for s in norms) == [2, 2, 5]
+    assert all(s.deployable for s in norms)
+    mlp, = find(specs, "Qwen3MLP", "decode")
+    assert mlp.input_names == ["x"] and len(mlp.instances) == 2
+
+    for spec in specs:
+        assert spec.deployable, (spec.module_class, spec.phase, spec.reason)
+        task = assert_task_reproduces(tmp_path / spec.task_id)
+        assert task.spec == spec
+    ref = load_task(tmp_path / decode.task_id).reference()
+    case = load_task(tmp_path / decode.task_id).cases[0]
+    assert torch.equal(ref(case.inputs, case.weights, case.state, decode.static)["out"], case.ref["out"])
+
+
+def test_max_cases_caps_captured_signatures_and_keeps_counts(tmp_path):
+    model = tiny_model("llama")
+    specs = extract(model, tmp_path, families=["attention"], max_cases=2)
+    decode, = find(specs, "LlamaAttention", "decode")
+    assert len(decode.cases) == 2 and len(decode.observed) == 3
+    assert sum(c.calls for c in decode.observed) == 6
+    assert len(load_task(tmp_path / decode.task_id).cases) == 2
+    assert {s.family for s in specs} == {"attention"}
+
+
+@pytest.mark.parametrize("model_type,cls,state", [
+    ("mamba", "MambaMixer", ["conv_state", "ssm_state"]),
+    ("mamba2", "Mamba2Mixer", ["conv_state", "ssm_state"]),
+    ("recurrent_gemma", "RecurrentGemmaRecurrentBlock", ["conv_state", "rg_lru_state"]),
+])
+def test_stateful_mixers_extract_and_reproduce(tmp_path, model_type, cls, state):
+    model = tiny_model(model_type)
+    specs = extract(model, tmp_path, families=["ssm_mixer", "recurrent_block", "attention"])
+    prefill, = find(specs, cls, "prefill")
+    decode, = find(specs, cls, "decode")
+    assert prefill.deployable and decode.deployable, (prefill.reason, decode.reason)
+    assert decode.state_names == state
+    assert decode.output_names == ["out"] + [f"state_out.{n}" for n in state]
+    assert len(decode.instances) == 2 and decode.dispatch.sibling_tasks == [prefill.task_id]
+    assert_task_reproduces(tmp_path / prefill.task_id)
+    assert_task_reproduces(tmp_path / decode.task_id)
+    if model_type == "recurrent_gemma":
+        # the RG-LRU keeps its state on itself and no adapter owns it alone: not a boundary of its own
+        lru = [s for s in specs if s.module_class.endswith(".RecurrentGemmaRglru")]
+        assert lru and all(not s.deployable and "writes state kept on the module" in s.reason for s in lru)
+        attn, = find(specs, "RecurrentGemmaAttention", "decode")
+        assert attn.deployable and attn.recipe["state"]["adapter"] == "DynamicSlidingWindowLayer"
+
+
+class NoisyMLP(LlamaMLP):
+    """Hidden randomness: noise drawn inside forward."""
+
+    def forward(self, x):
+        return super().forward(x) + torch.rand_like(x)
+
+
+class DropoutMLP(LlamaMLP):
+    """Hidden randomness: dropout left in train mode."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.drop = torch.nn.Dropout(0.5).train()
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+def test_hidden_randomness_is_not_deployable(tmp_path):
+    model = tiny_model("llama")
+    layers = model.model.layers
+    layers[0].mlp.__class__ = NoisyMLP
+    dropout = DropoutMLP(model.config)
+    dropout.load_state_dict(layers[1].mlp.state_dict())
+    layers[1].mlp = dropout.train()
+    specs = extract(model, tmp_path, families=["mlp", "norm"])
+    for cls in ("NoisyMLP", "DropoutMLP"):
+        for phase in ("prefill", "decode"):
+            spec, = find(specs, cls, phase)
+            assert not spec.deployable and spec.reason.startswith("not reproducible:"), spec.reason
+            assert spec.cases == [] and spec.observed and not (tmp_path / spec.task_id).exists()
+    assert all(s.deployable for s in specs if "MLP" not in s.module_class)
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x, eps=1e-6):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weight
+
+
+class _ToyLM(torch.nn.Module):
+    """Calls its norm with a different static argument each time: no stable boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.norm = _Norm()
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        return self.norm(self.norm(h, eps=1e-6), eps=1e-5)
+
+
+def test_unstable_call_boundary_is_not_deployable(tmp_path):
+    model = _ToyLM().eval()
+    profile = ProfileResult(phases={}, records=[ModuleRecord("norm", "_Norm", "norm", "prefill", 2, 1.0,
+                                                             hotspot_score=0.5)], hardware={}, timer="perf_counter")
+    specs = extract_tasks(model, lambda: model(torch.randint(0, 16, (1, 5))), profile, tmp_path)
+    spec, = specs
+    assert not spec.deployable and spec.reason.startswith("unstable call boundary")
+    assert "static eps" in spec.reason
+
+
+def test_extract_from_the_real_profiler(tmp_path):
+    profiler = pytest.importorskip("llm4llm.profiler")
+    model = tiny_model("llama")
+    profile = profiler.profile_model(model, lambda: generate(model), device="cpu")
+    specs = extract_tasks(model, lambda: generate(model), profile, tmp_path)
+    assert [s.hotspot_score for s in specs] == sorted((s.hotspot_score for s in specs), reverse=True)
+    for phase in ("prefill", "decode"):
+        attn, = find(specs, "LlamaAttention", phase)
+        assert attn.deployable and len(attn.instances) == 2 and attn.hardware == profile.hardware

@@ -1,0 +1,124 @@
+"""Guards are pure predicates: tested on the CPU with fake tensors and fake hardware."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels_runtime.bundle import Guard
+from kernels_runtime.guards import check_capability, check_shape, dim_ok, is_supported
+
+
+@dataclass
+class FakeTensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(type="cuda", index=0))
+    contiguous: bool = True
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def stride(self) -> tuple[int, ...]:
+        return (1,) * len(self.shape)
+
+
+@dataclass
+class FakeCall:
+    inputs: dict
+    capability: tuple[int, int] | None = (9, 0)
+
+
+def call(**inputs) -> FakeCall:
+    return FakeCall(inputs=inputs)
+
+
+def test_empty_guard_accepts_anything():
+    assert is_supported(Guard(), call(x=FakeTensor((3, 5), torch.float16))) == (True, "")
+
+
+@pytest.mark.parametrize("dtype,ok", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)])
+def test_dtype(dtype, ok):
+    got, reason = is_supported(Guard(dtypes=["bfloat16", "float16"]), call(hidden_states=FakeTensor((1, 7, 64), dtype)))
+    assert got is ok
+    if not ok:
+        assert reason == "dtype: expected bfloat16|float16, got float32 (hidden_states)"
+
+
+def test_dtype_ignores_integer_inputs():
+    c = call(x=FakeTensor((2, 3), torch.bfloat16), position_ids=FakeTensor((2, 3), torch.int64))
+    assert is_supported(Guard(dtypes=["bfloat16"]), c)[0]
+
+
+@pytest.mark.parametrize("cap,ok", [((8, 0), False), ((9, 0), True), ((10, 0), True)])
+def test_min_capability(cap, ok):
+    c = FakeCall(inputs={"x": FakeTensor((4,))}, capability=cap)
+    got, reason = is_supported(Guard(min_capability="9.0"), c)
+    assert got is ok
+    if not ok:
+        assert reason == "capability: expected >= 9.0, got 8.0"
+
+
+def test_capability_on_cpu_rejects():
+    assert check_capability((8, 0), "cpu", None) == (False, "capability: expected cuda >= 8.0, got cpu")
+
+
+def test_device_type():
+    cpu = FakeTensor((4,), device=SimpleNamespace(type="cpu", index=None))
+    assert is_supported(Guard(device_types=["cuda"]), call(x=cpu)) == (False, "device: expected cuda, got cpu")
+    assert is_supported(Guard(device_types=["cuda"]), call(x=FakeTensor((4,))))[0]
+
+
+@pytest.mark.parametrize("spec,size,ok", [
+    (None, 17, True), (16, 16, True), (16, 17, False), ((1, 8), 1, True), ((1, 8), 8, True), ((1, 8), 9, False),
+    ((2, None), 4096, True), ((2, None), 1, False),
+])
+def test_dim(spec, size, ok):
+    assert dim_ok(spec, size) is ok
+
+
+def test_shape_exact_and_range():
+    guard = Guard(shapes={"hidden_states": [1, [1, 2048], 64]})
+    assert is_supported(guard, call(hidden_states=FakeTensor((1, 1823, 64))))[0]
+    ok, reason = is_supported(guard, call(hidden_states=FakeTensor((1, 4096, 64))))
+    assert not ok and reason == "shape hidden_states: expected [1, 1..2048, 64], got [1, 4096, 64]"
+    ok, reason = is_supported(guard, call(hidden_states=FakeTensor((1, 7, 64, 1))))
+    assert not ok and "expected [1, 1..2048, 64]" in reason  # rank mismatch
+
+
+def test_shape_missing_input():
+    ok, reason = is_supported(Guard(shapes={"x": [None]}), call(y=FakeTensor((3,))))
+    assert not ok and reason == "shape x: expected an input named x, got none"
+
+
+def test_check_shape_unbounded_range_formats():
+    assert check_shape("x", [[2, None]], (1,)) == (False, "shape x: expected [2..], got [1]")
+
+
+def test_contiguity():
+    guard = Guard(contiguous=["x"])
+    assert is_supported(guard, call(x=FakeTensor((3, 4))))[0]
+    ok, reason = is_supported(guard, call(x=FakeTensor((3, 4), contiguous=False)))
+    assert not ok and reason.startswith("contiguity x: expected contiguous")
+
+
+def test_first_failing_check_is_reported():
+    guard = Guard(dtypes=["bfloat16"], shapes={"x": [8]})
+    assert is_supported(guard, call(x=FakeTensor((9,))))[1].startswith("dtype:")
+
+
+def test_real_tensors_on_cpu():
+    x = torch.randn(2, 5, 8)
+    assert is_supported(Guard(dtypes=["float32"], device_types=["cpu"], shapes={"x": [2, None, 8]}), {"x": x})[0]
+    assert not is_supported(Guard(contiguous=["x"]), {"x": x.transpose(0, 1)})[0]
+
+
+def test_guard_json_round_trip():
+    guard = Guard(dtypes=["bfloat16"], min_capability="8.9", shapes={"x": [1, [1, None], 64, None]}, contiguous=["x"])
+    again = Guard.model_validate_json(guard.model_dump_json())
+    assert again == guard and again.min_capability == (8, 9)
