@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -92,7 +93,13 @@ class StateAdapter:
 
     `describe` returns the JSON the recipe keeps (`recipe["state"]`; the layer index is read from the module's
     `layer_idx` at call time, so one recipe serves every layer of a group); `build` returns the object to pass where the
-    call had its cache (None for state that lives on the module) and a function that undoes what it changed."""
+    call had its cache (None for state that lives on the module) and a function that undoes what it changed.
+
+    An adapter that can also put a kernel's state back defines `write_state(module, cache, state_out, spec,
+    inputs=None)`, the mirror of `read_out`: afterwards the user's cache (or module) holds what the original forward
+    would have left there, bookkeeping included, so the next call's phase, masks and positions are unchanged. It
+    checks everything before it changes anything (a ValueError leaves the cache untouched). patch.py falls back for
+    an adapter without it."""
 
     name: str = ""
     state_names: tuple[str, ...] = ()
@@ -126,6 +133,41 @@ def _cache_layer(cache: Any, idx: int) -> Any:
     return layers[idx] if idx < len(layers) else None
 
 
+def _writable_layer(cache: Any, idx: int) -> Any:
+    """The cache's layer `idx`, created as `Cache.update` would (a DynamicCache() without config grows lazily)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        raise ValueError(f"write_state: expected a Cache with per-layer `layers`, got {type(cache).__name__}")
+    if idx >= len(layers):
+        replicate = getattr(cache, "layer_class_to_replicate", None)
+        if replicate is None:
+            raise ValueError(f"write_state: cache has {len(layers)} layers and no layer class to create layer {idx}")
+        while len(layers) <= idx:
+            layers.append(replicate())
+    return layers[idx]
+
+
+def _check_like(name: str, got: torch.Tensor, like: torch.Tensor | None, dims: int, fixed: tuple[int, ...]) -> None:
+    """A state tensor for write-back: a tensor of `dims` dims whose dims `fixed` match `like` (the state before)."""
+    if not isinstance(got, torch.Tensor) or got.dim() != dims:
+        raise ValueError(f"state_out.{name}: expected a {dims}-d tensor, got "
+                         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+    if like is not None and (got.dtype != like.dtype or got.device != like.device
+                             or any(got.shape[d] != like.shape[d] for d in fixed)):
+        raise ValueError(f"state_out.{name}: expected {like.dtype} on {like.device} with dims {list(fixed)} of "
+                         f"{tuple(like.shape)}, got {got.dtype} on {got.device} {tuple(got.shape)}")
+
+
+def _new_positions(inputs: dict[str, torch.Tensor] | None) -> int | None:
+    """Number of new positions of an attention call ([B, S, H] hidden states), None when unknown."""
+    if not inputs:
+        return None
+    x = inputs.get("hidden_states")
+    if x is None:
+        x = next((t for t in inputs.values() if t.dim() == 3), None)
+    return None if x is None or x.dim() < 2 else int(x.shape[-2])
+
+
 def _one_layer_cache(layer: Any, idx: int, placeholder: Callable[[], Any]) -> Any:
     """A DynamicCache holding `layer` at index `idx` (empty placeholders below it)."""
     from transformers.cache_utils import DynamicCache
@@ -146,6 +188,8 @@ class KVLayerAdapter(StateAdapter):
 
     def describe(self, module, cache):
         spec = {"adapter": self.name}
+        if getattr(cache, "offloading", False):
+            raise UnsupportedBoundary(f"{self.name}: an offloading cache (prefetch/offload around update) is not adapted")
         layer = _cache_layer(cache, _layer_idx(module))
         if layer is not None and getattr(layer, "record_past", False):
             raise UnsupportedBoundary(f"{self.name}: past recording (speculative rollback) is not adapted")
@@ -187,6 +231,43 @@ class KVLayerAdapter(StateAdapter):
             return {}
         return {"key_cache": layer.keys, "value_cache": layer.values}
 
+    def write_state(self, module, cache, state_out, spec, inputs=None):
+        """The layer's keys/values after the call (what `read_out` reads) = `state_out.key_cache/value_cache`
+        [B, Hkv, S, D]: the past (state-in) followed by the call's new positions, as `DynamicLayer.update` leaves them.
+        A fresh layer gets `lazy_initialization` (dtype, device, is_initialized; the sliding-window tensor's device).
+        DynamicSlidingWindowLayer: keeps the last `sliding_window - 1` positions (the cut `update` makes; a kernel
+        may return them cut or uncut) and advances `cumulative_length` (its `get_seq_length` and mask sizes) by the
+        call's new positions (`inputs["hidden_states"]` length; without inputs, by the growth of the keys)."""
+        idx = _layer_idx(module)
+        layer = _cache_layer(cache, idx)
+        keys, values = state_out["key_cache"], state_out["value_cache"]
+        old = layer.keys if layer is not None and layer.is_initialized and layer.keys is not None \
+            and layer.keys.numel() else None
+        _check_like("key_cache", keys, old, 4, (0, 1, 3))
+        _check_like("value_cache", values, layer.values if old is not None else None, 4, (0, 1, 3))
+        if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype or keys.device != values.device:
+            raise ValueError(f"state_out: expected key_cache and value_cache alike in [B, Hkv, S], got "
+                             f"{tuple(keys.shape)} {keys.dtype}, {tuple(values.shape)} {values.dtype}")
+        sliding = self.name == "DynamicSlidingWindowLayer"
+        if sliding:
+            window = int(spec.get("sliding_window") or getattr(layer, "sliding_window", 0))
+            if window < 1:
+                raise ValueError("write_state: DynamicSlidingWindowLayer without a sliding_window")
+            past = old.shape[-2] if old is not None else 0
+            new = _new_positions(inputs)
+            if new is None:  # uncut keys grow by the new positions; cut ones are exact below the window
+                new = keys.shape[-2] - past
+            if new < 0 or (keys.shape[-2] != min(past + new, window - 1) and keys.shape[-2] != past + new):
+                raise ValueError(f"state_out.key_cache: expected {past} past + {new} new positions "
+                                 f"(or the last {window - 1}), got {keys.shape[-2]}")
+            keys, values = keys[:, :, -window + 1:, :], values[:, :, -window + 1:, :]
+        layer = _writable_layer(cache, idx)  # checks done: from here on the cache changes
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        if sliding:
+            layer.cumulative_length += new
+
 
 class LinearAttentionLayerAdapter(StateAdapter):
     """LinearAttentionLayer (Mamba, Mamba2): `conv_state` [B, C, K], `ssm_state` (Mamba [B, D, N], Mamba2
@@ -197,6 +278,8 @@ class LinearAttentionLayerAdapter(StateAdapter):
 
     def describe(self, module, cache):
         spec = {"adapter": self.name}
+        if getattr(cache, "offloading", False):
+            raise UnsupportedBoundary(f"{self.name}: an offloading cache is not adapted")
         layer = _cache_layer(cache, _layer_idx(module))
         if layer is not None:
             if layer.number_of_states != 1:
@@ -238,6 +321,41 @@ class LinearAttentionLayerAdapter(StateAdapter):
         layer = _cache_layer(cache, _layer_idx(module))
         return {} if layer is None else self._read(layer)
 
+    def write_state(self, module, cache, state_out, spec, inputs=None):
+        """`conv_states[0]` = `state_out.conv_state` [B, C, K], `recurrent_states[0]` = `state_out.ssm_state`, both
+        copied in place (the layer keeps static addresses for CUDA graphs, as `update_conv_state` /
+        `update_recurrent_state` do); a fresh layer is lazily initialized from them (dtype, device, conv_kernel_size,
+        is_*_initialized). `has_previous_state[0]` becomes True, as after any call that had a cache: the next call
+        takes the one-token decode path (and `Cache.has_previous_state` answers as after the original)."""
+        idx = _layer_idx(module)
+        layer = _cache_layer(cache, idx)
+        conv, ssm = state_out["conv_state"], state_out["ssm_state"]
+        old_conv = layer.conv_states[0] if layer is not None and layer.is_conv_states_initialized[0] else None
+        old_ssm = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
+        _check_like("conv_state", conv, old_conv, 3, (0, 1, 2))
+        width = getattr(module, "conv_kernel_size", None)
+        if isinstance(width, int) and conv.shape[-1] != width:
+            raise ValueError(f"state_out.conv_state: expected the last {width} inputs (conv_kernel_size), "
+                             f"got {conv.shape[-1]}")
+        if not isinstance(ssm, torch.Tensor) or ssm.dim() < 3 or ssm.shape[0] != conv.shape[0]:
+            raise ValueError(f"state_out.ssm_state: expected [B={conv.shape[0]}, ...] (3-d or more), got "
+                             f"{tuple(ssm.shape) if isinstance(ssm, torch.Tensor) else type(ssm).__name__}")
+        if old_ssm is not None and (ssm.shape != old_ssm.shape or ssm.device != old_ssm.device):
+            raise ValueError(f"state_out.ssm_state: expected {tuple(old_ssm.shape)} on {old_ssm.device}, "
+                             f"got {tuple(ssm.shape)} on {ssm.device}")
+        if layer is not None and (layer.number_of_states != 1 or layer.record_past):
+            raise ValueError("write_state: LinearAttentionLayer with several states or past recording is not adapted")
+        layer = _writable_layer(cache, idx)  # checks done: from here on the cache changes
+        if not layer.is_conv_states_initialized[0]:
+            layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
+        if conv.data_ptr() != layer.conv_states[0].data_ptr():
+            layer.conv_states[0].copy_(conv)
+        if not layer.is_recurrent_states_initialized[0]:
+            layer.lazy_initialization(recurrent_states=ssm)
+        if ssm.data_ptr() != layer.recurrent_states[0].data_ptr():
+            layer.recurrent_states[0].copy_(ssm)
+        layer.has_previous_state[0] = True
+
 
 class RecurrentGemmaBlockAdapter(StateAdapter):
     """RecurrentGemmaRecurrentBlock keeps its state on itself (transformers 5.17): `conv_state` = `conv1d_state`
@@ -273,6 +391,23 @@ class RecurrentGemmaBlockAdapter(StateAdapter):
     def clear(self, module):
         module.conv1d_state = None
         module.rg_lru.recurrent_states = None
+
+    def write_state(self, module, cache, state_out, spec, inputs=None):
+        """`module.conv1d_state` = `state_out.conv_state` [B, W, K-1], `module.rg_lru.recurrent_states` =
+        `state_out.rg_lru_state` [B, W] (fp32), assigned as the forward assigns them (new tensors, no copy). The HF
+        cache object is untouched (the forward never writes to it); its attention layers keep the bookkeeping."""
+        conv, lru = state_out["conv_state"], state_out["rg_lru_state"]
+        k = module.conv1d_width - 1
+        if not isinstance(conv, torch.Tensor) or conv.dim() != 3 or conv.shape[1:] != (module.hidden_size, k):
+            raise ValueError(f"state_out.conv_state: expected [B, {module.hidden_size}, {k}], got "
+                             f"{tuple(conv.shape) if isinstance(conv, torch.Tensor) else type(conv).__name__}")
+        if not isinstance(lru, torch.Tensor) or tuple(lru.shape) != (conv.shape[0], module.lru_width):
+            raise ValueError(f"state_out.rg_lru_state: expected [{conv.shape[0]}, {module.lru_width}], got "
+                             f"{tuple(lru.shape) if isinstance(lru, torch.Tensor) else type(lru).__name__}")
+        if lru.dtype != torch.float32:
+            raise ValueError(f"state_out.rg_lru_state: expected float32 (HF keeps the RG-LRU state in fp32), got {lru.dtype}")
+        module.conv1d_state = conv
+        module.rg_lru.recurrent_states = lru
 
 
 # Keyed by the cache layer's class name (state in an HF Cache) or the module's class name (state on the module).
@@ -320,22 +455,51 @@ def state_adapter_for(module: torch.nn.Module, cache: Any) -> StateAdapter | Non
 
 # ---------------------------------------------------------------------------------------------------- capture
 
+_CACHE_CLASS: Any = None  # transformers.cache_utils.Cache, imported on first use (transformers stays lazy)
+
+
 def _is_cache(value: Any) -> bool:
-    try:
-        from transformers.cache_utils import Cache
-    except ImportError:  # transformers absent: nothing can be an HF cache
-        return False
-    return isinstance(value, Cache)
+    global _CACHE_CLASS
+    if _CACHE_CLASS is None:
+        try:
+            from transformers.cache_utils import Cache
+        except ImportError:  # transformers absent: nothing can be an HF cache
+            return False
+        _CACHE_CLASS = Cache
+    return isinstance(value, _CACHE_CLASS)
 
 
-def _positional_names(module: torch.nn.Module, n: int) -> list[str]:
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> (names, var name)
+
+
+def _signature_names(fn: Callable) -> tuple[tuple[str, ...], str]:
+    """The positional parameter names of a (bound) forward and the name of its *args."""
     names, var = [], "args"
-    for p in inspect.signature(module.forward).parameters.values():
+    for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             names.append(p.name)
         elif p.kind == p.VAR_POSITIONAL:
             var = p.name
+    return tuple(names), var
+
+
+def _cached_signature_names(module: torch.nn.Module) -> tuple[tuple[str, ...], str]:
+    fn = module.forward
+    func = getattr(fn, "__func__", None)  # a bound method: one signature per function, whatever the instance
+    if func is None or getattr(fn, "__self__", None) is not module:
+        return _signature_names(fn)
+    names = _SIGNATURES.get(func)
+    if names is None:
+        names = _SIGNATURES[func] = _signature_names(fn)
+    return names
+
+
+def _name_positionals(names: tuple[str, ...], var: str, n: int) -> list[str]:
     return [names[i] if i < len(names) else f"{var}.{i - len(names)}" for i in range(n)]
+
+
+def _positional_names(module: torch.nn.Module, n: int) -> list[str]:
+    return _name_positionals(*_cached_signature_names(module), n)
 
 
 class _Flattener:
@@ -440,6 +604,98 @@ def capture_boundary(module: torch.nn.Module, args: tuple, kwargs: dict, outputs
                              f"(call it before the module runs, then record_outputs), got outputs")
         record_outputs(call, module, outputs, cache=None, clone=clone)
     return call
+
+
+# Argument kinds in a call's structure key (CallBinder): what the recipe node of an argument depends on.
+_K_TENSOR, _K_NONE, _K_STATIC, _K_CACHE = "t", "n", "s", "c"
+
+
+class CallBinder:
+    """capture_boundary(module, args, kwargs, clone=False) for one module instance, called on every call (the patched
+    dispatch): what does not change between calls is computed once. Cached: the forward's positional argument names
+    (from `forward`, captured at construction), the module's static attributes (`module_static`, on the first call;
+    attributes changed later are not seen), and per argument structure (the kinds and names of the arguments, tuple
+    lengths, dict keys: a `structure key`) the recipe and the static names. A call with another structure builds and
+    caches its own recipe; the state (adapter, spec, state-in) is read from the cache object on every call."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable | None = None):
+        self.names, self.var = _signature_names(forward if forward is not None else module.forward)
+        self._module_static: dict[str, Any] | None = None
+        self._plans: dict[Any, tuple[dict[str, Any], dict[str, Any]]] = {}  # structure key -> (recipe, module static)
+
+    def _walk(self, value: Any, name: str, inputs: dict, static: dict, found: list) -> Any:
+        """Name one argument's tensors and static values; returns its structure key (raises like _Flattener)."""
+        if isinstance(value, torch.Tensor):
+            inputs[name] = value
+            return _K_TENSOR
+        if value is None:
+            return _K_NONE
+        if isinstance(value, (tuple, list)):
+            kind = type(value).__name__ if type(value) in (tuple, list) else "tuple"
+            return kind, tuple(self._walk(v, f"{name}.{i}", inputs, static, found) for i, v in enumerate(value))
+        if isinstance(value, _JSON_SCALARS):
+            static[name] = value
+            return _K_STATIC
+        if _is_cache(value):
+            if found and found[0] is not value:
+                raise UnsupportedBoundary(f"argument {name}: a second cache object in one call")
+            found[:] = [value]
+            return _K_CACHE
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return "dict", tuple((k, self._walk(v, f"{name}.{k}", inputs, static, found)) for k, v in value.items())
+        raise UnsupportedBoundary(f"argument {name}: expected a tensor, None, a JSON value or an HF cache, "
+                                  f"got {type(value).__name__}")
+
+    def _plan(self, module: torch.nn.Module, key: Any, args: tuple, kwargs: dict,
+              call_static: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+        flat = _Flattener()
+        arg_nodes = [flat.node(a, n) for a, n in zip(args, _name_positionals(self.names, self.var, len(args)))]
+        recipe = {"args": arg_nodes, "kwargs": {k: flat.node(v, k) for k, v in kwargs.items()}}
+        if self._module_static is None:
+            self._module_static = module_static(module)
+        own = {(k if k not in call_static else f"module.{k}"): v for k, v in self._module_static.items()}
+        plan = self._plans[key] = (recipe, own)
+        return plan
+
+    def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> BoundaryCall:
+        """The call's BoundaryCall over references (no clones): inputs, state-in, static, recipe."""
+        inputs: dict[str, torch.Tensor] = {}
+        call_static: dict[str, Any] = {}
+        found: list = []
+        names, n_names, walk, tensor = self.names, len(self.names), self._walk, torch.Tensor
+        keys = []
+        for i, a in enumerate(args):
+            name = names[i] if i < n_names else f"{self.var}.{i - n_names}"
+            if isinstance(a, tensor):  # the common case, inline
+                inputs[name] = a
+                keys.append(_K_TENSOR)
+            else:
+                keys.append(walk(a, name, inputs, call_static, found))
+        for k, v in kwargs.items():
+            if isinstance(v, tensor):
+                inputs[k] = v
+                keys.append((k, _K_TENSOR))
+            else:
+                keys.append((k, walk(v, k, inputs, call_static, found)))
+        key = (len(args), *keys)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(module, key, args, kwargs, call_static)
+        recipe, own = plan
+        if found:
+            cache = found[0]
+            adapter = state_adapter_for(module, cache)
+        else:
+            cache = None
+            adapter = MODULE_ADAPTERS.get(type(module).__name__) if MODULE_ADAPTERS else None
+        if adapter is None:
+            state: dict[str, torch.Tensor] = {}
+            recipe = {**recipe, "state": None}
+        else:
+            spec = adapter.describe(module, cache)
+            recipe = {**recipe, "state": spec}
+            state = dict(adapter.extract(module, cache, spec))
+        return BoundaryCall(inputs, state, {**call_static, **own} if call_static else dict(own), recipe)
 
 
 def record_outputs(call: BoundaryCall, module: torch.nn.Module, outputs: Any, cache: Any = None, *,

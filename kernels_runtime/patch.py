@@ -98,26 +98,41 @@ def load_kernel(bundle: PatchBundle, spec: PatchSpec) -> Callable:
 # The boundary bridge: a module call <-> (inputs, weights, state, static) -> outputs, state_out (boundary.py)
 
 
-def _weight_getters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
-    """(qualified name, owner, attribute) for every parameter and buffer, resolved per call (weights may be swapped)."""
+def _weight_getters(module: torch.nn.Module) -> list[tuple[str, dict, str]]:
+    """(qualified name, owner's `_parameters` or `_buffers` dict, attribute) for every parameter and buffer, found once
+    at patch time and read per call from the live dicts (a weight assigned later is seen; a submodule or parameter
+    added after apply is not). A None entry (a registered but unset bias) is skipped, as named_parameters does."""
     getters = []
     for prefix, owner in module.named_modules():
-        for attr in list(owner._parameters) + list(owner._buffers):
-            getters.append((f"{prefix}.{attr}" if prefix else attr, owner, attr))
+        for table in (owner._parameters, owner._buffers):
+            for attr in table:
+                getters.append((f"{prefix}.{attr}" if prefix else attr, table, attr))
     return getters
+
+
+def _read_weights(getters: list[tuple[str, dict, str]]) -> dict[str, torch.Tensor]:
+    weights = {}
+    for name, table, attr in getters:
+        t = table.get(attr)
+        if t is not None:
+            weights[name] = t
+    return weights
 
 
 def _pack_outputs(spec: PatchSpec, result: dict) -> Any:
     """Rebuild the forward's return value from the kernel's named outputs."""
     if spec.outputs is not None:
         return boundary.rebuild_outputs(spec.outputs, result)
+    if len(result) == 1 and "out" in result:  # a bare tensor, the common case
+        return result["out"]
     extra = sorted((k for k in result if k.startswith("out.")), key=lambda k: int(k.split(".", 1)[1]))
     return (result["out"], *(result[k] for k in extra)) if extra else result["out"]
 
 
 def _state_adapter(call: boundary.BoundaryCall) -> tuple[Any, str]:
     """The adapter that writes this call's state back into the user's cache object (None for a stateless call),
-    or why there is none. Its `write_state(module, cache, state_out, spec)` mirrors `read_out`."""
+    or why there is none. Its `write_state(module, cache, state_out, spec[, inputs])` mirrors `read_out`; every
+    adapter of boundary.py has one, a registered adapter without it makes its calls fall back."""
     spec = call.recipe.get("state")
     if spec is None:
         return None, ""
@@ -125,6 +140,26 @@ def _state_adapter(call: boundary.BoundaryCall) -> tuple[Any, str]:
     if getattr(adapter, "write_state", None) is None:
         return None, f"state: expected a write-back for {spec['adapter']} state, got an adapter that only reads it"
     return adapter, ""
+
+
+_WRITE_TAKES_INPUTS: dict[type, bool] = {}  # adapter class -> its write_state accepts `inputs`
+
+
+def _write_state(adapter: Any, module: torch.nn.Module, cache: Any, state_out: dict, spec: dict, inputs: dict) -> None:
+    """adapter.write_state(module, cache, state_out, spec[, inputs=...]): `inputs` only where the adapter takes it."""
+    cls = type(adapter)
+    takes = _WRITE_TAKES_INPUTS.get(cls)
+    if takes is None:
+        try:
+            params = inspect.signature(adapter.write_state).parameters
+        except (TypeError, ValueError):
+            params = {}
+        takes = _WRITE_TAKES_INPUTS[cls] = "inputs" in params or any(
+            p.kind == p.VAR_KEYWORD for p in params.values())
+    if takes:
+        adapter.write_state(module, cache, state_out, spec, inputs=inputs)
+    else:
+        adapter.write_state(module, cache, state_out, spec)
 
 
 def _state_out(adapter: Any, result: dict) -> dict[str, torch.Tensor]:
@@ -147,9 +182,17 @@ class _Kernel:
     fn: Callable
     bundle: str  # bundle digest
 
+    def __post_init__(self):
+        g = self.spec.guard  # an empty guard accepts every call: dispatch skips the check
+        self.guarded = bool(g.dtypes or g.device_types or g.min_capability or g.shapes or g.contiguous)
+
 
 def _own_phase(args: tuple, kwargs: dict) -> str:
     """Phase of a module called outside a tracked model forward: its own first tensor's sequence length."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+        value = args[0]
+        n = value.shape[-2] if value.dim() >= 3 else value.shape[0]
+        return "prefill" if n > 1 else "decode"
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             n = value.shape[-2] if value.dim() >= 3 else value.shape[0]  # [B, S, H] or [tokens, H]
@@ -157,12 +200,11 @@ def _own_phase(args: tuple, kwargs: dict) -> str:
     return "prefill"
 
 
-def _autograd_needed(inputs: dict, getters: list) -> bool:
+def _autograd_needed(inputs: dict, weights: dict) -> bool:
     if not torch.is_grad_enabled():
         return False
     return any(getattr(t, "requires_grad", False) for t in inputs.values()) or any(
-        getattr(owner, attr).requires_grad for _, owner, attr in getters if attr in owner._parameters
-    )
+        t.requires_grad for t in weights.values())
 
 
 class Dispatch:
@@ -181,6 +223,7 @@ class Dispatch:
         self.__signature__ = inspect.signature(self.original)  # boundary.py names positional args from it
         self._original_extra_repr: Callable = module.extra_repr
         self._weights = _weight_getters(module)
+        self._binder = boundary.CallBinder(module, self.original)  # per-instance capture cache
 
     # installation ------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -203,24 +246,26 @@ class Dispatch:
     # the call ----------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         phase = CURRENT_PHASE.get() or _own_phase(args, kwargs)
-        kernel = self.kernel_for(phase)
+        kernels = self.kernels
+        kernel = kernels.get(phase) or kernels.get("any")
         if kernel is None:
             return self._fallback(f"phase: no kernel for {phase}", args, kwargs)
         module = self._module()
         try:
-            call = boundary.capture_boundary(module, args, kwargs, clone=False)
-            adapter, why = _state_adapter(call)
+            call = self._binder.bind(module, args, kwargs)
+            adapter, why = _state_adapter(call) if call.recipe["state"] is not None else (None, "")
         except Exception as e:  # a call the boundary cannot adapt: the original forward takes it
             return self._fallback(f"boundary: {getattr(e, 'reason', None) or f'{type(e).__name__}: {e}'}", args, kwargs)
         if why:
             return self._fallback(why, args, kwargs)
-        ok, reason = is_supported(kernel.spec.guard, call)
-        if not ok:
-            return self._fallback(reason, args, kwargs)
-        if _autograd_needed(call.inputs, self._weights):
+        if kernel.guarded:
+            ok, reason = is_supported(kernel.spec.guard, call)
+            if not ok:
+                return self._fallback(reason, args, kwargs)
+        weights = _read_weights(self._weights)
+        if _autograd_needed(call.inputs, weights):
             return self._fallback("autograd: expected no_grad/inference_mode, got grad enabled", args, kwargs)
-        weights = {name: getattr(owner, attr) for name, owner, attr in self._weights}
-        static = dict(call.static)
+        static = call.static  # a fresh dict per call (the binder copies its cached part)
         if kernel.spec.config:
             static["config"] = kernel.spec.config
         try:  # nothing is written until the kernel returned complete outputs: the original can still take the call
@@ -233,7 +278,15 @@ class Dispatch:
             log.warning("llm4llm: %s kernel %s failed, falling back: %s", self.path, kernel.spec.patch_id, e)
             return self._fallback(f"kernel error: {type(e).__name__}", args, kwargs)
         if state_out is not None:
-            adapter.write_state(module, boundary.find_cache(args, kwargs), state_out, call.recipe["state"])
+            try:  # write_state checks before it changes anything: a rejected state leaves the cache as it was
+                _write_state(adapter, module, boundary.find_cache(args, kwargs), state_out, call.recipe["state"],
+                             call.inputs)
+            except Exception as e:
+                if self.strict:
+                    raise
+                log.warning("llm4llm: %s kernel %s state rejected, falling back: %s", self.path,
+                            kernel.spec.patch_id, e)
+                return self._fallback(f"state write-back: {type(e).__name__}", args, kwargs)
         self.kernel_calls[phase] += 1
         return output
 
@@ -493,18 +546,24 @@ def dispatch_overhead_us(
     warmup: int = 20,
 ) -> DispatchOverhead:
     """Median per-call time of `module`'s original forward vs the same module patched with an identity kernel
-    (phase decision, boundary capture, guards, output packing, counters: everything a real kernel call adds)."""
+    (phase decision, boundary capture, guards, output packing, counters: everything a real kernel call adds).
+
+    The module is patched as a submodule of a throwaway container, as it sits in a model: the phase hook goes on
+    the container (it runs once per model forward, not per module call) and the module decides its phase from its
+    own input, the dearer of the two ways. The module itself is left as it was."""
     kwargs = example_kwargs or {}
     with torch.no_grad():
         original = _time_us(module, example_args, kwargs, repeats, warmup)
         bundle = PatchBundle(name="identity")
-        bundle.add_patch(PatchSpec(patch_id="identity", module_class=_qualname(module), instances=[""], kernel=""),
+        bundle.add_patch(PatchSpec(patch_id="identity", module_class=_qualname(module), instances=["m"], kernel=""),
                          source=_IDENTITY_KERNEL)
-        apply(module, bundle, strict=True)
+        holder = torch.nn.Module()
+        holder._modules["m"] = module  # not add_module: nothing on the module changes
+        apply(holder, bundle, strict=True)
         try:
             patched = _time_us(module, example_args, kwargs, repeats, warmup)
         finally:
-            revert(module)
+            revert(holder)
     return DispatchOverhead(original_us=original, patched_identity_us=patched, calls=repeats)
 
 

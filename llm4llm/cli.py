@@ -127,7 +127,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 def _llm_options(workload: Path, model: Optional[str], api_base: Optional[str]) -> dict:
     from llm4llm.llm.config import load_llm_config
 
-    return load_llm_config(workload=workload, model=model, api_base=api_base).model_dump()
+    return load_llm_config(workload, flags={"model": model, "api_base": api_base}).model_dump()
 
 
 def _print_e2e(rows: list[dict]) -> None:
@@ -165,7 +165,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         if proposer != "library":
             from llm4llm.llm.config import load_llm_config
 
-            llm = load_llm_config(model=llm_model, api_base=llm_api_base).model_dump()
+            llm = load_llm_config(None, flags={"model": llm_model, "api_base": llm_api_base}).model_dump()
         with console.status(f"searching tasks of {run} ..."):
             results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
                                    mode=mode, budget=budget, proposer=proposer,

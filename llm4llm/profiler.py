@@ -13,6 +13,7 @@ launch-bound decode steps; function-level boundaries inside a module (e.g. `sele
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from collections import defaultdict
@@ -43,8 +44,8 @@ def profile_model(
     """Profile `run_fn()` (which drives `model`, e.g. through `generate`) per module and phase.
 
     `warmup` runs are not timed; of `repeats` timed runs, each phase reports the run with the median whole-model
-    time, so that one preempted run cannot skew it (use 3 on a busy host). `phase_weights` ({"prefill": a, "decode": b},
-    or a `PhaseWeights`) are normalised; without them each phase weighs its share of the measured forward time.
+    time, so that one preempted run cannot skew it (use 3 on a busy host). `phase_weights` ({"prefill": a,
+    "decode": b}, or a `PhaseWeights`) are normalised; without them each phase weighs its share of the forward time.
     `cpu_clock` times CPU runs: wall time by default; `time.thread_time` ignores preemption on a shared host
     (but misses work on torch's other threads).
     """
@@ -55,7 +56,8 @@ def profile_model(
     named = list(model.named_modules())
     signatures = _Signatures()
     timers = [_Timer(cuda, cpu_clock) for _ in range(repeats)]
-    with PhaseTracker(model) as tracker:
+    # CUDA events record on the current device's stream: make it the model's device.
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext(), PhaseTracker(model) as tracker:
         for i in range(warmup):
             _run_hooked(named, [signatures] if i == 0 else [], run_fn)
         _synchronize(device)
@@ -269,7 +271,8 @@ def format_hotspots(result: ProfileResult, top: int = 20, *, include_model: bool
 
     hw = result.hardware
     where = hw.get("gpu_name") or hw.get("cpu") or hw.get("device")
-    phases = ", ".join(f"{p.phase} {p.time_ms:.2f} ms × {p.forwards} (w {p.weight:.2f})" for p in result.phases.values())
+    phases = ", ".join(f"{p.phase} {p.time_ms:.2f} ms × {p.forwards} (w {p.weight:.2f})"
+                       for p in result.phases.values())
     table = Table(title=f"Hotspots on {where} ({result.timer}) — {phases}")
     for column, justify in (("rank", "right"), ("module", "left"), ("class", "left"), ("family", "left"),
                             ("phase", "left"), ("calls", "right"), ("ms", "right"), ("share", "right"),

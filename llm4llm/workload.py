@@ -20,7 +20,7 @@ import torch
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from llm4llm.errors import DeviceError, ScriptError, WorkloadError
+from llm4llm.errors import DeviceError, Llm4llmError, ScriptError, WorkloadError
 
 SCRIPT_FUNCTIONS = ("build", "inputs", "run")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -61,7 +61,8 @@ class ModelSpec(BaseModel):
         if self.checkpoint is None and self.model_type is None:
             raise ValueError("model_type (random weights from a config) or checkpoint (a local directory), got neither")
         if self.checkpoint is not None and self.config:
-            raise ValueError(f"no [model.config] beside a checkpoint (its config.json rules), got {sorted(self.config)}")
+            raise ValueError(f"no [model.config] beside a checkpoint (its config.json rules), "
+                             f"got {sorted(self.config)}")
         return self
 
 
@@ -99,6 +100,7 @@ class Workload(BaseModel):
     decode_len: StrictInt = Field(gt=0)
     seed: StrictInt = Field(default=0, ge=0)
     phase_weights: PhaseWeights | None = None
+    llm: dict[str, Any] | None = None  # the [llm] table: validated by llm4llm.llm.config when the LLM proposer runs
 
     _toml_path: Path | None = PrivateAttr(default=None)
     _toml_text: str | None = PrivateAttr(default=None)
@@ -195,9 +197,12 @@ def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     except torch.cuda.OutOfMemoryError as exc:
         raise DeviceError(f"out of GPU memory in {_qualname(fn)}(): {exc}. Expected the workload to fit; try a "
                           f"smaller batch_size / prompt_len or a GPU with more free memory") from exc
-    except (WorkloadError, DeviceError):
+    except Llm4llmError:
         raise
     except Exception as exc:
+        if not torch.cuda.is_available() and _mentions_cuda(exc):
+            raise DeviceError(f"{_qualname(fn)}() needs CUDA, but this machine has none "
+                              f"(torch.cuda.is_available() == False): {type(exc).__name__}: {exc}") from exc
         raise ScriptError(f"{_qualname(fn)}() raised {type(exc).__name__}: {exc}", script=_script_of(fn),
                           traceback_text=_user_traceback(exc)) from exc
 
@@ -263,6 +268,11 @@ def _expected_got(err: dict) -> str:
     if kind == "string_pattern_mismatch":
         return f"expected cpu, cuda or cuda:N, got {got!r}"
     return f"expected a valid value ({msg}), got {got!r}"
+
+
+def _mentions_cuda(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "cuda" in text or "nvidia" in text
 
 
 def _qualname(fn: Callable) -> str:

@@ -250,14 +250,21 @@ def main():
         sys.exit("bench_ssm_ops: expected a CUDA device (or --dry-run)")
     gpu = "cpu-interpreter" if args.dry_run else torch.cuda.get_device_name()
     only = {s for s in args.only.split(",") if s}
-    rows = []
+    rows, crashed = [], []
     print(f"{'op':<24}{'model':<20}{'dtype':<10}{'ok':<4}{'triton ms':>10}{'ref ms':>10}{'speedup':>9}{'GB/s':>8}")
     with open(args.out, "w") as f:
         for case in all_cases(args.dry_run):
             if only and case.op not in only:
                 continue
             torch.manual_seed(0)
-            ok, err, note = check(case)
+            try:
+                ok, err, note = check(case)
+            except Exception as e:  # a kernel that fails to compile or launch is a row, not the end of the run
+                msg = str(e).strip().splitlines()
+                print(f"{case.op:<24}{case.model:<20}{str(case.dtype):<10}ERR {type(e).__name__}: "
+                      f"{msg[-1][:160] if msg else ''}")
+                crashed.append(case.op)
+                continue
             res = {}
             for prov, fn in (("triton", case.kernel), ("ref", case.ref)):
                 inputs = _clone(case.inputs)
@@ -274,8 +281,9 @@ def main():
             print(f"{case.op:<24}{case.model:<20}{t.dtype:<10}{'y' if ok else 'N':<4}{t.p50_ms:>10.4f}"
                   f"{r.p50_ms:>10.3f}{r.p50_ms / t.p50_ms:>8.1f}x{t.gbps:>8.1f}" + (f"  {note}" if note else ""))
     bad = [r for r in rows if not r.correct]
-    print(f"{len(rows)} rows -> {args.out}; {len(bad) // 2} case(s) incorrect")
-    return 1 if bad else 0
+    print(f"{len(rows)} rows -> {args.out}; {len(bad) // 2} case(s) incorrect; {len(crashed)} failed to run: "
+          f"{sorted(set(crashed))}")
+    return 1 if bad or crashed else 0
 
 
 if __name__ == "__main__":

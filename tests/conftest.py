@@ -1,11 +1,14 @@
 """Tests run on the CPU: Triton kernels run under its interpreter, Prefect on its ephemeral API in a test harness."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a GPU, Triton kernels run under its interpreter; on a GPU machine the `gpu` tests run the real thing.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ def optimized(prefect_harness, tmp_path_factory):
     db_path = str(root / "l4l.duckdb")
     out = {}
     for name in ("tiny-llama", "tiny-mamba"):
-        out[name] = optimize_workload(str(EXAMPLES / f"{name}.toml"), db_path=db_path, data_dir=str(root / "data"))
+        out[name] = optimize_workload(str(EXAMPLES / f"{name}.toml"), db_path=db_path, data_dir=str(root / "data"),
+                                      stages=("profile", "extract"))
     return root, db_path, out
 
 

@@ -218,3 +218,22 @@ def test_reference_script_generates_every_token(path):
     ids = call_script(script.run, model, w, batch)
     assert ids.shape == (w.batch_size, w.prompt_len + w.decode_len)
     assert torch.equal(ids, call_script(script.run, model, w, batch))  # greedy and seeded: deterministic
+
+
+def test_cuda_needed_at_run_time_becomes_device_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    w = load_workload(_write(tmp_path, GOOD.replace('"cpu"', '"cuda"')), check_device=False)
+    with pytest.raises(DeviceError, match=r"build\(\) needs CUDA, but this machine has none"):
+        call_script(load_script(w).build, w)
+
+
+def test_reference_script_from_a_checkpoint(tmp_path):
+    w = load_workload(_write(tmp_path, GOOD))
+    script = load_script(w)
+    call_script(script.build, w).save_pretrained(tmp_path / "ckpt")
+    text = GOOD.split("[model]")[0].replace("decode_len = 2", "decode_len = 3") + '[model]\ncheckpoint = "ckpt"\n'
+    w = load_workload(_write(tmp_path, text))
+    model = call_script(script.build, w)
+    ids = call_script(script.run, model, w, call_script(script.inputs, w))
+    assert ids.shape == (1, w.prompt_len + 3)

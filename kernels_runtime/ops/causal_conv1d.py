@@ -63,9 +63,9 @@ def _causal_conv1d_kernel(
         if pid_l == 0:
             # final state: the last S inputs, zero where the sequence is shorter than S
             offs_s = tl.arange(0, BLOCK_S)
-            src = L - S + offs_s
-            m = mask_c[:, None] & (src[None, :] >= 0) & (offs_s[None, :] < S)
-            xs = tl.load(x_base + src[None, :] * stride_xl, mask=m, other=0.0)
+            src_s = L - S + offs_s
+            m_s = mask_c[:, None] & (src_s[None, :] >= 0) & (offs_s[None, :] < S)
+            xs = tl.load(x_base + src_s[None, :] * stride_xl, mask=m_s, other=0.0)
             s_ptrs = state_ptr + pid_b * stride_sb + offs_c[:, None] * stride_sc + offs_s[None, :] * stride_ss
             tl.store(s_ptrs, xs.to(state_ptr.dtype.element_ty), mask=mask_c[:, None] & (offs_s[None, :] < S))
 

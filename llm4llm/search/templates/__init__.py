@@ -5,17 +5,15 @@ templates can be written ahead of their ops. `PENDING` names the family variants
 """
 from __future__ import annotations
 
-from llm4llm.search.templates import attention, mlp, norm, ssm
+from llm4llm.search.templates import attention, mamba2, mlp, norm, recurrent, ssm
 from llm4llm.search.templates.base import Template
 
-TEMPLATES: list[Template] = [*norm.TEMPLATES, *mlp.TEMPLATES, *attention.TEMPLATES, *ssm.TEMPLATES]
+TEMPLATES: list[Template] = [*norm.TEMPLATES, *mlp.TEMPLATES, *attention.TEMPLATES, *ssm.TEMPLATES, *mamba2.TEMPLATES,
+                              *recurrent.TEMPLATES]
 
-PENDING: dict[str, str] = {
-    "ssm_mixer.mamba2": "Mamba2Mixer via kernels_runtime.ops.ssd (ssd / ssd_state_update) + the gated RMSNorm: "
-                        "not written yet (the ssd op landed late)",
-    "recurrent_block.rglru": "RecurrentGemmaRecurrentBlock via causal_conv1d (state_len K-1) + kernels_runtime.ops."
-                             "rglru: not written yet (the rglru op landed late)",
-}
+# Every family variant the tiny example workloads extract has a template now (ssm_mixer.mamba2 and
+# recurrent_block.rglru landed with tests/test_templates_real.py).
+PENDING: dict[str, str] = {}
 
 
 def ops_table() -> list[dict]:

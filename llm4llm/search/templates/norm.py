@@ -1,4 +1,6 @@
-"""norm family: Llama-style RMSNorm (`weight * normed.to(input dtype)`) over the last dim."""
+"""norm family: Llama-style RMSNorm (`weight * normed.to(input dtype)`) over the last dim, and Mamba2's gated
+RMSNorm (`MambaRMSNormGated`: `weight * rmsnorm(x * silu(gate)).to(input dtype)`, normalised over the whole last dim,
+as HF 5.17 does)."""
 from __future__ import annotations
 
 from llm4llm.search.templates.base import Template, header, short_class
@@ -62,6 +64,62 @@ def entry(inputs, weights, state, static):
 '''
 
 
+def _applies_gated(spec: TaskSpec) -> str | None:
+    if spec.input_names not in (["hidden_states", "gate"], ["hidden_states"]) or spec.weight_names != ["weight"]:
+        return f"norm.rmsnorm_gated: expected inputs ['hidden_states', 'gate'] and weights ['weight'], got " \
+               f"{spec.input_names}, {spec.weight_names}"
+    if "Gated" not in short_class(spec):
+        return f"norm.rmsnorm_gated: written for MambaRMSNormGated, not {short_class(spec)}"
+    return None
+
+
+def _render_gated(spec: TaskSpec, config: dict) -> str:
+    return header("norm.rmsnorm_gated", spec, ["from kernels_runtime.ops.selective_scan import _rnd"], config) + f'''
+_TLD = {{torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}}
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(X, Z, W, Y, n_rows, N, eps, stride_x, stride_z, stride_y,
+                          HAS_Z: tl.constexpr, IN_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # h = x * silu(gate) in fp32; y = w * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = h * (z * tl.sigmoid(z))
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)  # [ROWS]
+    hn = _rnd(h * rstd[:, None], IN_DTYPE)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * hn).to(Y.dtype.element_ty), mask=mask)
+
+
+def _rows2d(t, n):
+    t2 = t.reshape(-1, n)
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def entry(inputs, weights, state, static):
+    x, w, z = inputs["hidden_states"], weights["weight"], inputs.get("gate")
+    eps = float(_static(static, {EPS_NAMES}))
+    n = x.shape[-1]
+    x2 = _rows2d(x, n)
+    z2 = _rows2d(z, n) if z is not None else x2
+    out_dtype = x.dtype if x.dtype == w.dtype else torch.float32  # torch.promote_types for float pairs
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = y.view(-1, n)
+    rows = CONFIG["ROWS"]
+    if x2.shape[0] > 0:
+        _gated_rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, z2, w, y2, x2.shape[0], n, eps, x2.stride(0), z2.stride(0), y2.stride(0), HAS_Z=z is not None,
+            IN_DTYPE=_TLD[x.dtype], ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
+    return {{"out": y}}
+'''
+
+
 TEMPLATES = [
     Template(name="norm.rmsnorm_op", family="norm", phases=("prefill", "decode"),
              requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm"),),
@@ -70,4 +128,8 @@ TEMPLATES = [
     Template(name="norm.rmsnorm_rows", family="norm", phases=("prefill", "decode"), requires=(),
              space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_rows,
              applies_fn=_applies, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
+    Template(name="norm.rmsnorm_gated", family="norm", phases=("prefill", "decode"),
+             requires=(("kernels_runtime.ops.selective_scan", "_rnd"),),
+             space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_gated,
+             applies_fn=_applies_gated, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
 ]

@@ -17,8 +17,8 @@ STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
 MAMBA_WEIGHTS = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                  "out_proj.weight"}
 
-PRELUDE = LIN_KWARGS + '''
-
+# Shared with the Mamba2 and RecurrentGemma templates: A = -exp(A_log), the padding mask, a state copy.
+HELPERS = '''
 @triton.jit
 def _neg_exp_kernel(X, Y, n, BLOCK: tl.constexpr):
     # A = -exp(A_log) in fp32 (the scan ops take A, not A_log)
@@ -67,6 +67,10 @@ def _copy(t):
     return out
 
 
+'''
+
+PRELUDE = LIN_KWARGS + HELPERS + '''
+
 def _ssm_params(xc, weights, static):
     # xc: [..., I] -> dt [..., I] (no bias: the scan adds dt_proj.bias in fp32, as HF does), B, C [..., N]
     N = weights["A_log"].shape[1]
@@ -82,6 +86,8 @@ def _applies(spec: TaskSpec) -> str | None:
         return f"ssm_mixer.mamba: expected weights {sorted(MAMBA_WEIGHTS)}, got {spec.weight_names}"
     if spec.static.get("activation", "silu") != "silu":
         return f"ssm_mixer.mamba: expected activation silu, got {spec.static.get('activation')!r}"
+    if spec.phase == "prefill" and spec.state_names:
+        return "ssm_mixer.mamba: a multi-token call continuing a cached state (chunked prefill) is out of scope"
     return None
 
 
@@ -124,8 +130,8 @@ def entry(inputs, weights, state, static):
                                   delta_bias=weights["dt_proj.bias"].float(), delta_softplus=True,
                                   BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"])  # [B, I, L]
     out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, H]
-    ssm_dtype = state["ssm_state"].dtype if "ssm_state" in state else x.dtype
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state.to(ssm_dtype)}
+    # the cache keeps the scan's final state as it comes (fp32: HF's discretisation runs in fp32)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
 '''
 
 
@@ -136,7 +142,8 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
     return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
 
 def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, 1, H]
+    mask = inputs.get("attention_mask")  # [B, 1] or None
+    x = _mask_rows(inputs["hidden_states"], mask)  # [B, 1, H]
     I = weights["in_proj.weight"].shape[0] // 2
     proj = linear(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, 2I]
     xs, gate = proj[:, :I], proj[:, I:]
@@ -144,6 +151,7 @@ def entry(inputs, weights, state, static):
     conv_state = _copy(state["conv_state"])  # [B, I, K], advanced in place below
     xc = causal_conv1d_update(xs, conv_state, conv_w.view(I, conv_w.shape[-1]), weights.get("conv1d.bias"),
                               silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, I]
+    xc = _mask_rows(xc.view(xc.shape[0], 1, I), mask).view(xc.shape[0], I)
     dt, Bm, Cm = _ssm_params(xc, weights, static)  # [B, I], [B, N], [B, N]
     ssm_state = _copy(state["ssm_state"])  # [B, I, N]
     y = selective_state_update(ssm_state, xc, dt, _neg_exp(weights["A_log"]), Bm, Cm, D=weights["D"], z=gate,

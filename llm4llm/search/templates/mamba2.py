@@ -1,0 +1,175 @@
+"""ssm_mixer family, Mamba2 `Mamba2Mixer`: in_proj (Triton linear) -> [gate | xBC | dt] -> causal_conv1d + SiLU over
+xBC (prefill; the conv state is the last K inputs) or causal_conv1d_update (decode) -> the SSD scan (kernels_runtime.
+ops.ssd: `ssd` chunked prefill, `ssd_state_update` decode; dt_bias, softplus, the dt limit and the D skip fused) ->
+the gated RMSNorm `w * rmsnorm(y * silu(gate))` (a Triton kernel in the source) -> out_proj (Triton linear).
+
+Numerics follow HF's torch path (transformers 5.17): the prefill scan output stays fp32 into the gated norm (HF's
+`mamba2_chunk_scan` returns fp32), the decode update's output is in the input dtype; the norm normalises over the
+whole intermediate size (HF's `MambaRMSNormGated` has no group size). The state-in is copied before the in-place decode
+updates. A 2-D `attention_mask` zeroes padded positions before in_proj and after the conv, as HF does.
+Limits: SiLU activation only; a multi-token call continuing a cached state (chunked prefill) is out of scope.
+"""
+from __future__ import annotations
+
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
+from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates.ssm import HELPERS
+from llm4llm.taskspec import TaskSpec
+
+CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
+CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
+SSD = ("kernels_runtime.ops.ssd", "ssd")
+SSD_UPDATE = ("kernels_runtime.ops.ssd", "ssd_state_update")
+RND = ("kernels_runtime.ops.selective_scan", "_rnd")
+MAMBA2_WEIGHTS = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"}
+
+PRELUDE = LIN_KWARGS + HELPERS + '''
+_TLD = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(Y, Z, W, O, n_rows, N, eps, stride_y, stride_z, stride_o,
+                          IN_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # HF MambaRMSNormGated: h = y * silu(z) in fp32; w * (h * rsqrt(mean(h^2) + eps)).to(y.dtype)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = y * (z * tl.sigmoid(z))
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)  # [ROWS]
+    hn = _rnd(h * rstd[:, None], IN_DTYPE)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(O + rows[:, None] * stride_o + cols[None, :], (w[None, :] * hn).to(O.dtype.element_ty), mask=mask)
+
+
+def _gated_rmsnorm(y, z, w, eps, out_dtype):
+    # y, z: [R, N] row views (unit stride along N) -> [R, N] in out_dtype
+    R, N = y.shape
+    o = torch.empty((R, N), dtype=out_dtype, device=y.device)
+    rows = CONFIG["norm_ROWS"]
+    if R > 0:
+        _gated_rmsnorm_kernel[(triton.cdiv(R, rows),)](
+            y, z, w, o, R, N, eps, y.stride(0), z.stride(0), o.stride(0),
+            IN_DTYPE=_TLD[y.dtype], ROWS=rows, BLOCK_N=triton.next_power_of_2(N), num_warps=CONFIG["norm_num_warps"])
+    return o
+
+
+def _dims(weights, static):
+    H = weights["A_log"].shape[0]
+    P = int(_static(static, "head_dim"))
+    G = int(_static(static, "n_groups"))
+    N = int(_static(static, "ssm_state_size", "state_size"))
+    I = H * P
+    return H, P, G, N, I, I + 2 * G * N  # ..., conv_dim
+
+
+def _eps(static):
+    return float(_static(static, "norm.variance_epsilon", "layer_norm_epsilon"))
+'''
+
+
+def _applies(spec: TaskSpec) -> str | None:
+    if not MAMBA2_WEIGHTS <= set(spec.weight_names):
+        return f"ssm_mixer.mamba2: expected weights {sorted(MAMBA2_WEIGHTS)}, got {spec.weight_names}"
+    if spec.static.get("activation", "silu") != "silu":
+        return f"ssm_mixer.mamba2: expected activation silu, got {spec.static.get('activation')!r}"
+    if "head_dim" not in spec.static or "n_groups" not in spec.static:
+        return "ssm_mixer.mamba2: expected static head_dim and n_groups"
+    if spec.phase == "prefill" and spec.state_names:
+        return "ssm_mixer.mamba2: a multi-token call continuing a cached state (chunked prefill) is out of scope"
+    if spec.phase == "decode" and not {"conv_state", "ssm_state"} <= set(spec.state_names):
+        return f"ssm_mixer.mamba2: decode expects conv_state and ssm_state, got {spec.state_names}"
+    return None
+
+
+NORM = {"norm_ROWS": [1, 2, 4, 8], "norm_num_warps": [1, 2, 4, 8]}
+
+
+def _space(spec: TaskSpec) -> dict[str, list]:
+    if spec.phase == "decode":
+        ops = {"conv_BLOCK_C": [64, 128, 256], "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8]}
+    else:
+        ops = {"conv_BLOCK_C": [16, 32, 64], "conv_BLOCK_L": [32, 64, 128], "ssd_BLOCK_T": [16, 32, 64],
+               "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [4, 8]}
+    lin = linear_space(spec)
+    lin.pop("lin_TF32", None)
+    return {**lin, **ops, **NORM}
+
+
+def _default(spec: TaskSpec) -> dict:
+    ops = {"conv_BLOCK_C": 128, "ssd_BLOCK_P": 32, "ssd_num_warps": 4} if spec.phase == "decode" else \
+        {"conv_BLOCK_C": 32, "conv_BLOCK_L": 64, "ssd_BLOCK_T": 32, "ssd_BLOCK_P": 32, "ssd_num_warps": 4}
+    return {**linear_default(spec), **ops, "norm_ROWS": 1, "norm_num_warps": 4}
+
+
+def _imports(extra: list[str]) -> list[str]:
+    return ["from kernels_runtime.ops.linear import linear", "from kernels_runtime.ops.selective_scan import _rnd",
+            *extra]
+
+
+def _render_prefill(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+                        "from kernels_runtime.ops.ssd import ssd"])
+    return header("ssm_mixer.mamba2", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    mask = inputs.get("attention_mask")  # [B, L] or None
+    x = _mask_rows(inputs["hidden_states"], mask)  # [B, L, Hd]
+    Bsz, L, _ = x.shape
+    H, P, G, N, I, CD = _dims(weights, static)
+    proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, I + CD + H]
+    gate, xbc, dt = proj[..., :I], proj[..., I:I + CD], proj[..., I + CD:]
+    conv_w = weights["conv1d.weight"]  # [CD, 1, K]
+    xc, conv_state = causal_conv1d(xbc.transpose(1, 2), conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"),
+                                   silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"], BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, CD, L]
+    xc = _mask_rows(xc, mask, channels_last=False).transpose(1, 2)  # [B, L, CD] view
+    lim = static.get("time_step_limit") or (0.0, None)
+    lo = 0.0 if lim[0] is None else float(lim[0])
+    hi = float("inf") if lim[1] is None else float(lim[1])
+    y, ssm_state = ssd(xc[..., :I].view(Bsz, L, H, P), dt, _neg_exp(weights["A_log"]),
+                       xc[..., I:I + G * N].view(Bsz, L, G, N), xc[..., I + G * N:].view(Bsz, L, G, N),
+                       D=weights["D"], dt_bias=weights["dt_bias"], dt_softplus=True, dt_limit=(lo, hi),
+                       out_dtype=torch.float32, BLOCK_T=CONFIG["ssd_BLOCK_T"], BLOCK_P=CONFIG["ssd_BLOCK_P"],
+                       num_warps=CONFIG["ssd_num_warps"])  # y: [B, L, H, P] fp32 (as HF), state [B, H, P, N] fp32
+    yn = _gated_rmsnorm(y.view(Bsz * L, I), gate.reshape(Bsz * L, I), weights["norm.weight"], _eps(static), x.dtype)
+    out = linear(yn.view(Bsz, L, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, Hd]
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+
+def _render_decode(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
+                        "from kernels_runtime.ops.ssd import ssd_state_update"])
+    return header("ssm_mixer.mamba2_decode", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    mask = inputs.get("attention_mask")  # [B, 1] or None
+    x = _mask_rows(inputs["hidden_states"], mask)  # [B, 1, Hd]
+    Bsz = x.shape[0]
+    H, P, G, N, I, CD = _dims(weights, static)
+    proj = linear(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, I + CD + H]
+    gate, xbc, dt = proj[:, :I], proj[:, I:I + CD], proj[:, I + CD:]
+    conv_w = weights["conv1d.weight"]  # [CD, 1, K]
+    conv_state = _copy(state["conv_state"])  # [B, CD, K], advanced in place below
+    xc = causal_conv1d_update(xbc, conv_state, conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"),
+                              silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, CD]
+    xc = _mask_rows(xc.view(Bsz, 1, CD), mask).view(Bsz, CD)
+    ssm_state = _copy(state["ssm_state"])  # [B, H, P, N], advanced in place below
+    y = ssd_state_update(ssm_state, xc[:, :I].view(Bsz, H, P), dt, _neg_exp(weights["A_log"]),
+                         xc[:, I:I + G * N].view(Bsz, G, N), xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"],
+                         dt_bias=weights["dt_bias"], dt_softplus=True, BLOCK_P=CONFIG["ssd_BLOCK_P"],
+                         num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
+    yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), x.dtype)
+    out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+
+TEMPLATES = [
+    Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, RND, CONV, SSD),
+             space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
+    Template(name="ssm_mixer.mamba2_decode", family="ssm_mixer", phases=("decode",),
+             requires=(LINEAR_OP, RND, CONV_UPDATE, SSD_UPDATE), space_fn=_space, render_fn=_render_decode,
+             applies_fn=_applies, default_fn=_default),
+]

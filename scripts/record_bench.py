@@ -1,0 +1,54 @@
+"""Load the op benchmarks' JSON-lines rows into DuckDB's `op_benchmarks` table (long format: one row per provider).
+
+    python scripts/record_bench.py --db results.duckdb --bench-id 2026-11-30-h200 tops.jsonl ssm.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from storage import repo  # noqa: E402
+from storage.db import Database  # noqa: E402
+
+
+def long_rows(row: dict, bench_id: str) -> list[dict]:
+    versions = {"torch": row.get("torch"), "triton": row.get("triton")}
+    common = {"bench_id": bench_id, "op": f"{row['op']}", "shape": f"{row['model']}:{row.get('phase', '')}:{row['shape']}",
+              "dtype": row["dtype"], "gpu_name": row.get("gpu"), "versions_json": versions}
+    if "provider" in row:  # one provider per row already
+        return [{**common, "provider": row["provider"], "p20_ms": row["p20_ms"], "p50_ms": row["p50_ms"],
+                 "p80_ms": row["p80_ms"], "gbps": row.get("gbps"), "tflops": None,
+                 "max_abs_err": row.get("max_abs_err")}]
+    return [
+        {**common, "provider": "reference", "p20_ms": row["ref_ms_p20"], "p50_ms": row["ref_ms_p50"],
+         "p80_ms": row["ref_ms_p80"], "gbps": None, "tflops": None, "max_abs_err": None},
+        {**common, "provider": "triton", "p20_ms": row["triton_ms_p20"], "p50_ms": row["triton_ms_p50"],
+         "p80_ms": row["triton_ms_p80"], "gbps": row.get("gbps"), "tflops": row.get("tflops"),
+         "max_abs_err": row.get("max_abs")},
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--bench-id", required=True)
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    rows = []
+    for f in args.files:
+        if not os.path.exists(f):
+            print(f"skip {f}: missing")
+            continue
+        for line in open(f):
+            if line.strip():
+                rows += long_rows(json.loads(line), args.bench_id)
+    with Database(args.db) as db:
+        print(f"{repo.record_op_benchmarks(db, rows)} rows into {args.db}")
+
+
+if __name__ == "__main__":
+    main()

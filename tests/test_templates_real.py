@@ -1,0 +1,87 @@
+"""Every built-in template, rendered with its default config, passes the verifier on real tasks extracted from the
+tiny example workloads (float32 on the CPU: Triton's interpreter; bf16 `tl.dot` is wrong under it).
+
+One module-scoped fixture profiles and extracts each tiny workload once, on first use; one verifier worker serves
+every test. On the CPU there is no GPU timing, so a passing verdict has utility 0.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llm4llm.search.templates import PENDING, TEMPLATES
+from llm4llm.taskspec import TaskSpec, load_spec
+from llm4llm.verify import VerifierPool
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+
+# (workload, template, phase): each template on the workload(s) whose tasks it was written for
+CASES = [
+    ("tiny-llama", "norm.rmsnorm_op", "prefill"),
+    ("tiny-llama", "norm.rmsnorm_op", "decode"),
+    ("tiny-llama", "norm.rmsnorm_rows", "prefill"),
+    ("tiny-llama", "norm.rmsnorm_rows", "decode"),
+    ("tiny-mamba2", "norm.rmsnorm_gated", "prefill"),
+    ("tiny-mamba2", "norm.rmsnorm_gated", "decode"),
+    ("tiny-llama", "mlp.swiglu", "prefill"),
+    ("tiny-llama", "mlp.swiglu", "decode"),
+    ("tiny-llama", "attention.prefill_flash", "prefill"),
+    ("tiny-llama", "attention.decode_splitkv", "decode"),
+    ("tiny-qwen3", "attention.prefill_flash", "prefill"),  # q_norm / k_norm fused with rotary
+    ("tiny-qwen3", "attention.decode_splitkv", "decode"),
+    ("tiny-mamba", "ssm_mixer.mamba", "prefill"),  # with the captured attention_mask input
+    ("tiny-mamba", "ssm_mixer.mamba_decode", "decode"),
+    ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
+    ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
+    ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
+    ("tiny-recurrentgemma", "recurrent_block.rglru_decode", "decode"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_tasks(tmp_path_factory):
+    """workload name -> [(spec, task dir)], extracted once per module on first use."""
+    from llm4llm.pipeline import run_profile, run_extract
+
+    root = tmp_path_factory.mktemp("tiny-tasks")
+    done: dict[str, list[tuple[TaskSpec, Path]]] = {}
+
+    def get(name: str) -> list[tuple[TaskSpec, Path]]:
+        if name not in done:
+            wl, data = str(WORKLOADS / f"{name}.toml"), root / name
+            run_extract(wl, run_profile(wl, str(data)), str(data))
+            dirs = sorted(p for p in (data / "tasks").iterdir() if (p / "spec.json").exists())
+            done[name] = [(load_spec(d), d) for d in dirs]
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # 2 fresh draws per captured case (the default 5 triples the interpreter time, for no new coverage here)
+    p = VerifierPool("cpu", timeout_s=300.0, draws=2)
+    yield p
+    p.close()
+
+
+def test_every_template_is_covered():
+    assert {t.name for t in TEMPLATES} == {name for _, name, _ in CASES}
+    assert not PENDING
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload,template,phase", CASES, ids=[f"{t}-{p}-{w}" for w, t, p in CASES])
+def test_default_config_passes(tiny_tasks, pool, workload, template, phase):
+    t = next(t for t in TEMPLATES if t.name == template)
+    tasks = [(s, d) for s, d in tiny_tasks(workload) if s.phase == phase and s.deployable and s.family == t.family]
+    fits = [(s, d) for s, d in tasks if t.why_not(s) is None]
+    assert fits, f"{template}: no {phase} task of {workload} fits: " + \
+                 "; ".join(f"{s.task_id}: {t.why_not(s)}" for s, _ in tasks)
+    spec, task_dir = max(fits, key=lambda sd: sd[0].hotspot_score)
+    v = pool.verify(task_dir, t.render(spec, t.default(spec)))
+    assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
+    assert [g.name for g in v.gates if not g.passed] == []
+    assert v.max_abs_err is not None and v.max_abs_err < 1e-4
+    assert v.utility == 0.0  # no GPU timing on the CPU
