@@ -189,7 +189,8 @@ class KVLayerAdapter(StateAdapter):
     def describe(self, module, cache):
         spec = {"adapter": self.name}
         if getattr(cache, "offloading", False):
-            raise UnsupportedBoundary(f"{self.name}: an offloading cache (prefetch/offload around update) is not adapted")
+            raise UnsupportedBoundary(f"{self.name}: an offloading cache (prefetch/offload around update) "
+                                      f"is not adapted")
         layer = _cache_layer(cache, _layer_idx(module))
         if layer is not None and getattr(layer, "record_past", False):
             raise UnsupportedBoundary(f"{self.name}: past recording (speculative rollback) is not adapted")
@@ -405,7 +406,8 @@ class RecurrentGemmaBlockAdapter(StateAdapter):
             raise ValueError(f"state_out.rg_lru_state: expected [{conv.shape[0]}, {module.lru_width}], got "
                              f"{tuple(lru.shape) if isinstance(lru, torch.Tensor) else type(lru).__name__}")
         if lru.dtype != torch.float32:
-            raise ValueError(f"state_out.rg_lru_state: expected float32 (HF keeps the RG-LRU state in fp32), got {lru.dtype}")
+            raise ValueError(f"state_out.rg_lru_state: expected float32 (HF keeps the RG-LRU state in fp32), "
+                             f"got {lru.dtype}")
         module.conv1d_state = conv
         module.rg_lru.recurrent_states = lru
 

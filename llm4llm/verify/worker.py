@@ -24,6 +24,9 @@ START_TIMEOUT_S = 300.0  # a fresh worker imports torch and Triton (and initiali
 
 def _worker_main(conn, device: str) -> None:
     """Worker loop: receive a job dict, answer {"verdict": dict, "poisoned": bool}; None ends the loop."""
+    if device == "cpu":
+        # Candidates on the CPU run under Triton's interpreter (correctness only; the CPU never times anything).
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     from llm4llm.verify.candidate import install_launch_hook
