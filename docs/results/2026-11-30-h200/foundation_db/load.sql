@@ -1,0 +1,14 @@
+COPY acceptances FROM 'foundation_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'foundation_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'foundation_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'foundation_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'foundation_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'foundation_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'foundation_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'foundation_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'foundation_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'foundation_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'foundation_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'foundation_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'foundation_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'foundation_db/workloads.parquet' (FORMAT 'parquet');

@@ -1,0 +1,14 @@
+COPY acceptances FROM 'ops_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'ops_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'ops_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'ops_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'ops_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'ops_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'ops_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'ops_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'ops_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'ops_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'ops_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'ops_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'ops_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'ops_db/workloads.parquet' (FORMAT 'parquet');
