@@ -14,7 +14,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       min_score: float = 0.0, refresh: bool = False, stages: tuple[str, ...] = STAGES,
                       mode: str = "episodic", budget: int = 15, proposer: str = "library", top: int | None = 6,
                       families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
-                      timeout_s: float = 120.0, llm: dict | None = None) -> dict:
+                      timeout_s: float = 120.0, llm: dict | None = None,
+                      e2e_variants: tuple[str, ...] = ("eager", "torch_compile", "patched")) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate."""
     unknown = set(stages) - set(STAGES)
     if unknown:
@@ -39,5 +40,5 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                                        repeats)
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
-                                  ("eager", "torch_compile", "patched"), prof["run_id"] + "-e2e")
+                                  tuple(e2e_variants), prof["run_id"] + "-e2e")
     return out

@@ -21,7 +21,15 @@ DbOpt = typer.Option(None, "--db", help="DuckDB file (default $LLM4LLM_DB or $LL
 DataOpt = typer.Option(None, "--data-dir", help="artifact dir (default $LLM4LLM_HOME or ./.llm4llm)")
 
 
+def _interpret_without_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _quiet_prefect(verbose: bool) -> None:
+    _interpret_without_gpu()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -96,6 +104,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
+             e2e_variants: str = typer.Option("eager,torch_compile,patched", help="variants the evaluate stage runs"),
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Run the closed loop on a workload: profile -> extract -> search -> accept -> evaluate."""
@@ -108,7 +117,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None, min_score=min_score,
                                     refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
-                                    mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm)
+                                    mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm,
+                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")))
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)
         if "tasks" in out:

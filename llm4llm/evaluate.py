@@ -102,28 +102,35 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     batch = call_script(script.inputs, wl)
     results: list[E2EResult] = []
     for variant in variants:
-        if variant == "eager":
-            results.append(measure(model, wl, batch, script.run, repeats=repeats, label="eager"))
-        elif variant == "torch_compile":
-            if not accepts_generate_kwargs(script.run):
-                results.append(E2EResult("torch_compile", None, None, None, None, None,
-                                         notes="skipped: the script's run() takes no generate kwargs"))
-                continue
-            results.append(measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
-                                   cache_implementation="static"))
-        elif variant == "patched":
-            if bundle is None:
-                results.append(E2EResult("patched", None, None, None, None, None, notes="skipped: no bundle"))
-                continue
-            import kernels_runtime
-
-            report = kernels_runtime.apply(model, bundle)
-            try:
-                r = measure(model, wl, batch, script.run, repeats=repeats, label="patched")
-                r.notes = str(report).replace("\n", "; ")[:500]
-                results.append(r)
-            finally:
-                kernels_runtime.revert(model)
-        else:
+        if variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        try:
+            results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
+        except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too
+            results.append(E2EResult(variant, None, None, None, None, None,
+                                     notes=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
+            if wl.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     return results
+
+
+def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
+    if variant == "eager":
+        return measure(model, wl, batch, script.run, repeats=repeats, label="eager")
+    if variant == "torch_compile":
+        if not accepts_generate_kwargs(script.run):
+            return E2EResult("torch_compile", None, None, None, None, None,
+                             notes="skipped: the script's run() takes no generate kwargs")
+        return measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
+                       cache_implementation="static")
+    if bundle is None:
+        return E2EResult("patched", None, None, None, None, None, notes="skipped: no bundle")
+    import kernels_runtime
+
+    report = kernels_runtime.apply(model, bundle)
+    try:
+        r = measure(model, wl, batch, script.run, repeats=repeats, label="patched")
+        r.notes = str(report).replace("\n", "; ")[:500]
+        return r
+    finally:
+        kernels_runtime.revert(model)

@@ -344,6 +344,35 @@ def llm_call_row(call) -> dict:
 
 # ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
 
+def _child_env() -> None:
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _run_child(fn, args, kwargs):
+    _child_env()
+    return fn(*args, **kwargs)
+
+
+def in_subprocess(fn, *args, timeout_s: float = 3600.0, **kwargs):
+    """Run fn(*args, **kwargs) in a fresh spawned process and return its (picklable) result. Exceptions raised
+    there come back as themselves; a process that dies (GPU fault, OOM kill) raises RuntimeError."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+        future = ex.submit(_run_child, fn, args, kwargs)
+        try:
+            return future.result(timeout=timeout_s)
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"{fn.__name__}: the isolated process died ({e})") from e
+
+
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
     """Each searched task's best passing candidate (by utility, then lowest error)."""
     from llm4llm.accept import Proposal
@@ -373,8 +402,10 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
 
     proposals = best_proposals(run_id, db_path, min_utility=0.0)
     bundle_dir = Path(data_dir) / "bundles" / run_id
-    result = accept(workload_path, proposals, str(bundle_dir),
-                    cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats), run_id=run_id)
+    # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
+    # acceptance step (the task retries), never the flow process or its database connection.
+    result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
+                           cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats), run_id=run_id)
     wl = describe_workload(workload_path)
     with Database(db_path) as db:
         for row in decision_rows(result, run_id):
@@ -403,7 +434,7 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
     from storage.db import Database
 
     wl = describe_workload(workload_path)
-    results = evaluate_workload(workload_path, bundle=bundle, variants=variants, repeats=repeats)
+    results = in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats)
     run_id = run_id or new_run_id(wl["name"] + "-eval")
     hw = hardware_info(wl["device"])
     rows = [{"run_id": run_id, "workload_hash": wl["workload_hash"], **r.to_row(), "gpu_name": hw.get("gpu_name"),
