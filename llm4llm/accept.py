@@ -5,9 +5,22 @@ In-model correctness is teacher-forced: the unpatched model's greedy tokens are 
 the unpatched model (a logits processor that allows only the reference token), and the raw logits of every step are
 compared. Token identity is not the metric: on random weights near-flat logits flip tokens on rounding-level
 differences (../shared/DESIGN.md); token agreement is an extra check only where real weights are loaded.
+
+Metrics (AcceptConfig.metric; "auto" picks logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32):
+- logits_rel_l2: per step ||patched - unpatched|| / ||unpatched|| <= tol_factor x TOLERANCES[dtype].rtol (fixed).
+- logits_rel_l2_floor: the same rel-L2, calibrated by the model's own precision noise floor. floor_t = rel-L2 of the
+  unpatched model in its dtype vs an upcast copy of itself (same weights in fp32, or fp64 for an fp32 model; same
+  forced tokens). A step passes if rel-L2 <= max(fixed limit, floor_factor x floor_t): the patch may move the
+  logits by no more than the dtype's own rounding does (x floor_factor). Where the upcast copy does not fit in
+  memory, the floor comes from the unpatched model with its weights perturbed at rounding level; where neither
+  works, the fixed limit applies and the reason says so.
+- logits_max_abs: the shared elementwise tolerance (|d| <= atol + rtol |ref|) on every step.
+NaN/Inf never pass under any metric.
 """
 from __future__ import annotations
 
+import copy
+import gc
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,22 +32,34 @@ from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, li
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.taskspec import TaskSpec
 
-METRICS = ("logits_rel_l2", "logits_max_abs")
+METRICS = ("logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")
+METRIC_CHOICES = ("auto",) + METRICS
 
 
 @dataclass
 class AcceptConfig:
     delta: float = 0.02  # minimum end-to-end gain (fraction of the current latency)
-    metric: str = "logits_rel_l2"  # or logits_max_abs (the shared elementwise tolerance)
-    tol_factor: float = 3.0  # rel-L2 threshold = tol_factor x TOLERANCES[dtype].rtol
+    # auto: logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32; or one of METRICS
+    metric: str = "auto"
+    tol_factor: float = 3.0  # fixed rel-L2 limit = tol_factor x TOLERANCES[dtype].rtol
+    floor_factor: float = 1.0  # logits_rel_l2_floor: per-step limit = max(fixed limit, floor_factor x floor_t)
     repeats: int = 5
     check_tokens: bool = False  # greedy-token agreement too (meaningful with real weights only)
 
     def __post_init__(self):
-        if self.metric not in METRICS:
-            raise ValueError(f"metric: expected one of {METRICS}, got {self.metric!r}")
+        if self.metric not in METRIC_CHOICES:
+            raise ValueError(f"metric: expected one of {METRIC_CHOICES}, got {self.metric!r}")
         if not 0 <= self.delta < 1:
             raise ValueError(f"delta: expected a fraction in [0, 1), got {self.delta}")
+        for name in ("tol_factor", "floor_factor"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+
+    def resolved_metric(self, dtype: torch.dtype) -> str:
+        if self.metric != "auto":
+            return self.metric
+        return "logits_rel_l2" if dtype in (torch.float32, torch.float64) else "logits_rel_l2_floor"
 
 
 @dataclass
@@ -59,13 +84,15 @@ class Decision:
     candidate_id: str
     decision: str  # accepted | rejected
     reason: str
-    metric: str
+    metric: str  # the metric and its numbers, e.g. "logits_rel_l2_floor: rel-L2 0.039 vs floor 0.052 x 1 (...)"
     in_model_err: float | None
     e2e_before_ms: float | None
     e2e_after_ms: float | None
     gain: float | None
     expected_impact: float
     counters: dict = field(default_factory=dict)
+    in_model_limit: float | None = None  # the deciding step's limit
+    in_model_floor: float | None = None  # the deciding step's noise floor (logits_rel_l2_floor)
 
 
 def expected_impact(p: Proposal, spec: TaskSpec) -> float:
@@ -153,24 +180,201 @@ def reference_tokens(model, batch: dict, decode_len: int) -> tuple[torch.Tensor,
     return out.sequences[:, prompt_len:], [l.float() for l in out.logits]
 
 
-def compare_logits(ref: list[torch.Tensor], new: list[torch.Tensor], dtype: torch.dtype,
-                   cfg: AcceptConfig) -> tuple[bool, float, str]:
-    """Worst step under the configured metric; NaN/Inf never pass."""
+def rel_l2(new: torch.Tensor, ref: torch.Tensor) -> float:
+    """||new - ref|| / ||ref|| in float64; inf where `new` is not finite."""
+    n, r = new.detach().double(), ref.detach().double()
+    if not torch.isfinite(n).all():
+        return math.inf
+    return float((n - r).norm() / r.norm().clamp_min(1e-30))
+
+
+@dataclass
+class NoiseFloor:
+    """Per-step precision noise floor of the unpatched model: rel-L2 of its teacher-forced logits vs a reference
+    that differs only in rounding. per_step is None where no floor could be measured (note says why)."""
+
+    per_step: list[float] | None
+    method: str  # "float32 copy" | "float64 copy" | "perturbed weights" | "unavailable"
+    note: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.per_step is not None
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"floor unavailable ({self.note})"
+        return (f"floor from {self.method}: min {min(self.per_step):.3g}, max {max(self.per_step):.3g} over "
+                f"{len(self.per_step)} steps" + (f" ({self.note})" if self.note else ""))
+
+
+def _is_oom(e: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(e, (oom, torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _upcast_logits(model, batch: dict, tokens: torch.Tensor, decode_len: int, wide: torch.dtype) -> list[torch.Tensor]:
+    params = [p for p in model.parameters()]
+    dev = params[0].device
+    if dev.type == "cuda":  # deepcopy (model bytes) then upcast (model bytes x wide/narrow): refuse early if hopeless
+        need = sum(p.numel() for p in params) * torch.finfo(wide).bits // 8
+        free, _ = torch.cuda.mem_get_info(dev)
+        if need * 1.1 > free:
+            raise torch.cuda.OutOfMemoryError(f"an {wide} copy needs {need / 2**30:.1f} GiB, "
+                                              f"{free / 2**30:.1f} GiB free")
+    wide_model = None
+    try:
+        wide_model = copy.deepcopy(model).to(wide)
+        return teacher_forced_logits(wide_model, batch, tokens, decode_len)
+    finally:
+        del wide_model
+        _free_memory()
+
+
+def _perturbed_logits(model, batch: dict, tokens: torch.Tensor, decode_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """The unpatched model again with every floating weight moved by a rounding-level amount: w -> round_dtype(
+    fp32(w) x (1 + U(-eps/2, eps/2))), eps of the weight's dtype; the originals are kept on the host and restored."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.is_floating_point():
+                    continue
+                eps = torch.finfo(p.dtype).eps
+                saved.append((p, p.detach().to("cpu", copy=True)))
+                noise = (torch.rand(p.shape, generator=gen) * 2 - 1).mul_(eps / 2).add_(1.0)
+                p.copy_((saved[-1][1].float() * noise).to(p.dtype))
+        return teacher_forced_logits(model, batch, tokens, decode_len)
+    finally:
+        with torch.no_grad():
+            for p, orig in saved:
+                p.copy_(orig.to(p.device))
+        _free_memory()
+
+
+def noise_floor(model, batch: dict, tokens: torch.Tensor, decode_len: int,
+                ref_logits: list[torch.Tensor] | None = None, *, method: str = "auto") -> NoiseFloor:
+    """Per-step floor_t = rel_l2(model in its dtype, reference) over the teacher-forced logits (`tokens` forced).
+
+    method "upcast": the reference is copy.deepcopy(model) in fp32 (fp64 for an fp32 model), freed after;
+    "perturb": the reference is the model with its weights perturbed at rounding level (see _perturbed_logits);
+    "auto": upcast, and perturb where the copy does not fit in memory. Never raises for lack of memory: returns
+    an unavailable floor whose note says why."""
+    if method not in ("auto", "upcast", "perturb"):
+        raise ValueError(f"method: expected auto | upcast | perturb, got {method!r}")
+    dtype = _model_dtype(model)
+    if ref_logits is None:
+        ref_logits = teacher_forced_logits(model, batch, tokens, decode_len)
+    wide = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+    notes: list[str] = []
+
+    def steps(other: list[torch.Tensor]) -> list[float] | None:
+        vals = [rel_l2(r, o) for r, o in zip(ref_logits, other)]
+        if len(other) != len(ref_logits) or not all(math.isfinite(v) for v in vals) or \
+                not all(torch.isfinite(o).all() for o in other):
+            notes.append("reference logits not finite or of another length")
+            return None
+        return vals
+
+    if method in ("auto", "upcast"):
+        try:
+            per = steps(_upcast_logits(model, batch, tokens, decode_len, wide))
+            if per is not None:
+                return NoiseFloor(per, f"{str(wide).removeprefix('torch.')} copy", "; ".join(notes))
+        except Exception as e:  # noqa: BLE001 - only memory errors are expected; anything else is reported too
+            if not _is_oom(e):
+                raise
+            _free_memory()
+            notes.append(f"{str(wide).removeprefix('torch.')} copy does not fit: {str(e).splitlines()[0][:160]}")
+    if method in ("auto", "perturb"):
+        try:
+            per = steps(_perturbed_logits(model, batch, tokens, decode_len))
+            if per is not None:
+                return NoiseFloor(per, "perturbed weights", "; ".join(notes))
+        except Exception as e:  # noqa: BLE001
+            if not _is_oom(e):
+                raise
+            _free_memory()
+            notes.append(f"perturbed run does not fit: {str(e).splitlines()[0][:160]}")
+    return NoiseFloor(None, "unavailable", "; ".join(notes) or "no method")
+
+
+@dataclass
+class LogitsCheck:
+    """The outcome of one in-model comparison. Iterates as (ok, err, detail) for older callers."""
+
+    ok: bool
+    err: float  # the deciding step's error (rel-L2, or max abs excess for logits_max_abs)
+    detail: str  # for the Decision reason: names the metric and both numbers
+    metric: str  # the metric actually applied
+    step: int = -1  # the deciding step (highest err / limit)
+    limit: float | None = None  # the deciding step's limit
+    floor: float | None = None  # the deciding step's floor (logits_rel_l2_floor)
+    summary: str = ""  # compact, for the acceptance row's metric field
+
+    def __iter__(self):
+        return iter((self.ok, self.err, self.detail))
+
+
+def compare_logits(ref: list[torch.Tensor], new: list[torch.Tensor], dtype: torch.dtype, cfg: AcceptConfig,
+                   floor: NoiseFloor | list[float] | None = None) -> LogitsCheck:
+    """Compare the patched (`new`) with the unpatched (`ref`) teacher-forced logits step by step under the configured
+    metric; the deciding step is the one with the highest error / limit. NaN/Inf never pass."""
+    metric = cfg.resolved_metric(dtype)
     tol = tolerance_for(dtype)
-    worst, worst_step = 0.0, -1
+    fixed = cfg.tol_factor * tol.rtol
+    if isinstance(floor, NoiseFloor):
+        floor_note, floor = floor.note, floor.per_step
+    else:
+        floor_note = "not measured" if floor is None else ""
+    if metric == "logits_rel_l2_floor" and floor is not None and len(floor) != len(ref):
+        floor_note, floor = f"floor has {len(floor)} steps, logits {len(ref)}", None
+    if len(ref) != len(new):
+        return LogitsCheck(False, math.inf, f"{metric}: {len(new)} steps of logits, expected {len(ref)}", metric,
+                           summary=f"{metric}: step count mismatch")
+    worst = (-math.inf, 0.0, -1, None, None)  # (err / limit, err, step, limit, floor)
     for step, (r, n) in enumerate(zip(ref, new)):
         if not torch.isfinite(n).all():
-            return False, math.inf, f"step {step}: non-finite logits"
-        if cfg.metric == "logits_rel_l2":
-            err = float((n - r).norm() / r.norm().clamp_min(1e-12))
+            return LogitsCheck(False, math.inf, f"{metric}: step {step}: non-finite logits", metric, step,
+                               summary=f"{metric}: non-finite")
+        if metric == "logits_max_abs":
+            err = float(((n.double() - r.double()).abs() - tol.rtol * r.double().abs()).max())
+            limit, f_t = tol.atol, None
         else:
-            err = float(((n - r).abs() - tol.rtol * r.abs()).max())
-        if err > worst:
-            worst, worst_step = err, step
-    limit = cfg.tol_factor * tol.rtol if cfg.metric == "logits_rel_l2" else tol.atol
-    ok = worst <= limit and len(ref) == len(new)
-    detail = f"{cfg.metric} worst {worst:.3g} at step {worst_step} (limit {limit:.3g})"
-    return ok, worst, detail
+            err = rel_l2(n, r)
+            f_t = floor[step] if (metric == "logits_rel_l2_floor" and floor is not None) else None
+            limit = fixed if f_t is None or not math.isfinite(f_t) else max(fixed, cfg.floor_factor * f_t)
+        ratio = err / limit if limit > 0 else (math.inf if err > 0 else 0.0)
+        if ratio > worst[0]:
+            worst = (ratio, err, step, limit, f_t)
+    ratio, err, step, limit, f_t = worst
+    ok = ratio <= 1.0
+    if metric == "logits_rel_l2_floor" and floor is not None:
+        detail = (f"{metric}: rel-L2 {err:.3g} vs floor {f_t:.3g} x {cfg.floor_factor:g} at step {step} "
+                  f"(limit max({fixed:.3g}, {cfg.floor_factor * f_t:.3g}) = {limit:.3g})")
+        summary = f"{metric}: rel-L2 {err:.3g} vs floor {f_t:.3g} x {cfg.floor_factor:g} (fixed {fixed:.3g})"
+    elif metric == "logits_rel_l2_floor":
+        detail = (f"{metric}: floor unavailable ({floor_note}), fixed limit applies: rel-L2 {err:.3g} at step "
+                  f"{step} (limit {limit:.3g})")
+        summary = f"{metric}: rel-L2 {err:.3g} vs fixed {limit:.3g} (floor unavailable)"
+    elif metric == "logits_rel_l2":
+        detail = f"{metric}: rel-L2 {err:.3g} at step {step} (limit {limit:.3g})"
+        summary = f"{metric}: rel-L2 {err:.3g} vs fixed {limit:.3g}"
+    else:
+        detail = f"{metric}: max abs excess {err:.3g} at step {step} (atol {limit:.3g}, rtol {tol.rtol:g})"
+        summary = f"{metric}: excess {err:.3g} vs atol {limit:.3g}"
+    return LogitsCheck(ok, err, detail, metric, step, limit, f_t, summary)
 
 
 @dataclass
@@ -179,8 +383,10 @@ class AcceptanceResult:
     bundle_dir: str | None
     baseline_ms: float | None
     final_ms: float | None
-    metric: str
+    metric: str  # the metric applied (auto resolved)
     timing: str  # "cuda" | "skipped: cpu"
+    floor: list[float] | None = None  # per-step noise floor (logits_rel_l2_floor), None if not measured/unavailable
+    floor_note: str = ""  # how the floor was measured, or why it is unavailable
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,8 +406,12 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     batch = call_script(script.inputs, wl)
     on_gpu = wl.device.startswith("cuda")
     device_type = "cuda" if on_gpu else "cpu"
+    metric = cfg.resolved_metric(wl.torch_dtype)
     tokens, _ = reference_tokens(model, batch, wl.decode_len)
     ref_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
+    floor = noise_floor(model, batch, tokens, wl.decode_len, ref_logits) if metric == "logits_rel_l2_floor" else None
+    if floor is not None:
+        print(f"accept: {metric}: {floor.describe()}")
 
     def latency() -> float | None:
         if not on_gpu:
@@ -218,7 +428,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         for s in accepted.patches:
             trial.add_kernel(accepted.source(s.kernel))
         trial.add_patch(patch_spec_for(p, spec, device_type, run_id), source=p.source)
-        decision = _try(model, trial, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact)
+        decision = _try(model, trial, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
+                        floor=floor)
         decisions.append(decision)
         kernels_runtime.revert(model)
         if decision.decision == "accepted":
@@ -227,16 +438,25 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     bundle_path = None
     if accepted.patches:
         bundle_path = str(save_bundle(accepted, bundle_dir))
-    return AcceptanceResult(decisions, bundle_path, baseline, current, cfg.metric,
-                            "cuda" if on_gpu else "skipped: cpu")
+    return AcceptanceResult(decisions, bundle_path, baseline, current, metric,
+                            "cuda" if on_gpu else "skipped: cpu",
+                            floor=floor.per_step if floor is not None else None,
+                            floor_note=floor.describe() if floor is not None else "")
 
 
-def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact) -> Decision:
+def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
+         floor: NoiseFloor | None = None) -> Decision:
+    """One trial: apply `bundle` to `model` (the caller reverts), compare teacher-forced logits with `ref_logits`,
+    check that the kernel ran, then the latency gate (`latency()` returns None on the CPU: never accepts)."""
     import kernels_runtime
 
-    def decide(decision, reason, err=None, after=None, gain=None, counters=None):
-        return Decision(spec.task_id, p.candidate_id, decision, reason, cfg.metric, err, current, after, gain,
-                        impact, counters or {})
+    metric_name = cfg.resolved_metric(wl.torch_dtype)
+
+    def decide(decision, reason, check=None, after=None, gain=None, counters=None):
+        return Decision(spec.task_id, p.candidate_id, decision, reason,
+                        check.summary if check is not None else metric_name,
+                        check.err if check is not None else None, current, after, gain, impact, counters or {},
+                        check.limit if check is not None else None, check.floor if check is not None else None)
 
     try:
         report = kernels_runtime.apply(model, bundle, strict=True)
@@ -246,24 +466,26 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
         return decide("rejected", f"runtime: {type(e).__name__}: {str(e)[:300]}")
     counters = report.totals()
-    ok, err, detail = compare_logits(ref_logits, new_logits, wl.torch_dtype, cfg)
-    if not ok:
-        return decide("rejected", f"in-model correctness: {detail}", err, counters=counters)
+    check = compare_logits(ref_logits, new_logits, wl.torch_dtype, cfg, floor)
+    detail = check.detail
+    if not check.ok:
+        return decide("rejected", f"in-model correctness: {detail}", check, counters=counters)
     if counters.get("kernel", 0) == 0:
         return decide("rejected", f"shape coverage: the kernel never ran in-model (all calls fell back: "
-                                  f"{report.counters()})", err, counters=counters)
+                                  f"{report.counters()})", check, counters=counters)
     if cfg.check_tokens:
         forced_free, _ = reference_tokens(model, batch, wl.decode_len)
         if not torch.equal(forced_free, tokens):
-            return decide("rejected", "greedy tokens differ from the unpatched model", err, counters=counters)
+            return decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
     after = latency()
     if after is None:
         return decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
-                                  f"(in-model correctness ok: {detail})", err, counters=counters)
+                                  f"(in-model correctness ok: {detail})", check, counters=counters)
     gain = (current - after) / current
     if gain < cfg.delta:
-        return decide("rejected", f"end-to-end gain {gain:+.2%} below delta {cfg.delta:.0%}", err, after, gain, counters)
-    return decide("accepted", f"end-to-end gain {gain:+.2%}; {detail}", err, after, gain, counters)
+        return decide("rejected", f"end-to-end gain {gain:+.2%} below delta {cfg.delta:.0%}; {detail}", check, after,
+                      gain, counters)
+    return decide("accepted", f"end-to-end gain {gain:+.2%}; {detail}", check, after, gain, counters)
 
 
 def decision_rows(result: AcceptanceResult, run_id: str) -> list[dict[str, Any]]:

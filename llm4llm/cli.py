@@ -101,6 +101,13 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              proposer: str = typer.Option("library", help="library | llm | hybrid"),
              top: int = typer.Option(6, help="search the top-N tasks by hotspot score"),
              delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
+             accept_metric: str = typer.Option(
+                 "auto", help="in-model correctness metric: auto (logits_rel_l2_floor for 16-bit models, "
+                              "logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs"),
+             accept_tol_factor: float = typer.Option(3.0, help="fixed rel-L2 limit = factor x the dtype's rtol"),
+             accept_floor_factor: float = typer.Option(
+                 1.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
+                           "16-bit-vs-fp32 noise floor)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
@@ -112,12 +119,16 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     with _user_errors():
         from flows.optimize import optimize_workload
 
+        _check_proposer(proposer)
+        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
         with console.status(f"optimizing {workload} ..."):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None, min_score=min_score,
                                     refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
                                     mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm,
+                                    accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
+                                    accept_floor_factor=accept_floor_factor,
                                     e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")))
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)
@@ -128,16 +139,50 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                           f"best utility {r['best_utility']}")
         if "acceptance" in out:
             a = out["acceptance"]
-            console.print(f"acceptance ({a['timing']}): {a['accepted']} accepted, {a['rejected']} rejected; "
-                          f"bundle {a['bundle']}")
+            console.print(f"acceptance ({a['timing']}, {a.get('metric', '')}): {a['accepted']} accepted, "
+                          f"{a['rejected']} rejected; bundle {a['bundle']}")
+            if a.get("floor"):
+                console.print(f"  noise {a['floor']}")
         if "e2e" in out:
             _print_e2e(out["e2e"]["rows"])
 
 
-def _llm_options(workload: Path, model: Optional[str], api_base: Optional[str]) -> dict:
+PROPOSERS = ("library", "llm", "hybrid")
+
+
+def _check_accept(metric: str, tol_factor: float, floor_factor: float) -> None:
+    """--accept-*: one error line (exit 2) before any flow starts."""
+    from llm4llm.accept import AcceptConfig
+    from llm4llm.errors import Llm4llmError
+
+    try:
+        AcceptConfig(metric=metric, tol_factor=tol_factor, floor_factor=floor_factor)
+    except ValueError as e:
+        raise Llm4llmError(f"--accept-{str(e).split(':')[0].replace('_', '-')}: {str(e).split(':', 1)[1].strip()}")
+
+
+def _check_proposer(proposer: str) -> None:
+    from llm4llm.errors import Llm4llmError
+
+    if proposer not in PROPOSERS:
+        raise Llm4llmError(f"--proposer: expected one of {', '.join(PROPOSERS)}, got {proposer!r}")
+
+
+def _llm_options(workload: Optional[Path], model: Optional[str], api_base: Optional[str]) -> dict:
+    """The LLM proposer's settings: the workload's `[llm]` table < LLM4LLM_LLM_* env < flags. Checked here (a
+    missing model is one error line, exit 2, before any flow starts). No API key: litellm reads the provider's
+    env variable in the process that sends the requests."""
     from llm4llm.llm.config import load_llm_config
 
-    return load_llm_config(workload, flags={"model": model, "api_base": api_base}).model_dump()
+    cfg = load_llm_config(workload if workload and Path(workload).is_file() else None,
+                          flags={"model": model, "api_base": api_base})
+    cfg.require_model()
+    return cfg.model_dump()
+
+
+def _run_workload_path(d, run_id: str) -> Optional[Path]:
+    rows = d.query("SELECT w.path FROM runs r JOIN workloads w USING (workload_hash) WHERE r.run_id = ?", [run_id])
+    return Path(rows[0][0]) if rows and rows[0][0] else None
 
 
 def _print_e2e(rows: list[dict]) -> None:
@@ -166,16 +211,15 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         from llm4llm.errors import TaskError
         from storage import repo
 
+        _check_proposer(proposer)
         with _db(db) as d:
             run = run or repo.latest_run_id(d)
             info = repo.get_run(d, run) if run else None
+            workload_path = _run_workload_path(d, run) if info is not None else None
         if info is None:
             raise TaskError(f"run: expected an existing run id (see `llm4llm runs`), got {run!r}")
-        llm = None
-        if proposer != "library":
-            from llm4llm.llm.config import load_llm_config
-
-            llm = load_llm_config(None, flags={"model": llm_model, "api_base": llm_api_base}).model_dump()
+        # The run's workload file supplies the [llm] table when it is still where it was profiled from.
+        llm = _llm_options(workload_path, llm_model, llm_api_base) if proposer != "library" else None
         with console.status(f"searching tasks of {run} ..."):
             results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
                                    mode=mode, budget=budget, proposer=proposer,
@@ -184,6 +228,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")
+            if "llm_calls" in r:
+                cost = f", ${r['llm_cost_usd']:.4f}" if r.get("llm_cost_usd") else ""
+                console.print(f"  llm: {r['llm_calls']} calls, {r['llm_tokens']} tokens{cost}"
+                              + (f"; stopped: {r['llm_exhausted']}" if r.get("llm_exhausted") else ""))
 
 
 @app.command()

@@ -238,21 +238,25 @@ def close_pools() -> None:
     _POOLS.clear()
 
 
-def make_proposer(kind: str, seed: int = 0, llm: dict | None = None):
-    """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget)."""
+def make_proposer(kind: str, seed: int = 0, llm=None):
+    """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget).
+
+    `llm`: an LLMConfig, or a dict of its fields (the CLI's merged `[llm]` table + env + flags, or a caller's own;
+    env `LLM4LLM_LLM_*` fill what the dict leaves out or sets to None). API keys are never part of it: litellm
+    reads them from the provider's environment variable."""
     from llm4llm.search.builtin import LibraryProposer
 
     if kind == "library":
         return LibraryProposer(seed=seed)
-    from llm4llm.llm.config import LLMConfig
+    if kind not in ("llm", "hybrid"):
+        raise ValueError(f"proposer: expected library, llm or hybrid, got {kind!r}")
+    from llm4llm.llm.config import LLMConfig, load_llm_config
     from llm4llm.llm.proposer import HybridProposer, LLMProposer
 
-    cfg = LLMConfig(**(llm or {}))
+    cfg = llm if isinstance(llm, LLMConfig) else load_llm_config(None, flags=dict(llm or {}))
     if kind == "llm":
         return LLMProposer(cfg)
-    if kind == "hybrid":
-        return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed), cfg.hybrid_share)
-    raise ValueError(f"proposer: expected library, llm or hybrid, got {kind!r}")
+    return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed), cfg.hybrid_share)
 
 
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
@@ -269,8 +273,16 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     prop = make_proposer(proposer, seed, llm)
     pool, lock = verifier_pool(device, timeout_s)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
+    archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id
     cand_dir.mkdir(parents=True, exist_ok=True)
+    search_kw = {}
+    llm_backed = hasattr(prop, "on_call")  # LLMProposer, or HybridProposer (forwards to its LLM)
+    if llm_backed:
+        search_kw["samples_per_step"] = prop.config.samples_per_step
+        if not prop.config.transcript_path:  # the LLM's JSONL transcripts sit next to the episode archive
+            escaped = str(archive_dir).replace("{", "{{").replace("}", "}}")
+            prop.transcript_path = f"{escaped}/llm-e{{episode}}.jsonl"
 
     def verify(task_path, source):
         with lock:
@@ -279,18 +291,27 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     with Database(db_path) as db:
         repo.record_search_start(db, {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id,
                                       "mode": mode, "proposer": prop.name, "budget": budget})
-        if hasattr(prop, "on_call"):
-            prop.on_call = lambda call: repo.record_llm_call(db, {**llm_call_row(call), "search_id": search_id,
-                                                                  "task_id": spec.task_id})
+        if llm_backed:  # every request attempt is an llm_calls row, written as it happens (from worker threads)
+            prop.on_call = lambda call: repo.record_llm_call(db, llm_call_row(call, search_id, spec.task_id))
+        counts = {"trials": 0, "passed": 0}
 
         def on_trial(candidate, verdict, episode, iteration):
             src = cand_dir / f"{candidate.id}.py"
             src.write_text(candidate.source)
-            repo.record_candidate(db, candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration,
-                                                    str(src)))
+            row = candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration, str(src))
+            repo.record_candidate(db, row)
+            counts["trials"] += 1
+            counts["passed"] += int(row["passed"])
 
-        result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed, on_trial=on_trial,
-                            archive_dir=Path(data_dir) / "searches" / search_id)
+        try:
+            result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
+                                on_trial=on_trial, archive_dir=archive_dir, **search_kw)
+        except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
+            repo.record_search_end(db, search_id, counts["trials"], counts["passed"], None, None)
+            raise
+        finally:
+            if llm_backed:
+                prop.on_call = None  # the database closes with this block
         for ep in result.episodes:
             passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
             utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
@@ -301,9 +322,15 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         best = result.best
         repo.record_search_end(db, search_id, result.trials_used, sum(t.feedback.passed for t in result.trials),
                                best.candidate.id if best else None, best.feedback.utility if best else None)
-    return {"search_id": search_id, "task_id": spec.task_id, "trials": result.trials_used,
-            "pass_rate": result.pass_rate, "best_candidate": best.candidate.id if best else None,
-            "best_utility": best.feedback.utility if best else None, "episodes": len(result.episodes)}
+    summary = {"search_id": search_id, "task_id": spec.task_id, "trials": result.trials_used,
+               "pass_rate": result.pass_rate, "best_candidate": best.candidate.id if best else None,
+               "best_utility": best.feedback.utility if best else None, "episodes": len(result.episodes),
+               "ended_by": result.episodes[-1].ended_by if result.episodes else None}
+    if llm_backed:
+        llm_prop = getattr(prop, "llm", prop)
+        summary.update(llm_calls=len(llm_prop.calls), llm_tokens=llm_prop.tokens_used,
+                       llm_cost_usd=llm_prop.cost_used, llm_exhausted=llm_prop.exhausted)
+    return summary
 
 
 def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
@@ -334,12 +361,25 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
     }
 
 
-def llm_call_row(call) -> dict:
-    d = call if isinstance(call, dict) else (call.model_dump() if hasattr(call, "model_dump") else vars(call))
-    return {"call_id": d.get("call_id") or uuid.uuid4().hex, "model": d.get("model", ""),
-            "prompt_tokens": d.get("prompt_tokens"), "completion_tokens": d.get("completion_tokens"),
-            "cost_usd": d.get("cost_usd", d.get("cost")), "latency_ms": d.get("latency_ms"),
-            "status": d.get("status", ""), "error": d.get("error"), "attempt": d.get("attempt")}
+def llm_call_row(call, search_id: str | None = None, task_id: str | None = None) -> dict:
+    """An `llm_calls` row (storage/migrations/001_init.sql) from an LLMCall (its `db_row`) or a dict of the same
+    fields; the error text is redacted again (nothing key-like reaches DuckDB)."""
+    from llm4llm.llm.redact import redact
+
+    if hasattr(call, "db_row"):
+        row = call.db_row(search_id)
+    else:
+        d = call if isinstance(call, dict) else vars(call)
+        row = {"call_id": d.get("call_id") or uuid.uuid4().hex, "search_id": search_id or d.get("search_id"),
+               "task_id": d.get("task_id"), "model": d.get("model", ""), "prompt_tokens": d.get("prompt_tokens"),
+               "completion_tokens": d.get("completion_tokens"), "cost_usd": d.get("cost_usd", d.get("cost")),
+               "latency_ms": d.get("latency_ms"), "status": d.get("status", ""), "error": d.get("error"),
+               "attempt": d.get("attempt")}
+    if task_id is not None:
+        row["task_id"] = task_id
+    if row.get("error"):
+        row["error"] = redact(str(row["error"]))
+    return row
 
 
 # ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
@@ -393,9 +433,10 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
 
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
-               metric: str = "logits_rel_l2", repeats: int = 5) -> dict:
+               metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 1.0) -> dict:
     """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
-    experience for the next search round) go to DuckDB."""
+    experience for the next search round) go to DuckDB. `metric`: auto (logits_rel_l2_floor for 16-bit models,
+    logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs; see llm4llm/accept.py."""
     from llm4llm.accept import AcceptConfig, accept, decision_rows
     from storage import repo
     from storage.db import Database
@@ -405,7 +446,8 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
     result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
-                           cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats), run_id=run_id)
+                           cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats, tol_factor=tol_factor,
+                                            floor_factor=floor_factor), run_id=run_id)
     wl = describe_workload(workload_path)
     with Database(db_path) as db:
         for row in decision_rows(result, run_id):
@@ -423,7 +465,8 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
                                           "manifest_json": json.loads(manifest)})
     return {"bundle": result.bundle_dir, "accepted": sum(d.decision == "accepted" for d in result.decisions),
             "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
-            "baseline_ms": result.baseline_ms, "final_ms": result.final_ms}
+            "baseline_ms": result.baseline_ms, "final_ms": result.final_ms, "metric": result.metric,
+            "floor": result.floor_note}
 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,

@@ -356,6 +356,32 @@ class HybridProposer:
         self._asked = 0
         self._to_llm = 0
 
+    # The LLM's records and budget state, read and set through the hybrid (the search flow sets `on_call` and
+    # `transcript_path` on whichever proposer it built).
+    @property
+    def on_call(self) -> OnCall | None:
+        return self.llm.on_call
+
+    @on_call.setter
+    def on_call(self, fn: OnCall | None) -> None:
+        self.llm.on_call = fn
+
+    @property
+    def transcript_path(self) -> str | None:
+        return self.llm.transcript_path
+
+    @transcript_path.setter
+    def transcript_path(self, path: str | Path | None) -> None:
+        self.llm.transcript_path = str(path) if path else None
+
+    @property
+    def config(self) -> LLMConfig:
+        return self.llm.config
+
+    @property
+    def calls(self) -> list[LLMCall]:
+        return self.llm.calls
+
     def reset(self) -> None:
         self._asked = self._to_llm = 0
         for p in (self.llm, self.builtin):

@@ -299,7 +299,8 @@ class Judge:
 
     def judge(self, draw: Draw) -> None:
         outs, _ = self.run_once(draw, float("nan"))
-        reports = {n: compare(outs[n], draw.ref[n]) for n in draw.ref}
+        reports = {n: compare(outs[n], draw.ref[n], tolerance_dtype(self.task.spec.dtype, draw.ref[n].dtype))
+                   for n in draw.ref}
         nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
         if nonfinite or not all(r.ok for r in reports.values()):
             again, _ = self.run_once(draw, 3.0)
@@ -424,3 +425,13 @@ def _append_passed_before(v: Verdict, failing: str | None, runs: int = 0, cases:
         if name == failing:
             return
         v.gates.append(GateResult(name=name, passed=True, detail=details.get(name, "")))
+
+
+def tolerance_dtype(task_dtype: str, tensor_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype whose TOLERANCES row judges an output: the task's compute dtype when it is coarser than the
+    tensor's (HF keeps some state in fp32, e.g. Mamba's ssm_state, but computes it from bf16 activations, so
+    fp32's 1e-4 would reject every correct bf16 kernel); otherwise the tensor's own dtype."""
+    compute = getattr(torch, task_dtype, None)
+    if tensor_dtype == torch.float32 and compute in (torch.bfloat16, torch.float16):
+        return compute
+    return None

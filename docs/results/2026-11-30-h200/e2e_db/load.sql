@@ -1,0 +1,14 @@
+COPY acceptances FROM 'e2e_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'e2e_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'e2e_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'e2e_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'e2e_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'e2e_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'e2e_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'e2e_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'e2e_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'e2e_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'e2e_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'e2e_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'e2e_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'e2e_db/workloads.parquet' (FORMAT 'parquet');

@@ -1,0 +1,14 @@
+COPY acceptances FROM 'profile_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'profile_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'profile_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'profile_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'profile_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'profile_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'profile_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'profile_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'profile_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'profile_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'profile_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'profile_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'profile_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'profile_db/workloads.parquet' (FORMAT 'parquet');

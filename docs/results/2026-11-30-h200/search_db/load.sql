@@ -1,0 +1,14 @@
+COPY acceptances FROM 'search_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'search_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'search_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'search_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'search_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'search_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'search_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'search_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'search_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'search_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'search_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'search_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'search_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'search_db/workloads.parquet' (FORMAT 'parquet');
