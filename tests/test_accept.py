@@ -1,0 +1,308 @@
+"""Deployment-time acceptance (llm4llm/accept.py) on a tiny bf16 HF Llama on the CPU: the precision noise floor, the
+in-model correctness metrics, teacher forcing, the CPU latency gate, ranking and guards. The kernels here are plain
+PyTorch (bf16 tl.dot is wrong under the Triton interpreter; the runtime does not care what launches)."""
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels_runtime
+from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, load_bundle, save_bundle
+from llm4llm import accept as acc
+from llm4llm.accept import (
+    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, decision_rows, guard_for,
+    noise_floor, rank, reference_tokens, teacher_forced_logits,
+)
+from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
+
+RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
+DECODE_LEN = 8
+
+# Correct RMSNorm computing in fp32 end to end and rounding once (as a one-pass Triton kernel would); HF rounds the
+# normalised activations to bf16 before the weight multiply, so the two differ at rounding level.
+RMSNORM_FP32 = textwrap.dedent('''
+    import torch
+
+
+    def entry(inputs, weights, state, static):
+        x, w = inputs["hidden_states"], weights["weight"]
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + static["variance_epsilon"]) * w.float()
+        return {"out": y.to(x.dtype)}
+''')
+BUGS = {
+    "no_weight": RMSNORM_FP32.replace(" * w.float()", ""),
+    "eps_x100": RMSNORM_FP32.replace('static["variance_epsilon"]', '100 * static["variance_epsilon"]'),
+}
+
+
+def tiny_llama_bf16():
+    """hidden 64, 2 layers, vocab 256; norm weights random too (HF initialises them to ones, which would hide a
+    missing weight multiply)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model.to(torch.bfloat16)
+
+
+def rmsnorm_bundle(source: str) -> PatchBundle:
+    bundle = PatchBundle(name="tiny-rmsnorm-bf16", library_versions={"torch": torch.__version__}, gpu="cpu")
+    for phase in ("prefill", "decode"):
+        bundle.add_patch(PatchSpec(
+            patch_id=f"rmsnorm-{phase}", module_class=RMSNORM, instances=["*"], phase=phase,
+            guard=Guard(dtypes=["bfloat16"]), kernel="", dispatch_template="llama-rmsnorm",
+            provenance=Provenance(run_id="run-1", task_id=f"norm-{phase}", candidate_id="c1", gpu="cpu"),
+        ), source=source)
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The unpatched model, its prompt, greedy tokens, teacher-forced logits and fp32-copy noise floor."""
+    model = tiny_llama_bf16()
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    tokens, _ = reference_tokens(model, batch, DECODE_LEN)
+    logits = teacher_forced_logits(model, batch, tokens, DECODE_LEN)
+    floor = noise_floor(model, batch, tokens, DECODE_LEN, logits)
+    return SimpleNamespace(model=model, batch=batch, tokens=tokens, logits=logits, floor=floor)
+
+
+def patched_logits(ref, source: str) -> list[torch.Tensor]:
+    kernels_runtime.apply(ref.model, rmsnorm_bundle(source), strict=True)
+    try:
+        return teacher_forced_logits(ref.model, ref.batch, ref.tokens, DECODE_LEN)
+    finally:
+        kernels_runtime.revert(ref.model)
+
+
+def try_once(ref, source: str, cfg: AcceptConfig):
+    """accept()'s own trial step (_try) on the fixture model, with the CPU latency gate (latency() -> None)."""
+    spec = SimpleNamespace(task_id="norm-decode-abc")
+    p = SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    try:
+        return acc._try(ref.model, rmsnorm_bundle(source), spec, p, ref.batch, ref.tokens, ref.logits, wl, cfg,
+                        lambda: None, None, 0.1, floor=ref.floor)
+    finally:
+        kernels_runtime.revert(ref.model)
+
+
+# ------------------------------------------------------------------------------------------------ the noise floor
+
+def test_floor_is_positive_and_finite_per_step(ref):
+    f = ref.floor
+    assert f.available and f.method == "float32 copy", f.describe()
+    assert len(f.per_step) == DECODE_LEN
+    assert all(math.isfinite(v) and v > 0 for v in f.per_step), f.per_step
+    assert all(v < 0.5 for v in f.per_step)  # rounding-level, not a different model
+    # the fp32 copy was a copy: the model is still bf16 and gives the same logits
+    assert all(p.dtype == torch.bfloat16 for p in ref.model.parameters())
+    again = teacher_forced_logits(ref.model, ref.batch, ref.tokens, DECODE_LEN)
+    assert all(torch.equal(a, b) for a, b in zip(again, ref.logits))
+
+
+def test_perturbed_floor_restores_the_weights(ref):
+    before = {k: v.clone() for k, v in ref.model.state_dict().items()}
+    f = noise_floor(ref.model, ref.batch, ref.tokens, DECODE_LEN, ref.logits, method="perturb")
+    assert f.available and f.method == "perturbed weights"
+    assert all(math.isfinite(v) and v > 0 for v in f.per_step)
+    after = ref.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_floor_falls_back_when_the_copy_does_not_fit(ref, monkeypatch):
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
+
+    monkeypatch.setattr(acc, "_upcast_logits", oom)
+    f = noise_floor(ref.model, ref.batch, ref.tokens, DECODE_LEN, ref.logits)
+    assert f.available and f.method == "perturbed weights" and "float32 copy does not fit" in f.note
+    monkeypatch.setattr(acc, "_perturbed_logits", oom)
+    f = noise_floor(ref.model, ref.batch, ref.tokens, DECODE_LEN, ref.logits)
+    assert not f.available and "does not fit" in f.note
+    # the floor metric then applies the fixed limit and says so
+    new = [l * 1.01 for l in ref.logits]
+    check = compare_logits(ref.logits, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2_floor"), f)
+    assert check.ok and check.limit == pytest.approx(0.03)
+    assert "floor unavailable" in check.detail and "fixed limit" in check.detail and "does not fit" in check.detail
+
+
+# ------------------------------------------------------------------------------------------------ teacher forcing
+
+def test_teacher_forcing_gives_the_same_tokens_through_both_models(ref):
+    """The forced tokens go through the patched (even a buggy one) and the unpatched model alike."""
+    from transformers import LogitsProcessorList
+
+    def forced_sequence(model):
+        prompt_len = ref.batch["input_ids"].shape[1]
+        with torch.inference_mode():
+            out = model.generate(**ref.batch, max_new_tokens=DECODE_LEN, min_new_tokens=DECODE_LEN, do_sample=False,
+                                 pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                                 logits_processor=LogitsProcessorList([acc._ForceTokens(ref.tokens, prompt_len)]))
+        return out.sequences[:, prompt_len:], out.logits
+
+    seq, logits = forced_sequence(ref.model)
+    assert torch.equal(seq, ref.tokens) and len(logits) == DECODE_LEN
+    kernels_runtime.apply(ref.model, rmsnorm_bundle(BUGS["no_weight"]), strict=True)
+    try:
+        seq_bug, logits_bug = forced_sequence(ref.model)
+        free_bug, _ = reference_tokens(ref.model, ref.batch, DECODE_LEN)
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert torch.equal(seq_bug, ref.tokens) and len(logits_bug) == DECODE_LEN
+    assert not torch.equal(free_bug, ref.tokens)  # free-running, the bug does change the tokens
+    assert torch.equal(ref.logits[0], teacher_forced_logits(ref.model, ref.batch, ref.tokens, DECODE_LEN)[0])
+
+
+# ------------------------------------------------------------------------------------------------ correctness
+
+def test_correct_fp32_rmsnorm_is_accepted_in_model_under_the_floor(ref):
+    new = patched_logits(ref, RMSNORM_FP32)
+    assert any(not torch.equal(n, r) for n, r in zip(new, ref.logits))  # legitimately different rounding
+    floor_cfg = AcceptConfig()  # auto -> logits_rel_l2_floor for bf16
+    check = compare_logits(ref.logits, new, torch.bfloat16, floor_cfg, ref.floor)
+    assert check.ok and check.metric == "logits_rel_l2_floor", check.detail
+    assert "vs floor" in check.detail and check.floor is not None and check.floor > 0
+    fixed = compare_logits(ref.logits, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2"))
+    if fixed.ok:  # on a 2-layer model the fixed limit (0.03) is loose: then both pass
+        assert check.ok
+    # with the fixed limit out of the way the floor alone decides: a correct kernel sits within ~1.5x the bf16-vs-fp32
+    # floor (two equally valid bf16 roundings), a buggy one far outside
+    calibrated = AcceptConfig(metric="logits_rel_l2_floor", tol_factor=1e-3, floor_factor=2.0)
+    assert compare_logits(ref.logits, new, torch.bfloat16, calibrated, ref.floor).ok
+    bug = patched_logits(ref, BUGS["eps_x100"])
+    assert not compare_logits(ref.logits, bug, torch.bfloat16, calibrated, ref.floor).ok
+
+
+def test_cpu_latency_gate_never_accepts_a_correct_patch(ref):
+    d = try_once(ref, RMSNORM_FP32, AcceptConfig(delta=0.0))
+    assert d.decision == "rejected"
+    assert "no CPU timing may accept a patch" in d.reason and "in-model correctness ok" in d.reason
+    assert "logits_rel_l2_floor" in d.reason and "vs floor" in d.reason
+    assert d.metric.startswith("logits_rel_l2_floor: rel-L2 ") and " vs floor " in d.metric  # both numbers
+    assert d.in_model_err is not None and d.in_model_floor is not None and d.in_model_limit >= d.in_model_err
+    assert d.counters.get("kernel", 0) > 0 and d.e2e_after_ms is None and d.gain is None
+    row = decision_rows(AcceptanceResult([d], None, None, None, "logits_rel_l2_floor", "skipped: cpu"), "run-1")[0]
+    assert row["metric"] == d.metric and row["decision"] == "rejected"
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+@pytest.mark.parametrize("metric", METRICS)
+def test_buggy_kernel_is_rejected_under_every_metric(ref, bug, metric):
+    d = try_once(ref, BUGS[bug], AcceptConfig(metric=metric))
+    assert d.decision == "rejected"
+    assert d.reason.startswith(f"in-model correctness: {metric}:"), d.reason
+    assert d.metric.startswith(metric) and d.in_model_err > d.in_model_limit
+
+
+def test_non_finite_logits_never_pass(ref):
+    bad = [l.clone() for l in ref.logits]
+    bad[3][0, 7] = float("nan")
+    huge = NoiseFloor([1e9] * DECODE_LEN, "float32 copy")
+    for metric in METRICS:
+        cfg = AcceptConfig(metric=metric, tol_factor=1e6, floor_factor=1e6)
+        check = compare_logits(ref.logits, bad, torch.bfloat16, cfg, huge)
+        assert not check.ok and "non-finite" in check.detail and check.detail.startswith(metric)
+    inf = [l.clone() for l in ref.logits]
+    inf[0][0, 0] = float("inf")
+    assert not compare_logits(ref.logits, inf, torch.bfloat16, AcceptConfig(), huge).ok
+    # a floor with a non-finite step falls back to the fixed limit on that step, never to "anything goes"
+    nan_floor = NoiseFloor([float("nan")] * DECODE_LEN, "float32 copy")
+    off = [l * 1.5 for l in ref.logits]
+    assert not compare_logits(ref.logits, off, torch.bfloat16, AcceptConfig(), nan_floor).ok
+
+
+def test_floor_limit_is_per_step_max_of_fixed_and_factor_times_floor():
+    ref_l = [torch.ones(1, 100), torch.ones(1, 100)]
+    new = [torch.ones(1, 100) * 1.05, torch.ones(1, 100) * 1.02]  # rel-L2 0.05, 0.02
+    floor = NoiseFloor([0.06, 0.001], "float32 copy")
+    ok = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(), floor)
+    assert ok.ok and ok.step == 0 and ok.limit == pytest.approx(0.06) and ok.floor == pytest.approx(0.06)
+    assert "rel-L2 0.05 vs floor 0.06 x 1" in ok.detail
+    tight = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(floor_factor=0.5), floor)
+    assert not tight.ok and tight.limit == pytest.approx(0.03)  # max(0.03, 0.5 x 0.06)
+    fixed = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2"), floor)
+    assert not fixed.ok and fixed.floor is None  # the old fixed metric ignores the floor
+    ok_, err, detail = ok  # still unpacks as (ok, err, detail)
+    assert ok_ and err == pytest.approx(0.05)
+
+
+def test_accept_config():
+    assert AcceptConfig().resolved_metric(torch.bfloat16) == "logits_rel_l2_floor"
+    assert AcceptConfig().resolved_metric(torch.float16) == "logits_rel_l2_floor"
+    assert AcceptConfig().resolved_metric(torch.float32) == "logits_rel_l2"
+    assert AcceptConfig(metric="logits_max_abs").resolved_metric(torch.bfloat16) == "logits_max_abs"
+    with pytest.raises(ValueError, match="metric"):
+        AcceptConfig(metric="tokens")
+    with pytest.raises(ValueError, match="floor_factor"):
+        AcceptConfig(floor_factor=0)
+    with pytest.raises(ValueError, match="tol_factor"):
+        AcceptConfig(tol_factor=float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------ ranking / guards
+
+def spec_for(task_id: str, hotspot: float, shapes: list[list[int]], *, deployable=True, phase="decode",
+             hardware=None) -> TaskSpec:
+    return TaskSpec(task_id=task_id, family="norm", module_class=RMSNORM, instances=["model.norm"], phase=phase,
+                    input_names=["hidden_states"], weight_names=["weight"], output_names=["out"],
+                    static={"variance_epsilon": 1e-6}, dtype="bfloat16", hotspot_score=hotspot,
+                    deployable=deployable, hardware=hardware or {},
+                    cases=[CaseSig(inputs={"hidden_states": TensorSig(shape=s, dtype="bfloat16")}) for s in shapes])
+
+
+def write_spec(root: Path, spec: TaskSpec) -> str:
+    d = root / spec.task_id
+    d.mkdir(parents=True)
+    (d / "spec.json").write_text(spec.model_dump_json())
+    return str(d)
+
+
+def test_rank_orders_by_expected_impact(tmp_path):
+    specs = {
+        "hot-small-gain": spec_for("hot-small-gain", 0.5, [[1, 1, 64]]),  # 0.5 x (1 - 1/1.1) = 0.045
+        "warm-big-gain": spec_for("warm-big-gain", 0.2, [[1, 1, 64]]),  # 0.2 x (1 - 1/2) = 0.1
+        "cold": spec_for("cold", 0.01, [[1, 1, 64]]),  # 0.01 x 0.5 = 0.005
+        "not-deployable": spec_for("not-deployable", 0.9, [[1, 1, 64]], deployable=False),
+        "no-cases": spec_for("no-cases", 0.9, []),
+    }
+    speedups = {"hot-small-gain": 1.1, "warm-big-gain": 2.0, "cold": 2.0, "not-deployable": 3.0, "no-cases": 3.0}
+    proposals = [Proposal(write_spec(tmp_path, s), f"c-{k}", "src", speedups[k]) for k, s in specs.items()]
+    ranked = rank(proposals)
+    assert [s.task_id for _, s, _ in ranked] == ["warm-big-gain", "hot-small-gain", "cold"]
+    assert [i for *_, i in ranked] == pytest.approx([0.1, 0.5 * (1 - 1 / 1.1), 0.005])
+    assert acc.expected_impact(Proposal("x", "c", "src", 0.0), specs["cold"]) == 0.0
+
+
+def test_guard_exact_where_cases_agree_ranges_where_they_differ():
+    spec = spec_for("norm-prefill", 0.3, [[1, 7, 64], [1, 16, 64], [2, 3, 64]], phase="prefill",
+                    hardware={"gpu_name": "NVIDIA H200", "capability": "9.0"})
+    g = guard_for(spec, "cuda")
+    assert g.shapes == {"hidden_states": [(1, 2), (3, 16), 64]}  # Dim ranges are (lo, hi)
+    assert g.dtypes == ["bfloat16"] and g.device_types == ["cuda"] and g.min_capability == (9, 0)
+    one = guard_for(spec_for("norm-decode", 0.3, [[1, 1, 64]]), "cpu")
+    assert one.shapes == {"hidden_states": [1, 1, 64]} and one.device_types == ["cpu"] and one.min_capability is None
+
+
+def test_patch_spec_and_bundle_round_trip(tmp_path):
+    spec = spec_for("norm-decode", 0.3, [[1, 1, 64]])
+    p = Proposal(write_spec(tmp_path, spec), "c9", RMSNORM_FP32, 1.4)
+    bundle = PatchBundle(name="t", library_versions={}, gpu="cpu")
+    bundle.add_patch(acc.patch_spec_for(p, spec, "cpu", "run-1"), source=p.source)
+    back = load_bundle(save_bundle(bundle, tmp_path / "bundle"))
+    s = back.patches[0]
+    assert s.patch_id == "norm-decode:c9" and s.phase == "decode" and s.guard.shapes == {"hidden_states": [1, 1, 64]}
+    assert s.provenance.metrics == {"task_speedup": 1.4} and back.source(s.kernel) == RMSNORM_FP32
