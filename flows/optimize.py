@@ -15,7 +15,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       mode: str = "episodic", budget: int = 15, proposer: str = "library", top: int | None = 6,
                       families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
                       timeout_s: float = 120.0, llm: dict | None = None, accept_metric: str = "auto",
-                      accept_tol_factor: float = 3.0, accept_floor_factor: float = 1.0,
+                      accept_tol_factor: float = 3.0, accept_floor_factor: float = 2.0,
                       e2e_variants: tuple[str, ...] = ("eager", "torch_compile", "patched")) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
 

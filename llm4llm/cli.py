@@ -106,7 +106,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                               "logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs"),
              accept_tol_factor: float = typer.Option(3.0, help="fixed rel-L2 limit = factor x the dtype's rtol"),
              accept_floor_factor: float = typer.Option(
-                 1.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
+                 2.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
                            "16-bit-vs-fp32 noise floor)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),

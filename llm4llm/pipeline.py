@@ -433,7 +433,7 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
 
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
-               metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 1.0) -> dict:
+               metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 2.0) -> dict:
     """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
     experience for the next search round) go to DuckDB. `metric`: auto (logits_rel_l2_floor for 16-bit models,
     logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs; see llm4llm/accept.py."""
