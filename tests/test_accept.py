@@ -232,7 +232,8 @@ def test_floor_limit_is_per_step_max_of_fixed_and_factor_times_floor():
     ok = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(floor_factor=1.0), floor)
     assert ok.ok and ok.step == 0 and ok.limit == pytest.approx(0.06) and ok.floor == pytest.approx(0.06)
     assert "rel-L2 0.05 vs floor 0.06 x 1" in ok.detail
-    assert compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(), floor).limit == pytest.approx(0.12)  # x 2
+    default = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(), floor)  # factor 2: step 0 limit 0.12
+    assert default.ok and default.step == 1 and default.limit == pytest.approx(0.03)  # deciding step: 0.02 / 0.03
     tight = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(floor_factor=0.5), floor)
     assert not tight.ok and tight.limit == pytest.approx(0.03)  # max(0.03, 0.5 x 0.06)
     fixed = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2"), floor)
