@@ -75,6 +75,7 @@ class Proposal:
     source: str
     speedup: float  # task-level, in-context
     config: dict = field(default_factory=dict)
+    template: str = ""
 
     def spec(self) -> TaskSpec:
         from llm4llm.taskspec import load_spec

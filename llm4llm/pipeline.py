@@ -261,7 +261,7 @@ def make_proposer(kind: str, seed: int = 0, llm=None):
 
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
                     proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
-                    run_id: str | None = None, llm: dict | None = None) -> dict:
+                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True) -> dict:
     """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
     and an `experience` record. Returns a small summary."""
     from llm4llm.search.episode import run_search
@@ -303,9 +303,11 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
             counts["trials"] += 1
             counts["passed"] += int(row["passed"])
 
+        # earlier searches and acceptance rejections of this task (off for controlled comparisons, e.g. ablations)
+        prior = prior_experience(db, spec.task_id) if use_prior else []
         try:
             result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
-                                on_trial=on_trial, archive_dir=archive_dir, **search_kw)
+                                on_trial=on_trial, archive_dir=archive_dir, prior=prior, **search_kw)
         except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
             repo.record_search_end(db, search_id, counts["trials"], counts["passed"], None, None)
             raise
@@ -420,7 +422,7 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
 
     with Database(db_path) as db:
         df = db.query_df(
-            "SELECT c.task_id, c.candidate_id, c.source_path, c.utility, c.speedup_in_context, c.config_json, "
+            "SELECT c.task_id, c.candidate_id, c.source_path, c.utility, c.speedup_in_context, c.config_json, c.template, "
             "c.max_abs_err, t.artifact_path FROM candidates c JOIN searches s USING (search_id) "
             "JOIN tasks t ON t.task_id = c.task_id AND t.run_id = s.run_id "
             "WHERE s.run_id = ? AND c.passed AND c.utility >= ? "
@@ -428,7 +430,8 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
             [run_id, min_utility],
         )
     return [Proposal(task_dir=r.artifact_path, candidate_id=r.candidate_id, source=Path(r.source_path).read_text(),
-                     speedup=float(r.speedup_in_context or 0.0), config=json.loads(r.config_json or "{}"))
+                     speedup=float(r.speedup_in_context or 0.0), config=json.loads(r.config_json or "{}"),
+                     template=r.template or "")
             for r in df.itertuples()]
 
 
@@ -452,12 +455,13 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     with Database(db_path) as db:
         for row in decision_rows(result, run_id):
             repo.record_acceptance(db, row)
-        for d in result.decisions:
+        by_id = {p.candidate_id: p for p in proposals}
+        for i, d in enumerate(result.decisions):
             if d.decision == "rejected":
-                repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": len(result.decisions),
-                                         "trials": 1, "passed": 0, "best_utility": None, "transcript_path": None},
-                                    {"source": "acceptance", "candidate_id": d.candidate_id,
-                                     "notes": [f"rejected in-model: {d.reason}"]}, d.task_id)
+                repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": i, "trials": 1, "passed": 0,
+                                         "best_utility": None, "transcript_path": None},
+                                    json.loads(rejection_experience(d, by_id.get(d.candidate_id)).to_json()),
+                                    d.task_id)
         if result.bundle_dir:
             manifest = (Path(result.bundle_dir) / "manifest.json").read_text()
             repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
@@ -467,6 +471,36 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
             "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
             "baseline_ms": result.baseline_ms, "final_ms": result.final_ms, "metric": result.metric,
             "floor": result.floor_note}
+
+
+def rejection_experience(decision, proposal):
+    """An acceptance rejection as experience for the task's next search round: the candidate's point is marked
+    failing (the built-in proposer prunes it, an LLM reads it) and the reason is kept as a note."""
+    from llm4llm.search.types import Experience, FailingConfig
+
+    failing = []
+    if proposal is not None and proposal.template:
+        cfg = {k: v for k, v in proposal.config.items() if k not in ("llm_call", "api_corrections", "original_sha")}
+        failing.append(FailingConfig(template=proposal.template, config=cfg, failure_class="in_model",
+                                     signature=decision.reason[:200]))
+    return Experience(task_id=decision.task_id, episode=-1, trials=1, failing=failing,
+                      notes=[f"rejected at deployment (in the model, through the script): {decision.reason[:300]}"])
+
+
+def prior_experience(db, task_id: str) -> list:
+    """The task's experience from earlier searches and acceptance rounds, oldest first (invalid records skipped)."""
+    from pydantic import ValidationError
+
+    from llm4llm.search.types import Experience
+    from storage import repo
+
+    out = []
+    for rec in repo.experience_records(db, task_id):
+        try:
+            out.append(Experience.model_validate(rec))
+        except ValidationError:
+            continue
+    return out
 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,

@@ -3,7 +3,8 @@
 The conv state is the last `S` inputs of each channel. HF Mamba/Mamba2 caches keep `S = K` (`conv_states`,
 zero-padded on the left for short prompts); RecurrentGemma keeps `S = K - 1` (`conv1d_state`). Both layouts are
 supported: `state_len` picks the prefill's returned width, the decode update reads it from `conv_state`.
-Accumulation is fp32; the output is cast to the input dtype.
+Accumulation is fp32; the result is rounded to the weight dtype (HF convolves in it) before the optional SiLU,
+then cast to the input dtype.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels_runtime.ops._common import cast_out, interpreting, rnd
 
 # Config space for the searcher (the launchers take these as kwargs; no autotune: the decode update writes state
 # in place, and the prefill is cheap enough that a hand-picked default is within noise of the best).
@@ -35,7 +38,7 @@ def _causal_conv1d_kernel(
     stride_yb, stride_yc, stride_yl,
     stride_sb, stride_sc, stride_ss,
     # Meta-parameters
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_STATE: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_STATE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -55,10 +58,12 @@ def _causal_conv1d_kernel(
         acc += wk[:, None] * xk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[:, None]
+    # HF convolves in the weight dtype (the result rounded to it), then applies the SiLU to that tensor
+    acc = rnd(acc, w_ptr.dtype.element_ty)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     y_ptrs = y_ptr + pid_b * stride_yb + offs_c[:, None] * stride_yc + offs_l[None, :] * stride_yl
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_c[:, None] & (offs_l[None, :] < L))
+    tl.store(y_ptrs, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=mask_c[:, None] & (offs_l[None, :] < L))
     if HAS_STATE:
         if pid_l == 0:
             # final state: the last S inputs, zero where the sequence is shorter than S
@@ -82,7 +87,7 @@ def _causal_conv1d_update_kernel(
     stride_wc, stride_wk,
     stride_yb, stride_yc,
     # Meta-parameters
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, RNE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -102,9 +107,11 @@ def _causal_conv1d_update_kernel(
     acc = tl.sum(win * w, axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    # HF convolves in the weight dtype (the result rounded to it), then applies the SiLU to that tensor
+    acc = rnd(acc, w_ptr.dtype.element_ty)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + pid_b * stride_yb + offs_c * stride_yc, acc.to(y_ptr.dtype.element_ty), mask=mask_c)
+    tl.store(y_ptr + pid_b * stride_yb + offs_c * stride_yc, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=mask_c)
     # shift the state left by one and append x; the whole row is loaded before any store
     offs_s = tl.arange(0, BLOCK_S)
     ms = mask_c[:, None] & (offs_s[None, :] < S)
@@ -129,13 +136,16 @@ def causal_conv1d_ref(x, weight, bias=None, silu=False, state_len=None):
 
 
 def causal_conv1d_update_ref(x, conv_state, weight, bias=None, silu=False):
-    """x: [B, C], conv_state: [B, C, S] (S >= K - 1, updated in place), weight: [C, K], bias: [C] -> y [B, C]."""
+    """x: [B, C], conv_state: [B, C, S] (S >= K - 1, updated in place), weight: [C, K], bias: [C] -> y [B, C].
+
+    Mirrors HF `causal_conv1d_update`: the conv result rounded to the weight dtype, then the optional SiLU."""
     K = weight.shape[-1]
     full = torch.cat([conv_state, x[:, :, None]], dim=-1)  # [B, C, S + 1]
     conv_state.copy_(full[:, :, 1:])
     y = (full[:, :, -K:].float() * weight.float()).sum(-1)
     if bias is not None:
         y = y + bias.float()
+    y = y.to(weight.dtype).float()  # HF convolves in the weight dtype, then applies the SiLU to that result
     if silu:
         y = F.silu(y)
     return y.to(x.dtype)
@@ -168,7 +178,7 @@ def causal_conv1d(x, weight, bias=None, silu=False, state_len=None, *, BLOCK_C=3
         x, weight, bias if bias is not None else weight, y, state,
         C, L, S,
         *x.stride(), *weight.stride(), *y.stride(), *state.stride(),
-        K=K, HAS_BIAS=bias is not None, SILU=silu, HAS_STATE=S > 0,
+        K=K, HAS_BIAS=bias is not None, SILU=silu, HAS_STATE=S > 0, RNE=interpreting(),
         BLOCK_C=BLOCK_C, BLOCK_L=BLOCK_L, BLOCK_S=triton.next_power_of_2(max(S, 1)), num_warps=num_warps,
     )
     return y, state
@@ -192,7 +202,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, silu=False, *, BLOCK_
         x, conv_state, weight, bias if bias is not None else weight, y,
         C, S,
         *x.stride(), *conv_state.stride(), *weight.stride(), *y.stride(),
-        K=K, HAS_BIAS=bias is not None, SILU=silu,
+        K=K, HAS_BIAS=bias is not None, SILU=silu, RNE=interpreting(),
         BLOCK_C=BLOCK_C, BLOCK_S=triton.next_power_of_2(S), BLOCK_K=triton.next_power_of_2(K), num_warps=num_warps,
     )
     return y

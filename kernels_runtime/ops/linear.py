@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import interpreting
+from kernels_runtime.ops._common import cast_out, interpreting
 
 GEMV_MAX_M = 16  # at or below this many rows the GEMV kernel is used unless a config forces the dot path
 EPILOGUES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -58,7 +58,7 @@ def _linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     # Meta-parameters
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -94,7 +94,7 @@ def _linear_kernel(
     acc = _epilogue(acc, EPILOGUE)
     if GATED:
         acc = acc * acc_u
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -107,7 +107,7 @@ def _gemv_kernel(
     # Strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid (M, N / BLOCK_N): the rows sharing one weight block run back to back, so it is read from HBM once.
@@ -131,7 +131,7 @@ def _gemv_kernel(
     acc = _epilogue(acc, EPILOGUE)
     if GATED:
         acc = acc * acc_u
-    tl.store(y_ptr + row * stride_ym + rn * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,
@@ -173,7 +173,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
         return y.reshape(*x.shape[:-1], N)
     args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, y, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
-    meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue])
+    meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue], RNE=interpreting())
     if gemv if gemv is not None else M <= GEMV_MAX_M:
         grid = (M, triton.cdiv(N, GEMV_BLOCK_N))
         _gemv_kernel[grid](*args, **meta, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,

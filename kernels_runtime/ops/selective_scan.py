@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels_runtime.ops._common import cast_out, interpreting, rnd
+
 # Config space for the searcher. Neither kernel is autotuned: the decode update writes the SSM state in place
 # (tuning launches would advance it several times), and the prefill is sequential over L, so its only knobs are
 # the channel block (parallelism vs. per-program work) and the warp count.
@@ -26,16 +28,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
-@triton.jit
-def _rnd(x, DTYPE: tl.constexpr):
-    # round to DTYPE and back: reproduces a rounding HF's torch path does (a no-op for fp32). bf16 is rounded to
-    # nearest-even by hand because Triton's interpreter truncates fp32 -> bf16 casts (NaN/Inf not handled).
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DTYPE).to(tl.float32)
+_rnd = rnd  # round to DTYPE and back (bf16 by hand: the interpreter truncates); rglru and ssd import it
 
 
 @triton.jit
@@ -65,7 +58,7 @@ def _selective_scan_kernel(
     stride_hb, stride_hd, stride_hn,
     # Meta-parameters
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
+    HAS_H0: tl.constexpr, DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -103,7 +96,7 @@ def _selective_scan_kernel(
         if HAS_Z:
             z = tl.load(z_base + t * stride_zl, mask=mask_d, other=0.0).to(tl.float32)
             y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
-        tl.store(y_base + t * stride_yl, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(y_base + t * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask_d)
     tl.store(hT_ptr + h_offs, h.to(hT_ptr.dtype.element_ty), mask=mask_dn)
 
 
@@ -125,7 +118,7 @@ def _selective_state_update_kernel(
     # Meta-parameters
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    RNE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
@@ -152,7 +145,8 @@ def _selective_state_update_kernel(
     if HAS_Z:
         z = tl.load(z_ptr + pid_b * stride_zb + offs_d * stride_zd, mask=mask_d, other=0.0).to(tl.float32)
         y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
-    tl.store(y_ptr + pid_b * stride_yb + offs_d * stride_yd, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(y_ptr + pid_b * stride_yb + offs_d * stride_yd, cast_out(y, y_ptr.dtype.element_ty, RNE),
+             mask=mask_d)
 
 
 def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=True, initial_state=None):
@@ -243,7 +237,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(), *hT.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=delta_bias is not None, DT_SOFTPLUS=delta_softplus,
         HAS_H0=initial_state is not None, DT_DTYPE=_TL[delta.dtype], Y_DTYPE=_TL[u.dtype],
-        Z_DTYPE=_TL[zz.dtype], BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), num_warps=num_warps,
+        Z_DTYPE=_TL[zz.dtype], RNE=interpreting(), BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), num_warps=num_warps,
     )
     return y, hT
 
@@ -270,7 +264,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         Dd, N,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        DT_DTYPE=_TL[dt.dtype], Y_DTYPE=_TL[C.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[zz.dtype],
+        DT_DTYPE=_TL[dt.dtype], Y_DTYPE=_TL[C.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[zz.dtype], RNE=interpreting(),
         BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), num_warps=num_warps,
     )
     return y

@@ -71,10 +71,11 @@ class SearchResult(BaseModel):
 
 def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode = "episodic", budget: int = 15,
                samples_per_step: int = 3, episode_len: int = 5, seed: int = 0, on_trial: OnTrial | None = None,
-               archive_dir: Path | None = None) -> SearchResult:
+               archive_dir: Path | None = None, prior: list[Experience] | None = None) -> SearchResult:
     """Search one task. `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode
     (sample and iter runs archive their single trajectory as episode 0). `seed` names the run in the archive;
-    the proposer carries its own seed."""
+    the proposer carries its own seed. `prior` is experience from earlier searches of this task (or acceptance
+    rejections recorded against it): every mode starts from it, as an episodic restart would."""
     if mode not in ("episodic", "sample", "iter"):
         raise ValueError(f"run_search: expected mode in ('episodic', 'sample', 'iter'), got {mode!r}")
     if budget < 1 or samples_per_step < 1 or episode_len < 1:
@@ -88,14 +89,15 @@ def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode
         proposer.reset()
     run = _Run(spec, task_dir, proposer, verify, on_trial, archive, f"{mode}-s{seed}-{int(time.time() * 1000)}")
     result = SearchResult(task_id=spec.task_id, mode=mode, budget=budget, proposer=proposer.name)
+    prior = list(prior or [])
     if mode == "sample":
-        ended = run.episode(0, [], length=budget, step=budget, stop_when_stuck=False)
-        result.episodes.append(run.close_episode(0, [], ended))
+        ended = run.episode(0, prior, length=budget, step=budget, stop_when_stuck=False)
+        result.episodes.append(run.close_episode(0, prior, ended))
     elif mode == "iter":
-        ended = run.episode(0, [], length=budget, step=1, stop_when_stuck=False)
-        result.episodes.append(run.close_episode(0, [], ended))
+        ended = run.episode(0, prior, length=budget, step=1, stop_when_stuck=False)
+        result.episodes.append(run.close_episode(0, prior, ended))
     else:
-        experiences: list[Experience] = []
+        experiences: list[Experience] = list(prior)
         k = 0
         while len(run.trials) < budget:
             length = min(episode_len, budget - len(run.trials))

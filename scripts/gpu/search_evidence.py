@@ -72,7 +72,8 @@ def main() -> None:
             continue
         s = time.time()
         r = pipeline.run_task_search(t.artifact_path, args.db, data_dir, mode=mode, budget=args.budget,
-                                     device=args.device, timeout_s=180, run_id=runs[name])
+                                     device=args.device, timeout_s=180, run_id=runs[name],
+                                     use_prior=False)  # modes compared from the same starting point
         r.update(workload=name, mode=mode, family=t.family, phase=t.phase, seconds=round(time.time() - s, 1))
         results.append(r)
         print(f"[{time.time() - T0:6.1f}s] {name} {t.task_id} {mode}: {r['trials']} trials, pass "
