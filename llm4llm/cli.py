@@ -112,6 +112,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
              e2e_variants: str = typer.Option("eager,torch_compile,patched", help="variants the evaluate stage runs"),
+             rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Run the closed loop on a workload: profile -> extract -> search -> accept -> evaluate."""
@@ -129,7 +130,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm,
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
-                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")))
+                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")), rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)
         if "tasks" in out:

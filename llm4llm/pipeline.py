@@ -425,7 +425,8 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
             "SELECT c.task_id, c.candidate_id, c.source_path, c.utility, c.speedup_in_context, c.config_json, c.template, "
             "c.max_abs_err, t.artifact_path FROM candidates c JOIN searches s USING (search_id) "
             "JOIN tasks t ON t.task_id = c.task_id AND t.run_id = s.run_id "
-            "WHERE s.run_id = ? AND c.passed AND c.utility >= ? "
+            "WHERE s.run_id = ? AND c.passed AND c.utility >= ? AND c.candidate_id NOT IN "
+            "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = s.run_id AND a.decision = 'rejected') "
             "QUALIFY row_number() OVER (PARTITION BY c.task_id ORDER BY c.utility DESC, c.max_abs_err ASC) = 1",
             [run_id, min_utility],
         )
@@ -467,7 +468,10 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
             repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
                                           "workload_hash": wl["workload_hash"], "bundle_path": result.bundle_dir,
                                           "manifest_json": json.loads(manifest)})
+    retry = sorted({d.task_id for d in result.decisions if d.decision == "rejected"
+                    and not d.reason.startswith("latency gate skipped")})
     return {"bundle": result.bundle_dir, "accepted": sum(d.decision == "accepted" for d in result.decisions),
+            "retry_tasks": retry,
             "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
             "baseline_ms": result.baseline_ms, "final_ms": result.final_ms, "metric": result.metric,
             "floor": result.floor_note}

@@ -130,3 +130,25 @@ def test_cli_reports_bad_input_in_one_line(prefect_harness, tmp_path):
     res = CliRunner().invoke(app, ["profile", str(path), "--db", str(tmp_path / "db.duckdb")])
     assert res.exit_code == 2
     assert "decode_len" in res.output and "Traceback" not in res.output
+
+
+def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tmp_path):
+    """profile -> extract -> search -> accept -> evaluate on tiny-llama: candidates are verified and checked inside
+    the model, and the CPU latency gate rejects every one (no CPU timing may accept a patch)."""
+    from flows.optimize import optimize_workload
+
+    db_path = str(tmp_path / "loop.duckdb")
+    out = optimize_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(tmp_path / "data"),
+                            budget=1, top=2, e2e_variants=("eager", "patched"), rounds=2)
+    assert len(out["searches"]) == 2 and out["acceptance"]["accepted"] == 0 and out["acceptance"]["bundle"] is None
+    assert out["acceptance"]["retry_tasks"] == []  # CPU rejections are not the candidates' fault: no second round
+    with Database(db_path) as db:
+        acc = repo.table_df(db, "acceptances")
+        e2e = repo.table_df(db, "e2e_results")
+        cands = repo.candidate_rows(db)
+    assert len(cands) == 2 and cands["passed"].all()
+    assert len(acc) == 2 and (acc["decision"] == "rejected").all()
+    assert acc["reason"].str.contains("no CPU timing may accept a patch").all()
+    assert acc["reason"].str.contains("in-model correctness ok").all()
+    assert set(e2e["variant"]) == {"eager", "patched"}
+    assert e2e.set_index("variant").loc["patched", "notes"] == "skipped: no bundle"

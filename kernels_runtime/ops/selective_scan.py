@@ -24,8 +24,13 @@ SELECTIVE_STATE_UPDATE_CONFIGS: list[dict] = [{"BLOCK_D": bd, "num_warps": w} fo
 
 @triton.jit
 def _softplus(x):
-    # torch's softplus with its default threshold (20): identity above it
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:
+    # log(u) * e / (u - 1) with u = 1 + e is accurate to a few ulps where log(1 + e) loses e's low bits (x << 0;
+    # those flipped ~2% of HF's bf16 dt roundings)
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
 
 
 _rnd = rnd  # round to DTYPE and back (bf16 by hand: the interpreter truncates); rglru and ssd import it
@@ -88,7 +93,7 @@ def _selective_scan_kernel(
         dt = _dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
         Bt = tl.load(b_base + t * stride_bl, mask=offs_n < N, other=0.0).to(tl.float32)  # [BLOCK_N]
         Ct = tl.load(c_base + t * stride_cl, mask=offs_n < N, other=0.0).to(tl.float32)
-        h = tl.exp(dt[:, None] * A) * h + (dt * u)[:, None] * Bt[None, :]
+        h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bt[None, :]) * u[:, None]  # HF: (dt B) u
         # HF contracts the state cast to u's dtype with C, in u's dtype
         y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Ct[None, :], axis=1), Y_DTYPE)
         if HAS_D:
@@ -135,7 +140,7 @@ def _selective_state_update_kernel(
     A = tl.load(A_ptr + offs_d[:, None] * stride_ad + offs_n[None, :] * stride_an, mask=mask_dn, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + pid_b * stride_bb + offs_n * stride_bn, mask=offs_n < N, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + pid_b * stride_cb + offs_n * stride_cn, mask=offs_n < N, other=0.0).to(tl.float32)
-    h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]
+    h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]  # HF: (dt B) x
     tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     # HF: (h in C's dtype) @ C, then the skip and the gate in the promoted dtypes of their operands
     y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Cv[None, :], axis=1), Y_DTYPE)
