@@ -85,3 +85,28 @@ def test_default_config_passes(tiny_tasks, pool, workload, template, phase):
     assert [g.name for g in v.gates if not g.passed] == []
     assert v.max_abs_err is not None and v.max_abs_err < 1e-4
     assert v.utility == 0.0  # no GPU timing on the CPU
+
+
+@pytest.mark.slow
+def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
+    """Regression: the Mamba templates in bf16 at d_inner 512 (hidden 64 hides it). HF's chain (in_proj -> conv ->
+    x_proj/dt_proj -> scan -> out_proj) amplifies 1-ulp bf16 differences of its intermediates past the tolerance, so
+    the ops must round where HF rounds: the conv result in the weight dtype before the SiLU, softplus via log1p, and
+    round-to-nearest bf16 stores under the interpreter (it truncates). Before the fix both phases failed here."""
+    from llm4llm.pipeline import run_extract, run_profile
+
+    script = WORKLOADS.parent / "scripts" / "hf_generate.py"
+    wl = tmp_path / "mamba-bf16.toml"
+    wl.write_text(f'name = "mamba-bf16-d512"\nscript = "{script}"\ndtype = "bfloat16"\ndevice = "cpu"\n'
+                  'batch_size = 1\nprompt_len = 8\ndecode_len = 2\nseed = 0\n[model]\nmodel_type = "mamba"\n'
+                  '[model.config]\nhidden_size = 256\nnum_hidden_layers = 1\nvocab_size = 256\nstate_size = 16\n'
+                  'expand = 2\nconv_kernel = 4\n')
+    data = tmp_path / "data"
+    run_extract(str(wl), run_profile(str(wl), str(data)), str(data))
+    specs = [(load_spec(d), d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
+    for name, phase in (("ssm_mixer.mamba", "prefill"), ("ssm_mixer.mamba_decode", "decode")):
+        t = next(t for t in TEMPLATES if t.name == name)
+        spec, task_dir = next((s, d) for s, d in specs if s.family == "ssm_mixer" and s.phase == phase)
+        assert spec.dtype in ("bfloat16", "torch.bfloat16") and t.why_not(spec) is None
+        v = pool.verify(task_dir, t.render(spec, t.default(spec)))
+        assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"

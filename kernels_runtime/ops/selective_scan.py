@@ -242,7 +242,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(), *hT.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=delta_bias is not None, DT_SOFTPLUS=delta_softplus,
         HAS_H0=initial_state is not None, DT_DTYPE=_TL[delta.dtype], Y_DTYPE=_TL[u.dtype],
-        Z_DTYPE=_TL[zz.dtype], RNE=interpreting(), BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), num_warps=num_warps,
+        Z_DTYPE=_TL[zz.dtype], RNE=interpreting(), BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N),
+        num_warps=num_warps,
     )
     return y, hT
 

@@ -3,7 +3,12 @@ state is the last K inputs) or causal_conv1d_update (decode) -> x_proj, dt_proj 
 with the D skip and the silu(z) gate fused (prefill) or selective_state_update (decode) -> out_proj. The state-in is
 copied before the in-place decode updates: a candidate never modifies its inputs. A 2-D `attention_mask` input
 (prefill) zeroes padded positions before in_proj and after the conv, as HF does. Limit: the SiLU activation only
-(MambaConfig's default)."""
+(MambaConfig's default).
+
+16-bit: the chain amplifies 1-ulp differences of its bf16 intermediates (at mamba-130m's dims one flipped rounding per
+stage moves `out` by ~2-3 and the fp32 ssm_state by ~1), so the ops round exactly where HF's torch path does: the conv
+result in the weight dtype before the SiLU, dt + bias and softplus (log1p) in dt's dtype, the state in u's dtype
+before the C contraction, and round-to-nearest bf16 stores under the interpreter (which truncates)."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
