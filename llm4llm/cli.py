@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llm4llm import progress
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deployment-aware, closed-loop optimizer of GPU kernels for language-model inference.")
 # Wide enough for the hotspot table when the output is not a terminal (CI logs, pipes).
@@ -86,7 +88,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     with _user_errors():
         from flows.profile import profile_workload
 
-        with console.status(f"profiling {workload} ..."):
+        with progress.rich_progress(console):
             out = profile_workload(str(workload), db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None, refresh=refresh)
         console.print(f"run [bold]{out['run_id']}[/]")
@@ -123,7 +125,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         _check_proposer(proposer)
         _check_accept(accept_metric, accept_tol_factor, accept_floor_factor)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
-        with console.status(f"optimizing {workload} ..."):
+        with progress.rich_progress(console):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None, min_score=min_score,
                                     refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
@@ -221,7 +223,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
             raise TaskError(f"run: expected an existing run id (see `llm4llm runs`), got {run!r}")
         # The run's workload file supplies the [llm] table when it is still where it was profiled from.
         llm = _llm_options(workload_path, llm_model, llm_api_base) if proposer != "library" else None
-        with console.status(f"searching tasks of {run} ..."):
+        with progress.rich_progress(console):
             results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
                                    mode=mode, budget=budget, proposer=proposer,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),

@@ -84,8 +84,10 @@ def _free(*objs) -> None:
 def run_profile(workload_path: str, data_dir: str) -> str:
     """Build the model through the user's script, profile it per phase; write `profile.json` under a new run dir
     and return its path. Nothing touches the database here."""
+    from llm4llm import progress
     from llm4llm.profiler import profile_model
 
+    progress.start(f"profile:{workload_path}", f"profile {Path(workload_path).stem}", None)
     wl, model, run_fn = _build(workload_path)
     started = datetime.now(timezone.utc).replace(tzinfo=None)
     # On the GPU each phase reports the median of 3 recorded runs: one host stall (seen once: a 0.5 s v_proj call
@@ -107,6 +109,7 @@ def run_profile(workload_path: str, data_dir: str) -> str:
     tmp.write_text(json.dumps(payload, indent=1, default=str))
     tmp.replace(path)
     _free(model, run_fn)
+    progress.done(f"profile:{workload_path}")
     return str(path)
 
 
@@ -165,8 +168,10 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None) -> st
 def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0) -> str:
     """Re-run the workload with capture hooks on the profiled hotspots and write task artifacts; returns the path
     of `tasks.json` (the run's task index)."""
+    from llm4llm import progress
     from llm4llm.extract import extract_tasks
 
+    progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
     payload, profile = load_profile(profile_path)
     wl, model, run_fn = _build(workload_path)
     specs = extract_tasks(
@@ -180,6 +185,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     tmp.write_text(json.dumps(index, indent=1, default=str))
     tmp.replace(path)
     _free(model, run_fn)
+    progress.done(f"extract:{profile_path}")
     return str(path)
 
 
@@ -264,6 +270,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
                     run_id: str | None = None, llm: dict | None = None, use_prior: bool = True) -> dict:
     """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
     and an `experience` record. Returns a small summary."""
+    from llm4llm import progress
     from llm4llm.search.episode import run_search
     from llm4llm.taskspec import load_spec
     from storage import repo
@@ -300,9 +307,11 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
             src.write_text(candidate.source)
             row = candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration, str(src))
             repo.record_candidate(db, row)
+            progress.advance(search_id)
             counts["trials"] += 1
             counts["passed"] += int(row["passed"])
 
+        progress.start(search_id, f"search {spec.task_id} ({mode})", budget)
         # earlier searches and acceptance rejections of this task (off for controlled comparisons, e.g. ablations)
         prior = prior_experience(db, spec.task_id) if use_prior else []
         try:

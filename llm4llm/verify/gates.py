@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_runtime.tolerances import compare
+from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, rel_l2
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.static_check import check_source, forbidden_names_for
@@ -58,6 +58,9 @@ class Draw:
     weights: dict[str, torch.Tensor]
     state: dict[str, torch.Tensor]
     ref: dict[str, torch.Tensor] = field(default_factory=dict)
+    # 16-bit tasks only: the same reference with module, weights, inputs and state upcast to fp32 (the floor's anchor);
+    # None where the task is not 16-bit or the upcast reference could not be computed
+    ref32: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -73,20 +76,40 @@ class Guarded:
 
 # ---------------------------------------------------------------------------------------------------- the reference
 
-def reference_fn(task: Task, device: torch.device) -> Callable[..., dict[str, torch.Tensor]]:
+def reference_fn(task: Task, device: torch.device, upcast: bool = False) -> Callable[..., dict[str, torch.Tensor]]:
     """Task.reference() where the spec has a recipe; a stateless module without one is called with its inputs
-    positionally, in `input_names` order, its outputs named in `output_names` order."""
-    if task.spec.recipe:
+    positionally, in `input_names` order, its outputs named in `output_names` order.
+
+    upcast=True: the same path with the module's floating parameters and buffers, and every floating weight, input
+    and state tensor, in fp32 (integer and bool tensors unchanged): the fp32 anchor of the rounding floor."""
+    spec = task.spec
+    if spec.recipe and not upcast:
         return task.reference(device)
     module = task.load_module(device).eval()
-    spec = task.spec
+    if upcast:
+        module = module.float()
+    up = _upcast if upcast else (lambda d: d)
+    if spec.recipe:
+        from kernels_runtime.boundary import call_reference
+
+        return lambda inputs, weights, state, static: call_reference(module, up(weights), up(inputs), up(state),
+                                                                     static, spec.recipe)
 
     def ref(inputs, weights, state, static):
-        out = torch.func.functional_call(module, weights, tuple(inputs[n] for n in spec.input_names))
+        inputs = up(inputs)
+        out = torch.func.functional_call(module, up(weights), tuple(inputs[n] for n in spec.input_names))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         return dict(zip(spec.output_names, outs))
 
     return ref
+
+
+def _upcast(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.float() if t.is_floating_point() else t for n, t in d.items()}
+
+
+def is_16bit(task: Task) -> bool:
+    return getattr(torch, task.spec.dtype, None) in (torch.float16, torch.bfloat16)
 
 
 def _fresh(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -116,14 +139,28 @@ def expected_names(task: Task) -> list[str]:
 
 
 @torch.no_grad()
-def fill_reference(task: Task, draws: list[Draw], ref: Callable) -> None:
-    for d in draws:
-        got = ref({n: t.clone() for n, t in d.inputs.items()}, {n: t.clone() for n, t in d.weights.items()},
+def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable | None = None) -> None:
+    """Each draw's reference outputs (d.ref); with `ref32` (16-bit tasks), also the fp32 anchor (d.ref32). A ref32
+    that raises, lacks an output or returns another shape leaves d.ref32 None: the floor is then not applied."""
+    def call(fn, d):
+        return fn({n: t.clone() for n, t in d.inputs.items()}, {n: t.clone() for n, t in d.weights.items()},
                   {n: t.clone() for n, t in d.state.items()}, copy.deepcopy(task.spec.static))
+
+    for d in draws:
+        got = call(ref, d)
         missing = [n for n in expected_names(task) if n not in got]
         if missing:
             raise RuntimeError(f"reference: expected outputs {expected_names(task)}, missing {missing}")
         d.ref = {n: got[n].detach() for n in expected_names(task)}
+        if ref32 is None:
+            continue
+        try:
+            wide = call(ref32, d)
+            wide = {n: wide[n].detach() for n in expected_names(task)}
+        except Exception:  # noqa: BLE001 - an fp32 copy the module refuses only costs the floor, never the run
+            continue
+        if all(wide[n].shape == d.ref[n].shape for n in d.ref):
+            d.ref32 = wide
 
 
 # ------------------------------------------------------------------------------------------------ guarded buffers
@@ -279,6 +316,8 @@ class Judge:
     max_abs: float = 0.0
     max_rel: float = 0.0
     runs: int = 0
+    floor_passes: int = 0  # outputs (over all draws) that failed the table but passed the rounding floor
+    floor_worst: tuple[float, str] = (-1.0, "")  # (got rel-L2 / floor rel-L2, note) of the tightest floor pass
 
     def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
         g = guard(draw)
@@ -299,8 +338,14 @@ class Judge:
 
     def judge(self, draw: Draw) -> None:
         outs, _ = self.run_once(draw, float("nan"))
-        reports = {n: compare(outs[n], draw.ref[n], tolerance_dtype(self.task.spec.dtype, draw.ref[n].dtype))
-                   for n in draw.ref}
+        tdt = {n: tolerance_dtype(self.task.spec.dtype, r.dtype) for n, r in draw.ref.items()}
+        reports = {n: compare(outs[n], draw.ref[n], tdt[n]) for n in draw.ref}
+        if draw.ref32 is not None:  # 16-bit task: an output the table rejects may still sit within the rounding floor
+            for n, r in reports.items():
+                if not r.ok:
+                    reports[n] = compare_floor(outs[n], draw.ref[n], draw.ref32[n], tdt[n])
+                    if reports[n].ok:
+                        self._note_floor(n, draw, outs[n])
         nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
         if nonfinite or not all(r.ok for r in reports.values()):
             again, _ = self.run_once(draw, 3.0)
@@ -324,6 +369,21 @@ class Judge:
                               + f" (case {draw.key[0]}, draw {draw.key[1]})")
         self._errs(reports)
         self.history.append((draw.key, outs))
+
+    def _note_floor(self, name: str, draw: Draw, out: torch.Tensor) -> None:
+        self.floor_passes += 1
+        floor = rel_l2(draw.ref[name], draw.ref32[name])
+        got = rel_l2(out, draw.ref32[name])
+        ratio = got / floor if floor > 0 else float("inf")
+        if ratio > self.floor_worst[0]:
+            self.floor_worst = (ratio, f"{name}: rel-L2 vs fp32 {got:.3g} <= {FLOOR_FACTOR:g} x {floor:.3g} "
+                                       f"(case {draw.key[0]}, draw {draw.key[1]})")
+
+    def floor_detail(self) -> str:
+        if not self.floor_passes:
+            return ""
+        return (f"; {self.floor_passes} output(s) passed by the rounding floor instead (tightest: "
+                f"{self.floor_worst[1]})")
 
     def _errs(self, reports) -> None:
         finite = [r for r in reports.values() if math.isfinite(r.max_abs)]
@@ -369,7 +429,8 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
 def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draws: int, seed: int, timing: bool,
                 memcheck: bool, source: str) -> tuple[Verdict, bool]:
     all_draws = make_draws(task, dev, draws, seed)
-    fill_reference(task, all_draws, reference_fn(task, dev))
+    fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
+                   else None)
     t0 = time.perf_counter()
     try:
         call_candidate(entry, guard(all_draws[0]), task.spec.static, dev, first_call=True)
@@ -391,7 +452,8 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
-    _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev)
+    _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
+                          floor=judge.floor_detail())
     if memcheck:
         from llm4llm.verify.sanitizer import memcheck_gate
 
@@ -414,12 +476,12 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
 
 
 def _append_passed_before(v: Verdict, failing: str | None, runs: int = 0, cases: int = 0, draws: int = 0,
-                          dev: torch.device | None = None) -> None:
+                          dev: torch.device | None = None, floor: str = "") -> None:
     """Record the per-call gates that passed (all of them, or those before the failing one)."""
     details = {
         "current_stream": "launches on the caller's stream" if dev is None or dev.type == "cuda"
         else "skipped: no GPU (no streams on the CPU)",
-        "correctness": f"{runs} calls: {cases} captured case(s) + {draws} fresh draws each, TOLERANCES[dtype]",
+        "correctness": f"{runs} calls: {cases} captured case(s) + {draws} fresh draws each, TOLERANCES[dtype]" + floor,
     }
     for name in CHECK_GATES:
         if name == failing:
