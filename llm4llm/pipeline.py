@@ -69,6 +69,14 @@ def _build(workload_path: str):
     return wl, model, run_fn
 
 
+def _write_json(path: Path, obj) -> Path:
+    """Write JSON atomically (temp file + rename): a killed stage never leaves a half-written artifact."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
 def _free(*objs) -> None:
     del objs
     gc.collect()
@@ -104,10 +112,7 @@ def run_profile(workload_path: str, data_dir: str) -> str:
         "started_at": started.isoformat(),
         "profile": asdict(result),
     }
-    path = run_dir / "profile.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    tmp.replace(path)
+    path = _write_json(run_dir / "profile.json", payload)
     _free(model, run_fn)
     progress.done(f"profile:{workload_path}")
     return str(path)
@@ -180,10 +185,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
-    path = Path(profile_path).parent / "tasks.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(index, indent=1, default=str))
-    tmp.replace(path)
+    path = _write_json(Path(profile_path).parent / "tasks.json", index)
     _free(model, run_fn)
     progress.done(f"extract:{profile_path}")
     return str(path)
