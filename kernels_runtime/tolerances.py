@@ -92,7 +92,9 @@ def compare_floor(out: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor,
     base = compare(out, ref16, dtype)
     if base.ok or out.shape != ref16.shape or out.dtype != ref16.dtype:
         return base
-    fail = lambda why: CloseReport(False, base.max_abs, base.max_rel, f"{base.reason}; floor: {why}", "floor")  # noqa: E731
+    def fail(why: str) -> CloseReport:
+        return CloseReport(False, base.max_abs, base.max_rel, f"{base.reason}; floor: {why}", "floor")
+
     if ref32.shape != ref16.shape:
         return fail(f"fp32 reference shape {tuple(ref32.shape)} differs from {tuple(ref16.shape)}")
     o, r16, r32 = (t.detach().double().cpu() for t in (out, ref16, ref32))

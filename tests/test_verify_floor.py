@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_verify import shared_pool
 
-from kernels_runtime.tolerances import FLOOR_FACTOR, FLOOR_MAX_REL_L2, compare, compare_floor
+from kernels_runtime.tolerances import (
+    FLOOR_FACTOR,
+    FLOOR_MAX_REL_L2,
+    compare,
+    compare_floor,
+)
 from llm4llm.taskspec import Case, CaseSig, TaskSpec, TensorSig, load_task, write_task
 from llm4llm.verify.gates import is_16bit, reference_fn
-from test_verify import shared_pool
 
 K, N, EPS = 64, 48, 1e-5
 SHAPES = [(2, 3, K)]

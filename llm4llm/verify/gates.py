@@ -376,8 +376,9 @@ class Judge:
         got = rel_l2(out, draw.ref32[name])
         ratio = got / floor if floor > 0 else float("inf")
         if ratio > self.floor_worst[0]:
-            self.floor_worst = (ratio, f"{name}: rel-L2 vs fp32 {got:.3g} <= {FLOOR_FACTOR:g} x {floor:.3g} "
-                                       f"(case {draw.key[0]}, draw {draw.key[1]})")
+            note = (f"{name}: rel-L2 vs fp32 {got:.3g} <= {FLOOR_FACTOR:g} x {floor:.3g} "
+                    f"(case {draw.key[0]}, draw {draw.key[1]})")
+            self.floor_worst = (ratio, note)
 
     def floor_detail(self) -> str:
         if not self.floor_passes:
