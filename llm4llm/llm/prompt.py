@@ -116,7 +116,7 @@ def _sig(name: str, s: Any) -> str:
 
 
 def task_section(task: TaskSpec) -> str:
-    from kernels_runtime.tolerances import TOLERANCES
+    from kernels_runtime.tolerances import FLOOR_FACTOR, TOLERANCES
 
     import torch
 
@@ -133,6 +133,10 @@ def task_section(task: TaskSpec) -> str:
     tol = TOLERANCES.get(dtype)
     lines.append(f"dtype: {task.dtype}; tolerance: atol={tol.atol}, rtol={tol.rtol} (NaN/Inf never pass)"
                  if tol else f"dtype: {task.dtype}")
+    if dtype in (torch.bfloat16, torch.float16):
+        lines.append(f"16-bit: an output outside that tolerance still passes if it is no further from an fp32 "
+                     f"reference than {FLOOR_FACTOR:g}x the {task.dtype} reference's own distance (accumulate in "
+                     f"fp32, round once)")
     lines.append(f"inputs: {task.input_names}; weights: {task.weight_names}; state: {task.state_names or 'none'}; "
                  f"outputs: {task.output_names}")
     if task.state_names:
