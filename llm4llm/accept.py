@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, library_versions, save_bundle
+from kernels_runtime import tolerances
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.taskspec import TaskSpec
 
@@ -186,11 +187,8 @@ def reference_tokens(model, batch: dict, decode_len: int) -> tuple[torch.Tensor,
 
 
 def rel_l2(new: torch.Tensor, ref: torch.Tensor) -> float:
-    """||new - ref|| / ||ref|| in float64; inf where `new` is not finite."""
-    n, r = new.detach().double(), ref.detach().double()
-    if not torch.isfinite(n).all():
-        return math.inf
-    return float((n - r).norm() / r.norm().clamp_min(1e-30))
+    """The shared rel-L2 (kernels_runtime.tolerances), inf where `new` is not finite."""
+    return tolerances.rel_l2(new, ref) if torch.isfinite(new).all() else math.inf
 
 
 @dataclass

@@ -23,15 +23,10 @@ DbOpt = typer.Option(None, "--db", help="DuckDB file (default $LLM4LLM_DB or $LL
 DataOpt = typer.Option(None, "--data-dir", help="artifact dir (default $LLM4LLM_HOME or ./.llm4llm)")
 
 
-def _interpret_without_gpu() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def _quiet_prefect(verbose: bool) -> None:
-    _interpret_without_gpu()
+    from kernels_runtime.ops._common import interpret_without_gpu
+
+    interpret_without_gpu()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -247,6 +242,15 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     _quiet_prefect(verbose)
     with _user_errors():
         from llm4llm.pipeline import run_evaluate
+
+        if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
+            from kernels_runtime.bundle import BundleError, load_bundle
+            from llm4llm.errors import TaskError
+
+            try:
+                load_bundle(bundle)
+            except (BundleError, OSError) as e:
+                raise TaskError(f"bundle {bundle}: expected a readable patch bundle, got {e}") from e
 
         with console.status(f"evaluating {workload} ..."):
             out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,

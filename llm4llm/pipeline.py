@@ -397,17 +397,10 @@ def llm_call_row(call, search_id: str | None = None, task_id: str | None = None)
 
 # ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
 
-def _child_env() -> None:
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def _run_child(fn, args, kwargs):
-    _child_env()
+    from kernels_runtime.ops._common import interpret_without_gpu
+
+    interpret_without_gpu()
     return fn(*args, **kwargs)
 
 

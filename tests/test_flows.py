@@ -152,3 +152,15 @@ def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tm
     assert acc["reason"].str.contains("in-model correctness ok").all()
     assert set(e2e["variant"]) == {"eager", "patched"}
     assert e2e.set_index("variant").loc["patched", "notes"] == "skipped: no bundle"
+
+
+def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+
+    res = CliRunner().invoke(app, ["evaluate", str(EXAMPLES / "tiny-llama.toml"), "--bundle", str(tmp_path / "nope"),
+                                   "--db", str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 2 and "expected a readable patch bundle" in res.output and "Traceback" not in res.output
+    with Database(str(tmp_path / "db.duckdb")) as db:
+        assert db.query("select count(*) from e2e_results")[0][0] == 0

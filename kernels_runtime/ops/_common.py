@@ -37,3 +37,12 @@ def cast_out(x, DTYPE: tl.constexpr, RNE: tl.constexpr):
     if RNE:
         x = rnd(x, DTYPE)
     return x.to(DTYPE)
+
+
+def interpret_without_gpu() -> None:
+    """Make Triton run under its interpreter when this process has no GPU (must run before triton compiles
+    anything). The CLI, the acceptance/evaluation subprocess and the CPU verifier worker all call this."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
