@@ -2,6 +2,14 @@
 
     python scripts/bench_ssm_ops.py --out ssm_ops.jsonl            # CUDA: mamba-130m, mamba2-2.7b, recurrentgemma-2b
     python scripts/bench_ssm_ops.py --dry-run --out /tmp/dry.jsonl # CPU, Triton interpreter, tiny shapes
+    python scripts/bench_ssm_ops.py --mamba-ssm .mamba_ssm --out x.jsonl  # + mamba_ssm's Triton kernels as a provider
+
+`--mamba-ssm DIR` puts DIR on sys.path and adds mamba_ssm's own Triton kernels, called directly, as a third provider
+where one exists: `selective_state_update` (Mamba decode, and Mamba2 decode through its multi-head form) and
+`mamba_chunk_scan_combined` (Mamba2 prefill). mamba_ssm has no Triton selective scan or causal conv1d (those are CUDA
+extensions, which cannot be built on the GPU image), so those rows have no third provider. DIR holds the package's
+`ops/triton` and `utils` with empty package `__init__`s (the released `mamba_ssm/__init__.py` imports the CUDA
+extensions).
 
 Per case: correctness of the kernel vs `_ref` (outputs allocated by the launcher are poisoned with NaN, so an
 unwritten element fails; in-place state is compared too), then timing of both with triton.testing.do_bench
@@ -59,6 +67,7 @@ class Case:
     inputs: dict  # name -> tensor; "state" (if present) is updated in place by both providers
     kernel: object  # fn(**inputs) -> tuple of tensors
     ref: object
+    alts: dict = dataclasses.field(default_factory=dict)  # other provider name -> fn(**inputs), e.g. "mamba_ssm"
 
 
 @contextlib.contextmanager
@@ -81,10 +90,10 @@ def _clone(inputs):
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def check(case: Case) -> tuple[bool, float, str]:
+def check(case: Case, kernel=None) -> tuple[bool, float, str]:
     a, b = _clone(case.inputs), _clone(case.inputs)
     with poisoned_empty():
-        outs = case.kernel(**a)
+        outs = (kernel or case.kernel)(**a)
     refs = case.ref(**b)
     if "state" in a:
         outs, refs = (*outs, a["state"]), (*refs, b["state"])
@@ -111,6 +120,26 @@ def timeit(fn, inputs, dry):
 
 def nbytes(inputs, outs):
     return sum(t.numel() * t.element_size() for t in list(inputs.values()) + list(outs) if isinstance(t, torch.Tensor))
+
+
+MSSM: dict = {}  # filled by load_mamba_ssm: "ssu" -> selective_state_update, "chunk" -> mamba_chunk_scan_combined
+
+
+def load_mamba_ssm(path: str) -> str:
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - reported, the bench runs without the provider
+        return f"mamba_ssm not loaded from {path}: {type(e).__name__}: {e}"
+    MSSM.update(ssu=selective_state_update, chunk=mamba_chunk_scan_combined)
+    try:
+        from importlib.metadata import version
+        v = version("mamba_ssm")
+    except Exception:  # noqa: BLE001
+        v = open(os.path.join(path, "SOURCE.txt")).read().split(" (")[0] if os.path.exists(
+            os.path.join(path, "SOURCE.txt")) else "unknown version"
+    return f"mamba_ssm Triton kernels loaded: {v}"
 
 
 def mamba_cases(dev, dtype, Bsz, D, N, K, L, model):
@@ -144,11 +173,15 @@ def mamba_cases(dev, dtype, Bsz, D, N, K, L, model):
     def su_r(state, **kw):
         return (ss.selective_state_update_ref(state, **kw),)
 
+    def su_m(state, x, dt, A, B, C, D, z, dt_bias):  # mamba_ssm: same layout, its own Triton kernel
+        return (MSSM["ssu"](state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True),)
+
     return [
         Case("causal_conv1d", model, f"B={Bsz} C={D} K={K} L={L}", dtype, conv_in, conv_k, conv_r),
         Case("causal_conv1d_update", model, f"B={Bsz} C={D} K={K}", dtype, conv_up, up_k, up_r),
         Case("selective_scan", model, sh, dtype, scan_in, ss.selective_scan, ss.selective_scan_ref),
-        Case("selective_state_update", model, sh.replace(f" L={L}", ""), dtype, upd_in, su_k, su_r),
+        Case("selective_state_update", model, sh.replace(f" L={L}", ""), dtype, upd_in, su_k, su_r,
+             {"mamba_ssm": su_m} if MSSM else {}),
     ]
 
 
@@ -183,11 +216,22 @@ def mamba2_cases(dev, dtype, Bsz, H, P, G, N, K, L, chunk, model):
     def su_r(state, **kw):
         return (ssd.ssd_state_update_ref(state, **kw),)
 
+    def ssd_m(x, dt, A, B, C, D, dt_bias):  # mamba_ssm's chunked SSD (fp32 out to match the others)
+        y, s = MSSM["chunk"](x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=True)
+        return y.float(), s
+
+    def su_m(state, x, dt, A, B, C, D, dt_bias):  # multi-head form, per-head scalars broadcast with stride 0 (as HF)
+        P_, N_ = state.shape[2], state.shape[3]
+        return (MSSM["ssu"](state, x, dt[:, :, None].expand(-1, -1, P_), A[:, None, None].expand(-1, P_, N_),
+                            B, C, D=D[:, None].expand(-1, P_), dt_bias=dt_bias[:, None].expand(-1, P_),
+                            dt_softplus=True),)
+
+    alt = bool(MSSM)
     sh = f"B={Bsz} H={H} P={P} G={G} N={N}"
     return [
         Case("causal_conv1d", model, f"B={Bsz} C={conv_dim} K={K} L={L}", dtype, conv_in, conv_k, conv_r),
-        Case("ssd", model, f"{sh} L={L} chunk={chunk}", dtype, pre, ssd_k, ssd_r),
-        Case("ssd_state_update", model, sh, dtype, upd, su_k, su_r),
+        Case("ssd", model, f"{sh} L={L} chunk={chunk}", dtype, pre, ssd_k, ssd_r, {"mamba_ssm": ssd_m} if alt else {}),
+        Case("ssd_state_update", model, sh, dtype, upd, su_k, su_r, {"mamba_ssm": su_m} if alt else {}),
     ]
 
 
@@ -245,7 +289,10 @@ def main():
     ap.add_argument("--out", required=True, help="JSON lines output path")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     ap.add_argument("--only", default="", help="comma-separated op names to run")
+    ap.add_argument("--mamba-ssm", default="", help="dir holding the mamba_ssm package: adds its Triton kernels")
     args = ap.parse_args()
+    if args.mamba_ssm:
+        print(load_mamba_ssm(args.mamba_ssm))
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("bench_ssm_ops: expected a CUDA device (or --dry-run)")
     gpu = "cpu-interpreter" if args.dry_run else torch.cuda.get_device_name()
@@ -265,23 +312,34 @@ def main():
                       f"{msg[-1][:160] if msg else ''}")
                 crashed.append(case.op)
                 continue
-            res = {}
-            for prov, fn in (("triton", case.kernel), ("ref", case.ref)):
+            res, alt_ok = {}, {}
+            for prov, fn in case.alts.items():  # another library's kernel: checked against the same _ref
+                try:
+                    alt_ok[prov] = check(case, fn)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{case.op:<24}{case.model:<20}{prov}: ERR {type(e).__name__}: {str(e)[:160]}")
+            for prov, fn in (("triton", case.kernel), ("ref", case.ref), *((p, case.alts[p]) for p in alt_ok)):
                 inputs = _clone(case.inputs)
                 with torch.no_grad():
                     outs = fn(**inputs)
                     q = timeit(fn, inputs, args.dry_run)
                 gbps = nbytes(case.inputs, outs) / (q[1] * 1e-3) / 1e9
+                pok, perr, pnote = alt_ok.get(prov, (ok, err, note))
                 row = Row(case.op, case.model, prov, case.shape, str(case.dtype).replace("torch.", ""), *q, gbps,
-                          ok, err, note, gpu, torch.__version__, triton.__version__)
+                          pok, perr, pnote, gpu, torch.__version__, triton.__version__)
                 rows.append(row)
                 res[prov] = row
                 f.write(json.dumps(dataclasses.asdict(row)) + "\n")
             t, r = res["triton"], res["ref"]
             print(f"{case.op:<24}{case.model:<20}{t.dtype:<10}{'y' if ok else 'N':<4}{t.p50_ms:>10.4f}"
                   f"{r.p50_ms:>10.3f}{r.p50_ms / t.p50_ms:>8.1f}x{t.gbps:>8.1f}" + (f"  {note}" if note else ""))
-    bad = [r for r in rows if not r.correct]
-    print(f"{len(rows)} rows -> {args.out}; {len(bad) // 2} case(s) incorrect; {len(crashed)} failed to run: "
+            for p in alt_ok:
+                a = res[p]
+                print(f"{'  vs ' + p:<24}{'':<20}{'':<10}{'y' if a.correct else 'N':<4}{a.p50_ms:>10.4f}"
+                      f"{'':>10}{a.p50_ms / t.p50_ms:>8.2f}x  (ours vs {p}: >1 means ours is faster)"
+                      + (f"  {a.note}" if a.note else ""))
+    bad = [r for r in rows if not r.correct and r.provider == "triton"]
+    print(f"{len(rows)} rows -> {args.out}; {len(bad)} case(s) incorrect; {len(crashed)} failed to run: "
           f"{sorted(set(crashed))}")
     return 1 if bad or crashed else 0
 

@@ -1,6 +1,8 @@
 """Load the op benchmarks' JSON-lines rows into DuckDB's `op_benchmarks` table (long format: one row per provider).
 
     python scripts/record_bench.py --db results.duckdb --bench-id 2026-11-30-h200 tops.jsonl ssm.jsonl
+
+Also takes scripts/gpu/dispatch_overhead.py's rows (op `dispatch:<measure>`, times in ms).
 """
 from __future__ import annotations
 
@@ -15,7 +17,24 @@ from storage import repo  # noqa: E402
 from storage.db import Database  # noqa: E402
 
 
+def dispatch_rows(row: dict, bench_id: str) -> list[dict]:
+    """scripts/gpu/dispatch_overhead.py rows: per-call microseconds of the HF forward, the direct kernel call and
+    the patched module, stored in the *_ms columns (as ms) under op `dispatch:<measure>`."""
+    common = {"bench_id": bench_id, "op": f"dispatch:{row['measure']}", "shape": row["module"], "dtype": "bfloat16",
+              "gpu_name": row.get("gpu"), "versions_json": {"torch": row.get("torch"), "calls": row.get("calls")},
+              "gbps": None, "tflops": None, "max_abs_err": None}
+    out = []
+    for provider, key in (("hf_forward", "original_us"), ("direct_kernel", "direct_kernel_us"),
+                          ("patched", "patched_us"), ("overhead", "overhead_us")):
+        if row.get(key) is not None:
+            v = row[key] / 1e3
+            out.append({**common, "provider": provider, "p20_ms": None, "p50_ms": v, "p80_ms": None})
+    return out
+
+
 def long_rows(row: dict, bench_id: str) -> list[dict]:
+    if "measure" in row:
+        return dispatch_rows(row, bench_id)
     versions = {"torch": row.get("torch"), "triton": row.get("triton")}
     common = {"bench_id": bench_id, "op": f"{row['op']}", "shape": f"{row['model']}:{row.get('phase', '')}:{row['shape']}",
               "dtype": row["dtype"], "gpu_name": row.get("gpu"), "versions_json": versions}

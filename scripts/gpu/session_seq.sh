@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device call on one H200 (device tool, carry [".whl"]): steps run one after another, never side by side
+# (decode is host-bound: a second lane on the same host skews every timing, seen on 2026-11-30). Each optimize has
+# its own time limit (TERM, then KILL 15 s later, the whole process group: the acceptance and verifier workers are
+# children). Logs come back as one tarball ($OUT returns at most 8 files).
+#   STEPS="dispatch optimize:mamba-130m:4:2:220 optimize:qwen3-4b:4:3" LIMIT=575 bash scripts/gpu/session_seq.sh
+#   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile)
+set -u
+. scripts/gpu/env.sh
+export LLM4LLM_TIMING_MIN_MS=60
+LIMIT=${LIMIT:-570}
+T0=$(date +%s)
+left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
+for step in ${STEPS:-dispatch}; do
+  IFS=: read -r kind w budget top max variants <<< "$step"
+  s=$(date +%s)
+  case "$kind" in
+    dispatch)
+      timeout -k 5 60 python3 scripts/gpu/dispatch_overhead.py --out "$OUT/dispatch.jsonl" > "$OUT/logs/dispatch.log" 2>&1
+      echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
+    optimize)
+      t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
+      if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
+      timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
+        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" > "$OUT/logs/optimize_$w.log" 2>&1
+      echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)" ;;
+  esac
+done | tee "$OUT/logs/steps.txt"
+python3 - "$OUT/e2e.duckdb" <<'PY' 2>&1 | tee "$OUT/logs/summary.txt"
+import sys, duckdb
+c = duckdb.connect(sys.argv[1], read_only=True)
+q = lambda s: print(c.execute(s).df().to_string(max_colwidth=90))
+q("select task_id, count(*) n, avg(passed::int) pass_rate, max(speedup_in_context) best_ctx, any_value(failure_class) fail from candidates group by 1 order by 1")
+q("select task_id, decision, left(reason, 110) reason, e2e_before_ms before, e2e_after_ms after, gain from acceptances")
+q("select run_id, variant, prefill_ms pre, decode_ms_per_token dec, total_ms, compile_s, left(notes, 50) notes from e2e_results")
+PY
+cat "$OUT/logs/dispatch.log" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
