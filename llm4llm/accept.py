@@ -50,12 +50,19 @@ class AcceptConfig:
     floor_factor: float = 2.0
     repeats: int = 5
     check_tokens: bool = False  # greedy-token agreement too (meaningful with real weights only)
+    # On the GPU, a candidate whose task-level in-context speedup is at most this is rejected without an in-model
+    # trial: each trial costs several end-to-end runs, and on the H200 (2026-11-30) every such candidate lost end to
+    # end (qwen3-4b: task 0.37-1.34x -> e2e -14% to -38%). 0 tries every candidate. The CPU has no timings: all tried.
+    min_task_speedup: float = 1.0
 
     def __post_init__(self):
         if self.metric not in METRIC_CHOICES:
             raise ValueError(f"metric: expected one of {METRIC_CHOICES}, got {self.metric!r}")
         if not 0 <= self.delta < 1:
             raise ValueError(f"delta: expected a fraction in [0, 1), got {self.delta}")
+        if not (isinstance(self.min_task_speedup, (int, float)) and math.isfinite(self.min_task_speedup)
+                and self.min_task_speedup >= 0):
+            raise ValueError(f"min_task_speedup: expected a finite number >= 0, got {self.min_task_speedup!r}")
         for name in ("tol_factor", "floor_factor"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -117,6 +124,15 @@ def rank(proposals: list[Proposal]) -> list[tuple[Proposal, TaskSpec, float]]:
             continue
         scored.append((p, spec, expected_impact(p, spec)))
     return sorted(scored, key=lambda t: t[2], reverse=True)
+
+
+def not_worth_a_trial(p: Proposal, cfg: AcceptConfig, on_gpu: bool) -> str | None:
+    """Why a candidate is rejected without an in-model trial (None: try it). Only on the GPU: the CPU has no
+    timings, so every candidate is tried there (and none is accepted)."""
+    if on_gpu and p.speedup <= cfg.min_task_speedup:
+        return (f"not tried in-model: task-level in-context speedup {p.speedup:.2f}x <= {cfg.min_task_speedup:g}x "
+                f"(min_task_speedup)")
+    return None
 
 
 def guard_for(spec: TaskSpec, device_type: str) -> Guard:
@@ -428,6 +444,11 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                            gpu=torch.cuda.get_device_name() if on_gpu else "cpu")
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
+        skip = not_worth_a_trial(p, cfg, on_gpu)
+        if skip:
+            decisions.append(Decision(spec.task_id, p.candidate_id, "rejected", skip, metric, None, current, None,
+                                      None, impact))
+            continue
         trial = PatchBundle.from_json(accepted.to_json())
         for s in accepted.patches:
             trial.add_kernel(accepted.source(s.kernel))

@@ -308,3 +308,18 @@ def test_patch_spec_and_bundle_round_trip(tmp_path):
     s = back.patches[0]
     assert s.patch_id == "norm-decode:c9" and s.phase == "decode" and s.guard.shapes == {"hidden_states": [1, 1, 64]}
     assert s.provenance.metrics == {"task_speedup": 1.4} and back.source(s.kernel) == RMSNORM_FP32
+
+
+def test_candidates_slower_than_the_module_are_not_tried_on_the_gpu():
+    """On the GPU a candidate no faster than the module in its task costs several e2e runs and cannot gain: it is
+    rejected with the reason, not tried. On the CPU (no timings) every candidate is tried; 0 tries all."""
+    cfg = acc.AcceptConfig()
+    slow = acc.Proposal(task_dir="t", candidate_id="c", source="", speedup=0.37)
+    fast = acc.Proposal(task_dir="t", candidate_id="d", source="", speedup=1.34)
+    reason = acc.not_worth_a_trial(slow, cfg, on_gpu=True)
+    assert reason is not None and "0.37x" in reason and "min_task_speedup" in reason
+    assert acc.not_worth_a_trial(fast, cfg, on_gpu=True) is None
+    assert acc.not_worth_a_trial(slow, cfg, on_gpu=False) is None
+    assert acc.not_worth_a_trial(slow, acc.AcceptConfig(min_task_speedup=0), on_gpu=True) is None
+    with pytest.raises(ValueError, match="min_task_speedup"):
+        acc.AcceptConfig(min_task_speedup=float("nan"))
