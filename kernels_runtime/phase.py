@@ -43,10 +43,13 @@ def phase_of_call(args: tuple, kwargs: dict) -> Phase:
 
 
 def _has_past(kwargs: dict) -> bool:
-    position = kwargs.get("cache_position")
-    if isinstance(position, torch.Tensor) and position.numel() > 0 and int(position.reshape(-1)[0]) > 0:
+    # The cache objects first: reading them costs no device sync (lengths come from shapes, flags are Python
+    # values), and in decode they answer. `cache_position` is read only when they do not: on the GPU reading it
+    # waits for the device, once per top-level forward (models without a cache argument, e.g. RecurrentGemma).
+    if any(_cache_has_content(kwargs.get(name)) for name in _CACHE_KWARGS):
         return True
-    return any(_cache_has_content(kwargs.get(name)) for name in _CACHE_KWARGS)
+    position = kwargs.get("cache_position")
+    return isinstance(position, torch.Tensor) and position.numel() > 0 and int(position.reshape(-1)[0]) > 0
 
 
 def _cache_has_content(cache: Any) -> bool:

@@ -88,3 +88,27 @@ def test_tracker_cleans_up_on_error():
             model(torch.zeros(1, 4, dtype=torch.long))
     assert CURRENT_PHASE.get() is None
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+class _SpyTensor(torch.Tensor):
+    """Counts every torch operation on it: reading cache_position (a device sync on the GPU) shows up here."""
+
+    ops = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.ops += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_decode_with_a_filled_cache_does_not_read_cache_position():
+    """In decode the cache object answers without a device sync; cache_position (a CUDA tensor in generate) is read
+    only when no cache object holds content."""
+    position = torch.tensor([5]).as_subclass(_SpyTensor)
+    _SpyTensor.ops = 0
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    assert phase_of_call((), {"input_ids": ids, "past_key_values": _filled_cache(), "cache_position": position}) \
+        == "decode"
+    assert _SpyTensor.ops == 0
+    assert phase_of_call((), {"input_ids": ids, "cache_position": position}) == "decode"  # no cache argument
+    assert _SpyTensor.ops > 0
