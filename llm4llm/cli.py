@@ -105,6 +105,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              accept_floor_factor: float = typer.Option(
                  2.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
                            "16-bit-vs-fp32 noise floor)"),
+             accept_min_task_speedup: float = typer.Option(
+                 1.0, help="on the GPU, a candidate no faster than this in its task is rejected without an "
+                           "in-model trial (0: try every candidate)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
@@ -118,7 +121,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         from flows.optimize import optimize_workload
 
         _check_proposer(proposer)
-        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor)
+        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
@@ -127,6 +130,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm,
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
+                                    accept_min_task_speedup=accept_min_task_speedup,
                                     e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")), rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)
@@ -148,13 +152,14 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 PROPOSERS = ("library", "llm", "hybrid")
 
 
-def _check_accept(metric: str, tol_factor: float, floor_factor: float) -> None:
+def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0) -> None:
     """--accept-*: one error line (exit 2) before any flow starts."""
     from llm4llm.accept import AcceptConfig
     from llm4llm.errors import Llm4llmError
 
     try:
-        AcceptConfig(metric=metric, tol_factor=tol_factor, floor_factor=floor_factor)
+        AcceptConfig(metric=metric, tol_factor=tol_factor, floor_factor=floor_factor,
+                     min_task_speedup=min_task_speedup)
     except ValueError as e:
         raise Llm4llmError(f"--accept-{str(e).split(':')[0].replace('_', '-')}: {str(e).split(':', 1)[1].strip()}")
 

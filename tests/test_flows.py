@@ -164,3 +164,15 @@ def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
     assert res.exit_code == 2 and "expected a readable patch bundle" in res.output and "Traceback" not in res.output
     with Database(str(tmp_path / "db.duckdb")) as db:
         assert db.query("select count(*) from e2e_results")[0][0] == 0
+
+
+@pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0")])
+def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+
+    res = CliRunner().invoke(app, ["optimize", str(EXAMPLES / "tiny-llama.toml"), flag, value,
+                                   "--db", str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 2 and flag in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "db.duckdb").exists()
