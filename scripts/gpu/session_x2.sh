@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Kept as the exact command of call 1 in docs/results/2026-11-30-h200-b. Do not use it for timings: two lanes on one
+# host skewed every host-bound number (decode); use scripts/gpu/session_seq.sh.
 # Device call on `nvidia-h200-x2` (device tool, carry [".whl", ".mamba_ssm"]): two lanes side by side, one per GPU,
 # each with its own DuckDB file, Prefect home and artifact dir (DuckDB has one writer; the ephemeral Prefect API
 # keeps its state under PREFECT_HOME). Each lane's timings are taken on its own GPU; the lanes share the host's 32
