@@ -4,7 +4,9 @@
 # its own time limit (TERM, then KILL 15 s later, the whole process group: the acceptance and verifier workers are
 # children). Logs come back as one tarball ($OUT returns at most 8 files).
 #   STEPS="dispatch optimize:mamba-130m:4:2:220 optimize:qwen3-4b:4:3" LIMIT=575 bash scripts/gpu/session_seq.sh
-#   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile)
+#   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile;
+#    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
+#    into the logs tarball)
 set -u
 . scripts/gpu/env.sh
 export LLM4LLM_TIMING_MIN_MS=60
@@ -18,6 +20,11 @@ for step in ${STEPS:-dispatch}; do
     dispatch)
       timeout -k 5 60 python3 scripts/gpu/dispatch_overhead.py --out "$OUT/dispatch.jsonl" > "$OUT/logs/dispatch.log" 2>&1
       echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
+    trace)  # trace:WORKLOAD: eager vs the newest bundle an optimize step of this call made for it (if any)
+      b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1)
+      timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
+        ${b:+--bundle "$b"} > "$OUT/logs/trace_$w.log" 2>&1
+      echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -3 "$OUT/logs/trace_$w.log" ;;
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
