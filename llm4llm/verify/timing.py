@@ -6,6 +6,12 @@ Two modes, each reported as p20/p50/p80 of per-call CUDA-event times over at lea
   buffers in rotation;
 - in_context: right before each call a producer op (a copy) writes the inputs, as the preceding layer would, so they
   are as warm as in the model.
+The reference is timed as the model calls it: the module's own forward with its own parameters bound, the cache
+(state) built before the timed region (`module_call`). Timing the correctness harness instead (functional_call,
+cache construction, output flattening, state copies) overstated host-bound decode modules 1.8-2.9x on the CPU (tiny
+decode tasks, 2026-11-30), and with it every decode candidate's speedup: on the H200, decode candidates at 1.5-2.3x
+in their task gained 0-0.3 % or lost end to end. Latency does not depend on weight values, so the module's own
+weights stand in for each draw's (same shapes and dtypes: the instances of a task share them).
 There is no CPU timing: a CPU time would say nothing about the GPU and must never count as a speedup.
 """
 from __future__ import annotations
@@ -31,6 +37,32 @@ WARMUP = 5
 ROTATION = 4  # fresh input buffers cycled through in cold mode
 
 Args = tuple[dict, dict, dict, dict]
+Prepare = Callable[..., tuple[tuple, Callable[[], None]]]  # (*Args) -> (call arguments, cleanup after the call)
+
+
+def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
+    """(run, prepare) timing the task's module as the model calls it. prepare(inputs, weights, state, static) builds
+    the call outside the timed region (a fresh cache holding `state`, the original (args, kwargs)) and returns it with
+    the cleanup that restores module-held state; run(call) is the forward alone."""
+    from kernels_runtime.boundary import adapter_by_name, rebuild_call
+
+    module = task.load_module(device).eval()
+    spec = task.spec
+    state_spec = spec.recipe.get("state") if spec.recipe else None
+    adapter = adapter_by_name(state_spec["adapter"]) if state_spec else None
+
+    def prepare(inputs, weights, state, static):
+        if not spec.recipe:
+            return ((tuple(inputs[n] for n in spec.input_names), {}), lambda: None)
+        cache, restore = adapter.build(module, state, state_spec) if adapter else (None, lambda: None)
+        return rebuild_call(spec.recipe, inputs, static, cache), restore
+
+    def run(call):
+        args, kwargs = call
+        with torch.inference_mode():
+            return module(*args, **kwargs)
+
+    return run, prepare
 
 
 def latency(times_ms: list[float]) -> Latency:
@@ -45,8 +77,24 @@ def _clone_args(a: Args) -> Args:
             copy.deepcopy(static))
 
 
-def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device) -> Latency:
-    """Time `fn(*args)` on the current stream; `args` are the draws to use (cold mode rotates over fresh copies)."""
+def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device,
+              prepare: Prepare | None = None) -> Latency:
+    """Time `fn(*args)` on the current stream; `args` are the draws to use (cold mode rotates over fresh copies).
+    With `prepare`, each call is `fn(call)` where `call, cleanup = prepare(*args)` ran before the timed region
+    (cleanup after it)."""
+    pending: list = []  # with `prepare`: the prepared call of the next timed call, and its cleanup
+
+    def before(a: Args) -> None:
+        if prepare is not None:
+            pending.append(prepare(*a))
+
+    def call(a: Args):
+        return fn(pending[-1][0]) if prepare is not None else fn(*a)
+
+    def after() -> None:
+        if prepare is not None:
+            pending.pop()[1]()
+
     stream = torch.cuda.current_stream(device)
     if mode == "cold":
         sets = [_clone_args(args[i % len(args)]) for i in range(ROTATION)]
@@ -56,7 +104,9 @@ def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device) -
         sources = _clone_args(args[0])
     with torch.no_grad():
         for i in range(WARMUP):
-            fn(*sets[i % len(sets)])
+            before(sets[i % len(sets)])
+            call(sets[i % len(sets)])
+            after()
         torch.cuda.synchronize(device)
         times, events, spent, i = [], [], 0.0, 0
         while (i < MIN_REPS or spent < MIN_TIME_MS) and i < MAX_REPS:
@@ -66,10 +116,12 @@ def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device) -
             else:
                 for n, t in a[0].items():
                     t.copy_(sources[0][n])
+            before(a)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            fn(*a)
+            call(a)
             end.record(stream)
+            after()
             events.append((start, end))
             i += 1
             if i % 10 == 0:
@@ -89,9 +141,12 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
                    reps=min(x.reps for x in lats))
 
 
-def time_task(v: Verdict, task, entry: Callable, ref: Callable, draws: list, device: torch.device) -> None:
-    """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count."""
+def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device) -> None:
+    """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
+    The reference is the module's own forward (`module_call`), built once per task in this worker."""
     from llm4llm.verify.gates import _classify_exception
+
+    ref, ref_prepare = None, None
 
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
@@ -108,7 +163,9 @@ def time_task(v: Verdict, task, entry: Callable, ref: Callable, draws: list, dev
                 raise failure from None
             key = (str(task.path), task.spec.task_id, k, mode)
             if key not in _REFERENCE_CACHE:
-                _REFERENCE_CACHE[key] = time_call(ref, args, mode, device)
+                if ref is None:
+                    ref, ref_prepare = module_call(task, device)
+                _REFERENCE_CACHE[key] = time_call(ref, args, mode, device, prepare=ref_prepare)
             refs.append(_REFERENCE_CACHE[key])
         c, r = _weighted(cand, weights), _weighted(refs, weights)
         speedup = r.p50 / c.p50 if c.p50 > 0 else None

@@ -91,7 +91,8 @@ def main() -> int:
         norm = Qwen3RMSNorm(2560, eps=1e-6).to(dev, dt)
         x = torch.randn(1, 1, 2560, device=dev, dtype=dt)
         bundle = PatchBundle(name="dispatch-overhead")
-        bundle.add_patch(PatchSpec(patch_id="rmsnorm", module_class=f"{type(norm).__module__}.{type(norm).__qualname__}",
+        cls = f"{type(norm).__module__}.{type(norm).__qualname__}"
+        bundle.add_patch(PatchSpec(patch_id="rmsnorm", module_class=cls,
                                    instances=["m"], kernel=""), source=RMSNORM_KERNEL)
         holder = torch.nn.Module()
         holder._modules["m"] = norm
@@ -115,7 +116,8 @@ def main() -> int:
             f.write(json.dumps({**r, "gpu": gpu, "torch": torch.__version__, "calls": args.calls}) + "\n")
     print(f"{'module':<22}{'measure':<28}{'HF forward us':>14}{'direct us':>11}{'patched us':>12}{'overhead us':>13}")
     for r in rows:
-        print(f"{r['module']:<22}{r['measure']:<28}{r['original_us']:>14.2f}{r.get('direct_kernel_us', float('nan')):>11.2f}"
+        direct = r.get("direct_kernel_us", float("nan"))
+        print(f"{r['module']:<22}{r['measure']:<28}{r['original_us']:>14.2f}{direct:>11.2f}"
               f"{r['patched_us']:>12.2f}{r['overhead_us']:>13.2f}")
     return 0
 

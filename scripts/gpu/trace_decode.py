@@ -3,9 +3,9 @@
     python3 scripts/gpu/trace_decode.py examples/workloads/recurrentgemma-2b.toml --bundle BUNDLE_DIR --out $OUT/trace
 
 For each variant (eager; patched when --bundle is given) it runs the script once to warm up, then once under
-torch.profiler (CPU + CUDA activities, record_shapes off) and writes `<variant>.json.gz` (a Chrome trace, open in
-Perfetto; gzipped) and `<variant>.txt` (the top ops by self CPU time and by CUDA time), plus `summary.json`: per variant the
-wall time of the profiled run, the number of kernel launches and of device syncs (`cudaStreamSynchronize` /
+torch.profiler (CPU + CUDA activities, record_shapes off) and writes `<variant>.json.gz` (a gzipped Chrome trace,
+open in Perfetto) and `<variant>.txt` (the top ops by self CPU time and by CUDA time), plus `summary.json`: per
+variant the wall time of the profiled run, the number of kernel launches and of device syncs (`cudaStreamSynchronize` /
 `cudaDeviceSynchronize` / `cudaMemcpy*` device-to-host) seen in the trace. Questions it answers: does a patch add
 launches or syncs to decode, and how much host time sits between kernels. On the CPU it runs too (a smoke run: no
 CUDA activity).
