@@ -32,6 +32,7 @@ CASES = [
     ("tiny-qwen3", "attention.decode_splitkv", "decode"),
     ("tiny-mamba", "ssm_mixer.mamba", "prefill"),  # with the captured attention_mask input
     ("tiny-mamba", "ssm_mixer.mamba_decode", "decode"),
+    ("tiny-mamba", "ssm_mixer.mamba_decode_fused", "decode"),
     ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
     ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
@@ -104,7 +105,8 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
     data = tmp_path / "data"
     run_extract(str(wl), run_profile(str(wl), str(data)), str(data))
     specs = [(load_spec(d), d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
-    for name, phase in (("ssm_mixer.mamba", "prefill"), ("ssm_mixer.mamba_decode", "decode")):
+    for name, phase in (("ssm_mixer.mamba", "prefill"), ("ssm_mixer.mamba_decode", "decode"),
+                        ("ssm_mixer.mamba_decode_fused", "decode")):
         t = next(t for t in TEMPLATES if t.name == name)
         spec, task_dir = next((s, d) for s, d in specs if s.family == "ssm_mixer" and s.phase == phase)
         assert spec.dtype in ("bfloat16", "torch.bfloat16") and t.why_not(spec) is None

@@ -19,6 +19,8 @@ CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
 CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
 SCAN = ("kernels_runtime.ops.selective_scan", "selective_scan")
 STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
+IN_CONV = ("kernels_runtime.ops.mamba_decode", "mamba_in_proj_conv")
+DT_UPDATE = ("kernels_runtime.ops.mamba_decode", "mamba_dt_state_update")
 MAMBA_WEIGHTS = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                  "out_proj.weight"}
 
@@ -167,10 +169,59 @@ def entry(inputs, weights, state, static):
 '''
 
 
+def _space_fused(spec: TaskSpec) -> dict[str, list]:
+    lin = linear_space(spec)
+    lin.pop("lin_TF32", None)
+    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
+            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4]}
+
+
+def _default_fused(spec: TaskSpec) -> dict:
+    return {**linear_default(spec), "in_BLOCK_C": 32, "in_BLOCK_H": 128, "in_num_warps": 4, "ssu_BLOCK_D": 32,
+            "ssu_num_warps": 2}
+
+
+def _applies_fused(spec: TaskSpec) -> str | None:
+    why = _applies(spec)
+    if why:
+        return why.replace("ssm_mixer.mamba:", "ssm_mixer.mamba_decode_fused:")
+    if set(spec.state_names) != {"conv_state", "ssm_state"}:
+        return f"ssm_mixer.mamba_decode_fused: expected states conv_state and ssm_state, got {spec.state_names}"
+    return None
+
+
+def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
+    imports = ["from kernels_runtime.ops.linear import linear",
+               "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
+    return header("ssm_mixer.mamba_decode_fused", spec, imports, config) + LIN_KWARGS + \
+        '''
+
+def entry(inputs, weights, state, static):
+    # four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj;
+    # the states are written out of place (no copies)
+    x = inputs["hidden_states"]  # [B, 1, H]
+    mask = inputs.get("attention_mask")  # [B, 1] or None
+    conv_w = weights["conv1d.weight"]  # [I, 1, K]
+    xc, z, conv_state = mamba_in_proj_conv(
+        x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
+        conv_w.view(conv_w.shape[0], conv_w.shape[-1]), weights.get("conv1d.bias"), mask,
+        BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"])
+    p = linear(xc, weights["x_proj.weight"], **LIN)  # [B, R + 2N]
+    y, ssm_state = mamba_dt_state_update(
+        p, weights["dt_proj.weight"], weights["dt_proj.bias"], weights["A_log"], weights["D"], xc, z,
+        state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"])
+    out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+
 TEMPLATES = [
     Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN),
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE), space_fn=_space, render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default),
+    Template(name="ssm_mixer.mamba_decode_fused", family="ssm_mixer", phases=("decode",),
+             requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_decode_fused,
+             applies_fn=_applies_fused, default_fn=_default_fused),
 ]

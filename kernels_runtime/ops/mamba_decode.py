@@ -1,0 +1,205 @@
+"""Mamba (v1) mixer decode step in four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + softplus +
+selective state update + D skip + silu(z) gate), out_proj.
+
+Why: a decode step is host-bound. HF's torch path issues ~30 ops per mixer, the unfused Triton composition ~7
+Triton launches plus copies, and on the H200 host a Triton launch costs ~60 us (docs/results/2026-11-30-h200-b).
+These two kernels fuse what needs no grid-wide dependency: the conv update of channel c only needs in_proj's row c,
+and dt_proj's row c only feeds channel c's state update. x_proj and out_proj reduce over all channels, so they stay
+separate (`kernels_runtime.ops.linear`).
+
+Both kernels write their state to fresh buffers (out of place): a candidate must not modify its inputs, and an
+out-of-place state needs no copy launch. Semantics and rounding are those of `causal_conv1d_update` and
+`selective_state_update` in this package (HF's torch path, transformers 5.17): in_proj and dt_proj outputs rounded to
+the activation dtype as nn.Linear's are, the conv result rounded to the weight dtype before the SiLU, dt + bias and
+softplus in dt's dtype, the state in C's dtype before the C contraction. Not autotuned: tune the block sizes by
+hand (the searcher's space); the kernels are cheap to launch and stateless, but a decode step is one call.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_runtime.ops._common import cast_out, interpreting, rnd
+from kernels_runtime.ops.selective_scan import _dt
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _in_proj_conv_kernel(
+    x_ptr, m_ptr, w_ptr, b_ptr, s_ptr, cw_ptr, cb_ptr, xc_ptr, z_ptr, s_out_ptr,
+    H, I, S,
+    stride_xb, stride_mb, stride_wn, stride_sb, stride_sc, stride_ss, stride_cwc,
+    stride_ob, stride_oc, stride_os,
+    K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < I
+    m = 1.0
+    if HAS_MASK:
+        m = tl.load(m_ptr + pid_b * stride_mb).to(tl.float32)
+    # in_proj rows c (x part) and I + c (gate part), fp32 accumulation over H
+    acc_x = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        xv = tl.load(x_ptr + pid_b * stride_xb + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        xv = rnd(xv * m, ACT_DTYPE)  # HF masks the hidden states in their dtype before in_proj (exact for 0/1)
+        wmask = mask_c[:, None] & mask_h[None, :]
+        wx = tl.load(w_ptr + offs_c[:, None] * stride_wn + offs_h[None, :], mask=wmask, other=0.0).to(tl.float32)
+        wz = tl.load(w_ptr + (offs_c[:, None] + I) * stride_wn + offs_h[None, :], mask=wmask, other=0.0).to(tl.float32)
+        acc_x += tl.sum(wx * xv[None, :], axis=1)
+        acc_z += tl.sum(wz * xv[None, :], axis=1)
+    if HAS_BIAS:
+        acc_x += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        acc_z += tl.load(b_ptr + I + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    xs = rnd(acc_x, ACT_DTYPE)  # nn.Linear's output dtype
+    tl.store(z_ptr + pid_b * stride_ob + offs_c * stride_oc, cast_out(acc_z, z_ptr.dtype.element_ty, RNE), mask=mask_c)
+    # conv update over the window (old state, xs)[S + 1 - K:]
+    s_base = s_ptr + pid_b * stride_sb + offs_c[:, None] * stride_sc
+    offs_k = tl.arange(0, BLOCK_K)
+    idx = S + 1 - K + offs_k
+    mk = mask_c[:, None] & (offs_k[None, :] < K) & (idx[None, :] < S)
+    win = tl.load(s_base + idx[None, :] * stride_ss, mask=mk, other=0.0).to(tl.float32)
+    xs_state = rnd(xs, s_ptr.dtype.element_ty)  # the state holds in_proj's output in the state's dtype
+    win = tl.where(idx[None, :] == S, xs_state[:, None], win)
+    cw = tl.load(cw_ptr + offs_c[:, None] * stride_cwc + offs_k[None, :],
+                 mask=mask_c[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+    acc = tl.sum(win * cw, axis=1)
+    if HAS_CONV_BIAS:
+        acc += tl.load(cb_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    acc = rnd(acc, cw_ptr.dtype.element_ty)  # HF convolves in the weight dtype, then the SiLU
+    acc = acc * tl.sigmoid(acc)
+    acc = rnd(acc, ACT_DTYPE) * m  # and masks the conv output again
+    tl.store(xc_ptr + pid_b * stride_ob + offs_c * stride_oc, cast_out(acc, xc_ptr.dtype.element_ty, RNE),
+             mask=mask_c)
+    # new state = old state shifted left by one, xs appended (written to a fresh buffer)
+    offs_s = tl.arange(0, BLOCK_S)
+    ms = mask_c[:, None] & (offs_s[None, :] < S)
+    shifted = tl.load(s_base + (offs_s[None, :] + 1) * stride_ss, mask=ms & (offs_s[None, :] + 1 < S), other=0.0)
+    shifted = tl.where(offs_s[None, :] == S - 1, xs_state[:, None].to(shifted.dtype), shifted)
+    tl.store(s_out_ptr + pid_b * stride_sb + offs_c[:, None] * stride_sc + offs_s[None, :] * stride_ss, shifted,
+             mask=ms)
+
+
+@triton.jit
+def _dt_state_update_kernel(
+    p_ptr, dtw_ptr, dtb_ptr, alog_ptr, d_ptr, xc_ptr, z_ptr, s_ptr, s_out_ptr, y_ptr,
+    I, N, R,
+    stride_pb, stride_dtw, stride_ad, stride_ob, stride_sb, stride_sd,
+    DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
+    RNE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < I
+    # dt_proj row d over the first R entries of x_proj's output (no bias: added in fp32 below, as HF's update does)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        pv = tl.load(p_ptr + pid_b * stride_pb + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        w = tl.load(dtw_ptr + offs_d[:, None] * stride_dtw + offs_r[None, :],
+                    mask=mask_d[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * pv[None, :], axis=1)
+    dt = rnd(acc, DT_DTYPE)  # nn.Linear's output dtype
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    dt = _dt(dt, dt_bias, True, True, DT_DTYPE)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = -tl.exp(tl.load(alog_ptr + offs_d[:, None] * stride_ad + offs_n[None, :], mask=mask_dn,
+                        other=0.0).to(tl.float32))
+    Bv = tl.load(p_ptr + pid_b * stride_pb + R + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    Cv = tl.load(p_ptr + pid_b * stride_pb + R + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    x = tl.load(xc_ptr + pid_b * stride_ob + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    s_offs = pid_b * stride_sb + offs_d[:, None] * stride_sd + offs_n[None, :]
+    h = tl.load(s_ptr + s_offs, mask=mask_dn, other=0.0).to(tl.float32)
+    h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]  # HF: (dt B) x
+    tl.store(s_out_ptr + s_offs, h.to(s_out_ptr.dtype.element_ty), mask=mask_dn)
+    y = rnd(tl.sum(rnd(h, Y_DTYPE) * Cv[None, :], axis=1), Y_DTYPE)
+    Dv = tl.load(d_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    y = rnd(y + rnd(x * Dv, SKIP_DTYPE), SKIP_DTYPE)
+    z = tl.load(z_ptr + pid_b * stride_ob + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    y = y * rnd(z * tl.sigmoid(z), Z_DTYPE)
+    tl.store(y_ptr + pid_b * stride_ob + offs_d, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask_d)
+
+
+def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {tuple(t.stride())}")
+    return t
+
+
+def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, BLOCK_C=64,
+                       BLOCK_H=128, num_warps=4):
+    """x: [B, H]; in_proj_w: [2I, H]; conv_state: [B, I, S] (S >= K - 1, not modified); conv_w: [I, K]; mask: [B, 1]
+    or None -> (xc [B, I] = masked silu(conv), z [B, I] (the gate, before its SiLU), new conv state [B, I, S])."""
+    if x.dim() != 2 or in_proj_w.dim() != 2 or in_proj_w.shape[1] != x.shape[1] or in_proj_w.shape[0] % 2:
+        raise ValueError(f"mamba_in_proj_conv: expected x [B, H] and in_proj_w [2I, H], got {tuple(x.shape)}, "
+                         f"{tuple(in_proj_w.shape)}")
+    Bsz, H = x.shape
+    I = in_proj_w.shape[0] // 2
+    K = conv_w.shape[-1]
+    if conv_w.dim() != 2 or conv_w.shape[0] != I:
+        raise ValueError(f"mamba_in_proj_conv: expected conv_w [{I}, K], got {tuple(conv_w.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (Bsz, I) or conv_state.shape[2] < K - 1:
+        raise ValueError(f"mamba_in_proj_conv: expected conv_state [{Bsz}, {I}, >= {K - 1}], got "
+                         f"{tuple(conv_state.shape)}")
+    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (Bsz, 1)):
+        raise ValueError(f"mamba_in_proj_conv: expected mask [{Bsz}, 1], got {tuple(mask.shape)}")
+    for name, t in (("x", x), ("in_proj_w", in_proj_w), ("conv_w", conv_w)):
+        _contig(name, t)
+    conv_state = conv_state.contiguous()
+    S = conv_state.shape[2]
+    xc = torch.empty((Bsz, I), device=x.device, dtype=x.dtype)
+    z = torch.empty((Bsz, I), device=x.device, dtype=x.dtype)
+    s_out = torch.empty_like(conv_state)
+    grid = (Bsz, triton.cdiv(I, BLOCK_C))
+    _in_proj_conv_kernel[grid](
+        x, mask if mask is not None else x, in_proj_w, in_proj_b if in_proj_b is not None else in_proj_w,
+        conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, z, s_out,
+        H, I, S,
+        x.stride(0), mask.stride(0) if mask is not None else 0, in_proj_w.stride(0), *conv_state.stride(),
+        conv_w.stride(0), xc.stride(0), xc.stride(1), 0,
+        K=K, HAS_MASK=mask is not None, HAS_BIAS=in_proj_b is not None, HAS_CONV_BIAS=conv_b is not None,
+        ACT_DTYPE=_TL[x.dtype], RNE=interpreting(),
+        BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_S=triton.next_power_of_2(S), BLOCK_K=triton.next_power_of_2(K),
+        num_warps=num_warps,
+    )
+    return xc, z, s_out
+
+
+def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2):
+    """p: [B, R + 2N] (x_proj's output: dt_low, B, C); dt_proj_w: [I, R]; dt_proj_b, D: [I]; A_log: [I, N];
+    xc, z: [B, I]; ssm_state: [B, I, N] (not modified) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype)."""
+    Bsz, I = xc.shape
+    N = A_log.shape[1]
+    R = dt_proj_w.shape[1]
+    if tuple(p.shape) != (Bsz, R + 2 * N) or tuple(dt_proj_w.shape) != (I, R) or tuple(A_log.shape) != (I, N):
+        raise ValueError(f"mamba_dt_state_update: expected p [{Bsz}, R + 2N], dt_proj_w [{I}, R], A_log [{I}, N], "
+                         f"got {tuple(p.shape)}, {tuple(dt_proj_w.shape)}, {tuple(A_log.shape)}")
+    if tuple(ssm_state.shape) != (Bsz, I, N) or tuple(z.shape) != (Bsz, I):
+        raise ValueError(f"mamba_dt_state_update: expected ssm_state [{Bsz}, {I}, {N}] and z [{Bsz}, {I}], got "
+                         f"{tuple(ssm_state.shape)}, {tuple(z.shape)}")
+    for name, t in (("p", p), ("dt_proj_w", dt_proj_w), ("A_log", A_log)):
+        _contig(name, t)
+    xc, z, ssm_state = xc.contiguous(), z.contiguous(), ssm_state.contiguous()
+    y = torch.empty((Bsz, I), device=xc.device, dtype=xc.dtype)
+    s_out = torch.empty_like(ssm_state)
+    skip = torch.promote_types(xc.dtype, D.dtype)
+    grid = (Bsz, triton.cdiv(I, BLOCK_D))
+    _dt_state_update_kernel[grid](
+        p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, s_out, y,
+        I, N, R,
+        p.stride(0), dt_proj_w.stride(0), A_log.stride(0), xc.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        DT_DTYPE=_TL[p.dtype], Y_DTYPE=_TL[p.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[z.dtype], RNE=interpreting(),
+        BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), BLOCK_R=min(64, triton.next_power_of_2(R)),
+        num_warps=num_warps,
+    )
+    return y, s_out

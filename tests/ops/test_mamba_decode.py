@@ -1,0 +1,76 @@
+"""The fused Mamba decode kernels against the composition of the per-op references (HF's torch path), on outputs
+and both states, across dtypes and odd sizes; the states are written out of place (inputs untouched)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels_runtime.ops.causal_conv1d import causal_conv1d_update_ref
+from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv
+from kernels_runtime.ops.selective_scan import selective_state_update_ref
+from kernels_runtime.tolerances import assert_close
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _weights(H, I, K, N, R, dtype, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return {
+        "in_w": (r(2 * I, H) / H**0.5).to(dtype), "in_b": r(2 * I).to(dtype) if bias else None,
+        "conv_w": (r(I, K) / K**0.5).to(dtype), "conv_b": r(I).to(dtype),
+        "x_w": (r(R + 2 * N, I) / I**0.5).to(dtype), "dt_w": (r(I, R) / R**0.5).to(dtype),
+        "dt_b": (r(I) * 0.5 - 2).to(dtype), "A_log": (r(I, N) * 0.5).to(dtype), "D": r(I).to(dtype),
+        "x": r(2, H).to(dtype), "conv_state": r(2, I, K).to(dtype), "ssm_state": r(2, I, N),
+    }
+
+
+def _reference(w, mask):
+    """The unfused decode step as the ssm_mixer.mamba_decode template composes it (each op's _ref)."""
+    x = w["x"] if mask is None else (w["x"] * mask).to(w["x"].dtype)
+    proj = F.linear(x.float(), w["in_w"].float(), None if w["in_b"] is None else w["in_b"].float()).to(x.dtype)
+    I = w["conv_w"].shape[0]
+    xs, z = proj[:, :I], proj[:, I:]
+    conv_state = w["conv_state"].clone()
+    xc = causal_conv1d_update_ref(xs, conv_state, w["conv_w"], w["conv_b"], silu=True)
+    if mask is not None:
+        xc = (xc * mask).to(xc.dtype)
+    R = w["dt_w"].shape[1]
+    N = w["A_log"].shape[1]
+    p = F.linear(xc.float(), w["x_w"].float()).to(xc.dtype)
+    dt = F.linear(p[:, :R].float(), w["dt_w"].float()).to(xc.dtype)
+    ssm_state = w["ssm_state"].clone()
+    y = selective_state_update_ref(ssm_state, xc, dt, -torch.exp(w["A_log"].float()), p[:, R:R + N],
+                                   p[:, R + N:], D=w["D"], z=z, dt_bias=w["dt_b"].float(), dt_softplus=True)
+    return xc, z, conv_state, p, y, ssm_state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,I,K,N,R", [(48, 96, 4, 16, 3), (33, 40, 4, 12, 5)])
+@pytest.mark.parametrize("bias,masked", [(False, False), (True, True)])
+def test_fused_decode_matches_the_composed_references(dtype, H, I, K, N, R, bias, masked):
+    w = _weights(H, I, K, N, R, dtype, seed=H + I, bias=bias)
+    mask = torch.tensor([[1], [0]], dtype=torch.long) if masked else None
+    xc_r, z_r, cs_r, p_r, y_r, ss_r = _reference(w, mask)
+    before = {k: v.clone() for k, v in w.items() if isinstance(v, torch.Tensor)}
+    xc, z, cs = mamba_in_proj_conv(w["x"], w["in_w"], w["in_b"], w["conv_state"], w["conv_w"], w["conv_b"], mask,
+                                   BLOCK_C=16, BLOCK_H=16)
+    assert_close(z, z_r, name="z")
+    assert_close(xc, xc_r, name="xc")
+    assert_close(cs, cs_r, name="conv state")
+    y, ss = mamba_dt_state_update(p_r, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_r, z_r, w["ssm_state"],
+                                  BLOCK_D=16)
+    assert_close(y, y_r, name="y")
+    assert_close(ss, ss_r, torch.float32, name="ssm state")
+    for k, v in before.items():  # out of place: no input changed
+        assert torch.equal(w[k], v), k
+
+
+def test_fused_decode_rejects_bad_shapes():
+    w = _weights(16, 8, 4, 4, 2, torch.float32, 0, False)
+    with pytest.raises(ValueError, match="conv_state"):
+        mamba_in_proj_conv(w["x"], w["in_w"], None, w["conv_state"][:, :4], w["conv_w"], None)
+    with pytest.raises(ValueError, match="mask"):
+        mamba_in_proj_conv(w["x"], w["in_w"], None, w["conv_state"], w["conv_w"], None, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="p"):
+        mamba_dt_state_update(torch.zeros(2, 5), w["dt_w"], w["dt_b"], w["A_log"], w["D"], torch.zeros(2, 8),
+                              torch.zeros(2, 8), w["ssm_state"])
