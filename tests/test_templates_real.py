@@ -35,6 +35,7 @@ CASES = [
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", "decode"),
     ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
+    ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", "decode"),
     ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", "decode"),
 ]

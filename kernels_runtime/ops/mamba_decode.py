@@ -27,63 +27,59 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 @triton.jit
-def _in_proj_conv_kernel(
-    x_ptr, m_ptr, w_ptr, b_ptr, s_ptr, cw_ptr, cb_ptr, xc_ptr, z_ptr, s_out_ptr,
-    H, I, S,
-    stride_xb, stride_mb, stride_wn, stride_sb, stride_sc, stride_ss, stride_cwc,
-    stride_ob, stride_oc, stride_os,
+def _proj_conv_kernel(
+    x_ptr, m_ptr, w_ptr, b_ptr, s_ptr, cw_ptr, cb_ptr, o_ptr, s_out_ptr,
+    H, NR, C0, CD, S,
+    stride_xb, stride_mb, stride_wn, stride_sb, stride_sc, stride_ss, stride_cwc, stride_ob,
     K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
     ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # o[b, r] = in_proj row r of x; rows C0 <= r < C0 + CD (the conv channels c = r - C0) get the conv update, the
+    # SiLU and the mask instead, and their new conv state goes to s_out
     pid_b = tl.program_id(0).to(tl.int64)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < I
+    offs_r = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_r = offs_r < NR
     m = 1.0
     if HAS_MASK:
         m = tl.load(m_ptr + pid_b * stride_mb).to(tl.float32)
-    # in_proj rows c (x part) and I + c (gate part), fp32 accumulation over H
-    acc_x = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    acc_z = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         xv = tl.load(x_ptr + pid_b * stride_xb + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         xv = rnd(xv * m, ACT_DTYPE)  # HF masks the hidden states in their dtype before in_proj (exact for 0/1)
-        wmask = mask_c[:, None] & mask_h[None, :]
-        wx = tl.load(w_ptr + offs_c[:, None] * stride_wn + offs_h[None, :], mask=wmask, other=0.0).to(tl.float32)
-        wz = tl.load(w_ptr + (offs_c[:, None] + I) * stride_wn + offs_h[None, :], mask=wmask, other=0.0).to(tl.float32)
-        acc_x += tl.sum(wx * xv[None, :], axis=1)
-        acc_z += tl.sum(wz * xv[None, :], axis=1)
+        w = tl.load(w_ptr + offs_r[:, None] * stride_wn + offs_h[None, :], mask=mask_r[:, None] & mask_h[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], axis=1)
     if HAS_BIAS:
-        acc_x += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-        acc_z += tl.load(b_ptr + I + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    xs = rnd(acc_x, ACT_DTYPE)  # nn.Linear's output dtype
-    tl.store(z_ptr + pid_b * stride_ob + offs_c * stride_oc, cast_out(acc_z, z_ptr.dtype.element_ty, RNE), mask=mask_c)
-    # conv update over the window (old state, xs)[S + 1 - K:]
-    s_base = s_ptr + pid_b * stride_sb + offs_c[:, None] * stride_sc
+        acc += tl.load(b_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    raw = rnd(acc, ACT_DTYPE)  # nn.Linear's output dtype
+    offs_c = offs_r - C0
+    is_conv = mask_r & (offs_r >= C0) & (offs_c < CD)
+    c_safe = tl.where(is_conv, offs_c, 0)
+    s_base = s_ptr + pid_b * stride_sb + c_safe[:, None] * stride_sc
     offs_k = tl.arange(0, BLOCK_K)
     idx = S + 1 - K + offs_k
-    mk = mask_c[:, None] & (offs_k[None, :] < K) & (idx[None, :] < S)
+    mk = is_conv[:, None] & (offs_k[None, :] < K) & (idx[None, :] < S)
     win = tl.load(s_base + idx[None, :] * stride_ss, mask=mk, other=0.0).to(tl.float32)
-    xs_state = rnd(xs, s_ptr.dtype.element_ty)  # the state holds in_proj's output in the state's dtype
+    xs_state = rnd(raw, s_ptr.dtype.element_ty)  # the state holds in_proj's output in the state's dtype
     win = tl.where(idx[None, :] == S, xs_state[:, None], win)
-    cw = tl.load(cw_ptr + offs_c[:, None] * stride_cwc + offs_k[None, :],
-                 mask=mask_c[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-    acc = tl.sum(win * cw, axis=1)
+    cw = tl.load(cw_ptr + c_safe[:, None] * stride_cwc + offs_k[None, :],
+                 mask=is_conv[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+    conv = tl.sum(win * cw, axis=1)
     if HAS_CONV_BIAS:
-        acc += tl.load(cb_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    acc = rnd(acc, cw_ptr.dtype.element_ty)  # HF convolves in the weight dtype, then the SiLU
-    acc = acc * tl.sigmoid(acc)
-    acc = rnd(acc, ACT_DTYPE) * m  # and masks the conv output again
-    tl.store(xc_ptr + pid_b * stride_ob + offs_c * stride_oc, cast_out(acc, xc_ptr.dtype.element_ty, RNE),
-             mask=mask_c)
-    # new state = old state shifted left by one, xs appended (written to a fresh buffer)
+        conv += tl.load(cb_ptr + c_safe, mask=is_conv, other=0.0).to(tl.float32)
+    conv = rnd(conv, cw_ptr.dtype.element_ty)  # HF convolves in the weight dtype, then the SiLU
+    conv = rnd(conv * tl.sigmoid(conv), ACT_DTYPE) * m  # and masks the conv output again
+    out = tl.where(is_conv, conv, raw)
+    tl.store(o_ptr + pid_b * stride_ob + offs_r, cast_out(out, o_ptr.dtype.element_ty, RNE), mask=mask_r)
+    # new state = old state shifted left by one, in_proj's output appended (a fresh buffer)
     offs_s = tl.arange(0, BLOCK_S)
-    ms = mask_c[:, None] & (offs_s[None, :] < S)
+    ms = is_conv[:, None] & (offs_s[None, :] < S)
     shifted = tl.load(s_base + (offs_s[None, :] + 1) * stride_ss, mask=ms & (offs_s[None, :] + 1 < S), other=0.0)
     shifted = tl.where(offs_s[None, :] == S - 1, xs_state[:, None].to(shifted.dtype), shifted)
-    tl.store(s_out_ptr + pid_b * stride_sb + offs_c[:, None] * stride_sc + offs_s[None, :] * stride_ss, shifted,
+    tl.store(s_out_ptr + pid_b * stride_sb + c_safe[:, None] * stride_sc + offs_s[None, :] * stride_ss, shifted,
              mask=ms)
 
 
@@ -136,43 +132,59 @@ def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, BLOCK_C=64,
-                       BLOCK_H=128, num_warps=4):
-    """x: [B, H]; in_proj_w: [2I, H]; conv_state: [B, I, S] (S >= K - 1, not modified); conv_w: [I, K]; mask: [B, 1]
-    or None -> (xc [B, I] = masked silu(conv), z [B, I] (the gate, before its SiLU), new conv state [B, I, S])."""
-    if x.dim() != 2 or in_proj_w.dim() != 2 or in_proj_w.shape[1] != x.shape[1] or in_proj_w.shape[0] % 2:
-        raise ValueError(f"mamba_in_proj_conv: expected x [B, H] and in_proj_w [2I, H], got {tuple(x.shape)}, "
+def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, conv_start=0, BLOCK_C=64,
+              BLOCK_H=128, num_warps=4):
+    """in_proj for one token with the conv update fused on a range of its rows. x: [B, H]; in_proj_w: [NR, H];
+    conv_state: [B, CD, S] (S >= K - 1, not modified); conv_w: [CD, K]; rows conv_start .. conv_start + CD are the
+    conv channels; mask: [B, 1] or None -> (o [B, NR]: in_proj's output with the conv rows replaced by masked
+    silu(conv), new conv state [B, CD, S]). Mamba: rows [x | z], conv_start 0; Mamba2: [z | xBC | dt], conv_start I."""
+    if x.dim() != 2 or in_proj_w.dim() != 2 or in_proj_w.shape[1] != x.shape[1]:
+        raise ValueError(f"proj_conv: expected x [B, H] and in_proj_w [NR, H], got {tuple(x.shape)}, "
                          f"{tuple(in_proj_w.shape)}")
     Bsz, H = x.shape
-    I = in_proj_w.shape[0] // 2
-    K = conv_w.shape[-1]
-    if conv_w.dim() != 2 or conv_w.shape[0] != I:
-        raise ValueError(f"mamba_in_proj_conv: expected conv_w [{I}, K], got {tuple(conv_w.shape)}")
-    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (Bsz, I) or conv_state.shape[2] < K - 1:
-        raise ValueError(f"mamba_in_proj_conv: expected conv_state [{Bsz}, {I}, >= {K - 1}], got "
-                         f"{tuple(conv_state.shape)}")
+    NR = in_proj_w.shape[0]
+    if conv_w.dim() != 2:
+        raise ValueError(f"proj_conv: expected conv_w [CD, K], got {tuple(conv_w.shape)}")
+    CD, K = conv_w.shape
+    if not 0 <= conv_start <= NR - CD:
+        raise ValueError(f"proj_conv: expected the conv rows [{conv_start}, {conv_start + CD}) inside [0, {NR})")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (Bsz, CD) or conv_state.shape[2] < K - 1:
+        raise ValueError(f"proj_conv: expected conv_state [{Bsz}, {CD}, >= {K - 1}], got {tuple(conv_state.shape)}")
     if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (Bsz, 1)):
-        raise ValueError(f"mamba_in_proj_conv: expected mask [{Bsz}, 1], got {tuple(mask.shape)}")
+        raise ValueError(f"proj_conv: expected mask [{Bsz}, 1], got {tuple(mask.shape)}")
     for name, t in (("x", x), ("in_proj_w", in_proj_w), ("conv_w", conv_w)):
         _contig(name, t)
     conv_state = conv_state.contiguous()
     S = conv_state.shape[2]
-    xc = torch.empty((Bsz, I), device=x.device, dtype=x.dtype)
-    z = torch.empty((Bsz, I), device=x.device, dtype=x.dtype)
+    o = torch.empty((Bsz, NR), device=x.device, dtype=x.dtype)
     s_out = torch.empty_like(conv_state)
-    grid = (Bsz, triton.cdiv(I, BLOCK_C))
-    _in_proj_conv_kernel[grid](
+    grid = (Bsz, triton.cdiv(NR, BLOCK_C))
+    _proj_conv_kernel[grid](
         x, mask if mask is not None else x, in_proj_w, in_proj_b if in_proj_b is not None else in_proj_w,
-        conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, z, s_out,
-        H, I, S,
+        conv_state, conv_w, conv_b if conv_b is not None else conv_w, o, s_out,
+        H, NR, conv_start, CD, S,
         x.stride(0), mask.stride(0) if mask is not None else 0, in_proj_w.stride(0), *conv_state.stride(),
-        conv_w.stride(0), xc.stride(0), xc.stride(1), 0,
+        conv_w.stride(0), o.stride(0),
         K=K, HAS_MASK=mask is not None, HAS_BIAS=in_proj_b is not None, HAS_CONV_BIAS=conv_b is not None,
         ACT_DTYPE=_TL[x.dtype], RNE=interpreting(),
         BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_S=triton.next_power_of_2(S), BLOCK_K=triton.next_power_of_2(K),
         num_warps=num_warps,
     )
-    return xc, z, s_out
+    return o, s_out
+
+
+def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, BLOCK_C=64,
+                       BLOCK_H=128, num_warps=4):
+    """Mamba's in_proj ([x | z] rows, [2I, H]) with the conv update on the x rows -> (xc [B, I] = masked
+    silu(conv), z [B, I] (the gate before its SiLU), new conv state [B, I, S]); conv_state is not modified."""
+    if in_proj_w.dim() != 2 or in_proj_w.shape[0] % 2 or conv_w.dim() != 2 or \
+            conv_w.shape[0] != in_proj_w.shape[0] // 2:
+        raise ValueError(f"mamba_in_proj_conv: expected in_proj_w [2I, H] and conv_w [I, K], got "
+                         f"{tuple(in_proj_w.shape)}, {tuple(conv_w.shape)}")
+    I = conv_w.shape[0]
+    o, s_out = proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask, conv_start=0, BLOCK_C=BLOCK_C,
+                         BLOCK_H=BLOCK_H, num_warps=num_warps)
+    return o[:, :I], o[:, I:], s_out
 
 
 def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2):

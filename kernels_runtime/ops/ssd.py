@@ -112,7 +112,7 @@ def _ssd_kernel(
 @triton.jit
 def _ssd_state_update_kernel(
     # Pointers
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr,
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, s_out_ptr,
     # Matrix dimensions
     H, P, N, HEADS_PER_GROUP,
     # Strides
@@ -124,7 +124,7 @@ def _ssd_state_update_kernel(
     stride_zb, stride_zh, stride_zp,
     stride_yb, stride_yh, stride_yp,
     # Meta-parameters
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr, A_IS_LOG: tl.constexpr,
     IO_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -141,12 +141,16 @@ def _ssd_state_update_kernel(
     dt = tl.load(dt_ptr + b * stride_dtb + h * stride_dth).to(tl.float32)
     dt = _ssd_dt(dt, tl.load(dt_bias_ptr + h).to(tl.float32), 0.0, float("inf"), DT_SOFTPLUS, IO_DTYPE)
     A = tl.load(A_ptr + h).to(tl.float32)
+    if A_IS_LOG:  # A = -exp(A_log) in fp32, as HF computes it
+        A = -tl.exp(A)
     Bv = tl.load(B_ptr + b * stride_bb + g * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b * stride_cb + g * stride_cg + offs_n * stride_cn, mask=mask_n, other=0.0).to(tl.float32)
     # HF: dB = dt * B and dB * x in the inputs' dtype, the state update in fp32
     dBx = _rnd(_rnd(dt * Bv, IO_DTYPE)[None, :] * x[:, None], IO_DTYPE)
     S = tl.exp(dt * A) * S + dBx
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_pn)
+    # the new state in place, or to s_out (same strides) when the caller keeps the old one
+    s_out_ptrs = s_out_ptr + b * stride_sb + h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
+    tl.store(s_out_ptrs, S.to(s_out_ptr.dtype.element_ty), mask=mask_pn)
     y = _rnd(tl.sum(_rnd(S, IO_DTYPE) * Cv[None, :], axis=1), IO_DTYPE)  # [BLOCK_P]
     if HAS_D:
         Dh = tl.load(D_ptr + h).to(tl.float32)
@@ -275,9 +279,10 @@ def ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_state=None, dt_sof
 
 
 def ssd_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
-                     *, BLOCK_P=32, num_warps=4):
-    """state: [B, H, P, N] updated in place; x, z: [B, H, P]; dt: [B, H]; A, D, dt_bias: [H]; B, C: [B, G, N]
-    -> y [B, H, P]. Not autotuned: it advances `state` in place, so tuning launches would corrupt it."""
+                     *, out_state=None, A_is_log=False, BLOCK_P=32, num_warps=4):
+    """state: [B, H, P, N] updated in place, or left as is with the new state written to `out_state` (same shape,
+    dtype and strides); x, z: [B, H, P]; dt: [B, H]; A (or A_log with A_is_log: A = -exp(A_log) in-kernel), D,
+    dt_bias: [H]; B, C: [B, G, N] -> y [B, H, P]. Not autotuned: in place, tuning launches would corrupt the state."""
     if state.dim() != 4 or tuple(state.shape[:3]) != tuple(x.shape) or tuple(dt.shape) != tuple(x.shape[:2]):
         raise ValueError(f"ssd_state_update: expected state [B, H, P, N], x [B, H, P], dt [B, H], got "
                          f"{tuple(state.shape)}, {tuple(x.shape)}, {tuple(dt.shape)}")
@@ -286,16 +291,21 @@ def ssd_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_sof
     if len({x.dtype, dt.dtype, B.dtype, C.dtype}) != 1:
         raise ValueError(f"ssd_state_update: expected x, dt, B, C in one dtype, got {x.dtype}, {dt.dtype}, "
                          f"{B.dtype}, {C.dtype}")
+    if out_state is not None and (out_state.shape != state.shape or out_state.dtype != state.dtype
+                                  or out_state.stride() != state.stride()):
+        raise ValueError(f"ssd_state_update: expected out_state like state {tuple(state.shape)} {state.dtype} "
+                         f"strides {state.stride()}, got {tuple(out_state.shape)} {out_state.dtype} "
+                         f"strides {out_state.stride()}")
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     zz = z if z is not None else x
     bias = dt_bias if dt_bias is not None else torch.zeros(H, device=x.device, dtype=dt.dtype)
     skip = torch.promote_types(x.dtype, D.dtype) if D is not None else x.dtype
     grid = (Bsz * H, triton.cdiv(P, BLOCK_P))
     _ssd_state_update_kernel[grid](
-        state, x, dt, A, B, C, D if D is not None else A, zz, bias, y,
+        state, x, dt, A, B, C, D if D is not None else A, zz, bias, y, out_state if out_state is not None else state,
         H, P, N, H // B.shape[1],
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
+        HAS_D=D is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus, A_IS_LOG=A_is_log,
         IO_DTYPE=_TL[x.dtype], SKIP_DTYPE=_TL[skip],
         BLOCK_P=BLOCK_P, BLOCK_N=triton.next_power_of_2(N), num_warps=num_warps,
     )

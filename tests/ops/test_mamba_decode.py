@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_runtime.ops.causal_conv1d import causal_conv1d_update_ref
-from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv
+from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv, proj_conv
 from kernels_runtime.ops.selective_scan import selective_state_update_ref
 from kernels_runtime.tolerances import assert_close
 
@@ -74,3 +74,31 @@ def test_fused_decode_rejects_bad_shapes():
     with pytest.raises(ValueError, match="p"):
         mamba_dt_state_update(torch.zeros(2, 5), w["dt_w"], w["dt_b"], w["A_log"], w["D"], torch.zeros(2, 8),
                               torch.zeros(2, 8), w["ssm_state"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_proj_conv_on_a_middle_row_range(dtype, masked):
+    """Mamba2's layout: in_proj rows [z | xBC | dt], the conv on xBC only; the other rows are in_proj's output."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    H, I, CD, NH, K = 40, 48, 80, 6, 4
+    NR = I + CD + NH
+    x, w = r(2, H).to(dtype), (r(NR, H) / H**0.5).to(dtype)
+    conv_w, conv_b, state = (r(CD, K) / 2).to(dtype), r(CD).to(dtype), r(2, CD, K).to(dtype)
+    mask = torch.tensor([[1], [0]]) if masked else None
+    xm = x if mask is None else (x * mask).to(dtype)
+    proj = F.linear(xm.float(), w.float()).to(dtype)
+    state_ref = state.clone()
+    xc_ref = causal_conv1d_update_ref(proj[:, I:I + CD], state_ref, conv_w, conv_b, silu=True)
+    if mask is not None:
+        xc_ref = (xc_ref * mask).to(dtype)
+    before = state.clone()
+    o, s_out = proj_conv(x, w, None, state, conv_w, conv_b, mask, conv_start=I, BLOCK_C=16, BLOCK_H=16)
+    assert torch.equal(state, before)
+    assert_close(o[:, :I], proj[:, :I], name="z rows")
+    assert_close(o[:, I + CD:], proj[:, I + CD:], name="dt rows")
+    assert_close(o[:, I:I + CD], xc_ref, name="conv rows")
+    assert_close(s_out, state_ref, name="conv state")
+    with pytest.raises(ValueError, match="conv rows"):
+        proj_conv(x, w, None, state, conv_w, conv_b, conv_start=NR - CD + 1)

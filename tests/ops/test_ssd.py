@@ -74,3 +74,24 @@ def test_ssd_state_update_matches_prefill(dtype, seed):
     else:  # HF's decode path rounds to the model dtype at each op, its prefill stays fp32: allow both roundings
         torch.testing.assert_close(y.float(), y_full[:, L].float(), atol=3e-2, rtol=3e-2)
     assert_close(state, s_full, torch.float32 if dtype == torch.float32 else dtype, name="state vs prefill over L+1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd_state_update_out_of_place_from_a_log(dtype):
+    """out_state gets the new state and `state` stays as it was; A_is_log computes A = -exp(A_log) in the kernel."""
+    Bsz, H, P, G, N = 2, 4, 24, 2, 16
+    x, dt, A, B, C, D, _, dt_bias = _inputs(Bsz, 1, H, P, G, N, dtype, 5)
+    A_log = torch.log(-A)
+    state = torch.randn(Bsz, H, P, N)
+    before = state.clone()
+    state_ref = state.clone()
+    args = (x[:, 0], dt[:, 0])
+    y_ref = ssd_state_update_ref(state_ref, *args, A, B[:, 0], C[:, 0], D, dt_bias=dt_bias)
+    out = torch.empty_like(state)
+    y = ssd_state_update(state, *args, A_log, B[:, 0], C[:, 0], D, dt_bias=dt_bias, out_state=out, A_is_log=True,
+                         BLOCK_P=16)
+    assert torch.equal(state, before)
+    assert_close(y, y_ref, name="y")
+    assert_close(out, state_ref, name="state")
+    with pytest.raises(ValueError, match="out_state"):
+        ssd_state_update(state, *args, A, B[:, 0], C[:, 0], D, out_state=torch.empty(Bsz, H, P, N + 1))

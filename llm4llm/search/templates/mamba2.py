@@ -21,6 +21,7 @@ CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
 SSD = ("kernels_runtime.ops.ssd", "ssd")
 SSD_UPDATE = ("kernels_runtime.ops.ssd", "ssd_state_update")
 RND = ("kernels_runtime.ops.selective_scan", "_rnd")
+PROJ_CONV = ("kernels_runtime.ops.mamba_decode", "proj_conv")
 MAMBA2_WEIGHTS = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"}
 
 PRELUDE = LIN_KWARGS + HELPERS + '''
@@ -166,10 +167,55 @@ def entry(inputs, weights, state, static):
 '''
 
 
+def _space_fused(spec: TaskSpec) -> dict[str, list]:
+    lin = linear_space(spec)
+    lin.pop("lin_TF32", None)
+    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
+            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM}
+
+
+def _default_fused(spec: TaskSpec) -> dict:
+    return {**linear_default(spec), "in_BLOCK_C": 32, "in_BLOCK_H": 128, "in_num_warps": 4, "ssd_BLOCK_P": 32,
+            "ssd_num_warps": 4, "norm_ROWS": 1, "norm_num_warps": 4}
+
+
+def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.mamba_decode import proj_conv",
+                        "from kernels_runtime.ops.ssd import ssd_state_update"])
+    return header("ssm_mixer.mamba2_decode_fused", spec, imports, config) + PRELUDE + '''
+
+def entry(inputs, weights, state, static):
+    # four launches: (in_proj + conv update over xBC + SiLU), the SSD state update (A = -exp(A_log) in-kernel, the
+    # new state out of place), the gated RMSNorm, out_proj; no state copies
+    mask = inputs.get("attention_mask")  # [B, 1] or None
+    x = inputs["hidden_states"]  # [B, 1, Hd]
+    Bsz = x.shape[0]
+    H, P, G, N, I, CD = _dims(weights, static)
+    conv_w = weights["conv1d.weight"]  # [CD, 1, K]
+    proj, conv_state = proj_conv(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
+                                 conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"), mask, conv_start=I,
+                                 BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"],
+                                 num_warps=CONFIG["in_num_warps"])  # [B, I + CD + H]: gate | silu(conv(xBC)) | dt
+    gate, xc, dt = proj[:, :I], proj[:, I:I + CD], proj[:, I + CD:]
+    ssm_in = state["ssm_state"]
+    ssm_state = torch.empty_like(ssm_in)
+    y = ssd_state_update(ssm_in, xc[:, :I].view(Bsz, H, P), dt, weights["A_log"], xc[:, I:I + G * N].view(Bsz, G, N),
+                         xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"], dt_bias=weights["dt_bias"],
+                         dt_softplus=True, out_state=ssm_state, A_is_log=True, BLOCK_P=CONFIG["ssd_BLOCK_P"],
+                         num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
+    yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), x.dtype)
+    out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+
 TEMPLATES = [
     Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, RND, CONV, SSD),
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba2_decode", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, RND, CONV_UPDATE, SSD_UPDATE), space_fn=_space, render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default),
+    Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
+             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
+             render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused),
 ]
