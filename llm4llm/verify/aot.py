@@ -1,0 +1,204 @@
+"""Compile Triton kernels for a GPU target on a machine without one.
+
+Triton's interpreter (the CPU path of the tests and of the CPU verifier) accepts programs the GPU compiler rejects:
+a variable rebound to another shape inside a branch, a dtype mix the interpreter's numpy silently promotes. This
+module records the kernel launches a piece of code makes (without running them) and compiles each for a target
+(default: sm_90, the H200) through `triton.compile`, which needs no device. It checks compilation only: no launch,
+no numerics.
+
+    launches = capture_launches(lambda: my_op(x, w))
+    errors = compile_launches(launches)  # [] when every kernel compiles for sm_90
+
+    python -m llm4llm.verify.aot TASK_DIR...   # every applicable template's default rendering, fp32 and bf16
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+          torch.bool: "i1"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+@dataclass
+class Launch:
+    fn: Any  # triton JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", str(self.fn))
+
+    def key(self) -> tuple:
+        return (id(self.fn), tuple(sorted(self.signature.items())), repr(sorted(self.constexprs.items(), key=str)),
+                tuple(sorted(self.options.items())))
+
+
+def _arg_type(value: Any) -> str | None:
+    """Triton signature type of a runtime argument; None: passed as a constexpr (None, dtypes, strings)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _TYPES:
+            raise TypeError(f"no Triton pointer type for {value.dtype}")
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def _launch_of(fn, args: tuple, kwargs: dict) -> Launch:
+    params = fn.params
+    values: dict[str, Any] = {}
+    for p, v in zip(params, args):
+        values[p.name] = v
+    for p in params[len(args):]:
+        if p.name in kwargs:
+            values[p.name] = kwargs[p.name]
+        elif p.has_default:
+            values[p.name] = p.default
+    signature, constexprs = {}, {}
+    for p in params:
+        if p.name not in values:
+            raise TypeError(f"{fn.__name__}: no value for parameter {p.name}")
+        v = values[p.name]
+        t = None if p.is_constexpr else _arg_type(v)
+        if t is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+        else:
+            signature[p.name] = t
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    return Launch(fn, signature, constexprs, options)
+
+
+@contextlib.contextmanager
+def _recording(launches: list[Launch]):
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):  # noqa: ARG001 - the launch is recorded, never executed
+        launches.append(_launch_of(self, args, kwargs))
+
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def capture_launches(call: Callable[[], Any]) -> list[Launch]:
+    """The kernel launches `call()` makes, recorded and not executed (outputs stay unwritten). Must run without
+    TRITON_INTERPRET (under the interpreter kernels are not JITFunctions)."""
+    launches: list[Launch] = []
+    with _recording(launches):
+        call()
+    unique: dict[tuple, Launch] = {}
+    for launch in launches:
+        unique.setdefault(launch.key(), launch)
+    return list(unique.values())
+
+
+def compile_launches(launches: list[Launch], arch: int = 90, warp_size: int = 32) -> list[str]:
+    """Compile each launch for CUDA `arch`; returns one message per kernel that does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, warp_size)
+    errors = []
+    for launch in launches:
+        try:
+            src = ASTSource(fn=launch.fn, signature=launch.signature, constexprs=launch.constexprs)
+            triton.compile(src, target=target, options=launch.options or None)
+        except Exception as e:  # noqa: BLE001 - every failing kernel is reported
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            errors.append(f"{launch.name}: {type(e).__name__}: {' | '.join(lines[-6:])[:1500]}")
+    return errors
+
+
+
+
+def template_launches(task_dir: str, template: str, dtype: torch.dtype | None = None) -> list[Launch]:
+    """The launches of `template`'s default rendering called on the task's first captured case (floating tensors
+    cast to `dtype` when given: the bf16 code paths differ). Run without TRITON_INTERPRET."""
+    import tempfile
+    from pathlib import Path
+
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import load_task
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+
+    task = load_task(Path(task_dir))
+    t = next(t for t in TEMPLATES if t.name == template)
+    source = t.render(task.spec, t.default(task.spec))
+    case = task.cases[0]
+
+    def cast(d):
+        return {k: v.to(dtype) if dtype is not None and v.is_floating_point() and k not in _FP32_STATE else v
+                for k, v in d.items()}
+
+    name = f"llm4llm_aot_{abs(hash((task_dir, template, str(dtype))))}"
+    with tempfile.TemporaryDirectory(prefix="llm4llm-aot-") as tmp:
+        module = load_candidate(source, Path(tmp), name)
+        try:
+            return capture_launches(lambda: module.entry(cast(case.inputs), cast(case.weights), cast(case.state),
+                                                         dict(task.spec.static)))
+        finally:
+            unload_candidate(name)
+
+
+# States HF keeps in fp32 whatever the model dtype (Mamba's ssm_state, RecurrentGemma's RG-LRU state)
+_FP32_STATE = {"ssm_state", "rg_lru_state"}
+
+
+def compile_templates(task_dirs: list[str], arch: int = 90) -> dict[str, list[str]]:
+    """Every template that applies to each task, default config, fp32 and bf16: {"template/task/dtype": errors}."""
+    from pathlib import Path
+
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import load_spec
+
+    out: dict[str, list[str]] = {}
+    for d in task_dirs:
+        spec = load_spec(Path(d))
+        for t in TEMPLATES:
+            if t.family != spec.family or spec.phase not in t.phases or t.why_not(spec) is not None:
+                continue
+            for dtype in (None, torch.bfloat16):
+                key = f"{t.name}/{Path(d).name}/{'bfloat16' if dtype else 'captured dtype'}"
+                try:
+                    out[key] = compile_launches(template_launches(d, t.name, dtype), arch)
+                except Exception as e:  # noqa: BLE001 - a rendering that cannot even be called is an error too
+                    out[key] = [f"capture: {type(e).__name__}: {str(e)[:500]}"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m llm4llm.verify.aot TASK_DIR... : compile every applicable template for sm_90; prints JSON."""
+    import json
+    import os
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("llm4llm.verify.aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
+        return 2
+    result = compile_templates(list(argv if argv is not None else sys.argv[1:]))
+    print(json.dumps(result, indent=1))
+    return 1 if any(result.values()) else 0
+
+
+__all__ = ["Launch", "capture_launches", "compile_launches", "compile_templates", "template_launches"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
