@@ -3,8 +3,8 @@
 Triton's interpreter (the CPU path of the tests and of the CPU verifier) accepts programs the GPU compiler rejects:
 a variable rebound to another shape inside a branch, a dtype mix the interpreter's numpy silently promotes. This
 module records the kernel launches a piece of code makes (without running them) and compiles each for a target
-(default: sm_90, the H200) through `triton.compile`, which needs no device. It checks compilation only: no launch,
-no numerics.
+(default: sm_90, the H200) through `triton.compile`, which needs no device. It checks compilation only, with the
+installed Triton (the GPU image's may be another version): no launch, no numerics.
 
     launches = capture_launches(lambda: my_op(x, w))
     errors = compile_launches(launches)  # [] when every kernel compiles for sm_90
