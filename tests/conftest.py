@@ -6,6 +6,8 @@ import torch
 # Without a GPU, Triton kernels run under its interpreter; on a GPU machine the `gpu` tests run the real thing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The CPU verifier's sm_90 compile gate costs a subprocess per candidate; off for the suite, on in its own tests
+os.environ.setdefault("LLM4LLM_AOT_ARCH", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest  # noqa: E402

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llm4llm.search.templates import TEMPLATES
+from llm4llm.taskspec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "examples" / "workloads"
@@ -64,3 +65,52 @@ def test_launch_signatures_follow_the_arguments():
     assert _arg_type(torch.zeros(1, dtype=torch.bfloat16)) == "*bf16" and _arg_type(3) == "i32"
     assert _arg_type(2**40) == "i64" and _arg_type(1.5) == "fp32" and _arg_type(True) == "i1"
     assert _arg_type(None) is None
+
+
+_INTERPRETER_ONLY_RMSNORM = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm(X, W, Y, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    if N > 0:  # a runtime branch rebinding a scalar to a block: the interpreter runs it, the GPU compiler refuses
+        scale = scale + tl.zeros((BLOCK,), dtype=tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (w * (x * scale).to(X.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty),
+             mask=cols < N)
+
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"].contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    eps = float(static.get("variance_epsilon", static.get("eps", 1e-6)))
+    _norm[(x.numel() // n,)](x, weights["weight"], y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return {"out": y}
+'''
+
+
+def test_cpu_verifier_rejects_what_only_the_interpreter_runs(tiny_task_dirs, monkeypatch):
+    """With the gate on, a candidate correct under the interpreter but not compilable for sm_90 fails with the
+    compiler's message; a template's rendering passes it."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.verify.gates import run_gates
+
+    monkeypatch.setenv("LLM4LLM_AOT_ARCH", "90")
+    task_dir = next(d for d in tiny_task_dirs if "/tiny-llama" in d and Path(d).name.startswith("norm-decode"))
+    v, _ = run_gates(task_dir, _INTERPRETER_ONLY_RMSNORM, device="cpu", draws=1, timing=False)
+    assert not v.passed and v.failure_class == "compile", v.message
+    assert "compile_sm90" in [g.name for g in v.gates] and "_norm" in v.message
+    assert "correctness" in [g.name for g in v.gates if g.passed]  # the interpreter had passed it
+
+    spec = load_spec(Path(task_dir))
+    t = next(t for t in TEMPLATES if t.name == "norm.rmsnorm_op")
+    good, _ = run_gates(task_dir, t.render(spec, t.default(spec)), device="cpu", draws=1, timing=False)
+    assert good.passed, good.message
+    assert [g.name for g in good.gates if g.name.startswith("compile_sm")] == ["compile_sm90"]

@@ -129,26 +129,23 @@ def compile_launches(launches: list[Launch], arch: int = 90, warp_size: int = 32
 
 
 
-def template_launches(task_dir: str, template: str, dtype: torch.dtype | None = None) -> list[Launch]:
-    """The launches of `template`'s default rendering called on the task's first captured case (floating tensors
-    cast to `dtype` when given: the bf16 code paths differ). Run without TRITON_INTERPRET."""
+def candidate_launches(task_dir: str, source: str, dtype: torch.dtype | None = None) -> list[Launch]:
+    """The launches of a candidate source's `entry` called on the task's first captured case (floating tensors cast
+    to `dtype` when given: the bf16 code paths differ). Run without TRITON_INTERPRET."""
     import tempfile
     from pathlib import Path
 
-    from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_task
     from llm4llm.verify.candidate import load_candidate, unload_candidate
 
     task = load_task(Path(task_dir))
-    t = next(t for t in TEMPLATES if t.name == template)
-    source = t.render(task.spec, t.default(task.spec))
     case = task.cases[0]
 
     def cast(d):
         return {k: v.to(dtype) if dtype is not None and v.is_floating_point() and k not in _FP32_STATE else v
                 for k, v in d.items()}
 
-    name = f"llm4llm_aot_{abs(hash((task_dir, template, str(dtype))))}"
+    name = f"llm4llm_aot_{abs(hash((task_dir, source, str(dtype))))}"
     with tempfile.TemporaryDirectory(prefix="llm4llm-aot-") as tmp:
         module = load_candidate(source, Path(tmp), name)
         try:
@@ -156,6 +153,18 @@ def template_launches(task_dir: str, template: str, dtype: torch.dtype | None = 
                                                          dict(task.spec.static)))
         finally:
             unload_candidate(name)
+
+
+def template_launches(task_dir: str, template: str, dtype: torch.dtype | None = None) -> list[Launch]:
+    """`candidate_launches` of `template`'s default rendering for the task."""
+    from pathlib import Path
+
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import load_spec
+
+    spec = load_spec(Path(task_dir))
+    t = next(t for t in TEMPLATES if t.name == template)
+    return candidate_launches(task_dir, t.render(spec, t.default(spec)), dtype)
 
 
 # States HF keeps in fp32 whatever the model dtype (Mamba's ssm_state, RecurrentGemma's RG-LRU state)
@@ -184,21 +193,83 @@ def compile_templates(task_dirs: list[str], arch: int = 90) -> dict[str, list[st
     return out
 
 
+def aot_arch() -> int | None:
+    """The CPU verifier's compile target: LLM4LLM_AOT_ARCH (default 90, the H200); "0" or "" turns the gate off."""
+    import os
+
+    value = os.environ.get("LLM4LLM_AOT_ARCH", "90").strip()
+    return int(value) if value and value != "0" else None
+
+
+def aot_gate(task_dir: str, source: str, arch: int = 90, timeout_s: float = 600.0):
+    """The verifier's GPU-compile gate on a machine without a GPU: the candidate's launches on the task's first case,
+    compiled for `arch` in a subprocess without TRITON_INTERPRET (the verifier's own process runs the interpreter).
+    Returns a GateResult named compile_sm<arch>."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from llm4llm.verify.verdict import GateResult
+
+    name = f"compile_sm{arch}"
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    try:
+        res = subprocess.run([sys.executable, "-m", "llm4llm.verify.aot", "--arch", str(arch), "--candidate", f.name,
+                              task_dir], env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return GateResult(name=name, passed=False, detail=f"no answer within {timeout_s:.0f}s")
+    finally:
+        os.unlink(f.name)
+    try:
+        errors = json.loads(res.stdout)[f.name]
+    except (ValueError, KeyError):
+        tail = (res.stderr or res.stdout).strip().splitlines()[-8:]
+        return GateResult(name=name, passed=False, detail="the compile check could not run: " + " | ".join(tail))
+    if errors:
+        return GateResult(name=name, passed=False, detail="the GPU compiler rejects what the interpreter ran: "
+                          + " || ".join(errors)[:6000])
+    return GateResult(name=name, passed=True, detail=f"every launch compiles for sm_{arch} (not run)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """python -m llm4llm.verify.aot TASK_DIR... : compile every applicable template for sm_90; prints JSON."""
+    """python -m llm4llm.verify.aot [--arch 90] TASK_DIR... : compile every applicable template; with --candidate
+    FILE TASK_DIR: that candidate's launches. Prints JSON {key: [errors]}."""
     import json
     import os
     import sys
 
+    import argparse
+
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("llm4llm.verify.aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
-    result = compile_templates(list(argv if argv is not None else sys.argv[1:]))
+    ap = argparse.ArgumentParser(prog="python -m llm4llm.verify.aot")
+    ap.add_argument("task_dirs", nargs="+")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--candidate", default=None, help="a candidate source file: compile its launches instead")
+    args = ap.parse_args(argv)
+    if args.candidate:
+        source = open(args.candidate).read()
+        try:
+            errors = compile_launches(candidate_launches(args.task_dirs[0], source), args.arch)
+        except Exception as e:  # noqa: BLE001 - a source that cannot be called here is reported, not raised
+            errors = [f"capture: {type(e).__name__}: {str(e)[:1000]}"]
+        result = {args.candidate: errors}
+    else:
+        result = compile_templates(args.task_dirs, args.arch)
     print(json.dumps(result, indent=1))
     return 1 if any(result.values()) else 0
 
 
-__all__ = ["Launch", "capture_launches", "compile_launches", "compile_templates", "template_launches"]
+__all__ = ["Launch", "aot_arch", "aot_gate", "candidate_launches", "capture_launches", "compile_launches",
+           "compile_templates", "template_launches"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
