@@ -2,7 +2,8 @@
 
     python scripts/record_bench.py --db results.duckdb --bench-id 2026-11-30-h200 tops.jsonl ssm.jsonl
 
-Also takes scripts/gpu/dispatch_overhead.py's rows (op `dispatch:<measure>`, times in ms).
+Also takes scripts/gpu/dispatch_overhead.py's rows (op `dispatch:<measure>`, times in ms) and
+scripts/gpu/launch_overhead.py's (op `launch`, one provider per launch path).
 """
 from __future__ import annotations
 
@@ -32,9 +33,20 @@ def dispatch_rows(row: dict, bench_id: str) -> list[dict]:
     return out
 
 
+def launch_rows(row: dict, bench_id: str) -> list[dict]:
+    """scripts/gpu/launch_overhead.py rows: microseconds per launch by launch path (op `launch`, provider = path)."""
+    us = row.get("us_per_launch")
+    return [{"bench_id": bench_id, "op": "launch", "provider": row["path"], "shape": "copy[2560] bf16",
+             "dtype": "bfloat16", "p20_ms": None, "p50_ms": None if us is None else us / 1e3, "p80_ms": None,
+             "gbps": None, "tflops": None, "max_abs_err": None, "gpu_name": row.get("gpu"),
+             "versions_json": {"torch": row.get("torch"), "triton": row.get("triton"), "error": row.get("error")}}]
+
+
 def long_rows(row: dict, bench_id: str) -> list[dict]:
     if "measure" in row:
         return dispatch_rows(row, bench_id)
+    if "path" in row and "us_per_launch" in row:
+        return launch_rows(row, bench_id)
     versions = {"torch": row.get("torch"), "triton": row.get("triton")}
     common = {"bench_id": bench_id, "op": f"{row['op']}", "shape": f"{row['model']}:{row.get('phase', '')}:{row['shape']}",
               "dtype": row["dtype"], "gpu_name": row.get("gpu"), "versions_json": versions}

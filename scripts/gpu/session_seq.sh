@@ -5,6 +5,7 @@
 # children). Logs come back as one tarball ($OUT returns at most 8 files).
 #   STEPS="dispatch optimize:mamba-130m:4:2:220 optimize:qwen3-4b:4:3" LIMIT=575 bash scripts/gpu/session_seq.sh
 #   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile;
+#    launch: scripts/gpu/launch_overhead.py;
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball)
 set -u
@@ -20,6 +21,9 @@ for step in ${STEPS:-dispatch}; do
     dispatch)
       timeout -k 5 60 python3 scripts/gpu/dispatch_overhead.py --out "$OUT/dispatch.jsonl" > "$OUT/logs/dispatch.log" 2>&1
       echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
+    launch)  # host cost per launch: torch op vs Triton JIT vs compiled-kernel paths vs CUDA graph replay
+      timeout -k 5 90 python3 scripts/gpu/launch_overhead.py --out "$OUT/logs/launch.jsonl" > "$OUT/logs/launch.log" 2>&1
+      echo "launch overhead rc=$? in $(( $(date +%s) - s ))s"; cat "$OUT/logs/launch.log" ;;
     trace)  # trace:WORKLOAD: eager vs the newest bundle an optimize step of this call made for it (if any)
       b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1)
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
