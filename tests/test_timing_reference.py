@@ -99,3 +99,34 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     assert v.reference_in_context.reps >= timing.MIN_REPS
     assert v.speedup_in_context < 1.0 and v.speedup_cold < 1.0, (v.speedup_in_context, v.speedup_cold)
     assert [g.name for g in v.gates] == ["timing_cold", "timing_in_context"]
+
+
+def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode_tasks, cpu_events, monkeypatch):
+    """With the source, the candidate runs installed in the module through kernels_runtime (what it costs in the
+    model); without it, the bare entry. The gate detail says which."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    task = decode_tasks["tiny-mamba"]
+    dev = torch.device("cpu")
+    t = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba_decode_fused")
+    source = t.render(task.spec, t.default(task.spec))
+    module = load_candidate(source, task.path.parent, "timing_dispatch_candidate")
+    try:
+        draws = make_draws(task, dev, 0, 0)
+        v = Verdict(source_hash="x", task_id=task.spec.task_id)
+        timing.time_task(v, task, module.entry, draws, dev, source=source)
+        assert all("through kernels_runtime's dispatch" in g.detail for g in v.gates), [g.detail for g in v.gates]
+        run, prepare, kernel_calls = timing.patched_call(task, source, dev)
+        case = task.cases[0]
+        call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
+        run(call)
+        cleanup()
+        assert kernel_calls() == 1
+        bare = Verdict(source_hash="x", task_id=task.spec.task_id)
+        timing.time_task(bare, task, module.entry, draws, dev)
+        assert all("(bare entry)" in g.detail for g in bare.gates)
+    finally:
+        unload_candidate("timing_dispatch_candidate")

@@ -40,13 +40,9 @@ Args = tuple[dict, dict, dict, dict]
 Prepare = Callable[..., tuple[tuple, Callable[[], None]]]  # (*Args) -> (call arguments, cleanup after the call)
 
 
-def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
-    """(run, prepare) timing the task's module as the model calls it. prepare(inputs, weights, state, static) builds
-    the call outside the timed region (a fresh cache holding `state`, the original (args, kwargs)) and returns it with
-    the cleanup that restores module-held state; run(call) is the forward alone."""
+def _module_runner(task, module: torch.nn.Module) -> tuple[Callable, Prepare]:
     from kernels_runtime.boundary import adapter_by_name, rebuild_call
 
-    module = task.load_module(device).eval()
     spec = task.spec
     state_spec = spec.recipe.get("state") if spec.recipe else None
     adapter = adapter_by_name(state_spec["adapter"]) if state_spec else None
@@ -63,6 +59,37 @@ def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
             return module(*args, **kwargs)
 
     return run, prepare
+
+
+def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
+    """(run, prepare) timing the task's module as the model calls it. prepare(inputs, weights, state, static) builds
+    the call outside the timed region (a fresh cache holding `state`, the original (args, kwargs)) and returns it with
+    the cleanup that restores module-held state; run(call) is the forward alone."""
+    return _module_runner(task, task.load_module(device).eval())
+
+
+def patched_call(task, source: str, device: torch.device) -> tuple[Callable, Prepare, Callable[[], int]]:
+    """(run, prepare, kernel_calls): the candidate installed in a copy of the task's module through
+    kernels_runtime (phase decision, guards, boundary capture, state write-back: what it costs in the model), called
+    like `module_call`. kernel_calls() counts the calls the kernel took (0: every call fell back)."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from kernels_runtime.patch import report_of
+    from llm4llm.accept import Proposal, patch_spec_for
+
+    module = task.load_module(device).eval()
+    holder = torch.nn.Module()
+    holder.add_module("m", module)
+    pspec = patch_spec_for(Proposal(str(task.path), "timing", source, 1.0), task.spec, device.type)
+    bundle = PatchBundle(name="verifier-timing")
+    bundle.add_patch(pspec.model_copy(update={"instances": ["m"]}), source=source)
+    kernels_runtime.apply(holder, bundle, strict=True)
+    run, prepare = _module_runner(task, module)
+
+    def kernel_calls() -> int:
+        return sum(sum(c["kernel"].values()) for c in report_of(holder).values())
+
+    return run, prepare, kernel_calls
 
 
 def latency(times_ms: list[float]) -> Latency:
@@ -141,12 +168,22 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
                    reps=min(x.reps for x in lats))
 
 
-def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device) -> None:
+def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None) -> None:
     """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
-    The reference is the module's own forward (`module_call`), built once per task in this worker."""
+    The reference is the module's own forward (`module_call`), built once per task in this worker. With `source`,
+    the candidate is timed as the model would run it, installed in the module through kernels_runtime
+    (`patched_call`); where it cannot be installed, or every call fell back, its bare `entry` is timed and the gate
+    detail says why."""
     from llm4llm.verify.gates import _classify_exception
 
     ref, ref_prepare = None, None
+    cand_fn, cand_prepare, kernel_calls, how = entry, None, None, "bare entry"
+    if source is not None:
+        try:
+            cand_fn, cand_prepare, kernel_calls = patched_call(task, source, device)
+            how = "through kernels_runtime's dispatch"
+        except Exception as e:  # noqa: BLE001 - the bare entry is still timed
+            how = f"bare entry (not installable in the module: {type(e).__name__}: {str(e)[:200]})"
 
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
@@ -156,7 +193,12 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         for k in timed:
             args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
             try:
-                cand.append(time_call(entry, args, mode, device))
+                ran = kernel_calls() if kernel_calls is not None else 0
+                cand.append(time_call(cand_fn, args, mode, device, prepare=cand_prepare))
+                if kernel_calls is not None and kernel_calls() == ran:  # every call fell back: the original was timed
+                    cand_fn, cand_prepare, kernel_calls = entry, None, None
+                    how = "bare entry (every patched call fell back to the original forward)"
+                    cand[-1] = time_call(entry, args, mode, device)
             except Exception as e:  # noqa: BLE001
                 failure = _classify_exception(e, first_call=False)
                 failure.gate = f"timing_{mode}"
@@ -174,4 +216,4 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         setattr(v, f"speedup_{mode}", speedup)
         ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
         v.gates.append(GateResult(name=f"timing_{mode}", passed=True,
-                                  detail=f"p50 {c.p50:.4f} ms vs reference {r.p50:.4f} ms: {ratio}"))
+                                  detail=f"p50 {c.p50:.4f} ms ({how}) vs reference {r.p50:.4f} ms: {ratio}"))
