@@ -27,7 +27,10 @@ PHASE_CONTRACTS = {
                "the long-sequence shapes below (parallelise over rows/tokens and heads).",
     "decode": "decode: exactly one new position per sequence (q_len == 1) with a non-empty cache. This kernel is "
               "dispatched only then; latency is dominated by launch overhead and memory traffic of weights/cache, so "
-              "minimise launches and read each byte once. State tensors (KV cache, SSM state) hold the past: read "
+              "minimise launches and read each byte once: a Triton launch costs tens of microseconds of host time on "
+              "the measured H200 host (~60 us, against ~4 us for a PyTorch op), and the candidate is timed installed "
+              "in the module through the runtime's dispatch, as the model runs it, so fusing steps into fewer "
+              "kernels beats tuning one of many. State tensors (KV cache, SSM state) hold the past: read "
               "them and return their updated values under `state_out.<name>` exactly as the reference does.",
 }
 
@@ -45,6 +48,8 @@ Candidate contract (checked by an AST gate, then by correctness and timing gates
 - Do not mention the reference module's class name. No getattr/eval/exec/open, no dunder attributes.
 - Never modify the input tensors in place; never cache outputs between calls; use the current CUDA stream.
 - Handle every observed shape below (masks for non-power-of-2 sizes); accumulate in float32 for half inputs.
+- Write for the GPU compiler, not only the interpreter: without a GPU the kernels run in Triton's interpreter and
+  are also compiled for sm_90 (a variable keeps one type and shape across runtime branches; constexpr sizes).
 
 Answer with a short plan (at most a few sentences), then the complete source in ONE ```python fenced block."""
 
