@@ -1,5 +1,5 @@
 """Host cost of one kernel launch on the GPU machine, by launch path: the number that decides decode (a decode step
-is host-bound; on 2026-11-30 a Triton RMSNorm call cost 61 us there back to back, and HF's six-op RMSNorm 116-124 us;
+is host-bound; on 2026-11-30 a Triton RMSNorm call cost 61 us there back to back, and HF's RMSNorm forward (a handful of torch ops) 116-124 us;
 this script measures a lone launch per path, which that run did not).
 
     python3 scripts/gpu/launch_overhead.py --out launch.jsonl
