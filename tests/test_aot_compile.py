@@ -114,3 +114,19 @@ def test_cpu_verifier_rejects_what_only_the_interpreter_runs(tiny_task_dirs, mon
     good, _ = run_gates(task_dir, t.render(spec, t.default(spec)), device="cpu", draws=1, timing=False)
     assert good.passed, good.message
     assert [g.name for g in good.gates if g.name.startswith("compile_sm")] == ["compile_sm90"]
+
+
+def test_a_checker_that_cannot_run_skips_the_gate_and_says_why(monkeypatch):
+    """A broken checker (this machine's Triton, an import error) is not the candidate's fault: the gate passes with
+    the reason, so a CPU search loses nothing to it; a compiler rejection still fails."""
+    import subprocess as sp
+
+    from llm4llm.verify import aot
+
+    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, 1, "", "ImportError: no triton backend"))
+    g = aot.aot_gate("unused", "def entry(inputs, weights, state, static):\n    return {}\n")
+    assert g.passed and g.detail.startswith("skipped:") and "ImportError" in g.detail
+    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, 1, '{"%s": ["_k: CompilationError"]}'
+                                                                        % a[0][-2], ""))
+    bad = aot.aot_gate("unused", "x = 1\n")
+    assert not bad.passed and "_k: CompilationError" in bad.detail
