@@ -22,6 +22,28 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def tiny_extracted(tmp_path_factory):
+    """name -> the task dirs of examples/workloads/<name>.toml, profiled and extracted once per session on first
+    use (read-only for the tests that share them)."""
+    from pathlib import Path
+
+    from llm4llm.pipeline import run_extract, run_profile
+
+    workloads = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+    done: dict[str, list] = {}
+
+    def get(name: str) -> list:
+        if name not in done:
+            data = tmp_path_factory.mktemp(name)
+            wl = str(workloads / f"{name}.toml")
+            run_extract(wl, run_profile(wl, str(data)), str(data))
+            done[name] = sorted(d for d in (data / "tasks").iterdir() if (d / "spec.json").exists())
+        return done[name]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,20 +16,12 @@ from llm4llm.search.templates import TEMPLATES
 from llm4llm.taskspec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT / "examples" / "workloads"
 
 
 @pytest.fixture(scope="module")
-def tiny_task_dirs(tmp_path_factory) -> list[str]:
-    from llm4llm.pipeline import run_extract, run_profile
-
-    dirs = []
-    for name in ("tiny-llama", "tiny-qwen3", "tiny-mamba", "tiny-mamba2", "tiny-recurrentgemma"):
-        data = tmp_path_factory.mktemp(name)
-        wl = str(WORKLOADS / f"{name}.toml")
-        run_extract(wl, run_profile(wl, str(data)), str(data))
-        dirs += [str(d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
-    return dirs
+def tiny_task_dirs(tiny_extracted) -> list[str]:
+    return [str(d) for name in ("tiny-llama", "tiny-qwen3", "tiny-mamba", "tiny-mamba2", "tiny-recurrentgemma")
+            for d in tiny_extracted(name)]
 
 
 @pytest.mark.slow

@@ -42,20 +42,11 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def tiny_tasks(tmp_path_factory):
-    """workload name -> [(spec, task dir)], extracted once per module on first use."""
-    from llm4llm.pipeline import run_profile, run_extract
-
-    root = tmp_path_factory.mktemp("tiny-tasks")
-    done: dict[str, list[tuple[TaskSpec, Path]]] = {}
+def tiny_tasks(tiny_extracted):
+    """workload name -> [(spec, task dir)], extracted once per session on first use (conftest)."""
 
     def get(name: str) -> list[tuple[TaskSpec, Path]]:
-        if name not in done:
-            wl, data = str(WORKLOADS / f"{name}.toml"), root / name
-            run_extract(wl, run_profile(wl, str(data)), str(data))
-            dirs = sorted(p for p in (data / "tasks").iterdir() if (p / "spec.json").exists())
-            done[name] = [(load_spec(d), d) for d in dirs]
-        return done[name]
+        return [(load_spec(d), d) for d in tiny_extracted(name)]
 
     return get
 

@@ -4,7 +4,6 @@ runs here; the numbers only compare two host-bound calls on one CPU, never a GPU
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,22 +14,15 @@ from llm4llm.verify import timing
 from llm4llm.verify.gates import make_draws, reference_fn
 from llm4llm.verify.verdict import Verdict
 
-WORKLOADS = Path(__file__).resolve().parents[1] / "examples" / "workloads"
 
 
 @pytest.fixture(scope="module")
-def decode_tasks(tmp_path_factory):
-    from llm4llm.pipeline import run_extract, run_profile
-
+def decode_tasks(tiny_extracted):
     out = {}
     for name in ("tiny-mamba", "tiny-recurrentgemma"):
-        data = tmp_path_factory.mktemp(name)
-        wl = str(WORKLOADS / f"{name}.toml")
-        run_extract(wl, run_profile(wl, str(data)), str(data))
-        dirs = [d for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
-        out[name] = next(load_task(d) for d in dirs
-                         if load_task(d, with_cases=False).spec.phase == "decode"
-                         and load_task(d, with_cases=False).spec.family in ("ssm_mixer", "recurrent_block"))
+        specs = [(d, load_task(d, with_cases=False).spec) for d in tiny_extracted(name)]
+        out[name] = next(load_task(d) for d, s in specs
+                         if s.phase == "decode" and s.family in ("ssm_mixer", "recurrent_block"))
     return out
 
 
@@ -64,12 +56,15 @@ def test_module_call_computes_what_the_harness_computes_and_restores_state(decod
     task = decode_tasks[workload]
     dev = torch.device("cpu")
     case = task.cases[0]
-    run, prepare = timing.module_call(task, dev)
+    module = task.load_module(dev).eval()
+    run, prepare = timing._module_runner(task, module)  # module_call's runner, on a module this test can inspect
+    held = dict(vars(module))  # module-held state (RecurrentGemma's conv1d_state) must be back after cleanup
     call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
     try:
         named, _ = flatten_outputs(run(call))
     finally:
         cleanup()
+    assert all(vars(module).get(k) is v for k, v in held.items() if not k.startswith("_")), "state not restored"
     harness = reference_fn(task, dev)(case.inputs, case.weights, case.state, task.spec.static)
     outputs = [n for n in dict(named) if n in harness]
     assert outputs
@@ -101,7 +96,8 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     assert [g.name for g in v.gates] == ["timing_cold", "timing_in_context"]
 
 
-def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode_tasks, cpu_events, monkeypatch):
+def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode_tasks, cpu_events, monkeypatch,
+                                                                          tmp_path):
     """With the source, the candidate runs installed in the module through kernels_runtime (what it costs in the
     model); without it, the bare entry. The gate detail says which."""
     from llm4llm.search.templates import TEMPLATES
@@ -113,7 +109,7 @@ def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode
     dev = torch.device("cpu")
     t = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba_decode_fused")
     source = t.render(task.spec, t.default(task.spec))
-    module = load_candidate(source, task.path.parent, "timing_dispatch_candidate")
+    module = load_candidate(source, tmp_path, "timing_dispatch_candidate")
     try:
         draws = make_draws(task, dev, 0, 0)
         v = Verdict(source_hash="x", task_id=task.spec.task_id)
