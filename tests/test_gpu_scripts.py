@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -19,7 +19,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 def test_trace_decode_writes_a_trace_and_a_summary(tmp_path):
     out = tmp_path / "trace"
     res = _run(["scripts/gpu/trace_decode.py", "examples/workloads/tiny-llama.toml", "--out", str(out),
-                "--decode-len", "2"], tmp_path)
+                "--decode-len", "2"])
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["decode_len"] == 2 and [r["variant"] for r in summary["rows"]] == ["eager"]
@@ -29,7 +29,7 @@ def test_trace_decode_writes_a_trace_and_a_summary(tmp_path):
 
 def test_dispatch_overhead_smoke_run(tmp_path):
     out = tmp_path / "dispatch.jsonl"
-    res = _run(["scripts/gpu/dispatch_overhead.py", "--device", "cpu", "--calls", "5", "--out", str(out)], tmp_path)
+    res = _run(["scripts/gpu/dispatch_overhead.py", "--device", "cpu", "--calls", "5", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["measure"] for r in rows} == {"identity_per_call_synced", "triton_back_to_back"}

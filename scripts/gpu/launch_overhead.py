@@ -1,6 +1,6 @@
 """Host cost of one kernel launch on the GPU machine, by launch path: the number that decides decode (a decode step
-is host-bound; on 2026-11-30 a Triton RMSNorm call cost 61 us there back to back, and HF's RMSNorm forward (a handful of torch ops) 116-124 us;
-this script measures a lone launch per path, which that run did not).
+is host-bound; on 2026-11-30 a Triton RMSNorm call cost 61 us there back to back, and HF's RMSNorm forward, a
+handful of torch ops, 116-124 us; this script measures a lone launch per path, which that run did not).
 
     python3 scripts/gpu/launch_overhead.py --out launch.jsonl
 
@@ -18,28 +18,17 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
+from dispatch_overhead import back_to_back_us as per_launch_us  # same directory: N calls, one synchronize
 
 
 @triton.jit
 def _copy_kernel(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
-
-
-def per_launch_us(fn, n: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / n
 
 
 def main() -> int:
