@@ -92,7 +92,9 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     timing.time_task(v, task, harness, draws, dev)
     assert v.reference_in_context is not None and v.candidate_in_context is not None
     assert v.reference_in_context.reps >= timing.MIN_REPS
-    assert v.speedup_in_context < 1.0 and v.speedup_cold < 1.0, (v.speedup_in_context, v.speedup_cold)
+    # measured in context ~0.60 (three runs), cold 0.56-0.76 (its L2 flush is a 256 MB memset on the CPU: noisy);
+    # a harness-timed reference would read ~1.0
+    assert v.speedup_in_context < 0.8 and v.speedup_cold < 1.0, (v.speedup_in_context, v.speedup_cold)
     assert [g.name for g in v.gates] == ["timing_cold", "timing_in_context"]
 
 

@@ -22,9 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels_runtime.ops._common import cast_out, interpreting, rnd
-from kernels_runtime.ops.selective_scan import _dt
-
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from kernels_runtime.ops.selective_scan import _TL, _dt
 
 
 @triton.jit
