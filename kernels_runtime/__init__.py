@@ -6,6 +6,7 @@ A user's serving code adopts a bundle with one call:
     import kernels_runtime
     report = kernels_runtime.apply(model, "path/to/bundle")   # PatchReport; print(report), report.counters()
     kernels_runtime.revert(model)
+    kernels_runtime.enable_decode_graphs(model)                # decode steps replayed from CUDA graphs
 
 Names are imported on first use, so `import kernels_runtime` stays light.
 """
@@ -21,6 +22,7 @@ _EXPORTS = {
     "load_bundle": "bundle", "save_bundle": "bundle", "BundleError": "bundle", "BundleFormatError": "bundle",
     "BundleIntegrityError": "bundle", "FORMAT_VERSION": "bundle",
     "is_supported": "guards",
+    "enable_decode_graphs": "graphs", "disable_decode_graphs": "graphs", "decode_graphs_of": "graphs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -106,6 +106,9 @@ class PatchBundle(BaseModel):
     library_versions: dict[str, str] = Field(default_factory=dict)
     gpu: str = ""
     patches: list[PatchSpec] = Field(default_factory=list)
+    # Replay one-token decode steps from CUDA graphs when applied (kernels_runtime.graphs); acceptance sets it when
+    # the patches were measured that way.
+    decode_graphs: bool = False
 
     # Sources by sha256, and the per-kernel problems found on a lenient load (apply reports those patches skipped).
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

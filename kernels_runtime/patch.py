@@ -36,6 +36,7 @@ from kernels_runtime.phase import CURRENT_PHASE, PhaseTracker
 log = logging.getLogger(__name__)
 
 _STATE_ATTR = "_llm4llm_runtime"  # on the top-level model: the tracker and the dispatchers
+_GRAPHS_ATTR = "_llm4llm_graphs_by_apply"  # on the top-level model: apply() enabled decode graphs (revert disables)
 _DISPATCH_ATTR = "_llm4llm_dispatch"  # on each patched instance: its dispatcher (the print(model) marker reads it)
 _KERNEL_MODULES: dict[tuple[str, str], Callable] = {}  # (sha256, entry name) -> entry, loaded once per process
 
@@ -334,6 +335,7 @@ class PatchReport:
     bundle: str
     applied: list[AppliedPatch] = field(default_factory=list)
     skipped: list[SkippedPatch] = field(default_factory=list)
+    decode_graphs: str = "off"  # "on", "off", or "skipped: <why>" (kernels_runtime.graphs)
     _dispatches: dict[str, Dispatch] = field(default_factory=dict, repr=False)
 
     def counters(self) -> dict[str, dict]:
@@ -353,8 +355,10 @@ class PatchReport:
                          f"{_summarize(a.instances)}")
         for s in self.skipped:
             lines.append(f"  skipped  {s.patch_id}: {s.reason}")
+        lines.append(f"  decode graphs {self.decode_graphs}")
         totals = self.totals()
-        lines.append(f"  calls    {totals['kernel']} kernel / {totals['fallback']} fallback")
+        lines.append(f"  calls    {totals['kernel']} kernel / {totals['fallback']} fallback"
+                     + (" (graph replays not counted)" if self.decode_graphs == "on" else ""))
         reasons: Counter[str] = Counter()
         for v in self.counters().values():
             reasons.update(v["fallback"])
@@ -393,12 +397,17 @@ def apply(
     *,
     strict: bool = False,
     patches: list[str] | None = None,
+    decode_graphs: bool | None = None,
 ) -> PatchReport:
     """Patch `model` in place with the bundle's kernels; returns a PatchReport (live counters).
 
     Automatic choices fall back quietly and say so in the report; explicit requests fail loudly: with strict=True, or
     for the patch ids named in `patches` (which also restricts the bundle to them), a kernel that cannot load or a
     patch that matches no instance raises PatchError. Applying the same bundle again changes nothing.
+
+    decode_graphs (default: the bundle's `decode_graphs`, set when acceptance measured it that way): replay the
+    model's one-token decode steps from CUDA graphs (kernels_runtime.graphs). Asked for explicitly on a model that is
+    not on a CUDA device it raises PatchError; from the bundle it is skipped and the report says why.
     """
     if not isinstance(bundle, PatchBundle):
         bundle = load_bundle(bundle, strict=strict)
@@ -430,7 +439,24 @@ def apply(
         model.__dict__.pop(_STATE_ATTR, None)  # nothing installed: leave the model as it was
     elif not state.tracker._handles:
         state.tracker.__enter__()
+    want = bundle.decode_graphs if decode_graphs is None else decode_graphs
+    if want:
+        report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True)
     return report
+
+
+def _enable_graphs(model: torch.nn.Module, explicit: bool) -> str:
+    from kernels_runtime.graphs import enable_decode_graphs
+
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda" or not torch.cuda.is_available():
+        reason = f"skipped: the model is on {param.device if param is not None else 'no device'}, graphs need CUDA"
+        if explicit:
+            raise PatchError(f"decode_graphs: {reason}")
+        return reason
+    enable_decode_graphs(model)
+    model.__dict__[_GRAPHS_ATTR] = True
+    return "on"
 
 
 def _plan(model, bundle, specs, state, report, loud) -> list[tuple[PatchSpec, _Kernel, list, list[str]]]:
@@ -486,6 +512,10 @@ def _model_state(model: torch.nn.Module) -> _ModelState:
 def revert(model: torch.nn.Module) -> int:
     """Restore every patched instance's original forward (and repr) and remove the phase hook. Returns how many
     instances were restored; reverting an unpatched model does nothing."""
+    if model.__dict__.pop(_GRAPHS_ATTR, False):
+        from kernels_runtime.graphs import disable_decode_graphs
+
+        disable_decode_graphs(model)
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return 0

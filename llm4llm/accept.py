@@ -54,6 +54,10 @@ class AcceptConfig:
     # trial: each trial costs several end-to-end runs, and on the H200 (2026-11-30) every such candidate lost end to
     # end (qwen3-4b: task 0.37-1.34x -> e2e -14% to -38%). 0 tries every candidate. The CPU has no timings: all tried.
     min_task_speedup: float = 1.0
+    # Measure (and ship) the model with its one-token decode steps replayed from CUDA graphs (kernels_runtime.graphs):
+    # the baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records
+    # it. Off the GPU there is nothing to replay and nothing is timed: the setting is ignored and the result says so.
+    decode_graphs: bool = False
 
     def __post_init__(self):
         if self.metric not in METRIC_CHOICES:
@@ -433,15 +437,25 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
 
+    graphs = cfg.decode_graphs and on_gpu
+
     def latency() -> float | None:
         if not on_gpu:
             return None
         return measure(model, wl, batch, script.run, repeats=cfg.repeats).total_ms
 
-    current = latency()
+    if graphs:  # the baseline a patch must beat: the unpatched model, its decode steps replayed from graphs too
+        g = kernels_runtime.enable_decode_graphs(model)
+        try:
+            current = latency()
+            print(f"accept: baseline with decode graphs: {g.stats()}")
+        finally:
+            kernels_runtime.disable_decode_graphs(model)
+    else:
+        current = latency()
     baseline = current
     accepted = PatchBundle(name=f"{wl.name}", library_versions=library_versions(),
-                           gpu=torch.cuda.get_device_name() if on_gpu else "cpu")
+                           gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs)
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
         skip = not_worth_a_trial(p, cfg, on_gpu)
@@ -484,7 +498,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
                         check.limit if check is not None else None, check.floor if check is not None else None)
 
     try:
-        report = kernels_runtime.apply(model, bundle, strict=True)
+        report = kernels_runtime.apply(model, bundle, strict=True)  # bundle.decode_graphs: as the baseline ran
         new_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
         if wl.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -108,6 +108,10 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              accept_min_task_speedup: float = typer.Option(
                  1.0, help="on the GPU, a candidate no faster than this in its task is rejected without an "
                            "in-model trial (0: try every candidate)"),
+             decode_graphs: bool = typer.Option(
+                 False, "--decode-graphs/--no-decode-graphs",
+                 help="GPU: accept and ship with the one-token decode steps replayed from CUDA graphs "
+                      "(baseline and trials alike; kernels_runtime.graphs)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
@@ -131,6 +135,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
                                     accept_min_task_speedup=accept_min_task_speedup,
+                                    accept_decode_graphs=decode_graphs,
                                     e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")), rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)
@@ -241,7 +246,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
 def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
              bundle: Optional[Path] = typer.Option(None, help="patch bundle dir for the patched variant"),
              repeats: int = typer.Option(3), db: Optional[Path] = DbOpt,
-             variants: str = typer.Option("eager,torch_compile,patched"),
+             variants: str = typer.Option(
+                 "eager,torch_compile,patched",
+                 help="comma-separated: eager, torch_compile, patched (kernels only); on a GPU also eager_graphs, "
+                      "patched_graphs (decode steps replayed from CUDA graphs)"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """End to end, in one process: eager vs torch.compile (HF static-cache compiled generate) vs patched."""
     _quiet_prefect(verbose)

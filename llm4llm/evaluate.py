@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 
 VARIANTS = ("eager", "torch_compile", "patched")
+# Also measurable on request: the decode step replayed from CUDA graphs (kernels_runtime.graphs), unpatched and patched.
+GRAPH_VARIANTS = ("eager_graphs", "patched_graphs")
 
 
 @dataclass
@@ -102,8 +104,8 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     batch = call_script(script.inputs, wl)
     results: list[E2EResult] = []
     for variant in variants:
-        if variant not in VARIANTS:
-            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        if variant not in VARIANTS + GRAPH_VARIANTS:
+            raise ValueError(f"variant: expected one of {VARIANTS + GRAPH_VARIANTS}, got {variant!r}")
         try:
             results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
         except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too
@@ -123,14 +125,26 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
                              notes="skipped: the script's run() takes no generate kwargs")
         return measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
                        cache_implementation="static")
-    if bundle is None:
-        return E2EResult("patched", None, None, None, None, None, notes="skipped: no bundle")
     import kernels_runtime
 
-    report = kernels_runtime.apply(model, bundle)
+    graphs = variant.endswith("_graphs")
+    if graphs and not wl.device.startswith("cuda"):
+        return E2EResult(variant, None, None, None, None, None, notes="skipped: CUDA graphs need a CUDA device")
+    if variant == "eager_graphs":
+        g = kernels_runtime.enable_decode_graphs(model)
+        try:
+            r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
+            r.notes = f"decode graphs: {g.stats()}"[:500]
+            return r
+        finally:
+            kernels_runtime.disable_decode_graphs(model)
+    if bundle is None:
+        return E2EResult(variant, None, None, None, None, None, notes="skipped: no bundle")
+    report = kernels_runtime.apply(model, bundle, decode_graphs=graphs)
     try:
-        r = measure(model, wl, batch, script.run, repeats=repeats, label="patched")
-        r.notes = str(report).replace("\n", "; ")[:500]
+        r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
+        g = kernels_runtime.decode_graphs_of(model)
+        r.notes = (str(report).replace("\n", "; ") + (f"; graphs {g.stats()}" if g is not None else ""))[:500]
         return r
     finally:
         kernels_runtime.revert(model)

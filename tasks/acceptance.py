@@ -10,9 +10,10 @@ from tasks.common import infrastructure_only
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def accept_patches(workload_path: str, run_id: str, db_path: str | None, data_dir: str, delta: float,
                    metric: str, repeats: int, tol_factor: float = 3.0, floor_factor: float = 2.0,
-                   min_task_speedup: float = 1.0) -> dict:
+                   min_task_speedup: float = 1.0, decode_graphs: bool = False) -> dict:
     return pipeline.run_accept(workload_path, run_id, db_path, data_dir, delta=delta, metric=metric, repeats=repeats,
-                               tol_factor=tol_factor, floor_factor=floor_factor, min_task_speedup=min_task_speedup)
+                               tol_factor=tol_factor, floor_factor=floor_factor, min_task_speedup=min_task_speedup,
+                               decode_graphs=decode_graphs)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
@@ -23,5 +24,5 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, re
     create_table_artifact(key="e2e", table=[{k: r[k] for k in ("variant", "prefill_ms", "decode_ms_per_token",
                                                                   "total_ms", "tokens_per_s", "peak_mem_mb",
                                                                   "compile_s", "notes")} for r in out["rows"]],
-                          description="End to end: eager vs torch.compile vs patched")
+                          description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out

@@ -7,7 +7,9 @@
 #   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile;
 #    launch: scripts/gpu/launch_overhead.py;
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
-#    into the logs tarball)
+#    into the logs tarball;
+#    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
+#    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
 set -u
 . scripts/gpu/env.sh
 export LLM4LLM_TIMING_MIN_MS=60
@@ -29,12 +31,16 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
         ${b:+--bundle "$b"} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -3 "$OUT/logs/trace_$w.log" ;;
+    evaluate)
+      timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
+        --variants "${top:-eager,eager_graphs}" > "$OUT/logs/evaluate_$w.log" 2>&1
+      echo "evaluate $w rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$OUT/logs/evaluate_$w.log" ;;
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
-        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" > "$OUT/logs/optimize_$w.log" 2>&1
-      echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)" ;;
+        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${OPT_ARGS:-} > "$OUT/logs/optimize_$w.log" 2>&1
+      echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
   esac
 done | tee "$OUT/logs/steps.txt"
 python3 - "$OUT/e2e.duckdb" <<'PY' 2>&1 | tee "$OUT/logs/summary.txt"
@@ -44,6 +50,8 @@ q = lambda s: print(c.execute(s).df().to_string(max_colwidth=90))
 q("select task_id, count(*) n, avg(passed::int) pass_rate, max(speedup_in_context) best_ctx, any_value(failure_class) fail from candidates group by 1 order by 1")
 q("select task_id, decision, left(reason, 110) reason, e2e_before_ms before, e2e_after_ms after, gain from acceptances")
 q("select run_id, variant, prefill_ms pre, decode_ms_per_token dec, total_ms, compile_s, left(notes, 50) notes from e2e_results")
+for r in c.execute("select variant, notes from e2e_results where variant like '%graphs'").fetchall():
+    print(r[0], r[1][-300:])
 PY
 cat "$OUT/logs/dispatch.log" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -1,0 +1,400 @@
+"""CUDA-graph replay of a model's one-token decode step.
+
+A decode step of a small or state-space model is host-bound: every launch costs the host more than the GPU spends
+on it (docs/results/2026-11-30-h200-b: a Triton call ~61 µs back to back, the GPU work of a Mamba-130M layer a few
+µs). Replacing kernels cannot remove that cost; replaying the whole step as one CUDA graph does. This module wraps
+the top-level model's `forward` (an instance attribute, as patch.py does for modules) so that a decode call
+
+  * input_ids [B, 1] (no inputs_embeds), every other tensor argument of a fixed shape,
+  * a cache whose every layer keeps its state at static addresses (see STATIC_LAYERS: Mamba / Mamba2's
+    LinearAttentionLayer; a DynamicLayer KV cache grows each token and is not graphed),
+  * no per-step state kept on modules outside the cache (RecurrentGemma's blocks reassign theirs: checked),
+
+is captured once per call signature and then replayed: the arguments are copied into static buffers, the graph runs,
+and the outputs are returned as fresh tensors (clones: a caller may keep them across steps). The step that triggers a
+capture runs eagerly (it is also the warm-up: Triton JIT, cuBLAS workspaces); then the graph is captured from the
+state before that step and replayed once, and its logits and state must match the eager step's
+(kernels_runtime.tolerances) or the signature is refused for good and runs eagerly. Every refusal has a reason in
+`stats()`.
+
+The cache tensors move into buffers the graph owns: on a decode call with a new cache (each `generate` makes one),
+its state is copied in once and its layers are pointed at the graph's buffers (the layers' contract is in-place
+updates at static addresses, which is what `LinearAttentionLayer` does itself). A cache bound before is first
+given back copies of its state, so two live caches never share storage.
+
+Patched modules (patch.py) are captured with the rest: guard checks, phase predicate and dispatch run on the host at
+capture time only, so their counters count the capture, not the replays.
+
+Tests on the CPU use `backend="emulate"`: the same binding, static buffers, validation and refusals, with the
+"graph" being the captured closure called again on the static buffers. Only a GPU shows the gain.
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kernels_runtime.tolerances import compare
+
+_ATTR = "_llm4llm_decode_graphs"  # on the top-level model: the DecodeGraphs that wraps its forward
+
+# Cache layer classes (exact names) whose state lives at static addresses, and the per-layer dicts that hold it.
+STATIC_LAYERS: dict[str, tuple[str, ...]] = {
+    "LinearAttentionLayer": ("conv_states", "recurrent_states"),
+}
+_CACHE_KWARGS = ("cache_params", "past_key_values")
+
+
+class NotGraphable(Exception):
+    """This call cannot be replayed from a graph (the reason is counted; the call runs eagerly)."""
+
+
+@dataclass
+class _Slot:
+    layer: Any
+    attr: str
+    index: Any
+
+    def get(self) -> torch.Tensor:
+        return getattr(self.layer, self.attr)[self.index]
+
+    def set(self, t: torch.Tensor) -> None:
+        getattr(self.layer, self.attr)[self.index] = t
+
+
+def _find_cache(kwargs: dict) -> tuple[str, Any]:
+    for name in _CACHE_KWARGS:
+        cache = kwargs.get(name)
+        if cache is not None:
+            return name, cache
+    raise NotGraphable("no cache argument (cache_params / past_key_values)")
+
+
+def state_slots(cache: Any) -> list[_Slot]:
+    """Every state tensor of `cache`, in layer order; raises NotGraphable unless all of them are static."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise NotGraphable(f"cache {type(cache).__name__} has no per-layer `layers`")
+    slots = []
+    for layer in layers:
+        attrs = STATIC_LAYERS.get(type(layer).__name__)
+        if attrs is None:
+            raise NotGraphable(f"cache layer {type(layer).__name__} does not keep static addresses "
+                               f"(graphed: {sorted(STATIC_LAYERS)})")
+        if getattr(layer, "record_past", False):
+            raise NotGraphable("cache layer records its past (conv state grows)")
+        for attr in attrs:
+            for index, t in getattr(layer, attr).items():
+                if t is not None:
+                    slots.append(_Slot(layer, attr, index))
+        if not all(getattr(layer, "has_previous_state", {0: True}).values()):
+            raise NotGraphable("cache layer without previous state (prefill, not decode)")
+    if not slots:
+        raise NotGraphable("cache holds no state yet")
+    return slots
+
+
+def _module_tensor_attrs(model: torch.nn.Module) -> dict[tuple[int, str], int]:
+    """id() of every tensor a module keeps as a plain attribute (not a parameter or buffer): state kept outside the
+    cache (RecurrentGemma's conv1d_state) shows up as a changed id after a step."""
+    out = {}
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor):
+                out[(id(m), k)] = id(v)
+    return out
+
+
+def _signature(kwargs: dict, cache_name: str, slots: list[_Slot]) -> tuple:
+    parts = []
+    for k in sorted(kwargs):
+        v = kwargs[k]
+        if k == cache_name:
+            parts.append((k, type(v).__name__))
+        elif isinstance(v, torch.Tensor):
+            parts.append((k, "T", str(v.dtype), tuple(v.shape), str(v.device)))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            parts.append((k, "V", v))
+        else:
+            raise NotGraphable(f"argument {k!r} of type {type(v).__name__} (graphed: tensors, numbers, None)")
+    for s in slots:
+        t = s.get()
+        parts.append(("state", s.attr, str(t.dtype), tuple(t.shape), str(t.device)))
+    return tuple(parts)
+
+
+class _Backend:
+    """torch.cuda.CUDAGraph; the emulating backend below has the same three calls."""
+
+    def __init__(self, pool: Any = None):
+        self.pool = pool
+
+    def warmup(self, fn: Callable[[], Any]) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # on a side stream, as torch.cuda.graphs asks (the caller restores the state after)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def record(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+    @staticmethod
+    def replay(graph: Any, fn: Callable[[], Any], out: Any) -> None:
+        graph.replay()
+
+
+class _EmulatedBackend(_Backend):
+    """CPU stand-in with the graph's contract: replay re-runs the recorded closure on the static buffers and copies
+    its results into the outputs recorded at capture (what a graph's replay leaves there)."""
+
+    def warmup(self, fn):
+        fn()
+
+    def record(self, fn):
+        return "emulated", fn()
+
+    @staticmethod
+    def replay(graph, fn, out):
+        new = fn()
+        for a, b in zip(_tensors(out), _tensors(new)):
+            a.copy_(b)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if hasattr(out, "values") and hasattr(out, "keys") else out if isinstance(out, (tuple, list)) else []
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class _Entry:
+    graph: Any
+    fn: Callable[[], Any]
+    out: Any
+    static_inputs: dict[str, torch.Tensor]
+    states: list[torch.Tensor]  # graph-owned state buffers, in slot order
+    cache_keys: tuple  # output fields (names or positions) that are the cache object
+    bound: Any = None  # weakref to the cache whose layers point at `states`
+    replays: int = 0
+
+
+@dataclass
+class DecodeGraphs:
+    """The wrapper around one model's forward (see the module docstring). `stats()` says what it did."""
+
+    model: torch.nn.Module
+    original: Callable
+    backend: _Backend
+    max_graphs: int = 8
+    entries: dict[tuple, _Entry] = field(default_factory=dict)
+    refused: dict[tuple, str] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)
+
+    # ------------------------------------------------------------------------------------------------ call path
+    def __call__(self, *args, **kwargs):
+        if args:
+            self.counts["eager: positional arguments"] += 1
+            return self.original(*args, **kwargs)
+        try:
+            ids = kwargs.get("input_ids")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+                raise NotGraphable("not a one-token decode call (input_ids [B, 1])")
+            if kwargs.get("inputs_embeds") is not None:
+                raise NotGraphable("inputs_embeds given")
+            cache_name, cache = _find_cache(kwargs)
+            slots = state_slots(cache)
+            key = _signature(kwargs, cache_name, slots)
+        except NotGraphable as e:
+            self.counts[f"eager: {e}"] += 1
+            return self.original(**kwargs)
+        if key in self.refused:
+            self.counts[f"eager: {self.refused[key]}"] += 1
+            return self.original(**kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            if len(self.entries) >= self.max_graphs:
+                self.counts[f"eager: {self.max_graphs} graphs already captured"] += 1
+                return self.original(**kwargs)
+            return self._capture(key, kwargs, cache_name, cache, slots)
+        self._bind(entry, cache, slots)
+        for k, buf in entry.static_inputs.items():
+            buf.copy_(kwargs[k])
+        self.backend.replay(entry.graph, entry.fn, entry.out)
+        entry.replays += 1
+        self.counts["replayed"] += 1
+        return self._result(entry, cache)
+
+    def _result(self, entry: _Entry, cache: Any) -> Any:
+        """The recorded outputs as fresh tensors; the cache the graph wrote through is replaced by the caller's."""
+        out = entry.out
+
+        def fresh(k, v):
+            if k in entry.cache_keys:
+                return cache
+            return v.clone() if isinstance(v, torch.Tensor) else v
+
+        if isinstance(out, torch.Tensor):
+            return out.clone()
+        if hasattr(out, "keys") and hasattr(out, "values"):
+            return type(out)(**{k: fresh(k, v) for k, v in out.items()})
+        if isinstance(out, tuple):
+            return tuple(fresh(i, v) for i, v in enumerate(out))
+        return out
+
+    def _bind(self, entry: _Entry, cache: Any, slots: list[_Slot]) -> None:
+        """Point `cache`'s layers at the graph's state buffers (copying its state in), unless they already are."""
+        if (entry.bound is not None and entry.bound() is cache
+                and all(s.get().data_ptr() == t.data_ptr() for s, t in zip(slots, entry.states))):
+            return
+        old = entry.bound() if entry.bound is not None else None
+        if old is not None and old is not cache:
+            try:
+                for s, t in zip(state_slots(old), entry.states):
+                    if s.get().data_ptr() == t.data_ptr():
+                        s.set(t.clone())  # the old cache keeps its own copy of its state
+            except NotGraphable:
+                pass
+        for s, t in zip(slots, entry.states):
+            if s.get().data_ptr() != t.data_ptr():
+                t.copy_(s.get())
+                s.set(t)
+        entry.bound = weakref.ref(cache)
+        self.counts["bound a cache"] += 1
+
+    # ------------------------------------------------------------------------------------------------ capture
+    def _capture(self, key, kwargs, cache_name, cache, slots):
+        """Run this step eagerly (the result returned), then capture from the state before it and check one replay."""
+        before = [s.get().clone() for s in slots]
+        attrs = _module_tensor_attrs(self.model)
+        out_eager = self.original(**kwargs)
+        if _module_tensor_attrs(self.model) != attrs:
+            return self._refuse(key, "a module reassigns a tensor attribute per step (state outside the cache)",
+                                out_eager)
+        after = [s.get().clone() for s in slots]
+        logits_eager = [t.clone() for t in _tensors(out_eager)]
+        states = [b.clone() for b in before]
+        statics = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        for s, t in zip(slots, states):
+            s.set(t)
+        # The graph runs on a private copy of the cache whose layers always point at `states` (the caller's cache
+        # is re-pointed at them too, and may be given back its own copies later); tensors are shared, not copied.
+        private = copy.deepcopy(cache, memo={id(t): t for t in states})
+        call = dict(kwargs)
+        call.update(statics)
+        call[cache_name] = private
+
+        def fn():
+            return self.original(**call)
+
+        def restore(values):
+            for t, v in zip(states, values):
+                t.copy_(v)
+
+        try:
+            self.backend.warmup(fn)
+            restore(before)
+            graph, out = self.backend.record(fn)
+            restore(before)
+            self.backend.replay(graph, fn, out)
+            if not isinstance(self.backend, _EmulatedBackend):
+                torch.cuda.synchronize()
+        except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
+            restore(after)
+            return self._refuse(key, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                                out_eager)
+        bad = _mismatch(_tensors(out), logits_eager, "output") or _mismatch(states, after, "state")
+        restore(after)  # the eager step is the one returned: continue from its state exactly
+        if bad:
+            return self._refuse(key, f"replay differs from the eager step: {bad}", out_eager)
+        items = out.items() if hasattr(out, "keys") else enumerate(out) if isinstance(out, tuple) else ()
+        cache_keys = tuple(k for k, v in items if v is private)
+        entry = _Entry(graph, fn, out, statics, states, cache_keys, weakref.ref(cache))
+        self.entries[key] = entry
+        self.counts["captured"] += 1
+        return out_eager
+
+    def _refuse(self, key, reason, out):
+        self.refused[key] = reason
+        self.counts[f"refused: {reason}"] += 1
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"graphs": len(self.entries), "replays": sum(e.replays for e in self.entries.values()),
+                "refused": sorted(set(self.refused.values())),
+                "calls": {k: v for k, v in self.counts.items() if not k.startswith("_")}}
+
+
+def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> str:
+    """'' when every tensor matches under the shared tolerance table (integers exactly), else the first difference."""
+    if len(got) != len(want):
+        return f"{what}: {len(got)} tensors vs {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not g.is_floating_point():
+            if g.shape != w.shape or not torch.equal(g, w):
+                return f"{what} {i}: values differ"
+            continue
+        rep = compare(g, w)
+        if not rep.ok:
+            return f"{what} {i}: {rep.reason}"
+    return ""
+
+
+def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8) -> DecodeGraphs:
+    """Replay `model`'s one-token decode steps from CUDA graphs (see the module docstring). Idempotent: a model
+    already wrapped returns its wrapper. backend="emulate" runs the same logic without a GPU (tests)."""
+    existing = model.__dict__.get(_ATTR)
+    if existing is not None:
+        return existing
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("enable_decode_graphs: CUDA graphs need a CUDA device (backend='emulate' for tests)")
+        impl: _Backend = _Backend()
+    elif backend == "emulate":
+        impl = _EmulatedBackend()
+    else:
+        raise ValueError(f"backend: expected 'cuda' or 'emulate', got {backend!r}")
+    had_forward = "forward" in model.__dict__
+    graphs = DecodeGraphs(model, model.forward, impl, max_graphs)
+    graphs.counts["_had_instance_forward"] = int(had_forward)
+    model.__dict__[_ATTR] = graphs
+    model.forward = graphs
+    return graphs
+
+
+def disable_decode_graphs(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Restore the model's forward and free the graphs; returns their last stats (None when none were enabled)."""
+    graphs = model.__dict__.pop(_ATTR, None)
+    if graphs is None:
+        return None
+    stats = graphs.stats()
+    for entry in graphs.entries.values():
+        cache = entry.bound() if entry.bound is not None else None
+        if cache is not None:  # the cache outlives the graph: it gets its own copy of its state
+            try:
+                for s, t in zip(state_slots(cache), entry.states):
+                    if s.get().data_ptr() == t.data_ptr():
+                        s.set(t.clone())
+            except NotGraphable:
+                pass
+    if graphs.counts.get("_had_instance_forward"):
+        model.forward = graphs.original
+    else:
+        model.__dict__.pop("forward", None)
+    graphs.entries.clear()
+    return stats
+
+
+def decode_graphs_of(model: torch.nn.Module) -> DecodeGraphs | None:
+    return model.__dict__.get(_ATTR)

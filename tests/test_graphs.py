@@ -1,0 +1,207 @@
+"""kernels_runtime.graphs on the CPU: the decode-step graph wrapper's logic (signatures, static buffers, cache binding,
+validation, refusals) with the emulating backend, whose "replay" re-runs the recorded closure on the static buffers
+and copies into the recorded outputs. A real CUDA graph replays kernels only: what a step does on the host after
+capture is lost there, which the emulation cannot show; the GPU runs (docs/results) are the evidence for that."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels_runtime
+from kernels_runtime.bundle import PatchBundle, load_bundle, save_bundle
+from kernels_runtime.graphs import (
+    _EmulatedBackend,
+    decode_graphs_of,
+    disable_decode_graphs,
+    enable_decode_graphs,
+    state_slots,
+)
+from kernels_runtime.patch import PatchError
+from kernels_runtime.tolerances import assert_close
+from tests.test_runtime_stateful import (
+    MAMBA2_TRITON,
+    MAMBA_TRITON,
+    NEW_TOKENS,
+    class_path,
+    generate,
+    snapshot,
+    assert_same_state,
+    stateful_bundle,
+    tiny,
+)
+
+
+@pytest.fixture
+def prompt():
+    return torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
+
+
+def _same_generation(got, ref):
+    assert torch.equal(got.sequences, ref.sequences)
+    for step, (g, r) in enumerate(zip(got.logits, ref.logits)):
+        assert_close(g, r, name=f"logits step {step}")
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_decode_steps_replay_and_match_eager(prompt, model_type):
+    model = tiny(model_type)
+    ref = generate(model, prompt)
+    ref_state = snapshot(ref.past_key_values)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    assert enable_decode_graphs(model, backend="emulate") is graphs  # idempotent
+    try:
+        first = generate(model, prompt)
+        _same_generation(first, ref)
+        assert_same_state(snapshot(first.past_key_values), ref_state)
+        first_state = snapshot(first.past_key_values)
+        second = generate(model, prompt)  # a new cache: bound to the graph's buffers, no new capture
+        _same_generation(second, ref)
+        stats = graphs.stats()
+        assert stats["graphs"] == 1 and stats["refused"] == []
+        steps = NEW_TOKENS - 1  # decode calls per generate
+        assert stats["calls"]["captured"] == 1
+        assert stats["replays"] == 2 * steps - 1  # every decode step but the one that captured
+        assert stats["calls"]["bound a cache"] == 1
+        # the first generate's cache was handed back its own copy when the second one took the buffers
+        assert_same_state(snapshot(first.past_key_values), first_state)
+        old = [s.get().data_ptr() for s in state_slots(first.past_key_values)]
+        new = [s.get().data_ptr() for s in state_slots(second.past_key_values)]
+        assert not set(old) & set(new)
+    finally:
+        disable_decode_graphs(model)
+    assert "forward" not in model.__dict__ and decode_graphs_of(model) is None
+    _same_generation(generate(model, prompt), ref)
+
+
+def test_outputs_are_fresh_tensors(prompt):
+    """A caller may keep a step's logits: the next replay must not overwrite them."""
+    model = tiny("mamba")
+    enable_decode_graphs(model, backend="emulate")
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True)
+        cache = out.cache_params
+        steps = [model(input_ids=prompt[:, i:i + 1], cache_params=cache, use_cache=True).logits for i in range(4)]
+    kept = [s.clone() for s in steps]
+    assert decode_graphs_of(model).stats()["replays"] == 3
+    for s, k in zip(steps, kept):
+        assert torch.equal(s, k)
+    assert len({s.data_ptr() for s in steps}) == 4
+
+
+def test_patched_model_replays_its_kernels(prompt):
+    model = tiny("mamba2")
+    ref = generate(model, prompt)
+    bundle = stateful_bundle(class_path(model, "Mamba2Mixer"), MAMBA2_TRITON)
+    kernels_runtime.apply(model, bundle, strict=True)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+        assert graphs.stats()["replays"] == NEW_TOKENS - 2
+    finally:
+        disable_decode_graphs(model)
+        kernels_runtime.revert(model)
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("llama", "does not keep static addresses"),
+    ("recurrent_gemma", "does not keep static addresses"),
+])
+def test_growing_caches_run_eagerly_and_say_why(prompt, model_type, reason):
+    model = tiny(model_type)
+    ref = generate(model, prompt)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+    finally:
+        disable_decode_graphs(model)
+    stats = graphs.stats()
+    assert stats["graphs"] == 0 and stats["replays"] == 0
+    assert any(reason in k for k in stats["calls"]), stats
+
+
+def test_state_kept_on_a_module_is_refused(prompt):
+    """A module that reassigns a tensor attribute per step keeps state a graph would freeze: that signature is
+    refused after the eager step, and generation stays exact."""
+    model = tiny("mamba")
+    mixer = model.backbone.layers[0].mixer
+    mixer.step_count = torch.zeros(1)
+    original = mixer.forward
+
+    def counting(*args, **kwargs):
+        mixer.step_count = mixer.step_count + 1
+        return original(*args, **kwargs)
+
+    mixer.forward = counting
+    ref = generate(model, prompt)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+    finally:
+        disable_decode_graphs(model)
+    stats = graphs.stats()
+    assert stats["graphs"] == 0 and any("state outside the cache" in r for r in stats["refused"]), stats
+
+
+def test_a_replay_that_differs_is_refused_and_the_step_stays_eager(prompt, monkeypatch):
+    model = tiny("mamba")
+    ref = generate(model, prompt)
+
+    replay = _EmulatedBackend.replay
+
+    def corrupt(graph, fn, out):
+        replay(graph, fn, out)
+        out.logits.add_(1.0)
+
+    monkeypatch.setattr(_EmulatedBackend, "replay", staticmethod(corrupt))
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+    finally:
+        disable_decode_graphs(model)
+    stats = graphs.stats()
+    assert stats["graphs"] == 0 and any("replay differs from the eager step" in r for r in stats["refused"]), stats
+
+
+def test_capture_failure_is_refused(prompt, monkeypatch):
+    model = tiny("mamba")
+    ref = generate(model, prompt)
+
+    def fail(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(_EmulatedBackend, "record", fail)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+    finally:
+        disable_decode_graphs(model)
+    assert any("capture failed: RuntimeError" in r for r in graphs.stats()["refused"])
+
+
+def test_cuda_backend_needs_cuda_and_bad_backend_is_one_error():
+    model = tiny("mamba")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="need a CUDA device"):
+            enable_decode_graphs(model)
+    with pytest.raises(ValueError, match="backend: expected"):
+        enable_decode_graphs(model, backend="tpu")
+    assert decode_graphs_of(model) is None
+
+
+def test_apply_decode_graphs_on_cpu(tmp_path):
+    model = tiny("mamba")
+    bundle = stateful_bundle(class_path(model, "MambaMixer"), MAMBA_TRITON)
+    with pytest.raises(PatchError, match="decode_graphs: skipped: the model is on cpu"):
+        kernels_runtime.apply(model, bundle, decode_graphs=True)
+    kernels_runtime.revert(model)
+    bundle.decode_graphs = True
+    back = load_bundle(save_bundle(bundle, tmp_path / "b"))
+    assert back.decode_graphs is True
+    assert PatchBundle.model_validate({"patches": []}).decode_graphs is False  # older manifests: off
+    report = kernels_runtime.apply(model, back)
+    try:
+        assert report.decode_graphs.startswith("skipped: the model is on cpu")
+        assert "decode graphs skipped" in str(report)
+        assert decode_graphs_of(model) is None
+    finally:
+        kernels_runtime.revert(model)
