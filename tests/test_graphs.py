@@ -205,3 +205,34 @@ def test_apply_decode_graphs_on_cpu(tmp_path):
         assert decode_graphs_of(model) is None
     finally:
         kernels_runtime.revert(model)
+
+
+def test_a_state_tensor_replaced_by_the_caller_is_rebound(prompt):
+    """The fast path trusts the last binding only while every state tensor is still the graph's buffer: a caller that
+    swaps one in (as reorder_cache does) gets its values copied in, and the steps stay exact."""
+    model = tiny("mamba")
+    ids = [prompt[:, i:i + 1] for i in range(prompt.shape[1])]
+
+    def run(graphed: bool):
+        if graphed:
+            enable_decode_graphs(model, backend="emulate")
+        try:
+            with torch.inference_mode():
+                cache = model(input_ids=prompt, use_cache=True).cache_params
+                logits = []
+                for i, x in enumerate(ids):
+                    if i == 3:
+                        layer = cache.layers[1]
+                        layer.recurrent_states[0] = layer.recurrent_states[0].clone() * 0.5
+                    logits.append(model(input_ids=x, cache_params=cache, use_cache=True).logits)
+                return logits, decode_graphs_of(model)
+        finally:
+            if graphed:
+                stats = decode_graphs_of(model).stats()
+                disable_decode_graphs(model)
+                assert stats["calls"]["bound a cache"] == 1 and stats["replays"] == len(ids) - 1, stats
+
+    want, _ = run(False)
+    got, _ = run(True)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, name=f"step {step}")

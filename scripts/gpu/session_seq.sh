@@ -9,6 +9,7 @@
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
+#    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
 set -u
 . scripts/gpu/env.sh
@@ -29,8 +30,8 @@ for step in ${STEPS:-dispatch}; do
     trace)  # trace:WORKLOAD: eager vs the newest bundle an optimize step of this call made for it (if any)
       b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1)
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
-        ${b:+--bundle "$b"} > "$OUT/logs/trace_$w.log" 2>&1
-      echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -3 "$OUT/logs/trace_$w.log" ;;
+        ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
+      echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
     evaluate)
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" > "$OUT/logs/evaluate_$w.log" 2>&1

@@ -55,6 +55,7 @@ def trace(run, out_dir: str, variant: str, cuda: bool) -> dict:
     with open(os.path.join(out_dir, f"{variant}.txt"), "w") as f:
         f.write(table)
     return {"variant": variant, "wall_ms": wall_ms, "launches": _count(prof, LAUNCH_EVENTS),
+            "graph_launches": _count(prof, ("cudaGraphLaunch",)),
             "syncs_and_copies": _count(prof, SYNC_EVENTS)}
 
 
@@ -64,6 +65,8 @@ def main() -> int:
     ap.add_argument("--bundle", default=None, help="patch bundle directory (adds the patched variant)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--decode-len", type=int, default=8, help="decode steps in the traced run (traces get large)")
+    ap.add_argument("--decode-graphs", action="store_true",
+                    help="also eager_graphs (and patched_graphs with --bundle): decode steps replayed from CUDA graphs")
     args = ap.parse_args()
     import kernels_runtime
     from llm4llm.workload import call_script, load_script, load_workload
@@ -79,18 +82,28 @@ def main() -> int:
         return call_script(script.run, model, wl, batch)
 
     rows = [trace(run, args.out, "eager", cuda)]
+    if args.decode_graphs:
+        g = kernels_runtime.enable_decode_graphs(model)
+        try:
+            rows.append(trace(run, args.out, "eager_graphs", cuda) | {"graphs": g.stats()})
+        finally:
+            kernels_runtime.disable_decode_graphs(model)
     if args.bundle:
         bundle = kernels_runtime.load_bundle(args.bundle)
-        report = kernels_runtime.apply(model, bundle)
-        try:
-            rows.append(trace(run, args.out, "patched", cuda) | {"report": str(report)})
-        finally:
-            kernels_runtime.revert(model)
+        for graphs in (False, True) if args.decode_graphs else (False,):
+            report = kernels_runtime.apply(model, bundle, decode_graphs=graphs)
+            try:
+                g = kernels_runtime.decode_graphs_of(model)
+                rows.append(trace(run, args.out, "patched_graphs" if graphs else "patched", cuda)
+                            | {"report": str(report)} | ({"graphs": g.stats()} if g is not None else {}))
+            finally:
+                kernels_runtime.revert(model)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"workload": wl.name, "decode_len": wl.decode_len, "device": wl.device, "rows": rows}, f, indent=1)
-    print(f"{'variant':<10}{'wall ms':>10}{'launches':>10}{'syncs/copies':>14}")
+    print(f"{'variant':<16}{'wall ms':>10}{'launches':>10}{'graphs':>8}{'syncs/copies':>14}")
     for r in rows:
-        print(f"{r['variant']:<10}{r['wall_ms']:>10.1f}{r['launches']:>10}{r['syncs_and_copies']:>14}")
+        print(f"{r['variant']:<16}{r['wall_ms']:>10.1f}{r['launches']:>10}{r['graph_launches']:>8}"
+              f"{r['syncs_and_copies']:>14}")
     return 0
 
 
