@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 from prefect import flow
 
 from flows.profile import _defaults, extract_tasks, profile_workload
@@ -16,7 +18,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
                       timeout_s: float = 120.0, llm: dict | None = None, accept_metric: str = "auto",
                       accept_tol_factor: float = 3.0, accept_floor_factor: float = 2.0,
-                      accept_min_task_speedup: float = 1.0, accept_decode_graphs: bool = False,
+                      accept_min_task_speedup: float = 1.0, decode_graphs: bool = False,
                       e2e_variants: tuple[str, ...] = ("eager", "torch_compile", "patched"), rounds: int = 1) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
 
@@ -24,10 +26,28 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     logits_rel_l2 | logits_max_abs; accept_tol_factor: fixed rel-L2 limit = factor x TOLERANCES[dtype].rtol;
     accept_floor_factor: per-step limit = max(fixed, factor x the model's own bf16-vs-fp32 noise floor).
     accept_min_task_speedup: on the GPU, candidates no faster than this in their task are not tried in-model.
-    accept_decode_graphs: on the GPU, baseline and trials run with decode steps replayed from CUDA graphs, and the
-    bundle ships with them on.
+    decode_graphs: on the GPU, the model's one-token decode steps replay from CUDA graphs (kernels_runtime.graphs):
+    decode candidates are timed by GPU time under graph replay (LLM4LLM_DECODE_TIMING=graph, set for this process
+    and the verifier workers it starts), acceptance's baseline and trials run with graphs, the bundle ships with them.
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""
+    previous = os.environ.get("LLM4LLM_DECODE_TIMING")
+    if decode_graphs:
+        os.environ["LLM4LLM_DECODE_TIMING"] = "graph"
+    try:
+        return _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode, budget, proposer, top,
+                         families, delta, repeats, timeout_s, llm, accept_metric, accept_tol_factor,
+                         accept_floor_factor, accept_min_task_speedup, decode_graphs, e2e_variants, rounds)
+    finally:
+        if previous is None:
+            os.environ.pop("LLM4LLM_DECODE_TIMING", None)
+        else:
+            os.environ["LLM4LLM_DECODE_TIMING"] = previous
+
+
+def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode, budget, proposer, top, families,
+              delta, repeats, timeout_s, llm, accept_metric, accept_tol_factor, accept_floor_factor,
+              accept_min_task_speedup, decode_graphs, e2e_variants, rounds) -> dict:
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"stages: expected a subset of {STAGES}, got {sorted(unknown)}")
@@ -49,7 +69,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                        repeats, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
-                                       accept_decode_graphs)
+                                       decode_graphs)
     for _ in range(1, rounds):
         retry = out["acceptance"].get("retry_tasks") or []
         if not retry:
@@ -59,7 +79,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                                         llm=llm)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
-                                           accept_min_task_speedup, accept_decode_graphs)
+                                           accept_min_task_speedup, decode_graphs)
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
                                   tuple(e2e_variants), prof["run_id"] + "-e2e")

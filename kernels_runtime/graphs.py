@@ -31,6 +31,7 @@ Tests on the CPU use `backend="emulate"`: the same binding, static buffers, vali
 from __future__ import annotations
 
 import copy
+import traceback
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -208,6 +209,7 @@ class DecodeGraphs:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
     refused: dict[tuple, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
+    errors: dict[tuple, str] = field(default_factory=dict)  # the traceback of each failed capture, for diagnosis
     # (entry, cache weakref, light key, [(state dict, index, graph buffer)]) of the last replay: a decode loop calls
     # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
     _fast: tuple | None = None
@@ -333,6 +335,7 @@ class DecodeGraphs:
             if not isinstance(self.backend, _EmulatedBackend):
                 torch.cuda.synchronize()
         except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
+            self.errors[key] = traceback.format_exc()
             restore(after)
             return self._refuse(key, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
                                 out_eager)

@@ -517,6 +517,11 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
         if not torch.equal(forced_free, tokens):
             return decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
     after = latency()
+    g = kernels_runtime.decode_graphs_of(model)
+    if g is not None:  # what the graphs did in this trial (a refusal means every decode step ran eagerly)
+        st = g.stats()
+        detail += (f"; decode graphs: {st['graphs']} captured, {st['replays']} replays"
+                   + (f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else ""))
     if after is None:
         return decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
                                   f"(in-model correctness ok: {detail})", check, counters=counters)

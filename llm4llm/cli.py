@@ -110,8 +110,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                            "in-model trial (0: try every candidate)"),
              decode_graphs: bool = typer.Option(
                  False, "--decode-graphs/--no-decode-graphs",
-                 help="GPU: accept and ship with the one-token decode steps replayed from CUDA graphs "
-                      "(baseline and trials alike; kernels_runtime.graphs)"),
+                 help="GPU: the one-token decode steps replay from CUDA graphs (kernels_runtime.graphs): decode "
+                      "candidates timed by GPU time under graph replay, acceptance baseline and trials with "
+                      "graphs, the bundle ships with them on"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
@@ -135,7 +136,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
                                     accept_min_task_speedup=accept_min_task_speedup,
-                                    accept_decode_graphs=decode_graphs,
+                                    decode_graphs=decode_graphs,
                                     e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")), rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
         _print_hotspots(out["profile_path"], 15)

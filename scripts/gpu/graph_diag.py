@@ -1,0 +1,118 @@
+"""Decode graphs with one decode template patched in, without a search: why a capture is refused, and what it costs.
+
+Profiles and extracts the workload (the decode task's spec gives the guard), renders the named decode templates (the
+template's default config, or --config JSON), and times the script's generate for: eager, eager_graphs, and per
+template patched and patched_graphs (median of --repeats, wall + cuda sync, in this one process). Prints the graph
+stats and, for a failed capture, its traceback. GPU only (CUDA graphs).
+
+    python scripts/gpu/graph_diag.py examples/workloads/mamba2-2.7b.toml \\
+        --template ssm_mixer.mamba2_decode_fused --template ssm_mixer.mamba2_decode --out $OUT/graph_diag.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import torch  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload")
+    ap.add_argument("--template", action="append", required=True, help="decode template name (repeatable)")
+    ap.add_argument("--config", default=None, help="JSON config for every template (default: each one's default)")
+    ap.add_argument("--family", default=None, help="task family (default: the template's)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--emulate", action="store_true", help="CPU smoke run: the emulating graph backend, no timing claim")
+    args = ap.parse_args()
+
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from llm4llm.accept import Proposal, patch_spec_for
+    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import load_task
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    data = tempfile.mkdtemp(prefix="graph_diag-")
+    t0 = time.perf_counter()
+    run_extract(args.workload, run_profile(args.workload, data), data)
+    print(f"profile + extract {time.perf_counter() - t0:.1f}s", flush=True)
+    tasks = [load_task(os.path.join(data, "tasks", d), with_cases=False)
+             for d in sorted(os.listdir(os.path.join(data, "tasks")))
+             if os.path.exists(os.path.join(data, "tasks", d, "spec.json"))]
+    wl = load_workload(args.workload)
+    script = load_script(wl)
+    model = call_script(script.build, wl)
+    batch = call_script(script.inputs, wl)
+
+    cuda = wl.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend = "emulate" if args.emulate else "cuda"
+
+    def timed() -> float:
+        samples = []
+        for i in range(args.repeats + 1):
+            sync()
+            t = time.perf_counter()
+            call_script(script.run, model, wl, batch)
+            sync()
+            if i:  # the first run warms up (and captures)
+                samples.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(samples)
+
+    rows = [{"variant": "eager", "ms": timed()}]
+    g = kernels_runtime.enable_decode_graphs(model, backend=backend)
+    try:
+        rows.append({"variant": "eager_graphs", "ms": timed(), "graphs": g.stats()})
+    finally:
+        kernels_runtime.disable_decode_graphs(model)
+    for name in args.template:
+        t = next(t for t in TEMPLATES if t.name == name)
+        fam = args.family or t.family
+        task = next(k for k in tasks if k.spec.phase == "decode" and k.spec.family == fam)
+        config = json.loads(args.config) if args.config else t.default(task.spec)
+        source = t.render(task.spec, config)
+        bundle = PatchBundle(name="graph-diag")
+        bundle.add_patch(patch_spec_for(Proposal(task_dir="", candidate_id=name, source=source, speedup=1.0,
+                                                 config=config, template=name), task.spec,
+                                        "cuda" if cuda else "cpu"), source=source)
+        for graphs in (False, True):
+            report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
+            if graphs and not cuda:
+                kernels_runtime.enable_decode_graphs(model, backend=backend)
+            try:
+                row = {"variant": f"{name}{'+graphs' if graphs else ''}", "ms": timed(),
+                       "calls": report.totals()}
+                gg = kernels_runtime.decode_graphs_of(model)
+                if gg is not None:
+                    row["graphs"] = gg.stats()
+                    row["errors"] = list(gg.errors.values())
+            except Exception as e:  # one template failing is a row
+                row = {"variant": f"{name}{'+graphs' if graphs else ''}", "ms": None, "error": repr(e)[:2000]}
+            finally:
+                kernels_runtime.disable_decode_graphs(model)
+                kernels_runtime.revert(model)
+            rows.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k != "errors"}, default=str)[:600])
+        for e in r.get("errors", []):
+            print(e[-3000:])
+    print(f"{'variant':<40}{'ms':>10}")
+    for r in rows:
+        print(f"{r['variant']:<40}{r['ms'] if r['ms'] is None else round(r['ms'], 1):>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
