@@ -27,7 +27,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload")
     ap.add_argument("--template", action="append", required=True, help="decode template name (repeatable)")
-    ap.add_argument("--config", default=None, help="JSON config for every template (default: each one's default)")
+    ap.add_argument("--config", action="append", default=None,
+                    help="JSON config (repeatable: each template runs with each; default: the template's default)")
+    ap.add_argument("--prefill-template", default=None,
+                    help="also patch prefill with this template (its default config) in every bundle")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the patched-without-graphs rows")
     ap.add_argument("--family", default=None, help="task family (default: the template's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -75,33 +79,44 @@ def main() -> int:
         rows.append({"variant": "eager_graphs", "ms": timed(), "graphs": g.stats()})
     finally:
         kernels_runtime.disable_decode_graphs(model)
+    prefill = None
+    if args.prefill_template:
+        pt = next(t for t in TEMPLATES if t.name == args.prefill_template)
+        ptask = next(k for k in tasks if k.spec.phase == "prefill" and k.spec.family == pt.family)
+        psrc = pt.render(ptask.spec, pt.default(ptask.spec))
+        prefill = (patch_spec_for(Proposal(task_dir="", candidate_id="prefill", source=psrc, speedup=1.0, config={},
+                                           template=pt.name), ptask.spec, "cuda" if cuda else "cpu"), psrc)
     for name in args.template:
         t = next(t for t in TEMPLATES if t.name == name)
         fam = args.family or t.family
         task = next(k for k in tasks if k.spec.phase == "decode" and k.spec.family == fam)
-        config = json.loads(args.config) if args.config else t.default(task.spec)
-        source = t.render(task.spec, config)
-        bundle = PatchBundle(name="graph-diag")
-        bundle.add_patch(patch_spec_for(Proposal(task_dir="", candidate_id=name, source=source, speedup=1.0,
-                                                 config=config, template=name), task.spec,
-                                        "cuda" if cuda else "cpu"), source=source)
-        for graphs in (False, True):
-            report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
-            if graphs and not cuda:
-                kernels_runtime.enable_decode_graphs(model, backend=backend)
-            try:
-                row = {"variant": f"{name}{'+graphs' if graphs else ''}", "ms": timed(),
-                       "calls": report.totals()}
-                gg = kernels_runtime.decode_graphs_of(model)
-                if gg is not None:
-                    row["graphs"] = gg.stats()
-                    row["errors"] = list(gg.errors.values())
-            except Exception as e:  # one template failing is a row
-                row = {"variant": f"{name}{'+graphs' if graphs else ''}", "ms": None, "error": repr(e)[:2000]}
-            finally:
-                kernels_runtime.disable_decode_graphs(model)
-                kernels_runtime.revert(model)
-            rows.append(row)
+        for ci, cfg in enumerate(args.config or [None]):
+            config = {**t.default(task.spec), **json.loads(cfg)} if cfg else t.default(task.spec)
+            source = t.render(task.spec, config)
+            bundle = PatchBundle(name="graph-diag")
+            if prefill is not None:
+                bundle.add_patch(prefill[0], source=prefill[1])
+            bundle.add_patch(patch_spec_for(Proposal(task_dir="", candidate_id=name, source=source, speedup=1.0,
+                                                     config=config, template=name), task.spec,
+                                            "cuda" if cuda else "cpu"), source=source)
+            label = f"{name}#{ci}" + ("+prefill" if prefill is not None else "")
+            for graphs in (True,) if args.graphs_only else (False, True):
+                report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
+                if graphs and not cuda:
+                    kernels_runtime.enable_decode_graphs(model, backend=backend)
+                try:
+                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", "ms": timed(),
+                           "calls": report.totals(), "config": config}
+                    gg = kernels_runtime.decode_graphs_of(model)
+                    if gg is not None:
+                        row["graphs"] = gg.stats()
+                        row["errors"] = list(gg.errors.values())
+                except Exception as e:  # one template failing is a row
+                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", "ms": None, "error": repr(e)[:2000]}
+                finally:
+                    kernels_runtime.disable_decode_graphs(model)
+                    kernels_runtime.revert(model)
+                rows.append(row)
     with open(args.out, "w") as f:
         json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
     for r in rows:
