@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.profile import _defaults, extract_tasks, profile_workload
 from flows.search import search_tasks
+from llm4llm import pipeline
 from tasks.acceptance import accept_patches, evaluate_e2e
 
 STAGES = ("profile", "extract", "search", "accept", "evaluate")
@@ -18,23 +19,24 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
                       timeout_s: float = 120.0, llm: dict | None = None, accept_metric: str = "auto",
                       accept_tol_factor: float = 3.0, accept_floor_factor: float = 2.0,
-                      accept_min_task_speedup: float = 1.0, decode_graphs: bool = False,
-                      e2e_variants: tuple[str, ...] = ("eager", "torch_compile", "patched"), rounds: int = 1) -> dict:
+                      accept_min_task_speedup: float = 1.0, decode_graphs: str | bool = "auto",
+                      e2e_variants: tuple[str, ...] | None = None, rounds: int = 1) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
 
     accept_metric: auto (logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32) | logits_rel_l2_floor |
     logits_rel_l2 | logits_max_abs; accept_tol_factor: fixed rel-L2 limit = factor x TOLERANCES[dtype].rtol;
     accept_floor_factor: per-step limit = max(fixed, factor x the model's own bf16-vs-fp32 noise floor).
     accept_min_task_speedup: on the GPU, candidates no faster than this in their task are not tried in-model.
-    decode_graphs: on the GPU, the model's one-token decode steps replay from CUDA graphs (kernels_runtime.graphs):
-    decode candidates are timed by GPU time under graph replay (LLM4LLM_DECODE_TIMING=graph, set for this process
-    and the verifier workers it starts), acceptance's baseline and trials run with graphs, the bundle ships with them.
+    decode_graphs: auto | on | off (or a bool). On the GPU the model's one-token decode steps replay from CUDA graphs
+    (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (LLM4LLM_DECODE_TIMING=graph,
+    set for this flow run and the verifier workers it starts), acceptance's baseline and trials run with graphs, and
+    the bundle ships with them. auto: on when every module's decode state sits in a static-address cache (Mamba,
+    Mamba2), decided from the extracted tasks (pipeline.decode_graphs_plan); the runtime still validates each capture.
+    e2e_variants: None = eager, torch_compile, patched, plus eager_graphs and patched_graphs when graphs are on.
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""
     previous = os.environ.get("LLM4LLM_DECODE_TIMING")
-    if decode_graphs:
-        os.environ["LLM4LLM_DECODE_TIMING"] = "graph"
-    try:
+    try:  # the search's decode timing follows this run's graph choice, and only for this run
         return _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode, budget, proposer, top,
                          families, delta, repeats, timeout_s, llm, accept_metric, accept_tol_factor,
                          accept_floor_factor, accept_min_task_speedup, decode_graphs, e2e_variants, rounds)
@@ -62,6 +64,13 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
     if "search" not in stages:
         return out
     device = prof["workload"]["device"]
+    graphs, why = pipeline.decode_graphs_plan(ext["index_path"], device, decode_graphs)
+    print(f"decode graphs: {why}")
+    out["decode_graphs"] = why
+    if graphs:
+        os.environ["LLM4LLM_DECODE_TIMING"] = "graph"
+    if e2e_variants is None:
+        e2e_variants = ("eager", "torch_compile", "patched") + (("eager_graphs", "patched_graphs") if graphs else ())
     out["searches"] = search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                    proposer=proposer, device=device, timeout_s=timeout_s, top=top,
                                    families=families, llm=llm)
@@ -69,7 +78,7 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                        repeats, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
-                                       decode_graphs)
+                                       graphs)
     for _ in range(1, rounds):
         retry = out["acceptance"].get("retry_tasks") or []
         if not retry:
@@ -79,7 +88,7 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
                                         llm=llm)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
-                                           accept_min_task_speedup, decode_graphs)
+                                           accept_min_task_speedup, graphs)
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
                                   tuple(e2e_variants), prof["run_id"] + "-e2e")

@@ -108,15 +108,17 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              accept_min_task_speedup: float = typer.Option(
                  1.0, help="on the GPU, a candidate no faster than this in its task is rejected without an "
                            "in-model trial (0: try every candidate)"),
-             decode_graphs: bool = typer.Option(
-                 False, "--decode-graphs/--no-decode-graphs",
-                 help="GPU: the one-token decode steps replay from CUDA graphs (kernels_runtime.graphs): decode "
-                      "candidates timed by GPU time under graph replay, acceptance baseline and trials with "
-                      "graphs, the bundle ships with them on"),
+             decode_graphs: str = typer.Option(
+                 "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
+                              "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
+                              "acceptance baseline and trials with graphs, the bundle ships with them on. auto: on "
+                              "when all decode state sits in a static-address cache (Mamba, Mamba2)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
-             e2e_variants: str = typer.Option("eager,torch_compile,patched", help="variants the evaluate stage runs"),
+             e2e_variants: Optional[str] = typer.Option(
+                 None, help="variants the evaluate stage runs (default: eager,torch_compile,patched, plus "
+                            "eager_graphs,patched_graphs when decode graphs are on)"),
              rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
@@ -127,6 +129,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 
         _check_proposer(proposer)
         _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup)
+        _check_graphs(decode_graphs, e2e_variants)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
@@ -137,8 +140,11 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     accept_floor_factor=accept_floor_factor,
                                     accept_min_task_speedup=accept_min_task_speedup,
                                     decode_graphs=decode_graphs,
-                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")), rounds=rounds)
+                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")) if e2e_variants else None,
+                                    rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
+        if out.get("decode_graphs"):
+            console.print(f"decode graphs: {out['decode_graphs']}")
         _print_hotspots(out["profile_path"], 15)
         if "tasks" in out:
             _print_tasks(db, out["run_id"])
@@ -156,6 +162,19 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 
 
 PROPOSERS = ("library", "llm", "hybrid")
+
+
+def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
+    """--decode-graphs and --e2e-variants: one error line (exit 2) before any flow starts."""
+    from llm4llm.errors import Llm4llmError
+    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
+    from llm4llm.pipeline import GRAPH_CHOICES
+
+    if decode_graphs not in GRAPH_CHOICES:
+        raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
+    bad = [v for v in (e2e_variants or "").split(",") if v.strip() and v.strip() not in VARIANTS + GRAPH_VARIANTS]
+    if bad:
+        raise Llm4llmError(f"--e2e-variants: expected names from {', '.join(VARIANTS + GRAPH_VARIANTS)}, got {bad}")
 
 
 def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0) -> None:

@@ -440,6 +440,38 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
             for r in df.itertuples()]
 
 
+GRAPH_CHOICES = ("auto", "on", "off")
+
+
+def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> tuple[bool, str]:
+    """Whether a run replays decode steps from CUDA graphs, and why. `requested`: auto | on | off (bools: on / off).
+    auto is on when the extracted tasks keep decode state only in cache layers with static addresses
+    (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2); a KV cache that grows (DynamicLayer) or state a module
+    reassigns (RecurrentGemma) would make every capture be refused at run time."""
+    from kernels_runtime.graphs import STATIC_LAYERS
+
+    choice = {True: "on", False: "off"}.get(requested, requested) if isinstance(requested, bool) else requested
+    if choice not in GRAPH_CHOICES:
+        raise ValueError(f"decode_graphs: expected one of {GRAPH_CHOICES}, got {requested!r}")
+    if choice == "off":
+        return False, "off"
+    if not device.startswith("cuda"):
+        return False, f"off ({choice}): CUDA graphs need a CUDA device, this run is on {device}"
+    if choice == "on":
+        return True, "on (asked for)"
+    adapters = set()
+    for t in json.loads(Path(index_path).read_text()):
+        state = (t.get("recipe") or {}).get("state") or {}
+        if state.get("adapter"):
+            adapters.add(state["adapter"])
+    if not adapters:
+        return False, "off (auto): no extracted module keeps decode state, so nothing says the step is static"
+    other = sorted(adapters - set(STATIC_LAYERS))
+    if other:
+        return False, f"off (auto): decode state in {other}, which graphs cannot hold (static: {sorted(STATIC_LAYERS)})"
+    return True, f"on (auto): decode state only in {sorted(adapters)}"
+
+
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
                metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 2.0,
                min_task_speedup: float = 1.0, decode_graphs: bool = False) -> dict:

@@ -236,3 +236,50 @@ def test_a_state_tensor_replaced_by_the_caller_is_rebound(prompt):
     got, _ = run(True)
     for step, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, name=f"step {step}")
+
+
+# ------------------------------------------------------------------------------------------- the run's graph choice
+
+
+def _index(tmp_path, adapters):
+    import json
+
+    tasks = [{"task_id": f"t{i}", "recipe": {"state": {"adapter": a}} if a else {}} for i, a in enumerate(adapters)]
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps(tasks))
+    return str(path)
+
+
+@pytest.mark.parametrize("adapters, device, requested, on, why", [
+    (["LinearAttentionLayer", None], "cuda", "auto", True, "on (auto): decode state only in ['LinearAttentionLayer']"),
+    (["DynamicLayer", None], "cuda", "auto", False, "decode state in ['DynamicLayer']"),
+    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", False,
+     "['RecurrentGemmaRecurrentBlock']"),
+    ([None], "cuda", "auto", False, "no extracted module keeps decode state"),
+    (["DynamicLayer"], "cuda", "on", True, "on (asked for)"),
+    (["LinearAttentionLayer"], "cuda", False, False, "off"),
+    (["LinearAttentionLayer"], "cpu", "auto", False, "CUDA graphs need a CUDA device"),
+    (["LinearAttentionLayer"], "cpu", True, False, "CUDA graphs need a CUDA device"),
+])
+def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, why):
+    from llm4llm.pipeline import decode_graphs_plan
+
+    got, reason = decode_graphs_plan(_index(tmp_path, adapters), device, requested)
+    assert got is on and why in reason, reason
+
+
+def test_decode_graphs_choice_is_one_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+    from llm4llm.pipeline import decode_graphs_plan
+
+    with pytest.raises(ValueError, match="decode_graphs: expected one of"):
+        decode_graphs_plan(_index(tmp_path, []), "cuda", "sometimes")
+    wl = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tiny-mamba.toml")
+    res = CliRunner().invoke(app, ["optimize", wl, "--db", str(tmp_path / "db.duckdb"), "--decode-graphs", "maybe"])
+    assert res.exit_code == 2 and "--decode-graphs: expected one of auto, on, off" in res.output, res.output
+    res = CliRunner().invoke(app, ["optimize", wl, "--db", str(tmp_path / "db.duckdb"), "--e2e-variants",
+                                   "eager,warp_speed"])
+    assert res.exit_code == 2 and "--e2e-variants: expected names from" in res.output, res.output
+    assert not (tmp_path / "db.duckdb").exists()  # nothing ran

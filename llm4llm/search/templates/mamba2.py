@@ -175,8 +175,12 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
 
 
 def _default_fused(spec: TaskSpec) -> dict:
-    return {**linear_default(spec), "in_BLOCK_C": 32, "in_BLOCK_H": 128, "in_num_warps": 4, "ssd_BLOCK_P": 32,
-            "ssd_num_warps": 4, "norm_ROWS": 1, "norm_num_warps": 4}
+    # The fastest of four configs at mamba2-2.7b's shapes on the H200 under decode graphs (2026-11-30,
+    # scripts/gpu/graph_diag.py, with the prefill template: 383.5 ms end to end vs 1031.5 ms with the previous
+    # default, eager 3438.4 ms): 16-row blocks and 8 warps; the 64-wide GEMV gives out_proj only 40 programs.
+    return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8,
+            "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssd_BLOCK_P": 16, "ssd_num_warps": 2,
+            "norm_ROWS": 1, "norm_num_warps": 4}
 
 
 def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
