@@ -3,7 +3,8 @@
     python scripts/record_bench.py --db results.duckdb --bench-id 2026-11-30-h200 tops.jsonl ssm.jsonl
 
 Also takes scripts/gpu/dispatch_overhead.py's rows (op `dispatch:<measure>`, times in ms) and
-scripts/gpu/launch_overhead.py's (op `launch`, one provider per launch path).
+scripts/gpu/launch_overhead.py's (op `launch`, one provider per launch path). scripts/gpu/graph_diag.py's JSON
+files (`--graph-diag FILE`, end-to-end generate times) go to `e2e_results` under run id `<bench-id>-<file stem>`.
 """
 from __future__ import annotations
 
@@ -63,12 +64,32 @@ def long_rows(row: dict, bench_id: str) -> list[dict]:
     ]
 
 
+def graph_diag_rows(doc: dict, run_id: str, gpu: str | None) -> list[dict]:
+    """scripts/gpu/graph_diag.py output: one e2e_results row per variant (total generate ms, median of its runs)."""
+    out = []
+    for r in doc["rows"]:
+        notes = {k: r[k] for k in ("config", "calls", "graphs", "error") if k in r}
+        out.append({"run_id": run_id, "workload_hash": doc["workload"], "variant": r["variant"][:120],
+                    "prefill_ms": None, "decode_ms_per_token": None, "total_ms": r["ms"], "tokens_per_s": None,
+                    "peak_mem_mb": None, "compile_s": None, "repeats": None, "gpu_name": gpu,
+                    "versions_json": None, "notes": json.dumps(notes, default=str)[:2000]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", required=True)
     ap.add_argument("--bench-id", required=True)
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("--graph-diag", action="append", default=[], help="scripts/gpu/graph_diag.py JSON (repeatable)")
+    ap.add_argument("--gpu", default=None, help="GPU name for --graph-diag rows")
+    ap.add_argument("files", nargs="*")
     args = ap.parse_args()
+    if args.graph_diag:
+        with Database(args.db) as db:
+            for f in args.graph_diag:
+                stem = os.path.splitext(os.path.basename(f))[0]
+                repo.record_e2e(db, graph_diag_rows(json.load(open(f)), f"{args.bench_id}-{stem}", args.gpu))
+                print(f"{f}: e2e_results run {args.bench_id}-{stem}")
     rows = []
     for f in args.files:
         if not os.path.exists(f):
