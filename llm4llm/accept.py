@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, library_versions, save_bundle
 from kernels_runtime import tolerances
+from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, save_bundle
 from kernels_runtime.tolerances import tolerance_for
+from llm4llm.patchspec import guard_for, task_patch_spec  # noqa: F401 (guard_for: re-exported)
 from llm4llm.taskspec import TaskSpec
 
 METRICS = ("logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")
@@ -139,37 +140,8 @@ def not_worth_a_trial(p: Proposal, cfg: AcceptConfig, on_gpu: bool) -> str | Non
     return None
 
 
-def guard_for(spec: TaskSpec, device_type: str) -> Guard:
-    """Guards from what extraction observed: dtype, device, capability, every input's dims (exact where all cases
-    agree, else the observed range) and contiguity. Anything outside falls back to the original forward."""
-    shapes: dict[str, list] = {}
-    for name in spec.input_names:
-        sigs = [c.inputs[name].shape for c in spec.cases if name in c.inputs]
-        if not sigs or len({len(s) for s in sigs}) != 1:
-            continue
-        dims = []
-        for d in range(len(sigs[0])):
-            vals = {s[d] for s in sigs}
-            dims.append(vals.pop() if len(vals) == 1 else [min(s[d] for s in sigs), max(s[d] for s in sigs)])
-        shapes[name] = dims
-    cap = spec.hardware.get("capability") if device_type == "cuda" else None
-    return Guard(dtypes=[spec.dtype], device_types=[device_type], min_capability=cap or None, shapes=shapes)
-
-
 def patch_spec_for(p: Proposal, spec: TaskSpec, device_type: str, run_id: str = "") -> PatchSpec:
-    return PatchSpec(
-        patch_id=f"{spec.task_id}:{p.candidate_id}",
-        module_class=spec.module_class,
-        instances=list(spec.instances),
-        phase=spec.phase,
-        guard=guard_for(spec, device_type),
-        kernel="",
-        outputs=spec.recipe.get("outputs") if spec.recipe else None,
-        dispatch_template=spec.module_class,
-        provenance=Provenance(run_id=run_id, task_id=spec.task_id, candidate_id=p.candidate_id,
-                              metrics={"task_speedup": p.speedup}, library_versions=library_versions(),
-                              gpu=str(spec.hardware.get("gpu_name", ""))),
-    )
+    return task_patch_spec(spec, p.candidate_id, p.speedup, device_type, run_id)
 
 
 class _ForceTokens:

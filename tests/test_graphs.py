@@ -22,10 +22,10 @@ from tests.test_runtime_stateful import (
     MAMBA2_TRITON,
     MAMBA_TRITON,
     NEW_TOKENS,
+    assert_same_state,
     class_path,
     generate,
     snapshot,
-    assert_same_state,
     stateful_bundle,
     tiny,
 )

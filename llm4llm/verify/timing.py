@@ -23,9 +23,8 @@ There is no CPU timing: a CPU time would say nothing about the GPU and must neve
 """
 from __future__ import annotations
 
-import os
-
 import copy
+import os
 from typing import Callable
 
 import torch
@@ -88,12 +87,12 @@ def patched_call(task, source: str, device: torch.device) -> tuple[Callable, Pre
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
     from kernels_runtime.patch import report_of
-    from llm4llm.accept import Proposal, patch_spec_for
+    from llm4llm.patchspec import task_patch_spec
 
     module = task.load_module(device).eval()
     holder = torch.nn.Module()
     holder.add_module("m", module)
-    pspec = patch_spec_for(Proposal(str(task.path), "timing", source, 1.0), task.spec, device.type)
+    pspec = task_patch_spec(task.spec, "timing", 1.0, device.type)
     bundle = PatchBundle(name="verifier-timing")
     bundle.add_patch(pspec.model_copy(update={"instances": ["m"]}), source=source)
     kernels_runtime.apply(holder, bundle, strict=True)

@@ -40,7 +40,7 @@ def main() -> int:
 
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
-    from llm4llm.accept import Proposal, patch_spec_for
+    from llm4llm.patchspec import task_patch_spec
     from llm4llm.pipeline import run_extract, run_profile
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_task
@@ -84,8 +84,7 @@ def main() -> int:
         pt = next(t for t in TEMPLATES if t.name == args.prefill_template)
         ptask = next(k for k in tasks if k.spec.phase == "prefill" and k.spec.family == pt.family)
         psrc = pt.render(ptask.spec, pt.default(ptask.spec))
-        prefill = (patch_spec_for(Proposal(task_dir="", candidate_id="prefill", source=psrc, speedup=1.0, config={},
-                                           template=pt.name), ptask.spec, "cuda" if cuda else "cpu"), psrc)
+        prefill = (task_patch_spec(ptask.spec, "prefill", 1.0, "cuda" if cuda else "cpu"), psrc)
     for name in args.template:
         t = next(t for t in TEMPLATES if t.name == name)
         fam = args.family or t.family
@@ -96,9 +95,7 @@ def main() -> int:
             bundle = PatchBundle(name="graph-diag")
             if prefill is not None:
                 bundle.add_patch(prefill[0], source=prefill[1])
-            bundle.add_patch(patch_spec_for(Proposal(task_dir="", candidate_id=name, source=source, speedup=1.0,
-                                                     config=config, template=name), task.spec,
-                                            "cuda" if cuda else "cpu"), source=source)
+            bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cuda" if cuda else "cpu"), source=source)
             label = f"{name}#{ci}" + ("+prefill" if prefill is not None else "")
             for graphs in (True,) if args.graphs_only else (False, True):
                 report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
