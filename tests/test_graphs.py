@@ -283,3 +283,20 @@ def test_decode_graphs_choice_is_one_error(tmp_path):
                                    "eager,warp_speed"])
     assert res.exit_code == 2 and "--e2e-variants: expected names from" in res.output, res.output
     assert not (tmp_path / "db.duckdb").exists()  # nothing ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_real_cuda_graphs_match_eager(prompt, model_type):
+    """On a GPU: the real backend (torch.cuda.CUDAGraph) replays decode steps and generation matches eager."""
+    model = tiny(model_type).cuda()
+    ids = prompt.cuda()
+    ref = generate(model, ids)
+    graphs = enable_decode_graphs(model)
+    try:
+        _same_generation(generate(model, ids), ref)
+        _same_generation(generate(model, ids), ref)
+    finally:
+        disable_decode_graphs(model)
+    stats = graphs.stats()
+    assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
