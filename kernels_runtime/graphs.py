@@ -7,14 +7,16 @@ the top-level model's `forward` (an instance attribute, as patch.py does for mod
 
   * input_ids [B, 1] (no inputs_embeds), every other tensor argument of a fixed shape,
   * a cache whose every layer keeps its state at static addresses (see STATIC_LAYERS: Mamba / Mamba2's
-    LinearAttentionLayer; a DynamicLayer KV cache grows each token and is not graphed),
+    LinearAttentionLayer, transformers' StaticLayer from `generate(..., cache_implementation="static")`; a
+    DynamicLayer KV cache grows each token and is not graphed),
   * no per-step state kept on modules outside the cache (RecurrentGemma's blocks reassign theirs: checked),
 
 is captured once per call signature and then replayed: the arguments are copied into static buffers, the graph runs,
 and the outputs are returned as fresh tensors (clones: a caller may keep them across steps). The step that triggers a
 capture runs eagerly (it is also the warm-up: Triton JIT, cuBLAS workspaces); then the graph is captured from the
-state before that step and replayed once, and its logits and state must match the eager step's
-(kernels_runtime.tolerances) or the signature is refused for good and runs eagerly. Every refusal has a reason in
+state before that step and replayed twice, and its logits and state must match two eager steps with the same
+arguments (kernels_runtime.tolerances; the second catches values the host froze at capture) or the signature is
+refused for good and runs eagerly. Every refusal has a reason in
 `stats()`.
 
 The cache tensors move into buffers the graph owns: on a decode call with a new cache (each `generate` makes one),
@@ -43,9 +45,13 @@ from kernels_runtime.tolerances import compare
 
 _ATTR = "_llm4llm_decode_graphs"  # on the top-level model: the DecodeGraphs that wraps its forward
 
-# Cache layer classes (exact names) whose state lives at static addresses, and the per-layer dicts that hold it.
+# Cache layer classes (exact names) whose state lives at static addresses, and where: a per-layer dict of tensors
+# (LinearAttentionLayer: Mamba, Mamba2) or a tensor attribute (StaticLayer: transformers' static KV cache, whose
+# write position `cumulative_length` is a device tensor advanced in place). StaticSlidingWindowLayer is not here: it
+# counts positions in a Python int, which a graph would freeze.
 STATIC_LAYERS: dict[str, tuple[str, ...]] = {
     "LinearAttentionLayer": ("conv_states", "recurrent_states"),
+    "StaticLayer": ("keys", "values", "cumulative_length"),
 }
 _CACHE_KWARGS = ("cache_params", "past_key_values")
 
@@ -58,13 +64,17 @@ class NotGraphable(Exception):
 class _Slot:
     layer: Any
     attr: str
-    index: Any
+    index: Any  # a key of the dict `layer.<attr>`, or None: the tensor is `layer.<attr>` itself
 
     def get(self) -> torch.Tensor:
-        return getattr(self.layer, self.attr)[self.index]
+        holder = getattr(self.layer, self.attr)
+        return holder if self.index is None else holder[self.index]
 
     def set(self, t: torch.Tensor) -> None:
-        getattr(self.layer, self.attr)[self.index] = t
+        if self.index is None:
+            setattr(self.layer, self.attr, t)
+        else:
+            getattr(self.layer, self.attr)[self.index] = t
 
 
 def _find_cache(kwargs: dict) -> tuple[str, Any]:
@@ -89,9 +99,13 @@ def state_slots(cache: Any) -> list[_Slot]:
         if getattr(layer, "record_past", False):
             raise NotGraphable("cache layer records its past (conv state grows)")
         for attr in attrs:
-            for index, t in getattr(layer, attr).items():
-                if t is not None:
-                    slots.append(_Slot(layer, attr, index))
+            holder = getattr(layer, attr, None)
+            if isinstance(holder, torch.Tensor):
+                slots.append(_Slot(layer, attr, None))
+            elif isinstance(holder, dict):
+                slots.extend(_Slot(layer, attr, index) for index, t in holder.items() if t is not None)
+            elif holder is not None:
+                raise NotGraphable(f"cache layer {type(layer).__name__}.{attr} is a {type(holder).__name__}")
         if not all(getattr(layer, "has_previous_state", {0: True}).values()):
             raise NotGraphable("cache layer without previous state (prefill, not decode)")
     if not slots:
@@ -224,7 +238,7 @@ class DecodeGraphs:
             entry, cache_ref, light, checks = fast
             cache = kwargs.get(entry.cache_arg)
             if (cache is not None and cache is cache_ref() and _light_key(kwargs, entry.cache_arg) == light
-                    and all(d[i] is t for d, i, t in checks)):
+                    and all((getattr(c, k) if i is None else c[i]) is t for c, k, i, t in checks)):
                 return self._replay(entry, kwargs, cache)
         try:
             ids = kwargs.get("input_ids")
@@ -249,7 +263,8 @@ class DecodeGraphs:
             return self._capture(key, kwargs, cache_name, cache, slots)
         self._bind(entry, cache, slots)
         self._fast = (entry, weakref.ref(cache), _light_key(kwargs, cache_name),
-                      [(getattr(s.layer, s.attr), s.index, t) for s, t in zip(slots, entry.states)])
+                      [(s.layer if s.index is None else getattr(s.layer, s.attr), s.attr, s.index, t)
+                       for s, t in zip(slots, entry.states)])
         return self._replay(entry, kwargs, cache)
 
     def _replay(self, entry: _Entry, kwargs: dict, cache: Any) -> Any:
@@ -299,15 +314,22 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------------------------------------ capture
     def _capture(self, key, kwargs, cache_name, cache, slots):
-        """Run this step eagerly (the result returned), then capture from the state before it and check one replay."""
+        """Run this step eagerly (the result returned) and, for the check only, once more with the same arguments;
+        then capture from the state before the step and replay twice: both replays must match the two eager steps.
+        Two, not one: a value the host computed at capture (a position counter kept in a Python int) replays as a
+        constant, which only the second step shows."""
         before = [s.get().clone() for s in slots]
         attrs = _module_tensor_attrs(self.model)
         out_eager = self.original(**kwargs)
+        logits_eager = [t.clone() for t in _tensors(out_eager)]
+        after = [s.get().clone() for s in slots]
+        second = [t.clone() for t in _tensors(self.original(**kwargs))]  # the check's second step
+        after2 = [s.get().clone() for s in slots]
+        for s, a in zip(slots, after):  # back to the state after the real step
+            s.get().copy_(a)
         if _module_tensor_attrs(self.model) != attrs:
             return self._refuse(key, "a module reassigns a tensor attribute per step (state outside the cache)",
                                 out_eager)
-        after = [s.get().clone() for s in slots]
-        logits_eager = [t.clone() for t in _tensors(out_eager)]
         states = [b.clone() for b in before]
         statics = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         for s, t in zip(slots, states):
@@ -334,12 +356,18 @@ class DecodeGraphs:
             self.backend.replay(graph, fn, out)
             if not isinstance(self.backend, _EmulatedBackend):
                 torch.cuda.synchronize()
+            bad = _mismatch(_tensors(out), logits_eager, "output") or _mismatch(states, after, "state")
+            if not bad:
+                self.backend.replay(graph, fn, out)
+                if not isinstance(self.backend, _EmulatedBackend):
+                    torch.cuda.synchronize()
+                bad = (_mismatch(_tensors(out), second, "second step's output")
+                       or _mismatch(states, after2, "second step's state"))
         except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
             self.errors[key] = traceback.format_exc()
             restore(after)
             return self._refuse(key, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
                                 out_eager)
-        bad = _mismatch(_tensors(out), logits_eager, "output") or _mismatch(states, after, "state")
         restore(after)  # the eager step is the one returned: continue from its state exactly
         if bad:
             return self._refuse(key, f"replay differs from the eager step: {bad}", out_eager)

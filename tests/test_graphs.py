@@ -300,3 +300,51 @@ def test_real_cuda_graphs_match_eager(prompt, model_type):
         disable_decode_graphs(model)
     stats = graphs.stats()
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
+
+
+def test_a_second_replay_that_differs_is_refused(prompt, monkeypatch):
+    """Capture checks two replays against two eager steps: a graph that froze a host value (a position kept in a
+    Python int) matches the first step and not the second. The emulation re-runs Python on replay, so such a value
+    cannot freeze here; a replay that goes wrong only the second time stands in for it."""
+    model = tiny("mamba")
+    ref = generate(model, prompt)
+    replay, calls = _EmulatedBackend.replay, {"n": 0}
+
+    def second_differs(graph, fn, out):
+        replay(graph, fn, out)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            out.logits.add_(1.0)
+
+    monkeypatch.setattr(_EmulatedBackend, "replay", staticmethod(second_differs))
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+    finally:
+        disable_decode_graphs(model)
+    stats = graphs.stats()
+    assert stats["graphs"] == 0 and any("second step's output" in r for r in stats["refused"]), stats
+
+
+def test_static_kv_cache_replays(prompt):
+    """transformers' StaticCache (generate(cache_implementation="static"), its auto-compile off) keeps keys, values
+    and the write position at static addresses: Llama's decode steps replay and generation matches eager."""
+    from transformers import LogitsProcessorList
+
+    model = tiny("llama")
+
+    def run():
+        with torch.inference_mode():
+            return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, logits_processor=LogitsProcessorList([]),
+                                  pad_token_id=0, cache_implementation="static", disable_compile=True)
+
+    ref = run()
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(run(), ref)
+        _same_generation(run(), ref)
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
