@@ -220,6 +220,7 @@ class DecodeGraphs:
     original: Callable
     backend: _Backend
     max_graphs: int = 8
+    had_instance_forward: bool = False  # `forward` was an instance attribute already: disable puts it back
     entries: dict[tuple, _Entry] = field(default_factory=dict)
     refused: dict[tuple, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
@@ -386,7 +387,7 @@ class DecodeGraphs:
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.entries), "replays": sum(e.replays for e in self.entries.values()),
                 "refused": sorted(set(self.refused.values())),
-                "calls": {k: v for k, v in self.counts.items() if not k.startswith("_")}}
+                "calls": dict(self.counts)}
 
 
 def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> str:
@@ -419,8 +420,7 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     else:
         raise ValueError(f"backend: expected 'cuda' or 'emulate', got {backend!r}")
     had_forward = "forward" in model.__dict__
-    graphs = DecodeGraphs(model, model.forward, impl, max_graphs)
-    graphs.counts["_had_instance_forward"] = int(had_forward)
+    graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward)
     model.__dict__[_ATTR] = graphs
     model.forward = graphs
     return graphs
@@ -441,7 +441,7 @@ def disable_decode_graphs(model: torch.nn.Module) -> dict[str, Any] | None:
                         s.set(t.clone())
             except NotGraphable:
                 pass
-    if graphs.counts.get("_had_instance_forward"):
+    if graphs.had_instance_forward:
         model.forward = graphs.original
     else:
         model.__dict__.pop("forward", None)

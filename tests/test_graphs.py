@@ -348,3 +348,13 @@ def test_static_kv_cache_replays(prompt):
     finally:
         disable_decode_graphs(model)
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
+
+
+def test_disable_puts_back_a_forward_the_caller_had_installed():
+    model = tiny("mamba")
+    mine = model.forward
+    model.forward = mine  # an instance attribute, as another wrapper (or kernels_runtime) would leave it
+    enable_decode_graphs(model, backend="emulate")
+    assert model.forward is not mine
+    disable_decode_graphs(model)
+    assert model.__dict__["forward"] is mine
