@@ -104,3 +104,15 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
         assert spec.dtype in ("bfloat16", "torch.bfloat16") and t.why_not(spec) is None
         v = pool.verify(task_dir, t.render(spec, t.default(spec)))
         assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload,template", [("tiny-mamba2", "ssm_mixer.mamba2_decode_fused"),
+                                               ("tiny-llama", "mlp.swiglu")])
+def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
+    """A decode config with lin_GEMV_SPLIT_K > 1 (the split-K GEMV and its reduce launch) passes every gate."""
+    t = next(t for t in TEMPLATES if t.name == template)
+    spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
+                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+    v = pool.verify(task_dir, t.render(spec, {**t.default(spec), "lin_GEMV_SPLIT_K": 4, "lin_GEMV_BLOCK_K": 32}))
+    assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"

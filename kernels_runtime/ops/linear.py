@@ -134,6 +134,63 @@ def _gemv_kernel(
     tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
 
 
+@triton.jit
+def _gemv_split_kernel(
+    x_ptr, w_ptr, wu_ptr, p_ptr, pu_ptr,
+    M, N, K, K_PER,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid (M, N / BLOCK_N, SPLIT): program s sums k in [s * K_PER, (s + 1) * K_PER) into p[s, row, :] (fp32).
+    # More programs than N / BLOCK_N alone when N is small against the SM count (decode out_proj: N = 2560).
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_lo = split * K_PER
+    for k0 in range(0, K_PER, BLOCK_K):
+        kk = k_lo + k0 + rk
+        mk = (kk < K) & (k0 + rk < K_PER)
+        x = tl.load(x_ptr + row * stride_xm + kk * stride_xk, mask=mk, other=0.0).to(tl.float32)
+        w_off = rn[:, None] * stride_wn + kk[None, :] * stride_wk
+        w_mask = (rn[:, None] < N) & mk[None, :]
+        w = tl.load(w_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        if GATED:
+            wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+            acc_u += tl.sum(wu * x[None, :], axis=1)
+    offs = (split * M + row) * N + rn
+    tl.store(p_ptr + offs, acc, mask=rn < N)
+    if GATED:
+        tl.store(pu_ptr + offs, acc_u, mask=rn < N)
+
+
+@triton.jit
+def _gemv_reduce_kernel(
+    p_ptr, pu_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_yn,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # y[row, :] = epilogue(sum_s p[s, row, :] + bias) (* sum_s pu[s, row, :]): a fixed order, so deterministic
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(SPLIT):
+        offs = (s * M + row) * N + rn
+        acc += tl.load(p_ptr + offs, mask=rn < N, other=0.0)
+        if GATED:
+            acc_u += tl.load(pu_ptr + offs, mask=rn < N, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    acc = _epilogue(acc, EPILOGUE)
+    if GATED:
+        acc = acc * acc_u
+    tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+
+
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,
                w_up: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K], w: [N, K], bias: [N] -> [..., N]; `w_up` [N, K] makes it act(x @ w.T) * (x @ w_up.T)."""
@@ -152,13 +209,18 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None, *,
            w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
            BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
-           GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64) -> torch.Tensor:
+           GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64, GEMV_SPLIT_K: int = 1) -> torch.Tensor:
     """x: [..., K], w: [N, K] (nn.Linear layout), bias: [N] -> y: [..., N] in x's dtype.
 
     `epilogue` in None|"silu"|"gelu"|"gelu_tanh" is applied to x @ w.T + bias; with `w_up` the output is
     epilogue(x @ w.T) * (x @ w_up.T) (gate/up projections of a gated MLP in one pass over x).
     `gemv` None picks the GEMV kernel for M <= GEMV_MAX_M; the block sizes of the chosen kernel apply.
+    GEMV_SPLIT_K > 1 splits K over that many programs per output block (fp32 partial sums, then a second launch
+    adds them in a fixed order with bias and epilogue): more programs where N / GEMV_BLOCK_N alone would leave SMs
+    idle (decode projections of a narrow model); worth it where launches are cheap (under CUDA graphs).
     """
+    if not (isinstance(GEMV_SPLIT_K, int) and GEMV_SPLIT_K >= 1):
+        raise ValueError(f"linear: expected GEMV_SPLIT_K an int >= 1, got {GEMV_SPLIT_K!r}")
     if x.shape[-1] != w.shape[1] or w.dim() != 2:
         raise ValueError(f"linear: expected x [..., {w.shape[-1]}] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
     if w_up is not None and w_up.shape != w.shape:
@@ -174,7 +236,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, y, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
     meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue], RNE=interpreting())
-    if gemv if gemv is not None else M <= GEMV_MAX_M:
+    use_gemv = gemv if gemv is not None else M <= GEMV_MAX_M
+    split = min(GEMV_SPLIT_K, triton.cdiv(K, GEMV_BLOCK_K))  # never a split without a K block of its own
+    if use_gemv and split > 1:
+        k_per = triton.cdiv(triton.cdiv(K, split), GEMV_BLOCK_K) * GEMV_BLOCK_K
+        split = triton.cdiv(K, k_per)
+        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+        part_u = torch.empty_like(part) if w_up is not None else part
+        _gemv_split_kernel[(M, triton.cdiv(N, GEMV_BLOCK_N), split)](
+            x2, w, w if w_up is None else w_up, part, part_u, M, N, K, k_per,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+            GATED=w_up is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,
+            num_stages=num_stages)
+        _gemv_reduce_kernel[(M, triton.cdiv(N, GEMV_BLOCK_N))](
+            part, part_u, w if bias is None else bias, y, M, N, y.stride(0), y.stride(1), SPLIT=split, **meta,
+            BLOCK_N=GEMV_BLOCK_N)
+    elif use_gemv:
         grid = (M, triton.cdiv(N, GEMV_BLOCK_N))
         _gemv_kernel[grid](*args, **meta, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,
                            num_stages=num_stages)

@@ -9,7 +9,7 @@ LINEAR_OP = ("kernels_runtime.ops.linear", "linear")
 PREFILL = {"lin_BLOCK_M": [32, 64, 128], "lin_BLOCK_N": [32, 64, 128], "lin_BLOCK_K": [32, 64],
            "lin_num_warps": [2, 4, 8], "lin_num_stages": [2, 3, 4]}
 DECODE = {"lin_GEMV_BLOCK_N": [16, 32, 64, 128], "lin_GEMV_BLOCK_K": [32, 64, 128, 256], "lin_num_warps": [1, 2, 4, 8],
-          "lin_num_stages": [1, 2, 3]}
+          "lin_num_stages": [1, 2, 3], "lin_GEMV_SPLIT_K": [1, 2, 4, 8]}
 PREFILL_DEFAULT = {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4, "lin_num_stages": 3}
 DECODE_DEFAULT = {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 64, "lin_num_warps": 4, "lin_num_stages": 2}
 

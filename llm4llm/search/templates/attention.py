@@ -17,7 +17,8 @@ DECODE_UPDATE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode_up
 # Smaller linear space than the MLP's: the attention and rotary keys multiply it.
 LIN_PREFILL = {"lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128], "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8],
                "lin_num_stages": [3, 4]}
-LIN_DECODE = {"lin_GEMV_BLOCK_N": [32, 64, 128], "lin_GEMV_BLOCK_K": [64, 128, 256], "lin_num_warps": [4, 8]}
+LIN_DECODE = {"lin_GEMV_BLOCK_N": [32, 64, 128], "lin_GEMV_BLOCK_K": [64, 128, 256], "lin_num_warps": [4, 8],
+              "lin_GEMV_SPLIT_K": [1, 2, 4]}
 ROPE = {"rope_BLOCK_H": [2, 4, 8], "rope_num_warps": [1, 2, 4]}
 ATTN_PREFILL = {"attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [32, 64, 128], "attn_num_warps": [4, 8],
                 "attn_num_stages": [2, 3]}
