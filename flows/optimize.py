@@ -31,7 +31,9 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (LLM4LLM_DECODE_TIMING=graph,
     set for this flow run and the verifier workers it starts), acceptance's baseline and trials run with graphs, and
     the bundle ships with them. auto: on when every module's decode state sits in a static-address cache (Mamba,
-    Mamba2), decided from the extracted tasks (pipeline.decode_graphs_plan); the runtime still validates each capture.
+    Mamba2) or a full-attention KV cache that the run swaps for transformers' static cache (Llama, Qwen3), decided
+    from the extracted tasks (pipeline.decode_graphs_plan); acceptance keeps graphs only where the unpatched model is
+    faster with them, and the runtime validates each capture.
     e2e_variants: None = eager, torch_compile, patched, plus eager_graphs and patched_graphs when graphs are on.
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""
@@ -64,7 +66,7 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
     if "search" not in stages:
         return out
     device = prof["workload"]["device"]
-    graphs, why = pipeline.decode_graphs_plan(ext["index_path"], device, decode_graphs)
+    graphs, static_cache, why = pipeline.decode_graphs_plan(ext["index_path"], device, decode_graphs)
     print(f"decode graphs: {why}")
     out["decode_graphs"] = why
     if graphs:
@@ -78,7 +80,7 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                        repeats, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
-                                       graphs)
+                                       graphs, static_cache)
     for _ in range(1, rounds):
         retry = out["acceptance"].get("retry_tasks") or []
         if not retry:
@@ -88,7 +90,9 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
                                         llm=llm)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
-                                           accept_min_task_speedup, graphs)
+                                           accept_min_task_speedup, graphs, static_cache)
+    if out["acceptance"].get("graphs"):
+        out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
                                   tuple(e2e_variants), prof["run_id"] + "-e2e")

@@ -109,6 +109,8 @@ class PatchBundle(BaseModel):
     # Replay one-token decode steps from CUDA graphs when applied (kernels_runtime.graphs); acceptance sets it when
     # the patches were measured that way.
     decode_graphs: bool = False
+    # With decode_graphs: generate with transformers' static KV cache (a KV-cache model's step is graphable only so).
+    static_cache: bool = False
 
     # Sources by sha256, and the per-kernel problems found on a lenient load (apply reports those patches skipped).
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

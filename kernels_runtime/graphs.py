@@ -221,6 +221,8 @@ class DecodeGraphs:
     backend: _Backend
     max_graphs: int = 8
     had_instance_forward: bool = False  # `forward` was an instance attribute already: disable puts it back
+    # generation_config values replaced by static_cache=True (cache_implementation, disable_compile), put back on disable
+    saved_generation: dict | None = None
     entries: dict[tuple, _Entry] = field(default_factory=dict)
     refused: dict[tuple, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
@@ -405,11 +407,19 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> s
     return ""
 
 
-def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8) -> DecodeGraphs:
+def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8,
+                         static_cache: bool = False) -> DecodeGraphs:
     """Replay `model`'s one-token decode steps from CUDA graphs (see the module docstring). Idempotent: a model
-    already wrapped returns its wrapper. backend="emulate" runs the same logic without a GPU (tests)."""
+    already wrapped returns its wrapper. backend="emulate" runs the same logic without a GPU (tests).
+
+    static_cache: make `generate` use transformers' static KV cache by default (model.generation_config:
+    cache_implementation="static", disable_compile=True so the step stays eager for the graph), without which a
+    KV-cache model (Llama, Qwen3) grows its cache every token and no step can be graphed. Mamba/Mamba2 keep their
+    LinearAttentionLayer either way. disable_decode_graphs puts the previous values back."""
     existing = model.__dict__.get(_ATTR)
     if existing is not None:
+        if static_cache and existing.saved_generation is None:
+            existing.saved_generation = _static_generation(model)
         return existing
     if backend == "cuda":
         if not torch.cuda.is_available():
@@ -420,7 +430,8 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     else:
         raise ValueError(f"backend: expected 'cuda' or 'emulate', got {backend!r}")
     had_forward = "forward" in model.__dict__
-    graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward)
+    graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward,
+                          saved_generation=_static_generation(model) if static_cache else None)
     model.__dict__[_ATTR] = graphs
     model.forward = graphs
     return graphs
@@ -441,6 +452,10 @@ def disable_decode_graphs(model: torch.nn.Module) -> dict[str, Any] | None:
                         s.set(t.clone())
             except NotGraphable:
                 pass
+    if graphs.saved_generation is not None:
+        gc = getattr(model, "generation_config", None)
+        for k, v in graphs.saved_generation.items():
+            setattr(gc, k, v)
     if graphs.had_instance_forward:
         model.forward = graphs.original
     else:
@@ -448,6 +463,15 @@ def disable_decode_graphs(model: torch.nn.Module) -> dict[str, Any] | None:
     graphs.entries.clear()
     graphs._fast = None
     return stats
+
+
+def _static_generation(model: torch.nn.Module) -> dict:
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        raise ValueError("static_cache: the model has no generation_config (not a transformers generation model)")
+    saved = {k: getattr(gc, k, None) for k in ("cache_implementation", "disable_compile")}
+    gc.cache_implementation, gc.disable_compile = "static", True
+    return saved
 
 
 def decode_graphs_of(model: torch.nn.Module) -> DecodeGraphs | None:

@@ -358,7 +358,7 @@ class PatchReport:
         lines.append(f"  decode graphs {self.decode_graphs}")
         totals = self.totals()
         lines.append(f"  calls    {totals['kernel']} kernel / {totals['fallback']} fallback"
-                     + (" (graph replays not counted)" if self.decode_graphs == "on" else ""))
+                     + (" (graph replays not counted)" if self.decode_graphs.startswith("on") else ""))
         reasons: Counter[str] = Counter()
         for v in self.counters().values():
             reasons.update(v["fallback"])
@@ -398,6 +398,7 @@ def apply(
     strict: bool = False,
     patches: list[str] | None = None,
     decode_graphs: bool | None = None,
+    static_cache: bool | None = None,
 ) -> PatchReport:
     """Patch `model` in place with the bundle's kernels; returns a PatchReport (live counters).
 
@@ -408,6 +409,8 @@ def apply(
     decode_graphs (default: the bundle's `decode_graphs`, set when acceptance measured it that way): replay the
     model's one-token decode steps from CUDA graphs (kernels_runtime.graphs). Asked for explicitly on a model that is
     not on a CUDA device it raises PatchError; from the bundle it is skipped and the report says why.
+    static_cache (default: the bundle's): with decode graphs, generate with transformers' static KV cache (see
+    kernels_runtime.graphs.enable_decode_graphs).
     """
     if not isinstance(bundle, PatchBundle):
         bundle = load_bundle(bundle, strict=strict)
@@ -441,11 +444,12 @@ def apply(
         state.tracker.__enter__()
     want = bundle.decode_graphs if decode_graphs is None else decode_graphs
     if want:
-        report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True)
+        static = bundle.static_cache if static_cache is None else static_cache
+        report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True, static_cache=static)
     return report
 
 
-def _enable_graphs(model: torch.nn.Module, explicit: bool) -> str:
+def _enable_graphs(model: torch.nn.Module, explicit: bool, static_cache: bool = False) -> str:
     from kernels_runtime.graphs import enable_decode_graphs
 
     param = next(model.parameters(), None)
@@ -454,9 +458,9 @@ def _enable_graphs(model: torch.nn.Module, explicit: bool) -> str:
         if explicit:
             raise PatchError(f"decode_graphs: {reason}")
         return reason
-    enable_decode_graphs(model)
+    enable_decode_graphs(model, static_cache=static_cache)
     model.__dict__[_GRAPHS_ATTR] = True
-    return "on"
+    return "on (static KV cache)" if static_cache else "on"
 
 
 def _plan(model, bundle, specs, state, report, loud) -> list[tuple[PatchSpec, _Kernel, list, list[str]]]:

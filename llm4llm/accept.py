@@ -59,6 +59,8 @@ class AcceptConfig:
     # the baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records
     # it. Off the GPU there is nothing to replay and nothing is timed: the setting is ignored and the result says so.
     decode_graphs: bool = False
+    # With decode_graphs: generate with transformers' static KV cache (Llama/Qwen3 steps are graphable only so).
+    static_cache: bool = False
 
     def __post_init__(self):
         if self.metric not in METRIC_CHOICES:
@@ -383,6 +385,7 @@ class AcceptanceResult:
     timing: str  # "cuda" | "skipped: cpu"
     floor: list[float] | None = None  # per-step noise floor (logits_rel_l2_floor), None if not measured/unavailable
     floor_note: str = ""  # how the floor was measured, or why it is unavailable
+    graphs: str = ""  # the decode-graphs decision and its numbers ("" when not asked for)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -410,24 +413,33 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         print(f"accept: {metric}: {floor.describe()}")
 
     graphs = cfg.decode_graphs and on_gpu
+    graphs_note = "" if not cfg.decode_graphs else "decode graphs: not on the CPU (nothing is timed there)"
 
     def latency() -> float | None:
         if not on_gpu:
             return None
         return measure(model, wl, batch, script.run, repeats=cfg.repeats).total_ms
 
-    if graphs:  # the baseline a patch must beat: the unpatched model, its decode steps replayed from graphs too
-        g = kernels_runtime.enable_decode_graphs(model)
+    current = latency()
+    if graphs:  # graphs stay on only where the unpatched model is faster with them; then they are the baseline
+        g = kernels_runtime.enable_decode_graphs(model, static_cache=cfg.static_cache)
         try:
-            current = latency()
-            print(f"accept: baseline with decode graphs: {g.stats()}")
+            graphed = latency()
+            st = g.stats()
         finally:
             kernels_runtime.disable_decode_graphs(model)
-    else:
-        current = latency()
+        how = f"{st['graphs']} captured, {st['replays']} replays" + (
+            f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "") + (
+            ", static KV cache" if cfg.static_cache else "")
+        graphs = graphed < current
+        graphs_note = (f"decode graphs {'on' if graphs else 'off'}: unpatched {current:.1f} ms without, "
+                       f"{graphed:.1f} ms with ({how})")
+        current = min(current, graphed)
+        print(f"accept: {graphs_note}")
     baseline = current
     accepted = PatchBundle(name=f"{wl.name}", library_versions=library_versions(),
-                           gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs)
+                           gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs,
+                           static_cache=graphs and cfg.static_cache)
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
         skip = not_worth_a_trial(p, cfg, on_gpu)
@@ -452,7 +464,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     return AcceptanceResult(decisions, bundle_path, baseline, current, metric,
                             "cuda" if on_gpu else "skipped: cpu",
                             floor=floor.per_step if floor is not None else None,
-                            floor_note=floor.describe() if floor is not None else "")
+                            floor_note=floor.describe() if floor is not None else "", graphs=graphs_note)
 
 
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,

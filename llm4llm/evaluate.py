@@ -130,24 +130,22 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
     graphs = variant.endswith("_graphs")
     if graphs and not wl.device.startswith("cuda"):
         return E2EResult(variant, None, None, None, None, None, notes="skipped: CUDA graphs need a CUDA device")
-    # A graph needs the cache at static addresses: transformers' static cache (its auto-compile off, so the graph is
-    # ours) where the script passes generate kwargs. Mamba/Mamba2 keep their LinearAttentionLayer either way.
-    gen = {"cache_implementation": "static", "disable_compile": True} if graphs and accepts_generate_kwargs(
-        script.run) else {}
-    how = "static cache, compile off; " if gen else ""
+    # A graph needs the cache at static addresses: the graph variants generate with transformers' static KV cache
+    # (its auto-compile off, so the graph is ours); Mamba/Mamba2 keep their LinearAttentionLayer either way.
+    how = "static cache, compile off; " if graphs else ""
     if variant == "eager_graphs":
-        g = kernels_runtime.enable_decode_graphs(model)
+        g = kernels_runtime.enable_decode_graphs(model, static_cache=True)
         try:
-            r = measure(model, wl, batch, script.run, repeats=repeats, label=variant, **gen)
+            r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
             r.notes = f"{how}decode graphs: {g.stats()}"[:500]
             return r
         finally:
             kernels_runtime.disable_decode_graphs(model)
     if bundle is None:
         return E2EResult(variant, None, None, None, None, None, notes="skipped: no bundle")
-    report = kernels_runtime.apply(model, bundle, decode_graphs=graphs)
+    report = kernels_runtime.apply(model, bundle, decode_graphs=graphs, static_cache=graphs)
     try:
-        r = measure(model, wl, batch, script.run, repeats=repeats, label=variant, **gen)
+        r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
         g = kernels_runtime.decode_graphs_of(model)
         r.notes = (how + str(report).replace("\n", "; ") + (f"; graphs {g.stats()}" if g is not None else ""))[:500]
         return r

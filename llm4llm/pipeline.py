@@ -443,38 +443,47 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
 GRAPH_CHOICES = ("auto", "on", "off")
 
 
-def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> tuple[bool, str]:
-    """Whether a run replays decode steps from CUDA graphs, and why. `requested`: auto | on | off (bools: on / off).
+KV_LAYERS = ("DynamicLayer",)  # a KV cache that grows per token: graphable under transformers' static cache
+
+
+def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> tuple[bool, bool, str]:
+    """(graphs, static_cache, why) for a run. `requested`: auto | on | off (bools: on / off).
+
     auto is on when the extracted tasks keep decode state only in cache layers with static addresses
-    (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2); a KV cache that grows (DynamicLayer) or state a module
-    reassigns (RecurrentGemma) would make every capture be refused at run time."""
+    (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2) or in a full-attention KV cache, which the run then swaps
+    for transformers' static cache (static_cache=True: Llama, Qwen3; their attention kernels, written for the dynamic
+    cache, fall back there). State a module reassigns (RecurrentGemma) or a sliding window keeps it off. Acceptance
+    still measures the unpatched model with and without graphs and keeps them only where they are faster."""
     from kernels_runtime.graphs import STATIC_LAYERS
 
     choice = {True: "on", False: "off"}.get(requested, requested) if isinstance(requested, bool) else requested
     if choice not in GRAPH_CHOICES:
         raise ValueError(f"decode_graphs: expected one of {GRAPH_CHOICES}, got {requested!r}")
     if choice == "off":
-        return False, "off"
+        return False, False, "off"
     if not device.startswith("cuda"):
-        return False, f"off ({choice}): CUDA graphs need a CUDA device, this run is on {device}"
-    if choice == "on":
-        return True, "on (asked for)"
+        return False, False, f"off ({choice}): CUDA graphs need a CUDA device, this run is on {device}"
     adapters = set()
     for t in json.loads(Path(index_path).read_text()):
         state = (t.get("recipe") or {}).get("state") or {}
         if state.get("adapter"):
             adapters.add(state["adapter"])
+    static = bool(adapters & set(KV_LAYERS))
+    cache_note = "; generate with the static KV cache" if static else ""
+    if choice == "on":
+        return True, static, f"on (asked for){cache_note}"
     if not adapters:
-        return False, "off (auto): no extracted module keeps decode state, so nothing says the step is static"
-    other = sorted(adapters - set(STATIC_LAYERS))
+        return False, False, "off (auto): no extracted module keeps decode state, so nothing says the step is static"
+    other = sorted(adapters - set(STATIC_LAYERS) - set(KV_LAYERS))
     if other:
-        return False, f"off (auto): decode state in {other}, which graphs cannot hold (static: {sorted(STATIC_LAYERS)})"
-    return True, f"on (auto): decode state only in {sorted(adapters)}"
+        return False, False, (f"off (auto): decode state in {other}, which graphs cannot hold (static: "
+                              f"{sorted(STATIC_LAYERS)}, or {list(KV_LAYERS)} under the static cache)")
+    return True, static, f"on (auto): decode state only in {sorted(adapters)}{cache_note}"
 
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
                metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 2.0,
-               min_task_speedup: float = 1.0, decode_graphs: bool = False) -> dict:
+               min_task_speedup: float = 1.0, decode_graphs: bool = False, static_cache: bool = False) -> dict:
     """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
     experience for the next search round) go to DuckDB. `metric`: auto (logits_rel_l2_floor for 16-bit models,
     logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs; see llm4llm/accept.py."""
@@ -489,7 +498,7 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
                            cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats, tol_factor=tol_factor,
                                             floor_factor=floor_factor, min_task_speedup=min_task_speedup,
-                                            decode_graphs=decode_graphs),
+                                            decode_graphs=decode_graphs, static_cache=static_cache),
                            run_id=run_id)
     wl = describe_workload(workload_path)
     with Database(db_path) as db:
@@ -513,7 +522,7 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
             "retry_tasks": retry,
             "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
             "baseline_ms": result.baseline_ms, "final_ms": result.final_ms, "metric": result.metric,
-            "floor": result.floor_note}
+            "floor": result.floor_note, "graphs": result.graphs}
 
 
 def rejection_experience(decision, proposal):

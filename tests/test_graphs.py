@@ -250,22 +250,25 @@ def _index(tmp_path, adapters):
     return str(path)
 
 
-@pytest.mark.parametrize("adapters, device, requested, on, why", [
-    (["LinearAttentionLayer", None], "cuda", "auto", True, "on (auto): decode state only in ['LinearAttentionLayer']"),
-    (["DynamicLayer", None], "cuda", "auto", False, "decode state in ['DynamicLayer']"),
-    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", False,
+@pytest.mark.parametrize("adapters, device, requested, on, static, why", [
+    (["LinearAttentionLayer", None], "cuda", "auto", True, False,
+     "on (auto): decode state only in ['LinearAttentionLayer']"),
+    (["DynamicLayer", None], "cuda", "auto", True, True, "generate with the static KV cache"),
+    (["DynamicSlidingWindowLayer", "DynamicLayer"], "cuda", "auto", False, False,
+     "decode state in ['DynamicSlidingWindowLayer']"),
+    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", False, False,
      "['RecurrentGemmaRecurrentBlock']"),
-    ([None], "cuda", "auto", False, "no extracted module keeps decode state"),
-    (["DynamicLayer"], "cuda", "on", True, "on (asked for)"),
-    (["LinearAttentionLayer"], "cuda", False, False, "off"),
-    (["LinearAttentionLayer"], "cpu", "auto", False, "CUDA graphs need a CUDA device"),
-    (["LinearAttentionLayer"], "cpu", True, False, "CUDA graphs need a CUDA device"),
+    ([None], "cuda", "auto", False, False, "no extracted module keeps decode state"),
+    (["RecurrentGemmaRecurrentBlock"], "cuda", "on", True, False, "on (asked for)"),
+    (["LinearAttentionLayer"], "cuda", False, False, False, "off"),
+    (["LinearAttentionLayer"], "cpu", "auto", False, False, "CUDA graphs need a CUDA device"),
+    (["LinearAttentionLayer"], "cpu", True, False, False, "CUDA graphs need a CUDA device"),
 ])
-def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, why):
+def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, static, why):
     from llm4llm.pipeline import decode_graphs_plan
 
-    got, reason = decode_graphs_plan(_index(tmp_path, adapters), device, requested)
-    assert got is on and why in reason, reason
+    got, got_static, reason = decode_graphs_plan(_index(tmp_path, adapters), device, requested)
+    assert got is on and got_static is static and why in reason, reason
 
 
 def test_decode_graphs_choice_is_one_error(tmp_path):
@@ -358,3 +361,23 @@ def test_disable_puts_back_a_forward_the_caller_had_installed():
     assert model.forward is not mine
     disable_decode_graphs(model)
     assert model.__dict__["forward"] is mine
+
+
+def test_static_cache_option_sets_and_restores_generation_config(prompt):
+    """enable_decode_graphs(static_cache=True): a plain generate on a KV-cache model gets the static cache (and no
+    auto-compile) and its decode steps replay; disable puts generation_config back."""
+    model = tiny("llama")
+    ref = generate(model, prompt)
+    before = (model.generation_config.cache_implementation, getattr(model.generation_config, "disable_compile", None))
+    graphs = enable_decode_graphs(model, backend="emulate", static_cache=True)
+    try:
+        assert model.generation_config.cache_implementation == "static"
+        out = generate(model, prompt)
+        _same_generation(out, ref)
+        assert type(out.past_key_values).__name__ == "StaticCache"
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["replays"] == NEW_TOKENS - 2, stats
+    assert (model.generation_config.cache_implementation,
+            getattr(model.generation_config, "disable_compile", None)) == before
