@@ -10,8 +10,12 @@ Two entry points:
 - `attention_decode_update`: fused cache update for a preallocated cache. It writes `k_new`/`v_new` into
   position `cache_len` of `k_cache`/`v_cache` IN PLACE and attends to positions 0..cache_len. Because it writes
   state, it is tuned by hand (CONFIGS are for `attention_decode`), never autotuned: a re-run would rewrite the cache.
-Limits: one `kv_len`/`cache_len` for the whole batch (no per-sequence lengths); the grid depends on it, so a CUDA
-graph captured at one length is not valid at another.
+  `cache_len` may also be a one-element int tensor on the device (transformers' `StaticLayer.cumulative_length`):
+  then the kernel reads it, the grid is sized for the whole cache, splits past the length write nothing to the
+  result, and no host sync happens, so one CUDA graph serves every length. A length at or past the cache's end
+  writes nothing (never out of bounds) and attends to the whole cache.
+Limits: one `kv_len`/`cache_len` for the whole batch (no per-sequence lengths); with a host int the grid depends on
+it, so a CUDA graph captured at one length is not valid at another (use the device-tensor form).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are pad
 @triton.jit
 def _attention_decode_kernel(
     # Pointers
-    Q, K, V, K_NEW, V_NEW, O_PART, LSE_PART,
+    Q, K, V, K_NEW, V_NEW, O_PART, LSE_PART, LEN_PTR,
     # Matrix dimensions
     Hkv, KV_LEN, SPLIT_LEN, NUM_SPLITS, GROUP, D, qk_scale,
     # Strides
@@ -54,6 +58,7 @@ def _attention_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NEW_KV: tl.constexpr,
+    DEVICE_LEN: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -70,12 +75,17 @@ def _attention_decode_kernel(
         q = q.to(tl.float32)
     k_base = K + b * stride_kb + hkv * stride_kh
     v_base = V + b * stride_vb + hkv * stride_vh
+    S_MAX = KV_LEN
+    if DEVICE_LEN:  # KV_LEN is the cache's size; the valid length is on the device (no host sync, graph-safe)
+        new_pos = tl.load(LEN_PTR).to(tl.int32)
+        KV_LEN = tl.minimum(new_pos + 1, S_MAX) if HAS_NEW_KV else tl.minimum(new_pos, S_MAX)
+    else:
+        new_pos = KV_LEN - 1
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, KV_LEN)
     if HAS_NEW_KV:
         # The split that holds the new position writes it; every read of that slot is replaced by the new value,
-        # so no program depends on the order of the write and the reads.
-        new_pos = KV_LEN - 1
+        # so no program depends on the order of the write and the reads. A position past the cache is not written.
         k_new = tl.load(K_NEW + b * stride_knb + hkv * stride_knh + offs_d * stride_knd, mask=mask_d, other=0.0)
         v_new = tl.load(V_NEW + b * stride_vnb + hkv * stride_vnh + offs_d * stride_vnd, mask=mask_d, other=0.0)
         if (new_pos >= start) & (new_pos < end):
@@ -111,10 +121,13 @@ def _attention_decode_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Splits are never empty (the launcher sizes them), so l_i > 0.
+    # With a host length no split is empty (the launcher sizes them); with a device length the splits past it are,
+    # and write a zero partial with weight zero (lse -inf) for the merge.
     rows = (b * Hkv * GROUP + hq) * NUM_SPLITS + split  # [BLOCK_G] into [B, Hq, NUM_SPLITS]
-    tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(LSE_PART + rows, m_i + tl.log2(l_i), mask=mask_g)
+    some = l_i > 0
+    tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None],
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")), mask=mask_g)
 
 
 @triton.jit
@@ -190,7 +203,9 @@ def _check(q, k_cache, v_cache, kv_len) -> None:
             raise ValueError(f"attention_decode: expected {name} {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
 
 
-def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages):
+def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages,
+            len_tensor=None):
+    """kv_len: the attended length, or with `len_tensor` (the device-side cache length) the cache's size."""
     B, Hq, _, D = q.shape
     Hkv = k_cache.shape[1]
     n_splits = num_splits or default_num_splits(B * Hkv, kv_len, BLOCK_N)
@@ -203,12 +218,12 @@ def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_split
     kn, vn = (k_new, v_new) if has_new else (k_cache, v_cache)
     block_d = max(16, triton.next_power_of_2(D))
     _attention_decode_kernel[(B * Hkv, n_splits)](
-        q, k_cache, v_cache, kn, vn, o_part, lse_part,
+        q, k_cache, v_cache, kn, vn, o_part, lse_part, len_tensor if len_tensor is not None else o_part,
         Hkv, kv_len, split_len, n_splits, Hq // Hkv, D, (D**-0.5 if scale is None else scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         kn.stride(0), kn.stride(1), kn.stride(3), vn.stride(0), vn.stride(1), vn.stride(3),
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        HAS_NEW_KV=has_new, UPCAST_DOT=interpreting(),
+        HAS_NEW_KV=has_new, DEVICE_LEN=len_tensor is not None, UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -233,15 +248,23 @@ def attention_decode(
 
 def attention_decode_update(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    cache_len: int, scale: float | None = None, *,
+    cache_len: int | torch.Tensor, scale: float | None = None, *,
     BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [B, Hq, 1, D], k_new/v_new: [B, Hkv, 1, D], k_cache/v_cache: [B, Hkv, S_max, D] preallocated with
     cache_len valid positions. Writes k_new/v_new at position cache_len of the caches IN PLACE and returns
-    attention over positions 0..cache_len -> [B, Hq, 1, D]."""
-    if not 0 <= cache_len < k_cache.shape[2]:
-        raise ValueError(f"attention_decode_update: expected 0 <= cache_len < {k_cache.shape[2]}, got {cache_len}")
-    _check(q, k_cache, v_cache, cache_len + 1)
+    attention over positions 0..cache_len -> [B, Hq, 1, D]. cache_len as a one-element integer tensor on the
+    caches' device is read by the kernel (no host sync; one CUDA graph for every length; it is not advanced here)."""
+    device_len = isinstance(cache_len, torch.Tensor)
+    if device_len:
+        if cache_len.numel() != 1 or cache_len.is_floating_point() or cache_len.device != k_cache.device:
+            raise ValueError(f"attention_decode_update: expected cache_len an int or a one-element integer tensor on "
+                             f"{k_cache.device}, got {cache_len.dtype} {tuple(cache_len.shape)} on {cache_len.device}")
+        _check(q, k_cache, v_cache, k_cache.shape[2])
+    else:
+        if not 0 <= cache_len < k_cache.shape[2]:
+            raise ValueError(f"attention_decode_update: expected 0 <= cache_len < {k_cache.shape[2]}, got {cache_len}")
+        _check(q, k_cache, v_cache, cache_len + 1)
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if t.shape != (q.shape[0], Hkv, 1, D) or t.dtype != q.dtype or t.device != q.device:
@@ -249,4 +272,7 @@ def attention_decode_update(
                 f"attention_decode_update: expected {name} ({q.shape[0]}, {Hkv}, 1, {D}) {q.dtype}, "
                 f"got {tuple(t.shape)} {t.dtype}"
             )
+    if device_len:
+        return _launch(q, k_cache, v_cache, k_new, v_new, k_cache.shape[2], scale, BLOCK_N, num_splits, num_warps,
+                       num_stages, len_tensor=cache_len.reshape(1))
     return _launch(q, k_cache, v_cache, k_new, v_new, cache_len + 1, scale, BLOCK_N, num_splits, num_warps, num_stages)

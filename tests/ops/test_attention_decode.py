@@ -51,6 +51,34 @@ def test_attention_decode_update_writes_cache(dtype, cache_len):
     assert torch.equal(k_mut, k_ref) and torch.equal(v_mut, v_ref)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("cache_len", [0, 5, 17, 39])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_attention_decode_update_device_length(dtype, cache_len, num_splits):
+    """The length as a device tensor (StaticLayer.cumulative_length): same result and the same in-place writes as the
+    host int, with the grid sized for the whole cache (most splits past a short length are empty)."""
+    q, kc, vc = _inputs(2, 4, 2, 40, 16, dtype)
+    k_new, v_new = torch.randn(2, 2, 1, 16, dtype=dtype), torch.randn(2, 2, 1, 16, dtype=dtype)
+    out_ref, k_ref, v_ref = attention_decode_update_ref(q, k_new, v_new, kc, vc, cache_len)
+    k_mut, v_mut = kc.clone(), vc.clone()
+    length = torch.tensor(cache_len)
+    out = attention_decode_update(q, k_new, v_new, k_mut, v_mut, length, BLOCK_N=16, num_splits=num_splits)
+    assert_close(out, out_ref, dtype)
+    assert torch.equal(k_mut, k_ref) and torch.equal(v_mut, v_ref)
+    assert length.item() == cache_len  # read, not advanced
+
+
+def test_attention_decode_update_device_length_past_the_end_writes_nothing():
+    q, kc, vc = _inputs(1, 4, 2, 24, 16, torch.float32)
+    k_new, v_new = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    k_mut, v_mut = kc.clone(), vc.clone()
+    out = attention_decode_update(q, k_new, v_new, k_mut, v_mut, torch.tensor(24), BLOCK_N=16)
+    assert torch.equal(k_mut, kc) and torch.equal(v_mut, vc)
+    assert_close(out, attention_decode_ref(q, kc, vc))
+    with pytest.raises(ValueError, match="one-element integer tensor"):
+        attention_decode_update(q, k_new, v_new, kc, vc, torch.tensor([1.0]))
+
+
 def test_attention_decode_phase_contract():
     q, kc, vc = _inputs(1, 4, 2, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="q_len == 1"):
