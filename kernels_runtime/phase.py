@@ -74,6 +74,10 @@ def _layer_has_content(layer: Any) -> bool:
         return True
     if int(getattr(layer, "seqlen_offset", 0) or 0) > 0:
         return True
+    if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+        # transformers' StaticLayer: initialized by its first update, so it holds a prefix; its length lives on the
+        # device and reading it would wait for the GPU every step (a one-token prompt after `reset()` reads as decode)
+        return bool(getattr(layer, "is_initialized", False))
     get_seq_length = getattr(layer, "get_seq_length", None)
     if callable(get_seq_length):
         try:

@@ -112,3 +112,21 @@ def test_decode_with_a_filled_cache_does_not_read_cache_position():
     assert _SpyTensor.ops == 0
     assert phase_of_call((), {"input_ids": ids, "cache_position": position}) == "decode"  # no cache argument
     assert _SpyTensor.ops > 0
+
+
+def test_static_cache_answers_without_reading_its_device_length():
+    """transformers' StaticLayer keeps its length in a device tensor: the predicate decides from `is_initialized`
+    and never reads the tensor (on the GPU that read would wait for the device every decode step)."""
+    from transformers.cache_utils import StaticLayer
+
+    layer = StaticLayer(max_cache_len=8)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    cache = type("C", (), {"layers": [layer]})()
+    assert phase_of_call((), {"input_ids": ids, "past_key_values": cache}) == "prefill"  # not yet initialized
+    k = torch.zeros(1, 2, 3, 4)
+    layer.lazy_initialization(k, k)
+    layer.cumulative_length = layer.cumulative_length.as_subclass(_SpyTensor)
+    _SpyTensor.ops = 0
+    assert phase_of_call((), {"input_ids": ids, "past_key_values": cache}) == "decode"
+    assert _SpyTensor.ops == 0
+    assert phase_of_call((), {"input_ids": torch.zeros(1, 3, dtype=torch.long), "past_key_values": cache}) == "prefill"
