@@ -168,14 +168,21 @@ PROPOSERS = ("library", "llm", "hybrid")
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
     """--decode-graphs and --e2e-variants: one error line (exit 2) before any flow starts."""
     from llm4llm.errors import Llm4llmError
-    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
     from llm4llm.pipeline import GRAPH_CHOICES
 
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
-    bad = [v for v in (e2e_variants or "").split(",") if v.strip() and v.strip() not in VARIANTS + GRAPH_VARIANTS]
+    _check_variants("--e2e-variants", e2e_variants)
+
+
+def _check_variants(option: str, variants: str | None) -> None:
+    """An evaluate variant list: one error line (exit 2) before anything is built or measured."""
+    from llm4llm.errors import Llm4llmError
+    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
+
+    bad = [v.strip() for v in (variants or "").split(",") if v.strip() and v.strip() not in VARIANTS + GRAPH_VARIANTS]
     if bad:
-        raise Llm4llmError(f"--e2e-variants: expected names from {', '.join(VARIANTS + GRAPH_VARIANTS)}, got {bad}")
+        raise Llm4llmError(f"{option}: expected names from {', '.join(VARIANTS + GRAPH_VARIANTS)}, got {bad}")
 
 
 def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0) -> None:
@@ -277,6 +284,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     with _user_errors():
         from llm4llm.pipeline import run_evaluate
 
+        _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
             from kernels_runtime.bundle import BundleError, load_bundle
             from llm4llm.errors import TaskError

@@ -98,14 +98,15 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     """Build the model once through the script and measure each variant in turn, in this process."""
     from llm4llm.workload import call_script, load_script, load_workload
 
+    unknown = [v for v in variants if v not in VARIANTS + GRAPH_VARIANTS]
+    if unknown:  # before anything is built or measured
+        raise ValueError(f"variant: expected one of {VARIANTS + GRAPH_VARIANTS}, got {unknown}")
     wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
     batch = call_script(script.inputs, wl)
     results: list[E2EResult] = []
     for variant in variants:
-        if variant not in VARIANTS + GRAPH_VARIANTS:
-            raise ValueError(f"variant: expected one of {VARIANTS + GRAPH_VARIANTS}, got {variant!r}")
         try:
             results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
         except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too

@@ -381,3 +381,17 @@ def test_static_cache_option_sets_and_restores_generation_config(prompt):
     assert stats["graphs"] == 1 and stats["replays"] == NEW_TOKENS - 2, stats
     assert (model.generation_config.cache_implementation,
             getattr(model.generation_config, "disable_compile", None)) == before
+
+
+def test_evaluate_rejects_an_unknown_variant_before_building_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+    from llm4llm.evaluate import evaluate_workload
+
+    wl = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tiny-mamba.toml")
+    res = CliRunner().invoke(app, ["evaluate", wl, "--db", str(tmp_path / "db.duckdb"), "--variants", "eager,bogus"])
+    assert res.exit_code == 2 and "--variants: expected names from" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "db.duckdb").exists()
+    with pytest.raises(ValueError, match=r"got \['bogus'\]"):
+        evaluate_workload(wl, variants=("eager", "bogus"))
