@@ -126,6 +126,13 @@ def _gemv_kernel(
         if GATED:
             wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
             acc_u += tl.sum(wu * x[None, :], axis=1)
+    _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn, HAS_BIAS, GATED, EPILOGUE, RNE)
+
+
+@triton.jit
+def _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr):
+    # y[row, rn] = epilogue(acc + bias) (* acc_u), rounded to y's dtype: the tail of both GEMV paths
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     acc = _epilogue(acc, EPILOGUE)
@@ -183,12 +190,7 @@ def _gemv_reduce_kernel(
         acc += tl.load(p_ptr + offs, mask=rn < N, other=0.0)
         if GATED:
             acc_u += tl.load(pu_ptr + offs, mask=rn < N, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    acc = _epilogue(acc, EPILOGUE)
-    if GATED:
-        acc = acc * acc_u
-    tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+    _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn, HAS_BIAS, GATED, EPILOGUE, RNE)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,

@@ -63,6 +63,10 @@ def test_gemv_split_k_matches_ref(dtype, split, gated):
     assert out.shape == (2, 37) and out.dtype == dtype
     assert_close(out, linear_ref(x, w, b, "silu", w_up=wu), name=f"split-K {split}")
     assert torch.equal(out, linear(x, w, b, "silu", **kw))
+    from llm4llm.verify.aot import capture_launches
+
+    launches = capture_launches(lambda: linear(x, w, b, "silu", **kw))  # the split path, not the one-pass GEMV
+    assert [launch.name for launch in launches] == ["_gemv_split_kernel", "_gemv_reduce_kernel"]
 
 
 def test_gemv_split_k_bad_value_is_one_error():
