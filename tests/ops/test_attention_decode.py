@@ -51,6 +51,16 @@ def test_attention_decode_update_writes_cache(dtype, cache_len):
     assert torch.equal(k_mut, k_ref) and torch.equal(v_mut, v_ref)
 
 
+class _NoHostRead(torch.Tensor):
+    """A length tensor whose value must not reach the host."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+            raise AssertionError(f"the host read the device length ({func.__name__})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("cache_len", [0, 5, 17, 39])
 @pytest.mark.parametrize("num_splits", [None, 4])
@@ -66,6 +76,10 @@ def test_attention_decode_update_device_length(dtype, cache_len, num_splits):
     assert_close(out, out_ref, dtype)
     assert torch.equal(k_mut, k_ref) and torch.equal(v_mut, v_ref)
     assert length.item() == cache_len  # read, not advanced
+    # read by the kernel only: the host never turns it into a Python number (a sync on the GPU, frozen in a graph)
+    spy = torch.tensor(cache_len).as_subclass(_NoHostRead)
+    out2 = attention_decode_update(q, k_new, v_new, kc.clone(), vc.clone(), spy, BLOCK_N=16, num_splits=num_splits)
+    assert_close(out2, out_ref, dtype)
 
 
 def test_attention_decode_update_device_length_past_the_end_writes_nothing():
