@@ -148,8 +148,9 @@ def _light_key(kwargs: dict, cache_name: str) -> tuple:
                  (k, type(v).__name__) if k == cache_name else (k, v) for k, v in kwargs.items())
 
 
-class _Backend:
-    """torch.cuda.CUDAGraph; the emulating backend below has the same three calls."""
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph: warm-up on a side stream, capture into a shared memory pool, replay. The emulating
+    backend below has the same three calls; the verifier's graph timing uses this one (llm4llm/verify/timing.py)."""
 
     def __init__(self, pool: Any = None):
         self.pool = pool
@@ -175,7 +176,7 @@ class _Backend:
         graph.replay()
 
 
-class _EmulatedBackend(_Backend):
+class _EmulatedBackend(CudaGraphBackend):
     """CPU stand-in with the graph's contract: replay re-runs the recorded closure on the static buffers and copies
     its results into the outputs recorded at capture (what a graph's replay leaves there)."""
 
@@ -218,7 +219,7 @@ class DecodeGraphs:
 
     model: torch.nn.Module
     original: Callable
-    backend: _Backend
+    backend: CudaGraphBackend
     max_graphs: int = 8
     had_instance_forward: bool = False  # `forward` was an instance attribute already: disable puts it back
     # generation_config values replaced by static_cache=True (cache_implementation, disable_compile), put back on disable
@@ -424,7 +425,7 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     if backend == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("enable_decode_graphs: CUDA graphs need a CUDA device (backend='emulate' for tests)")
-        impl: _Backend = _Backend()
+        impl: CudaGraphBackend = CudaGraphBackend()
     elif backend == "emulate":
         impl = _EmulatedBackend()
     else:

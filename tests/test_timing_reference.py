@@ -128,3 +128,20 @@ def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode
         assert all("(bare entry)" in g.detail for g in bare.gates)
     finally:
         unload_candidate("timing_dispatch_candidate")
+
+
+@pytest.mark.gpu
+def test_graph_timing_times_replays_per_call():
+    """time_call_graph: GRAPH_CALLS calls of one draw captured in one graph; the latency is per call, over
+    GRAPH_REPLAYS replays, and the state advanced call to call (as in decoding)."""
+    dev = torch.device("cuda")
+    state = {"h": torch.zeros(1024, device=dev)}
+    args = [({"x": torch.ones(1024, device=dev)}, {}, state, {})]
+
+    def step(inputs, weights, st, static):
+        st["h"].add_(inputs["x"])
+        return st["h"]
+
+    lat = timing.time_call_graph(step, args, dev)
+    assert lat.reps == timing.GRAPH_REPLAYS and 0 < lat.p50 < 1.0
+    assert state["h"].sum().item() == 0  # the timed draw is a clone: the caller's state is untouched

@@ -183,19 +183,13 @@ def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
     def run():
         return fn(call) if prepare is not None else fn(*a)
 
+    from kernels_runtime.graphs import CudaGraphBackend
+
+    backend = CudaGraphBackend()
     try:
-        with torch.no_grad():
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):
-                    run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for _ in range(GRAPH_CALLS):
-                    run()
+        with torch.no_grad(), torch.cuda.device(device):
+            backend.warmup(lambda: [run() for _ in range(WARMUP)])
+            graph, _ = backend.record(lambda: [run() for _ in range(GRAPH_CALLS)])
             graph.replay()
             torch.cuda.synchronize(device)
             stream = torch.cuda.current_stream(device)
