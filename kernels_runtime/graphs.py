@@ -387,6 +387,12 @@ class DecodeGraphs:
         self.counts[f"refused: {reason}"] += 1
         return out
 
+    def summary(self) -> str:
+        """One line for reports and decisions: graphs, replays and why any signature was refused."""
+        st = self.stats()
+        return f"{st['graphs']} captured, {st['replays']} replays" + (
+            f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "")
+
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.entries), "replays": sum(e.replays for e in self.entries.values()),
                 "refused": sorted(set(self.refused.values())),

@@ -425,12 +425,9 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         g = kernels_runtime.enable_decode_graphs(model, static_cache=cfg.static_cache)
         try:
             graphed = latency()
-            st = g.stats()
+            how = g.summary() + (", static KV cache" if cfg.static_cache else "")
         finally:
             kernels_runtime.disable_decode_graphs(model)
-        how = f"{st['graphs']} captured, {st['replays']} replays" + (
-            f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "") + (
-            ", static KV cache" if cfg.static_cache else "")
         graphs = graphed < current
         graphs_note = (f"decode graphs {'on' if graphs else 'off'}: unpatched {current:.1f} ms without, "
                        f"{graphed:.1f} ms with ({how})")
@@ -503,9 +500,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     after = latency()
     g = kernels_runtime.decode_graphs_of(model)
     if g is not None:  # what the graphs did in this trial (a refusal means every decode step ran eagerly)
-        st = g.stats()
-        detail += (f"; decode graphs: {st['graphs']} captured, {st['replays']} replays"
-                   + (f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else ""))
+        detail += f"; decode graphs: {g.summary()}"
     if after is None:
         return decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
                                   f"(in-model correctness ok: {detail})", check, counters=counters)

@@ -395,3 +395,20 @@ def test_evaluate_rejects_an_unknown_variant_before_building_anything(tmp_path):
     assert not (tmp_path / "db.duckdb").exists()
     with pytest.raises(ValueError, match=r"got \['bogus'\]"):
         evaluate_workload(wl, variants=("eager", "bogus"))
+
+
+def test_summary_line_says_what_was_refused(prompt):
+    model = tiny("llama")
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        generate(model, prompt)
+        assert graphs.summary() == "0 captured, 0 replays"  # a growing cache is not a refusal: it never qualifies
+    finally:
+        disable_decode_graphs(model)
+    model = tiny("mamba")
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        generate(model, prompt)
+        assert graphs.summary() == f"1 captured, {NEW_TOKENS - 2} replays"
+    finally:
+        disable_decode_graphs(model)
