@@ -36,6 +36,17 @@ def prompt():
     return torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
 
 
+def _graphed_like_eager(model, prompt, **enable) -> dict:
+    """Generate eagerly, then with emulated decode graphs: the same tokens and logits. Returns the graphs' stats."""
+    ref = generate(model, prompt)
+    graphs = enable_decode_graphs(model, backend="emulate", **enable)
+    try:
+        _same_generation(generate(model, prompt), ref)
+        return graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+
+
 def _same_generation(got, ref):
     assert torch.equal(got.sequences, ref.sequences)
     for step, (g, r) in enumerate(zip(got.logits, ref.logits)):
@@ -108,13 +119,7 @@ def test_patched_model_replays_its_kernels(prompt):
 ])
 def test_growing_caches_run_eagerly_and_say_why(prompt, model_type, reason):
     model = tiny(model_type)
-    ref = generate(model, prompt)
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(generate(model, prompt), ref)
-    finally:
-        disable_decode_graphs(model)
-    stats = graphs.stats()
+    stats = _graphed_like_eager(model, prompt)
     assert stats["graphs"] == 0 and stats["replays"] == 0
     assert any(reason in k for k in stats["calls"]), stats
 
@@ -132,19 +137,12 @@ def test_state_kept_on_a_module_is_refused(prompt):
         return original(*args, **kwargs)
 
     mixer.forward = counting
-    ref = generate(model, prompt)
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(generate(model, prompt), ref)
-    finally:
-        disable_decode_graphs(model)
-    stats = graphs.stats()
+    stats = _graphed_like_eager(model, prompt)
     assert stats["graphs"] == 0 and any("state outside the cache" in r for r in stats["refused"]), stats
 
 
 def test_a_replay_that_differs_is_refused_and_the_step_stays_eager(prompt, monkeypatch):
     model = tiny("mamba")
-    ref = generate(model, prompt)
 
     replay = _EmulatedBackend.replay
 
@@ -153,29 +151,18 @@ def test_a_replay_that_differs_is_refused_and_the_step_stays_eager(prompt, monke
         out.logits.add_(1.0)
 
     monkeypatch.setattr(_EmulatedBackend, "replay", staticmethod(corrupt))
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(generate(model, prompt), ref)
-    finally:
-        disable_decode_graphs(model)
-    stats = graphs.stats()
+    stats = _graphed_like_eager(model, prompt)
     assert stats["graphs"] == 0 and any("replay differs from the eager step" in r for r in stats["refused"]), stats
 
 
 def test_capture_failure_is_refused(prompt, monkeypatch):
     model = tiny("mamba")
-    ref = generate(model, prompt)
 
     def fail(self, fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(_EmulatedBackend, "record", fail)
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(generate(model, prompt), ref)
-    finally:
-        disable_decode_graphs(model)
-    assert any("capture failed: RuntimeError" in r for r in graphs.stats()["refused"])
+    assert any("capture failed: RuntimeError" in r for r in _graphed_like_eager(model, prompt)["refused"])
 
 
 def test_cuda_backend_needs_cuda_and_bad_backend_is_one_error():
@@ -310,7 +297,6 @@ def test_a_second_replay_that_differs_is_refused(prompt, monkeypatch):
     Python int) matches the first step and not the second. The emulation re-runs Python on replay, so such a value
     cannot freeze here; a replay that goes wrong only the second time stands in for it."""
     model = tiny("mamba")
-    ref = generate(model, prompt)
     replay, calls = _EmulatedBackend.replay, {"n": 0}
 
     def second_differs(graph, fn, out):
@@ -320,12 +306,7 @@ def test_a_second_replay_that_differs_is_refused(prompt, monkeypatch):
             out.logits.add_(1.0)
 
     monkeypatch.setattr(_EmulatedBackend, "replay", staticmethod(second_differs))
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(generate(model, prompt), ref)
-    finally:
-        disable_decode_graphs(model)
-    stats = graphs.stats()
+    stats = _graphed_like_eager(model, prompt)
     assert stats["graphs"] == 0 and any("second step's output" in r for r in stats["refused"]), stats
 
 
