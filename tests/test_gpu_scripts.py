@@ -35,3 +35,19 @@ def test_dispatch_overhead_smoke_run(tmp_path):
     assert {r["measure"] for r in rows} == {"identity_per_call_synced", "triton_back_to_back"}
     real = next(r for r in rows if r["measure"] == "triton_back_to_back")
     assert real["patched_equals_direct"] is True  # the patched module returned the kernel's own result
+
+
+def test_graph_diag_smoke_run_and_bad_arguments(tmp_path):
+    """graph_diag.py with the emulating graph backend on a tiny Mamba2: a row per variant, the decode template's
+    graph captured and replayed; an unknown template or a config that is not a JSON object is one usage error."""
+    out = tmp_path / "diag.json"
+    res = _run(["scripts/gpu/graph_diag.py", "examples/workloads/tiny-mamba2.toml", "--template",
+                "ssm_mixer.mamba2_decode_fused", "--graphs-only", "--emulate", "--repeats", "1", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"eager", "eager_graphs", "ssm_mixer.mamba2_decode_fused#0+graphs"}
+    patched = rows["ssm_mixer.mamba2_decode_fused#0+graphs"]
+    assert patched["graphs"]["graphs"] == 1 and patched["graphs"]["replays"] > 0 and patched["calls"]["kernel"] > 0
+    for bad in (["--template", "nope"], ["--template", "ssm_mixer.mamba2_decode", "--config", "[1"]):
+        res = _run(["scripts/gpu/graph_diag.py", "examples/workloads/tiny-mamba2.toml", *bad, "--out", str(out)])
+        assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr

@@ -37,12 +37,23 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--emulate", action="store_true", help="CPU smoke run: the emulating graph backend, no timing claim")
     args = ap.parse_args()
+    from llm4llm.search.templates import TEMPLATES
+
+    known = {t.name for t in TEMPLATES}
+    for name in args.template + ([args.prefill_template] if args.prefill_template else []):
+        if name not in known:
+            ap.error(f"template: expected one of {sorted(known)}, got {name!r}")
+    for cfg in args.config or []:
+        try:
+            if not isinstance(json.loads(cfg), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            ap.error(f"--config: expected a JSON object, got {cfg!r} ({e})")
 
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
     from llm4llm.pipeline import run_extract, run_profile
-    from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_task
     from llm4llm.workload import call_script, load_script, load_workload
 
