@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import os
-
 from prefect import flow
 
 from flows.profile import _defaults, extract_tasks, profile_workload
@@ -28,8 +26,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     accept_floor_factor: per-step limit = max(fixed, factor x the model's own bf16-vs-fp32 noise floor).
     accept_min_task_speedup: on the GPU, candidates no faster than this in their task are not tried in-model.
     decode_graphs: auto | on | off (or a bool). On the GPU the model's one-token decode steps replay from CUDA graphs
-    (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (LLM4LLM_DECODE_TIMING=graph,
-    set for this flow run and the verifier workers it starts), acceptance's baseline and trials run with graphs, and
+    (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (the verifier's
+    decode_timing="graph"), acceptance's baseline and trials run with graphs, and
     the bundle ships with them. auto: on when every module's decode state sits in a static-address cache (Mamba,
     Mamba2) or a full-attention KV cache that the run swaps for transformers' static cache (Llama, Qwen3), decided
     from the extracted tasks (pipeline.decode_graphs_plan); acceptance keeps graphs only where the unpatched model is
@@ -37,21 +35,6 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     e2e_variants: None = eager, torch_compile, patched, plus eager_graphs and patched_graphs when graphs are on.
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""
-    previous = os.environ.get("LLM4LLM_DECODE_TIMING")
-    try:  # the search's decode timing follows this run's graph choice, and only for this run
-        return _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode, budget, proposer, top,
-                         families, delta, repeats, timeout_s, llm, accept_metric, accept_tol_factor,
-                         accept_floor_factor, accept_min_task_speedup, decode_graphs, e2e_variants, rounds)
-    finally:
-        if previous is None:
-            os.environ.pop("LLM4LLM_DECODE_TIMING", None)
-        else:
-            os.environ["LLM4LLM_DECODE_TIMING"] = previous
-
-
-def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode, budget, proposer, top, families,
-              delta, repeats, timeout_s, llm, accept_metric, accept_tol_factor, accept_floor_factor,
-              accept_min_task_speedup, decode_graphs, e2e_variants, rounds) -> dict:
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"stages: expected a subset of {STAGES}, got {sorted(unknown)}")
@@ -69,13 +52,12 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
     graphs, static_cache, why = pipeline.decode_graphs_plan(ext["index_path"], device, decode_graphs)
     print(f"decode graphs: {why}")
     out["decode_graphs"] = why
-    if graphs:
-        os.environ["LLM4LLM_DECODE_TIMING"] = "graph"
+    decode_timing = "graph" if graphs else "launch"
     if e2e_variants is None:
         e2e_variants = ("eager", "torch_compile", "patched") + (("eager_graphs", "patched_graphs") if graphs else ())
     out["searches"] = search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                    proposer=proposer, device=device, timeout_s=timeout_s, top=top,
-                                   families=families, llm=llm)
+                                   families=families, llm=llm, decode_timing=decode_timing)
     if "accept" not in stages:
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
@@ -87,7 +69,7 @@ def _optimize(workload_path, db_path, data_dir, min_score, refresh, stages, mode
             break
         out["searches"] += search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                         proposer=proposer, device=device, timeout_s=timeout_s, task_ids=retry,
-                                        llm=llm)
+                                        llm=llm, decode_timing=decode_timing)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
                                            accept_min_task_speedup, graphs, static_cache)

@@ -12,14 +12,15 @@ from tasks.search import search_task, searchable_tasks
 def search_tasks(run_id: str, db_path: str | None = None, data_dir: str | None = None, mode: str = "episodic",
                  budget: int = 15, proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0,
                  seed: int = 0, task_ids: list[str] | None = None, families: list[str] | None = None,
-                 top: int | None = None, llm: dict | None = None) -> list[dict]:
+                 top: int | None = None, llm: dict | None = None, decode_timing: str = "launch") -> list[dict]:
     """Fan out one search per task of a run. Timing is one job per GPU at a time: all searches share the device's
-    single verifier worker, whose lock serializes them."""
+    single verifier worker, whose lock serializes them. decode_timing: "launch" (back to back) or "graph" (GPU time
+    under CUDA-graph replay, for a run whose decode steps replay from graphs)."""
     data_dir = _defaults(data_dir)
     dirs = searchable_tasks(run_id, db_path, task_ids, families, top)
     try:
         futures = [search_task.submit(d, db_path, data_dir, mode, budget, proposer, device, timeout_s, seed, run_id,
-                                      llm) for d in dirs]
+                                      llm, decode_timing) for d in dirs]
         results = [f.result() for f in futures]
     finally:
         pipeline.close_pools()

@@ -228,15 +228,16 @@ def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRe
 _POOLS: dict = {}
 
 
-def verifier_pool(device: str, timeout_s: float = 120.0):
-    """One verifier worker per device in this (flow) process; its lock makes timing jobs on a GPU one at a time."""
+def verifier_pool(device: str, timeout_s: float = 120.0, decode_timing: str = "launch"):
+    """One verifier worker per device (and timing mode) in this (flow) process; its lock makes timing jobs on a GPU
+    one at a time."""
     import threading
 
     from llm4llm.verify.worker import VerifierPool
 
-    key = (device, timeout_s)
+    key = (device, timeout_s, decode_timing)
     if key not in _POOLS:
-        _POOLS[key] = (VerifierPool(device, timeout_s), threading.Lock())
+        _POOLS[key] = (VerifierPool(device, timeout_s, decode_timing=decode_timing), threading.Lock())
     return _POOLS[key]
 
 
@@ -269,9 +270,11 @@ def make_proposer(kind: str, seed: int = 0, llm=None):
 
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
                     proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
-                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True) -> dict:
+                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
+                    decode_timing: str = "launch") -> dict:
     """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
-    and an `experience` record. Returns a small summary."""
+    and an `experience` record. Returns a small summary. decode_timing: "graph" times decode candidates by GPU time
+    under CUDA-graph replay (a run whose decode steps replay from graphs), "launch" back to back."""
     from llm4llm import progress
     from llm4llm.search.episode import run_search
     from llm4llm.taskspec import load_spec
@@ -280,7 +283,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
 
     spec = load_spec(Path(task_dir))
     prop = make_proposer(proposer, seed, llm)
-    pool, lock = verifier_pool(device, timeout_s)
+    pool, lock = verifier_pool(device, timeout_s, decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id

@@ -145,3 +145,19 @@ def test_graph_timing_times_replays_per_call():
     lat = timing.time_call_graph(step, args, dev)
     assert lat.reps == timing.GRAPH_REPLAYS and 0 < lat.p50 < 1.0
     assert state["h"].sum().item() == 0  # the timed draw is a clone: the caller's state is untouched
+
+
+def test_decode_timing_is_a_verifier_option(monkeypatch):
+    """The optimize flow asks for graph timing through the verifier pool (not the environment): one pool per mode,
+    the mode in the options every job carries to the worker; a bad mode is one error before a worker starts."""
+    from llm4llm import pipeline
+    from llm4llm.verify.worker import VerifierPool
+
+    with pytest.raises(ValueError, match="decode_timing: expected one of"):
+        VerifierPool("cpu", decode_timing="sometimes")
+    spawned = []
+    monkeypatch.setattr(VerifierPool, "_spawn", lambda self: spawned.append(self.options["decode_timing"]))
+    monkeypatch.setattr(pipeline, "_POOLS", {})
+    a, _ = pipeline.verifier_pool("cpu", 5.0, "graph")
+    b, _ = pipeline.verifier_pool("cpu", 5.0, "launch")
+    assert a is not b and spawned == ["graph", "launch"] and pipeline.verifier_pool("cpu", 5.0, "graph")[0] is a

@@ -399,7 +399,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, seed: int = 0,
-              timing: bool = True, memcheck: bool = False, **_: Any) -> tuple[Verdict, bool]:
+              timing: bool = True, memcheck: bool = False, decode_timing: str = "launch",
+              **_: Any) -> tuple[Verdict, bool]:
     """Judge one candidate. Returns the verdict and whether this process's CUDA context is poisoned (the worker
     must then be replaced)."""
     dev = torch.device(device)
@@ -422,13 +423,13 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
             entry = getattr(module, "entry", None)
             if not callable(entry):
                 return v.fail("compile", "compile", "the module defines no callable `entry`"), False
-            return _run_loaded(v, task, entry, dev, draws, seed, timing, memcheck, source)
+            return _run_loaded(v, task, entry, dev, draws, seed, timing, memcheck, source, decode_timing)
     finally:
         unload_candidate(name)
 
 
 def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draws: int, seed: int, timing: bool,
-                memcheck: bool, source: str) -> tuple[Verdict, bool]:
+                memcheck: bool, source: str, decode_timing: str = "launch") -> tuple[Verdict, bool]:
     all_draws = make_draws(task, dev, draws, seed)
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
                    else None)
@@ -479,7 +480,7 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
     from llm4llm.verify.timing import time_task
 
     try:
-        time_task(v, task, entry, all_draws, dev, source=source)
+        time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing == "graph")
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     return v.finish(), False

@@ -14,8 +14,9 @@ in their task gained 0-0.3 % or lost end to end. Latency does not depend on weig
 weights stand in for each draw's (same shapes and dtypes: the instances of a task share them).
 
 With decode graphs (`llm4llm optimize --decode-graphs`: the model's decode steps replay from CUDA graphs, so a
-decode call costs the GPU only its kernels), decode tasks are timed that way too: LLM4LLM_DECODE_TIMING=graph makes
-the in_context mode of a decode task capture GRAPH_CALLS calls (candidate through its dispatch, reference as the
+decode call costs the GPU only its kernels), decode tasks are timed that way too: the verifier option
+`decode_timing="graph"` (VerifierPool; the optimize flow sets it when it runs with graphs) makes the in_context
+mode of a decode task capture GRAPH_CALLS calls (candidate through its dispatch, reference as the
 module's own forward) in one CUDA graph and time its replays; launch cost, which the graphs remove, no longer hides
 a slow kernel (on the H200, 2026-11-30: Mamba2 decode candidates at 2.1x timed back to back were 2.2x slower than
 HF's ops under graph replay). Where a call cannot be captured, it is timed back to back and the gate says so.
@@ -43,10 +44,6 @@ WARMUP = 5
 ROTATION = 4  # fresh input buffers cycled through in cold mode
 GRAPH_CALLS = 20  # calls captured in one graph (graph timing)
 GRAPH_REPLAYS = 20
-
-
-def decode_graph_timing() -> bool:
-    return os.environ.get("LLM4LLM_DECODE_TIMING", "") == "graph"
 
 Args = tuple[dict, dict, dict, dict]
 Prepare = Callable[..., tuple[tuple, Callable[[], None]]]  # (*Args) -> (call arguments, cleanup after the call)
@@ -216,7 +213,8 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
                    reps=min(x.reps for x in lats))
 
 
-def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None) -> None:
+def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None,
+              decode_graph: bool = False) -> None:
     """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
     The reference is the module's own forward (`module_call`), built once per task in this worker. With `source`,
     the candidate is timed as the model would run it, installed in the module through kernels_runtime
@@ -233,7 +231,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         except Exception as e:  # noqa: BLE001 - the bare entry is still timed
             how = f"bare entry (not installable in the module: {type(e).__name__}: {str(e)[:200]})"
 
-    graph = decode_graph_timing() and task.spec.phase == "decode" and device.type == "cuda"
+    graph = decode_graph and task.spec.phase == "decode" and device.type == "cuda"
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
     weights = [all_weights[k] for k in timed]

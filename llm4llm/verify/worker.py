@@ -62,6 +62,11 @@ def _serve(conn, run_gates) -> None:
             return
 
 
+# How decode tasks are timed (llm4llm/verify/timing.py): "launch", calls back to back as eager decoding runs them;
+# "graph", GPU time under CUDA-graph replay, as decoding runs under kernels_runtime.graphs.
+DECODE_TIMINGS = ("launch", "graph")
+
+
 class VerifierPool:
     """One worker process for `device`, restarted after every timeout, crash or poisoned CUDA context.
 
@@ -70,10 +75,14 @@ class VerifierPool:
     """
 
     def __init__(self, device: str = "cpu", timeout_s: float = 120.0, draws: int = 5, seed: int = 0,
-                 timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S):
+                 timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S,
+                 decode_timing: str = "launch"):
         self.device = "cuda:0" if device == "cuda" else device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self.options = {"draws": draws, "seed": seed, "timing": timing, "memcheck": memcheck}
+        if decode_timing not in DECODE_TIMINGS:
+            raise ValueError(f"decode_timing: expected one of {DECODE_TIMINGS}, got {decode_timing!r}")
+        self.options = {"draws": draws, "seed": seed, "timing": timing, "memcheck": memcheck,
+                        "decode_timing": decode_timing}
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._conn = None
