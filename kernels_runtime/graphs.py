@@ -124,28 +124,75 @@ def _module_tensor_attrs(model: torch.nn.Module) -> dict[tuple[int, str], int]:
     return out
 
 
+def _arg_sig(name: str, v: Any) -> tuple:
+    """Signature of one argument: tensors by dtype/shape/device, plain values by value; dicts, lists and tuples of
+    those (Qwen3's per-layer-type attention masks come as a dict) element by element."""
+    if isinstance(v, torch.Tensor):
+        return ("T", str(v.dtype), tuple(v.shape), str(v.device))
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return ("V", v)
+    if isinstance(v, dict):
+        return ("D", tuple((k, _arg_sig(name, v[k])) for k in sorted(v, key=str)))
+    if isinstance(v, (list, tuple)):
+        return ("L", type(v).__name__, tuple(_arg_sig(name, x) for x in v))
+    raise NotGraphable(f"argument {name!r} of type {type(v).__name__} (graphed: tensors, numbers, None, "
+                       "and dicts/lists/tuples of those)")
+
+
 def _signature(kwargs: dict, cache_name: str, slots: list[_Slot]) -> tuple:
     parts = []
     for k in sorted(kwargs):
         v = kwargs[k]
-        if k == cache_name:
-            parts.append((k, type(v).__name__))
-        elif isinstance(v, torch.Tensor):
-            parts.append((k, "T", str(v.dtype), tuple(v.shape), str(v.device)))
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            parts.append((k, "V", v))
-        else:
-            raise NotGraphable(f"argument {k!r} of type {type(v).__name__} (graphed: tensors, numbers, None)")
+        parts.append((k, type(v).__name__) if k == cache_name else (k, _arg_sig(k, v)))
     for s in slots:
         t = s.get()
         parts.append(("state", s.attr, str(t.dtype), tuple(t.shape), str(t.device)))
     return tuple(parts)
 
 
+def _light(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.dtype, v.device)
+    if isinstance(v, dict):
+        return tuple((k, _light(x)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return tuple(_light(x) for x in v)
+    return v
+
+
 def _light_key(kwargs: dict, cache_name: str) -> tuple:
     """The arguments' part of a signature (the state's shapes are checked by identity on the fast path)."""
-    return tuple((k, v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else
-                 (k, type(v).__name__) if k == cache_name else (k, v) for k, v in kwargs.items())
+    return tuple((k, type(v).__name__) if k == cache_name else (k, _light(v)) for k, v in kwargs.items())
+
+
+def _has_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_has_tensor(x) for x in v)
+
+
+def _static_copy(v: Any) -> Any:
+    """The graph's own input buffers: every tensor cloned, containers rebuilt around them."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _static_copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_static_copy(x) for x in v)
+    return v
+
+
+def _copy_into(buf: Any, v: Any) -> None:
+    if isinstance(buf, torch.Tensor):
+        buf.copy_(v)
+    elif isinstance(buf, dict):
+        for k, b in buf.items():
+            _copy_into(b, v[k])
+    elif isinstance(buf, (list, tuple)):
+        for b, x in zip(buf, v):
+            _copy_into(b, x)
 
 
 class CudaGraphBackend:
@@ -205,7 +252,7 @@ class _Entry:
     graph: Any
     fn: Callable[[], Any]
     out: Any
-    static_inputs: dict[str, torch.Tensor]
+    static_inputs: dict[str, Any]  # the graph's input buffers: tensors, or containers of them
     states: list[torch.Tensor]  # graph-owned state buffers, in slot order
     cache_keys: tuple  # output fields (names or positions) that are the cache object
     cache_arg: str  # the argument the cache comes in (cache_params / past_key_values)
@@ -273,7 +320,7 @@ class DecodeGraphs:
 
     def _replay(self, entry: _Entry, kwargs: dict, cache: Any) -> Any:
         for k, buf in entry.static_inputs.items():
-            buf.copy_(kwargs[k])
+            _copy_into(buf, kwargs[k])
         self.backend.replay(entry.graph, entry.fn, entry.out)
         entry.replays += 1
         self.counts["replayed"] += 1
@@ -335,7 +382,7 @@ class DecodeGraphs:
             return self._refuse(key, "a module reassigns a tensor attribute per step (state outside the cache)",
                                 out_eager)
         states = [b.clone() for b in before]
-        statics = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        statics = {k: _static_copy(v) for k, v in kwargs.items() if k != cache_name and _has_tensor(v)}
         for s, t in zip(slots, states):
             s.set(t)
         # The graph runs on a private copy of the cache whose layers always point at `states` (the caller's cache
