@@ -7,9 +7,13 @@ the top-level model's `forward` (an instance attribute, as patch.py does for mod
 
   * input_ids [B, 1] (no inputs_embeds), every other tensor argument of a fixed shape,
   * a cache whose every layer keeps its state at static addresses (see STATIC_LAYERS: Mamba / Mamba2's
-    LinearAttentionLayer, transformers' StaticLayer from `generate(..., cache_implementation="static")`; a
-    DynamicLayer KV cache grows each token and is not graphed),
-  * no per-step state kept on modules outside the cache (RecurrentGemma's blocks reassign theirs: checked),
+    LinearAttentionLayer, transformers' StaticLayer and StaticSlidingWindowLayer from
+    `generate(..., cache_implementation="static")`; a DynamicLayer KV cache grows each token and is not graphed),
+    with any host-side counter (HOST_COUNTERS) advanced by the wrapper after each replay, and positions the model
+    would derive from such a counter passed in as `position_ids`,
+  * state kept on modules outside the cache (RecurrentGemma's recurrent blocks assign a new `conv1d_state` and
+    `rg_lru.recurrent_states` each step) of a fixed shape: adopted into buffers the graph owns, the captured step
+    ending with a copy of the new values there; state that grows is refused,
 
 is captured once per call signature and then replayed: the arguments are copied into static buffers, the graph runs,
 and the outputs are returned as fresh tensors (clones: a caller may keep them across steps). The step that triggers a
@@ -33,6 +37,7 @@ Tests on the CPU use `backend="emulate"`: the same binding, static buffers, vali
 from __future__ import annotations
 
 import copy
+import inspect
 import traceback
 import weakref
 from collections import Counter
@@ -47,12 +52,18 @@ _ATTR = "_llm4llm_decode_graphs"  # on the top-level model: the DecodeGraphs tha
 
 # Cache layer classes (exact names) whose state lives at static addresses, and where: a per-layer dict of tensors
 # (LinearAttentionLayer: Mamba, Mamba2) or a tensor attribute (StaticLayer: transformers' static KV cache, whose
-# write position `cumulative_length` is a device tensor advanced in place). StaticSlidingWindowLayer is not here: it
-# counts positions in a Python int, which a graph would freeze.
+# write position `cumulative_length` is a device tensor advanced in place; StaticSlidingWindowLayer: the same while
+# its window is not full).
 STATIC_LAYERS: dict[str, tuple[str, ...]] = {
     "LinearAttentionLayer": ("conv_states", "recurrent_states"),
     "StaticLayer": ("keys", "values", "cumulative_length"),
+    "StaticSlidingWindowLayer": ("keys", "values", "cumulative_length"),
 }
+# Host-side bookkeeping a layer's update does besides its tensors: a Python int counter advanced by the tokens
+# written. A replay runs no Python, so the wrapper advances it after each replay. StaticSlidingWindowLayer also
+# branches on it (filling, then rolling the window): a step is graphed only while the write stays inside the window,
+# the branch every replay then takes (transformers 5.17, cache_utils.StaticSlidingWindowLayer.update).
+HOST_COUNTERS: dict[str, str] = {"StaticSlidingWindowLayer": "cumulative_length_int"}
 _CACHE_KWARGS = ("cache_params", "past_key_values")
 
 
@@ -108,20 +119,59 @@ def state_slots(cache: Any) -> list[_Slot]:
                 raise NotGraphable(f"cache layer {type(layer).__name__}.{attr} is a {type(holder).__name__}")
         if not all(getattr(layer, "has_previous_state", {0: True}).values()):
             raise NotGraphable("cache layer without previous state (prefill, not decode)")
+        counter = HOST_COUNTERS.get(type(layer).__name__)
+        if counter is not None and getattr(layer, "is_initialized", False) and \
+                getattr(layer, counter) >= layer.max_cache_len:
+            raise NotGraphable("sliding-window cache full (it rolls its window on a host-side branch)")
     if not slots:
         raise NotGraphable("cache holds no state yet")
     return slots
 
 
-def _module_tensor_attrs(model: torch.nn.Module) -> dict[tuple[int, str], int]:
-    """id() of every tensor a module keeps as a plain attribute (not a parameter or buffer): state kept outside the
-    cache (RecurrentGemma's conv1d_state) shows up as a changed id after a step."""
+def _host_layers(cache: Any) -> list[tuple[Any, str]]:
+    """(layer, counter attribute) of every initialized cache layer with host-side bookkeeping (HOST_COUNTERS)."""
+    out = []
+    for layer in getattr(cache, "layers", ()):
+        counter = HOST_COUNTERS.get(type(layer).__name__)
+        if counter is not None and getattr(layer, "is_initialized", False):
+            out.append((layer, counter))
+    return out
+
+
+def _window_open(hosts: list[tuple[Any, str]], tokens: int) -> bool:
+    """Every host-counted layer can take `tokens` more without leaving the branch the graph was captured on."""
+    return all(getattr(layer, c) + tokens <= layer.max_cache_len for layer, c in hosts)
+
+
+def _module_tensors(model: torch.nn.Module, snapshot: bool = False) -> dict[tuple[int, str], tuple]:
+    """Every tensor a module keeps as a plain attribute (not a parameter or buffer), by (id(module), name):
+    (module, name, tensor, a clone of it when `snapshot`)."""
     out = {}
     for m in model.modules():
         for k, v in vars(m).items():
             if isinstance(v, torch.Tensor):
-                out[(id(m), k)] = id(v)
+                out[(id(m), k)] = (m, k, v, v.clone() if snapshot else None)
     return out
+
+
+def _module_state(before: dict, after: dict) -> tuple[list[_Slot], str]:
+    """State a module keeps on itself (RecurrentGemma's recurrent blocks: `conv1d_state`, `rg_lru.recurrent_states`):
+    the tensor attributes a step replaced or changed, given clones from before it. Such a slot is adopted: its
+    tensor moves into a buffer the graph owns and the captured step ends by copying the module's new value into it
+    (forward assigns a new tensor each step; a replay has no Python to do the assignment). Returns (slots, why not):
+    an attribute that appears, disappears or changes shape or dtype cannot be held at a static address."""
+    if before.keys() != after.keys():
+        names = [before[x][1] for x in before.keys() - after.keys()] + [after[x][1] for x in after.keys() - before.keys()]
+        return [], f"a module adds or drops tensor attributes per step ({sorted(names)[:4]})"
+    slots = []
+    for key, (m, k, ref, old) in before.items():
+        cur = after[key][2]
+        if cur is ref and torch.equal(cur, old):
+            continue  # neither replaced nor written: not state
+        if cur.shape != old.shape or cur.dtype != old.dtype or cur.device != old.device:
+            return [], f"module state {type(m).__name__}.{k} changes shape or dtype per step"
+        slots.append(_Slot(m, k, None))
+    return slots, ""
 
 
 def _arg_sig(name: str, v: Any) -> tuple:
@@ -258,6 +308,9 @@ class _Entry:
     cache_arg: str  # the argument the cache comes in (cache_params / past_key_values)
     bound: Any = None  # weakref to the cache whose layers point at `states`
     replays: int = 0
+    module_slots: list = field(default_factory=list)  # state kept on modules (its buffers end `states`)
+    positions: bool = False  # position_ids are counted on the host and passed in (see _with_positions)
+    private: Any = None  # the cache copy the graph was recorded through
 
 
 @dataclass
@@ -278,6 +331,7 @@ class DecodeGraphs:
     # (entry, cache weakref, light key, [(state dict, index, graph buffer)]) of the last replay: a decode loop calls
     # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
     _fast: tuple | None = None
+    _takes_positions: bool | None = None
 
     # ------------------------------------------------------------------------------------------------ call path
     def __call__(self, *args, **kwargs):
@@ -286,11 +340,13 @@ class DecodeGraphs:
             return self.original(*args, **kwargs)
         fast = self._fast
         if fast is not None:  # the same signature and cache as the last replay: skip the full checks
-            entry, cache_ref, light, checks = fast
+            entry, cache_ref, light, checks, hosts = fast
             cache = kwargs.get(entry.cache_arg)
-            if (cache is not None and cache is cache_ref() and _light_key(kwargs, entry.cache_arg) == light
-                    and all((getattr(c, k) if i is None else c[i]) is t for c, k, i, t in checks)):
-                return self._replay(entry, kwargs, cache)
+            if cache is not None and cache is cache_ref():
+                call = self._with_positions(kwargs, cache) if entry.positions else kwargs
+                if (_light_key(call, entry.cache_arg) == light and _window_open(hosts, 1)
+                        and all((getattr(c, k) if i is None else c[i]) is t for c, k, i, t in checks)):
+                    return self._replay(entry, call, cache, hosts)
         try:
             ids = kwargs.get("input_ids")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
@@ -299,7 +355,10 @@ class DecodeGraphs:
                 raise NotGraphable("inputs_embeds given")
             cache_name, cache = _find_cache(kwargs)
             slots = state_slots(cache)
-            key = _signature(kwargs, cache_name, slots)
+            hosts = _host_layers(cache)
+            positions = bool(hosts) and kwargs.get("position_ids") is None
+            call = self._with_positions(kwargs, cache) if positions else kwargs
+            key = _signature(call, cache_name, slots)
         except NotGraphable as e:
             self.counts[f"eager: {e}"] += 1
             return self.original(**kwargs)
@@ -311,17 +370,44 @@ class DecodeGraphs:
             if len(self.entries) >= self.max_graphs:
                 self.counts[f"eager: {self.max_graphs} graphs already captured"] += 1
                 return self.original(**kwargs)
-            return self._capture(key, kwargs, cache_name, cache, slots)
+            return self._capture(key, kwargs, call, cache_name, cache, slots, hosts, positions)
+        slots = slots + entry.module_slots
         self._bind(entry, cache, slots)
-        self._fast = (entry, weakref.ref(cache), _light_key(kwargs, cache_name),
+        self._fast = (entry, weakref.ref(cache), _light_key(call, cache_name),
                       [(s.layer if s.index is None else getattr(s.layer, s.attr), s.attr, s.index, t)
-                       for s, t in zip(slots, entry.states)])
-        return self._replay(entry, kwargs, cache)
+                       for s, t in zip(slots, entry.states)], hosts)
+        return self._replay(entry, call, cache, hosts)
 
-    def _replay(self, entry: _Entry, kwargs: dict, cache: Any) -> Any:
+    def _with_positions(self, kwargs: dict, cache: Any) -> dict:
+        """kwargs plus `position_ids` counted on the host: a model that derives positions from the cache's length
+        (RecurrentGemma: `past_key_values.get_seq_length()`, a Python int for a sliding-window layer) would have
+        the graph replay the capture's position forever; given as an argument, it is copied in like the token."""
+        if self._takes_positions is None:
+            try:
+                params = inspect.signature(self.original).parameters
+                self._takes_positions = "position_ids" in params or any(
+                    p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            except (TypeError, ValueError):
+                self._takes_positions = False
+        if not self._takes_positions:
+            raise NotGraphable("positions are counted on the host and forward takes no position_ids")
+        past = cache.get_seq_length()
+        if not isinstance(past, int):
+            raise NotGraphable(f"positions: cache length is a {type(past).__name__}, not a host int")
+        n = kwargs["input_ids"].shape[1]
+        return {**kwargs, "position_ids": torch.arange(past, past + n, device=kwargs["input_ids"].device)[None]}
+
+    def _replay(self, entry: _Entry, call: dict, cache: Any, hosts: list) -> Any:
         for k, buf in entry.static_inputs.items():
-            _copy_into(buf, kwargs[k])
+            _copy_into(buf, call[k])
+        if hosts and isinstance(self.backend, _EmulatedBackend):
+            # the emulation re-runs Python on the private cache: it takes the caller's branch (a graph has frozen it)
+            for (layer, c), (mine, _) in zip(hosts, _host_layers(entry.private)):
+                setattr(mine, c, getattr(layer, c))
         self.backend.replay(entry.graph, entry.fn, entry.out)
+        n = call["input_ids"].shape[1]
+        for layer, c in hosts:  # the bookkeeping the layer's update does in Python, which a replay skips
+            setattr(layer, c, getattr(layer, c) + n)
         entry.replays += 1
         self.counts["replayed"] += 1
         return self._result(entry, cache)
@@ -344,7 +430,8 @@ class DecodeGraphs:
         return out
 
     def _bind(self, entry: _Entry, cache: Any, slots: list[_Slot]) -> None:
-        """Point `cache`'s layers at the graph's state buffers (copying its state in), unless they already are."""
+        """Point `cache`'s layers (and the modules' own state) at the graph's state buffers, copying the current
+        state in, unless they already are. `slots`: the cache's, then entry.module_slots."""
         if (entry.bound is not None and entry.bound() is cache
                 and all(s.get().data_ptr() == t.data_ptr() for s, t in zip(slots, entry.states))):
             return
@@ -364,40 +451,66 @@ class DecodeGraphs:
         self.counts["bound a cache"] += 1
 
     # ------------------------------------------------------------------------------------------------ capture
-    def _capture(self, key, kwargs, cache_name, cache, slots):
+    def _capture(self, key, kwargs, call_in, cache_name, cache, slots, hosts, positions):
         """Run this step eagerly (the result returned) and, for the check only, once more with the same arguments;
         then capture from the state before the step and replay twice: both replays must match the two eager steps.
         Two, not one: a value the host computed at capture (a position counter kept in a Python int) replays as a
-        constant, which only the second step shows."""
+        constant, which only the second step shows. The eager steps run the caller's own arguments (`kwargs`), the
+        graph the wrapper's (`call_in`: plus host-counted positions), so the check covers that difference too."""
+        n = kwargs["input_ids"].shape[1]
         before = [s.get().clone() for s in slots]
-        attrs = _module_tensor_attrs(self.model)
+        mods_before = _module_tensors(self.model, snapshot=True)
+        counters = [getattr(layer, c) for layer, c in hosts]
         out_eager = self.original(**kwargs)
         logits_eager = [t.clone() for t in _tensors(out_eager)]
         after = [s.get().clone() for s in slots]
+        mods_after = _module_tensors(self.model, snapshot=True)
+        module_slots, why = _module_state(mods_before, mods_after)
         second = [t.clone() for t in _tensors(self.original(**kwargs))]  # the check's second step
         after2 = [s.get().clone() for s in slots]
+        mods_after2 = _module_tensors(self.model)
         for s, a in zip(slots, after):  # back to the state after the real step
             s.get().copy_(a)
-        if _module_tensor_attrs(self.model) != attrs:
-            return self._refuse(key, "a module reassigns a tensor attribute per step (state outside the cache)",
-                                out_eager)
+        for (layer, c), v in zip(hosts, counters):
+            setattr(layer, c, v + n)
+        for s in module_slots:
+            k = (id(s.layer), s.attr)
+            after2.append(mods_after2[k][2].clone())
+            after.append(mods_after[k][3])
+            before.append(mods_before[k][3])
+            s.set(mods_after[k][3].clone())
+        if why:
+            return self._refuse(key, why, out_eager)
+        slots = slots + module_slots
         states = [b.clone() for b in before]
-        statics = {k: _static_copy(v) for k, v in kwargs.items() if k != cache_name and _has_tensor(v)}
+        statics = {k: _static_copy(v) for k, v in call_in.items() if k != cache_name and _has_tensor(v)}
         for s, t in zip(slots, states):
             s.set(t)
         # The graph runs on a private copy of the cache whose layers always point at `states` (the caller's cache
         # is re-pointed at them too, and may be given back its own copies later); tensors are shared, not copied.
         private = copy.deepcopy(cache, memo={id(t): t for t in states})
-        call = dict(kwargs)
+        for (layer, c), v in zip(_host_layers(private), counters):
+            setattr(layer, c, v)  # the private copy starts where the step started
+        call = dict(call_in)
         call.update(statics)
         call[cache_name] = private
+        module_states = states[len(states) - len(module_slots):]
 
         def fn():
-            return self.original(**call)
+            out = self.original(**call)
+            for s, t in zip(module_slots, module_states):  # a module that assigned new state: into the buffer
+                cur = s.get()
+                if cur is not t:
+                    t.copy_(cur)
+                    s.set(t)
+            return out
 
         def restore(values):
-            for t, v in zip(states, values):
+            for s, t, v in zip(slots, states, values):
                 t.copy_(v)
+                s.set(t)
+            for (layer, c), v in zip(_host_layers(private), counters):
+                setattr(layer, c, v)
 
         try:
             self.backend.warmup(fn)
@@ -409,6 +522,10 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
             bad = _mismatch(_tensors(out), logits_eager, "output") or _mismatch(states, after, "state")
             if not bad:
+                if positions:
+                    statics["position_ids"].add_(n)
+                for (layer, c), v in zip(_host_layers(private), counters):
+                    setattr(layer, c, v + n)  # what the emulation's Python sees; a graph has frozen its branch
                 self.backend.replay(graph, fn, out)
                 if not isinstance(self.backend, _EmulatedBackend):
                     torch.cuda.synchronize()
@@ -424,7 +541,8 @@ class DecodeGraphs:
             return self._refuse(key, f"replay differs from the eager step: {bad}", out_eager)
         items = out.items() if hasattr(out, "keys") else enumerate(out) if isinstance(out, tuple) else ()
         cache_keys = tuple(k for k, v in items if v is private)
-        entry = _Entry(graph, fn, out, statics, states, cache_keys, cache_name, weakref.ref(cache))
+        entry = _Entry(graph, fn, out, statics, states, cache_keys, cache_name, weakref.ref(cache),
+                       module_slots=module_slots, positions=positions, private=private)
         self.entries[key] = entry
         self.counts["captured"] += 1
         return out_eager

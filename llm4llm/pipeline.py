@@ -446,17 +446,20 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
 GRAPH_CHOICES = ("auto", "on", "off")
 
 
-KV_LAYERS = ("DynamicLayer",)  # a KV cache that grows per token: graphable under transformers' static cache
+# A KV cache that grows per token: graphable under transformers' static cache (StaticLayer / StaticSlidingWindowLayer)
+KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
 def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> tuple[bool, bool, str]:
     """(graphs, static_cache, why) for a run. `requested`: auto | on | off (bools: on / off).
 
     auto is on when the extracted tasks keep decode state only in cache layers with static addresses
-    (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2) or in a full-attention KV cache, which the run then swaps
-    for transformers' static cache (static_cache=True: Llama, Qwen3; their attention kernels, written for the dynamic
-    cache, fall back there). State a module reassigns (RecurrentGemma) or a sliding window keeps it off. Acceptance
-    still measures the unpatched model with and without graphs and keeps them only where they are faster."""
+    (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2), in a KV cache, which the run then swaps for transformers'
+    static cache (static_cache=True: Llama, Qwen3, RecurrentGemma's sliding-window attention; their attention kernels,
+    written for the dynamic cache, fall back there), or on modules with a state adapter (RecurrentGemma's recurrent
+    blocks: the graph adopts state a module assigns per step). Acceptance still measures the unpatched model with
+    and without graphs and keeps them only where they are faster."""
+    from kernels_runtime.boundary import MODULE_ADAPTERS
     from kernels_runtime.graphs import STATIC_LAYERS
 
     choice = {True: "on", False: "off"}.get(requested, requested) if isinstance(requested, bool) else requested
@@ -477,10 +480,11 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
         return True, static, f"on (asked for){cache_note}"
     if not adapters:
         return False, False, "off (auto): no extracted module keeps decode state, so nothing says the step is static"
-    other = sorted(adapters - set(STATIC_LAYERS) - set(KV_LAYERS))
+    other = sorted(adapters - set(STATIC_LAYERS) - set(KV_LAYERS) - set(MODULE_ADAPTERS))
     if other:
         return False, False, (f"off (auto): decode state in {other}, which graphs cannot hold (static: "
-                              f"{sorted(STATIC_LAYERS)}, or {list(KV_LAYERS)} under the static cache)")
+                              f"{sorted(STATIC_LAYERS)}, {list(KV_LAYERS)} under the static cache, or on modules: "
+                              f"{sorted(MODULE_ADAPTERS)})")
     return True, static, f"on (auto): decode state only in {sorted(adapters)}{cache_note}"
 
 

@@ -124,21 +124,48 @@ def test_growing_caches_run_eagerly_and_say_why(prompt, model_type, reason):
     assert any(reason in k for k in stats["calls"]), stats
 
 
-def test_state_kept_on_a_module_is_refused(prompt):
-    """A module that reassigns a tensor attribute per step keeps state a graph would freeze: that signature is
-    refused after the eager step, and generation stays exact."""
-    model = tiny("mamba")
-    mixer = model.backbone.layers[0].mixer
+def _count_steps(mixer, grow: bool = False):
+    """Give `mixer` state of its own, assigned anew each step (as RecurrentGemma's blocks do): a step counter, or
+    with `grow` a record that gets one element longer each step."""
     mixer.step_count = torch.zeros(1)
     original = mixer.forward
 
     def counting(*args, **kwargs):
-        mixer.step_count = mixer.step_count + 1
+        mixer.step_count = torch.cat([mixer.step_count, mixer.step_count[-1:] + 1]) if grow else mixer.step_count + 1
         return original(*args, **kwargs)
 
     mixer.forward = counting
+
+
+def test_state_kept_on_a_module_is_adopted(prompt):
+    """A module that assigns a new tensor attribute per step keeps state outside the cache: the graph takes it
+    into a buffer of its own and ends each replayed step by copying the module's new value there. Generation and
+    the module's state end as in eager runs (the capture's extra steps are undone)."""
+    model = tiny("mamba")
+    mixer = model.backbone.layers[0].mixer
+    _count_steps(mixer)
+    ref = generate(model, prompt)
+    eager_count = mixer.step_count.item()
+    mixer.step_count = torch.zeros(1)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(generate(model, prompt), ref)
+        assert mixer.step_count.item() == eager_count == NEW_TOKENS  # prefill + every decode step, counted once
+        mixer.step_count = torch.zeros(1)  # a new run resets it, as a prefill would: bound again, not recaptured
+        _same_generation(generate(model, prompt), ref)
+        assert mixer.step_count.item() == eager_count
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
+    assert stats["calls"]["bound a cache"] == 1, stats
+
+
+def test_module_state_that_grows_is_refused(prompt):
+    model = tiny("mamba")
+    _count_steps(model.backbone.layers[0].mixer, grow=True)
     stats = _graphed_like_eager(model, prompt)
-    assert stats["graphs"] == 0 and any("state outside the cache" in r for r in stats["refused"]), stats
+    assert stats["graphs"] == 0 and any("changes shape" in r for r in stats["refused"]), stats
 
 
 def test_a_replay_that_differs_is_refused_and_the_step_stays_eager(prompt, monkeypatch):
@@ -241,10 +268,11 @@ def _index(tmp_path, adapters):
     (["LinearAttentionLayer", None], "cuda", "auto", True, False,
      "on (auto): decode state only in ['LinearAttentionLayer']"),
     (["DynamicLayer", None], "cuda", "auto", True, True, "generate with the static KV cache"),
-    (["DynamicSlidingWindowLayer", "DynamicLayer"], "cuda", "auto", False, False,
-     "decode state in ['DynamicSlidingWindowLayer']"),
-    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", False, False,
-     "['RecurrentGemmaRecurrentBlock']"),
+    (["DynamicSlidingWindowLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", True, True,
+     "generate with the static KV cache"),
+    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], "cuda", "auto", True, False,
+     "on (auto): decode state only in ['LinearAttentionLayer', 'RecurrentGemmaRecurrentBlock']"),
+    (["OffloadedLayer", "DynamicLayer"], "cuda", "auto", False, False, "decode state in ['OffloadedLayer']"),
     ([None], "cuda", "auto", False, False, "no extracted module keeps decode state"),
     (["RecurrentGemmaRecurrentBlock"], "cuda", "on", True, False, "on (asked for)"),
     (["LinearAttentionLayer"], "cuda", False, False, False, "off"),
@@ -335,6 +363,37 @@ def test_static_kv_cache_replays(prompt, model_type):
     finally:
         disable_decode_graphs(model)
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
+
+
+def test_recurrent_gemma_replays_under_the_static_cache(prompt):
+    """RecurrentGemma under the static cache: recurrent blocks keep their state on themselves (adopted), attention
+    layers use StaticSlidingWindowLayer, whose Python counter the wrapper advances after each replay, and positions
+    come from that counter (passed in as position_ids). Once the window is full the layer rolls on a host branch:
+    those steps run eagerly. Generation matches eager throughout."""
+    model = tiny("recurrent_gemma", attention_window_size=8)
+    long = dict(max_new_tokens=6)  # prompt 6 + 6 > window 8: the last steps meet a full window
+
+    def run():
+        with torch.inference_mode():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=0, cache_implementation="static",
+                                  disable_compile=True, **long)
+
+    ref = run()
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _same_generation(run(), ref)
+        _same_generation(run(), ref)
+        stats = graphs.stats()
+        entry = next(iter(graphs.entries.values()))
+        assert [s.attr for s in entry.module_slots] == ["conv1d_state", "recurrent_states"] * 2  # 2 recurrent blocks
+        assert entry.positions and "position_ids" in entry.static_inputs
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["refused"] == [], stats
+    # decode steps per run: 5, at cache lengths 6..10; lengths 6 and 7 fit the window of 8 (the first captures)
+    assert stats["replays"] == 3, stats
+    assert stats["calls"]["eager: sliding-window cache full (it rolls its window on a host-side branch)"] == 6, stats
 
 
 def test_disable_puts_back_a_forward_the_caller_had_installed():
