@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_runtime.tolerances import compare
+from kernels_runtime.tolerances import compare, rel_l2
 
 _ATTR = "_llm4llm_decode_graphs"  # on the top-level model: the DecodeGraphs that wraps its forward
 
@@ -328,6 +328,7 @@ class DecodeGraphs:
     refused: dict[tuple, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
     errors: dict[tuple, str] = field(default_factory=dict)  # the traceback of each failed capture, for diagnosis
+    notes: list[str] = field(default_factory=list)  # outputs accepted by rel-L2 rather than elementwise (see OUTPUT_REL_L2)
     # (entry, cache weakref, light key, [(state dict, index, graph buffer)]) of the last replay: a decode loop calls
     # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
     _fast: tuple | None = None
@@ -520,7 +521,8 @@ class DecodeGraphs:
             self.backend.replay(graph, fn, out)
             if not isinstance(self.backend, _EmulatedBackend):
                 torch.cuda.synchronize()
-            bad = _mismatch(_tensors(out), logits_eager, "output") or _mismatch(states, after, "state")
+            notes: list[str] = []
+            bad = _mismatch(_tensors(out), logits_eager, "output", notes) or _mismatch(states, after, "state")
             if not bad:
                 if positions:
                     statics["position_ids"].add_(n)
@@ -529,7 +531,7 @@ class DecodeGraphs:
                 self.backend.replay(graph, fn, out)
                 if not isinstance(self.backend, _EmulatedBackend):
                     torch.cuda.synchronize()
-                bad = (_mismatch(_tensors(out), second, "second step's output")
+                bad = (_mismatch(_tensors(out), second, "second step's output", notes)
                        or _mismatch(states, after2, "second step's state"))
         except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
             self.errors[key] = traceback.format_exc()
@@ -544,6 +546,7 @@ class DecodeGraphs:
         entry = _Entry(graph, fn, out, statics, states, cache_keys, cache_name, weakref.ref(cache),
                        module_slots=module_slots, positions=positions, private=private)
         self.entries[key] = entry
+        self.notes.extend(notes)
         self.counts["captured"] += 1
         return out_eager
 
@@ -556,16 +559,26 @@ class DecodeGraphs:
         """One line for reports and decisions: graphs, replays and why any signature was refused."""
         st = self.stats()
         return f"{st['graphs']} captured, {st['replays']} replays" + (
-            f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "")
+            f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "") + (
+            f", outputs matched by rel-L2: {st['notes'][0][:120]}" if st.get("notes") else "")
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.entries), "replays": sum(e.replays for e in self.entries.values()),
                 "refused": sorted(set(self.refused.values())),
-                "calls": dict(self.counts)}
+                "calls": dict(self.counts), **({"notes": list(self.notes)} if self.notes else {})}
 
 
-def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> str:
-    """'' when every tensor matches under the shared tolerance table (integers exactly), else the first difference."""
+# Logits of a replay against the eager step: a graph runs the same kernels, yet a deep 16-bit model's logits can
+# differ in the last bits (Qwen3-4B on the H200: max abs 0.04-0.08 on logits of magnitude ~5, one to three bf16 ulps,
+# on the second step only). Outputs pass the elementwise table or, failing it, this relative L2 bound (a few ulps
+# in aggregate); the state is held to the elementwise table and integers exactly, which is what catches a frozen
+# host value (a write position, a counter) rather than rounding.
+OUTPUT_REL_L2: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, notes: list[str] | None = None) -> str:
+    """'' when every tensor matches under the shared tolerance table (integers exactly), else the first difference.
+    With `notes` (outputs): a floating tensor off the table passes within OUTPUT_REL_L2, said in `notes`."""
     if len(got) != len(want):
         return f"{what}: {len(got)} tensors vs {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
@@ -574,8 +587,16 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> s
                 return f"{what} {i}: values differ"
             continue
         rep = compare(g, w)
-        if not rep.ok:
-            return f"{what} {i}: {rep.reason}"
+        if rep.ok:
+            continue
+        bound = OUTPUT_REL_L2.get(w.dtype)
+        if notes is not None and bound is not None and g.shape == w.shape and g.dtype == w.dtype:
+            r = rel_l2(g, w)
+            if r <= bound:
+                notes.append(f"{what} {i}: rel-L2 {r:.2e} <= {bound:g} ({rep.reason})")
+                continue
+            return f"{what} {i}: {rep.reason}, rel-L2 {r:.2e} over {bound:g}"
+        return f"{what} {i}: {rep.reason}"
     return ""
 
 

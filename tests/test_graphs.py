@@ -455,3 +455,21 @@ def test_summary_line_says_what_was_refused(prompt):
         assert graphs.summary() == f"1 captured, {NEW_TOKENS - 2} replays"
     finally:
         disable_decode_graphs(model)
+
+
+def test_outputs_off_by_rounding_pass_state_does_not():
+    """Replay-vs-eager check: 16-bit logits a few ulps off somewhere (Qwen3-4B's second step on the H200) pass
+    by relative L2 and say so; a real difference does not; state is held to the elementwise table."""
+    from kernels_runtime.graphs import _mismatch
+
+    want = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
+    got = want.clone()
+    small = want.float().abs().argsort()[:3]  # where |x| is small, 0.04 is outside atol + rtol * |x|
+    got[small] += 0.04
+    notes = []
+    assert _mismatch([got], [want], "output", notes) == "" and "rel-L2" in notes[0]
+    assert "over atol" in _mismatch([got], [want], "state")
+    off = (want.float() * 1.1).to(torch.bfloat16)
+    assert "rel-L2" in _mismatch([off], [want], "output", [])
+    assert _mismatch([torch.tensor([3])], [torch.tensor([4])], "state") == "state 0: values differ"
+
