@@ -386,6 +386,7 @@ class AcceptanceResult:
     floor: list[float] | None = None  # per-step noise floor (logits_rel_l2_floor), None if not measured/unavailable
     floor_note: str = ""  # how the floor was measured, or why it is unavailable
     graphs: str = ""  # the decode-graphs decision and its numbers ("" when not asked for)
+    graph_decision: Decision | None = None  # the same, gated like a patch (in-model logits, then delta); GPU only
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -421,19 +422,25 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         return measure(model, wl, batch, script.run, repeats=cfg.repeats).total_ms
 
     current = latency()
-    if graphs:  # graphs stay on only where the unpatched model is faster with them; then they are the baseline
+    baseline = current
+    graph_decision = None
+    if graphs:  # gated like a patch: the unpatched model with graphs, in-model logits then delta; then the baseline
         g = kernels_runtime.enable_decode_graphs(model, static_cache=cfg.static_cache)
         try:
+            check = compare_logits(ref_logits, teacher_forced_logits(model, batch, tokens, wl.decode_len),
+                                   wl.torch_dtype, cfg, floor)
             graphed = latency()
             how = g.summary() + (", static KV cache" if cfg.static_cache else "")
+        except Exception as e:  # a CUDA error under replay costs the graphs, not the run
+            check, graphed, how = None, None, f"runtime: {type(e).__name__}: {str(e)[:300]}"
         finally:
             kernels_runtime.disable_decode_graphs(model)
-        graphs = graphed < current
-        graphs_note = (f"decode graphs {'on' if graphs else 'off'}: unpatched {current:.1f} ms without, "
-                       f"{graphed:.1f} ms with ({how})")
-        current = min(current, graphed)
+        graph_decision = decide_graphs(check, current, graphed, how, cfg, static_cache=cfg.static_cache)
+        graphs = graph_decision.decision == "accepted"
+        graphs_note = f"decode graphs {'on' if graphs else 'off'}: {graph_decision.reason}"
+        if graphs:
+            current = graphed
         print(f"accept: {graphs_note}")
-    baseline = current
     accepted = PatchBundle(name=f"{wl.name}", library_versions=library_versions(),
                            gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs,
                            static_cache=graphs and cfg.static_cache)
@@ -456,12 +463,39 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
             accepted = trial
             current = decision.e2e_after_ms
     bundle_path = None
-    if accepted.patches:
+    if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches
         bundle_path = str(save_bundle(accepted, bundle_dir))
     return AcceptanceResult(decisions, bundle_path, baseline, current, metric,
                             "cuda" if on_gpu else "skipped: cpu",
                             floor=floor.per_step if floor is not None else None,
-                            floor_note=floor.describe() if floor is not None else "", graphs=graphs_note)
+                            floor_note=floor.describe() if floor is not None else "", graphs=graphs_note,
+                            graph_decision=graph_decision)
+
+
+GRAPHS_TASK = "decode-graphs"  # the acceptances row of the graph decision (task_id; candidate_id says which cache)
+
+
+def decide_graphs(check: LogitsCheck | None, before: float, after: float | None, how: str, cfg: AcceptConfig, *,
+                  static_cache: bool = False) -> Decision:
+    """The decode-graphs gate, as for a patch: the unpatched model's teacher-forced logits with graphs (and the
+    static cache, which changes the attention's padding) within the metric, then an end-to-end gain of at least
+    delta. `check` None: the graphed run failed (`how` says how)."""
+    cand = "cuda-graphs+static-cache" if static_cache else "cuda-graphs"
+
+    def decision(verdict, reason, gain=None):
+        return Decision(GRAPHS_TASK, cand, verdict, reason, check.summary if check is not None else "",
+                        check.err if check is not None else None, before, after, gain, 0.0, {},
+                        check.limit if check is not None else None, check.floor if check is not None else None)
+
+    if check is None or after is None:
+        return decision("rejected", how)
+    if not check.ok:
+        return decision("rejected", f"in-model correctness with graphs: {check.detail} ({how})")
+    gain = (before - after) / before
+    numbers = f"unpatched {before:.1f} ms without, {after:.1f} ms with ({how}); {check.detail}"
+    if gain < cfg.delta:
+        return decision("rejected", f"end-to-end gain {gain:+.2%} below delta {cfg.delta:.0%}: {numbers}", gain)
+    return decision("accepted", f"end-to-end gain {gain:+.2%}: {numbers}", gain)
 
 
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
@@ -512,10 +546,12 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
 
 
 def decision_rows(result: AcceptanceResult, run_id: str) -> list[dict[str, Any]]:
+    """One acceptances row per decision, the decode-graphs gate first (task_id GRAPHS_TASK) where it ran."""
+    head = [result.graph_decision] if result.graph_decision is not None else []
     return [
         {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,
          "candidate_id": d.candidate_id, "decision": d.decision, "reason": d.reason, "metric": d.metric,
          "in_model_max_abs_err": d.in_model_err, "e2e_before_ms": d.e2e_before_ms, "e2e_after_ms": d.e2e_after_ms,
          "gain": d.gain}
-        for d in result.decisions
+        for d in head + result.decisions
     ]

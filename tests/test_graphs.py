@@ -221,6 +221,41 @@ def test_apply_decode_graphs_on_cpu(tmp_path):
         kernels_runtime.revert(model)
 
 
+def test_a_bundle_of_graphs_alone(tmp_path, monkeypatch):
+    """Acceptance keeps graphs with no kernel patch (Llama, Qwen3 under the static cache): the bundle has no
+    patches, saves, loads and applies: the graphs and the static cache, nothing else."""
+    model = tiny("llama")
+    back = load_bundle(save_bundle(PatchBundle(name="graphs", decode_graphs=True, static_cache=True), tmp_path / "g"))
+    assert back.patches == [] and back.decode_graphs and back.static_cache
+    report = kernels_runtime.apply(model, back)  # on the CPU the graphs say why they are skipped
+    assert report.decode_graphs.startswith("skipped") and report.applied == []
+    assert kernels_runtime.revert(model) == 0
+    import kernels_runtime.patch as patch_mod
+
+    monkeypatch.setattr(patch_mod, "_enable_graphs", lambda m, explicit, static_cache=False:
+                        f"on{' (static KV cache)' if static_cache else ''}")
+    assert kernels_runtime.apply(model, back).decode_graphs == "on (static KV cache)"
+    kernels_runtime.revert(model)
+
+
+def test_decode_graphs_are_gated_like_a_patch():
+    """decide_graphs: logits first, then the end-to-end gain against delta; each outcome names its numbers."""
+    from llm4llm.accept import GRAPHS_TASK, AcceptConfig, LogitsCheck, decide_graphs
+
+    cfg = AcceptConfig(delta=0.02)
+    ok = LogitsCheck(True, 0.01, "rel-L2 0.01 vs floor 0.02 x 2", "logits_rel_l2_floor", summary="rel-L2 0.01")
+    bad = LogitsCheck(False, 0.9, "rel-L2 0.9 vs floor 0.02 x 2", "logits_rel_l2_floor", summary="rel-L2 0.9")
+    d = decide_graphs(ok, 2000.0, 500.0, "1 captured, 251 replays", cfg, static_cache=True)
+    assert (d.task_id, d.candidate_id, d.decision) == (GRAPHS_TASK, "cuda-graphs+static-cache", "accepted")
+    assert d.gain == pytest.approx(0.75) and "2000.0 ms without, 500.0 ms with (1 captured" in d.reason
+    d = decide_graphs(ok, 2000.0, 1990.0, "0 captured, 0 replays", cfg)
+    assert d.decision == "rejected" and "below delta 2%" in d.reason and d.candidate_id == "cuda-graphs"
+    d = decide_graphs(bad, 2000.0, 500.0, "1 captured, 251 replays", cfg)
+    assert d.decision == "rejected" and d.reason.startswith("in-model correctness with graphs: rel-L2 0.9")
+    d = decide_graphs(None, 2000.0, None, "runtime: RuntimeError: CUDA error", cfg)
+    assert d.decision == "rejected" and d.reason == "runtime: RuntimeError: CUDA error"
+
+
 def test_a_state_tensor_replaced_by_the_caller_is_rebound(prompt):
     """The fast path trusts the last binding only while every state tensor is still the graph's buffer: a caller that
     swaps one in (as reorder_cache does) gets its values copied in, and the steps stay exact."""
