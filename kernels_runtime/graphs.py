@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_runtime.tolerances import compare, rel_l2
+from kernels_runtime.tolerances import FLOOR_MAX_REL_L2, compare, rel_l2
 
 _ATTR = "_llm4llm_decode_graphs"  # on the top-level model: the DecodeGraphs that wraps its forward
 
@@ -569,11 +569,14 @@ class DecodeGraphs:
 
 
 # Logits of a replay against the eager step: a graph runs the same kernels, yet a deep 16-bit model's logits can
-# differ in the last bits (Qwen3-4B on the H200: max abs 0.04-0.08 on logits of magnitude ~5, one to three bf16 ulps,
-# on the second step only). Outputs pass the elementwise table or, failing it, this relative L2 bound (a few ulps
-# in aggregate); the state is held to the elementwise table and integers exactly, which is what catches a frozen
-# host value (a write position, a counter) rather than rounding.
-OUTPUT_REL_L2: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# differ by rounding (Qwen3-4B, random weights, on the H200: the second step's logits off by max abs 0.04-0.08,
+# rel-L2 1.7e-2, where the model's own bf16-vs-fp32 noise is 3.6e-2 rel-L2 per step, the acceptance floor). Outputs
+# pass the elementwise table or, failing it, this relative L2 bound: tolerances.FLOOR_MAX_REL_L2 for 16-bit, the
+# largest rounding allowance the acceptance metric grants. The state is held to the elementwise table and integers
+# exactly, which is what catches a frozen host value (a write position, a counter); and acceptance re-checks the
+# graphed model's teacher-forced logits over the whole generation against the model's noise floor.
+OUTPUT_REL_L2: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: FLOOR_MAX_REL_L2,
+                                           torch.bfloat16: FLOOR_MAX_REL_L2}
 
 
 def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, notes: list[str] | None = None) -> str:
