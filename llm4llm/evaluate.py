@@ -110,11 +110,14 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
         try:
             results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
         except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too
-            results.append(E2EResult(variant, None, None, None, None, None,
-                                     notes=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
+            results.append(E2EResult(variant, None, None, None, None, None, notes=f"failed: {_first_line(e)}"))
             if wl.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return results
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
@@ -124,8 +127,25 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
         if not accepts_generate_kwargs(script.run):
             return E2EResult("torch_compile", None, None, None, None, None,
                              notes="skipped: the script's run() takes no generate kwargs")
-        return measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
-                       cache_implementation="static")
+        try:
+            return measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
+                           cache_implementation="static")
+        except Exception as e:
+            first = _first_line(e)
+        # HF compiles the static-cache decode step with mode="reduce-overhead" (CUDA graph trees); a model that keeps
+        # per-step state on its modules reads a graph output a later replay overwrote (RecurrentGemma on the H200:
+        # "accessing tensor output of CUDAGraphs that has been overwritten"). Inductor without CUDA graphs is what a
+        # user tries next; the row says which mode it is.
+        from transformers import CompileConfig
+
+        torch._dynamo.reset()
+        try:
+            r = measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
+                        cache_implementation="static", compile_config=CompileConfig(mode="default"))
+        except Exception as e:
+            raise RuntimeError(f"mode=reduce-overhead: {first}; mode=default: {_first_line(e)}") from e
+        r.notes = f"compile mode=default (reduce-overhead failed: {first})"
+        return r
     import kernels_runtime
 
     graphs = variant.endswith("_graphs")

@@ -323,3 +323,30 @@ def test_candidates_slower_than_the_module_are_not_tried_on_the_gpu():
     assert acc.not_worth_a_trial(slow, acc.AcceptConfig(min_task_speedup=0), on_gpu=True) is None
     with pytest.raises(ValueError, match="min_task_speedup"):
         acc.AcceptConfig(min_task_speedup=float("nan"))
+
+
+def test_torch_compile_falls_back_to_mode_default_and_says_so():
+    """HF's compiled generate (mode reduce-overhead, CUDA graph trees) fails on RecurrentGemma's module-held state;
+    the torch_compile row is then measured with inductor's default mode and says why. Both failing is one error."""
+    from llm4llm import evaluate as ev
+    from llm4llm.workload import load_workload
+
+    wl = load_workload(str(Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tiny-mamba.toml"))
+    seen = []
+
+    def run(model, workload, batch, fail_default=False, **gen):
+        mode = getattr(gen.get("compile_config"), "mode", "reduce-overhead")
+        seen.append((gen.get("cache_implementation"), mode))
+        if mode == "reduce-overhead" or fail_default:
+            raise RuntimeError("Error: accessing tensor output of CUDAGraphs that has been overwritten")
+        return None
+
+    script = SimpleNamespace(run=run)
+    r = ev._variant("torch_compile", None, wl, {}, script, None, 1)
+    assert r.variant == "torch_compile" and r.total_ms is not None
+    assert r.notes.startswith("compile mode=default (reduce-overhead failed: ") and "CUDAGraphs" in r.notes
+    assert seen[0] == ("static", "reduce-overhead") and set(seen[1:]) == {("static", "default")}
+
+    script = SimpleNamespace(run=lambda model, workload, batch, **gen: run(model, workload, batch, True, **gen))
+    with pytest.raises(RuntimeError, match="mode=reduce-overhead: .*CUDAGraphs.*; mode=default: .*CUDAGraphs"):
+        ev._variant("torch_compile", None, wl, {}, script, None, 1)
