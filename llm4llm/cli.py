@@ -237,6 +237,9 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
            top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
            timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
+           decode_timing: str = typer.Option(
+               "launch", help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
+                              "replay (what `optimize` uses when the model's decode steps run from graphs)"),
            llm_model: Optional[str] = typer.Option(None), llm_api_base: Optional[str] = typer.Option(None),
            db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
            verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
@@ -244,10 +247,13 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
     _quiet_prefect(verbose)
     with _user_errors():
         from flows.search import search_tasks
-        from llm4llm.errors import TaskError
+        from llm4llm.errors import Llm4llmError, TaskError
+        from llm4llm.verify.worker import DECODE_TIMINGS
         from storage import repo
 
         _check_proposer(proposer)
+        if decode_timing not in DECODE_TIMINGS:
+            raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
         with _db(db) as d:
             run = run or repo.latest_run_id(d)
             info = repo.get_run(d, run) if run else None
@@ -260,7 +266,8 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
             results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
                                    mode=mode, budget=budget, proposer=proposer,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
-                                   timeout_s=timeout_s, task_ids=task or None, top=top, llm=llm)
+                                   timeout_s=timeout_s, task_ids=task or None, top=top, llm=llm,
+                                   decode_timing=decode_timing)
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")

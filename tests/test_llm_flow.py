@@ -241,3 +241,20 @@ def test_cli_refuses_an_llm_search_without_a_model(tiny_run):
     res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--proposer", "gpt", "--db",
                                    tiny_run["db"]])
     assert res.exit_code == 2 and "library, llm, hybrid" in res.output
+    res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--decode-timing", "wallclock", "--db",
+                                   tiny_run["db"]])
+    assert res.exit_code == 2 and "--decode-timing: expected one of launch, graph" in res.output
+
+
+def test_cli_search_passes_decode_timing(tiny_run, monkeypatch):
+    from typer.testing import CliRunner
+
+    import flows.search
+    from llm4llm.cli import app
+
+    got = {}
+    monkeypatch.setattr(flows.search, "search_tasks", lambda run, **kw: got.update(kw, run=run) or [])
+    res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--decode-timing", "graph", "--db",
+                                   tiny_run["db"], "--data-dir", tiny_run["data_dir"]])
+    assert res.exit_code == 0, res.output
+    assert got["decode_timing"] == "graph" and got["run"] == tiny_run["run_id"]
