@@ -344,8 +344,11 @@ class DecodeGraphs:
             entry, cache_ref, light, checks, hosts = fast
             cache = kwargs.get(entry.cache_arg)
             if cache is not None and cache is cache_ref():
-                call = self._with_positions(kwargs, cache) if entry.positions else kwargs
-                if (_light_key(call, entry.cache_arg) == light and _window_open(hosts, 1)
+                try:
+                    call = self._with_positions(kwargs, cache) if entry.positions else kwargs
+                except NotGraphable:  # the full path below says why
+                    call = None
+                if (call is not None and _light_key(call, entry.cache_arg) == light and _window_open(hosts, 1)
                         and all((getattr(c, k) if i is None else c[i]) is t for c, k, i, t in checks)):
                     return self._replay(entry, call, cache, hosts)
         try:
