@@ -431,7 +431,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                                    wl.torch_dtype, cfg, floor)
             graphed = latency()
             how = g.summary() + (", static KV cache" if cfg.static_cache else "")
-        except Exception as e:  # a CUDA error under replay costs the graphs, not the run
+        except Exception as e:  # an error with graphs rejects them (a sticky CUDA fault ends this process: isolated)
             check, graphed, how = None, None, f"runtime: {type(e).__name__}: {str(e)[:300]}"
         finally:
             kernels_runtime.disable_decode_graphs(model)
