@@ -354,6 +354,40 @@ def test_real_cuda_graphs_match_eager(prompt, model_type):
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type, dtype", [("llama", torch.float32), ("qwen3", torch.float32),
+                                               ("recurrent_gemma", torch.float32), ("llama", torch.bfloat16),
+                                               ("qwen3", torch.bfloat16), ("recurrent_gemma", torch.bfloat16)])
+def test_real_cuda_graphs_under_the_static_cache(prompt, model_type, dtype):
+    """On a GPU: KV-cache models (and RecurrentGemma's module-held state, sliding-window counter and host-counted
+    positions) replay under the static cache with a real graph, and the teacher-forced logits match eager (bf16:
+    within the acceptance metric's fixed rel-L2 limit; the capture check's rel-L2 passes show in stats notes)."""
+    from llm4llm.accept import teacher_forced_logits
+    from kernels_runtime.tolerances import rel_l2
+
+    kw = {"attention_window_size": 64} if model_type == "recurrent_gemma" else {}
+    model = tiny(model_type, **kw).to("cuda", dtype)
+    batch = {"input_ids": prompt.cuda(), "attention_mask": torch.ones_like(prompt).cuda()}
+    steps = 8
+    model.generation_config.cache_implementation, model.generation_config.disable_compile = "static", True
+    with torch.inference_mode():
+        tokens = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                pad_token_id=0)[:, prompt.shape[1]:]
+    ref = teacher_forced_logits(model, batch, tokens, steps)
+    enable_decode_graphs(model, static_cache=True)
+    try:
+        got = teacher_forced_logits(model, batch, tokens, steps)
+        again = teacher_forced_logits(model, batch, tokens, steps)
+    finally:
+        stats = disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["refused"] == [], stats
+    assert stats["replays"] == 2 * (steps - 1) - 1, stats
+    limit = 1e-4 if dtype == torch.float32 else 0.03
+    for run in (got, again):
+        worst = max(rel_l2(g, r) for g, r in zip(run, ref))
+        assert worst <= limit, (worst, stats.get("notes"))
+
+
 def test_a_second_replay_that_differs_is_refused(prompt, monkeypatch):
     """Capture checks two replays against two eager steps: a graph that froze a host value (a position kept in a
     Python int) matches the first step and not the second. The emulation re-runs Python on replay, so such a value
