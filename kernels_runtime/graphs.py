@@ -32,7 +32,10 @@ Patched modules (patch.py) are captured with the rest: guard checks, phase predi
 capture time only, so their counters count the capture, not the replays.
 
 Tests on the CPU use `backend="emulate"`: the same binding, static buffers, validation and refusals, with the
-"graph" being the captured closure called again on the static buffers. Only a GPU shows the gain.
+"graph" being the ATen ops the captured step dispatched, replayed with their Python arguments as recorded, so a
+host value freezes at capture as in a CUDA graph (and a host read during capture fails). Triton kernels under the
+interpreter are not ATen ops: steps with them use `backend="rerun"`, which calls the captured closure again (host
+values recomputed). Only a GPU shows the gain.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import traceback
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -274,14 +277,69 @@ class CudaGraphBackend:
 
 
 class _EmulatedBackend(CudaGraphBackend):
-    """CPU stand-in with the graph's contract: replay re-runs the recorded closure on the static buffers and copies
-    its results into the outputs recorded at capture (what a graph's replay leaves there)."""
+    """CPU stand-in with a graph's semantics: `record` runs the step once while recording every ATen op it
+    dispatches (arguments as given: tensors by identity, Python values as they were), `replay` re-executes that op
+    list: buffers that existed before the capture are read and written in place, intermediates are recomputed, and
+    every host value (a position counted in a Python int, a branch taken) stays what it was at capture, as in a CUDA
+    graph. The outputs recorded at capture receive the new values. A host read of a tensor during the capture
+    (`.item()`, a data-dependent branch) fails as it does under stream capture. Work that is not ATen ops (Triton
+    kernels under TRITON_INTERPRET run on NumPy copies) cannot be replayed this way: `_RerunBackend` for those."""
 
     def warmup(self, fn):
         fn()
 
     def record(self, fn):
-        return "emulated", fn()
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops: list[tuple] = []
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in _HOST_READS:
+                    raise RuntimeError(f"{func}: a host read of a device value while capturing (operation not "
+                                       "permitted when stream is capturing)")
+                out = func(*args, **kwargs)
+                ops.append((func, args, kwargs, out))
+                return out
+
+        with Recorder():
+            out = fn()
+        return ops, out
+
+    @staticmethod
+    def replay(graph, fn, out):
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        live: dict[int, Any] = {}  # id(tensor recorded as an op's output) -> this replay's tensor
+
+        def sub(x):
+            return live.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        for func, args, kwargs, rec in graph:
+            new = func(*tree_map(sub, args), **tree_map(sub, kwargs))
+            for r, n in zip(tree_flatten(rec)[0], tree_flatten(new)[0]):
+                if isinstance(r, torch.Tensor):
+                    live[id(r)] = n
+        for t in _tensors(out):
+            n = live.get(id(t))
+            if n is not None and n is not t:
+                t.copy_(n)
+
+
+_HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+
+class _RerunBackend(CudaGraphBackend):
+    """CPU stand-in for steps whose work is not all ATen ops (Triton kernels under TRITON_INTERPRET): replay re-runs
+    the recorded closure on the static buffers and copies its results into the outputs recorded at capture. Host
+    values are recomputed on every replay here, unlike in a graph; `_EmulatedBackend` freezes them."""
+
+    def warmup(self, fn):
+        fn()
+
+    def record(self, fn):
+        return "rerun", fn()
 
     @staticmethod
     def replay(graph, fn, out):
@@ -333,6 +391,9 @@ class DecodeGraphs:
     # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
     _fast: tuple | None = None
     _takes_positions: bool | None = None
+    # Hand positions counted on the host in as position_ids (see _with_positions). Off only to show what it is for:
+    # RecurrentGemma's replays would then keep the capture's position (tests)
+    pass_positions: ClassVar[bool] = True
 
     # ------------------------------------------------------------------------------------------------ call path
     def __call__(self, *args, **kwargs):
@@ -360,7 +421,7 @@ class DecodeGraphs:
             cache_name, cache = _find_cache(kwargs)
             slots = state_slots(cache)
             hosts = _host_layers(cache)
-            positions = bool(hosts) and kwargs.get("position_ids") is None
+            positions = self.pass_positions and bool(hosts) and kwargs.get("position_ids") is None
             call = self._with_positions(kwargs, cache) if positions else kwargs
             key = _signature(call, cache_name, slots)
         except NotGraphable as e:
@@ -404,8 +465,8 @@ class DecodeGraphs:
     def _replay(self, entry: _Entry, call: dict, cache: Any, hosts: list) -> Any:
         for k, buf in entry.static_inputs.items():
             _copy_into(buf, call[k])
-        if hosts and isinstance(self.backend, _EmulatedBackend):
-            # the emulation re-runs Python on the private cache: it takes the caller's branch (a graph has frozen it)
+        if hosts and isinstance(self.backend, _RerunBackend):
+            # the re-run emulation runs Python on the private cache: it takes the caller's branch (a graph has frozen it)
             for (layer, c), (mine, _) in zip(hosts, _host_layers(entry.private)):
                 setattr(mine, c, getattr(layer, c))
         self.backend.replay(entry.graph, entry.fn, entry.out)
@@ -522,7 +583,7 @@ class DecodeGraphs:
             graph, out = self.backend.record(fn)
             restore(before)
             self.backend.replay(graph, fn, out)
-            if not isinstance(self.backend, _EmulatedBackend):
+            if type(self.backend) is CudaGraphBackend:
                 torch.cuda.synchronize()
             notes: list[str] = []
             bad = (_mismatch(_tensors(out), logits_eager, "output", notes)
@@ -533,7 +594,7 @@ class DecodeGraphs:
                 for (layer, c), v in zip(_host_layers(private), counters):
                     setattr(layer, c, v + n)  # what the emulation's Python sees; a graph has frozen its branch
                 self.backend.replay(graph, fn, out)
-                if not isinstance(self.backend, _EmulatedBackend):
+                if type(self.backend) is CudaGraphBackend:
                     torch.cuda.synchronize()
                 bad = (_mismatch(_tensors(out), second, "second step's output", notes)
                        or _mismatch(states, after2, "second step's state", notes, base=after))
@@ -617,7 +678,9 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, note
 def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8,
                          static_cache: bool = False) -> DecodeGraphs:
     """Replay `model`'s one-token decode steps from CUDA graphs (see the module docstring). Idempotent: a model
-    already wrapped returns its wrapper. backend="emulate" runs the same logic without a GPU (tests).
+    already wrapped returns its wrapper. Without a GPU (tests): backend="emulate" replays the captured step's ATen ops
+    with host values frozen, as a graph would; backend="rerun" re-runs the step's Python (for Triton kernels under
+    the interpreter, which are not ATen ops).
 
     static_cache: make `generate` use transformers' static KV cache by default (model.generation_config:
     cache_implementation="static", disable_compile=True so the step stays eager for the graph), without which a
@@ -634,8 +697,10 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
         impl: CudaGraphBackend = CudaGraphBackend()
     elif backend == "emulate":
         impl = _EmulatedBackend()
+    elif backend == "rerun":
+        impl = _RerunBackend()
     else:
-        raise ValueError(f"backend: expected 'cuda' or 'emulate', got {backend!r}")
+        raise ValueError(f"backend: expected 'cuda', 'emulate' or 'rerun', got {backend!r}")
     had_forward = "forward" in model.__dict__
     graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward,
                           saved_generation=_static_generation(model) if static_cache else None)

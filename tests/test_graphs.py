@@ -104,7 +104,9 @@ def test_patched_model_replays_its_kernels(prompt):
     ref = generate(model, prompt)
     bundle = stateful_bundle(class_path(model, "Mamba2Mixer"), MAMBA2_TRITON)
     kernels_runtime.apply(model, bundle, strict=True)
-    graphs = enable_decode_graphs(model, backend="emulate")
+    # Triton under the interpreter computes on NumPy copies, not ATen ops: the op-replaying emulation cannot hold
+    # it (it refuses: the replay differs), the closure re-run can
+    graphs = enable_decode_graphs(model, backend="rerun")
     try:
         _same_generation(generate(model, prompt), ref)
         assert graphs.stats()["replays"] == NEW_TOKENS - 2
@@ -388,10 +390,33 @@ def test_real_cuda_graphs_under_the_static_cache(prompt, model_type, dtype):
         assert worst <= limit, (worst, stats.get("notes"))
 
 
+def test_a_host_value_frozen_at_capture_is_refused(prompt):
+    """A step that uses a value counted on the host (a Python int, here one the capture's own runs advanced) replays
+    it as it was at capture: the replay differs from the eager step and the signature is refused. The emulating
+    backend replays the captured ATen ops with their Python arguments as recorded, so the value freezes here as in a
+    CUDA graph. (A value restored with the state, which only the second replay shows: RecurrentGemma's positions,
+    test_recurrent_gemma_without_host_counted_positions_is_refused.)"""
+    model = tiny("mamba")
+    mixer = model.backbone.layers[0].mixer
+    original, seen = mixer.forward, {"n": 0}
+
+    def counting(*args, **kwargs):
+        seen["n"] += 1
+        return original(*args, **kwargs) + 1e-2 * seen["n"]
+
+    mixer.forward = counting
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        generate(model, prompt)
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 0 and any("replay differs from the eager step: output 0" in r
+                                        for r in stats["refused"]), stats
+
+
 def test_a_second_replay_that_differs_is_refused(prompt, monkeypatch):
-    """Capture checks two replays against two eager steps: a graph that froze a host value (a position kept in a
-    Python int) matches the first step and not the second. The emulation re-runs Python on replay, so such a value
-    cannot freeze here; a replay that goes wrong only the second time stands in for it."""
+    """The second replay's own check, reported as such (a replay made to go wrong only the second time)."""
     model = tiny("mamba")
     replay, calls = _EmulatedBackend.replay, {"n": 0}
 
@@ -463,6 +488,24 @@ def test_recurrent_gemma_replays_under_the_static_cache(prompt):
     # decode steps per run: 5, at cache lengths 6..10; lengths 6 and 7 fit the window of 8 (the first captures)
     assert stats["replays"] == 3, stats
     assert stats["calls"]["eager: sliding-window cache full (it rolls its window on a host-side branch)"] == 6, stats
+
+
+def test_recurrent_gemma_without_host_counted_positions_is_refused(prompt, monkeypatch):
+    """What the position_ids hand-off is for: RecurrentGemma derives positions from the sliding-window layer's Python
+    counter, which a replay freezes; without them passed in, the second replay differs and the step stays eager."""
+    from kernels_runtime.graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "pass_positions", False)
+    model = tiny("recurrent_gemma", attention_window_size=8)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        with torch.inference_mode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0, cache_implementation="static", disable_compile=True)
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 0 and any("second step's output" in r for r in stats["refused"]), stats
 
 
 def test_disable_puts_back_a_forward_the_caller_had_installed():

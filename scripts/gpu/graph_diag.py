@@ -35,7 +35,8 @@ def main() -> int:
     ap.add_argument("--family", default=None, help="task family (default: the template's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--emulate", action="store_true", help="CPU smoke run: the emulating graph backend, no timing claim")
+    ap.add_argument("--emulate", action="store_true", help="CPU smoke run: the re-running graph backend (Triton under the "
+                    "interpreter is not ATen ops), no timing claim")
     args = ap.parse_args()
     from llm4llm.search.templates import TEMPLATES
 
@@ -71,7 +72,7 @@ def main() -> int:
 
     cuda = wl.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    backend = "emulate" if args.emulate else "cuda"
+    backend = "rerun" if args.emulate else "cuda"
 
     def timed() -> float:
         samples = []
