@@ -51,3 +51,22 @@ def test_graph_diag_smoke_run_and_bad_arguments(tmp_path):
     for bad in (["--template", "nope"], ["--template", "ssm_mixer.mamba2_decode", "--config", "[1"]):
         res = _run(["scripts/gpu/graph_diag.py", "examples/workloads/tiny-mamba2.toml", *bad, "--out", str(out)])
         assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_decode_step_ops_counts_kernels_per_layer(tmp_path):
+    """scripts/decode_step_ops.py on tiny Mamba: the HF decode step's kernels per layer, fewer once the fused
+    decode template runs (its Triton launches counted, the interpreter's own tensor traffic not), and the
+    extrapolation to the real layer count; an unknown template is one usage error."""
+    counts = {}
+    for name, extra in (("hf", []), ("fused", ["--template", "ssm_mixer.mamba_decode_fused"])):
+        out = tmp_path / f"{name}.json"
+        res = _run(["scripts/decode_step_ops.py", "examples/workloads/tiny-mamba.toml", "--layers-of",
+                    "examples/workloads/mamba-130m.toml", *extra, "--json", str(out)])
+        assert res.returncode == 0, res.stderr[-2000:]
+        counts[name] = json.loads(out.read_text())
+    hf, fused = counts["hf"], counts["fused"]
+    assert hf["triton"] == 0 and fused["triton"] == 8  # 4 launches per layer, 2 layers, one decode step
+    assert hf["per_layer"]["MambaBlock"][0] > 2 * fused["per_layer"]["MambaBlock"][0] > 0
+    assert hf["layers"] == 24 and hf["estimate"] == hf["outside"] + 24 * hf["per_layer"]["MambaBlock"][0]
+    res = _run(["scripts/decode_step_ops.py", "examples/workloads/tiny-mamba.toml", "--template", "nope"])
+    assert res.returncode == 2 and "template: expected one of" in res.stderr
