@@ -22,6 +22,8 @@ CASES = [
     ("tiny-llama", "norm.rmsnorm_op", "decode"),
     ("tiny-llama", "norm.rmsnorm_rows", "prefill"),
     ("tiny-llama", "norm.rmsnorm_rows", "decode"),
+    ("tiny-recurrentgemma", "norm.rmsnorm_gemma", "prefill"),
+    ("tiny-recurrentgemma", "norm.rmsnorm_gemma", "decode"),
     ("tiny-mamba2", "norm.rmsnorm_gated", "prefill"),
     ("tiny-mamba2", "norm.rmsnorm_gated", "decode"),
     ("tiny-llama", "mlp.swiglu", "prefill"),

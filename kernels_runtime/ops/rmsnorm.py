@@ -3,6 +3,8 @@
 Numerics follow Hugging Face's LlamaRMSNorm / Qwen3RMSNorm (transformers 5.17): the sum of squares and the
 scaling run in fp32, the normalized value is rounded to the input dtype, then multiplied by the weight (and
 rounded again). The fused residual add rounds `x + residual` to the input dtype first, as the eager `+` does.
+`gemma=True` follows Gemma's (RecurrentGemmaRMSNorm, Gemma2/3): everything in fp32, scaled by `1 + weight`, rounded
+once to the input dtype at the end.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def _rmsnorm_kernel(
     # Meta-parameters
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GEMMA: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -39,9 +42,12 @@ def _rmsnorm_kernel(
         tl.store(RES_OUT + row * stride_res_row + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    xn = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, (w * xn).to(Y.dtype.element_ty), mask=mask)
+    if GEMMA:  # (x * rstd) * (1 + w) in fp32, one rounding
+        y = (xf * rstd) * (1.0 + w)
+    else:  # rounded to the input dtype, then scaled
+        y = w * (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -50,6 +56,13 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(input_dtype)
+
+
+def rmsnorm_gemma_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gemma's RMSNorm: x: [..., N], weight: [N] -> [..., N] in x.dtype; fp32 throughout, scaled by (1 + weight)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
 
 
 def rmsnorm_residual_ref(
@@ -84,12 +97,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, weight, residual, eps, num_warps):
+def _launch(x, weight, residual, eps, num_warps, gemma=False):
     _check(x, weight, residual)
     n = x.shape[-1]
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else x2
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y
     y2, res2 = y.view(-1, n), res_out.view(-1, n)
     block_n = triton.next_power_of_2(n)
@@ -98,15 +112,17 @@ def _launch(x, weight, residual, eps, num_warps):
             x2, r2, weight, y2, res2,
             n, eps,
             x2.stride(0), r2.stride(0), y2.stride(0), res2.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, GEMMA=gemma,
             num_warps=num_warps or _default_num_warps(block_n),
         )
     return y, res_out
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, num_warps: int | None = None) -> torch.Tensor:
-    """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype). Any leading shape."""
-    return _launch(x, weight, None, eps, num_warps)[0]
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, num_warps: int | None = None,
+            gemma: bool = False) -> torch.Tensor:
+    """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype) (gemma: in x.dtype, scaled by
+    1 + weight, see the module docstring). Any leading shape."""
+    return _launch(x, weight, None, eps, num_warps, gemma)[0]
 
 
 def rmsnorm_residual(
@@ -116,4 +132,5 @@ def rmsnorm_residual(
     return _launch(x, weight, residual, eps, num_warps)
 
 
-__all__ = ["CONFIGS", "CONFIG_SPACE", "rmsnorm", "rmsnorm_ref", "rmsnorm_residual", "rmsnorm_residual_ref"]
+__all__ = ["CONFIGS", "CONFIG_SPACE", "rmsnorm", "rmsnorm_gemma_ref", "rmsnorm_ref", "rmsnorm_residual",
+           "rmsnorm_residual_ref"]

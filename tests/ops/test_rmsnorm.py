@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from kernels_runtime.ops.rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_residual, rmsnorm_residual_ref
+from kernels_runtime.ops.rmsnorm import (
+    rmsnorm,
+    rmsnorm_gemma_ref,
+    rmsnorm_ref,
+    rmsnorm_residual,
+    rmsnorm_residual_ref,
+)
 from kernels_runtime.tolerances import assert_close
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -34,6 +40,26 @@ def test_rmsnorm_residual_matches_ref_and_keeps_inputs(dtype, seed):
     assert torch.equal(x, x0) and torch.equal(r, r0)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rmsnorm_gemma_matches_hf_recurrent_gemma(dtype, seed):
+    """gemma=True: RecurrentGemmaRMSNorm's numerics (fp32 throughout, 1 + weight, one rounding; output in x's
+    dtype), against HF's module itself and a float64 reference; the Llama numerics differ from it."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRMSNorm
+
+    torch.manual_seed(seed)
+    x = torch.randn(2, 3, 200, dtype=dtype) * 3
+    hf = RecurrentGemmaRMSNorm(200, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(200) * 0.5)
+        want = hf(x)
+    out = rmsnorm(x, hf.weight, 1e-6, gemma=True)
+    assert out.dtype == dtype
+    assert_close(out, want, dtype)
+    assert_close(out, rmsnorm_gemma_ref(x.double(), hf.weight.double(), 1e-6).to(dtype), dtype, name="vs float64")
+    assert not torch.allclose(rmsnorm(x, hf.weight, 1e-6).float(), want.float(), atol=1e-3)
+
+
 def test_rmsnorm_strided_rows_and_fp32_weight():
     x = torch.randn(4, 160, dtype=torch.float16)[:, :80]  # row stride 160
     w = torch.randn(80, dtype=torch.float32)
@@ -55,6 +81,7 @@ def test_rmsnorm_cuda_bf16(n):
     x, r = torch.randn(67, n, device="cuda", dtype=torch.bfloat16), torch.randn(67, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     assert_close(rmsnorm(x, w), rmsnorm_ref(x, w))
+    assert_close(rmsnorm(x, w, gemma=True), rmsnorm_gemma_ref(x, w), name="gemma")
     out, res = rmsnorm_residual(x, r, w)
     out_ref, res_ref = rmsnorm_residual_ref(x, r, w)
     assert_close(out, out_ref)

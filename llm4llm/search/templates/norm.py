@@ -18,6 +18,25 @@ def _applies(spec: TaskSpec) -> str | None:
     return None
 
 
+def _applies_gemma(spec: TaskSpec) -> str | None:
+    if "Gemma" not in short_class(spec):
+        return f"norm.rmsnorm_gemma: written for Gemma-style RMSNorm (1 + weight), not {short_class(spec)}"
+    if len(spec.input_names) != 1 or spec.weight_names != ["weight"]:
+        return f"norm.rmsnorm_gemma: expected one input and weights ['weight'], got {spec.input_names}, " \
+               f"{spec.weight_names}"
+    return None
+
+
+def _render_gemma(spec: TaskSpec, config: dict) -> str:
+    x = spec.input_names[0]
+    return header("norm.rmsnorm_gemma", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm"], config) + f'''
+
+def entry(inputs, weights, state, static):
+    eps = float(_static(static, {EPS_NAMES}))
+    return {{"out": rmsnorm(inputs["{x}"], weights["weight"], eps, num_warps=CONFIG["num_warps"], gemma=True)}}
+'''
+
+
 def _render_op(spec: TaskSpec, config: dict) -> str:
     return header("norm.rmsnorm_op", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm"], config) + f'''
 
@@ -125,6 +144,10 @@ TEMPLATES = [
              requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm"),),
              space_fn=lambda spec: {"num_warps": [1, 2, 4, 8, 16]}, render_fn=_render_op, applies_fn=_applies,
              default_fn=lambda spec: {"num_warps": 4}),
+    Template(name="norm.rmsnorm_gemma", family="norm", phases=("prefill", "decode"),
+             requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm_gemma_ref"),),
+             space_fn=lambda spec: {"num_warps": [1, 2, 4, 8, 16]}, render_fn=_render_gemma,
+             applies_fn=_applies_gemma, default_fn=lambda spec: {"num_warps": 4}),
     Template(name="norm.rmsnorm_rows", family="norm", phases=("prefill", "decode"), requires=(),
              space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_rows,
              applies_fn=_applies, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
