@@ -436,6 +436,13 @@ class DecodeGraphs:
                 self.counts[f"eager: {self.max_graphs} graphs already captured"] += 1
                 return self.original(**kwargs)
             return self._capture(key, kwargs, call, cache_name, cache, slots, hosts, positions)
+        mod_states = entry.states[len(entry.states) - len(entry.module_slots):]
+        for ms, t in zip(entry.module_slots, mod_states):
+            v = ms.get()
+            if not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype:
+                # a call without a cache cleared it, or a different batch left it reshaped: the module makes anew
+                self.counts[f"eager: module state {type(ms.layer).__name__}.{ms.attr} missing or reshaped"] += 1
+                return self.original(**kwargs)
         slots = slots + entry.module_slots
         self._bind(entry, cache, slots)
         self._fast = (entry, weakref.ref(cache), _light_key(call, cache_name),

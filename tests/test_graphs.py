@@ -163,6 +163,44 @@ def test_state_kept_on_a_module_is_adopted(prompt):
     assert stats["calls"]["bound a cache"] == 1, stats
 
 
+def test_module_state_cleared_between_runs_runs_eagerly(prompt):
+    """A module's adopted state set to None (RecurrentGemma's blocks do so on a call without a cache) is not a
+    buffer to copy from: that call runs eagerly and says why, and the module makes its state anew."""
+    model = tiny("mamba")
+    mixer = model.backbone.layers[0].mixer
+    _count_steps(mixer)
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        generate(model, prompt)  # captures: step_count adopted
+        assert graphs.stats()["graphs"] == 1
+        mixer.step_count = None
+        original = mixer.forward
+
+        def revive(*args, **kwargs):
+            if mixer.step_count is None:
+                mixer.step_count = torch.zeros(1)
+            return original(*args, **kwargs)
+
+        mixer.forward = revive
+        # prefill revives it (a new tensor, bound as usual); cleared again right before a decode step: eager
+        seen = {"n": 0}
+        forward = model.forward
+
+        def clear_before_decode(**kw):
+            if kw["input_ids"].shape[1] == 1 and seen["n"] == 0:
+                seen["n"] += 1
+                mixer.step_count = None
+            return forward(**kw)
+
+        model.__dict__["forward"] = clear_before_decode
+        generate(model, prompt)
+        stats = graphs.stats()
+        model.__dict__["forward"] = forward
+    finally:
+        disable_decode_graphs(model)
+    assert stats["calls"]["eager: module state MambaMixer.step_count missing or reshaped"] == 1, stats
+
+
 def test_module_state_that_grows_is_refused(prompt):
     model = tiny("mamba")
     _count_steps(model.backbone.layers[0].mixer, grow=True)
