@@ -9,6 +9,7 @@
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
+#    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu);
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
 set -u
@@ -21,6 +22,10 @@ for step in ${STEPS:-dispatch}; do
   IFS=: read -r kind w budget top max variants <<< "$step"
   s=$(date +%s)
   case "$kind" in
+    gputest)
+      timeout -k 5 "${w:-150}" python3 -m pytest -q -m gpu tests/test_graphs.py tests/test_timing_reference.py tests/ops \
+        -p no:cacheprovider > "$OUT/logs/gputest.log" 2>&1
+      echo "gpu tests rc=$? in $(( $(date +%s) - s ))s"; tail -4 "$OUT/logs/gputest.log" ;;
     dispatch)
       timeout -k 5 60 python3 scripts/gpu/dispatch_overhead.py --out "$OUT/dispatch.jsonl" > "$OUT/logs/dispatch.log" 2>&1
       echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
