@@ -231,7 +231,28 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         except Exception as e:  # noqa: BLE001 - the bare entry is still timed
             how = f"bare entry (not installable in the module: {type(e).__name__}: {str(e)[:200]})"
 
-    graph = decode_graph and task.spec.phase == "decode" and device.type == "cuda"
+    def candidate(timer: Callable) -> Latency:
+        """The candidate timed by `timer(fn, prepare)`; if every patched call fell back, the original forward was
+        timed: the bare entry is timed instead, from then on, and the gate says so."""
+        nonlocal cand_fn, cand_prepare, kernel_calls, how
+        ran = kernel_calls() if kernel_calls is not None else 0
+        lat = timer(cand_fn, cand_prepare)
+        if kernel_calls is not None and kernel_calls() == ran:
+            cand_fn, cand_prepare, kernel_calls = entry, None, None
+            how = "bare entry (every patched call fell back to the original forward)"
+            lat = timer(entry, None)
+        return lat
+
+    def reference(k: int, label: str, timer: Callable) -> Latency:
+        nonlocal ref, ref_prepare
+        key = (str(task.path), task.spec.task_id, k, label)
+        if key not in _REFERENCE_CACHE:
+            if ref is None:
+                ref, ref_prepare = module_call(task, device)
+            _REFERENCE_CACHE[key] = timer(ref, ref_prepare)
+        return _REFERENCE_CACHE[key]
+
+    graph = decode_graph and task.spec.phase == "decode"  # time_task runs only on a GPU (gates.run_gates)
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
     weights = [all_weights[k] for k in timed]
@@ -241,36 +262,28 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         for k in timed:
             args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
             if graph and mode == "in_context":
+                def on_graph(fn, prep, args=args):
+                    return time_call_graph(fn, args, device, prepare=prep)
+
                 try:
-                    cand.append(time_call_graph(cand_fn, args, device, prepare=cand_prepare))
-                    key = (str(task.path), task.spec.task_id, k, "graph")
-                    if key not in _REFERENCE_CACHE:
-                        if ref is None:
-                            ref, ref_prepare = module_call(task, device)
-                        _REFERENCE_CACHE[key] = time_call_graph(ref, args, device, prepare=ref_prepare)
-                    refs.append(_REFERENCE_CACHE[key])
+                    c, r = candidate(on_graph), reference(k, "graph", on_graph)
+                    cand.append(c)
+                    refs.append(r)
                     how_mode[mode] = "GPU time under CUDA-graph replay"
                     continue
                 except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
-                    del cand[len(refs):]
                     how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
+
+            def back_to_back(fn, prep, args=args, mode=mode):
+                return time_call(fn, args, mode, device, prepare=prep)
+
             try:
-                ran = kernel_calls() if kernel_calls is not None else 0
-                cand.append(time_call(cand_fn, args, mode, device, prepare=cand_prepare))
-                if kernel_calls is not None and kernel_calls() == ran:  # every call fell back: the original was timed
-                    cand_fn, cand_prepare, kernel_calls = entry, None, None
-                    how = "bare entry (every patched call fell back to the original forward)"
-                    cand[-1] = time_call(entry, args, mode, device)
+                cand.append(candidate(back_to_back))
             except Exception as e:  # noqa: BLE001
                 failure = _classify_exception(e, first_call=False)
                 failure.gate = f"timing_{mode}"
                 raise failure from None
-            key = (str(task.path), task.spec.task_id, k, mode)
-            if key not in _REFERENCE_CACHE:
-                if ref is None:
-                    ref, ref_prepare = module_call(task, device)
-                _REFERENCE_CACHE[key] = time_call(ref, args, mode, device, prepare=ref_prepare)
-            refs.append(_REFERENCE_CACHE[key])
+            refs.append(reference(k, mode, back_to_back))
         c, r = _weighted(cand, weights), _weighted(refs, weights)
         speedup = r.p50 / c.p50 if c.p50 > 0 else None
         setattr(v, f"candidate_{mode}", c)
