@@ -36,12 +36,18 @@ def prompt():
     return torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
 
 
-def _graphed_like_eager(model, prompt, **enable) -> dict:
-    """Generate eagerly, then with emulated decode graphs: the same tokens and logits. Returns the graphs' stats."""
-    ref = generate(model, prompt)
+def _graphed_like_eager(model, prompt, run=None, times: int = 1, inspect=None, **enable) -> dict:
+    """Generate eagerly, then `times` more with emulated decode graphs: the same tokens and logits each time.
+    `run()` generates (default: the tests' `generate`); `inspect(graphs)` looks at them before they are freed.
+    Returns the graphs' stats."""
+    run = run or (lambda: generate(model, prompt))
+    ref = run()
     graphs = enable_decode_graphs(model, backend="emulate", **enable)
     try:
-        _same_generation(generate(model, prompt), ref)
+        for _ in range(times):
+            _same_generation(run(), ref)
+        if inspect is not None:
+            inspect(graphs)
         return graphs.stats()
     finally:
         disable_decode_graphs(model)
@@ -486,14 +492,7 @@ def test_static_kv_cache_replays(prompt, model_type):
                                   return_dict_in_generate=True, logits_processor=LogitsProcessorList([]),
                                   pad_token_id=0, cache_implementation="static", disable_compile=True)
 
-    ref = run()
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(run(), ref)
-        _same_generation(run(), ref)
-        stats = graphs.stats()
-    finally:
-        disable_decode_graphs(model)
+    stats = _graphed_like_eager(model, prompt, run, times=2)
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
 
 
@@ -511,17 +510,12 @@ def test_recurrent_gemma_replays_under_the_static_cache(prompt):
                                   return_dict_in_generate=True, pad_token_id=0, cache_implementation="static",
                                   disable_compile=True, **long)
 
-    ref = run()
-    graphs = enable_decode_graphs(model, backend="emulate")
-    try:
-        _same_generation(run(), ref)
-        _same_generation(run(), ref)
-        stats = graphs.stats()
+    def inspect(graphs):
         entry = next(iter(graphs.entries.values()))
         assert [s.attr for s in entry.module_slots] == ["conv1d_state", "recurrent_states"] * 2  # 2 recurrent blocks
         assert entry.positions and "position_ids" in entry.static_inputs
-    finally:
-        disable_decode_graphs(model)
+
+    stats = _graphed_like_eager(model, prompt, run, times=2, inspect=inspect)
     assert stats["graphs"] == 1 and stats["refused"] == [], stats
     # decode steps per run: 5, at cache lengths 6..10; lengths 6 and 7 fit the window of 8 (the first captures)
     assert stats["replays"] == 3, stats
