@@ -98,51 +98,54 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     assert [g.name for g in v.gates] == ["timing_cold", "timing_in_context"]
 
 
-def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(decode_tasks, cpu_events, monkeypatch,
-                                                                          tmp_path):
-    """With the source, the candidate runs installed in the module through kernels_runtime (what it costs in the
-    model); without it, the bare entry. The gate detail says which."""
+@pytest.fixture
+def fused_candidate(decode_tasks, cpu_events, monkeypatch, tmp_path):
+    """tiny-mamba's decode task, the fused decode template's source at its default config and the loaded candidate
+    module; the timing loop shortened (3 reps, no minimum time)."""
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.verify.candidate import load_candidate, unload_candidate
 
     monkeypatch.setattr(timing, "MIN_REPS", 3)
     monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
     task = decode_tasks["tiny-mamba"]
-    dev = torch.device("cpu")
     t = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba_decode_fused")
     source = t.render(task.spec, t.default(task.spec))
-    module = load_candidate(source, tmp_path, "timing_dispatch_candidate")
+    module = load_candidate(source, tmp_path, "timing_fused_candidate")
     try:
-        draws = make_draws(task, dev, 0, 0)
-        v = Verdict(source_hash="x", task_id=task.spec.task_id)
-        timing.time_task(v, task, module.entry, draws, dev, source=source)
-        assert all("through kernels_runtime's dispatch" in g.detail for g in v.gates), [g.detail for g in v.gates]
-        run, prepare, kernel_calls = timing.patched_call(task, source, dev)
-        case = task.cases[0]
-        call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
-        run(call)
-        cleanup()
-        assert kernel_calls() == 1
-        bare = Verdict(source_hash="x", task_id=task.spec.task_id)
-        timing.time_task(bare, task, module.entry, draws, dev)
-        assert all("(bare entry)" in g.detail for g in bare.gates)
+        yield task, source, module
     finally:
-        unload_candidate("timing_dispatch_candidate")
+        unload_candidate("timing_fused_candidate")
 
 
-def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(decode_tasks, cpu_events, monkeypatch,
-                                                                     tmp_path):
+def test_candidate_is_timed_through_the_dispatch_when_its_source_is_given(fused_candidate):
+    """With the source, the candidate runs installed in the module through kernels_runtime (what it costs in the
+    model); without it, the bare entry. The gate detail says which."""
+    task, source, module = fused_candidate
+    dev = torch.device("cpu")
+    draws = make_draws(task, dev, 0, 0)
+    v = Verdict(source_hash="x", task_id=task.spec.task_id)
+    timing.time_task(v, task, module.entry, draws, dev, source=source)
+    assert all("through kernels_runtime's dispatch" in g.detail for g in v.gates), [g.detail for g in v.gates]
+    run, prepare, kernel_calls = timing.patched_call(task, source, dev)
+    case = task.cases[0]
+    call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
+    run(call)
+    cleanup()
+    assert kernel_calls() == 1
+    bare = Verdict(source_hash="x", task_id=task.spec.task_id)
+    timing.time_task(bare, task, module.entry, draws, dev)
+    assert all("(bare entry)" in g.detail for g in bare.gates)
+
+
+def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(fused_candidate, monkeypatch):
     """Installed through kernels_runtime, a candidate whose guard rejects every call would time the original forward
     as the candidate's: the first timing notices (no kernel call), the bare entry is timed from then on, in both
     modes and under the graph-replay timing too, and the gates say why. The graph timer is stood in for by the
     back-to-back one on the CPU."""
     import llm4llm.patchspec
     from kernels_runtime.bundle import Guard
-    from llm4llm.search.templates import TEMPLATES
-    from llm4llm.verify.candidate import load_candidate, unload_candidate
 
-    monkeypatch.setattr(timing, "MIN_REPS", 3)
-    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    task, source, module = fused_candidate
     real_spec = llm4llm.patchspec.task_patch_spec
     monkeypatch.setattr(llm4llm.patchspec, "task_patch_spec", lambda *a, **k: real_spec(*a, **k).model_copy(
         update={"guard": Guard(dtypes=["float16"])}))  # the task is float32: every call falls back
@@ -153,25 +156,18 @@ def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(decode_tasks,
         return timing.time_call(fn, args, "in_context", device, prepare=prepare)
 
     monkeypatch.setattr(timing, "time_call_graph", graph_stand_in)
-    task = decode_tasks["tiny-mamba"]
     dev = torch.device("cpu")
-    t = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba_decode_fused")
-    source = t.render(task.spec, t.default(task.spec))
-    module = load_candidate(source, tmp_path, "timing_fallback_candidate")
-    try:
-        draws = make_draws(task, dev, 0, 0)
-        for decode_graph in (False, True):
-            timing._REFERENCE_CACHE.clear()
-            graph_calls.clear()
-            v = Verdict(source_hash="x", task_id=task.spec.task_id)
-            timing.time_task(v, task, module.entry, draws, dev, source=source, decode_graph=decode_graph)
-            details = {g.name: g.detail for g in v.gates}
-            assert all("every patched call fell back" in d for d in details.values()), details
-            if decode_graph:
-                assert "CUDA-graph replay" in details["timing_in_context"]
-                assert module.entry in graph_calls  # the bare entry, after the patched call fell back
-    finally:
-        unload_candidate("timing_fallback_candidate")
+    draws = make_draws(task, dev, 0, 0)
+    for decode_graph in (False, True):
+        timing._REFERENCE_CACHE.clear()
+        graph_calls.clear()
+        v = Verdict(source_hash="x", task_id=task.spec.task_id)
+        timing.time_task(v, task, module.entry, draws, dev, source=source, decode_graph=decode_graph)
+        details = {g.name: g.detail for g in v.gates}
+        assert all("every patched call fell back" in d for d in details.values()), details
+        if decode_graph:
+            assert "CUDA-graph replay" in details["timing_in_context"]
+            assert module.entry in graph_calls  # the bare entry, after the patched call fell back
 
 
 @pytest.mark.gpu
