@@ -29,9 +29,10 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (the verifier's
     decode_timing="graph"), acceptance's baseline and trials run with graphs, and
     the bundle ships with them. auto: on when every module's decode state sits in a static-address cache (Mamba,
-    Mamba2) or a full-attention KV cache that the run swaps for transformers' static cache (Llama, Qwen3), decided
-    from the extracted tasks (pipeline.decode_graphs_plan); acceptance keeps graphs only where the unpatched model is
-    faster with them, and the runtime validates each capture.
+    Mamba2), a KV cache that the run swaps for transformers' static cache (Llama, Qwen3, RecurrentGemma's attention)
+    or on modules with a state adapter (RecurrentGemma's recurrent blocks), decided from the extracted tasks
+    (pipeline.decode_graphs_plan); acceptance gates the graphs like a patch (teacher-forced logits, then delta), and
+    the runtime validates each capture.
     e2e_variants: None = eager, torch_compile, patched, plus eager_graphs and patched_graphs when graphs are on.
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""

@@ -111,9 +111,10 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              decode_graphs: str = typer.Option(
                  "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
                               "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
-                              "acceptance keeps them where the unpatched model is faster with them, the bundle ships "
-                              "with them. auto: on when all decode state sits in a static-address cache (Mamba, "
-                              "Mamba2) or a full-attention KV cache, swapped for the static cache (Llama, Qwen3)"),
+                              "acceptance gates them like a patch (logits, then delta), the bundle ships with them. "
+                              "auto: on when all decode state sits in a static-address cache (Mamba, Mamba2), a KV "
+                              "cache swapped for the static cache (Llama, Qwen3, RecurrentGemma's attention) or on "
+                              "modules with a state adapter (RecurrentGemma's recurrent blocks)"),
              min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),

@@ -457,8 +457,8 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
     (kernels_runtime.graphs.STATIC_LAYERS: Mamba, Mamba2), in a KV cache, which the run then swaps for transformers'
     static cache (static_cache=True: Llama, Qwen3, RecurrentGemma's sliding-window attention; their attention kernels,
     written for the dynamic cache, fall back there), or on modules with a state adapter (RecurrentGemma's recurrent
-    blocks: the graph adopts state a module assigns per step). Acceptance still measures the unpatched model with
-    and without graphs and keeps them only where they are faster."""
+    blocks: the graph adopts state a module assigns per step). Acceptance still gates them like a patch
+    (accept.decide_graphs: the unpatched model's logits with graphs, then a gain of at least delta)."""
     from kernels_runtime.boundary import MODULE_ADAPTERS
     from kernels_runtime.graphs import STATIC_LAYERS
 
