@@ -31,7 +31,7 @@ import torch
 from kernels_runtime import tolerances
 from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, save_bundle
 from kernels_runtime.tolerances import tolerance_for
-from llm4llm.patchspec import guard_for, task_patch_spec  # noqa: F401 (guard_for: re-exported)
+from llm4llm.patchspec import task_patch_spec
 from llm4llm.taskspec import TaskSpec
 
 METRICS = ("logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")

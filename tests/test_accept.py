@@ -15,9 +15,10 @@ import kernels_runtime
 from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, load_bundle, save_bundle
 from llm4llm import accept as acc
 from llm4llm.accept import (
-    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, decision_rows, guard_for,
-    noise_floor, rank, reference_tokens, teacher_forced_logits,
+    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, decision_rows, noise_floor, rank,
+    reference_tokens, teacher_forced_logits,
 )
+from llm4llm.patchspec import guard_for
 from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
 
 RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
