@@ -646,7 +646,7 @@ class DecodeGraphs:
 # 0.016-0.031 in single elements, so that one of two identical runs captured and the other refused). A tensor passes
 # the elementwise table or, failing it, a relative-L2 bound: tolerances.FLOOR_MAX_REL_L2 for 16-bit, the largest
 # rounding allowance the acceptance metric grants. For state the bound applies to what the step wrote (the change
-# from the state before it), so a write in the wrong place (a KV row at a frozen position: rel-L2 ~1.4) or a missing
+# from the state before it), so a write in the wrong place (a KV row at a frozen position: rel-L2 1.4-1.7) or a missing
 # update fails however small it is against the whole cache; integer state (write positions) must match exactly.
 # Acceptance then re-checks the graphed model's teacher-forced logits over the whole generation.
 REL_L2_BOUND: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: FLOOR_MAX_REL_L2,

@@ -59,7 +59,7 @@ class AcceptConfig:
     # the baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records
     # it. Off the GPU there is nothing to replay and nothing is timed: the setting is ignored and the result says so.
     decode_graphs: bool = False
-    # With decode_graphs: generate with transformers' static KV cache (Llama/Qwen3 steps are graphable only so).
+    # With decode_graphs: generate with transformers' static KV cache (Llama, Qwen3, RecurrentGemma: graphable only so).
     static_cache: bool = False
 
     def __post_init__(self):

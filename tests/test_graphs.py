@@ -606,6 +606,7 @@ def test_replay_check_allows_rounding_not_misplaced_writes():
     H200) pass by relative L2 and say so; a real difference does not. State is judged by what the step wrote: a
     KV row off by rounding passes, the same row written one position over fails, integers must match exactly."""
     from kernels_runtime.graphs import _mismatch
+    from kernels_runtime.tolerances import rel_l2
 
     gen = torch.Generator().manual_seed(0)
     want = (torch.randn(4096, generator=gen) * 2).to(torch.bfloat16)
@@ -617,19 +618,20 @@ def test_replay_check_allows_rounding_not_misplaced_writes():
     off = (want.float() * 1.2).to(torch.bfloat16)
     assert "rel-L2 2.00e-01 over 0.05" in _mismatch([off], [want], "output", [])
 
-    # a static KV cache of 1024 slots, 1000 filled: one misplaced row is rel-L2 0.045 of the whole cache (it would
-    # pass against the whole), and ~1.4 of what the step wrote
-    before = torch.zeros(1, 2, 1024, 16, dtype=torch.bfloat16)
-    before[:, :, :1000] = torch.randn(1, 2, 1000, 16, generator=gen).to(torch.bfloat16)
+    # a static KV cache of 2048 slots, 2000 filled: one misplaced row is rel-L2 0.04 of the whole cache (it would
+    # pass against the whole), and 1.7 of what the step wrote
+    before = torch.zeros(1, 2, 2048, 16, dtype=torch.bfloat16)
+    before[:, :, :2000] = torch.randn(1, 2, 2000, 16, generator=gen).to(torch.bfloat16)
     row = torch.randn(1, 2, 16, generator=gen).to(torch.bfloat16)
     want = before.clone()
-    want[:, :, 1000] = row
+    want[:, :, 2000] = row
     rounded = want.clone()
-    rounded[0, 0, 1000, rounded[0, 0, 1000].float().abs().argmin()] += 0.03  # one element off, as Llama's K row was
+    rounded[0, 0, 2000, rounded[0, 0, 2000].float().abs().argmin()] += 0.03  # one element off, as Llama's K row was
     notes = []
     assert _mismatch([rounded], [want], "state", notes, base=[before]) == "" and "step's change" in notes[0]
     misplaced = before.clone()
-    misplaced[:, :, 999] = row  # the new row over the last one: a frozen write position
+    misplaced[:, :, 1999] = row  # the new row over the last one: a frozen write position
+    assert rel_l2(misplaced, want) < 0.05  # against the whole cache it would pass
     assert "over 0.05" in _mismatch([misplaced], [want], "state", [], base=[before])
     assert _mismatch([torch.tensor([3])], [torch.tensor([4])], "state", [], base=[torch.tensor([2])]) == \
         "state 0: values differ"
