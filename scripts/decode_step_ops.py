@@ -82,7 +82,8 @@ def main() -> int:
     ap.add_argument("--layers-of", help="a workload TOML whose layer count the step is extrapolated to")
     ap.add_argument("--template", action="append", default=[],
                     help="patch the decode task of this template's family with it, default config (repeatable)")
-    ap.add_argument("--dtype", help="override the workload's dtype (the real workloads run bfloat16: casts count)")
+    ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                    help="override the workload's dtype (the real workloads run bfloat16: casts count)")
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args()
     if args.template:  # before anything is built
@@ -92,6 +93,19 @@ def main() -> int:
         for name in args.template:
             if name not in known:
                 ap.error(f"template: expected one of {known}, got {name!r}")
+    args.real = None
+    if args.layers_of:  # read, not loaded (the real workload may want a GPU): its name and model config
+        import tomllib
+
+        from transformers import AutoConfig
+
+        with open(args.layers_of, "rb") as f:
+            real = tomllib.load(f)
+        model_cfg = real.get("model", {})
+        if "model_type" not in model_cfg:
+            ap.error(f"--layers-of: expected [model] model_type in {args.layers_of}")
+        args.real = (real.get("name", args.layers_of),
+                     AutoConfig.for_model(model_cfg["model_type"], **(model_cfg.get("config") or {})))
     if args.dtype:  # a copy of the TOML beside it (its script path is relative), with the dtype replaced
         import re
 
@@ -211,19 +225,11 @@ def _count(ap, args) -> int:
     print("  layer 0's ops:", ", ".join(f"{k} {v}" for k, v in ops.most_common()))
     out = {"workload": wl.name, "template": args.template, "total": total, "outside": outside, "per_layer": kinds,
            "layer0_ops": dict(ops), "triton": sum(triton.values())}
-    if args.layers_of:
-        import tomllib
-
-        from transformers import AutoConfig
-
-        with open(args.layers_of, "rb") as f:  # read, not loaded: the real workload may want a GPU
-            real = tomllib.load(f)
-        model_cfg = real.get("model", {})
-        n_real = (model_cfg.get("config") or {}).get("num_hidden_layers") or AutoConfig.for_model(
-            model_cfg["model_type"]).num_hidden_layers
+    if args.real:
+        name, real_cfg = args.real
+        n_real = real_cfg.num_hidden_layers
         # the real model repeats the tiny one's layers; where they differ by kind (RecurrentGemma's recurrent and
         # attention blocks), in the real config's proportion
-        real_cfg = AutoConfig.for_model(model_cfg["model_type"], **(model_cfg.get("config") or {}))
         pattern = getattr(real_cfg, "layers_block_type", None)
         mean_of = {k: sum(ns) / len(ns) for k, ns in kinds.items()}
         if pattern and len(mean_of) > 1:
@@ -232,8 +238,8 @@ def _count(ap, args) -> int:
             est = round(outside + sum(by_block[block_of[b]] for b in list(pattern)[:n_real]))
         else:
             est = round(outside + sum(sum(ns) for ns in kinds.values()) / len(layers) * n_real)
-        print(f"  extrapolated to {real['name']} ({n_real} layers): about {est} kernels per decode step")
-        out.update(extrapolated_to=real["name"], layers=n_real, estimate=est)
+        print(f"  extrapolated to {name} ({n_real} layers): about {est} kernels per decode step")
+        out.update(extrapolated_to=name, layers=n_real, estimate=est)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

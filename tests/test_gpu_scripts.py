@@ -56,7 +56,8 @@ def test_graph_diag_smoke_run_and_bad_arguments(tmp_path):
 def test_decode_step_ops_counts_kernels_per_layer(tmp_path):
     """scripts/decode_step_ops.py on tiny Mamba: the HF decode step's kernels per layer, fewer once the fused
     decode template runs (its Triton launches counted, the interpreter's own tensor traffic not), and the
-    extrapolation to the real layer count; an unknown template is one usage error."""
+    extrapolation to the real layer count; an unknown template or a --layers-of file without a model type is one
+    usage error before anything runs."""
     counts = {}
     for name, extra in (("hf", []), ("fused", ["--template", "ssm_mixer.mamba_decode_fused"])):
         out = tmp_path / f"{name}.json"
@@ -70,3 +71,8 @@ def test_decode_step_ops_counts_kernels_per_layer(tmp_path):
     assert hf["layers"] == 24 and hf["estimate"] == hf["outside"] + 24 * hf["per_layer"]["MambaBlock"][0]
     res = _run(["scripts/decode_step_ops.py", "examples/workloads/tiny-mamba.toml", "--template", "nope"])
     assert res.returncode == 2 and "template: expected one of" in res.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "no-model-type"\n[model]\n')
+    res = _run(["scripts/decode_step_ops.py", "examples/workloads/tiny-mamba.toml", "--layers-of", str(bad)])
+    assert res.returncode == 2 and "--layers-of: expected [model] model_type" in res.stderr
+    assert "Traceback" not in res.stderr
