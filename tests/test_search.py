@@ -162,6 +162,26 @@ def test_proposer_never_repeats_within_a_search_and_prunes_experience(task_dir):
     assert all(c.config["num_warps"] > 2 for c in got)
 
 
+def test_a_space_larger_than_the_pool_keeps_its_default_and_is_sampled_evenly(task_dir):
+    # Past the pool limit, a plain cut of the product kept only the first keys' smallest values and dropped the
+    # default: the fused Mamba2 decode searches (4.0M points) tried only 16x32 one-warp GEMVs on the H200.
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    big = {"A": [1, 2, 3, 4], "B": [1, 2, 3, 4], "C": list(range(10)), "D": list(range(10)), "E": list(range(20))}
+    t = dataclasses.replace(FAKE, space_fn=lambda spec: big, default_fn=lambda spec: {"A": 4, "B": 3, "C": 9})
+    pool = t.configs(spec, limit=1000)
+    assert len(pool) == 1000 and len({json.dumps(c, sort_keys=True) for c in pool}) == 1000
+    assert pool[0] == {"A": 4, "B": 3, "C": 9, "D": 0, "E": 0} == t.default(spec)
+    assert {"A": 4, "B": 3, "C": 9, "D": 7, "E": 0} in pool  # one key away from the default
+    for k, vals in big.items():  # every value of every key, the first keys' included, about evenly
+        counts = [sum(c[k] == v for c in pool) for v in vals]
+        assert min(counts) > 0.5 * len(pool) / len(vals), (k, counts)
+    assert pool == t.configs(spec, limit=1000)  # reproducible
+    assert t.configs(spec, limit=32000) == [dict(zip(big, v)) for v in __import__("itertools").product(*big.values())]
+    prop = LibraryProposer(templates=[t])  # its pool: 20000 of the 32000 points
+    first = prop.propose(spec, [], [], 1)[0]
+    assert first.config == t.default(spec)  # explore starts from the default, as it does for small spaces
+
+
 # ---- a real tiny task: the norm template's source runs and matches the reference under the interpreter ----
 
 def _rmsnorm_task(tmp_path):
