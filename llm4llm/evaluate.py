@@ -8,6 +8,7 @@ machines of one kind. On the CPU the numbers are reported but marked, and never 
 from __future__ import annotations
 
 import inspect
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -94,8 +95,10 @@ def measure(model, workload, batch, run_fn, *, repeats: int = 3, warmup: int = 1
 
 
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
-                      repeats: int = 3) -> list[E2EResult]:
-    """Build the model once through the script and measure each variant in turn, in this process."""
+                      repeats: int = 3, results_path: str | None = None) -> list[E2EResult]:
+    """Build the model once through the script and measure each variant in turn, in this process. results_path:
+    each variant's row (with the GPU and library versions) is appended there as a JSON line as soon as it is
+    measured, so a run stopped midway (a time limit, a crash) keeps the variants it finished."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     unknown = [v for v in variants if v not in VARIANTS + GRAPH_VARIANTS]
@@ -113,7 +116,19 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
             results.append(E2EResult(variant, None, None, None, None, None, notes=f"failed: {_first_line(e)}"))
             if wl.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        if results_path:
+            _append_row(results_path, results[-1], wl.device)
     return results
+
+
+def _append_row(path: str, result: E2EResult, device: str) -> None:
+    from llm4llm.profiler import hardware_info
+
+    hw = hardware_info(device)
+    row = {**result.to_row(), "gpu_name": hw.get("gpu_name"),
+           "versions_json": {k: hw.get(k) for k in ("torch", "triton", "transformers")}}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _first_line(e: Exception) -> str:

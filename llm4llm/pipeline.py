@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import tempfile
 import uuid
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -407,19 +408,34 @@ def _run_child(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def in_subprocess(fn, *args, timeout_s: float = 3600.0, **kwargs):
+def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0, **kwargs):
     """Run fn(*args, **kwargs) in a fresh spawned process and return its (picklable) result. Exceptions raised
-    there come back as themselves; a process that dies (GPU fault, OOM kill) raises RuntimeError."""
+    there come back as themselves; a process that dies (GPU fault, OOM kill) raises RuntimeError. poll: called
+    every poll_every_s while the child runs, and once after it ends however it ends (to pick up what it streams)."""
     import multiprocessing as mp
+    import time
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
     from concurrent.futures.process import BrokenProcessPool
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
-        future = ex.submit(_run_child, fn, args, kwargs)
-        try:
-            return future.result(timeout=timeout_s)
-        except BrokenProcessPool as e:
-            raise RuntimeError(f"{fn.__name__}: the isolated process died ({e})") from e
+    deadline = time.monotonic() + timeout_s
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+            future = ex.submit(_run_child, fn, args, kwargs)
+            try:
+                while True:
+                    try:
+                        return future.result(timeout=min(poll_every_s, max(0.0, deadline - time.monotonic()))
+                                             if poll else timeout_s)
+                    except FutureTimeout:
+                        if not poll or time.monotonic() >= deadline:
+                            raise
+                        poll()
+            except BrokenProcessPool as e:
+                raise RuntimeError(f"{fn.__name__}: the isolated process died ({e})") from e
+    finally:
+        if poll:
+            poll()
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
@@ -565,16 +581,27 @@ def prior_experience(db, task_id: str) -> list:
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,
                  variants: tuple[str, ...] = ("eager", "torch_compile", "patched"), run_id: str | None = None) -> dict:
     from llm4llm.evaluate import evaluate_workload
-    from llm4llm.profiler import hardware_info
     from storage import repo
     from storage.db import Database
 
     wl = describe_workload(workload_path)
-    results = in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats)
     run_id = run_id or new_run_id(wl["name"] + "-eval")
-    hw = hardware_info(wl["device"])
-    rows = [{"run_id": run_id, "workload_hash": wl["workload_hash"], **r.to_row(), "gpu_name": hw.get("gpu_name"),
-             "versions_json": {k: hw.get(k) for k in ("torch", "triton", "transformers")}} for r in results]
-    with Database(db_path) as db:
-        repo.record_e2e(db, rows)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="llm4llm-e2e-") as tmp:
+        stream = Path(tmp) / "rows.jsonl"
+
+        def record_new() -> None:  # each variant's row lands in DuckDB as the child finishes it
+            new = []
+            for line in (stream.read_text().splitlines() if stream.exists() else [])[len(rows):]:
+                try:
+                    new.append({"run_id": run_id, "workload_hash": wl["workload_hash"], **json.loads(line)})
+                except json.JSONDecodeError:  # the line being written: the next poll reads it whole
+                    break
+            if new:
+                with Database(db_path) as db:
+                    repo.record_e2e(db, new)
+                rows.extend(new)
+
+        in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats,
+                      results_path=str(stream), poll=record_new)
     return {"run_id": run_id, "rows": rows}

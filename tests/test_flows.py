@@ -166,6 +166,40 @@ def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
         assert db.query("select count(*) from e2e_results")[0][0] == 0
 
 
+def test_evaluate_keeps_the_variants_it_finished_when_the_process_dies(tmp_path):
+    """Each variant's row lands in DuckDB as it is measured: a run stopped midway (on the H200 a time limit killed
+    two optimize runs in their last variant, and every row of their evaluate was lost) keeps what it finished."""
+    from llm4llm.pipeline import run_evaluate
+
+    root = EXAMPLES.parent
+    (tmp_path / "script.py").write_text((root / "scripts" / "hf_generate.py").read_text() + '''
+
+_real_run = run
+
+
+def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's first call kills the process
+    if generate_kwargs:
+        import os
+        os._exit(3)
+    return _real_run(model, workload, inputs)
+''')
+    toml = (EXAMPLES / "tiny-llama.toml").read_text().replace('"../scripts/hf_generate.py"', '"script.py"')
+    (tmp_path / "wl.toml").write_text(toml)
+    db_path = str(tmp_path / "db.duckdb")
+    with pytest.raises(RuntimeError, match="died"):
+        run_evaluate(str(tmp_path / "wl.toml"), db_path, repeats=1, variants=("eager", "torch_compile"),
+                     run_id="r-killed")
+    with Database(db_path) as db:
+        e2e = repo.table_df(db, "e2e_results")
+    assert list(e2e["variant"]) == ["eager"] and list(e2e["run_id"]) == ["r-killed"]
+    assert e2e["total_ms"].iloc[0] > 0 and e2e["workload_hash"].iloc[0]
+    out = run_evaluate(str(EXAMPLES / "tiny-llama.toml"), db_path, repeats=1, variants=("eager", "patched"),
+                       run_id="r-whole")
+    assert [r["variant"] for r in out["rows"]] == ["eager", "patched"]
+    with Database(db_path) as db:
+        assert db.query("select count(*) from e2e_results where run_id = 'r-whole'")[0][0] == 2
+
+
 @pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0")])
 def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value):
     from typer.testing import CliRunner
