@@ -200,6 +200,30 @@ def test_cpu_latency_gate_never_accepts_a_correct_patch(ref):
     assert row["metric"] == d.metric and row["decision"] == "rejected"
 
 
+@pytest.mark.parametrize("current,trial,again,decision,why", [
+    (100.0, 90.0, 101.0, "accepted", "drift 1.0%"),  # 10.4 % against the mean 100.5: above delta and drift
+    (100.0, 96.0, 120.0, "rejected", "below the baseline's drift 20.0%"),  # 12.7 % gain, but the baseline moved 20 %
+    (120.0, 100.0, 100.0, "rejected", "below the baseline's drift 20.0%"),  # a stale 120 ms baseline alone: +16.7 %
+    (100.0, 99.0, 100.0, "rejected", "below delta 2%"),
+])
+def test_latency_gate_brackets_the_trial_with_the_baseline(ref, current, trial, again, decision, why):
+    """The trial is judged against the baseline measured before and right after it: a gain within the baseline's own
+    drift is not a gain (scripted latencies: the gate's arithmetic, not a CPU timing)."""
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    calls = []
+    try:
+        d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
+                     AcceptConfig(delta=0.02), lambda: calls.append("trial") or trial, current, 0.1, floor=ref.floor,
+                     rebaseline=lambda: calls.append("again") or again)
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert calls == ["trial", "again"]  # the baseline is measured again after the trial, not before it only
+    assert d.decision == decision and why in d.reason, d.reason
+    assert d.e2e_before_ms == pytest.approx((current + again) / 2) and d.baseline_after_ms == again
+    assert d.gain == pytest.approx(1 - trial / ((current + again) / 2))
+
+
 @pytest.mark.parametrize("bug", sorted(BUGS))
 @pytest.mark.parametrize("metric", METRICS)
 def test_buggy_kernel_is_rejected_under_every_metric(ref, bug, metric):
