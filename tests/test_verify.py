@@ -127,6 +127,33 @@ def test_timeout_kills_worker_and_the_next_job_gets_a_fresh_one(pool, task_dir):
     assert ok.worker_pid != before
 
 
+def test_a_worker_stopped_from_outside_is_not_the_candidates_fault(pool, task_dir):
+    """SIGTERM to the worker mid-verification (a time limit on the whole run): the verdict says `interrupted`, not a
+    GPU fault or crash of the candidate, and the search draws no rule from it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from llm4llm.search.experience import Point, derive_rules
+
+    pool.verify(task_dir, cheat_source("correct_rmsnorm"))  # a live worker
+    pid, out = pool.worker_pid, []
+    t = threading.Thread(target=lambda: out.append(pool.verify(task_dir, cheat_source("hangs"), timeout_s=60.0)))
+    t.start()
+    time.sleep(1.5)
+    os.kill(pid, signal.SIGTERM)
+    t.join(30)
+    v = out[0]
+    assert v.failure_class == "interrupted" and "SIGTERM" in v.message and "not the candidate's fault" in v.message
+    assert pool.verify(task_dir, cheat_source("correct_rmsnorm")).passed  # a fresh worker serves the next job
+    points = [Point("t", {"B": b, "w": w}, False, failure_class=fc, signature="sig")
+              for b, w in [(64, 1), (64, 2)] for fc in ["interrupted"]] + [Point("t", {"B": 32, "w": 1}, True, 1.0)]
+    assert derive_rules(points) == []
+    assert derive_rules([p.__class__(**{**p.__dict__, "failure_class": "compile"}) if not p.passed else p
+                         for p in points])  # the same evidence as a real failure does give a rule
+
+
 @pytest.mark.parametrize("src, fragment", [
     ("import os\ndef entry(i, w, s, st): pass", "import of 'os'"),
     ("import triton\n@triton.jit\ndef k(x): pass\ndef entry(i, w, s, st):\n    return eval('1')", "'eval'"),

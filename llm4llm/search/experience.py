@@ -65,7 +65,7 @@ def derive_rules(points: list[Point]) -> list[FailureRule]:
     evidence each time, so a later pass with the value retracts them."""
     rules: dict[tuple, FailureRule] = {}
     passing = [p for p in points if p.passed]
-    failing = [p for p in points if not p.passed]
+    failing = [p for p in points if not p.passed and p.failure_class != "interrupted"]  # stopped from outside
     for f in failing:
         for key, value in f.config.items():
             same_t = [p for p in passing if p.template == f.template and key in p.config]

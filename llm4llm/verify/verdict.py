@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 FailureClass = Literal[
     "static", "compile", "runtime_error", "timeout", "gpu_fault", "oom", "wrong_output", "nan_inf", "shape_dtype",
     "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
+    "interrupted",  # the worker was stopped from outside (SIGTERM/SIGINT/SIGHUP): says nothing about the candidate
 ]
 
 NO_GPU = "skipped: no GPU"

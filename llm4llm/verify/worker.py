@@ -171,6 +171,11 @@ class VerifierPool:
         v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
         if code == -signal.SIGKILL:
             return v.fail("worker", "oom", f"worker killed by SIGKILL after {elapsed:.1f}s (likely out of memory)")
+        if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            # stopped from outside (a time limit on the whole run, Ctrl-C): not a fault of the candidate, whose
+            # config must not be remembered as one (on the H200 a session's time limit read as gpu_fault)
+            return v.fail("worker", "interrupted", f"worker stopped by {signal.Signals(-code).name} after "
+                                                    f"{elapsed:.1f}s (from outside: not the candidate's fault)")
         if code is not None and code < 0 and self.device.startswith("cuda"):
             return v.fail("worker", "gpu_fault", f"worker died of signal {-code} after {elapsed:.1f}s")
         return v.fail("worker", "worker_crash", f"worker died (exit code {code}) after {elapsed:.1f}s")
