@@ -97,6 +97,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              budget: int = typer.Option(15, help="trials per task"), mode: str = typer.Option("episodic"),
              proposer: str = typer.Option("library", help="library | llm | hybrid"),
              top: int = typer.Option(6, help="search the top-N tasks by hotspot score"),
+             family: Optional[list[str]] = typer.Option(
+                 None, help="search only tasks of this family (repeatable; before --top), e.g. norm, ssm_mixer"),
              delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
              accept_metric: str = typer.Option(
                  "auto", help="in-model correctness metric: auto (logits_rel_l2_floor for 16-bit models, "
@@ -132,12 +134,14 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         _check_proposer(proposer)
         _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup)
         _check_graphs(decode_graphs, e2e_variants)
+        _check_families(family)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
             out = optimize_workload(str(workload), db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None, min_score=min_score,
                                     refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
-                                    mode=mode, budget=budget, proposer=proposer, top=top, delta=delta, llm=llm,
+                                    mode=mode, budget=budget, proposer=proposer, top=top,
+                                    families=list(family) if family else None, delta=delta, llm=llm,
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
                                     accept_min_task_speedup=accept_min_task_speedup,
@@ -174,6 +178,16 @@ def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
     _check_variants("--e2e-variants", e2e_variants)
+
+
+def _check_families(families: list[str] | None) -> None:
+    """--family: one error line (exit 2) before any flow starts."""
+    from llm4llm.errors import Llm4llmError
+    from llm4llm.extract import TARGET_FAMILIES
+
+    bad = [f for f in families or [] if f not in TARGET_FAMILIES]
+    if bad:
+        raise Llm4llmError(f"--family: expected one of {', '.join(TARGET_FAMILIES)}, got {', '.join(bad)}")
 
 
 def _check_variants(option: str, variants: str | None) -> None:

@@ -200,7 +200,8 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
         assert db.query("select count(*) from e2e_results where run_id = 'r-whole'")[0][0] == 2
 
 
-@pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0")])
+@pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0"),
+                                        ("--family", "normz")])
 def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value):
     from typer.testing import CliRunner
 
@@ -210,3 +211,24 @@ def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value
                                    "--db", str(tmp_path / "db.duckdb")])
     assert res.exit_code == 2 and flag in res.output and "Traceback" not in res.output
     assert not (tmp_path / "db.duckdb").exists()
+
+
+def test_cli_family_restricts_the_search_to_that_family(prefect_harness, tmp_path):
+    """`optimize --family norm`: only the norm tasks are searched, the top N counted among them (on the GPU the
+    norm decode tasks ranked below attention and MLP, whose kernels lose to cuBLAS/SDPA under graph replay)."""
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+
+    db = tmp_path / "db.duckdb"
+    res = CliRunner().invoke(app, ["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir",
+                                   str(tmp_path / "data"), "--stages", "profile,extract,search", "--budget", "1",
+                                   "--top", "1", "--family", "norm"])
+    assert res.exit_code == 0, res.output
+    with Database(str(db)) as d:
+        searched = d.query("select s.task_id, t.family, t.score from searches s join tasks t using (task_id)")
+        best_norm = d.query("select max(score) from tasks where family = 'norm' and deployable")[0][0]
+        others = d.query("select count(*) from tasks where family <> 'norm' and deployable and score > ?",
+                         [best_norm])[0][0]
+    assert [r[1] for r in searched] == ["norm"] and searched[0][2] == best_norm
+    assert others > 0  # without --family, --top 1 would have taken another family's task
