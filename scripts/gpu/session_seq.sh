@@ -10,6 +10,7 @@
 #    into the logs tarball;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu);
+#    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
 set -u
@@ -37,6 +38,10 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
         ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
+    graphdiag)
+      timeout -k 5 "${budget:-200}" python3 scripts/gpu/graph_diag.py examples/workloads/$w.toml \
+        --out "$OUT/logs/graph_diag_$w.json" ${DIAG_ARGS:-} > "$OUT/logs/graph_diag_$w.log" 2>&1
+      echo "graph_diag $w rc=$? in $(( $(date +%s) - s ))s"; tail -8 "$OUT/logs/graph_diag_$w.log" ;;
     evaluate)
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" > "$OUT/logs/evaluate_$w.log" 2>&1
