@@ -186,6 +186,10 @@ class _Kernel:
     def __post_init__(self):
         g = self.spec.guard  # an empty guard accepts every call: dispatch skips the check
         self.guarded = bool(g.dtypes or g.device_types or g.min_capability or g.shapes or g.contiguous)
+        # A kernel that writes its state into the cache itself (declared by `STATE_IN_PLACE = True` in its source,
+        # or seen returning the state tensors it was given) cannot fall back once it started: the original forward
+        # would run on a state the kernel already advanced. Its errors are raised instead.
+        self.in_place = bool(getattr(self.fn, "__globals__", {}).get("STATE_IN_PLACE", False))
 
 
 def _own_phase(args: tuple, kwargs: dict) -> str:
@@ -269,21 +273,25 @@ class Dispatch:
         static = call.static  # a fresh dict per call (the binder copies its cached part)
         if kernel.spec.config:
             static["config"] = kernel.spec.config
-        try:  # nothing is written until the kernel returned complete outputs: the original can still take the call
+        try:  # an out-of-place kernel writes nothing until it returned complete outputs: the original can still
+            # take the call; an in-place one may have written its state already, so its errors are raised
             result = kernel.fn(call.inputs, weights, call.state, static)
             output = _pack_outputs(kernel.spec, result)
             state_out = _state_out(adapter, result) if adapter is not None else None
         except Exception as e:
-            if self.strict:
+            if self.strict or kernel.in_place:
                 raise
             log.warning("llm4llm: %s kernel %s failed, falling back: %s", self.path, kernel.spec.patch_id, e)
             return self._fallback(f"kernel error: {type(e).__name__}", args, kwargs)
         if state_out is not None:
+            if not kernel.in_place and any(isinstance(t, torch.Tensor) and isinstance(call.state.get(n), torch.Tensor)
+                                           and t.data_ptr() == call.state[n].data_ptr() for n, t in state_out.items()):
+                kernel.in_place = True  # it returned the cache's own tensors: it updates them in place
             try:  # write_state checks before it changes anything: a rejected state leaves the cache as it was
                 _write_state(adapter, module, boundary.find_cache(args, kwargs), state_out, call.recipe["state"],
                              call.inputs)
             except Exception as e:
-                if self.strict:
+                if self.strict or kernel.in_place:
                     raise
                 log.warning("llm4llm: %s kernel %s state rejected, falling back: %s", self.path,
                             kernel.spec.patch_id, e)

@@ -424,6 +424,55 @@ def test_rejected_state_leaves_the_cache_untouched_and_falls_back(prompt):
     assert_same_state(snapshot(got.past_key_values), snapshot(ref.past_key_values))
 
 
+@pytest.mark.parametrize("how", ["declared", "seen"])
+def test_an_in_place_kernel_that_fails_raises_instead_of_falling_back(prompt, how):
+    """A kernel that writes its state into the cache may have advanced it before it failed: the original forward
+    would then run on a wrong state, so its errors raise (declared by STATE_IN_PLACE, or learned from a call that
+    returned the cache's own tensors). The same failure in an out-of-place kernel falls back and is counted."""
+    model = tiny("mamba")
+    fails_on = {"declared": 1, "seen": 2}[how]  # the decode call that raises (the "seen" kernel succeeds once first)
+    wrapper = textwrap.dedent(f'''
+        {"STATE_IN_PLACE = True" if how == "declared" else ""}
+        CALLS = [0]
+
+
+        def entry(inputs, weights, state, static):
+            if inputs["hidden_states"].shape[1] != 1:
+                return _entry(inputs, weights, state, static)
+            CALLS[0] += 1
+            if CALLS[0] == {fails_on}:
+                state["conv_state"].add_(1.0)  # part of the state written, then a failure
+                raise RuntimeError("failed after writing")
+            out = _entry(inputs, weights, state, static)
+            state["conv_state"].copy_(out["state_out.conv_state"])  # in place: the cache's own tensors come back
+            state["ssm_state"].copy_(out["state_out.ssm_state"])
+            return {{**out, "state_out.conv_state": state["conv_state"], "state_out.ssm_state": state["ssm_state"]}}
+    ''')
+    src = MAMBA_TRITON.replace("def entry(", "def _entry(") + wrapper
+    report = kernels_runtime.apply(model, stateful_bundle(class_path(model, "MambaMixer"), src))
+    try:
+        with pytest.raises(RuntimeError, match="failed after writing"):
+            generate(model, prompt)
+    finally:
+        kernels_runtime.revert(model)
+    out_of_place = MAMBA_TRITON.replace("def entry(", "def _entry(") + textwrap.dedent('''
+        def entry(inputs, weights, state, static):
+            if inputs["hidden_states"].shape[1] == 1 and "failed" not in static:
+                static["failed"] = True  # a fresh static dict per call: this raises on every decode call
+                raise RuntimeError("failed before writing")
+            return _entry(inputs, weights, state, static)
+    ''')
+    ref = generate(model, prompt)
+    report = kernels_runtime.apply(model, stateful_bundle(class_path(model, "MambaMixer"), out_of_place))
+    try:
+        got = generate(model, prompt)
+    finally:
+        kernels_runtime.revert(model)
+    assert torch.equal(got.sequences, ref.sequences)
+    falls = sum(c["fallback"].get("kernel error: RuntimeError", 0) for c in report.counters().values())
+    assert falls == 2 * (NEW_TOKENS - 1)  # 2 layers, every decode step fell back
+
+
 def test_adapters_all_write_back():
     for adapter in (*boundary.CACHE_LAYER_ADAPTERS.values(), *boundary.MODULE_ADAPTERS.values()):
         assert callable(getattr(adapter, "write_state", None)), adapter.name

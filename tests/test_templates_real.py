@@ -118,3 +118,60 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
                           if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
     v = pool.verify(task_dir, t.render(spec, {**t.default(spec), "lin_GEMV_SPLIT_K": 4, "lin_GEMV_BLOCK_K": 32}))
     assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload,template", [("tiny-mamba", "ssm_mixer.mamba_decode_fused"),
+                                               ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused")])
+def test_in_place_state_saves_the_write_back_copies_in_model(tiny_tasks, pool, monkeypatch, workload, template):
+    """The fused decode templates with state_inplace (their default) pass the verifier like the out-of-place config
+    and, applied to the model, produce the same decode logits with two state copies fewer per layer and step: the
+    kernels update the cache themselves (the write-back finds its own tensors and copies nothing)."""
+    import torch
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    t = next(t for t in TEMPLATES if t.name == template)
+    spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
+                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+    wl = load_workload(WORKLOADS / f"{workload}.toml")
+    script = load_script(wl)
+    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    n_layers = len(spec.instances)
+
+    import kernels_runtime.patch as kpatch
+
+    real_write = kpatch._write_state
+    copies = []
+
+    def spy(adapter, module, cache, state_out, spec, inputs):  # state tensors the write-back must copy into the cache
+        held = adapter.read_out(module, cache, spec)
+        copies.append(sum(t.data_ptr() != held[n].data_ptr() for n, t in state_out.items() if n in held))
+        return real_write(adapter, module, cache, state_out, spec, inputs)
+
+    def generate(source):
+        """Logits of 3 greedy tokens (2 decode steps), and how many state tensors the write-back had to copy."""
+        bundle = PatchBundle(name="inplace-test")
+        bundle.add_patch(task_patch_spec(spec, "c", 1.0, "cpu"), source=source)
+        report = kernels_runtime.apply(model, bundle, strict=True)
+        try:
+            copies.clear()
+            with torch.inference_mode():
+                out = model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                                     output_logits=True, return_dict_in_generate=True)
+            assert report.totals().get("kernel", 0) == 2 * n_layers  # both decode steps ran it in every layer
+            return torch.stack(out.logits), sum(copies)
+        finally:
+            kernels_runtime.revert(model)
+
+    monkeypatch.setattr(kpatch, "_write_state", spy)
+    results = {}
+    for inplace in (True, False):
+        source = t.render(spec, {**t.default(spec), "state_inplace": inplace})
+        v = pool.verify(task_dir, source)
+        assert v.passed, f"state_inplace={inplace}: {v.failure_class}: {v.message}"
+        results[inplace] = generate(source)
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1] == 0 and results[False][1] == 2 * 2 * n_layers, {k: v[1] for k, v in results.items()}

@@ -8,8 +8,11 @@ These two kernels fuse what needs no grid-wide dependency: the conv update of ch
 and dt_proj's row c only feeds channel c's state update. x_proj and out_proj reduce over all channels, so they stay
 separate (`kernels_runtime.ops.linear`).
 
-Both kernels write their state to fresh buffers (out of place): a candidate must not modify its inputs, and an
-out-of-place state needs no copy launch. Semantics and rounding are those of `causal_conv1d_update` and
+Both kernels write the new state either to a fresh buffer (out of place; whoever owns the cache then copies it
+back: kernels_runtime's state write-back, one launch per state) or, with inplace=True, over the state they read (the
+state must be contiguous): then the cache is updated by the kernel itself and nothing is copied, two launches fewer
+per Mamba layer and decode step. In place, every program reads and writes only its own channels' state, and a
+barrier separates its last state load from its first state store (the conv window shifts across threads). Semantics and rounding are those of `causal_conv1d_update` and
 `selective_state_update` in this package (HF's torch path, transformers 5.17): in_proj and dt_proj outputs rounded to
 the activation dtype as nn.Linear's are, the conv result rounded to the weight dtype before the SiLU, dt + bias and
 softplus in dt's dtype, the state in C's dtype before the C contraction. Not autotuned: tune the block sizes by
@@ -31,7 +34,7 @@ def _proj_conv_kernel(
     H, NR, C0, CD, S,
     stride_xb, stride_mb, stride_wn, stride_sb, stride_sc, stride_ss, stride_cwc, stride_ob,
     K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, INPLACE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # o[b, r] = in_proj row r of x; rows C0 <= r < C0 + CD (the conv channels c = r - C0) get the conv update, the
@@ -73,11 +76,13 @@ def _proj_conv_kernel(
     conv = rnd(conv * tl.sigmoid(conv), ACT_DTYPE) * m  # and masks the conv output again
     out = tl.where(is_conv, conv, raw)
     tl.store(o_ptr + pid_b * stride_ob + offs_r, cast_out(out, o_ptr.dtype.element_ty, RNE), mask=mask_r)
-    # new state = old state shifted left by one, in_proj's output appended (a fresh buffer)
+    # new state = old state shifted left by one, in_proj's output appended (a fresh buffer, or s itself)
     offs_s = tl.arange(0, BLOCK_S)
     ms = is_conv[:, None] & (offs_s[None, :] < S)
     shifted = tl.load(s_base + (offs_s[None, :] + 1) * stride_ss, mask=ms & (offs_s[None, :] + 1 < S), other=0.0)
     shifted = tl.where(offs_s[None, :] == S - 1, xs_state[:, None].to(shifted.dtype), shifted)
+    if INPLACE:  # s_out is s: every thread's loads of the window before any thread's store (the shift crosses them)
+        tl.debug_barrier()
     tl.store(s_out_ptr + pid_b * stride_sb + c_safe[:, None] * stride_sc + offs_s[None, :] * stride_ss, shifted,
              mask=ms)
 
@@ -88,7 +93,7 @@ def _dt_state_update_kernel(
     I, N, R,
     stride_pb, stride_dtw, stride_ad, stride_ob, stride_sb, stride_sd,
     DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
-    RNE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    RNE: tl.constexpr, INPLACE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -116,6 +121,8 @@ def _dt_state_update_kernel(
     s_offs = pid_b * stride_sb + offs_d[:, None] * stride_sd + offs_n[None, :]
     h = tl.load(s_ptr + s_offs, mask=mask_dn, other=0.0).to(tl.float32)
     h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]  # HF: (dt B) x
+    if INPLACE:  # s_out is s: the load above before the store, whatever layout each one uses
+        tl.debug_barrier()
     tl.store(s_out_ptr + s_offs, h.to(s_out_ptr.dtype.element_ty), mask=mask_dn)
     y = rnd(tl.sum(rnd(h, Y_DTYPE) * Cv[None, :], axis=1), Y_DTYPE)
     Dv = tl.load(d_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -132,11 +139,12 @@ def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, conv_start=0, BLOCK_C=64,
-              BLOCK_H=128, num_warps=4):
+              BLOCK_H=128, num_warps=4, inplace=False):
     """in_proj for one token with the conv update fused on a range of its rows. x: [B, H]; in_proj_w: [NR, H];
-    conv_state: [B, CD, S] (S >= K - 1, not modified); conv_w: [CD, K]; rows conv_start .. conv_start + CD are the
-    conv channels; mask: [B, 1] or None -> (o [B, NR]: in_proj's output with the conv rows replaced by masked
-    silu(conv), new conv state [B, CD, S]). Mamba: rows [x | z], conv_start 0; Mamba2: [z | xBC | dt], conv_start I."""
+    conv_state: [B, CD, S] (S >= K - 1; not modified, or with inplace=True updated in place and returned: it must
+    be contiguous); conv_w: [CD, K]; rows conv_start .. conv_start + CD are the conv channels; mask: [B, 1] or None
+    -> (o [B, NR]: in_proj's output with the conv rows replaced by masked silu(conv), new conv state [B, CD, S]).
+    Mamba: rows [x | z], conv_start 0; Mamba2: [z | xBC | dt], conv_start I."""
     if x.dim() != 2 or in_proj_w.dim() != 2 or in_proj_w.shape[1] != x.shape[1]:
         raise ValueError(f"proj_conv: expected x [B, H] and in_proj_w [NR, H], got {tuple(x.shape)}, "
                          f"{tuple(in_proj_w.shape)}")
@@ -153,10 +161,12 @@ def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *,
         raise ValueError(f"proj_conv: expected mask [{Bsz}, 1], got {tuple(mask.shape)}")
     for name, t in (("x", x), ("in_proj_w", in_proj_w), ("conv_w", conv_w)):
         _contig(name, t)
+    if inplace and not conv_state.is_contiguous():
+        raise ValueError(f"proj_conv: inplace=True needs a contiguous conv_state, got strides {conv_state.stride()}")
     conv_state = conv_state.contiguous()
     S = conv_state.shape[2]
     o = torch.empty((Bsz, NR), device=x.device, dtype=x.dtype)
-    s_out = torch.empty_like(conv_state)
+    s_out = conv_state if inplace else torch.empty_like(conv_state)
     grid = (Bsz, triton.cdiv(NR, BLOCK_C))
     _proj_conv_kernel[grid](
         x, mask if mask is not None else x, in_proj_w, in_proj_b if in_proj_b is not None else in_proj_w,
@@ -165,7 +175,7 @@ def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *,
         x.stride(0), mask.stride(0) if mask is not None else 0, in_proj_w.stride(0), *conv_state.stride(),
         conv_w.stride(0), o.stride(0),
         K=K, HAS_MASK=mask is not None, HAS_BIAS=in_proj_b is not None, HAS_CONV_BIAS=conv_b is not None,
-        ACT_DTYPE=_TL[x.dtype], RNE=interpreting(),
+        ACT_DTYPE=_TL[x.dtype], RNE=interpreting(), INPLACE=inplace,
         BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_S=triton.next_power_of_2(S), BLOCK_K=triton.next_power_of_2(K),
         num_warps=num_warps,
     )
@@ -173,22 +183,25 @@ def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *,
 
 
 def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, BLOCK_C=64,
-                       BLOCK_H=128, num_warps=4):
+                       BLOCK_H=128, num_warps=4, inplace=False):
     """Mamba's in_proj ([x | z] rows, [2I, H]) with the conv update on the x rows -> (xc [B, I] = masked
-    silu(conv), z [B, I] (the gate before its SiLU), new conv state [B, I, S]); conv_state is not modified."""
+    silu(conv), z [B, I] (the gate before its SiLU), new conv state [B, I, S]); conv_state is not modified, or with
+    inplace=True updated in place and returned."""
     if in_proj_w.dim() != 2 or in_proj_w.shape[0] % 2 or conv_w.dim() != 2 or \
             conv_w.shape[0] != in_proj_w.shape[0] // 2:
         raise ValueError(f"mamba_in_proj_conv: expected in_proj_w [2I, H] and conv_w [I, K], got "
                          f"{tuple(in_proj_w.shape)}, {tuple(conv_w.shape)}")
     I = conv_w.shape[0]
     o, s_out = proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask, conv_start=0, BLOCK_C=BLOCK_C,
-                         BLOCK_H=BLOCK_H, num_warps=num_warps)
+                         BLOCK_H=BLOCK_H, num_warps=num_warps, inplace=inplace)
     return o[:, :I], o[:, I:], s_out
 
 
-def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2):
+def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2,
+                          inplace=False):
     """p: [B, R + 2N] (x_proj's output: dt_low, B, C); dt_proj_w: [I, R]; dt_proj_b, D: [I]; A_log: [I, N];
-    xc, z: [B, I]; ssm_state: [B, I, N] (not modified) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype)."""
+    xc, z: [B, I]; ssm_state: [B, I, N] (not modified, or with inplace=True updated in place and returned: it must
+    be contiguous) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype)."""
     Bsz, I = xc.shape
     N = A_log.shape[1]
     R = dt_proj_w.shape[1]
@@ -200,9 +213,12 @@ def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *
                          f"{tuple(ssm_state.shape)}, {tuple(z.shape)}")
     for name, t in (("p", p), ("dt_proj_w", dt_proj_w), ("A_log", A_log)):
         _contig(name, t)
+    if inplace and not ssm_state.is_contiguous():
+        raise ValueError(f"mamba_dt_state_update: inplace=True needs a contiguous ssm_state, got strides "
+                         f"{ssm_state.stride()}")
     xc, z, ssm_state = xc.contiguous(), z.contiguous(), ssm_state.contiguous()
     y = torch.empty((Bsz, I), device=xc.device, dtype=xc.dtype)
-    s_out = torch.empty_like(ssm_state)
+    s_out = ssm_state if inplace else torch.empty_like(ssm_state)
     skip = torch.promote_types(xc.dtype, D.dtype)
     grid = (Bsz, triton.cdiv(I, BLOCK_D))
     _dt_state_update_kernel[grid](
@@ -210,7 +226,7 @@ def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *
         I, N, R,
         p.stride(0), dt_proj_w.stride(0), A_log.stride(0), xc.stride(0), ssm_state.stride(0), ssm_state.stride(1),
         DT_DTYPE=_TL[p.dtype], Y_DTYPE=_TL[p.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[z.dtype], RNE=interpreting(),
-        BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), BLOCK_R=min(64, triton.next_power_of_2(R)),
+        INPLACE=inplace, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), BLOCK_R=min(64, triton.next_power_of_2(R)),
         num_warps=num_warps,
     )
     return y, s_out

@@ -1,5 +1,6 @@
 """The fused Mamba decode kernels against the composition of the per-op references (HF's torch path), on outputs
-and both states, across dtypes and odd sizes; the states are written out of place (inputs untouched)."""
+and both states, across dtypes and odd sizes; the states written out of place (inputs untouched) or, with
+inplace=True, over the state read (the cache updated by the kernel, no copy back)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +103,80 @@ def test_proj_conv_on_a_middle_row_range(dtype, masked):
     assert_close(s_out, state_ref, name="conv state")
     with pytest.raises(ValueError, match="conv rows"):
         proj_conv(x, w, None, state, conv_w, conv_b, conv_start=NR - CD + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,I,K,N,R", [(48, 96, 4, 16, 3), (33, 40, 4, 12, 5)])
+def test_fused_decode_in_place_updates_the_states_it_reads(dtype, H, I, K, N, R):
+    """inplace=True: the returned states are the very tensors passed in, holding what the out-of-place call
+    returns (bit for bit: the same arithmetic), and nothing else changed."""
+    w = _weights(H, I, K, N, R, dtype, seed=3 * H + I, bias=True)
+    mask = torch.tensor([[1], [0]], dtype=torch.long)
+    xc_o, z_o, cs_o = mamba_in_proj_conv(w["x"], w["in_w"], w["in_b"], w["conv_state"], w["conv_w"], w["conv_b"],
+                                         mask, BLOCK_C=16, BLOCK_H=16)
+    p = torch.randn(2, R + 2 * N, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y_o, ss_o = mamba_dt_state_update(p, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_o, z_o, w["ssm_state"],
+                                      BLOCK_D=16)
+    before = {k: v.clone() for k, v in w.items() if isinstance(v, torch.Tensor)}
+    conv_state, ssm_state = w["conv_state"], w["ssm_state"]
+    xc, z, cs = mamba_in_proj_conv(w["x"], w["in_w"], w["in_b"], conv_state, w["conv_w"], w["conv_b"], mask,
+                                   BLOCK_C=16, BLOCK_H=16, inplace=True)
+    y, ss = mamba_dt_state_update(p, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc, z, ssm_state, BLOCK_D=16,
+                                  inplace=True)
+    assert cs is conv_state and ss is ssm_state
+    assert torch.equal(cs, cs_o) and torch.equal(ss, ss_o)
+    assert torch.equal(xc, xc_o) and torch.equal(z, z_o) and torch.equal(y, y_o)
+    assert not torch.equal(conv_state, before["conv_state"]) and not torch.equal(ssm_state, before["ssm_state"])
+    for k, v in before.items():
+        if k not in ("conv_state", "ssm_state"):
+            assert torch.equal(w[k], v), k
+
+
+def test_in_place_needs_a_contiguous_state():
+    """A non-contiguous state would be updated in a copy and the update lost: refused."""
+    w = _weights(16, 8, 4, 4, 2, torch.float32, 0, False)
+    cs = w["conv_state"].transpose(1, 2).contiguous().transpose(1, 2)  # [2, 8, 4] with permuted strides
+    with pytest.raises(ValueError, match="contiguous conv_state"):
+        mamba_in_proj_conv(w["x"], w["in_w"], None, cs, w["conv_w"], None, inplace=True)
+    ss = w["ssm_state"].transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous ssm_state"):
+        mamba_dt_state_update(torch.zeros(2, 10), w["dt_w"], w["dt_b"], w["A_log"], w["D"], torch.zeros(2, 8),
+                              torch.zeros(2, 8), ss, inplace=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,I,N,R", [(768, 1536, 16, 48)])  # mamba-130m's mixer
+def test_in_place_on_cuda_matches_out_of_place_at_real_sizes(H, I, N, R):
+    """On the GPU the in-place kernels (a barrier between the state loads and stores) give bit for bit what the
+    out-of-place ones give, at mamba-130m's sizes in bf16, over several chained steps; and Mamba2's proj_conv at
+    mamba2-2.7b's in_proj rows likewise."""
+    w = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+         for k, v in _weights(H, I, 4, N, R, torch.bfloat16, seed=5, bias=False).items()}
+    cs_o, ss_o = w["conv_state"].clone(), w["ssm_state"].clone()
+    cs_i, ss_i = w["conv_state"].clone(), w["ssm_state"].clone()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(2, H, device="cuda", generator=g).to(torch.bfloat16)
+        p = torch.randn(2, R + 2 * N, device="cuda", generator=g).to(torch.bfloat16)
+        xc_o, z_o, cs_o = mamba_in_proj_conv(x, w["in_w"], None, cs_o, w["conv_w"], w["conv_b"], BLOCK_C=16,
+                                             BLOCK_H=128, num_warps=8)
+        y_o, ss_o = mamba_dt_state_update(p, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_o, z_o, ss_o, BLOCK_D=64,
+                                          num_warps=1)
+        xc_i, z_i, _ = mamba_in_proj_conv(x, w["in_w"], None, cs_i, w["conv_w"], w["conv_b"], BLOCK_C=16,
+                                          BLOCK_H=128, num_warps=8, inplace=True)
+        y_i, _ = mamba_dt_state_update(p, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_i, z_i, ss_i, BLOCK_D=64,
+                                       num_warps=1, inplace=True)
+        assert torch.equal(xc_i, xc_o) and torch.equal(y_i, y_o)
+        assert torch.equal(cs_i, cs_o) and torch.equal(ss_i, ss_o)
+    # Mamba2: rows [z | xBC | dt] = [5120 | 5376 | 80] of hidden 2560, the conv on xBC
+    Hd, I2, CD, NH = 2560, 5120, 5376, 80
+    xw = (torch.randn(I2 + CD + NH, Hd, device="cuda", generator=g) / Hd**0.5).to(torch.bfloat16)
+    cw, cb = (torch.randn(CD, 4, device="cuda", generator=g) / 2).to(torch.bfloat16), None
+    st_o = torch.randn(1, CD, 4, device="cuda", generator=g).to(torch.bfloat16)
+    st_i = st_o.clone()
+    for _ in range(3):
+        x = torch.randn(1, Hd, device="cuda", generator=g).to(torch.bfloat16)
+        o_o, st_o = proj_conv(x, xw, None, st_o, cw, cb, conv_start=I2, BLOCK_C=16, BLOCK_H=128, num_warps=8)
+        o_i, st_back = proj_conv(x, xw, None, st_i, cw, cb, conv_start=I2, BLOCK_C=16, BLOCK_H=128, num_warps=8,
+                                 inplace=True)
+        assert st_back is st_i and torch.equal(o_i, o_o) and torch.equal(st_i, st_o)

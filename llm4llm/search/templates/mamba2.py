@@ -171,7 +171,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
-            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM}
+            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM, "state_inplace": [True, False]}
 
 
 def _default_fused(spec: TaskSpec) -> dict:
@@ -180,7 +180,8 @@ def _default_fused(spec: TaskSpec) -> dict:
     # default, eager 3438.4 ms): 16-row blocks and 8 warps; the 64-wide GEMV gives out_proj only 40 programs.
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssd_BLOCK_P": 16, "ssd_num_warps": 2,
-            "norm_ROWS": 1, "norm_num_warps": 4}
+            "norm_ROWS": 1, "norm_num_warps": 4,
+            "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
 def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
@@ -188,9 +189,14 @@ def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
                         "from kernels_runtime.ops.ssd import ssd_state_update"])
     return header("ssm_mixer.mamba2_decode_fused", spec, imports, config) + PRELUDE + '''
 
+# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
+# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
+STATE_IN_PLACE = CONFIG["state_inplace"]
+
+
 def entry(inputs, weights, state, static):
-    # four launches: (in_proj + conv update over xBC + SiLU), the SSD state update (A = -exp(A_log) in-kernel, the
-    # new state out of place), the gated RMSNorm, out_proj; no state copies
+    # four launches: (in_proj + conv update over xBC + SiLU), the SSD state update (A = -exp(A_log) in-kernel),
+    # the gated RMSNorm, out_proj
     mask = inputs.get("attention_mask")  # [B, 1] or None
     x = inputs["hidden_states"]  # [B, 1, Hd]
     Bsz = x.shape[0]
@@ -199,14 +205,15 @@ def entry(inputs, weights, state, static):
     proj, conv_state = proj_conv(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
                                  conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"), mask, conv_start=I,
                                  BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"],
-                                 num_warps=CONFIG["in_num_warps"])  # [B, I + CD + H]: gate | silu(conv(xBC)) | dt
+                                 num_warps=CONFIG["in_num_warps"], inplace=STATE_IN_PLACE)
+    # proj: [B, I + CD + H]: gate | silu(conv(xBC)) | dt
     gate, xc, dt = proj[:, :I], proj[:, I:I + CD], proj[:, I + CD:]
     ssm_in = state["ssm_state"]
-    ssm_state = torch.empty_like(ssm_in)
+    ssm_state = ssm_in if STATE_IN_PLACE else torch.empty_like(ssm_in)
     y = ssd_state_update(ssm_in, xc[:, :I].view(Bsz, H, P), dt, weights["A_log"], xc[:, I:I + G * N].view(Bsz, G, N),
                          xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"], dt_bias=weights["dt_bias"],
-                         dt_softplus=True, out_state=ssm_state, A_is_log=True, BLOCK_P=CONFIG["ssd_BLOCK_P"],
-                         num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
+                         dt_softplus=True, out_state=None if STATE_IN_PLACE else ssm_state, A_is_log=True,
+                         BLOCK_P=CONFIG["ssd_BLOCK_P"], num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
     yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), x.dtype)
     out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
     return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}

@@ -173,7 +173,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
-            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4]}
+            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False]}
 
 
 def _default_fused(spec: TaskSpec) -> dict:
@@ -181,7 +181,8 @@ def _default_fused(spec: TaskSpec) -> dict:
     # 21.6 vs 66.4 us): narrow row blocks and 8 warps keep every SM reading weights; the 64-wide, 4-warp GEMV default
     # launches too few programs for N = 768 (0.94x).
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8,
-            "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1}
+            "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1,
+            "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
 def _applies_fused(spec: TaskSpec) -> str | None:
@@ -198,21 +199,25 @@ def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
                "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
     return header("ssm_mixer.mamba_decode_fused", spec, imports, config) + LIN_KWARGS + \
         '''
+# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
+# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
+STATE_IN_PLACE = CONFIG["state_inplace"]
+
 
 def entry(inputs, weights, state, static):
-    # four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj;
-    # the states are written out of place (no copies)
+    # four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj
     x = inputs["hidden_states"]  # [B, 1, H]
     mask = inputs.get("attention_mask")  # [B, 1] or None
     conv_w = weights["conv1d.weight"]  # [I, 1, K]
     xc, z, conv_state = mamba_in_proj_conv(
         x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
         conv_w.view(conv_w.shape[0], conv_w.shape[-1]), weights.get("conv1d.bias"), mask,
-        BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"])
+        BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"],
+        inplace=STATE_IN_PLACE)
     p = linear(xc, weights["x_proj.weight"], **LIN)  # [B, R + 2N]
     y, ssm_state = mamba_dt_state_update(
         p, weights["dt_proj.weight"], weights["dt_proj.bias"], weights["A_log"], weights["D"], xc, z,
-        state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"])
+        state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"], inplace=STATE_IN_PLACE)
     out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
     return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
 '''
