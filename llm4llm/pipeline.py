@@ -411,7 +411,8 @@ def _run_child(fn, args, kwargs):
 def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0, **kwargs):
     """Run fn(*args, **kwargs) in a fresh spawned process and return its (picklable) result. Exceptions raised
     there come back as themselves; a process that dies (GPU fault, OOM kill) raises RuntimeError. poll: called
-    every poll_every_s while the child runs, and once after it ends however it ends (to pick up what it streams)."""
+    every poll_every_s while the child runs (a failing poll is retried by the next), and once after it ends however
+    it ends (to pick up what it streams; its failure is raised only when the child succeeded)."""
     import multiprocessing as mp
     import time
     from concurrent.futures import ProcessPoolExecutor
@@ -419,23 +420,34 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     from concurrent.futures.process import BrokenProcessPool
 
     deadline = time.monotonic() + timeout_s
+    ok = False
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
             future = ex.submit(_run_child, fn, args, kwargs)
             try:
                 while True:
                     try:
-                        return future.result(timeout=min(poll_every_s, max(0.0, deadline - time.monotonic()))
-                                             if poll else timeout_s)
+                        result = future.result(timeout=min(poll_every_s, max(0.0, deadline - time.monotonic()))
+                                               if poll else timeout_s)
+                        break
                     except FutureTimeout:
                         if not poll or time.monotonic() >= deadline:
                             raise
-                        poll()
+                        try:
+                            poll()
+                        except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
+                            pass
             except BrokenProcessPool as e:
                 raise RuntimeError(f"{fn.__name__}: the isolated process died ({e})") from e
+        ok = True
+        return result
     finally:
         if poll:
-            poll()
+            try:
+                poll()
+            except Exception:
+                if ok:  # a failing last poll must not mask why the child failed
+                    raise
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:

@@ -232,3 +232,22 @@ def test_cli_family_restricts_the_search_to_that_family(prefect_harness, tmp_pat
                          [best_norm])[0][0]
     assert [r[1] for r in searched] == ["norm"] and searched[0][2] == best_norm
     assert others > 0  # without --family, --top 1 would have taken another family's task
+
+
+def test_in_subprocess_polls_without_masking_the_childs_own_error():
+    """poll (what streams the child's rows into DuckDB) failing: retried while the child runs, raised after a
+    child that succeeded, and never in place of the child's own error."""
+    from llm4llm.pipeline import in_subprocess
+
+    calls = []
+
+    def bad_poll():
+        calls.append(1)
+        raise OSError("database locked")
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        in_subprocess(int, "x", poll=bad_poll, poll_every_s=0.05)
+    assert calls  # polled (and failed) at least at the end
+    with pytest.raises(OSError, match="database locked"):
+        in_subprocess(int, "7", poll=bad_poll, poll_every_s=0.05)
+    assert in_subprocess(int, "7", poll=lambda: None, poll_every_s=0.05) == 7
