@@ -76,3 +76,20 @@ def test_decode_step_ops_counts_kernels_per_layer(tmp_path):
     res = _run(["scripts/decode_step_ops.py", "examples/workloads/tiny-mamba.toml", "--layers-of", str(bad)])
     assert res.returncode == 2 and "--layers-of: expected [model] model_type" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_task_timing_check_smoke_run_and_bad_arguments(tmp_path):
+    """task_timing_check.py on tiny Mamba2 without CUDA: the fused decode template's candidate runs through the
+    dispatch (the kernel, not the fallback) and the module once each; a prefill template or a non-object config is
+    one usage error."""
+    out = tmp_path / "tt.json"
+    res = _run(["scripts/gpu/task_timing_check.py", "examples/workloads/tiny-mamba2.toml", "--template",
+                "ssm_mixer.mamba2_decode_fused", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["task"].startswith("ssm_mixer-decode-") and got["config"]["state_inplace"] is True
+    cand, ref = got["rows"]
+    assert cand["who"] == "candidate" and cand["kernel_calls"] == 1 and ref["who"] == "reference"
+    for bad in (["--template", "ssm_mixer.mamba2"], ["--template", "ssm_mixer.mamba2_decode", "--config", "[1]"]):
+        res = _run(["scripts/gpu/task_timing_check.py", "examples/workloads/tiny-mamba2.toml", *bad, "--out", str(out)])
+        assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr

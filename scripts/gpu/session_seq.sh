@@ -11,6 +11,7 @@
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu);
 #    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
+#    tasktiming:WORKLOAD[:MAX_S]: scripts/gpu/task_timing_check.py with TT_ARGS (e.g. "--template T");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
 set -u
@@ -42,6 +43,10 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 5 "${budget:-200}" python3 scripts/gpu/graph_diag.py examples/workloads/$w.toml \
         --out "$OUT/logs/graph_diag_$w.json" ${DIAG_ARGS:-} > "$OUT/logs/graph_diag_$w.log" 2>&1
       echo "graph_diag $w rc=$? in $(( $(date +%s) - s ))s"; tail -8 "$OUT/logs/graph_diag_$w.log" ;;
+    tasktiming)
+      timeout -k 5 "${budget:-150}" python3 scripts/gpu/task_timing_check.py examples/workloads/$w.toml \
+        --out "$OUT/logs/task_timing_$w.json" ${TT_ARGS:-} > "$OUT/logs/task_timing_$w.log" 2>&1
+      echo "task_timing $w rc=$? in $(( $(date +%s) - s ))s"; tail -4 "$OUT/logs/task_timing_$w.log" ;;
     evaluate)
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" > "$OUT/logs/evaluate_$w.log" 2>&1
