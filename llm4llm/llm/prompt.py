@@ -32,7 +32,11 @@ PHASE_CONTRACTS = {
               "candidate is timed installed in the module through the runtime's dispatch, as the model runs it, so "
               "fusing steps into fewer "
               "kernels beats tuning one of many. State tensors (KV cache, SSM state) hold the past: read "
-              "them and return their updated values under `state_out.<name>` exactly as the reference does.",
+              "them and return their updated values under `state_out.<name>` exactly as the reference does. "
+              "A kernel may write the new state over the `state` tensor it was given and return that same "
+              "tensor (no copy back into the cache: fewer launches); then set `STATE_IN_PLACE = True` at module "
+              "level and do every check before the first state write (such a kernel cannot fall back once it "
+              "started).",
 }
 
 SYSTEM = """You are an expert GPU kernel engineer writing Triton kernels for LLM inference.
