@@ -2,8 +2,9 @@
 
 Profiles and extracts the workload (the decode task's spec gives the guard), renders the named decode templates (the
 template's default config, or --config JSON), and times the script's generate for: eager, eager_graphs, and per
-template patched and patched_graphs (median of --repeats, wall + cuda sync, in this one process). Prints the graph
-stats and, for a failed capture, its traceback. GPU only (CUDA graphs).
+template patched and patched_graphs, in this one process, as `llm4llm evaluate` times them (llm4llm.evaluate.measure:
+total, prefill, decode per token; until 2026-11-30 this script had its own full-run timer, which the numbers of
+docs/results/2026-11-30-h200-c were taken with). Prints the graph stats and, for a failed capture, its traceback.
 
     python scripts/gpu/graph_diag.py examples/workloads/mamba2-2.7b.toml \\
         --template ssm_mixer.mamba2_decode_fused --template ssm_mixer.mamba2_decode --out $OUT/graph_diag.json
@@ -13,14 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-import torch  # noqa: E402
 
 
 def main() -> int:
@@ -55,6 +53,7 @@ def main() -> int:
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
     from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.evaluate import measure
     from llm4llm.taskspec import load_task
     from llm4llm.workload import call_script, load_script, load_workload
 
@@ -71,24 +70,18 @@ def main() -> int:
     batch = call_script(script.inputs, wl)
 
     cuda = wl.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = "rerun" if args.emulate else "cuda"
 
-    def timed() -> float:
-        samples = []
-        for i in range(args.repeats + 1):
-            sync()
-            t = time.perf_counter()
-            call_script(script.run, model, wl, batch)
-            sync()
-            if i:  # the first run warms up (and captures)
-                samples.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(samples)
+    def timed() -> dict:
+        """The script's generate as `llm4llm evaluate` times it (llm4llm.evaluate.measure: one warm-up, then the median
+        of --repeats full runs and of --repeats one-token runs): total, prefill and decode per token."""
+        r = measure(model, wl, batch, script.run, repeats=args.repeats)
+        return {"ms": r.total_ms, "prefill_ms": r.prefill_ms, "decode_ms_per_token": r.decode_ms_per_token}
 
-    rows = [{"variant": "eager", "ms": timed()}]
+    rows = [{"variant": "eager", **timed()}]
     g = kernels_runtime.enable_decode_graphs(model, backend=backend)
     try:
-        rows.append({"variant": "eager_graphs", "ms": timed(), "graphs": g.stats()})
+        rows.append({"variant": "eager_graphs", **timed(), "graphs": g.stats()})
     finally:
         kernels_runtime.disable_decode_graphs(model)
     prefill = None
@@ -114,7 +107,7 @@ def main() -> int:
                 if graphs and not cuda:
                     kernels_runtime.enable_decode_graphs(model, backend=backend)
                 try:
-                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", "ms": timed(),
+                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", **timed(),
                            "calls": report.totals(), "config": config}
                     gg = kernels_runtime.decode_graphs_of(model)
                     if gg is not None:
