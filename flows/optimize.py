@@ -33,7 +33,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     or on modules with a state adapter (RecurrentGemma's recurrent blocks), decided from the extracted tasks
     (pipeline.decode_graphs_plan); acceptance gates the graphs like a patch (teacher-forced logits, then delta), and
     the runtime validates each capture.
-    e2e_variants: None = eager, torch_compile, patched, plus eager_graphs and patched_graphs when graphs are on.
+    e2e_variants: None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, patched,
+    torch_compile (rows are written as each is measured: the compiled baseline, slowest to build, last).
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
     rejection included) in the next round."""
     unknown = set(stages) - set(STAGES)
@@ -55,7 +56,10 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     out["decode_graphs"] = why
     decode_timing = "graph" if graphs else "launch"
     if e2e_variants is None:
-        e2e_variants = ("eager", "torch_compile", "patched") + (("eager_graphs", "patched_graphs") if graphs else ())
+        # what this run produced first (each row lands as it is measured), the compiled baseline last: its compile
+        # is the slowest step, and a run stopped by a time limit then still has the patched numbers
+        e2e_variants = (("eager", "patched_graphs", "eager_graphs", "patched", "torch_compile") if graphs
+                        else ("eager", "patched", "torch_compile"))
     out["searches"] = search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                    proposer=proposer, device=device, timeout_s=timeout_s, top=top,
                                    families=families, llm=llm, decode_timing=decode_timing)

@@ -121,8 +121,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
              e2e_variants: Optional[str] = typer.Option(
-                 None, help="variants the evaluate stage runs (default: eager,torch_compile,patched, plus "
-                            "eager_graphs,patched_graphs when decode graphs are on)"),
+                 None, help="variants the evaluate stage runs, in order (default: eager,patched,torch_compile; with "
+                            "decode graphs eager,patched_graphs,eager_graphs,patched,torch_compile)"),
              rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
@@ -297,9 +297,9 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
              bundle: Optional[Path] = typer.Option(None, help="patch bundle dir for the patched variant"),
              repeats: int = typer.Option(3), db: Optional[Path] = DbOpt,
              variants: str = typer.Option(
-                 "eager,torch_compile,patched",
-                 help="comma-separated: eager, torch_compile, patched (kernels only); on a GPU also eager_graphs, "
-                      "patched_graphs (decode steps replayed from CUDA graphs)"),
+                 "eager,patched,torch_compile",
+                 help="comma-separated, in order: eager, patched (kernels only), torch_compile; on a GPU also "
+                      "eager_graphs, patched_graphs (decode steps replayed from CUDA graphs)"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """End to end, in one process: eager vs torch.compile (HF static-cache compiled generate) vs patched."""
     _quiet_prefect(verbose)

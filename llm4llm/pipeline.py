@@ -591,7 +591,7 @@ def prior_experience(db, task_id: str) -> list:
 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,
-                 variants: tuple[str, ...] = ("eager", "torch_compile", "patched"), run_id: str | None = None) -> dict:
+                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None) -> dict:
     from llm4llm.evaluate import evaluate_workload
     from storage import repo
     from storage.db import Database

@@ -12,11 +12,13 @@ Both kernels write the new state either to a fresh buffer (out of place; whoever
 back: kernels_runtime's state write-back, one launch per state) or, with inplace=True, over the state they read (the
 state must be contiguous): then the cache is updated by the kernel itself and nothing is copied, two launches fewer
 per Mamba layer and decode step. In place, every program reads and writes only its own channels' state, and a
-barrier separates its last state load from its first state store (the conv window shifts across threads). Semantics and rounding are those of `causal_conv1d_update` and
-`selective_state_update` in this package (HF's torch path, transformers 5.17): in_proj and dt_proj outputs rounded to
-the activation dtype as nn.Linear's are, the conv result rounded to the weight dtype before the SiLU, dt + bias and
-softplus in dt's dtype, the state in C's dtype before the C contraction. Not autotuned: tune the block sizes by
-hand (the searcher's space); the kernels are cheap to launch and stateless, but a decode step is one call.
+barrier separates its last state load from its first state store (the conv window shifts across threads).
+
+Semantics and rounding are those of `causal_conv1d_update` and `selective_state_update` in this package (HF's torch
+path, transformers 5.17): in_proj and dt_proj outputs rounded to the activation dtype as nn.Linear's are, the conv
+result rounded to the weight dtype before the SiLU, dt + bias and softplus in dt's dtype, the state in C's dtype
+before the C contraction. Not autotuned: tune the block sizes by hand (the searcher's space); a decode step is one
+call.
 """
 from __future__ import annotations
 
