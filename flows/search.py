@@ -17,7 +17,7 @@ def search_tasks(run_id: str, db_path: str | None = None, data_dir: str | None =
     single verifier worker, whose lock serializes them. decode_timing: "launch" (back to back) or "graph" (GPU time
     under CUDA-graph replay, for a run whose decode steps replay from graphs)."""
     data_dir = _defaults(data_dir)
-    dirs = searchable_tasks(run_id, db_path, task_ids, families, top)
+    dirs = searchable_tasks(run_id, db_path, task_ids, families, top, proposer)
     try:
         futures = [search_task.submit(d, db_path, data_dir, mode, budget, proposer, device, timeout_s, seed, run_id,
                                       llm, decode_timing) for d in dirs]

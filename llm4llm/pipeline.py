@@ -450,6 +450,39 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
                     raise
 
 
+def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
+                         top: int | None, proposer: str = "library") -> list[str]:
+    """The task dirs a search fans out to: deployable tasks (of `task_ids`, of `families`), hottest first, the top
+    N of them. With the library proposer alone, tasks no built-in template applies to are left out before the top N
+    is taken (a search of them spends no trial: on the H200 two of RecurrentGemma's five searched tasks were such),
+    and each is named with why; the LLM proposers can write for any task."""
+    from llm4llm.search.builtin import LibraryProposer
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = repo.task_rows(db, run_id)
+    df = df[df["deployable"] & df["artifact_path"].notna()]
+    if task_ids:
+        df = df[df["task_id"].isin(task_ids)]
+    if families:
+        df = df[df["family"].isin(families)]
+    df = df.sort_values("score", ascending=False)
+    dirs = list(df["artifact_path"])
+    if proposer == "library":
+        library, kept = LibraryProposer(), []
+        for d in dirs:
+            spec = load_spec(Path(d))
+            if library.templates_for(spec):
+                kept.append(d)
+            else:
+                why = "; ".join(library.skipped(spec).values()) or f"no template for {spec.family}/{spec.phase}"
+                print(f"search: {spec.task_id} left out, no built-in template applies ({why[:300]})")
+        dirs = kept
+    return dirs[:top] if top else dirs
+
+
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
     """Each searched task's best passing candidate (by utility, then lowest error)."""
     from llm4llm.accept import Proposal

@@ -20,18 +20,5 @@ def search_task(task_dir: str, db_path: str | None, data_dir: str, mode: str, bu
 
 @task(name="searchable-tasks")
 def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
-                     top: int | None) -> list[str]:
-    from storage import repo
-    from storage.db import Database
-
-    with Database(db_path) as db:
-        df = repo.task_rows(db, run_id)
-    df = df[df["deployable"] & df["artifact_path"].notna()]
-    if task_ids:
-        df = df[df["task_id"].isin(task_ids)]
-    if families:
-        df = df[df["family"].isin(families)]
-    df = df.sort_values("score", ascending=False)
-    if top:
-        df = df.head(top)
-    return list(df["artifact_path"])
+                     top: int | None, proposer: str = "library") -> list[str]:
+    return pipeline.searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer)

@@ -251,3 +251,21 @@ def test_in_subprocess_polls_without_masking_the_childs_own_error():
     with pytest.raises(OSError, match="database locked"):
         in_subprocess(int, "7", poll=bad_poll, poll_every_s=0.05)
     assert in_subprocess(int, "7", poll=lambda: None, poll_every_s=0.05) == 7
+
+
+def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
+    """With the library proposer alone, tasks no built-in template applies to (tiny-llama's rotary tasks) are left
+    out before --top is taken, and named; the LLM proposers keep them (they can write for any task)."""
+    from llm4llm.pipeline import searchable_task_dirs
+    from llm4llm.taskspec import load_spec
+
+    _, db_path, out = optimized
+    run = out["tiny-llama"]["run_id"]
+    rotary = searchable_task_dirs(run, db_path, None, ["rotary"], None, proposer="llm")
+    assert rotary and all(load_spec(Path(d)).family == "rotary" for d in rotary)
+    assert searchable_task_dirs(run, db_path, None, ["rotary"], None, proposer="library") == []
+    assert "left out, no built-in template applies" in capsys.readouterr().out
+    everything = searchable_task_dirs(run, db_path, None, None, None, proposer="llm")
+    library = searchable_task_dirs(run, db_path, None, None, None, proposer="library")
+    assert library == [d for d in everything if d not in rotary]  # same order, hottest first
+    assert searchable_task_dirs(run, db_path, None, None, 2, proposer="library") == library[:2]
