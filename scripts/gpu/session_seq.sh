@@ -13,7 +13,8 @@
 #    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
 #    tasktiming:WORKLOAD[:MAX_S]: scripts/gpu/task_timing_check.py with TT_ARGS (e.g. "--template T");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
-#    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0")
+#    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0"; OPT_ARGS_<workload> (its
+#    '-' and '.' as '_', e.g. OPT_ARGS_llama_2_7b) replaces OPT_ARGS for that workload's optimize steps)
 set -u
 . scripts/gpu/env.sh
 export LLM4LLM_TIMING_MIN_MS=60
@@ -54,8 +55,9 @@ for step in ${STEPS:-dispatch}; do
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
+      key="OPT_ARGS_$(echo "$w" | tr '.-' '__')"; extra="${!key-${OPT_ARGS:-}}"
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
-        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${OPT_ARGS:-} > "$OUT/logs/optimize_$w.log" 2>&1
+        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" $extra > "$OUT/logs/optimize_$w.log" 2>&1
       echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
   esac
 done | tee "$OUT/logs/steps.txt"
