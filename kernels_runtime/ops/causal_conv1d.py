@@ -112,11 +112,13 @@ def _causal_conv1d_update_kernel(
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y_ptr + pid_b * stride_yb + offs_c * stride_yc, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=mask_c)
-    # shift the state left by one and append x; the whole row is loaded before any store
+    # shift the state left by one and append x, in place: every thread's loads of the row before any thread's store
+    # (the shift moves values across threads; a program owns whole rows, so programs do not race)
     offs_s = tl.arange(0, BLOCK_S)
     ms = mask_c[:, None] & (offs_s[None, :] < S)
     shifted = tl.load(s_base + (offs_s[None, :] + 1) * stride_ss, mask=ms & (offs_s[None, :] + 1 < S), other=0.0)
     shifted = tl.where(offs_s[None, :] == S - 1, x[:, None].to(shifted.dtype), shifted)
+    tl.debug_barrier()
     tl.store(s_base + offs_s[None, :] * stride_ss, shifted, mask=ms)
 
 

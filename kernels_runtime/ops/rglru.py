@@ -38,7 +38,7 @@ def _rglru_kernel(
     stride_hb, stride_hw,
     # Meta-parameters
     HAS_H0: tl.constexpr, HAS_MUL: tl.constexpr, DTYPE: tl.constexpr, PDTYPE: tl.constexpr, ADTYPE: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    INPLACE: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -67,6 +67,8 @@ def _rglru_kernel(
                                 other=0.0).to(tl.float32)
         tl.store(y_ptr + pid_b * stride_yb + t * stride_yl + offs_w * stride_yw, out.to(y_ptr.dtype.element_ty),
                  mask=mask_w)
+    if INPLACE:  # hT is h0: its load above before this store, whatever layout each one uses
+        tl.debug_barrier()
     tl.store(hT_ptr + pid_b * stride_hb + offs_w * stride_hw, h, mask=mask_w)
 
 
@@ -107,11 +109,12 @@ def rglru_ref(x, position_ids, recurrent_param, input_gate_weight, input_gate_bi
 
 
 def rglru(x, position_ids, recurrent_param, input_gate_weight, input_gate_bias, recurrent_gate_weight,
-          recurrent_gate_bias, state=None, y_branch=None, *, BLOCK_W=128, num_warps=2):
+          recurrent_gate_bias, state=None, y_branch=None, *, BLOCK_W=128, num_warps=2, inplace=False):
     """x: [B, L, W]; position_ids: [B, L]; recurrent_param: [W]; *_gate_weight: [H, W/H, W/H]; *_gate_bias: [H, W/H];
     state: [B, W] (fp32) or None; y_branch: [B, L, W] or None (fused `* y_branch`)
     -> (y [B, L, W] in x.dtype, new state [B, W] fp32). Prefill and decode (L == 1) alike; `state` is read, never
-    written: the new state is returned (HF replaces its `recurrent_states` tensor the same way)."""
+    written: the new state is returned (HF replaces its `recurrent_states` tensor the same way), or with
+    inplace=True written over `state` (contiguous fp32) and returned: no copy for whoever holds it."""
     if x.dim() != 3 or tuple(position_ids.shape) != tuple(x.shape[:2]):
         raise ValueError(f"rglru: expected x [B, L, W] and position_ids [B, L], got {tuple(x.shape)}, "
                          f"{tuple(position_ids.shape)}")
@@ -122,9 +125,12 @@ def rglru(x, position_ids, recurrent_param, input_gate_weight, input_gate_bias, 
                          f"{tuple(input_gate_weight.shape)}, {tuple(input_gate_bias.shape)}, {tuple(recurrent_param.shape)}")
     if state is not None and tuple(state.shape) != (Bsz, W):
         raise ValueError(f"rglru: expected state [{Bsz}, {W}], got {tuple(state.shape)}")
+    if inplace and (state is None or state.dtype != torch.float32 or not state.is_contiguous()):
+        raise ValueError("rglru: inplace=True needs a contiguous fp32 state, got "
+                         + ("none" if state is None else f"{state.dtype} strides {state.stride()}"))
     gi, ga = _gates(x, input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias)
     y = torch.empty((Bsz, L, W), device=x.device, dtype=x.dtype)
-    hT = torch.empty((Bsz, W), device=x.device, dtype=torch.float32)
+    hT = state if inplace else torch.empty((Bsz, W), device=x.device, dtype=torch.float32)
     mul = y_branch if y_branch is not None else x
     grid = (Bsz, triton.cdiv(W, BLOCK_W))
     _rglru_kernel[grid](
@@ -132,7 +138,7 @@ def rglru(x, position_ids, recurrent_param, input_gate_weight, input_gate_bias, 
         L, W,
         *x.stride(), *gi.stride(), *position_ids.stride(), *mul.stride(), *y.stride(), *hT.stride(),
         HAS_H0=state is not None, HAS_MUL=y_branch is not None, DTYPE=_TL[x.dtype], PDTYPE=_TL[recurrent_param.dtype],
-        ADTYPE=_TL[torch.promote_types(x.dtype, recurrent_param.dtype)],
+        ADTYPE=_TL[torch.promote_types(x.dtype, recurrent_param.dtype)], INPLACE=inplace,
         BLOCK_W=BLOCK_W, num_warps=num_warps,
     )
     return y, hT

@@ -56,6 +56,26 @@ def test_rglru_decode_matches_prefill(dtype, seed):
     assert_close(h1, h_full, torch.float32 if dtype == torch.float32 else dtype, name="state vs prefill over L+1")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rglru_in_place_writes_the_state_it_read(dtype):
+    """inplace=True: the new state is written over the one passed in (returned as that same tensor), bit for bit
+    what the out-of-place call returns; a state that is not contiguous fp32 is refused (its update would be lost)."""
+    Bsz, W, H = 2, 40, 2
+    g = torch.Generator().manual_seed(4)
+    w = _weights(W, H, dtype, g)
+    h = torch.randn(Bsz, W, generator=g)
+    for step in range(3):
+        x, yb = torch.randn(Bsz, 1, W, generator=g).to(dtype), torch.randn(Bsz, 1, W, generator=g).to(dtype)
+        pos = torch.full((Bsz, 1), 7 + step)
+        y_o, h_o = rglru(x, pos, *w, state=h.clone(), y_branch=yb, BLOCK_W=16)
+        y_i, h_i = rglru(x, pos, *w, state=h, y_branch=yb, BLOCK_W=16, inplace=True)
+        assert h_i is h and torch.equal(h, h_o) and torch.equal(y_i, y_o)
+    with pytest.raises(ValueError, match="contiguous fp32 state"):
+        rglru(x, pos, *w, state=h.to(torch.float16), inplace=True)
+    with pytest.raises(ValueError, match="contiguous fp32 state"):
+        rglru(x, pos, *w, state=torch.randn(W, Bsz).t(), inplace=True)
+
+
 def _ops_block(block, x_in, pos, conv_state, h):
     # RecurrentGemmaRecurrentBlock.forward from the ops: conv (state K-1, bias, no activation) -> RG-LRU -> * y
     yb = F.gelu(block.linear_y(x_in), approximate="tanh")
