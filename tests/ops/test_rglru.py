@@ -115,3 +115,31 @@ def test_recurrent_block_matches_hf():
     assert_close(out, out_hf, name="decode out")
     assert_close(conv_state, block.conv1d_state, name="conv state after decode")
     assert_close(h, block.rg_lru.recurrent_states, name="rg_lru state after decode")
+
+
+@pytest.mark.gpu
+def test_rglru_and_conv_update_in_place_on_cuda_at_real_sizes():
+    """recurrentgemma-2b's widths on the GPU: the RG-LRU in place gives bit for bit the out-of-place result over
+    chained steps, and the in-place conv update (its barrier between the shift's loads and stores) matches its
+    reference; bf16 activations, fp32 LRU state."""
+    from kernels_runtime.ops.causal_conv1d import causal_conv1d_update_ref
+
+    Bsz, W, H, K = 2, 2560, 10, 4
+    g = torch.Generator().manual_seed(9)
+    w = tuple(t.cuda() for t in _weights(W, H, torch.bfloat16, g))
+    h = torch.randn(Bsz, W, generator=g).cuda()
+    conv_w = (torch.randn(W, K, generator=g) / 2).to(torch.bfloat16).cuda()
+    conv_b = torch.randn(W, generator=g).to(torch.bfloat16).cuda()
+    cs = torch.randn(Bsz, W, K - 1, generator=g).to(torch.bfloat16).cuda()
+    for step in range(4):
+        xb = torch.randn(Bsz, W, generator=g).to(torch.bfloat16).cuda()
+        cs_ref = cs.clone()
+        xc_ref = causal_conv1d_update_ref(xb, cs_ref, conv_w, conv_b)
+        xc = causal_conv1d_update(xb, cs, conv_w, conv_b, BLOCK_C=128)
+        assert_close(xc, xc_ref, name="conv out")
+        assert torch.equal(cs, cs_ref)  # the shifted window, exactly
+        yb = torch.randn(Bsz, 1, W, generator=g).to(torch.bfloat16).cuda()
+        pos = torch.full((Bsz, 1), 5 + step, device="cuda")
+        y_o, h_o = rglru(xc[:, None], pos, *w, state=h.clone(), y_branch=yb, BLOCK_W=128)
+        y_i, h_i = rglru(xc[:, None], pos, *w, state=h, y_branch=yb, BLOCK_W=128, inplace=True)
+        assert h_i is h and torch.equal(h, h_o) and torch.equal(y_i, y_o)
