@@ -192,6 +192,19 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     return str(path)
 
 
+
+def extract_to_temp(workload_path: str, prefix: str = "llm4llm-") -> list:
+    """Profile and extract a workload into a fresh temporary directory, without a database: its tasks (specs only,
+    cases left on disk), in directory order. For the device scripts that need a workload's tasks outside a run."""
+    import tempfile
+
+    from llm4llm.taskspec import load_task
+
+    data = tempfile.mkdtemp(prefix=prefix)
+    run_extract(workload_path, run_profile(workload_path, data), data)
+    root = Path(data) / "tasks"
+    return [load_task(d, with_cases=False) for d in sorted(root.iterdir()) if (d / "spec.json").exists()]
+
 def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
     from storage import repo
     from storage.db import Database

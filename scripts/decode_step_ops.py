@@ -135,15 +135,10 @@ def _count(ap, args) -> int:
     if args.template:
         from kernels_runtime.bundle import PatchBundle
         from llm4llm.patchspec import task_patch_spec
-        from llm4llm.pipeline import run_extract, run_profile
+        from llm4llm.pipeline import extract_to_temp
         from llm4llm.search.templates import TEMPLATES
-        from llm4llm.taskspec import load_task
 
-        data = tempfile.mkdtemp(prefix="decode_step_ops-")
-        run_extract(args.workload, run_profile(args.workload, data), data)
-        root = os.path.join(data, "tasks")
-        tasks = [load_task(os.path.join(root, d), with_cases=False) for d in sorted(os.listdir(root))
-                 if os.path.exists(os.path.join(root, d, "spec.json"))]
+        tasks = extract_to_temp(args.workload, "decode_step_ops-")
         bundle = PatchBundle(name="decode-step-ops")
         for name in args.template:
             t = next(t for t in TEMPLATES if t.name == name)

@@ -303,7 +303,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         setattr(v, f"speedup_{mode}", speedup)
         ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
         suspect = ""
-        cold = getattr(v, "candidate_cold", None)
+        cold = v.candidate_cold
         if how_mode.get(mode, "").startswith("GPU time") and cold is not None and c.p50 > SUSPECT_RATIO * cold.p50:
             # a call back to back (host gaps, L2 flushed) bounds its GPU time from above: replay should not exceed it
             suspect = f"; suspect: above the candidate's back-to-back cold p50 {cold.p50:.4f} ms"

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -52,18 +51,13 @@ def main() -> int:
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
-    from llm4llm.pipeline import run_extract, run_profile
     from llm4llm.evaluate import measure
-    from llm4llm.taskspec import load_task
+    from llm4llm.pipeline import extract_to_temp
     from llm4llm.workload import call_script, load_script, load_workload
 
-    data = tempfile.mkdtemp(prefix="graph_diag-")
     t0 = time.perf_counter()
-    run_extract(args.workload, run_profile(args.workload, data), data)
+    tasks = extract_to_temp(args.workload, "graph_diag-")
     print(f"profile + extract {time.perf_counter() - t0:.1f}s", flush=True)
-    tasks = [load_task(os.path.join(data, "tasks", d), with_cases=False)
-             for d in sorted(os.listdir(os.path.join(data, "tasks")))
-             if os.path.exists(os.path.join(data, "tasks", d, "spec.json"))]
     wl = load_workload(args.workload)
     script = load_script(wl)
     model = call_script(script.build, wl)

@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -67,17 +66,13 @@ def main() -> int:
     except ValueError as e:
         ap.error(f"--config: expected a JSON object, got {args.config!r} ({e})")
 
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.pipeline import extract_to_temp
     from llm4llm.taskspec import load_task
     from llm4llm.verify import timing
     from llm4llm.verify.gates import make_draws
     from llm4llm.workload import load_workload
 
-    data = tempfile.mkdtemp(prefix="task_timing-")
-    run_extract(args.workload, run_profile(args.workload, data), data)
-    tasks = [load_task(os.path.join(data, "tasks", d), with_cases=False)
-             for d in sorted(os.listdir(os.path.join(data, "tasks")))
-             if os.path.exists(os.path.join(data, "tasks", d, "spec.json"))]
+    tasks = extract_to_temp(args.workload, "task_timing-")
     fits = [k for k in tasks if k.spec.phase == "decode" and k.spec.deployable and t.why_not(k.spec) is None]
     if not fits:
         print(f"no decode task of {args.workload} fits {t.name}", file=sys.stderr)
