@@ -624,6 +624,9 @@ class CallBinder:
         self.names, self.var = _signature_names(forward if forward is not None else module.forward)
         self._module_static: dict[str, Any] | None = None
         self._plans: dict[Any, tuple[dict[str, Any], dict[str, Any]]] = {}  # structure key -> (recipe, module static)
+        # positional-only calls of tensors to a module without state (the common case: a norm, an MLP, a mixer
+        # called outside a cache): argument count -> (names, recipe with "state": None, module static)
+        self._fast: dict[int, tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]] = {}
 
     def _walk(self, value: Any, name: str, inputs: dict, static: dict, found: list) -> Any:
         """Name one argument's tensors and static values; returns its structure key (raises like _Flattener)."""
@@ -660,7 +663,17 @@ class CallBinder:
         return plan
 
     def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> BoundaryCall:
-        """The call's BoundaryCall over references (no clones): inputs, state-in, static, recipe."""
+        """The call's BoundaryCall over references (no clones): inputs, state-in, static, recipe. The recipe is
+        shared between calls of one structure: read it, do not change it (capture_boundary builds its own)."""
+        if not kwargs:
+            fast = self._fast.get(len(args))
+            if fast is not None:
+                for a in args:
+                    if not isinstance(a, torch.Tensor):
+                        break
+                else:
+                    names, recipe, own = fast
+                    return BoundaryCall(dict(zip(names, args)), {}, dict(own), recipe)
         inputs: dict[str, torch.Tensor] = {}
         call_static: dict[str, Any] = {}
         found: list = []
@@ -693,6 +706,8 @@ class CallBinder:
         if adapter is None:
             state: dict[str, torch.Tensor] = {}
             recipe = {**recipe, "state": None}
+            if not kwargs and not call_static and all(k == _K_TENSOR for k in keys):
+                self._fast[len(args)] = (tuple(inputs), recipe, own)
         else:
             spec = adapter.describe(module, cache)
             recipe = {**recipe, "state": spec}

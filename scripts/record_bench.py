@@ -27,7 +27,7 @@ def dispatch_rows(row: dict, bench_id: str) -> list[dict]:
               "gbps": None, "tflops": None, "max_abs_err": None}
     out = []
     for provider, key in (("hf_forward", "original_us"), ("direct_kernel", "direct_kernel_us"),
-                          ("patched", "patched_us"), ("overhead", "overhead_us")):
+                          ("module_call", "module_call_us"), ("patched", "patched_us"), ("overhead", "overhead_us")):
         if row.get(key) is not None:
             v = row[key] / 1e3
             out.append({**common, "provider": provider, "p20_ms": None, "p50_ms": v, "p80_ms": None})

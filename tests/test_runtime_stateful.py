@@ -507,10 +507,12 @@ def test_binder_recipe_follows_the_argument_structure():
     binder = boundary.CallBinder(toy)
     x = torch.randn(2, 3)
     calls = [((x,), {}), ((x, (x, x)), {"flag": True}), ((x, None), {}), ((x,), {"pair": [x, None]}), ((x,), {}),
-             ((x, (x, 1.5), True, x), {})]
+             ((x, (x, 1.5), True, x), {}), ((x, x), {}), ((x, None), {}), ((x, x), {}), ((x, 2.0), {})]
     for args, kwargs in calls:
         fast = binder.bind(toy, args, kwargs)
         slow = boundary.capture_boundary(toy, args, kwargs, clone=False)
         assert fast.recipe == slow.recipe and fast.static == slow.static, (args, kwargs)
         assert fast.inputs.keys() == slow.inputs.keys() and all(fast.inputs[k] is slow.inputs[k] for k in fast.inputs)
-    assert len(binder._plans) == 5
+    assert len(binder._plans) == 7
+    # the all-tensor positional shortcut: one per argument count, never taken by a call with a non-tensor argument
+    assert sorted(binder._fast) == [1, 2]
