@@ -32,6 +32,9 @@ def main() -> int:
     ap.add_argument("--family", default=None, help="task family (default: the template's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--save-bundle", default=None,
+                    help="write the last row's bundle (its template, config and prefill template; decode graphs on) "
+                         "to this directory, e.g. for scripts/gpu/trace_decode.py --bundle")
     ap.add_argument("--emulate", action="store_true", help="CPU smoke run: the re-running graph backend (Triton under the "
                     "interpreter is not ATen ops), no timing claim")
     args = ap.parse_args()
@@ -113,6 +116,11 @@ def main() -> int:
                     kernels_runtime.disable_decode_graphs(model)
                     kernels_runtime.revert(model)
                 rows.append(row)
+    if args.save_bundle:
+        from kernels_runtime.bundle import save_bundle
+
+        bundle.decode_graphs = True
+        print(f"bundle of {label}: {save_bundle(bundle, args.save_bundle)}")
     with open(args.out, "w") as f:
         json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
     for r in rows:
