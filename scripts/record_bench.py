@@ -65,12 +65,14 @@ def long_rows(row: dict, bench_id: str) -> list[dict]:
 
 
 def graph_diag_rows(doc: dict, run_id: str, gpu: str | None) -> list[dict]:
-    """scripts/gpu/graph_diag.py output: one e2e_results row per variant (total generate ms, median of its runs)."""
+    """scripts/gpu/graph_diag.py output: one e2e_results row per variant (total, prefill and decode per token as
+    llm4llm.evaluate.measure times them; rows written before graph_diag timed through it have the total only)."""
     out = []
     for r in doc["rows"]:
         notes = {k: r[k] for k in ("config", "calls", "graphs", "error") if k in r}
         out.append({"run_id": run_id, "workload_hash": doc["workload"], "variant": r["variant"][:120],
-                    "prefill_ms": None, "decode_ms_per_token": None, "total_ms": r["ms"], "tokens_per_s": None,
+                    "prefill_ms": r.get("prefill_ms"), "decode_ms_per_token": r.get("decode_ms_per_token"),
+                    "total_ms": r["ms"], "tokens_per_s": None,
                     "peak_mem_mb": None, "compile_s": None, "repeats": None, "gpu_name": gpu,
                     "versions_json": None, "notes": json.dumps(notes, default=str)[:2000]})
     return out
