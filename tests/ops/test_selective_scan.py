@@ -26,26 +26,35 @@ def _inputs(Bsz, D, L, N, dtype, seed):
 @pytest.mark.parametrize("Bsz,D,L,N", [(2, 40, 37, 16), (1, 24, 5, 12)])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_selective_scan(dtype, Bsz, D, L, N, fused, seed):
+@pytest.mark.parametrize("BLOCK_T", [0, 8])
+def test_selective_scan(dtype, Bsz, D, L, N, fused, seed, BLOCK_T):
     u, delta, A, B, C, Dv, z, dbias = _inputs(Bsz, D, L, N, dtype, seed)
     kw = dict(D=Dv, z=z) if fused else {}
     y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, delta_bias=dbias, **kw)
-    y, h = selective_scan(u, delta, A, B, C, delta_bias=dbias, BLOCK_D=16, **kw)
+    y, h = selective_scan(u, delta, A, B, C, delta_bias=dbias, BLOCK_D=16, BLOCK_T=BLOCK_T, **kw)
     assert_close(y, y_ref, name="y")
     assert_close(h, h_ref, torch.float32 if dtype == torch.float32 else dtype, name="final state")
 
 
-def test_selective_scan_strided_views_and_initial_state():
-    # HF passes B, C as transposed views of the x_proj output and z as a view of in_proj's output
+@pytest.mark.parametrize("BLOCK_T", [0, 4, 16])
+def test_selective_scan_strided_views_and_initial_state(BLOCK_T):
+    # HF passes B, C as transposed views of the x_proj output and z as a view of in_proj's output; L = 11 leaves a
+    # partial last chunk (BLOCK_T 4) or one chunk longer than the sequence (16)
     u, delta, A, _, _, Dv, _, dbias = _inputs(2, 40, 11, 16, torch.float32, 3)
     bc = torch.randn(2, 11, 5 + 32)
     B, C = bc[..., 5:21].transpose(1, 2), bc[..., 21:].transpose(1, 2)
     z = torch.randn(2, 11, 80).transpose(1, 2)[:, 40:]
     h0 = torch.randn(2, 40, 16)
     y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, Dv, z, dbias, initial_state=h0)
-    y, h = selective_scan(u, delta, A, B, C, Dv, z, dbias, initial_state=h0)
+    y, h = selective_scan(u, delta, A, B, C, Dv, z, dbias, initial_state=h0, BLOCK_T=BLOCK_T)
     assert_close(y, y_ref)
     assert_close(h, h_ref)
+
+
+def test_selective_scan_rejects_a_bad_chunk():
+    u, delta, A, B, C, *_ = _inputs(1, 8, 4, 4, torch.float32, 0)
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        selective_scan(u, delta, A, B, C, BLOCK_T=6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

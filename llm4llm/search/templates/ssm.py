@@ -103,7 +103,7 @@ def _space(spec: TaskSpec) -> dict[str, list]:
         ops = {"conv_BLOCK_C": [64, 128, 256], "scan_BLOCK_D": [16, 32, 64], "scan_num_warps": [1, 2, 4]}
     else:
         ops = {"conv_BLOCK_C": [16, 32, 64], "conv_BLOCK_L": [32, 64, 128], "scan_BLOCK_D": [8, 16, 32, 64],
-               "scan_num_warps": [1, 2, 4]}
+               "scan_num_warps": [1, 2, 4], "scan_BLOCK_T": [0, 4, 8, 16]}  # BLOCK_T 0: one step at a time
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, **ops}
@@ -111,7 +111,7 @@ def _space(spec: TaskSpec) -> dict[str, list]:
 
 def _default(spec: TaskSpec) -> dict:
     ops = {"conv_BLOCK_C": 128, "scan_BLOCK_D": 32, "scan_num_warps": 2} if spec.phase == "decode" else \
-        {"conv_BLOCK_C": 32, "conv_BLOCK_L": 64, "scan_BLOCK_D": 16, "scan_num_warps": 2}
+        {"conv_BLOCK_C": 32, "conv_BLOCK_L": 64, "scan_BLOCK_D": 16, "scan_num_warps": 2, "scan_BLOCK_T": 8}
     return {**linear_default(spec), **ops}
 
 
@@ -135,7 +135,8 @@ def entry(inputs, weights, state, static):
     y, ssm_state = selective_scan(xc, dt.transpose(1, 2), _neg_exp(weights["A_log"]), Bm.transpose(1, 2),
                                   Cm.transpose(1, 2), D=weights["D"].float(), z=gate,
                                   delta_bias=weights["dt_proj.bias"].float(), delta_softplus=True,
-                                  BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"])  # [B, I, L]
+                                  BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"],
+                                  BLOCK_T=CONFIG.get("scan_BLOCK_T", 0))  # [B, I, L]
     out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, H]
     # the cache keeps the scan's final state as it comes (fp32: HF's discretisation runs in fp32)
     return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
