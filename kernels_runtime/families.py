@@ -11,7 +11,7 @@ import re
 from torch import nn
 
 FAMILIES = (
-    "model", "decoder_layer", "attention", "mlp", "ssm_mixer", "recurrent_block", "norm", "rotary", "conv",
+    "model", "decoder_layer", "ssm_block", "attention", "mlp", "ssm_mixer", "recurrent_block", "norm", "rotary", "conv",
     "embedding", "lm_head", "linear", "activation", "other",
 )
 
@@ -56,10 +56,21 @@ def family_of(module: nn.Module, *, name: str = "", root: nn.Module | None = Non
         if pattern.search(lowered):
             if family == "decoder_layer" and not _has_children(module):
                 continue  # a leaf named "...Layer" is not a decoder layer
-            return family
+            return _ssm_block_or(module, family)
     if _is_gradient_checkpointing_layer(cls):
-        return "decoder_layer"
+        return _ssm_block_or(module, "decoder_layer")
     return "other"
+
+
+def _ssm_block_or(module: nn.Module, family: str) -> str:
+    """`ssm_block`: a decoder layer whose own children are one state-space mixer and its norm (Mamba's and
+    Mamba2's residual blocks: norm -> mixer -> residual add). Unlike other decoder layers it is a kernel target:
+    small enough to capture whole, and fusing the norm, the casts and the residual add into the mixer's kernels
+    removes launches from every decode step."""
+    if family != "decoder_layer":
+        return family
+    kids = [family_of(c) for c in module.children()]
+    return "ssm_block" if kids.count("ssm_mixer") == 1 and kids.count("norm") == 1 and len(kids) == 2 else family
 
 
 def _is_output_projection(module: nn.Linear, name: str, root: nn.Module | None) -> bool:
@@ -95,6 +106,7 @@ def _is_gradient_checkpointing_layer(cls: type) -> bool:
 
 
 def is_container(family: str) -> bool:
-    """Families that only compose others (their time is their children's)."""
-    return family in ("model", "decoder_layer")
+    """Families that compose others (their time is their children's; an ssm_block is a kernel target all the same:
+    fusing its children is the point)."""
+    return family in ("model", "decoder_layer", "ssm_block")
 

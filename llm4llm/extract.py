@@ -38,7 +38,7 @@ from kernels_runtime.tolerances import TOLERANCES, compare
 from llm4llm.records import ModuleRecord, ProfileResult
 from llm4llm.taskspec import Case, CaseSig, DispatchTemplate, TaskSpec, TensorSig, write_task
 
-TARGET_FAMILIES = ("norm", "mlp", "attention", "ssm_mixer", "recurrent_block", "rotary", "conv")
+TARGET_FAMILIES = ("norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv")
 PREDICATES = {"prefill": "prefill: new positions > 1", "decode": "decode: new positions == 1 with a cache"}
 
 
@@ -243,7 +243,12 @@ def _union(lists: Iterable[list[str]]) -> list[str]:
 
 
 def _dtype_of(call: BoundaryCall | None, inst: _Instance) -> str:
+    """The task's compute dtype: its first floating input's, else its weights'. A residual block (ssm_block) takes
+    the residual stream, fp32 past the first block with residual_in_fp32, and computes in its weights' dtype: its
+    weights come first (the dtype sets the tolerances its candidates are judged by)."""
     tensors = list(call.inputs.values()) if call else []
+    if inst.record.family == "ssm_block":
+        tensors = [t for t in weights_of(inst.module).values() if t.is_floating_point()][:1] + tensors
     tensors += list(weights_of(inst.module).values())
     for t in tensors:
         if t.is_floating_point():

@@ -8,8 +8,9 @@ from llm4llm.taskspec import TaskSpec
 
 
 def guard_for(spec: TaskSpec, device_type: str) -> Guard:
-    """Guards from what extraction observed: dtype, device, capability, every input's dims (exact where all cases
-    agree, else the observed range) and contiguity. Anything outside falls back to the original forward."""
+    """Guards from what extraction observed: dtypes (the task's and its inputs'), device, capability, every input's
+    dims (exact where all cases agree, else the observed range) and contiguity. Anything outside falls back to the
+    original forward."""
     shapes: dict[str, list] = {}
     for name in spec.input_names:
         sigs = [c.inputs[name].shape for c in spec.cases if name in c.inputs]
@@ -21,7 +22,14 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
             dims.append(vals.pop() if len(vals) == 1 else [min(s[d] for s in sigs), max(s[d] for s in sigs)])
         shapes[name] = dims
     cap = spec.hardware.get("capability") if device_type == "cuda" else None
-    return Guard(dtypes=[spec.dtype], device_types=[device_type], min_capability=cap or None, shapes=shapes)
+    # the task's dtype and every floating dtype its captured inputs had (a Mamba block computes in bf16 and takes
+    # the fp32 residual stream)
+    seen = {sig.dtype for c in spec.cases for sig in c.inputs.values() if sig.dtype in _FLOATING}
+    dtypes = [spec.dtype] + sorted(seen - {spec.dtype})
+    return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes)
+
+
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
 def task_patch_spec(spec: TaskSpec, candidate_id: str, task_speedup: float, device_type: str,

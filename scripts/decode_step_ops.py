@@ -85,6 +85,10 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                     help="override the workload's dtype (the real workloads run bfloat16: casts count)")
     ap.add_argument("--json", help="write the counts here")
+    ap.add_argument("--all-tasks", action="store_true",
+                    help="patch every decode task a --template applies to, not only the one with the most instances "
+                         "(e.g. Mamba's blocks in bf16: the first takes bf16 embeddings, the rest the fp32 residual "
+                         "stream, two tasks)")
     args = ap.parse_args()
     if args.template:  # before anything is built
         from llm4llm.search.templates import TEMPLATES
@@ -146,8 +150,9 @@ def _count(ap, args) -> int:
             cands = [k for k in tasks if k.spec.phase == "decode" and t.why_not(k.spec) is None]
             if not cands:
                 raise SystemExit(f"no decode task that {name} applies to in {args.workload}")
-            task = max(cands, key=lambda k: len(k.spec.instances))
-            bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cpu"), source=t.render(task.spec, t.default(task.spec)))
+            for task in cands if args.all_tasks else [max(cands, key=lambda k: len(k.spec.instances))]:
+                bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cpu"),
+                                 source=t.render(task.spec, t.default(task.spec)))
         report = kernels_runtime.apply(model, bundle, strict=True)
         print(str(report).splitlines()[0])
 

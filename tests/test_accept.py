@@ -322,6 +322,11 @@ def test_guard_exact_where_cases_agree_ranges_where_they_differ():
     assert g.dtypes == ["bfloat16"] and g.device_types == ["cuda"] and g.min_capability == (9, 0)
     one = guard_for(spec_for("norm-decode", 0.3, [[1, 1, 64]]), "cpu")
     assert one.shapes == {"hidden_states": [1, 1, 64]} and one.device_types == ["cpu"] and one.min_capability is None
+    # a task computing in bf16 on an fp32 input (a Mamba block on the fp32 residual stream) admits both dtypes
+    block = spec_for("block-decode", 0.3, [[1, 1, 64]])
+    block.cases = [CaseSig(inputs={"hidden_states": TensorSig(shape=[1, 1, 64], dtype="float32"),
+                                   "cache_position": TensorSig(shape=[1], dtype="int64")})]
+    assert guard_for(block, "cpu").dtypes == ["bfloat16", "float32"]
 
 
 def test_patch_spec_and_bundle_round_trip(tmp_path):

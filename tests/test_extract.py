@@ -119,6 +119,25 @@ def test_stateful_mixers_extract_and_reproduce(tmp_path, model_type, cls, state)
         assert attn.deployable and attn.recipe["state"]["adapter"] == "DynamicSlidingWindowLayer"
 
 
+@pytest.mark.parametrize("model_type,cls", [("mamba", "MambaBlock"), ("mamba2", "Mamba2Block")])
+def test_ssm_blocks_extract_and_reproduce(tmp_path, model_type, cls):
+    """Mamba's and Mamba2's residual blocks (norm -> mixer -> residual add) are tasks of their own: the mixer's
+    cache state through the block's boundary, the norm's epsilon and residual_in_fp32 as static values; a
+    transformer's decoder layer stays a container."""
+    model = tiny_model(model_type)
+    assert family_of(tiny_model("llama").model.layers[0]) == "decoder_layer"
+    specs = extract(model, tmp_path, families=["ssm_block"])
+    prefill, = find(specs, cls, "prefill")
+    decode, = find(specs, cls, "decode")
+    assert {s.family for s in specs} == {"ssm_block"}
+    assert prefill.deployable and decode.deployable, (prefill.reason, decode.reason)
+    assert decode.state_names == ["conv_state", "ssm_state"]
+    assert {"norm.weight", "mixer.in_proj.weight", "mixer.out_proj.weight"} <= set(decode.weight_names)
+    assert "norm.variance_epsilon" in decode.static and "residual_in_fp32" in decode.static
+    assert len(decode.instances) == 2
+    assert_task_reproduces(tmp_path / decode.task_id)
+
+
 class NoisyMLP(LlamaMLP):
     """Hidden randomness: noise drawn inside forward."""
 

@@ -35,6 +35,7 @@ CASES = [
     ("tiny-mamba", "ssm_mixer.mamba", "prefill"),  # with the captured attention_mask input
     ("tiny-mamba", "ssm_mixer.mamba_decode", "decode"),
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", "decode"),
+    ("tiny-mamba", "ssm_block.mamba_decode_fused", "decode"),  # the block: norm, mixer, residual add
     ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", "decode"),
@@ -109,6 +110,32 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
 
 
 @pytest.mark.slow
+def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool):
+    """The fused Mamba block in bf16 over two blocks: the first takes the bf16 embeddings, the second the fp32
+    residual stream (residual_in_fp32); both tasks compute in bf16 (their weights' dtype) and the kernel passes
+    both, its output fp32 as HF's."""
+    from llm4llm.pipeline import run_extract, run_profile
+
+    script = WORKLOADS.parent / "scripts" / "hf_generate.py"
+    wl = tmp_path / "mamba-block-bf16.toml"
+    wl.write_text(f'name = "mamba-block-bf16"\nscript = "{script}"\ndtype = "bfloat16"\ndevice = "cpu"\n'
+                  'batch_size = 1\nprompt_len = 8\ndecode_len = 3\nseed = 0\n[model]\nmodel_type = "mamba"\n'
+                  '[model.config]\nhidden_size = 128\nnum_hidden_layers = 2\nvocab_size = 256\nstate_size = 16\n'
+                  'expand = 2\nconv_kernel = 4\n')
+    data = tmp_path / "data"
+    run_extract(str(wl), run_profile(str(wl), str(data)), str(data))
+    specs = [(load_spec(d), d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
+    blocks = [(s, d) for s, d in specs if s.family == "ssm_block" and s.phase == "decode" and s.deployable]
+    streams = sorted(s.observed[0].inputs["hidden_states"].dtype for s, _ in blocks)
+    assert streams == ["bfloat16", "float32"], [s.observed for s, _ in blocks]
+    t = next(t for t in TEMPLATES if t.name == "ssm_block.mamba_decode_fused")
+    for spec, task_dir in blocks:
+        assert spec.dtype == "bfloat16" and t.why_not(spec) is None, (spec.dtype, t.why_not(spec))
+        v = pool.verify(task_dir, t.render(spec, t.default(spec)))
+        assert v.passed, f"{spec.task_id}: {v.failure_class}: {v.message}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("workload,template", [("tiny-mamba2", "ssm_mixer.mamba2_decode_fused"),
                                                ("tiny-llama", "mlp.swiglu")])
 def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
@@ -123,6 +150,7 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
 @pytest.mark.slow
 @pytest.mark.parametrize("workload,template,first_step_copies", [
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", 0),
+    ("tiny-mamba", "ssm_block.mamba_decode_fused", 0),  # the block around it: same cache, same in-place update
     ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", 0),
     # RecurrentGemma's conv state after prefill is a slice of the prefill's input: copied once, then updated in place
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", 1),
@@ -179,5 +207,10 @@ def test_in_place_state_saves_the_write_back_copies_in_model(tiny_tasks, pool, m
         assert v.passed, f"state_inplace={inplace}: {v.failure_class}: {v.message}"
         results[inplace] = generate(source)
     assert torch.equal(results[True][0], results[False][0])
+    with torch.inference_mode():  # and the patched model decodes what the unpatched one does
+        ref = model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    from kernels_runtime.tolerances import assert_close
+    assert_close(results[True][0], torch.stack(ref.logits), name="patched decode logits")
     assert results[True][1] == first_step_copies * n_layers, {k: v[1] for k, v in results.items()}
     assert results[False][1] == 2 * 2 * n_layers, {k: v[1] for k, v in results.items()}

@@ -32,26 +32,39 @@ from kernels_runtime.ops.selective_scan import _TL, _dt
 
 @triton.jit
 def _proj_conv_kernel(
-    x_ptr, m_ptr, w_ptr, b_ptr, s_ptr, cw_ptr, cb_ptr, o_ptr, s_out_ptr,
+    x_ptr, m_ptr, w_ptr, b_ptr, s_ptr, cw_ptr, cb_ptr, o_ptr, s_out_ptr, nw_ptr, eps,
     H, NR, C0, CD, S,
     stride_xb, stride_mb, stride_wn, stride_sb, stride_sc, stride_ss, stride_cwc, stride_ob,
     K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, INPLACE: tl.constexpr,
+    HAS_NORM: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, INPLACE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # o[b, r] = in_proj row r of x; rows C0 <= r < C0 + CD (the conv channels c = r - C0) get the conv update, the
-    # SiLU and the mask instead, and their new conv state goes to s_out
+    # o[b, r] = in_proj row r of x (of rmsnorm(x) with HAS_NORM); rows C0 <= r < C0 + CD (the conv channels
+    # c = r - C0) get the conv update, the SiLU and the mask instead, and their new conv state goes to s_out
     pid_b = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_r = offs_r < NR
     m = 1.0
     if HAS_MASK:
         m = tl.load(m_ptr + pid_b * stride_mb).to(tl.float32)
+    rstd = 1.0
+    if HAS_NORM:  # every program reads the whole row anyway: its sum of squares first (HF: x cast to the norm's
+        # dtype, then mean(x^2) in fp32)
+        ss = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            xv = rnd(tl.load(x_ptr + pid_b * stride_xb + offs_h, mask=offs_h < H, other=0.0).to(tl.float32),
+                     ACT_DTYPE)
+            ss += xv * xv
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         xv = tl.load(x_ptr + pid_b * stride_xb + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), in the norm's dtype
+            nw = tl.load(nw_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            xv = rnd(nw * rnd(rnd(xv, ACT_DTYPE) * rstd, ACT_DTYPE), ACT_DTYPE)
         xv = rnd(xv * m, ACT_DTYPE)  # HF masks the hidden states in their dtype before in_proj (exact for 0/1)
         w = tl.load(w_ptr + offs_r[:, None] * stride_wn + offs_h[None, :], mask=mask_r[:, None] & mask_h[None, :],
                     other=0.0).to(tl.float32)
@@ -141,12 +154,16 @@ def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, conv_start=0, BLOCK_C=64,
-              BLOCK_H=128, num_warps=4, inplace=False):
+              BLOCK_H=128, num_warps=4, inplace=False, norm_w=None, norm_eps=1e-5):
     """in_proj for one token with the conv update fused on a range of its rows. x: [B, H]; in_proj_w: [NR, H];
     conv_state: [B, CD, S] (S >= K - 1; not modified, or with inplace=True updated in place and returned: it must
     be contiguous); conv_w: [CD, K]; rows conv_start .. conv_start + CD are the conv channels; mask: [B, 1] or None
     -> (o [B, NR]: in_proj's output with the conv rows replaced by masked silu(conv), new conv state [B, CD, S]).
-    Mamba: rows [x | z], conv_start 0; Mamba2: [z | xBC | dt], conv_start I."""
+    Mamba: rows [x | z], conv_start 0; Mamba2: [z | xBC | dt], conv_start I.
+
+    norm_w [H] (a residual block's RMSNorm, fused in front): in_proj reads rmsnorm(x.to(norm_w.dtype)) with
+    norm_eps, as HF's Mamba/Mamba2 blocks compute it, and o is in norm_w's dtype; x may then be the fp32 residual
+    stream."""
     if x.dim() != 2 or in_proj_w.dim() != 2 or in_proj_w.shape[1] != x.shape[1]:
         raise ValueError(f"proj_conv: expected x [B, H] and in_proj_w [NR, H], got {tuple(x.shape)}, "
                          f"{tuple(in_proj_w.shape)}")
@@ -161,23 +178,27 @@ def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *,
         raise ValueError(f"proj_conv: expected conv_state [{Bsz}, {CD}, >= {K - 1}], got {tuple(conv_state.shape)}")
     if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (Bsz, 1)):
         raise ValueError(f"proj_conv: expected mask [{Bsz}, 1], got {tuple(mask.shape)}")
+    if norm_w is not None and tuple(norm_w.shape) != (H,):
+        raise ValueError(f"proj_conv: expected norm_w [{H}], got {tuple(norm_w.shape)}")
     for name, t in (("x", x), ("in_proj_w", in_proj_w), ("conv_w", conv_w)):
         _contig(name, t)
     if inplace and not conv_state.is_contiguous():
         raise ValueError(f"proj_conv: inplace=True needs a contiguous conv_state, got strides {conv_state.stride()}")
     conv_state = conv_state.contiguous()
     S = conv_state.shape[2]
-    o = torch.empty((Bsz, NR), device=x.device, dtype=x.dtype)
+    act = norm_w.dtype if norm_w is not None else x.dtype
+    o = torch.empty((Bsz, NR), device=x.device, dtype=act)
     s_out = conv_state if inplace else torch.empty_like(conv_state)
     grid = (Bsz, triton.cdiv(NR, BLOCK_C))
     _proj_conv_kernel[grid](
         x, mask if mask is not None else x, in_proj_w, in_proj_b if in_proj_b is not None else in_proj_w,
         conv_state, conv_w, conv_b if conv_b is not None else conv_w, o, s_out,
+        norm_w if norm_w is not None else x, float(norm_eps),
         H, NR, conv_start, CD, S,
         x.stride(0), mask.stride(0) if mask is not None else 0, in_proj_w.stride(0), *conv_state.stride(),
         conv_w.stride(0), o.stride(0),
         K=K, HAS_MASK=mask is not None, HAS_BIAS=in_proj_b is not None, HAS_CONV_BIAS=conv_b is not None,
-        ACT_DTYPE=_TL[x.dtype], RNE=interpreting(), INPLACE=inplace,
+        HAS_NORM=norm_w is not None, ACT_DTYPE=_TL[act], RNE=interpreting(), INPLACE=inplace,
         BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_S=triton.next_power_of_2(S), BLOCK_K=triton.next_power_of_2(K),
         num_warps=num_warps,
     )
@@ -185,17 +206,17 @@ def proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *,
 
 
 def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask=None, *, BLOCK_C=64,
-                       BLOCK_H=128, num_warps=4, inplace=False):
+                       BLOCK_H=128, num_warps=4, inplace=False, norm_w=None, norm_eps=1e-5):
     """Mamba's in_proj ([x | z] rows, [2I, H]) with the conv update on the x rows -> (xc [B, I] = masked
     silu(conv), z [B, I] (the gate before its SiLU), new conv state [B, I, S]); conv_state is not modified, or with
-    inplace=True updated in place and returned."""
+    inplace=True updated in place and returned. norm_w: the block's RMSNorm fused in front (see proj_conv)."""
     if in_proj_w.dim() != 2 or in_proj_w.shape[0] % 2 or conv_w.dim() != 2 or \
             conv_w.shape[0] != in_proj_w.shape[0] // 2:
         raise ValueError(f"mamba_in_proj_conv: expected in_proj_w [2I, H] and conv_w [I, K], got "
                          f"{tuple(in_proj_w.shape)}, {tuple(conv_w.shape)}")
     I = conv_w.shape[0]
     o, s_out = proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask, conv_start=0, BLOCK_C=BLOCK_C,
-                         BLOCK_H=BLOCK_H, num_warps=num_warps, inplace=inplace)
+                         BLOCK_H=BLOCK_H, num_warps=num_warps, inplace=inplace, norm_w=norm_w, norm_eps=norm_eps)
     return o[:, :I], o[:, I:], s_out
 
 

@@ -105,6 +105,34 @@ def test_proj_conv_on_a_middle_row_range(dtype, masked):
         proj_conv(x, w, None, state, conv_w, conv_b, conv_start=NR - CD + 1)
 
 
+@pytest.mark.parametrize("dtype,stream", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_proj_conv_with_the_block_norm_in_front(dtype, stream, masked):
+    """A residual block's RMSNorm fused into in_proj: the same as HF's MambaRMSNorm(x.to(norm dtype)) followed by
+    the unfused proj_conv, with x the fp32 residual stream (residual_in_fp32, every block after the first) or in
+    the activation dtype (the first block)."""
+    from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+
+    H, I, K, N, R = 40, 48, 4, 8, 3
+    w = _weights(H, I, K, N, R, dtype, seed=11, bias=False)
+    x = (torch.randn(2, H, generator=torch.Generator().manual_seed(3)) * 3).to(stream)
+    norm = MambaRMSNorm(H, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(4)))
+        xn = norm(x.to(dtype))
+    mask = torch.tensor([[1], [0]]) if masked else None
+    o_ref, s_ref = proj_conv(xn, w["in_w"], None, w["conv_state"], w["conv_w"], w["conv_b"], mask, BLOCK_C=16,
+                             BLOCK_H=16)
+    o, s_out = proj_conv(x, w["in_w"], None, w["conv_state"], w["conv_w"], w["conv_b"], mask, BLOCK_C=16,
+                         BLOCK_H=16, norm_w=norm.weight.detach(), norm_eps=1e-5)
+    assert o.dtype == dtype
+    assert_close(o, o_ref, name="in_proj of the normed x, conv rows")
+    assert_close(s_out, s_ref, name="conv state")
+    with pytest.raises(ValueError, match="norm_w"):
+        proj_conv(x, w["in_w"], None, w["conv_state"], w["conv_w"], w["conv_b"], norm_w=norm.weight[:-1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,I,K,N,R", [(48, 96, 4, 16, 3), (33, 40, 4, 12, 5)])
 def test_fused_decode_in_place_updates_the_states_it_reads(dtype, H, I, K, N, R):
