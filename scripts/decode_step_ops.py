@@ -236,6 +236,9 @@ def _count(ap, args) -> int:
             by_block = {k.split("[")[1].rstrip("]"): v for k, v in mean_of.items()}
             block_of = {"recurrent": "RecurrentGemmaRecurrentBlock", "attention": "RecurrentGemmaAttention"}
             est = round(outside + sum(by_block[block_of[b]] for b in list(pattern)[:n_real]))
+        elif len(kinds) == 1 and len(layers) > 1:  # the first layer once (the bf16 embeddings' casts), the rest after
+            ns = next(iter(kinds.values()))
+            est = round(outside + ns[0] + sum(ns[1:]) / len(ns[1:]) * (n_real - 1))
         else:
             est = round(outside + sum(sum(ns) for ns in kinds.values()) / len(layers) * n_real)
         print(f"  extrapolated to {name} ({n_real} layers): about {est} kernels per decode step")

@@ -39,6 +39,7 @@ CASES = [
     ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", "decode"),
+    ("tiny-mamba2", "ssm_block.mamba2_decode_fused", "decode"),
     ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", "decode"),
 ]
@@ -110,25 +111,29 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
 
 
 @pytest.mark.slow
-def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool):
-    """The fused Mamba block in bf16 over two blocks: the first takes the bf16 embeddings, the second the fp32
-    residual stream (residual_in_fp32); both tasks compute in bf16 (their weights' dtype) and the kernel passes
+@pytest.mark.parametrize("model_type,template,config", [
+    ("mamba", "ssm_block.mamba_decode_fused", 'state_size = 16\nexpand = 2\nconv_kernel = 4\n'),
+    ("mamba2", "ssm_block.mamba2_decode_fused",
+     'state_size = 16\nexpand = 2\nhead_dim = 32\nnum_heads = 8\nn_groups = 1\nconv_kernel = 4\nchunk_size = 16\n'),
+])
+def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_type, template, config):
+    """The fused Mamba / Mamba2 block in bf16 over two blocks: the first takes the bf16 embeddings, the second the
+    fp32 residual stream (residual_in_fp32); both tasks compute in bf16 (their weights' dtype) and the kernel passes
     both, its output fp32 as HF's."""
     from llm4llm.pipeline import run_extract, run_profile
 
     script = WORKLOADS.parent / "scripts" / "hf_generate.py"
     wl = tmp_path / "mamba-block-bf16.toml"
     wl.write_text(f'name = "mamba-block-bf16"\nscript = "{script}"\ndtype = "bfloat16"\ndevice = "cpu"\n'
-                  'batch_size = 1\nprompt_len = 8\ndecode_len = 3\nseed = 0\n[model]\nmodel_type = "mamba"\n'
-                  '[model.config]\nhidden_size = 128\nnum_hidden_layers = 2\nvocab_size = 256\nstate_size = 16\n'
-                  'expand = 2\nconv_kernel = 4\n')
+                  f'batch_size = 1\nprompt_len = 8\ndecode_len = 3\nseed = 0\n[model]\nmodel_type = "{model_type}"\n'
+                  '[model.config]\nhidden_size = 128\nnum_hidden_layers = 2\nvocab_size = 256\n' + config)
     data = tmp_path / "data"
     run_extract(str(wl), run_profile(str(wl), str(data)), str(data))
     specs = [(load_spec(d), d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
     blocks = [(s, d) for s, d in specs if s.family == "ssm_block" and s.phase == "decode" and s.deployable]
     streams = sorted(s.observed[0].inputs["hidden_states"].dtype for s, _ in blocks)
     assert streams == ["bfloat16", "float32"], [s.observed for s, _ in blocks]
-    t = next(t for t in TEMPLATES if t.name == "ssm_block.mamba_decode_fused")
+    t = next(t for t in TEMPLATES if t.name == template)
     for spec, task_dir in blocks:
         assert spec.dtype == "bfloat16" and t.why_not(spec) is None, (spec.dtype, t.why_not(spec))
         v = pool.verify(task_dir, t.render(spec, t.default(spec)))
@@ -152,6 +157,7 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", 0),
     ("tiny-mamba", "ssm_block.mamba_decode_fused", 0),  # the block around it: same cache, same in-place update
     ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", 0),
+    ("tiny-mamba2", "ssm_block.mamba2_decode_fused", 0),
     # RecurrentGemma's conv state after prefill is a slice of the prefill's input: copied once, then updated in place
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", 1),
 ])

@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting
+from kernels_runtime.ops._common import cast_out, interpreting, rnd
 
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 GEMV_MAX_M = 16  # at or below this many rows the GEMV kernel is used unless a config forces the dot path
 EPILOGUES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 
@@ -51,14 +52,15 @@ def _epilogue(acc, EPILOGUE: tl.constexpr):
 @triton.jit
 def _linear_kernel(
     # Pointers
-    x_ptr, w_ptr, wu_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, wu_ptr, b_ptr, r_ptr, y_ptr,
     # Matrix dimensions
     M, N, K,
     # Strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_ym, stride_yn,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -94,21 +96,25 @@ def _linear_kernel(
     acc = _epilogue(acc, EPILOGUE)
     if GATED:
         acc = acc * acc_u
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if HAS_RES:  # y = residual + out: out rounded to x's dtype first (nn.Linear's output), the sum in fp32
+        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask,
+                                            other=0.0).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+             mask=mask)
 
 
 @triton.jit
 def _gemv_kernel(
     # Pointers
-    x_ptr, w_ptr, wu_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, wu_ptr, b_ptr, r_ptr, y_ptr,
     # Matrix dimensions
     M, N, K,
     # Strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_ym, stride_yn,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid (M, N / BLOCK_N): the rows sharing one weight block run back to back, so it is read from HBM once.
     row = tl.program_id(0).to(tl.int64)
@@ -126,18 +132,22 @@ def _gemv_kernel(
         if GATED:
             wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
             acc_u += tl.sum(wu * x[None, :], axis=1)
-    _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn, HAS_BIAS, GATED, EPILOGUE, RNE)
+    _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
+                EPILOGUE, HAS_RES, ACT_DTYPE, RNE)
 
 
 @triton.jit
-def _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn,
-                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr):
-    # y[row, rn] = epilogue(acc + bias) (* acc_u), rounded to y's dtype: the tail of both GEMV paths
+def _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                ACT_DTYPE: tl.constexpr, RNE: tl.constexpr):
+    # y[row, rn] = epilogue(acc + bias) (* acc_u) (+ residual), rounded to y's dtype: the tail of both GEMV paths
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     acc = _epilogue(acc, EPILOGUE)
     if GATED:
         acc = acc * acc_u
+    if HAS_RES:  # out rounded to x's dtype first (nn.Linear's output), then the residual added in fp32
+        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
 
 
@@ -176,9 +186,9 @@ def _gemv_split_kernel(
 
 @triton.jit
 def _gemv_reduce_kernel(
-    p_ptr, pu_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_yn,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, RNE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    p_ptr, pu_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, stride_yn,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y[row, :] = epilogue(sum_s p[s, row, :] + bias) (* sum_s pu[s, row, :]): a fixed order, so deterministic
     row = tl.program_id(0).to(tl.int64)
@@ -190,12 +200,14 @@ def _gemv_reduce_kernel(
         acc += tl.load(p_ptr + offs, mask=rn < N, other=0.0)
         if GATED:
             acc_u += tl.load(pu_ptr + offs, mask=rn < N, other=0.0)
-    _gemv_store(acc, acc_u, b_ptr, y_ptr, row, rn, N, stride_ym, stride_yn, HAS_BIAS, GATED, EPILOGUE, RNE)
+    _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
+                EPILOGUE, HAS_RES, ACT_DTYPE, RNE)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,
-               w_up: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K], w: [N, K], bias: [N] -> [..., N]; `w_up` [N, K] makes it act(x @ w.T) * (x @ w_up.T)."""
+               w_up: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K], w: [N, K], bias: [N] -> [..., N]; `w_up` [N, K] makes it act(x @ w.T) * (x @ w_up.T);
+    `residual` [..., N]: residual + that (rounded to x's dtype), in fp32, in their promoted dtype."""
     y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
     if epilogue == "silu":
         y = torch.nn.functional.silu(y)
@@ -205,14 +217,21 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"linear_ref: expected epilogue in {list(EPILOGUES)}, got {epilogue!r}")
     if w_up is not None:
         y = y * torch.nn.functional.linear(x.float(), w_up.float())
+    if residual is not None:
+        return (residual.float() + y.to(x.dtype).float()).to(torch.promote_types(x.dtype, residual.dtype))
     return y.to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None, *,
            w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
            BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
-           GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64, GEMV_SPLIT_K: int = 1) -> torch.Tensor:
+           GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64, GEMV_SPLIT_K: int = 1,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K], w: [N, K] (nn.Linear layout), bias: [N] -> y: [..., N] in x's dtype.
+
+    `residual` [..., N] (last dim contiguous): y = residual + (the above, rounded to x's dtype), added in fp32 in the
+    store and returned in torch.promote_types(x.dtype, residual.dtype) (a block's residual add: `residual + out`
+    with an fp32 residual stream), no separate launch.
 
     `epilogue` in None|"silu"|"gelu"|"gelu_tanh" is applied to x @ w.T + bias; with `w_up` the output is
     epilogue(x @ w.T) * (x @ w_up.T) (gate/up projections of a gated MLP in one pass over x).
@@ -232,12 +251,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     N, K = w.shape
     x2 = x.reshape(-1, K)  # [M, K]; a view whenever the leading dims allow
     M = x2.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    out_dtype = x.dtype
+    if residual is not None:
+        if tuple(residual.shape) != (*x.shape[:-1], N):
+            raise ValueError(f"linear: expected residual {[*x.shape[:-1], N]}, got {tuple(residual.shape)}")
+        if N > 1 and residual.stride(-1) != 1:
+            raise ValueError(f"linear: expected a residual with a unit last stride, got {tuple(residual.stride())}")
+        out_dtype = torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
         return y.reshape(*x.shape[:-1], N)
-    args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, y, M, N, K,
-            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
-    meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue], RNE=interpreting())
+    r2 = residual.reshape(-1, N) if residual is not None else y
+    args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, r2, y, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), r2.stride(0), y.stride(0), y.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue],
+                HAS_RES=residual is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting())
     use_gemv = gemv if gemv is not None else M <= GEMV_MAX_M
     split = min(GEMV_SPLIT_K, triton.cdiv(K, GEMV_BLOCK_K))  # never a split without a K block of its own
     if use_gemv and split > 1:
@@ -251,8 +279,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
             GATED=w_up is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,
             num_stages=num_stages)
         _gemv_reduce_kernel[(M, triton.cdiv(N, GEMV_BLOCK_N))](
-            part, part_u, w if bias is None else bias, y, M, N, y.stride(0), y.stride(1), SPLIT=split, **meta,
-            BLOCK_N=GEMV_BLOCK_N)
+            part, part_u, w if bias is None else bias, r2, y, M, N, r2.stride(0), y.stride(0), y.stride(1),
+            SPLIT=split, **meta, BLOCK_N=GEMV_BLOCK_N)
     elif use_gemv:
         grid = (M, triton.cdiv(N, GEMV_BLOCK_N))
         _gemv_kernel[grid](*args, **meta, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,

@@ -85,3 +85,25 @@ def test_gemv_split_k_matches_ref(dtype, split, gated, monkeypatch):
 def test_gemv_split_k_bad_value_is_one_error():
     with pytest.raises(ValueError, match="GEMV_SPLIT_K an int >= 1"):
         linear(torch.randn(1, 8), torch.randn(4, 8), GEMV_SPLIT_K=0)
+
+
+@pytest.mark.parametrize("dtype,res_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("M,split", [(1, 1), (2, 3), (21, 1)])  # GEMV, split-K GEMV + reduce, the dot path
+def test_linear_residual_epilogue(dtype, res_dtype, M, split):
+    """y = residual + linear(x): the projection rounded to x's dtype, the add in fp32, the result in the promoted
+    dtype (a Mamba block's out_proj on the fp32 residual stream), in all three store paths."""
+    g = torch.Generator().manual_seed(M + split)
+    K, N = 70, 33
+    x = torch.randn(M, 1, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    res = (torch.randn(M, 1, N, generator=g) * 4).to(res_dtype)
+    out = linear(x, w, b, residual=res, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GEMV_BLOCK_N=16, GEMV_BLOCK_K=16,
+                 GEMV_SPLIT_K=split)
+    ref = linear_ref(x, w, b, residual=res)
+    assert out.dtype == ref.dtype == torch.promote_types(dtype, res_dtype) and out.shape == (M, 1, N)
+    assert_close(out, ref, dtype, name="linear + residual")
+    assert_close(out, (res.float() + linear_ref(x, w, b).float()).to(out.dtype), dtype, name="vs the unfused add")
+    with pytest.raises(ValueError, match="residual"):
+        linear(x, w, b, residual=res[..., :-1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates.blocks import BLOCK_ENTRY, MIXER_ENTRY, block_applies
 from llm4llm.search.templates.ssm import HELPERS
 from llm4llm.taskspec import TaskSpec
 
@@ -184,28 +185,22 @@ def _default_fused(spec: TaskSpec) -> dict:
             "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
-def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.mamba_decode import proj_conv",
-                        "from kernels_runtime.ops.ssd import ssd_state_update"])
-    return header("ssm_mixer.mamba2_decode_fused", spec, imports, config) + PRELUDE + '''
+# The fused decode step, shared by the mixer's template and its block's (templates/blocks.py): over the mixer's own
+# weight and static names; norm_w: the block's RMSNorm, folded into in_proj's kernel.
+FUSED_STEP = '''
 
-# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
-# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
-STATE_IN_PLACE = CONFIG["state_inplace"]
-
-
-def entry(inputs, weights, state, static):
-    # four launches: (in_proj + conv update over xBC + SiLU), the SSD state update (A = -exp(A_log) in-kernel),
-    # the gated RMSNorm, out_proj
-    mask = inputs.get("attention_mask")  # [B, 1] or None
-    x = inputs["hidden_states"]  # [B, 1, Hd]
+def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, residual=None):
+    # four launches: ([norm +] in_proj + conv update over xBC + SiLU), the SSD state update (A = -exp(A_log)
+    # in-kernel), the gated RMSNorm, out_proj. x: [B, 1, Hd]; mask: [B, 1] or None
     Bsz = x.shape[0]
+    act = norm_w.dtype if norm_w is not None else x.dtype  # the mixer's activation dtype
     H, P, G, N, I, CD = _dims(weights, static)
     conv_w = weights["conv1d.weight"]  # [CD, 1, K]
     proj, conv_state = proj_conv(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
                                  conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"), mask, conv_start=I,
                                  BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"],
-                                 num_warps=CONFIG["in_num_warps"], inplace=STATE_IN_PLACE)
+                                 num_warps=CONFIG["in_num_warps"], inplace=STATE_IN_PLACE, norm_w=norm_w,
+                                 norm_eps=norm_eps)
     # proj: [B, I + CD + H]: gate | silu(conv(xBC)) | dt
     gate, xc, dt = proj[:, :I], proj[:, I:I + CD], proj[:, I + CD:]
     ssm_in = state["ssm_state"]
@@ -213,11 +208,22 @@ def entry(inputs, weights, state, static):
     y = ssd_state_update(ssm_in, xc[:, :I].view(Bsz, H, P), dt, weights["A_log"], xc[:, I:I + G * N].view(Bsz, G, N),
                          xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"], dt_bias=weights["dt_bias"],
                          dt_softplus=True, out_state=None if STATE_IN_PLACE else ssm_state, A_is_log=True,
-                         BLOCK_P=CONFIG["ssd_BLOCK_P"], num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
-    yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), x.dtype)
-    out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+                         BLOCK_P=CONFIG["ssd_BLOCK_P"], num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in act
+    yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), act)
+    out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
+                 **LIN)  # [+ residual]: a block's add, in the store
+    return out, conv_state, ssm_state
 '''
+FUSED_IMPORTS = _imports(["from kernels_runtime.ops.mamba_decode import proj_conv",
+                          "from kernels_runtime.ops.ssd import ssd_state_update"])
+
+
+def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_mixer.mamba2_decode_fused", spec, FUSED_IMPORTS, config) + PRELUDE + MIXER_ENTRY + FUSED_STEP
+
+
+def _render_block_decode_fused(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_block.mamba2_decode_fused", spec, FUSED_IMPORTS, config) + PRELUDE + BLOCK_ENTRY + FUSED_STEP
 
 
 TEMPLATES = [
@@ -229,4 +235,8 @@ TEMPLATES = [
     Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
              render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused),
+    Template(name="ssm_block.mamba2_decode_fused", family="ssm_block", phases=("decode",),
+             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
+             render_fn=_render_block_decode_fused, applies_fn=block_applies("ssm_block.mamba2_decode_fused", _applies),
+             default_fn=_default_fused),
 ]

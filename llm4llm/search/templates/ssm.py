@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates.blocks import BLOCK_ENTRY, MIXER_ENTRY, block_applies
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -195,84 +196,39 @@ def _applies_fused(spec: TaskSpec) -> str | None:
     return None
 
 
-def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear",
-               "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
-    return header("ssm_mixer.mamba_decode_fused", spec, imports, config) + LIN_KWARGS + \
-        '''
-# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
-# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
-STATE_IN_PLACE = CONFIG["state_inplace"]
+# The fused decode step, shared by the mixer's template and its block's (templates/blocks.py): over the mixer's own
+# weight and static names; norm_w: the block's RMSNorm, folded into in_proj's kernel.
+FUSED_STEP = '''
 
-
-def entry(inputs, weights, state, static):
-    # four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj
-    x = inputs["hidden_states"]  # [B, 1, H]
-    mask = inputs.get("attention_mask")  # [B, 1] or None
+def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, residual=None):
+    # four launches: ([norm +] in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj
+    # x: [B, 1, H]; mask: [B, 1] or None
     conv_w = weights["conv1d.weight"]  # [I, 1, K]
     xc, z, conv_state = mamba_in_proj_conv(
         x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), state["conv_state"],
         conv_w.view(conv_w.shape[0], conv_w.shape[-1]), weights.get("conv1d.bias"), mask,
         BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"],
-        inplace=STATE_IN_PLACE)
+        inplace=STATE_IN_PLACE, norm_w=norm_w, norm_eps=norm_eps)
     p = linear(xc, weights["x_proj.weight"], **LIN)  # [B, R + 2N]
     y, ssm_state = mamba_dt_state_update(
         p, weights["dt_proj.weight"], weights["dt_proj.bias"], weights["A_log"], weights["D"], xc, z,
         state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"], inplace=STATE_IN_PLACE)
-    out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+    out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"),
+                 residual=residual, **LIN)  # [+ residual]: a block's add, in the store
+    return out, conv_state, ssm_state
 '''
+FUSED_IMPORTS = ["from kernels_runtime.ops.linear import linear",
+                 "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
 
 
-BLOCK_WEIGHTS = {"norm.weight"} | {f"mixer.{w}" for w in MAMBA_WEIGHTS}
-
-
-def _applies_block(spec: TaskSpec) -> str | None:
-    name = "ssm_block.mamba_decode_fused"
-    if not BLOCK_WEIGHTS <= set(spec.weight_names):
-        return f"{name}: expected weights {sorted(BLOCK_WEIGHTS)}, got {spec.weight_names}"
-    if spec.static.get("mixer.activation", "silu") != "silu":
-        return f"{name}: expected activation silu, got {spec.static.get('mixer.activation')!r}"
-    for key, kind in (("norm.variance_epsilon", float), ("residual_in_fp32", bool)):
-        if not isinstance(spec.static.get(key), kind):
-            return f"{name}: expected static {key} ({kind.__name__}), got {spec.static.get(key)!r}"
-    if set(spec.state_names) != {"conv_state", "ssm_state"}:
-        return f"{name}: expected states conv_state and ssm_state, got {spec.state_names}"
-    return None
+def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_mixer.mamba_decode_fused", spec, FUSED_IMPORTS, config) + LIN_KWARGS + MIXER_ENTRY + \
+        FUSED_STEP
 
 
 def _render_block_decode_fused(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear",
-               "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
-    return header("ssm_block.mamba_decode_fused", spec, imports, config) + LIN_KWARGS + \
-        '''
-# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
-# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
-STATE_IN_PLACE = CONFIG["state_inplace"]
-
-
-def entry(inputs, weights, state, static):
-    # HF's MambaBlock: residual + mixer(norm(x.to(norm dtype))), the residual in fp32 with residual_in_fp32.
-    # Four launches and the add: (norm + in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip +
-    # gate), out_proj, residual add; the norm's launch and both casts of the unfused block are gone.
-    x = inputs["hidden_states"]  # [B, 1, H]: the residual stream (fp32 past the first block with residual_in_fp32)
-    mask = inputs.get("attention_mask")  # [B, 1] or None
-    conv_w = weights["mixer.conv1d.weight"]  # [I, 1, K]
-    xc, z, conv_state = mamba_in_proj_conv(
-        x[:, 0], weights["mixer.in_proj.weight"], weights.get("mixer.in_proj.bias"), state["conv_state"],
-        conv_w.view(conv_w.shape[0], conv_w.shape[-1]), weights.get("mixer.conv1d.bias"), mask,
-        BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"],
-        inplace=STATE_IN_PLACE, norm_w=weights["norm.weight"], norm_eps=static["norm.variance_epsilon"])
-    p = linear(xc, weights["mixer.x_proj.weight"], **LIN)  # [B, R + 2N]
-    y, ssm_state = mamba_dt_state_update(
-        p, weights["mixer.dt_proj.weight"], weights["mixer.dt_proj.bias"], weights["mixer.A_log"], weights["mixer.D"],
-        xc, z, state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"],
-        inplace=STATE_IN_PLACE)
-    out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["mixer.out_proj.weight"],
-                 weights.get("mixer.out_proj.bias"), **LIN)
-    residual = x.float() if static["residual_in_fp32"] else x
-    return {"out": residual + out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
-'''
+    return header("ssm_block.mamba_decode_fused", spec, FUSED_IMPORTS, config) + LIN_KWARGS + BLOCK_ENTRY + \
+        FUSED_STEP
 
 
 TEMPLATES = [
@@ -286,5 +242,5 @@ TEMPLATES = [
              applies_fn=_applies_fused, default_fn=_default_fused),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_block_decode_fused,
-             applies_fn=_applies_block, default_fn=_default_fused),
+             applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused),
 ]
