@@ -51,6 +51,14 @@ def test_graph_diag_smoke_run_and_bad_arguments(tmp_path):
     from kernels_runtime import load_bundle
     saved = load_bundle(tmp_path / "bundle")  # for trace_decode.py --bundle: the last row's patch, graphs on
     assert saved.decode_graphs and [p.module_class.rsplit(".", 1)[1] for p in saved.patches] == ["Mamba2Mixer"]
+    trace = tmp_path / "trace"  # the saved bundle traced without the eager run (a slow model's fills the limit)
+    res = _run(["scripts/gpu/trace_decode.py", "examples/workloads/tiny-mamba2.toml", "--out", str(trace),
+                "--decode-len", "2", "--bundle", str(tmp_path / "bundle"), "--skip-eager"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [r["variant"] for r in json.loads((trace / "summary.json").read_text())["rows"]] == ["patched"]
+    res = _run(["scripts/gpu/trace_decode.py", "examples/workloads/tiny-mamba2.toml", "--out", str(trace),
+                "--skip-eager"])
+    assert res.returncode == 2 and "--skip-eager" in res.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"eager", "eager_graphs", "ssm_mixer.mamba2_decode_fused#0+graphs"}
     patched = rows["ssm_mixer.mamba2_decode_fused#0+graphs"]

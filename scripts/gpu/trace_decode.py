@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--bundle", default=None, help="patch bundle directory (adds the patched variant)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--decode-len", type=int, default=8, help="decode steps in the traced run (traces get large)")
+    ap.add_argument("--skip-eager", action="store_true",
+                    help="trace only the bundle's variants (an eager trace of a slow model fills the time limit)")
     ap.add_argument("--decode-graphs", action="store_true",
                     help="also eager_graphs (and patched_graphs with --bundle): decode steps replayed from CUDA graphs")
     args = ap.parse_args()
@@ -81,8 +83,10 @@ def main() -> int:
     def run():
         return call_script(script.run, model, wl, batch)
 
-    rows = [trace(run, args.out, "eager", cuda)]
-    if args.decode_graphs:
+    if args.skip_eager and not args.bundle:
+        ap.error("--skip-eager: expected --bundle (nothing else to trace)")
+    rows = [] if args.skip_eager else [trace(run, args.out, "eager", cuda)]
+    if args.decode_graphs and not args.skip_eager:
         g = kernels_runtime.enable_decode_graphs(model)
         try:
             rows.append(trace(run, args.out, "eager_graphs", cuda) | {"graphs": g.stats()})
