@@ -48,72 +48,13 @@ def _dt(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_DT
 
 
 @triton.jit
-def _selective_scan_kernel(
-    # Pointers
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, h0_ptr, y_ptr, hT_ptr,
-    # Matrix dimensions
-    D, L, N,
-    # Strides
-    stride_ub, stride_ud, stride_ul,
-    stride_dtb, stride_dtd, stride_dtl,
-    stride_ad, stride_an,
-    stride_bb, stride_bn, stride_bl,
-    stride_cb, stride_cn, stride_cl,
-    stride_zb, stride_zd, stride_zl,
-    stride_yb, stride_yd, stride_yl,
-    stride_hb, stride_hd, stride_hn,
-    # Meta-parameters
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, RNE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_b = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < D
-    mask_dn = mask_d[:, None] & (offs_n[None, :] < N)
-    A = tl.load(A_ptr + offs_d[:, None] * stride_ad + offs_n[None, :] * stride_an, mask=mask_dn, other=0.0).to(tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d & HAS_DT_BIAS, other=0.0).to(tl.float32)
-    h_offs = pid_b * stride_hb + offs_d[:, None] * stride_hd + offs_n[None, :] * stride_hn
-    if HAS_H0:
-        h = tl.load(h0_ptr + h_offs, mask=mask_dn, other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
-    else:
-        h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    u_base = u_ptr + pid_b * stride_ub + offs_d * stride_ud
-    dt_base = dt_ptr + pid_b * stride_dtb + offs_d * stride_dtd
-    z_base = z_ptr + pid_b * stride_zb + offs_d * stride_zd
-    y_base = y_ptr + pid_b * stride_yb + offs_d * stride_yd
-    b_base = B_ptr + pid_b * stride_bb + offs_n * stride_bn
-    c_base = C_ptr + pid_b * stride_cb + offs_n * stride_cn
-    for t in range(L):
-        u = tl.load(u_base + t * stride_ul, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
-        dt = tl.load(dt_base + t * stride_dtl, mask=mask_d, other=0.0).to(tl.float32)
-        dt = _dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
-        Bt = tl.load(b_base + t * stride_bl, mask=offs_n < N, other=0.0).to(tl.float32)  # [BLOCK_N]
-        Ct = tl.load(c_base + t * stride_cl, mask=offs_n < N, other=0.0).to(tl.float32)
-        h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bt[None, :]) * u[:, None]  # HF: (dt B) u
-        # HF contracts the state cast to u's dtype with C, in u's dtype
-        y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Ct[None, :], axis=1), Y_DTYPE)
-        if HAS_D:
-            y += u * Dv
-        if HAS_Z:
-            z = tl.load(z_base + t * stride_zl, mask=mask_d, other=0.0).to(tl.float32)
-            y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
-        tl.store(y_base + t * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask_d)
-    tl.store(hT_ptr + h_offs, h.to(hT_ptr.dtype.element_ty), mask=mask_dn)
-
-
-@triton.jit
 def _scan_combine(a1, b1, a2, b2):
     # (h -> a1 h + b1) then (h -> a2 h + b2) = (h -> a1 a2 h + (a2 b1 + b2)): the recurrence as an associative op
     return a1 * a2, b1 * a2 + b2
 
 
 @triton.jit
-def _selective_scan_chunked_kernel(
+def _selective_scan_kernel(
     # Pointers
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, h0_ptr, y_ptr, hT_ptr,
     # Matrix dimensions
@@ -132,15 +73,10 @@ def _selective_scan_chunked_kernel(
     HAS_H0: tl.constexpr, DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    # The sequential kernel's math over chunks of BLOCK_T steps: one load of each [BLOCK_T, BLOCK_D] / [BLOCK_T, N]
-    # tile per chunk instead of a dependent round trip per step, the recurrence inside the chunk by an associative
-    # scan over (exp(dt A), dt B u), carried between chunks by the state of the chunk's last valid step. Same
-    # roundings as the sequential kernel; the fp32 state differs from it by summation order only.
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_T)
     mask_d = offs_d < D
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -153,35 +89,55 @@ def _selective_scan_chunked_kernel(
         h = tl.load(h0_ptr + h_offs, mask=mask_dn, other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
     else:
         h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    u_base = u_ptr + pid_b * stride_ub + offs_d[None, :] * stride_ud
-    dt_base = dt_ptr + pid_b * stride_dtb + offs_d[None, :] * stride_dtd
-    z_base = z_ptr + pid_b * stride_zb + offs_d[None, :] * stride_zd
-    y_base = y_ptr + pid_b * stride_yb + offs_d[None, :] * stride_yd
-    b_base = B_ptr + pid_b * stride_bb + offs_n[None, :] * stride_bn
-    c_base = C_ptr + pid_b * stride_cb + offs_n[None, :] * stride_cn
-    for t0 in range(0, L, BLOCK_T):
-        t = t0 + offs_t
-        mask_t = t < L
-        m_td = mask_t[:, None] & mask_d[None, :]
-        m_tn = mask_t[:, None] & mask_n[None, :]
-        u = tl.load(u_base + t[:, None] * stride_ul, mask=m_td, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
-        dt = tl.load(dt_base + t[:, None] * stride_dtl, mask=m_td, other=0.0).to(tl.float32)
-        dt = _dt(dt, dt_bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
-        Bt = tl.load(b_base + t[:, None] * stride_bl, mask=m_tn, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_N]
-        Ct = tl.load(c_base + t[:, None] * stride_cl, mask=m_tn, other=0.0).to(tl.float32)
-        a = tl.exp(dt[:, :, None] * A[None, :, :])  # [BLOCK_T, BLOCK_D, BLOCK_N]
-        b = (dt[:, :, None] * Bt[:, None, :]) * u[:, :, None]  # HF: (dt B) u
-        ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
-        hs = ca * h[None, :, :] + cb  # the state after each step of the chunk
-        y = _rnd(tl.sum(_rnd(hs, Y_DTYPE) * Ct[:, None, :], axis=2), Y_DTYPE)  # [BLOCK_T, BLOCK_D]
-        if HAS_D:
-            y += u * Dv[None, :]
-        if HAS_Z:
-            z = tl.load(z_base + t[:, None] * stride_zl, mask=m_td, other=0.0).to(tl.float32)
-            y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
-        tl.store(y_base + t[:, None] * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=m_td)
-        last = tl.minimum(L - t0, BLOCK_T) - 1  # padded steps past L decay the state: carry the last valid one
-        h = tl.sum(tl.where((offs_t == last)[:, None, None], hs, 0.0), axis=0)
+    u_base = u_ptr + pid_b * stride_ub + offs_d * stride_ud
+    dt_base = dt_ptr + pid_b * stride_dtb + offs_d * stride_dtd
+    z_base = z_ptr + pid_b * stride_zb + offs_d * stride_zd
+    y_base = y_ptr + pid_b * stride_yb + offs_d * stride_yd
+    b_base = B_ptr + pid_b * stride_bb + offs_n * stride_bn
+    c_base = C_ptr + pid_b * stride_cb + offs_n * stride_cn
+    if BLOCK_T == 0:  # one step at a time: a load round trip per step
+        for t in range(L):
+            u = tl.load(u_base + t * stride_ul, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+            dt = tl.load(dt_base + t * stride_dtl, mask=mask_d, other=0.0).to(tl.float32)
+            dt = _dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
+            Bt = tl.load(b_base + t * stride_bl, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            Ct = tl.load(c_base + t * stride_cl, mask=mask_n, other=0.0).to(tl.float32)
+            h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bt[None, :]) * u[:, None]  # HF: (dt B) u
+            # HF contracts the state cast to u's dtype with C, in u's dtype
+            y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Ct[None, :], axis=1), Y_DTYPE)
+            if HAS_D:
+                y += u * Dv
+            if HAS_Z:
+                z = tl.load(z_base + t * stride_zl, mask=mask_d, other=0.0).to(tl.float32)
+                y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
+            tl.store(y_base + t * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask_d)
+    else:  # chunks of BLOCK_T steps: each [BLOCK_T, BLOCK_D] / [BLOCK_T, N] tile loaded at once, the recurrence
+        # inside the chunk by an associative scan over (exp(dt A), dt B u), carried between chunks by the state of
+        # the chunk's last valid step. Same roundings as above; the fp32 state differs by summation order only.
+        offs_t = tl.arange(0, BLOCK_T)
+        for t0 in range(0, L, BLOCK_T):
+            t = t0 + offs_t
+            mask_t = t < L
+            m_td = mask_t[:, None] & mask_d[None, :]
+            m_tn = mask_t[:, None] & mask_n[None, :]
+            u = tl.load(u_base[None, :] + t[:, None] * stride_ul, mask=m_td, other=0.0).to(tl.float32)  # [T, D]
+            dt = tl.load(dt_base[None, :] + t[:, None] * stride_dtl, mask=m_td, other=0.0).to(tl.float32)
+            dt = _dt(dt, dt_bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
+            Bt = tl.load(b_base[None, :] + t[:, None] * stride_bl, mask=m_tn, other=0.0).to(tl.float32)  # [T, N]
+            Ct = tl.load(c_base[None, :] + t[:, None] * stride_cl, mask=m_tn, other=0.0).to(tl.float32)
+            a = tl.exp(dt[:, :, None] * A[None, :, :])  # [T, D, N]
+            b = (dt[:, :, None] * Bt[:, None, :]) * u[:, :, None]  # HF: (dt B) u
+            ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+            hs = ca * h[None, :, :] + cb  # the state after each step of the chunk
+            y = _rnd(tl.sum(_rnd(hs, Y_DTYPE) * Ct[:, None, :], axis=2), Y_DTYPE)  # [T, D]
+            if HAS_D:
+                y += u * Dv[None, :]
+            if HAS_Z:
+                z = tl.load(z_base[None, :] + t[:, None] * stride_zl, mask=m_td, other=0.0).to(tl.float32)
+                y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
+            tl.store(y_base[None, :] + t[:, None] * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=m_td)
+            last = tl.minimum(L - t0, BLOCK_T) - 1  # padded steps past L decay the state: carry the last valid one
+            h = tl.sum(tl.where((offs_t == last)[:, None, None], hs, 0.0), axis=0)
     tl.store(hT_ptr + h_offs, h.to(hT_ptr.dtype.element_ty), mask=mask_dn)
 
 
@@ -321,15 +277,14 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     zz = z if z is not None else u
     h0 = initial_state if initial_state is not None else hT
     grid = (Bsz, triton.cdiv(Dd, BLOCK_D))
-    kernel, extra = (_selective_scan_chunked_kernel, {"BLOCK_T": BLOCK_T}) if BLOCK_T else (_selective_scan_kernel, {})
-    kernel[grid](
+    _selective_scan_kernel[grid](
         u, delta, A, B, C, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, h0, y, hT,
         Dd, L, N,
         *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(), *hT.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=delta_bias is not None, DT_SOFTPLUS=delta_softplus,
         HAS_H0=initial_state is not None, DT_DTYPE=_TL[delta.dtype], Y_DTYPE=_TL[u.dtype],
         Z_DTYPE=_TL[zz.dtype], RNE=interpreting(), BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N),
-        num_warps=num_warps, **extra,
+        BLOCK_T=BLOCK_T, num_warps=num_warps,
     )
     return y, hT
 
