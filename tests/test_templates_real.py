@@ -36,6 +36,8 @@ CASES = [
     ("tiny-mamba", "ssm_mixer.mamba_decode", "decode"),
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", "decode"),
     ("tiny-mamba", "ssm_block.mamba_decode_fused", "decode"),  # the block: norm, mixer, residual add
+    ("tiny-mamba", "ssm_block.mamba", "prefill"),
+    ("tiny-mamba2", "ssm_block.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2", "prefill"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode", "decode"),
     ("tiny-mamba2", "ssm_mixer.mamba2_decode_fused", "decode"),
@@ -117,9 +119,9 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
      'state_size = 16\nexpand = 2\nhead_dim = 32\nnum_heads = 8\nn_groups = 1\nconv_kernel = 4\nchunk_size = 16\n'),
 ])
 def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_type, template, config):
-    """The fused Mamba / Mamba2 block in bf16 over two blocks: the first takes the bf16 embeddings, the second the
-    fp32 residual stream (residual_in_fp32); both tasks compute in bf16 (their weights' dtype) and the kernel passes
-    both, its output fp32 as HF's."""
+    """The fused Mamba / Mamba2 block templates (decode and prefill) in bf16 over two blocks: the first takes the bf16
+    embeddings, the second the fp32 residual stream (residual_in_fp32); both tasks compute in bf16 (their weights'
+    dtype) and the kernels pass both, their output fp32 as HF's."""
     from llm4llm.pipeline import run_extract, run_profile
 
     script = WORKLOADS.parent / "scripts" / "hf_generate.py"
@@ -130,14 +132,16 @@ def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_ty
     data = tmp_path / "data"
     run_extract(str(wl), run_profile(str(wl), str(data)), str(data))
     specs = [(load_spec(d), d) for d in sorted((data / "tasks").iterdir()) if (d / "spec.json").exists()]
-    blocks = [(s, d) for s, d in specs if s.family == "ssm_block" and s.phase == "decode" and s.deployable]
-    streams = sorted(s.observed[0].inputs["hidden_states"].dtype for s, _ in blocks)
-    assert streams == ["bfloat16", "float32"], [s.observed for s, _ in blocks]
-    t = next(t for t in TEMPLATES if t.name == template)
-    for spec, task_dir in blocks:
-        assert spec.dtype == "bfloat16" and t.why_not(spec) is None, (spec.dtype, t.why_not(spec))
-        v = pool.verify(task_dir, t.render(spec, t.default(spec)))
-        assert v.passed, f"{spec.task_id}: {v.failure_class}: {v.message}"
+    prefill = template.replace("_decode_fused", "")  # ssm_block.mamba / ssm_block.mamba2
+    for phase, name in (("decode", template), ("prefill", prefill)):
+        blocks = [(s, d) for s, d in specs if s.family == "ssm_block" and s.phase == phase and s.deployable]
+        streams = sorted(s.observed[0].inputs["hidden_states"].dtype for s, _ in blocks)
+        assert streams == ["bfloat16", "float32"], [s.observed for s, _ in blocks]
+        t = next(t for t in TEMPLATES if t.name == name)
+        for spec, task_dir in blocks:
+            assert spec.dtype == "bfloat16" and t.why_not(spec) is None, (spec.dtype, t.why_not(spec))
+            v = pool.verify(task_dir, t.render(spec, t.default(spec)))
+            assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
 
 
 @pytest.mark.slow
@@ -220,3 +224,45 @@ def test_in_place_state_saves_the_write_back_copies_in_model(tiny_tasks, pool, m
     assert_close(results[True][0], torch.stack(ref.logits), name="patched decode logits")
     assert results[True][1] == first_step_copies * n_layers, {k: v[1] for k, v in results.items()}
     assert results[False][1] == 2 * 2 * n_layers, {k: v[1] for k, v in results.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload,model", [("tiny-mamba", "mamba"), ("tiny-mamba2", "mamba2")])
+def test_block_templates_in_model(tiny_tasks, workload, model):
+    """Both block templates applied to the model (the prefill one and the fused decode one, as one dispatch per
+    block): every block call runs a kernel and the decode logits are the unpatched model's."""
+    import torch
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from kernels_runtime.tolerances import assert_close
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    wl = load_workload(WORKLOADS / f"{workload}.toml")
+    script = load_script(wl)
+    mdl, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    bundle = PatchBundle(name="blocks")
+    for name, phase in ((f"ssm_block.{model}", "prefill"), (f"ssm_block.{model}_decode_fused", "decode")):
+        t = next(t for t in TEMPLATES if t.name == name)
+        spec, _ = next((s, d) for s, d in tiny_tasks(workload)
+                       if s.phase == phase and s.family == "ssm_block" and t.why_not(s) is None)
+        bundle.add_patch(task_patch_spec(spec, name, 1.0, "cpu"), source=t.render(spec, t.default(spec)))
+
+    def logits():
+        with torch.inference_mode():
+            out = mdl.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                               output_logits=True, return_dict_in_generate=True)
+        return torch.stack(out.logits)
+
+    ref = logits()
+    report = kernels_runtime.apply(mdl, bundle, strict=True)
+    try:
+        got = logits()
+        counters = kernels_runtime.report_of(mdl)
+    finally:
+        kernels_runtime.revert(mdl)
+    layers = wl.model.config["num_hidden_layers"]
+    assert report.totals().get("fallback", 0) == 0, counters
+    assert sorted(counters) == [f"backbone.layers.{i}" for i in range(layers)]
+    assert all(c["kernel"] == {"prefill": 1, "decode": 2} for c in counters.values()), counters
+    assert_close(got, ref, name="patched logits")

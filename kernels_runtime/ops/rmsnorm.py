@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_runtime.ops._common import cast_out, interpreting, rnd
+
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
 # The whole row lives in one tile; above this, registers spill and a two-pass kernel would be needed.
 MAX_HIDDEN = 65536
 
@@ -31,6 +35,8 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GEMMA: tl.constexpr = False,
+    IN_DTYPE: tl.constexpr = None,
+    RNE: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -41,13 +47,17 @@ def _rmsnorm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RES_OUT + row * stride_res_row + cols, x, mask=mask)
     xf = x.to(tl.float32)
+    if IN_DTYPE is not None:  # x.to(IN_DTYPE) first (HF's Mamba blocks: the fp32 residual stream into a bf16 norm)
+        xf = rnd(xf, IN_DTYPE)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:  # (x * rstd) * (1 + w) in fp32, one rounding
         y = (xf * rstd) * (1.0 + w)
-    else:  # rounded to the input dtype, then scaled
+    elif IN_DTYPE is not None:  # rounded to the input dtype, then scaled
+        y = w * rnd(xf * rstd, IN_DTYPE)
+    else:
         y = w * (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y_row + cols, cast_out(y, Y.dtype.element_ty, RNE), mask=mask)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -97,12 +107,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, weight, residual, eps, num_warps, gemma=False):
+def _launch(x, weight, residual, eps, num_warps, gemma=False, in_dtype=None):
     _check(x, weight, residual)
     n = x.shape[-1]
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else x2
-    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if gemma else torch.promote_types(in_dtype or x.dtype, weight.dtype)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y
     y2, res2 = y.view(-1, n), res_out.view(-1, n)
@@ -113,16 +123,20 @@ def _launch(x, weight, residual, eps, num_warps, gemma=False):
             n, eps,
             x2.stride(0), r2.stride(0), y2.stride(0), res2.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, GEMMA=gemma,
+            IN_DTYPE=_TL[in_dtype] if in_dtype is not None else None, RNE=interpreting(),
             num_warps=num_warps or _default_num_warps(block_n),
         )
     return y, res_out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, num_warps: int | None = None,
-            gemma: bool = False) -> torch.Tensor:
+            gemma: bool = False, in_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype) (gemma: in x.dtype, scaled by
-    1 + weight, see the module docstring). Any leading shape."""
-    return _launch(x, weight, None, eps, num_warps, gemma)[0]
+    1 + weight, see the module docstring). Any leading shape. `in_dtype`: normalize x.to(in_dtype), as HF's Mamba
+    blocks feed their fp32 residual stream to a bf16 norm; the output is then in promote(in_dtype, weight.dtype)."""
+    if in_dtype is not None and (gemma or in_dtype not in _TL):
+        raise ValueError(f"rmsnorm: expected in_dtype in {list(_TL)} and gemma=False, got {in_dtype}, gemma={gemma}")
+    return _launch(x, weight, None, eps, num_warps, gemma, in_dtype)[0]
 
 
 def rmsnorm_residual(

@@ -86,3 +86,24 @@ def test_rmsnorm_cuda_bf16(n):
     out_ref, res_ref = rmsnorm_residual_ref(x, r, w)
     assert_close(out, out_ref)
     assert_close(res, res_ref)
+
+
+@pytest.mark.parametrize("stream", [torch.float32, torch.bfloat16])
+def test_rmsnorm_in_dtype_is_hf_block_norm(stream):
+    """in_dtype: the norm of x.to(in_dtype), as HF's Mamba blocks feed the fp32 residual stream to a bf16 norm."""
+    from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 5, 96, generator=g) * 3).to(stream)
+    norm = MambaRMSNorm(96, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(96, generator=g))
+        ref = norm(x.to(torch.bfloat16))
+    out = rmsnorm(x, norm.weight.detach(), 1e-5, in_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, name="block norm")
+    # the same roundings as HF's (x to bf16, x * rstd to bf16, the weight product to bf16): equal but for a rare
+    # 1-ulp rstd from another summation order (without the first rounding about half the elements differ)
+    assert (out == ref).float().mean() > 0.98
+    with pytest.raises(ValueError, match="in_dtype"):
+        rmsnorm(x, norm.weight.detach(), 1e-5, in_dtype=torch.int8)

@@ -50,6 +50,35 @@ def entry(inputs, weights, state, static):
 '''
 
 
+# The prefill counterparts: the mixer's `_prefill_step(x, mask, weights, static, residual=None)` (no state-in).
+BLOCK_PREFILL_ENTRY = '''
+
+def _mixer_part(d):
+    # the mixer's weights and static values under the names its own template reads
+    return {k[len("mixer."):]: v for k, v in d.items() if k.startswith("mixer.")}
+
+
+def entry(inputs, weights, state, static):
+    # HF's block over the prompt: one norm launch on the residual stream (cast to the norm's dtype inside it), the
+    # mixer's kernels, the residual add in out_proj's store
+    x = inputs["hidden_states"]  # [B, L, H]
+    nw = weights["norm.weight"]
+    xn = rmsnorm(x, nw, static["norm.variance_epsilon"], in_dtype=nw.dtype)
+    residual = x.float() if static["residual_in_fp32"] else x  # a copy in the first block only
+    out, conv_state, ssm_state = _prefill_step(xn, inputs.get("attention_mask"), _mixer_part(weights),
+                                               _mixer_part(static), residual=residual)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+
+MIXER_PREFILL_ENTRY = '''
+
+def entry(inputs, weights, state, static):
+    out, conv_state, ssm_state = _prefill_step(inputs["hidden_states"], inputs.get("attention_mask"), weights, static)
+    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+'''
+BLOCK_PREFILL_IMPORT = "from kernels_runtime.ops.rmsnorm import rmsnorm"
+
+
 def mixer_view(spec: TaskSpec) -> TaskSpec:
     """The block's task as its mixer's template sees it: the `mixer.` weights and static values without the prefix."""
     return spec.model_copy(update={
@@ -68,7 +97,7 @@ def block_applies(name: str, mixer_applies: Callable[[TaskSpec], str | None]) ->
         for key, kind in (("norm.variance_epsilon", float), ("residual_in_fp32", bool)):
             if not isinstance(spec.static.get(key), kind):
                 return f"{name}: expected static {key} ({kind.__name__}), got {spec.static.get(key)!r}"
-        if set(spec.state_names) != {"conv_state", "ssm_state"}:
+        if spec.phase == "decode" and set(spec.state_names) != {"conv_state", "ssm_state"}:
             return f"{name}: expected states conv_state and ssm_state, got {spec.state_names}"
         why = mixer_applies(mixer_view(spec))
         return f"{name}: mixer: {why}" if why else None

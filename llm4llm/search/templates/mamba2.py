@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
-from llm4llm.search.templates.blocks import BLOCK_ENTRY, MIXER_ENTRY, block_applies
+from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
+                                             MIXER_PREFILL_ENTRY, block_applies)
 from llm4llm.search.templates.ssm import HELPERS
 from llm4llm.taskspec import TaskSpec
 
@@ -110,14 +111,14 @@ def _imports(extra: list[str]) -> list[str]:
             *extra]
 
 
-def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d",
-                        "from kernels_runtime.ops.ssd import ssd"])
-    return header("ssm_mixer.mamba2", spec, imports, config) + PRELUDE + '''
+# The prefill mixer over its own weight and static names, shared with the block's template (templates/blocks.py);
+# residual: a block's residual stream, added in out_proj's store.
+PREFILL_STEP = '''
 
-def entry(inputs, weights, state, static):
-    mask = inputs.get("attention_mask")  # [B, L] or None
-    x = _mask_rows(inputs["hidden_states"], mask)  # [B, L, Hd]
+def _prefill_step(x, mask, weights, static, residual=None):
+    # x: [B, L, Hd] (the mixer's input: its dtype is the activation dtype); mask: [B, L] or None
+    act = x.dtype
+    x = _mask_rows(x, mask)
     Bsz, L, _ = x.shape
     H, P, G, N, I, CD = _dims(weights, static)
     proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, I + CD + H]
@@ -134,10 +135,22 @@ def entry(inputs, weights, state, static):
                        D=weights["D"], dt_bias=weights["dt_bias"], dt_softplus=True, dt_limit=(lo, hi),
                        out_dtype=torch.float32, BLOCK_T=CONFIG["ssd_BLOCK_T"], BLOCK_P=CONFIG["ssd_BLOCK_P"],
                        num_warps=CONFIG["ssd_num_warps"])  # y: [B, L, H, P] fp32 (as HF), state [B, H, P, N] fp32
-    yn = _gated_rmsnorm(y.view(Bsz * L, I), gate.reshape(Bsz * L, I), weights["norm.weight"], _eps(static), x.dtype)
-    out = linear(yn.view(Bsz, L, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, Hd]
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+    yn = _gated_rmsnorm(y.view(Bsz * L, I), gate.reshape(Bsz * L, I), weights["norm.weight"], _eps(static), act)
+    out = linear(yn.view(Bsz, L, I), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
+                 **LIN)  # [B, L, Hd] (+ residual)
+    return out, conv_state, ssm_state
 '''
+PREFILL_IMPORTS = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+                            "from kernels_runtime.ops.ssd import ssd"])
+
+
+def _render_prefill(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_mixer.mamba2", spec, PREFILL_IMPORTS, config) + PRELUDE + MIXER_PREFILL_ENTRY + PREFILL_STEP
+
+
+def _render_block_prefill(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_block.mamba2", spec, PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], config) + PRELUDE + \
+        BLOCK_PREFILL_ENTRY + PREFILL_STEP
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
@@ -235,6 +248,10 @@ TEMPLATES = [
     Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
              render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused),
+    Template(name="ssm_block.mamba2", family="ssm_block", phases=("prefill",),
+             requires=(LINEAR_OP, RND, CONV, SSD, ("kernels_runtime.ops.rmsnorm", "rmsnorm")), space_fn=_space,
+             render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba2", _applies),
+             default_fn=_default),
     Template(name="ssm_block.mamba2_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
              render_fn=_render_block_decode_fused, applies_fn=block_applies("ssm_block.mamba2_decode_fused", _applies),

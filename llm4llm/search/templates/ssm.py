@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
-from llm4llm.search.templates.blocks import BLOCK_ENTRY, MIXER_ENTRY, block_applies
+from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
+                                             MIXER_PREFILL_ENTRY, block_applies)
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -22,6 +23,7 @@ SCAN = ("kernels_runtime.ops.selective_scan", "selective_scan")
 STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
 IN_CONV = ("kernels_runtime.ops.mamba_decode", "mamba_in_proj_conv")
 DT_UPDATE = ("kernels_runtime.ops.mamba_decode", "mamba_dt_state_update")
+NORM_OP = ("kernels_runtime.ops.rmsnorm", "rmsnorm")
 MAMBA_WEIGHTS = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                  "out_proj.weight"}
 
@@ -116,15 +118,13 @@ def _default(spec: TaskSpec) -> dict:
     return {**linear_default(spec), **ops}
 
 
-def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear",
-               "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
-               "from kernels_runtime.ops.selective_scan import selective_scan"]
-    return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
+# The prefill mixer over its own weight and static names, shared with the block's template (templates/blocks.py);
+# residual: a block's residual stream, added in out_proj's store.
+PREFILL_STEP = '''
 
-def entry(inputs, weights, state, static):
-    mask = inputs.get("attention_mask")  # [B, L] or None
-    x = _mask_rows(inputs["hidden_states"], mask)  # [B, L, H]
+def _prefill_step(x, mask, weights, static, residual=None):
+    # x: [B, L, H]; mask: [B, L] or None
+    x = _mask_rows(x, mask)
     I = weights["in_proj.weight"].shape[0] // 2
     proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, 2I]
     xs, gate = proj[..., :I].transpose(1, 2), proj[..., I:].transpose(1, 2)  # [B, I, L] views
@@ -138,10 +138,23 @@ def entry(inputs, weights, state, static):
                                   delta_bias=weights["dt_proj.bias"].float(), delta_softplus=True,
                                   BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"],
                                   BLOCK_T=CONFIG.get("scan_BLOCK_T", 0))  # [B, I, L]
-    out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)  # [B, L, H]
+    out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
+                 **LIN)  # [B, L, H] (+ residual)
     # the cache keeps the scan's final state as it comes (fp32: HF's discretisation runs in fp32)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
+    return out, conv_state, ssm_state
 '''
+PREFILL_IMPORTS = ["from kernels_runtime.ops.linear import linear",
+                   "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+                   "from kernels_runtime.ops.selective_scan import selective_scan"]
+
+
+def _render_prefill(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_mixer.mamba", spec, PREFILL_IMPORTS, config) + PRELUDE + MIXER_PREFILL_ENTRY + PREFILL_STEP
+
+
+def _render_block_prefill(spec: TaskSpec, config: dict) -> str:
+    return header("ssm_block.mamba", spec, PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], config) + PRELUDE + \
+        BLOCK_PREFILL_ENTRY + PREFILL_STEP
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
@@ -240,6 +253,9 @@ TEMPLATES = [
     Template(name="ssm_mixer.mamba_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_decode_fused,
              applies_fn=_applies_fused, default_fn=_default_fused),
+    Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP),
+             space_fn=_space, render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba", _applies),
+             default_fn=_default),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_block_decode_fused,
              applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused),
