@@ -10,7 +10,7 @@ class ModuleRecord:
 
     module_path: str  # "model.layers.3.self_attn" ("" is the top-level model)
     class_name: str  # "Qwen3Attention"
-    family: str  # attention | mlp | norm | rotary | ssm_mixer | ssm_block | recurrent_block | conv | embedding | lm_head | ...
+    family: str  # attention | mlp | norm | ssm_mixer | ssm_block | recurrent_block | ... (kernels_runtime.families)
     phase: str  # prefill | decode
     calls: int
     time_ms: float  # inclusive, summed over calls in this phase

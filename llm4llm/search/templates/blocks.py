@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from llm4llm.search.templates.base import header
 from llm4llm.taskspec import TaskSpec
 
 MIXER = "mixer."
@@ -77,6 +78,15 @@ def entry(inputs, weights, state, static):
     return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
 '''
 BLOCK_PREFILL_IMPORT = "from kernels_runtime.ops.rmsnorm import rmsnorm"
+
+
+def renderer(name: str, imports: list[str], *parts: str) -> Callable[[TaskSpec, dict], str]:
+    """render_fn of a mixer or block template: the header, then the source parts (prelude, entry, step) in order."""
+
+    def render(spec: TaskSpec, config: dict) -> str:
+        return header(name, spec, imports, config) + "".join(parts)
+
+    return render
 
 
 def mixer_view(spec: TaskSpec) -> TaskSpec:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
-                                             MIXER_PREFILL_ENTRY, block_applies)
+                                             MIXER_PREFILL_ENTRY, block_applies, renderer)
 from llm4llm.search.templates.ssm import HELPERS
 from llm4llm.taskspec import TaskSpec
 
@@ -144,15 +144,6 @@ PREFILL_IMPORTS = _imports(["from kernels_runtime.ops.causal_conv1d import causa
                             "from kernels_runtime.ops.ssd import ssd"])
 
 
-def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_mixer.mamba2", spec, PREFILL_IMPORTS, config) + PRELUDE + MIXER_PREFILL_ENTRY + PREFILL_STEP
-
-
-def _render_block_prefill(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_block.mamba2", spec, PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], config) + PRELUDE + \
-        BLOCK_PREFILL_ENTRY + PREFILL_STEP
-
-
 def _render_decode(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
                         "from kernels_runtime.ops.ssd import ssd_state_update"])
@@ -231,13 +222,11 @@ FUSED_IMPORTS = _imports(["from kernels_runtime.ops.mamba_decode import proj_con
                           "from kernels_runtime.ops.ssd import ssd_state_update"])
 
 
-def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_mixer.mamba2_decode_fused", spec, FUSED_IMPORTS, config) + PRELUDE + MIXER_ENTRY + FUSED_STEP
-
-
-def _render_block_decode_fused(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_block.mamba2_decode_fused", spec, FUSED_IMPORTS, config) + PRELUDE + BLOCK_ENTRY + FUSED_STEP
-
+_render_prefill = renderer("ssm_mixer.mamba2", PREFILL_IMPORTS, PRELUDE, MIXER_PREFILL_ENTRY, PREFILL_STEP)
+_render_block_prefill = renderer("ssm_block.mamba2", PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], PRELUDE,
+                                 BLOCK_PREFILL_ENTRY, PREFILL_STEP)
+_render_decode_fused = renderer("ssm_mixer.mamba2_decode_fused", FUSED_IMPORTS, PRELUDE, MIXER_ENTRY, FUSED_STEP)
+_render_block_decode_fused = renderer("ssm_block.mamba2_decode_fused", FUSED_IMPORTS, PRELUDE, BLOCK_ENTRY, FUSED_STEP)
 
 TEMPLATES = [
     Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, RND, CONV, SSD),

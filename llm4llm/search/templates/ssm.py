@@ -14,7 +14,7 @@ from __future__ import annotations
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
-                                             MIXER_PREFILL_ENTRY, block_applies)
+                                             MIXER_PREFILL_ENTRY, block_applies, renderer)
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -148,15 +148,6 @@ PREFILL_IMPORTS = ["from kernels_runtime.ops.linear import linear",
                    "from kernels_runtime.ops.selective_scan import selective_scan"]
 
 
-def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_mixer.mamba", spec, PREFILL_IMPORTS, config) + PRELUDE + MIXER_PREFILL_ENTRY + PREFILL_STEP
-
-
-def _render_block_prefill(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_block.mamba", spec, PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], config) + PRELUDE + \
-        BLOCK_PREFILL_ENTRY + PREFILL_STEP
-
-
 def _render_decode(spec: TaskSpec, config: dict) -> str:
     imports = ["from kernels_runtime.ops.linear import linear",
                "from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
@@ -234,15 +225,12 @@ FUSED_IMPORTS = ["from kernels_runtime.ops.linear import linear",
                  "from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv"]
 
 
-def _render_decode_fused(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_mixer.mamba_decode_fused", spec, FUSED_IMPORTS, config) + LIN_KWARGS + MIXER_ENTRY + \
-        FUSED_STEP
-
-
-def _render_block_decode_fused(spec: TaskSpec, config: dict) -> str:
-    return header("ssm_block.mamba_decode_fused", spec, FUSED_IMPORTS, config) + LIN_KWARGS + BLOCK_ENTRY + \
-        FUSED_STEP
-
+_render_prefill = renderer("ssm_mixer.mamba", PREFILL_IMPORTS, PRELUDE, MIXER_PREFILL_ENTRY, PREFILL_STEP)
+_render_block_prefill = renderer("ssm_block.mamba", PREFILL_IMPORTS + [BLOCK_PREFILL_IMPORT], PRELUDE,
+                                 BLOCK_PREFILL_ENTRY, PREFILL_STEP)
+_render_decode_fused = renderer("ssm_mixer.mamba_decode_fused", FUSED_IMPORTS, LIN_KWARGS, MIXER_ENTRY, FUSED_STEP)
+_render_block_decode_fused = renderer("ssm_block.mamba_decode_fused", FUSED_IMPORTS, LIN_KWARGS, BLOCK_ENTRY,
+                                      FUSED_STEP)
 
 TEMPLATES = [
     Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN),
