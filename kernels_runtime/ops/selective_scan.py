@@ -71,7 +71,7 @@ def _selective_scan_kernel(
     # Meta-parameters
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, RNE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, A_IS_LOG: tl.constexpr = False,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
@@ -81,6 +81,8 @@ def _selective_scan_kernel(
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + offs_d[:, None] * stride_ad + offs_n[None, :] * stride_an, mask=mask_dn, other=0.0).to(tl.float32)
+    if A_IS_LOG:  # A = -exp(A_log) here, in fp32 as HF computes it, instead of a launch of its own
+        A = -tl.exp(A)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d & HAS_DT_BIAS, other=0.0).to(tl.float32)
@@ -255,12 +257,14 @@ def _check_ssm(name, A, Dd, N, **vecs):
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=True, initial_state=None,
-                   *, BLOCK_D=16, num_warps=2, BLOCK_T=0):
+                   *, BLOCK_D=16, num_warps=2, BLOCK_T=0, A_is_log=False):
     """u, delta, z: [B, D, L]; A: [D, N]; B, C: [B, N, L]; D, delta_bias: [D]; initial_state: [B, D, N] or None
     -> (y [B, D, L] in u.dtype, final state [B, D, N] fp32). Any strides (HF passes transposed views).
 
     BLOCK_T = 0: one step at a time (a load round trip per step); a power of two >= 2: chunks of BLOCK_T steps,
-    each loaded as one tile and scanned associatively (fewer, wider loads; BLOCK_T * BLOCK_D * N fp32 per program)."""
+    each loaded as one tile and scanned associatively (fewer, wider loads; BLOCK_T * BLOCK_D * N fp32 per program).
+    A_is_log: A is Mamba's A_log, and A = -exp(A_log) is taken in the kernel. D and delta_bias may be in any float
+    dtype (read as fp32)."""
     if BLOCK_T and (BLOCK_T < 2 or BLOCK_T & (BLOCK_T - 1)):
         raise ValueError(f"selective_scan: expected BLOCK_T 0 or a power of two >= 2, got {BLOCK_T}")
     if u.dim() != 3:
@@ -284,7 +288,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=delta_bias is not None, DT_SOFTPLUS=delta_softplus,
         HAS_H0=initial_state is not None, DT_DTYPE=_TL[delta.dtype], Y_DTYPE=_TL[u.dtype],
         Z_DTYPE=_TL[zz.dtype], RNE=interpreting(), BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N),
-        BLOCK_T=BLOCK_T, num_warps=num_warps,
+        BLOCK_T=BLOCK_T, A_IS_LOG=A_is_log, num_warps=num_warps,
     )
     return y, hT
 

@@ -55,7 +55,7 @@ def _ssd_kernel(
     # Meta-parameters
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     DT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, A_IS_LOG: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_p = tl.program_id(1)
@@ -65,6 +65,8 @@ def _ssd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < P, offs_n < N
     A = tl.load(A_ptr + h).to(tl.float32)
+    if A_IS_LOG:  # A = -exp(A_log) in fp32, as HF computes it, instead of a launch of its own
+        A = -tl.exp(A)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     s_offs = b * stride_sb + h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
     if HAS_S0:
@@ -252,10 +254,11 @@ def _check_ssd(name, x, B, A, **vecs):
 
 
 def ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_state=None, dt_softplus=True,
-        dt_limit=(0.0, float("inf")), out_dtype=None, *, BLOCK_T=32, BLOCK_P=32, num_warps=4):
-    """x, z: [B, L, H, P]; dt: [B, L, H]; A, D, dt_bias: [H]; B, C: [B, L, G, N]; initial_state: [B, H, P, N]
-    -> (y [B, L, H, P] in out_dtype (default x.dtype), final state [B, H, P, N] fp32). HF's chunk_size is not an
-    argument: the result does not depend on it; BLOCK_T is the kernel's own chunk."""
+        dt_limit=(0.0, float("inf")), out_dtype=None, *, BLOCK_T=32, BLOCK_P=32, num_warps=4, A_is_log=False):
+    """x, z: [B, L, H, P]; dt: [B, L, H]; A (or A_log with A_is_log: A = -exp(A_log) in-kernel), D, dt_bias: [H];
+    B, C: [B, L, G, N]; initial_state: [B, H, P, N] -> (y [B, L, H, P] in out_dtype (default x.dtype), final state
+    [B, H, P, N] fp32). HF's chunk_size is not an argument: the result does not depend on it; BLOCK_T is the kernel's
+    own chunk."""
     if x.dim() != 4 or B.dim() != 4 or tuple(C.shape) != tuple(B.shape) or B.shape[:2] != x.shape[:2]:
         raise ValueError(f"ssd: expected x [B, L, H, P], B and C [B, L, G, N], got {tuple(x.shape)}, "
                          f"{tuple(B.shape)}, {tuple(C.shape)}")
@@ -273,7 +276,8 @@ def ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_state=None, dt_sof
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(), *sT.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_S0=initial_state is not None, DT_SOFTPLUS=dt_softplus,
         DT_DTYPE=_TL[dt.dtype], PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=num_warps,
+        BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=max(16, triton.next_power_of_2(N)), A_IS_LOG=A_is_log,
+        num_warps=num_warps,
     )
     return y, sT
 

@@ -87,3 +87,20 @@ def test_ref_matches_hf_torch_path():
     y_hf = hf.mamba_selective_state_update(s_hf, kw.pop("x"), dt_softplus=True, **kw)
     assert_close(selective_state_update_ref(s_ref, u[..., 0], **kw), y_hf)
     assert_close(s_ref, s_hf)
+
+
+@pytest.mark.parametrize("BLOCK_T", [0, 8])
+def test_selective_scan_takes_a_log_and_16bit_d_and_bias(BLOCK_T):
+    """A_is_log: the kernel takes A = -exp(A_log) itself, and D / delta_bias in the weights' dtype: the same result
+    as the fp32 A, D and bias HF computes with (the template then needs no launches for them)."""
+    u, delta, _, B, C, _, z, _ = _inputs(1, 40, 21, 16, torch.bfloat16, 5)
+    g = torch.Generator().manual_seed(9)
+    a_log = (torch.randn(40, 16, generator=g) * 0.5).to(torch.bfloat16)
+    d, bias = torch.randn(40, generator=g).to(torch.bfloat16), (torch.randn(40, generator=g) * 0.5).to(torch.bfloat16)
+    y_ref, h_ref = selective_scan(u, delta, -torch.exp(a_log.float()), B, C, d.float(), z, bias.float(),
+                                  BLOCK_T=BLOCK_T)
+    y, h = selective_scan(u, delta, a_log, B, C, d, z, bias, BLOCK_T=BLOCK_T, A_is_log=True)
+    assert_close(y, y_ref, name="y")
+    assert_close(h, h_ref, torch.bfloat16, name="final state")
+    y_hf, _ = selective_scan_ref(u, delta, -torch.exp(a_log.float()), B, C, d.float(), z, bias.float())
+    assert_close(y, y_hf, name="y vs the reference")

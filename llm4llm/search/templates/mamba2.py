@@ -130,11 +130,11 @@ def _prefill_step(x, mask, weights, static, residual=None):
     lim = static.get("time_step_limit") or (0.0, None)
     lo = 0.0 if lim[0] is None else float(lim[0])
     hi = float("inf") if lim[1] is None else float(lim[1])
-    y, ssm_state = ssd(xc[..., :I].view(Bsz, L, H, P), dt, _neg_exp(weights["A_log"]),
+    y, ssm_state = ssd(xc[..., :I].view(Bsz, L, H, P), dt, weights["A_log"],
                        xc[..., I:I + G * N].view(Bsz, L, G, N), xc[..., I + G * N:].view(Bsz, L, G, N),
                        D=weights["D"], dt_bias=weights["dt_bias"], dt_softplus=True, dt_limit=(lo, hi),
                        out_dtype=torch.float32, BLOCK_T=CONFIG["ssd_BLOCK_T"], BLOCK_P=CONFIG["ssd_BLOCK_P"],
-                       num_warps=CONFIG["ssd_num_warps"])  # y: [B, L, H, P] fp32 (as HF), state [B, H, P, N] fp32
+                       num_warps=CONFIG["ssd_num_warps"], A_is_log=True)  # y: [B, L, H, P] fp32 (as HF), state fp32
     yn = _gated_rmsnorm(y.view(Bsz * L, I), gate.reshape(Bsz * L, I), weights["norm.weight"], _eps(static), act)
     out = linear(yn.view(Bsz, L, I), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
                  **LIN)  # [B, L, Hd] (+ residual)

@@ -133,11 +133,12 @@ def _prefill_step(x, mask, weights, static, residual=None):
                                    BLOCK_C=CONFIG["conv_BLOCK_C"], BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, I, L]
     xc = _mask_rows(xc, mask, channels_last=False)
     dt, Bm, Cm = _ssm_params(xc.transpose(1, 2), weights, static)  # [B, L, I], [B, L, N], [B, L, N]
-    y, ssm_state = selective_scan(xc, dt.transpose(1, 2), _neg_exp(weights["A_log"]), Bm.transpose(1, 2),
-                                  Cm.transpose(1, 2), D=weights["D"].float(), z=gate,
-                                  delta_bias=weights["dt_proj.bias"].float(), delta_softplus=True,
+    # A = -exp(A_log) in the kernel; D and the dt bias read as fp32 there (HF's .float() copies, no launches here)
+    y, ssm_state = selective_scan(xc, dt.transpose(1, 2), weights["A_log"], Bm.transpose(1, 2),
+                                  Cm.transpose(1, 2), D=weights["D"], z=gate,
+                                  delta_bias=weights["dt_proj.bias"], delta_softplus=True,
                                   BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"],
-                                  BLOCK_T=CONFIG.get("scan_BLOCK_T", 0))  # [B, I, L]
+                                  BLOCK_T=CONFIG.get("scan_BLOCK_T", 0), A_is_log=True)  # [B, I, L]
     out = linear(y.transpose(1, 2), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
                  **LIN)  # [B, L, H] (+ residual)
     # the cache keeps the scan's final state as it comes (fp32: HF's discretisation runs in fp32)
