@@ -107,3 +107,16 @@ def test_linear_residual_epilogue(dtype, res_dtype, M, split):
     assert_close(out, (res.float() + linear_ref(x, w, b).float()).to(out.dtype), dtype, name="vs the unfused add")
     with pytest.raises(ValueError, match="residual"):
         linear(x, w, b, residual=res[..., :-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,split", [(1, 1), (1, 4), (512, 1)])
+def test_linear_residual_on_cuda_at_mamba_sizes(M, split):
+    """out_proj with the block's residual add on the GPU (mamba-130m: K 1536 -> N 768, bf16, fp32 residual)."""
+    g = torch.Generator(device="cuda").manual_seed(M + split)
+    x = torch.randn(1, M, 1536, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(768, 1536, device="cuda", generator=g) / 1536**0.5).to(torch.bfloat16)
+    res = torch.randn(1, M, 768, device="cuda", generator=g) * 4
+    out = linear(x, w, residual=res, GEMV_BLOCK_N=16, GEMV_BLOCK_K=32, GEMV_SPLIT_K=split)
+    assert out.dtype == torch.float32
+    assert_close(out, linear_ref(x, w, residual=res), torch.bfloat16, name="linear + residual")

@@ -208,3 +208,26 @@ def test_in_place_on_cuda_matches_out_of_place_at_real_sizes(H, I, N, R):
         o_i, st_back = proj_conv(x, xw, None, st_i, cw, cb, conv_start=I2, BLOCK_C=16, BLOCK_H=128, num_warps=8,
                                  inplace=True)
         assert st_back is st_i and torch.equal(o_i, o_o) and torch.equal(st_i, st_o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,NR,CD,C0", [(768, 3072, 1536, 0), (2560, 10576, 5376, 5120)])  # mamba-130m, mamba2-2.7b
+def test_proj_conv_with_the_block_norm_on_cuda(H, NR, CD, C0):
+    """The block norm fused into in_proj on the GPU at the real widths, from the fp32 residual stream: as the norm
+    (HF's MambaRMSNorm of x.to(bf16)) followed by the unfused proj_conv."""
+    from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(H)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    x = r(1, H) * 3
+    w = (r(NR, H) / H**0.5).to(torch.bfloat16)
+    conv_w, conv_b, state = (r(CD, 4) / 2).to(torch.bfloat16), r(CD).to(torch.bfloat16), r(1, CD, 4).to(torch.bfloat16)
+    norm = MambaRMSNorm(H, eps=1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * r(H))
+        xn = norm(x.to(torch.bfloat16))
+    o_ref, s_ref = proj_conv(xn, w, None, state, conv_w, conv_b, conv_start=C0, BLOCK_C=16, BLOCK_H=128, num_warps=8)
+    o, s_out = proj_conv(x, w, None, state, conv_w, conv_b, conv_start=C0, BLOCK_C=16, BLOCK_H=128, num_warps=8,
+                         norm_w=norm.weight.detach(), norm_eps=1e-5)
+    assert_close(o, o_ref, name="in_proj of the normed x")
+    assert_close(s_out, s_ref, name="conv state")

@@ -104,3 +104,24 @@ def test_selective_scan_takes_a_log_and_16bit_d_and_bias(BLOCK_T):
     assert_close(h, h_ref, torch.bfloat16, name="final state")
     y_hf, _ = selective_scan_ref(u, delta, -torch.exp(a_log.float()), B, C, d.float(), z, bias.float())
     assert_close(y, y_hf, name="y vs the reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BLOCK_T,BLOCK_D,num_warps", [(4, 16, 2), (8, 16, 2), (16, 16, 4), (8, 64, 4)])
+def test_chunked_scan_on_cuda_at_mamba_130m_sizes(BLOCK_T, BLOCK_D, num_warps):
+    """mamba-130m's prefill scan (d_inner 1536, L 512, N 16, bf16, HF's transposed views) on the GPU: the chunked
+    kernel gives the one-step kernel's output within bf16 tolerance and its fp32 state within bf16's, from A_log."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    Dd, L, N = 1536, 512, 16
+    u, z = r(1, Dd, L).to(torch.bfloat16), r(1, L, Dd).to(torch.bfloat16).transpose(1, 2)
+    delta = (r(1, L, Dd) * 0.5 - 1.0).to(torch.bfloat16).transpose(1, 2)
+    bc = r(1, L, 2 * N).to(torch.bfloat16)
+    B, C = bc[..., :N].transpose(1, 2), bc[..., N:].transpose(1, 2)
+    a_log = (r(Dd, N) * 0.5).to(torch.bfloat16)
+    d, bias = r(Dd).to(torch.bfloat16), (r(Dd) * 0.5).to(torch.bfloat16)
+    y0, h0 = selective_scan(u, delta, a_log, B, C, d, z, bias, BLOCK_D=16, BLOCK_T=0, A_is_log=True)
+    y, h = selective_scan(u, delta, a_log, B, C, d, z, bias, BLOCK_D=BLOCK_D, num_warps=num_warps, BLOCK_T=BLOCK_T,
+                          A_is_log=True)
+    assert_close(y, y0, name="y")
+    assert_close(h, h0, torch.bfloat16, name="final state")
