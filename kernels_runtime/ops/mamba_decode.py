@@ -253,3 +253,72 @@ def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *
         num_warps=num_warps,
     )
     return y, s_out
+
+
+@triton.jit
+def _gated_norm_gemv_kernel(
+    y_ptr, z_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, o_ptr, eps,
+    M, N, K,
+    stride_ym, stride_zm, stride_wn, stride_rm, stride_om,
+    IN_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # o[row, rn] = (w_norm * rmsnorm(y * silu(z))) @ w.T (+ bias) (+ residual): HF's MambaRMSNormGated feeding
+    # out_proj. Every program reads the whole row anyway: its sum of squares first, then the normalized row.
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        y = tl.load(y_ptr + row * stride_ym + kk, mask=kk < K, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_zm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        h = y * (z * tl.sigmoid(z))
+        ss += h * h
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        y = tl.load(y_ptr + row * stride_ym + kk, mask=kk < K, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_zm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = rnd(nw * rnd(y * (z * tl.sigmoid(z)) * rstd, IN_DTYPE), ACT_DTYPE)  # the norm's output, rounded
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    if HAS_RES:  # out_proj's output rounded to the activation dtype, then the block's residual added in fp32
+        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * stride_om + rn, cast_out(acc, o_ptr.dtype.element_ty, RNE), mask=rn < N)
+
+
+def gated_norm_linear(y, z, norm_w, eps, w, bias=None, residual=None, *, out_dtype=None, GEMV_BLOCK_N=16,
+                      GEMV_BLOCK_K=128, num_warps=8):
+    """Mamba2's decode tail in one launch: out_proj(MambaRMSNormGated(y, gate=z)), optionally + residual (a block's
+    add). y, z: [M, K] (unit stride along K; z may be a view of in_proj's output); norm_w: [K]; w: [N, K] ->
+    [M, N] in out_dtype (default: the norm's output dtype, out_dtype of _gated_rmsnorm) or, with residual [M, N],
+    in promote(that, residual.dtype). Roundings are HF's: y * silu(z) and the statistics in fp32, the normalized
+    value in y's dtype, its product with the norm weight in the activation dtype, out_proj's output in it too."""
+    if y.dim() != 2 or z.shape != y.shape or w.dim() != 2 or w.shape[1] != y.shape[1] or norm_w.shape != (y.shape[1],):
+        raise ValueError(f"gated_norm_linear: expected y, z [M, K], norm_w [K], w [N, K], got {tuple(y.shape)}, "
+                         f"{tuple(z.shape)}, {tuple(norm_w.shape)}, {tuple(w.shape)}")
+    for name, t in (("y", y), ("z", z), ("w", w)):
+        _contig(name, t)
+    M, K = y.shape
+    N = w.shape[0]
+    act = out_dtype or y.dtype
+    if residual is not None and tuple(residual.shape) != (M, N):
+        raise ValueError(f"gated_norm_linear: expected residual [{M}, {N}], got {tuple(residual.shape)}")
+    res = _contig("residual", residual) if residual is not None else None
+    o = torch.empty((M, N), device=y.device,
+                    dtype=torch.promote_types(act, residual.dtype) if residual is not None else act)
+    if M == 0:
+        return o
+    _gated_norm_gemv_kernel[(M, triton.cdiv(N, GEMV_BLOCK_N))](
+        y, z, norm_w, w, bias if bias is not None else w, res if res is not None else o, o, float(eps),
+        M, N, K, y.stride(0), z.stride(0), w.stride(0), (res if res is not None else o).stride(0), o.stride(0),
+        IN_DTYPE=_TL[y.dtype], ACT_DTYPE=_TL[act], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        RNE=interpreting(), BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=num_warps,
+    )
+    return o

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_runtime.ops.causal_conv1d import causal_conv1d_update_ref
-from kernels_runtime.ops.mamba_decode import mamba_dt_state_update, mamba_in_proj_conv, proj_conv
+from kernels_runtime.ops.mamba_decode import gated_norm_linear, mamba_dt_state_update, mamba_in_proj_conv, proj_conv
 from kernels_runtime.ops.selective_scan import selective_state_update_ref
 from kernels_runtime.tolerances import assert_close
 
@@ -134,6 +134,35 @@ def test_proj_conv_with_the_block_norm_in_front(dtype, stream, masked):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gated_norm_linear_is_hf_gated_norm_then_out_proj(dtype, with_residual):
+    """Mamba2's decode tail in one launch: out_proj(MambaRMSNormGated(y, z)) (+ the block's fp32 residual), with z a
+    view into in_proj's output as the template passes it."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    g = torch.Generator().manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    M, Kd, Nd = 2, 80, 40
+    y = r(M, Kd).to(dtype)
+    proj = r(M, 3 * Kd).to(dtype)
+    z = proj[:, :Kd]  # row stride 3K
+    norm = MambaRMSNormGated(Kd, eps=1e-6).to(dtype)
+    w, b = (r(Nd, Kd) / Kd**0.5).to(dtype), r(Nd).to(dtype)
+    res = r(M, Nd) * 4 if with_residual else None
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * r(Kd))
+        ref = F.linear(norm(y, z).float(), w.float(), b.float()).to(dtype)
+    if res is not None:
+        ref = res + ref.float()
+    out = gated_norm_linear(y, z, norm.weight.detach(), 1e-6, w, b, res, GEMV_BLOCK_N=16, GEMV_BLOCK_K=32,
+                            num_warps=4)
+    assert out.dtype == ref.dtype and out.shape == (M, Nd)
+    assert_close(out, ref, dtype, name="gated norm + out_proj")
+    with pytest.raises(ValueError, match="gated_norm_linear"):
+        gated_norm_linear(y, z[:, :-1], norm.weight.detach(), 1e-6, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,I,K,N,R", [(48, 96, 4, 16, 3), (33, 40, 4, 12, 5)])
 def test_fused_decode_in_place_updates_the_states_it_reads(dtype, H, I, K, N, R):
     """inplace=True: the returned states are the very tensors passed in, holding what the out-of-place call
@@ -231,3 +260,23 @@ def test_proj_conv_with_the_block_norm_on_cuda(H, NR, CD, C0):
                          norm_w=norm.weight.detach(), norm_eps=1e-5)
     assert_close(o, o_ref, name="in_proj of the normed x")
     assert_close(s_out, s_ref, name="conv state")
+
+
+@pytest.mark.gpu
+def test_gated_norm_linear_on_cuda_at_mamba2_sizes():
+    """Mamba2-2.7b's decode tail (I 5120 -> H 2560, bf16, the block's fp32 residual) on the GPU, against HF's gated
+    norm followed by out_proj."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    y, proj = r(1, 5120).to(torch.bfloat16), r(1, 10576).to(torch.bfloat16)
+    z = proj[:, :5120]
+    norm = MambaRMSNormGated(5120, eps=1e-5).to("cuda", torch.bfloat16)
+    w = (r(2560, 5120) / 5120**0.5).to(torch.bfloat16)
+    res = r(1, 2560) * 4
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * r(5120))
+        ref = res + F.linear(norm(y, z).float(), w.float()).to(torch.bfloat16).float()
+    out = gated_norm_linear(y, z, norm.weight.detach(), 1e-5, w, None, res, GEMV_BLOCK_N=16, GEMV_BLOCK_K=128)
+    assert_close(out, ref, torch.bfloat16, name="gated norm + out_proj + residual")

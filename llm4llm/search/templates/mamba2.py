@@ -24,6 +24,7 @@ SSD = ("kernels_runtime.ops.ssd", "ssd")
 SSD_UPDATE = ("kernels_runtime.ops.ssd", "ssd_state_update")
 RND = ("kernels_runtime.ops.selective_scan", "_rnd")
 PROJ_CONV = ("kernels_runtime.ops.mamba_decode", "proj_conv")
+GNORM_LINEAR = ("kernels_runtime.ops.mamba_decode", "gated_norm_linear")
 MAMBA2_WEIGHTS = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"}
 
 PRELUDE = LIN_KWARGS + HELPERS + '''
@@ -176,7 +177,8 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
-            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM, "state_inplace": [True, False]}
+            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM, "state_inplace": [True, False],
+            "out_gnorm_fused": [True, False]}  # the gated norm in out_proj's GEMV (its own launch otherwise)
 
 
 def _default_fused(spec: TaskSpec) -> dict:
@@ -185,7 +187,7 @@ def _default_fused(spec: TaskSpec) -> dict:
     # default, eager 3438.4 ms): 16-row blocks and 8 warps; the 64-wide GEMV gives out_proj only 40 programs.
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssd_BLOCK_P": 16, "ssd_num_warps": 2,
-            "norm_ROWS": 1, "norm_num_warps": 4,
+            "norm_ROWS": 1, "norm_num_warps": 4, "out_gnorm_fused": True,  # the gated norm in out_proj: a launch less
             "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
@@ -213,12 +215,18 @@ def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, resi
                          xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"], dt_bias=weights["dt_bias"],
                          dt_softplus=True, out_state=None if STATE_IN_PLACE else ssm_state, A_is_log=True,
                          BLOCK_P=CONFIG["ssd_BLOCK_P"], num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in act
+    if CONFIG["out_gnorm_fused"]:  # the gated norm inside out_proj's GEMV (+ the block's residual): one launch
+        out = gated_norm_linear(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), weights["out_proj.weight"],
+                                weights.get("out_proj.bias"), None if residual is None else residual.view(Bsz, -1),
+                                out_dtype=act, GEMV_BLOCK_N=LIN["GEMV_BLOCK_N"], GEMV_BLOCK_K=LIN["GEMV_BLOCK_K"],
+                                num_warps=LIN["num_warps"]).view(Bsz, 1, -1)
+        return out, conv_state, ssm_state
     yn = _gated_rmsnorm(y.view(Bsz, I), gate, weights["norm.weight"], _eps(static), act)
     out = linear(yn.view(Bsz, 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), residual=residual,
                  **LIN)  # [+ residual]: a block's add, in the store
     return out, conv_state, ssm_state
 '''
-FUSED_IMPORTS = _imports(["from kernels_runtime.ops.mamba_decode import proj_conv",
+FUSED_IMPORTS = _imports(["from kernels_runtime.ops.mamba_decode import gated_norm_linear, proj_conv",
                           "from kernels_runtime.ops.ssd import ssd_state_update"])
 
 
@@ -235,14 +243,14 @@ TEMPLATES = [
              requires=(LINEAR_OP, RND, CONV_UPDATE, SSD_UPDATE), space_fn=_space, render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
-             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
+             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
              render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused),
     Template(name="ssm_block.mamba2", family="ssm_block", phases=("prefill",),
              requires=(LINEAR_OP, RND, CONV, SSD, ("kernels_runtime.ops.rmsnorm", "rmsnorm")), space_fn=_space,
              render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba2", _applies),
              default_fn=_default),
     Template(name="ssm_block.mamba2_decode_fused", family="ssm_block", phases=("decode",),
-             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE), space_fn=_space_fused,
+             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
              render_fn=_render_block_decode_fused, applies_fn=block_applies("ssm_block.mamba2_decode_fused", _applies),
              default_fn=_default_fused),
 ]
