@@ -146,6 +146,7 @@ def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_ty
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload,template", [("tiny-mamba2", "ssm_mixer.mamba2_decode_fused"),
+                                               ("tiny-mamba", "ssm_mixer.mamba_decode_fused"),
                                                ("tiny-llama", "mlp.swiglu")])
 def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
     """A decode config with lin_GEMV_SPLIT_K > 1 (the split-K GEMV and its reduce launch) passes every gate."""
@@ -155,6 +156,8 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
     config = {**t.default(spec), "lin_GEMV_SPLIT_K": 4, "lin_GEMV_BLOCK_K": 32}
     if "out_gnorm_fused" in config:  # Mamba2's out_proj through linear (split-K), the gated norm its own launch
         config["out_gnorm_fused"] = False
+    if "ssu_xproj_fused" in config:  # Mamba's x_proj through linear (split-K), not inside the state update
+        config["ssu_xproj_fused"] = False
     v = pool.verify(task_dir, t.render(spec, config))
     assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
 

@@ -103,13 +103,30 @@ def _proj_conv_kernel(
 
 
 @triton.jit
+def _xproj_rows(xw_ptr, xc_ptr, stride_xw, rows, mask_rows, I, ACT_DTYPE: tl.constexpr, BLOCK_I: tl.constexpr):
+    # x_proj's output at `rows` for one token: xw[rows, :] @ xc, rounded to the activation dtype as nn.Linear's
+    acc = tl.zeros_like(rows).to(tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < I
+        xv = tl.load(xc_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+        w = tl.load(xw_ptr + rows[:, None] * stride_xw + offs_i[None, :], mask=mask_rows[:, None] & mask_i[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], axis=1)
+    return rnd(acc, ACT_DTYPE)
+
+
+@triton.jit
 def _dt_state_update_kernel(
-    p_ptr, dtw_ptr, dtb_ptr, alog_ptr, d_ptr, xc_ptr, z_ptr, s_ptr, s_out_ptr, y_ptr,
+    p_ptr, xw_ptr, dtw_ptr, dtb_ptr, alog_ptr, d_ptr, xc_ptr, z_ptr, s_ptr, s_out_ptr, y_ptr,
     I, N, R,
-    stride_pb, stride_dtw, stride_ad, stride_ob, stride_sb, stride_sd,
+    stride_pb, stride_xw, stride_dtw, stride_ad, stride_ob, stride_sb, stride_sd,
     DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
     RNE: tl.constexpr, INPLACE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_XPROJ: tl.constexpr = False, BLOCK_I: tl.constexpr = 128,
 ):
+    # HAS_XPROJ: x_proj's output (dt_low, B, C: R + 2N values, each a reduction over all I channels) computed here
+    # by every program from xc and x_proj's weight, instead of by a launch of its own (it is small: R + 2N rows)
     pid_b = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < I
@@ -118,7 +135,10 @@ def _dt_state_update_kernel(
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        pv = tl.load(p_ptr + pid_b * stride_pb + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        if HAS_XPROJ:
+            pv = _xproj_rows(xw_ptr, xc_ptr + pid_b * stride_ob, stride_xw, offs_r, mask_r, I, DT_DTYPE, BLOCK_I)
+        else:
+            pv = tl.load(p_ptr + pid_b * stride_pb + offs_r, mask=mask_r, other=0.0).to(tl.float32)
         w = tl.load(dtw_ptr + offs_d[:, None] * stride_dtw + offs_r[None, :],
                     mask=mask_d[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * pv[None, :], axis=1)
@@ -130,8 +150,12 @@ def _dt_state_update_kernel(
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = -tl.exp(tl.load(alog_ptr + offs_d[:, None] * stride_ad + offs_n[None, :], mask=mask_dn,
                         other=0.0).to(tl.float32))
-    Bv = tl.load(p_ptr + pid_b * stride_pb + R + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    Cv = tl.load(p_ptr + pid_b * stride_pb + R + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_XPROJ:
+        Bv = _xproj_rows(xw_ptr, xc_ptr + pid_b * stride_ob, stride_xw, R + offs_n, mask_n, I, DT_DTYPE, BLOCK_I)
+        Cv = _xproj_rows(xw_ptr, xc_ptr + pid_b * stride_ob, stride_xw, R + N + offs_n, mask_n, I, DT_DTYPE, BLOCK_I)
+    else:
+        Bv = tl.load(p_ptr + pid_b * stride_pb + R + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        Cv = tl.load(p_ptr + pid_b * stride_pb + R + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     x = tl.load(xc_ptr + pid_b * stride_ob + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     s_offs = pid_b * stride_sb + offs_d[:, None] * stride_sd + offs_n[None, :]
     h = tl.load(s_ptr + s_offs, mask=mask_dn, other=0.0).to(tl.float32)
@@ -221,20 +245,32 @@ def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask
 
 
 def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2,
-                          inplace=False):
+                          inplace=False, x_proj_w=None, BLOCK_I=128):
     """p: [B, R + 2N] (x_proj's output: dt_low, B, C); dt_proj_w: [I, R]; dt_proj_b, D: [I]; A_log: [I, N];
     xc, z: [B, I]; ssm_state: [B, I, N] (not modified, or with inplace=True updated in place and returned: it must
-    be contiguous) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype)."""
+    be contiguous) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype).
+
+    x_proj_w [R + 2N, I] with p=None: x_proj is computed inside this launch (every program reduces the R + 2N rows
+    over xc in chunks of BLOCK_I), one launch a layer fewer; its output rounded as nn.Linear's, in xc's dtype."""
     Bsz, I = xc.shape
     N = A_log.shape[1]
     R = dt_proj_w.shape[1]
-    if tuple(p.shape) != (Bsz, R + 2 * N) or tuple(dt_proj_w.shape) != (I, R) or tuple(A_log.shape) != (I, N):
-        raise ValueError(f"mamba_dt_state_update: expected p [{Bsz}, R + 2N], dt_proj_w [{I}, R], A_log [{I}, N], "
-                         f"got {tuple(p.shape)}, {tuple(dt_proj_w.shape)}, {tuple(A_log.shape)}")
+    if (p is None) == (x_proj_w is None):
+        raise ValueError("mamba_dt_state_update: expected exactly one of p and x_proj_w")
+    if p is None:
+        if tuple(x_proj_w.shape) != (R + 2 * N, I):
+            raise ValueError(f"mamba_dt_state_update: expected x_proj_w [R + 2N = {R + 2 * N}, {I}], got "
+                             f"{tuple(x_proj_w.shape)}")
+        _contig("x_proj_w", x_proj_w)
+    elif tuple(p.shape) != (Bsz, R + 2 * N):
+        raise ValueError(f"mamba_dt_state_update: expected p [{Bsz}, R + 2N = {R + 2 * N}], got {tuple(p.shape)}")
+    if tuple(dt_proj_w.shape) != (I, R) or tuple(A_log.shape) != (I, N):
+        raise ValueError(f"mamba_dt_state_update: expected dt_proj_w [{I}, R], A_log [{I}, N], "
+                         f"got {tuple(dt_proj_w.shape)}, {tuple(A_log.shape)}")
     if tuple(ssm_state.shape) != (Bsz, I, N) or tuple(z.shape) != (Bsz, I):
         raise ValueError(f"mamba_dt_state_update: expected ssm_state [{Bsz}, {I}, {N}] and z [{Bsz}, {I}], got "
                          f"{tuple(ssm_state.shape)}, {tuple(z.shape)}")
-    for name, t in (("p", p), ("dt_proj_w", dt_proj_w), ("A_log", A_log)):
+    for name, t in (("p", p if p is not None else xc), ("dt_proj_w", dt_proj_w), ("A_log", A_log)):
         _contig(name, t)
     if inplace and not ssm_state.is_contiguous():
         raise ValueError(f"mamba_dt_state_update: inplace=True needs a contiguous ssm_state, got strides "
@@ -244,13 +280,16 @@ def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *
     s_out = ssm_state if inplace else torch.empty_like(ssm_state)
     skip = torch.promote_types(xc.dtype, D.dtype)
     grid = (Bsz, triton.cdiv(I, BLOCK_D))
+    pp = p if p is not None else xc  # the activation dtype either way (x_proj's output is xc's dtype)
+    xw = x_proj_w if x_proj_w is not None else dt_proj_w
     _dt_state_update_kernel[grid](
-        p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, s_out, y,
+        pp, xw, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, s_out, y,
         I, N, R,
-        p.stride(0), dt_proj_w.stride(0), A_log.stride(0), xc.stride(0), ssm_state.stride(0), ssm_state.stride(1),
-        DT_DTYPE=_TL[p.dtype], Y_DTYPE=_TL[p.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[z.dtype], RNE=interpreting(),
+        pp.stride(0), xw.stride(0), dt_proj_w.stride(0), A_log.stride(0), xc.stride(0), ssm_state.stride(0),
+        ssm_state.stride(1),
+        DT_DTYPE=_TL[pp.dtype], Y_DTYPE=_TL[pp.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[z.dtype], RNE=interpreting(),
         INPLACE=inplace, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), BLOCK_R=min(64, triton.next_power_of_2(R)),
-        num_warps=num_warps,
+        HAS_XPROJ=x_proj_w is not None, BLOCK_I=BLOCK_I, num_warps=num_warps,
     )
     return y, s_out
 

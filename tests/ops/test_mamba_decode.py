@@ -66,6 +66,24 @@ def test_fused_decode_matches_the_composed_references(dtype, H, I, K, N, R, bias
         assert torch.equal(w[k], v), k
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,I,K,N,R", [(48, 96, 4, 16, 3), (33, 40, 4, 12, 5)])
+def test_dt_state_update_with_x_proj_inside(dtype, H, I, K, N, R):
+    """x_proj computed inside the state-update launch (x_proj_w, p=None): the composed references' y and state."""
+    w = _weights(H, I, K, N, R, dtype, seed=H + 2 * I, bias=False)
+    xc_r, z_r, _, p_r, y_r, ss_r = _reference(w, None)
+    y, ss = mamba_dt_state_update(None, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_r, z_r, w["ssm_state"],
+                                  BLOCK_D=16, x_proj_w=w["x_w"], BLOCK_I=32)
+    assert_close(y, y_r, name="y")
+    assert_close(ss, ss_r, torch.float32, name="ssm state")
+    y_p, _ = mamba_dt_state_update(p_r, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_r, z_r, w["ssm_state"],
+                                   BLOCK_D=16)
+    assert_close(y, y_p, name="y vs x_proj's own launch")  # the same computation but x_proj's summation order
+    with pytest.raises(ValueError, match="exactly one of p and x_proj_w"):
+        mamba_dt_state_update(p_r, w["dt_w"], w["dt_b"], w["A_log"], w["D"], xc_r, z_r, w["ssm_state"],
+                              x_proj_w=w["x_w"])
+
+
 def test_fused_decode_rejects_bad_shapes():
     w = _weights(16, 8, 4, 4, 2, torch.float32, 0, False)
     with pytest.raises(ValueError, match="conv_state"):

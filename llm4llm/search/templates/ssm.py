@@ -180,7 +180,8 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
-            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False]}
+            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False],
+            "ssu_xproj_fused": [True, False]}
 
 
 def _default_fused(spec: TaskSpec) -> dict:
@@ -189,6 +190,7 @@ def _default_fused(spec: TaskSpec) -> dict:
     # launches too few programs for N = 768 (0.94x).
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1,
+            "ssu_xproj_fused": True,  # x_proj inside the state update: a launch a layer fewer (not yet timed on a GPU)
             "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
@@ -206,7 +208,8 @@ def _applies_fused(spec: TaskSpec) -> str | None:
 FUSED_STEP = '''
 
 def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, residual=None):
-    # four launches: ([norm +] in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj
+    # four launches: ([norm +] in_proj + conv update + SiLU), x_proj, (dt_proj + state update + skip + gate), out_proj;
+    # three with ssu_xproj_fused (x_proj inside the state update)
     # x: [B, 1, H]; mask: [B, 1] or None
     conv_w = weights["conv1d.weight"]  # [I, 1, K]
     xc, z, conv_state = mamba_in_proj_conv(
@@ -214,10 +217,12 @@ def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, resi
         conv_w.view(conv_w.shape[0], conv_w.shape[-1]), weights.get("conv1d.bias"), mask,
         BLOCK_C=CONFIG["in_BLOCK_C"], BLOCK_H=CONFIG["in_BLOCK_H"], num_warps=CONFIG["in_num_warps"],
         inplace=STATE_IN_PLACE, norm_w=norm_w, norm_eps=norm_eps)
-    p = linear(xc, weights["x_proj.weight"], **LIN)  # [B, R + 2N]
+    fused = CONFIG["ssu_xproj_fused"]  # x_proj inside the state update's launch (its own GEMV launch otherwise)
+    p = None if fused else linear(xc, weights["x_proj.weight"], **LIN)  # [B, R + 2N]
     y, ssm_state = mamba_dt_state_update(
         p, weights["dt_proj.weight"], weights["dt_proj.bias"], weights["A_log"], weights["D"], xc, z,
-        state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"], inplace=STATE_IN_PLACE)
+        state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"], inplace=STATE_IN_PLACE,
+        x_proj_w=weights["x_proj.weight"] if fused else None)
     out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"),
                  residual=residual, **LIN)  # [+ residual]: a block's add, in the store
     return out, conv_state, ssm_state
