@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+# torch dtype -> Triton dtype, for the ops' dtype constexprs
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def interpreting() -> bool:

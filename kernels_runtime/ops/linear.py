@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting, rnd
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
 
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 GEMV_MAX_M = 16  # at or below this many rows the GEMV kernel is used unless a config forces the dot path
 EPILOGUES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels_runtime.ops._common import cast_out, interpreting, rnd
+from kernels_runtime.ops.linear import _gemv_store
 from kernels_runtime.ops.selective_scan import _TL, _dt
 
 
@@ -325,11 +326,9 @@ def _gated_norm_gemv_kernel(
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    if HAS_RES:  # out_proj's output rounded to the activation dtype, then the block's residual added in fp32
-        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * stride_om + rn, cast_out(acc, o_ptr.dtype.element_ty, RNE), mask=rn < N)
+    # linear's GEMV tail: + bias, out_proj's output rounded to the activation dtype, + the block's residual in fp32
+    _gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, HAS_RES,
+                ACT_DTYPE, RNE)
 
 
 def gated_norm_linear(y, z, norm_w, eps, w, bias=None, residual=None, *, out_dtype=None, GEMV_BLOCK_N=16,

@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting, rnd
-
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
 
 # The whole row lives in one tile; above this, registers spill and a two-pass kernel would be needed.
 MAX_HIDDEN = 65536

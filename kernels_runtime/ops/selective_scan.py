@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting, rnd
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
 
 # Config space for the searcher. Neither kernel is autotuned: the decode update writes the SSM state in place
 # (tuning launches would advance it several times); the prefill's knobs are the channel block (parallelism vs.
@@ -243,9 +243,6 @@ def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=No
     if z is not None:
         y = y * F.silu(z)
     return y.to(dtype)
-
-
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _check_ssm(name, A, Dd, N, **vecs):

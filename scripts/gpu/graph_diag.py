@@ -116,13 +116,13 @@ def main() -> int:
                     kernels_runtime.disable_decode_graphs(model)
                     kernels_runtime.revert(model)
                 rows.append(row)
+    with open(args.out, "w") as f:  # the measurements first: a bundle that cannot be written loses none of them
+        json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
     if args.save_bundle:
         from kernels_runtime.bundle import save_bundle
 
         bundle.decode_graphs = True
         print(f"bundle of {label}: {save_bundle(bundle, args.save_bundle)}")
-    with open(args.out, "w") as f:
-        json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "errors"}, default=str)[:600])
         for e in r.get("errors", []):

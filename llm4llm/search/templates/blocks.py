@@ -14,16 +14,22 @@ from llm4llm.taskspec import TaskSpec
 
 MIXER = "mixer."
 
-# Pasted into a block's rendered source, after the mixer's `_fused_step`.
-BLOCK_ENTRY = '''
+_STATE_IN_PLACE = '''
 # state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
 # falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
 STATE_IN_PLACE = CONFIG["state_inplace"]
+'''
 
+# Both block entries read the mixer's part of the block's weights and static values through this.
+_MIXER_PART = '''
 
 def _mixer_part(d):
     # the mixer's weights and static values under the names its own template reads
     return {k[len("mixer."):]: v for k, v in d.items() if k.startswith("mixer.")}
+'''
+
+# Pasted into a block's rendered source, after the mixer's `_fused_step`.
+BLOCK_ENTRY = _MIXER_PART + _STATE_IN_PLACE + '''
 
 
 def entry(inputs, weights, state, static):
@@ -38,10 +44,7 @@ def entry(inputs, weights, state, static):
 '''
 
 # Pasted into a mixer's rendered source after its `_fused_step`: the mixer's own entry.
-MIXER_ENTRY = '''
-# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
-# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
-STATE_IN_PLACE = CONFIG["state_inplace"]
+MIXER_ENTRY = _STATE_IN_PLACE + '''
 
 
 def entry(inputs, weights, state, static):
@@ -52,12 +55,7 @@ def entry(inputs, weights, state, static):
 
 
 # The prefill counterparts: the mixer's `_prefill_step(x, mask, weights, static, residual=None)` (no state-in).
-BLOCK_PREFILL_ENTRY = '''
-
-def _mixer_part(d):
-    # the mixer's weights and static values under the names its own template reads
-    return {k[len("mixer."):]: v for k, v in d.items() if k.startswith("mixer.")}
-
+BLOCK_PREFILL_ENTRY = _MIXER_PART + '''
 
 def entry(inputs, weights, state, static):
     # HF's block over the prompt: one norm launch on the residual stream (cast to the norm's dtype inside it), the
