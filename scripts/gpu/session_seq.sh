@@ -9,7 +9,8 @@
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
-#    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu);
+#    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu;
+#    GPUTEST_ARGS replaces the test paths, e.g. "tests/ops/test_linear.py");
 #    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
 #    tasktiming:WORKLOAD[:MAX_S]: scripts/gpu/task_timing_check.py with TT_ARGS (e.g. "--template T");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
@@ -26,7 +27,7 @@ for step in ${STEPS:-dispatch}; do
   s=$(date +%s)
   case "$kind" in
     gputest)
-      timeout -k 5 "${w:-150}" python3 -m pytest -q -m gpu tests/test_graphs.py tests/test_timing_reference.py tests/ops \
+      timeout -k 5 "${w:-150}" python3 -m pytest -q -m gpu ${GPUTEST_ARGS:-tests/test_graphs.py tests/test_timing_reference.py tests/ops} \
         -p no:cacheprovider > "$OUT/logs/gputest.log" 2>&1
       echo "gpu tests rc=$? in $(( $(date +%s) - s ))s"; tail -4 "$OUT/logs/gputest.log" ;;
     dispatch)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels_runtime.ops.linear import linear, linear_ref
-from kernels_runtime.tolerances import assert_close
+from kernels_runtime.tolerances import assert_close, compare_floor
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -119,4 +119,9 @@ def test_linear_residual_on_cuda_at_mamba_sizes(M, split):
     res = torch.randn(1, M, 768, device="cuda", generator=g) * 4
     out = linear(x, w, residual=res, GEMV_BLOCK_N=16, GEMV_BLOCK_K=32, GEMV_SPLIT_K=split)
     assert out.dtype == torch.float32
-    assert_close(out, linear_ref(x, w, residual=res), torch.bfloat16, name="linear + residual")
+    # out = res + bf16(x @ w): a different accumulation order may round x @ w to the neighbouring bf16 (one ulp, 0.0156
+    # at |x @ w| in [2, 4)) while |out| is small, so the elementwise table is the wrong yardstick (it failed so on the
+    # H200, 2026-11-30); the rounding floor against the unrounded sum is the verifier's own criterion for this
+    exact = res + torch.nn.functional.linear(x.float(), w.float())
+    rep = compare_floor(out, linear_ref(x, w, residual=res), exact, torch.bfloat16)
+    assert rep.ok, f"linear + residual: {rep.reason}"
