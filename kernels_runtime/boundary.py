@@ -428,6 +428,19 @@ def register_state_adapter(key: str, adapter: StateAdapter, *, on_module: bool =
     (MODULE_ADAPTERS if on_module else CACHE_LAYER_ADAPTERS)[key] = adapter
 
 
+def clear_module_state(model: torch.nn.Module) -> list[str]:
+    """Drop the per-step state that modules with a module adapter keep on themselves (RecurrentGemma's recurrent
+    blocks); the next prefill builds it afresh. Returns the cleared modules' names. Needed after a run whose
+    tensors cannot be read any more (a torch.compile CUDA-graph run that failed leaves graph outputs there)."""
+    cleared = []
+    for name, module in model.named_modules():
+        adapter = MODULE_ADAPTERS.get(type(module).__name__)
+        if adapter is not None:
+            adapter.clear(module)
+            cleared.append(name)
+    return cleared
+
+
 def adapter_by_name(name: str) -> StateAdapter:
     for registry in (CACHE_LAYER_ADAPTERS, MODULE_ADAPTERS):
         for adapter in registry.values():

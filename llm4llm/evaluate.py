@@ -113,7 +113,7 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
         try:
             results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
         except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too
-            results.append(E2EResult(variant, None, None, None, None, None, notes=f"failed: {_first_line(e)}"))
+            results.append(E2EResult(variant, None, None, None, None, None, notes=f"failed: {_first_line(e, 700)}"))
             if wl.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         if results_path:
@@ -131,8 +131,9 @@ def _append_row(path: str, result: E2EResult, device: str) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+def _first_line(e: Exception, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:limit]
 
 
 def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
@@ -150,15 +151,20 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
         # HF compiles the static-cache decode step with mode="reduce-overhead" (CUDA graph trees); a model that keeps
         # per-step state on its modules reads a graph output a later replay overwrote (RecurrentGemma on the H200:
         # "accessing tensor output of CUDAGraphs that has been overwritten"). Inductor without CUDA graphs is what a
-        # user tries next; the row says which mode it is.
+        # user tries next; the row says which mode it is. The failed run left graph outputs as the state modules keep
+        # on themselves, and reading one raises the same error (the H200, 2026-11-30: the retry failed so before any
+        # compiling): the state is dropped first, the next prefill builds it afresh.
         from transformers import CompileConfig
 
+        from kernels_runtime.boundary import clear_module_state
+
         torch._dynamo.reset()
+        clear_module_state(model)
         try:
             r = measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
                         cache_implementation="static", compile_config=CompileConfig(mode="default"))
-        except Exception as e:
-            raise RuntimeError(f"mode=reduce-overhead: {first}; mode=default: {_first_line(e)}") from e
+        except Exception as e:  # the mode=default error first: it is the new one
+            raise RuntimeError(f"mode=default: {_first_line(e)}; mode=reduce-overhead: {first}") from e
         r.notes = f"compile mode=default (reduce-overhead failed: {first})"
         return r
     import kernels_runtime
