@@ -150,12 +150,7 @@ def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(fused_candida
     monkeypatch.setattr(llm4llm.patchspec, "task_patch_spec", lambda *a, **k: real_spec(*a, **k).model_copy(
         update={"guard": Guard(dtypes=["float16"])}))  # the task is float32: every call falls back
     graph_calls = []
-
-    def graph_stand_in(fn, args, device, prepare=None):
-        graph_calls.append(fn)
-        return timing.time_call(fn, args, "in_context", device, prepare=prepare)
-
-    monkeypatch.setattr(timing, "time_call_graph", graph_stand_in)
+    _graph_stand_in(monkeypatch, graph_calls)
     dev = torch.device("cpu")
     draws = make_draws(task, dev, 0, 0)
     for decode_graph in (False, True):
@@ -167,7 +162,57 @@ def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(fused_candida
         assert all("every patched call fell back" in d for d in details.values()), details
         if decode_graph:
             assert "CUDA-graph replay" in details["timing_in_context"]
-            assert module.entry in graph_calls  # the bare entry, after the patched call fell back
+            assert [module.entry] in graph_calls  # the bare entry, after the patched call fell back
+
+
+def _graph_stand_in(monkeypatch, seen: list, scale=lambda lat: lat, l2: int = 0):
+    """On the CPU the graph timer (time_graphs) is stood in for by the back-to-back one on each side's first
+    replica; `seen` gets each side's replica functions, `l2` is the L2 size the copies are sized for."""
+    def stand_in(sides, args, device):
+        out = []
+        for fns, preps in sides:
+            seen.append(list(fns))
+            out.append(scale(timing.time_call(fns[0], args, "in_context", device, prepare=preps[0])))
+        return out
+
+    monkeypatch.setattr(timing, "time_graphs", stand_in)
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: l2)
+
+
+def test_weight_replicas_cover_twice_the_l2():
+    assert timing.weight_replicas(10 << 20, 50 << 20) == 10  # mamba-130m's block: 7.4 MB a layer
+    assert timing.weight_replicas(54 << 20, 50 << 20) == 2  # mamba2's in_proj alone is 54 MB
+    assert timing.weight_replicas(200 << 20, 50 << 20) == 1
+    assert timing.weight_replicas(1536, 50 << 20) == timing.GRAPH_CALLS  # a norm's weight: one copy a call at most
+    assert timing.weight_replicas(0, 50 << 20) == timing.weight_replicas(1 << 20, 0) == 1
+
+
+def test_graph_timing_cycles_weight_copies_with_the_candidate_in_each(fused_candidate, monkeypatch):
+    """Under graph timing candidate and reference get as many module copies (own weights) as twice the L2 needs,
+    the candidate installed in every copy; the gate says how many."""
+    task, source, module = fused_candidate
+    nbytes = timing.weight_bytes(task.load_module("cpu"))
+    seen = []
+    _graph_stand_in(monkeypatch, seen, l2=3 * nbytes)  # -> 6 copies
+    dev = torch.device("cpu")
+    v = Verdict(source_hash="x", task_id=task.spec.task_id)
+    timing.time_task(v, task, module.entry, make_draws(task, dev, 0, 0), dev, source=source, decode_graph=True)
+    details = {g.name: g.detail for g in v.gates}
+    assert "6 weight copies, alternating with the reference" in details["timing_in_context"], details
+    cand, ref = seen
+    assert len(cand) == len(ref) == 6
+    loaded = []
+    real_load = type(task).load_module
+    monkeypatch.setattr(type(task), "load_module", lambda self, *a: loaded.append(real_load(self, *a)) or loaded[-1])
+    (runs, preps), kernel_calls = timing.patched_replicas(task, source, dev, 3)
+    assert len(loaded) == 3 and len({id(p) for m in loaded for p in m.parameters()}) == 3 * len(
+        list(loaded[0].parameters()))  # each copy its own weights
+    case = task.cases[0]
+    for run, prep in zip(runs, preps):
+        call, cleanup = prep(case.inputs, case.weights, case.state, task.spec.static)
+        run(call)
+        cleanup()
+    assert kernel_calls() == 3  # the kernel ran in every copy
 
 
 @pytest.mark.parametrize("inflate,flagged", [(0.5, False), (5.0, True)])
@@ -179,11 +224,8 @@ def test_graph_time_above_the_cold_time_is_flagged(fused_candidate, monkeypatch,
 
     task, source, module = fused_candidate
 
-    def graph_stand_in(fn, args, device, prepare=None):
-        lat = timing.time_call(fn, args, "in_context", device, prepare=prepare)
-        return Latency(p20=lat.p20 * inflate, p50=lat.p50 * inflate, p80=lat.p80 * inflate, reps=lat.reps)
-
-    monkeypatch.setattr(timing, "time_call_graph", graph_stand_in)
+    _graph_stand_in(monkeypatch, [], lambda lat: Latency(p20=lat.p20 * inflate, p50=lat.p50 * inflate,
+                                                         p80=lat.p80 * inflate, reps=lat.reps))
     dev = torch.device("cpu")
     timing._REFERENCE_CACHE.clear()
     v = Verdict(source_hash="x", task_id=task.spec.task_id)
@@ -211,6 +253,11 @@ def test_graph_timing_times_replays_per_call():
     # timed for MIN_TIME_MS (a replay of 20 tiny adds is a few µs: far more than 20 replays), capped at MAX_REPS
     assert lat.reps == timing.MAX_REPS or lat.reps * lat.p50 * timing.GRAPH_CALLS >= 0.5 * timing.MIN_TIME_MS
     assert state["h"].sum().item() == 0  # the timed draw is a clone: the caller's state is untouched
+    # two sides (candidate, reference), the first cycling two replicas: one latency each, replays alternating
+    big = [({"x": torch.ones(1 << 22, device=dev)}, {}, {"h": torch.zeros(1 << 22, device=dev)}, {})]
+    cand, ref = timing.time_graphs([([step, step], [None, None]), ([step], [None])], args, dev)
+    large = timing.time_graphs([([step], [None])], big, dev)[0]
+    assert 0 < cand.p50 < large.p50 and 0 < ref.p50 < large.p50 and cand.reps == ref.reps >= timing.GRAPH_REPLAYS
 
 
 def test_decode_timing_is_a_verifier_option(monkeypatch):

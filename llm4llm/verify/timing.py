@@ -19,7 +19,11 @@ decode call costs the GPU only its kernels), decode tasks are timed that way too
 mode of a decode task capture GRAPH_CALLS calls (candidate through its dispatch, reference as the
 module's own forward) in one CUDA graph and time its replays; launch cost, which the graphs remove, no longer hides
 a slow kernel (on the H200, 2026-11-30: Mamba2 decode candidates at 2.1x timed back to back were 2.2x slower than
-HF's ops under graph replay). Where a call cannot be captured, it is timed back to back and the gate says so.
+HF's ops under graph replay). The graph cycles through copies of the module with their own weights, enough for
+twice the L2 (`weight_replicas`): in the model a layer's weights come from HBM, not from L2 where twenty calls of one
+module keep them. Candidate and reference are captured side by side and their replays alternate, so the reference is
+timed with each candidate, not once per worker: a clock or host change moves both. Where a call cannot be captured,
+it is timed back to back and the gate says so.
 There is no CPU timing: a CPU time would say nothing about the GPU and must never count as a speedup.
 """
 from __future__ import annotations
@@ -84,24 +88,57 @@ def patched_call(task, source: str, device: torch.device) -> tuple[Callable, Pre
     """(run, prepare, kernel_calls): the candidate installed in a copy of the task's module through
     kernels_runtime (phase decision, guards, boundary capture, state write-back: what it costs in the model), called
     like `module_call`. kernel_calls() counts the calls the kernel took (0: every call fell back)."""
+    (run, prepare), kernel_calls = patched_replicas(task, source, device, 1)
+    return run[0], prepare[0], kernel_calls
+
+
+def module_replicas(task, device: torch.device, copies: int) -> tuple[list[Callable], list[Prepare]]:
+    """`copies` of `module_call`, each module with its own weights: ([run], [prepare])."""
+    runners = [module_call(task, device) for _ in range(copies)]
+    return [r for r, _ in runners], [p for _, p in runners]
+
+
+def patched_replicas(task, source: str, device: torch.device, copies: int
+                     ) -> tuple[tuple[list[Callable], list[Prepare]], Callable[[], int]]:
+    """`copies` modules of the task, each with its own weights, the candidate installed in all of them: ([run],
+    [prepare]) and kernel_calls() over all of them."""
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
     from kernels_runtime.patch import report_of
     from llm4llm.patchspec import task_patch_spec
 
-    module = task.load_module(device).eval()
     holder = torch.nn.Module()
-    holder.add_module("m", module)
+    modules = [task.load_module(device).eval() for _ in range(copies)]
+    for i, module in enumerate(modules):
+        holder.add_module(f"m{i}", module)
     pspec = task_patch_spec(task.spec, "timing", 1.0, device.type)
     bundle = PatchBundle(name="verifier-timing")
-    bundle.add_patch(pspec.model_copy(update={"instances": ["m"]}), source=source)
+    bundle.add_patch(pspec.model_copy(update={"instances": [f"m{i}" for i in range(copies)]}), source=source)
     kernels_runtime.apply(holder, bundle, strict=True)
-    run, prepare = _module_runner(task, module)
+    runners = [_module_runner(task, module) for module in modules]
 
     def kernel_calls() -> int:
         return sum(sum(c["kernel"].values()) for c in report_of(holder).values())
 
-    return run, prepare, kernel_calls
+    return ([r for r, _ in runners], [p for _, p in runners]), kernel_calls
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+
+
+def weight_replicas(nbytes: int, l2_bytes: int, calls: int = GRAPH_CALLS) -> int:
+    """How many copies of a decode module the graph timing cycles through: in the model each layer's weights are
+    evicted from L2 by the other layers' before its next step, so they come from HBM; the same weights called
+    GRAPH_CALLS times in a row come from L2 (on the H200 the accepted Mamba-130M block timed 15.0 us in its task
+    and 21.6 us a layer inside the model's graph, 2026-11-30). Enough copies for twice the L2, at most one a call."""
+    if nbytes <= 0 or l2_bytes <= 0:
+        return 1
+    return max(1, min(calls, math.ceil(2 * l2_bytes / nbytes)))
 
 
 def latency(times_ms: list[float]) -> Latency:
@@ -179,42 +216,75 @@ def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
     GRAPH_REPLAYS replays), CUDA events around each replay. Raises when the call cannot be captured. (Until
     2026-11-30 it timed 20 replays right after capture: on the H200 the fused Mamba2 decode candidate timed 0.180 ms
     that way against 0.071 ms back to back with L2 flushed, which bounds its GPU time from above.)"""
-    a = _clone_args(args[0])
-    call, cleanup = prepare(*a) if prepare is not None else (None, lambda: None)
+    return time_graphs([([fn], [prepare])], args, device)[0]
 
-    def run():
-        return fn(call) if prepare is not None else fn(*a)
 
+def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: list[Args],
+                device: torch.device) -> list[Latency]:
+    """`time_call_graph` for one or more sides (candidate, reference), each a list of replicas (fn, prepare): a
+    side's graph cycles its GRAPH_CALLS calls through its replicas (`weight_replicas`), each replica's call prepared
+    from its own copy of the draw. The sides' replays alternate, so a clock or host change during the measurement
+    moves both (on the H200 one reference timed 0.459 ms in one call and 0.110 ms in another, 2026-11-30, while
+    the candidates were timed against it minutes apart)."""
     from kernels_runtime.graphs import CudaGraphBackend
 
-    backend = CudaGraphBackend()
+    prepared, cleanups = [], []
     try:
+        for fns, preps in sides:
+            calls = []
+            for fn, prep in zip(fns, preps):
+                a = _clone_args(args[0])
+                if prep is None:
+                    calls.append((fn, a, False))
+                else:
+                    call, cleanup = prep(*a)
+                    cleanups.append(cleanup)
+                    calls.append((fn, call, True))
+            prepared.append(calls)
+
+        def runner(calls):
+            def run():
+                for i in range(GRAPH_CALLS):
+                    fn, a, wrapped = calls[i % len(calls)]
+                    fn(a) if wrapped else fn(*a)
+            return run
+
+        backend = CudaGraphBackend()
         with torch.no_grad(), torch.cuda.device(device):
-            backend.warmup(lambda: [run() for _ in range(WARMUP)])
-            graph, _ = backend.record(lambda: [run() for _ in range(GRAPH_CALLS)])
+            graphs = []
+            for calls in prepared:
+                run = runner(calls)
+                backend.warmup(run)  # GRAPH_CALLS >= WARMUP calls, every replica's among them
+                graphs.append(backend.record(run)[0])
             stream = torch.cuda.current_stream(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
+
+            def replay_all(record: bool):
+                marks = []
+                for graph in graphs:
+                    if record:
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record(stream)
+                        graph.replay()
+                        end.record(stream)
+                        marks.append((start, end))
+                    else:
+                        graph.replay()
+                return marks
+
+            replay_all(False)
+            first = replay_all(True)
             torch.cuda.synchronize(device)
-            one = max(start.elapsed_time(end), 1e-3)  # sizes the warm-up and the timed run in time, not count
+            one = max(sum(s.elapsed_time(e) for s, e in first), 1e-3)  # sizes warm-up and timing in time
             for _ in range(min(MAX_REPS, math.ceil(GRAPH_WARM_MS / one))):  # busy the GPU before timing it
-                graph.replay()
-            events = []
-            for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one)))):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                graph.replay()
-                end.record(stream)
-                events.append((start, end))
+                replay_all(False)
+            rounds = [replay_all(True) for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one))))]
             torch.cuda.synchronize(device)
-            times = [s.elapsed_time(e) / GRAPH_CALLS for s, e in events]
-            del graph
+            lats = [latency([r[j][0].elapsed_time(r[j][1]) / GRAPH_CALLS for r in rounds]) for j in range(len(graphs))]
+            graphs.clear()
     finally:
-        cleanup()
-    return latency(times)
+        for cleanup in cleanups:
+            cleanup()
+    return lats
 
 
 def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
@@ -228,7 +298,8 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
 def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None,
               decode_graph: bool = False) -> None:
     """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
-    The reference is the module's own forward (`module_call`), built once per task in this worker. With `source`,
+    The reference is the module's own forward (`module_call`), built and timed once per task in this worker (under
+    graph replay: with each candidate, their replays alternating, `time_graphs`). With `source`,
     the candidate is timed as the model would run it, installed in the module through kernels_runtime
     (`patched_call`); where it cannot be installed, or every call fell back, its bare `entry` is timed and the gate
     detail says why."""
@@ -264,6 +335,26 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
             _REFERENCE_CACHE[key] = timer(ref, ref_prepare)
         return _REFERENCE_CACHE[key]
 
+    def graph_pair(args) -> tuple[Latency, Latency, str]:
+        """Candidate and reference under graph replay, their replays alternating, each cycling through as many
+        copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
+        of weights, and the reference then gets one too)."""
+        nonlocal cand_fn, cand_prepare, kernel_calls, how
+        copies = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device)) \
+            if kernel_calls is not None else 1
+        ref_side = module_replicas(task, device, copies)
+        if kernel_calls is not None:
+            cand_side, calls = patched_replicas(task, source, device, copies)
+            ran = calls()
+            c, r = time_graphs([cand_side, ref_side], args, device)
+            if calls() > ran:
+                return c, r, f"{copies} weight copies, alternating with the reference"
+            cand_fn, cand_prepare, kernel_calls = entry, None, None
+            how = "bare entry (every patched call fell back to the original forward)"
+            copies, ref_side = 1, module_replicas(task, device, 1)
+        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device)
+        return c, r, f"{copies} weight copy, alternating with the reference"
+
     graph = decode_graph and task.spec.phase == "decode"  # time_task runs only on a GPU (gates.run_gates)
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
@@ -274,14 +365,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         for k in timed:
             args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
             if graph and mode == "in_context":
-                def on_graph(fn, prep, args=args):
-                    return time_call_graph(fn, args, device, prepare=prep)
-
                 try:
-                    c, r = candidate(on_graph), reference(k, "graph", on_graph)
+                    c, r, detail = graph_pair(args)
                     cand.append(c)
                     refs.append(r)
-                    how_mode[mode] = "GPU time under CUDA-graph replay"
+                    how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
                     continue
                 except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
                     how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
