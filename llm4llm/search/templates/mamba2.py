@@ -176,7 +176,7 @@ def entry(inputs, weights, state, static):
 def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
-    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
+    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
             "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM, "state_inplace": [True, False],
             "out_gnorm_fused": [True, False]}  # the gated norm in out_proj's GEMV (its own launch otherwise)
 

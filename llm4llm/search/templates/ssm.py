@@ -179,7 +179,7 @@ def entry(inputs, weights, state, static):
 def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
-    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256], "in_num_warps": [2, 4, 8],
+    return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
             "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False],
             "ssu_xproj_fused": [True, False]}
 
@@ -190,7 +190,10 @@ def _default_fused(spec: TaskSpec) -> dict:
     # launches too few programs for N = 768 (0.94x).
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1,
-            "ssu_xproj_fused": True,  # x_proj inside the state update: a launch a layer fewer (not yet timed on a GPU)
+            # x_proj inside the state update saves a launch a layer but every program reduces x_proj's rows itself:
+            # on the H200 the block task's five fastest configs all had it off (0.015-0.018 ms against 0.043-0.049
+            # ms with it, mamba-130m, 2026-11-30-h200-g)
+            "ssu_xproj_fused": False,
             "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
