@@ -214,14 +214,48 @@ def test_latency_gate_brackets_the_trial_with_the_baseline(ref, current, trial, 
     calls = []
     try:
         d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
-                     AcceptConfig(delta=0.02), lambda: calls.append("trial") or trial, current, 0.1, floor=ref.floor,
-                     rebaseline=lambda: calls.append("again") or again)
+                     AcceptConfig(delta=0.02, noisy_rounds=0), lambda: calls.append("trial") or trial, current, 0.1,
+                     floor=ref.floor, rebaseline=lambda: calls.append("again") or again)
     finally:
         kernels_runtime.revert(ref.model)
     assert calls == ["trial", "again"]  # the baseline is measured again after the trial, not before it only
     assert d.decision == decision and why in d.reason, d.reason
     assert d.e2e_before_ms == pytest.approx((current + again) / 2) and d.baseline_after_ms == again
     assert d.gain == pytest.approx(1 - trial / ((current + again) / 2))
+
+
+@pytest.mark.parametrize("current,trials,baselines,decision,gains", [
+    # the H200's case: a real ~14 % gain the first bracket's 29.7 % drift hid (99.9 ms, then 77.0 ms)
+    (99.9, [76.3, 66.0, 66.5], [77.0, 77.5, 76.8], "accepted", ["+13.7%", "+14.6%", "+13.8%"]),
+    # a stale baseline and nothing else: the first bracket shows +9.1 %, the next two none
+    (120.0, [100.0, 100.0, 100.0], [100.0, 100.0, 100.0], "rejected", ["+9.1%", "+0.0%", "+0.0%"]),
+    # the drift within delta: no more rounds, judged on the one bracket
+    (100.0, [90.0], [101.0], "accepted", None),
+])
+def test_a_noisy_bracket_is_measured_again_alternately(ref, current, trials, baselines, decision, gains):
+    """Drift above delta around a trial: noisy_rounds more (trial, baseline) pairs, alternately; the median of the
+    bracketed gains (each trial against the baselines either side) decides (scripted latencies)."""
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    calls, t, b = [], iter(trials), iter(baselines)
+    try:
+        d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
+                     AcceptConfig(delta=0.02), lambda: calls.append("trial") or next(t), current, 0.1,
+                     floor=ref.floor, rebaseline=lambda: calls.append("again") or next(b))
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert calls == ["trial", "again"] * len(trials)
+    assert d.decision == decision, d.reason
+    if gains is not None:
+        assert f"median of 3 bracketed gains {', '.join(gains)}" in d.reason, d.reason
+        assert d.baseline_after_ms == baselines[-1] and d.e2e_after_ms == sorted(trials)[1]
+    else:
+        assert "median" not in d.reason and "drift 1.0%" in d.reason
+
+
+def test_noisy_rounds_is_checked():
+    with pytest.raises(ValueError, match="noisy_rounds"):
+        AcceptConfig(noisy_rounds=-1)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))
