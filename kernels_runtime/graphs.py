@@ -1,4 +1,4 @@
-"""CUDA-graph replay of a model's one-token decode step.
+"""CUDA-graph replay of a model's one-token decode step (and, for Mamba / Mamba2 caches, of its prompt's forward).
 
 A decode step of a small or state-space model is host-bound: every launch costs the host more than the GPU spends
 on it (docs/results/2026-11-30-h200-b: a Triton call ~61 µs back to back, the GPU work of a Mamba-130M layer a few
@@ -27,6 +27,14 @@ The cache tensors move into buffers the graph owns: on a decode call with a new 
 its state is copied in once and its layers are pointed at the graph's buffers (the layers' contract is in-place
 updates at static addresses, which is what `LinearAttentionLayer` does itself). A cache bound before is first
 given back copies of its state, so two live caches never share storage.
+
+A prompt's forward (input_ids [B, L], L > 1) on a fresh cache whose every layer is a LinearAttentionLayer (Mamba,
+Mamba2: the prefill allocates the state and writes it whole) is graphed per prompt signature too, from the
+signature's second call (`_prefill_call`): on a small model it is host-bound (Mamba-130M's patched prefill on the
+H200: 6.5 ms of kernels in 28.8 ms of wall). The graph records the prefill on a private fresh copy of the cache, so
+its state tensors come from the graph's pool; a replay hands them to the caller's cache with the bookkeeping the eager
+prefill left there (flags, kernel sizes), and a cache still holding them from an earlier replay gets copies first.
+A prefill that assigns state kept on modules is refused. `enable_decode_graphs(prefill=False)` leaves prefill eager.
 
 Patched modules (patch.py) are captured with the rest: guard checks, phase predicate and dispatch run on the host at
 capture time only, so their counters count the capture, not the replays.
@@ -68,6 +76,10 @@ STATIC_LAYERS: dict[str, tuple[str, ...]] = {
 # the branch every replay then takes (transformers 5.17, cache_utils.StaticSlidingWindowLayer.update).
 HOST_COUNTERS: dict[str, str] = {"StaticSlidingWindowLayer": "cumulative_length_int"}
 _CACHE_KWARGS = ("cache_params", "past_key_values")
+# Prefill graphs: a prompt's forward on a fresh cache whose every layer is one of these (its state allocated by the
+# prefill itself and written whole: nothing of an earlier state is read).
+PREFILL_LAYERS = ("LinearAttentionLayer",)
+PREFILL_STATES = ("conv_states", "recurrent_states")  # the tensor dicts of such a layer; the rest is host bookkeeping
 
 
 class NotGraphable(Exception):
@@ -321,7 +333,7 @@ class _EmulatedBackend(CudaGraphBackend):
             for r, n in zip(tree_flatten(rec)[0], tree_flatten(new)[0]):
                 if isinstance(r, torch.Tensor):
                     live[id(r)] = n
-        for t in _tensors(out):
+        for t in _flat_tensors(out):
             n = live.get(id(t))
             if n is not None and n is not t:
                 t.copy_(n)
@@ -344,8 +356,80 @@ class _RerunBackend(CudaGraphBackend):
     @staticmethod
     def replay(graph, fn, out):
         new = fn()
-        for a, b in zip(_tensors(out), _tensors(new)):
+        for a, b in zip(_flat_tensors(out), _flat_tensors(new)):
             a.copy_(b)
+
+
+def _fresh_outputs(out: Any, cache_keys: tuple, cache: Any) -> Any:
+    """The recorded outputs as fresh tensors (clones: a caller may keep them across steps); the cache the graph wrote
+    through (fields `cache_keys`) is replaced by the caller's."""
+    def fresh(k, v):
+        if k in cache_keys:
+            return cache
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if hasattr(out, "keys") and hasattr(out, "values"):
+        return type(out)(**{k: fresh(k, v) for k, v in out.items()})
+    if isinstance(out, tuple):
+        return tuple(fresh(i, v) for i, v in enumerate(out))
+    return out
+
+
+def _give_back_copies(entry: _PrefillEntry, cache: Any) -> None:
+    """The cache last given `entry`'s state tensors, if alive, not `cache` and still holding them, gets copies (the
+    next replay overwrites them; a decode step's binding has usually moved it off them already)."""
+    old = entry.bound() if entry.bound is not None else None
+    if old is None or old is cache:
+        return
+    for (i, attr, ix), t in zip(entry.slot_keys, entry.out[1]):
+        holder = getattr(old.layers[i], attr, None) if i < len(getattr(old, "layers", ())) else None
+        if isinstance(holder, dict) and holder.get(ix) is t:
+            holder[ix] = t.clone()
+
+
+def _fresh_prefill_layers(cache: Any) -> None:
+    """NotGraphable unless every layer of `cache` is one of PREFILL_LAYERS and holds no state yet."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise NotGraphable(f"cache {type(cache).__name__} has no per-layer `layers`")
+    for layer in layers:
+        if type(layer).__name__ not in PREFILL_LAYERS:
+            raise NotGraphable(f"cache layer {type(layer).__name__} (prefill graphs: {', '.join(PREFILL_LAYERS)})")
+        if getattr(layer, "record_past", False):
+            raise NotGraphable("cache layer records its past (conv state grows)")
+        for attr in PREFILL_STATES:
+            holder = getattr(layer, attr, None)
+            if not isinstance(holder, dict) or any(t is not None for t in holder.values()):
+                raise NotGraphable("the cache holds state already (a prompt continuing a cache is not graphed)")
+        if any(getattr(layer, "has_previous_state", {}).values()):
+            raise NotGraphable("the cache holds state already (a prompt continuing a cache is not graphed)")
+
+
+_HOST_TYPES = (bool, int, float, str, type(None), torch.device, torch.dtype)
+
+
+def _host_value(v: Any) -> bool:
+    if isinstance(v, _HOST_TYPES):
+        return True
+    if isinstance(v, dict):
+        return all(_host_value(k) and _host_value(x) for k, x in v.items())
+    return isinstance(v, (list, tuple)) and all(_host_value(x) for x in v)
+
+
+def _host_attrs(obj: Any, skip: tuple[str, ...] = PREFILL_STATES) -> dict[str, Any]:
+    """Copies of `obj`'s plain bookkeeping attributes (flags, counters, sizes, device, dtype, containers of them)."""
+    return {k: copy.deepcopy(v) for k, v in vars(obj).items() if k not in skip and _host_value(v)}
+
+
+def _flat_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor in `out`, through nested outputs, dicts, tuples and lists (a prefill graph records (the model's
+    outputs, [state tensors]))."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []  # ModelOutput: a dict
+    return [t for v in values for t in _flat_tensors(v)]
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -372,6 +456,20 @@ class _Entry:
 
 
 @dataclass
+class _PrefillEntry:
+    graph: Any
+    fn: Callable[[], Any]
+    out: Any  # (the model's outputs, [state tensors]) as recorded: a replay leaves the new values there
+    static_inputs: dict[str, Any]
+    slot_keys: list[tuple[int, str, Any]]  # (layer position, state dict, key) of each state tensor, in out[1]'s order
+    host: list[dict]  # per layer: its bookkeeping after the eager prefill (flags, kernel sizes, device, dtype)
+    cache_host: dict  # the cache object's own attributes the prefill changed
+    cache_keys: tuple  # output fields (names or positions) that are the cache object
+    bound: Any = None  # weakref to the last cache given the graph's state tensors
+    replays: int = 0
+
+
+@dataclass
 class DecodeGraphs:
     """The wrapper around one model's forward (see the module docstring). `stats()` says what it did."""
 
@@ -391,6 +489,12 @@ class DecodeGraphs:
     # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
     _fast: tuple | None = None
     _takes_positions: bool | None = None
+    # Prefill graphs (see _prefill_call): caches of PREFILL_LAYERS only, one graph per prompt signature, captured on
+    # its second call (a prompt length seen once is not worth a capture)
+    prefill: bool = True
+    prefill_entries: dict[tuple, _PrefillEntry] = field(default_factory=dict)
+    prefill_seen: set = field(default_factory=set)
+    prefill_backend: CudaGraphBackend | None = None  # its own memory pool: prefill outputs outlive decode replays
     # Hand positions counted on the host in as position_ids (see _with_positions). Off only to show what it is for:
     # RecurrentGemma's replays would then keep the capture's position (tests)
     pass_positions: ClassVar[bool] = True
@@ -400,6 +504,9 @@ class DecodeGraphs:
         if args:
             self.counts["eager: positional arguments"] += 1
             return self.original(*args, **kwargs)
+        ids = kwargs.get("input_ids")
+        if self.prefill and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1:
+            return self._prefill_call(kwargs)
         fast = self._fast
         if fast is not None:  # the same signature and cache as the last replay: skip the full checks
             entry, cache_ref, light, checks, hosts = fast
@@ -485,21 +592,7 @@ class DecodeGraphs:
         return self._result(entry, cache)
 
     def _result(self, entry: _Entry, cache: Any) -> Any:
-        """The recorded outputs as fresh tensors; the cache the graph wrote through is replaced by the caller's."""
-        out = entry.out
-
-        def fresh(k, v):
-            if k in entry.cache_keys:
-                return cache
-            return v.clone() if isinstance(v, torch.Tensor) else v
-
-        if isinstance(out, torch.Tensor):
-            return out.clone()
-        if hasattr(out, "keys") and hasattr(out, "values"):
-            return type(out)(**{k: fresh(k, v) for k, v in out.items()})
-        if isinstance(out, tuple):
-            return tuple(fresh(i, v) for i, v in enumerate(out))
-        return out
+        return _fresh_outputs(entry.out, entry.cache_keys, cache)
 
     def _bind(self, entry: _Entry, cache: Any, slots: list[_Slot]) -> None:
         """Point `cache`'s layers (and the modules' own state) at the graph's state buffers, copying the current
@@ -622,6 +715,115 @@ class DecodeGraphs:
         self.counts["captured"] += 1
         return out_eager
 
+    # ------------------------------------------------------------------------------------------------ prefill
+    def _prefill_call(self, kwargs: dict):
+        """A prompt's forward (input_ids [B, L], L > 1) on a fresh cache of PREFILL_LAYERS: on a small model it is
+        host-bound (on the H200 Mamba-130M's patched prefill ran 6.5 ms of kernels in 28.8 ms, a Triton launch every
+        81 µs, 2026-11-30-h200-g). Its first call of a signature runs eagerly; the second captures (the call itself
+        runs eagerly, then the graph is recorded from a fresh copy of the cache and replayed once against it); later
+        ones replay and hand the caller's cache the graph's state tensors and the bookkeeping the eager prefill left
+        (flags, kernel sizes). A cache given them earlier and still holding them gets copies first."""
+        try:
+            if kwargs.get("inputs_embeds") is not None:
+                raise NotGraphable("inputs_embeds given")
+            cache_name, cache = _find_cache(kwargs)
+            _fresh_prefill_layers(cache)
+            key = ("prefill", _signature(kwargs, cache_name, []), len(cache.layers))
+        except NotGraphable as e:
+            self.counts[f"eager: prefill: {e}"] += 1
+            return self.original(**kwargs)
+        if key in self.refused:
+            self.counts[f"eager: prefill: {self.refused[key]}"] += 1
+            return self.original(**kwargs)
+        entry = self.prefill_entries.get(key)
+        if entry is not None:
+            return self._replay_prefill(entry, kwargs, cache)
+        if key not in self.prefill_seen:
+            self.prefill_seen.add(key)
+            self.counts["eager: prefill signature seen once (captured on its second call)"] += 1
+            return self.original(**kwargs)
+        if len(self.prefill_entries) >= self.max_graphs:
+            self.counts[f"eager: prefill: {self.max_graphs} prefill graphs already captured"] += 1
+            return self.original(**kwargs)
+        return self._capture_prefill(key, kwargs, cache_name, cache)
+
+    def _capture_prefill(self, key, kwargs, cache_name, cache):
+        fresh = copy.deepcopy(cache)  # no tensors yet: cheap; the graph's private cache starts from it every run
+        cache_before = _host_attrs(cache, skip=("layers",))
+        mods_before = _module_tensors(self.model, snapshot=True)
+        out_eager = self.original(**kwargs)  # the call itself, on the caller's cache
+        logits_eager = [t.clone() for t in _tensors(out_eager)]
+        module_slots, why = _module_state(mods_before, _module_tensors(self.model))
+        if why or module_slots:  # a replay would not assign them
+            return self._refuse(key, "prefill changes state kept on modules: " + (why or ", ".join(
+                f"{type(m.layer).__name__}.{m.attr}" for m in module_slots[:4])), out_eager)
+        try:
+            slots = state_slots(cache)
+        except NotGraphable as e:
+            return self._refuse(key, f"prefill left no static state: {e}", out_eager)
+        after = [s.get().clone() for s in slots]
+        host = [_host_attrs(layer) for layer in cache.layers]
+        cache_after = _host_attrs(cache, skip=("layers",))
+        cache_host = {k: v for k, v in cache_after.items() if k not in cache_before or cache_before[k] != v}
+        index = {id(layer): i for i, layer in enumerate(cache.layers)}
+        slot_keys = [(index[id(s.layer)], s.attr, s.index) for s in slots]
+        private = copy.deepcopy(fresh)
+        statics = {k: _static_copy(v) for k, v in kwargs.items() if k != cache_name and _has_tensor(v)}
+        call = dict(kwargs)
+        call.update(statics)
+        call[cache_name] = private
+
+        def fn():
+            # every run starts from a fresh private cache (host bookkeeping only: no device work); the prefill
+            # allocates the state (in the graph's pool while recording) and writes it whole
+            for mine, clean in zip(private.layers, fresh.layers):
+                for k, v in vars(clean).items():
+                    setattr(mine, k, copy.deepcopy(v))
+            out = self.original(**call)
+            return out, [getattr(private.layers[i], attr)[ix] for i, attr, ix in slot_keys]
+
+        if self.prefill_backend is None:
+            self.prefill_backend = type(self.backend)()
+        backend = self.prefill_backend
+        try:
+            backend.warmup(fn)
+            graph, out = backend.record(fn)
+            backend.replay(graph, fn, out)
+            if type(backend) is CudaGraphBackend:
+                torch.cuda.synchronize()
+            notes: list[str] = []
+            bad = (_mismatch(_tensors(out[0]), logits_eager, "prefill output", notes)
+                   or _mismatch(out[1], after, "prefill state", notes, base=[torch.zeros_like(a) for a in after]))
+        except Exception as e:  # noqa: BLE001 - a host read in the prefill, an unsupported op: it runs eagerly
+            self.errors[key] = traceback.format_exc()
+            return self._refuse(key, f"prefill capture failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}", out_eager)
+        if bad:
+            return self._refuse(key, f"prefill replay differs from the eager prefill: {bad}", out_eager)
+        items = out[0].items() if hasattr(out[0], "keys") else enumerate(out[0]) if isinstance(out[0], tuple) else ()
+        cache_keys = tuple(k for k, v in items if v is private)
+        self.prefill_entries[key] = _PrefillEntry(graph, fn, out, statics, slot_keys, host, cache_host, cache_keys)
+        self.notes.extend(notes)
+        self.counts["captured a prefill"] += 1
+        return out_eager
+
+    def _replay_prefill(self, entry: _PrefillEntry, kwargs: dict, cache: Any):
+        _give_back_copies(entry, cache)
+        for k, buf in entry.static_inputs.items():
+            _copy_into(buf, kwargs[k])
+        self.prefill_backend.replay(entry.graph, entry.fn, entry.out)
+        for layer, host in zip(cache.layers, entry.host):
+            for k, v in host.items():
+                setattr(layer, k, copy.deepcopy(v))
+        for k, v in entry.cache_host.items():
+            setattr(cache, k, copy.deepcopy(v))
+        for (i, attr, ix), t in zip(entry.slot_keys, entry.out[1]):
+            getattr(cache.layers[i], attr)[ix] = t
+        entry.bound = weakref.ref(cache)
+        entry.replays += 1
+        self.counts["replayed a prefill"] += 1
+        return _fresh_outputs(entry.out[0], entry.cache_keys, cache)
+
     def _refuse(self, key, reason, out):
         self.refused[key] = reason
         self.counts[f"refused: {reason}"] += 1
@@ -631,11 +833,15 @@ class DecodeGraphs:
         """One line for reports and decisions: graphs, replays and why any signature was refused."""
         st = self.stats()
         return f"{st['graphs']} captured, {st['replays']} replays" + (
+            f", prefill: {st['prefill_graphs']} captured, {st['prefill_replays']} replays"
+            if st["prefill_graphs"] else "") + (
             f", refused: {'; '.join(st['refused'])[:300]}" if st["refused"] else "") + (
             f", outputs matched by rel-L2: {st['notes'][0][:120]}" if st.get("notes") else "")
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.entries), "replays": sum(e.replays for e in self.entries.values()),
+                "prefill_graphs": len(self.prefill_entries),
+                "prefill_replays": sum(e.replays for e in self.prefill_entries.values()),
                 "refused": sorted(set(self.refused.values())),
                 "calls": dict(self.counts), **({"notes": list(self.notes)} if self.notes else {})}
 
@@ -683,7 +889,7 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, note
 
 
 def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8,
-                         static_cache: bool = False) -> DecodeGraphs:
+                         static_cache: bool = False, prefill: bool = True) -> DecodeGraphs:
     """Replay `model`'s one-token decode steps from CUDA graphs (see the module docstring). Idempotent: a model
     already wrapped returns its wrapper. Without a GPU (tests): backend="emulate" replays the captured step's ATen ops
     with host values frozen, as a graph would; backend="rerun" re-runs the step's Python (for Triton kernels under
@@ -692,7 +898,10 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     static_cache: make `generate` use transformers' static KV cache by default (model.generation_config:
     cache_implementation="static", disable_compile=True so the step stays eager for the graph), without which a
     KV-cache model (Llama, Qwen3) grows its cache every token and no step can be graphed. Mamba/Mamba2 keep their
-    LinearAttentionLayer either way. disable_decode_graphs puts the previous values back."""
+    LinearAttentionLayer either way. disable_decode_graphs puts the previous values back.
+
+    prefill: also replay a prompt's forward on a fresh cache of PREFILL_LAYERS (Mamba, Mamba2) from a graph per
+    prompt signature, captured on its second call (DecodeGraphs._prefill_call)."""
     existing = model.__dict__.get(_ATTR)
     if existing is not None:
         if static_cache and existing.saved_generation is None:
@@ -710,7 +919,7 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
         raise ValueError(f"backend: expected 'cuda', 'emulate' or 'rerun', got {backend!r}")
     had_forward = "forward" in model.__dict__
     graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward,
-                          saved_generation=_static_generation(model) if static_cache else None)
+                          saved_generation=_static_generation(model) if static_cache else None, prefill=prefill)
     model.__dict__[_ATTR] = graphs
     model.forward = graphs
     return graphs
@@ -731,6 +940,9 @@ def disable_decode_graphs(model: torch.nn.Module) -> dict[str, Any] | None:
                         s.set(t.clone())
             except NotGraphable:
                 pass
+    for entry in graphs.prefill_entries.values():
+        _give_back_copies(entry, None)
+    graphs.prefill_entries.clear()
     if graphs.saved_generation is not None:
         gc = getattr(model, "generation_config", None)
         for k, v in graphs.saved_generation.items():

@@ -390,14 +390,20 @@ def test_real_cuda_graphs_match_eager(prompt, model_type):
     """On a GPU: the real backend (torch.cuda.CUDAGraph) replays decode steps and generation matches eager."""
     model = tiny(model_type).cuda()
     ids = prompt.cuda()
-    ref = generate(model, ids)
+    other = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(9)).cuda()
+    ref, ref_other = generate(model, ids), generate(model, other)
     enable_decode_graphs(model)
     try:
         _same_generation(generate(model, ids), ref)
-        _same_generation(generate(model, ids), ref)
+        _same_generation(generate(model, ids), ref)  # its prefill captured
+        _same_generation(generate(model, ids), ref)  # replayed
+        kept = generate(model, ids)
+        _same_generation(generate(model, other), ref_other)  # the same prefill graph, other values
+        assert_same_state(snapshot(kept.past_key_values), snapshot(ref.past_key_values))
     finally:
         stats = disable_decode_graphs(model)  # the stats before the graphs are freed
-    assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
+    assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 5 * (NEW_TOKENS - 1) - 1, stats
+    assert stats["prefill_graphs"] == 1 and stats["prefill_replays"] == 3, stats
 
 
 @pytest.mark.gpu
@@ -635,3 +641,114 @@ def test_replay_check_allows_rounding_not_misplaced_writes():
     assert "over 0.05" in _mismatch([misplaced], [want], "state", [], base=[before])
     assert _mismatch([torch.tensor([3])], [torch.tensor([4])], "state", [], base=[torch.tensor([2])]) == \
         "state 0: values differ"
+
+
+# ------------------------------------------------------------------------------------------------ prefill graphs
+def _prefill(model, prompt):
+    """One generate of a single token: the prompt's forward alone, on the fresh cache generate makes."""
+    with torch.inference_mode():
+        return model.generate(prompt, max_new_tokens=1, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_prefill_replays_from_its_second_call(prompt, model_type):
+    """A prompt's forward on a fresh Mamba / Mamba2 cache: eager on the first call of its signature, captured on the
+    second, replayed from the third, with that prompt's logits and state each time (another prompt of the same
+    length replays the same graph with its own values; another length is another signature)."""
+    model = tiny(model_type)
+    other = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(9))
+    longer = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    refs = {name: generate(model, p) for name, p in (("prompt", prompt), ("other", other), ("longer", longer))}
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        for name, p in (("prompt", prompt), ("prompt", prompt), ("prompt", prompt), ("other", other),
+                        ("longer", longer)):
+            out = generate(model, p)
+            _same_generation(out, refs[name])
+            assert_same_state(snapshot(out.past_key_values), snapshot(refs[name].past_key_values))
+        stats, summary = graphs.stats(), graphs.summary()
+    finally:
+        disable_decode_graphs(model)
+    calls = stats["calls"]
+    assert stats["prefill_graphs"] == 1 and stats["prefill_replays"] == 2, stats  # the third prompt, then other
+    assert calls["eager: prefill signature seen once (captured on its second call)"] == 2, calls  # prompt, longer
+    assert calls["captured a prefill"] == 1 and "prefill: 1 captured, 2 replays" in summary
+
+
+def test_a_cache_kept_from_a_replayed_prefill_keeps_its_state(prompt):
+    """A replay hands the caller's cache the graph's state tensors; the next replay gives a cache still holding
+    them its own copies first, and disabling the graphs does the same."""
+    model = tiny("mamba")
+    other = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(9))
+    want, want_other = (snapshot(_prefill(model, p).past_key_values) for p in (prompt, other))
+    graphs = enable_decode_graphs(model, backend="emulate")
+    try:
+        _prefill(model, prompt), _prefill(model, prompt)  # seen, captured
+        kept = _prefill(model, prompt).past_key_values  # replayed: holds the graph's tensors
+        assert graphs.stats()["prefill_replays"] == 1
+        assert_same_state(snapshot(kept), want)
+        last = _prefill(model, other).past_key_values  # the same graph again, other values
+        assert_same_state(snapshot(kept), want)
+        assert_same_state(snapshot(last), want_other)
+    finally:
+        disable_decode_graphs(model)
+    _prefill(model, prompt)  # the graphs are gone; the last cache kept its own copies
+    assert_same_state(snapshot(last), want_other)
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("llama", "eager: prefill: cache layer DynamicLayer (prefill graphs: LinearAttentionLayer)"),
+    ("recurrent_gemma", "eager: prefill: cache layer DynamicSlidingWindowLayer (prefill graphs: LinearAttentionLayer)"),
+])
+def test_prefill_of_other_caches_runs_eagerly_and_says_why(prompt, model_type, reason):
+    stats = _graphed_like_eager(tiny(model_type), prompt, times=2)
+    assert stats["calls"][reason] == 2 and stats["prefill_graphs"] == 0, stats
+
+
+def test_prefill_that_changes_module_state_is_refused(prompt):
+    """State a module assigns in the prompt's forward would not be assigned by a replay: refused, eager."""
+    model = tiny("mamba")
+    _count_steps(model.backbone.layers[0].mixer)
+    stats = _graphed_like_eager(model, prompt, times=3)
+    assert stats["prefill_graphs"] == 0 and any(
+        r == "prefill changes state kept on modules: MambaMixer.step_count" for r in stats["refused"]), stats
+
+
+def test_a_prefill_replay_that_differs_is_refused(prompt, monkeypatch):
+    model = tiny("mamba")
+    replay = _EmulatedBackend.replay
+
+    def corrupt_prefill_state(graph, fn, out):
+        replay(graph, fn, out)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):  # a prefill graph's outputs
+            out[1][0].add_(1.0)
+
+    monkeypatch.setattr(_EmulatedBackend, "replay", staticmethod(corrupt_prefill_state))
+    stats = _graphed_like_eager(model, prompt, times=3)
+    assert stats["prefill_graphs"] == 0 and any(
+        r.startswith("prefill replay differs from the eager prefill: prefill state") for r in stats["refused"]), stats
+    assert stats["graphs"] == 1  # the decode steps are graphed as before
+
+
+def test_prefill_graphs_can_be_left_off(prompt):
+    stats = _graphed_like_eager(tiny("mamba"), prompt, times=3, prefill=False)
+    assert stats["prefill_graphs"] == 0 and not any("prefill" in k for k in stats["calls"]), stats
+
+
+def test_patched_prefill_replays_its_kernels(prompt):
+    """The prompt's forward through patched Triton kernels (the re-running stand-in: Triton under the interpreter is
+    not ATen ops) replays with the prompt's own values."""
+    model = tiny("mamba2")
+    other = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(9))
+    refs = [generate(model, p) for p in (prompt, other)]
+    kernels_runtime.apply(model, stateful_bundle(class_path(model, "Mamba2Mixer"), MAMBA2_TRITON), strict=True)
+    graphs = enable_decode_graphs(model, backend="rerun")
+    try:
+        for p, ref in ((prompt, refs[0]), (prompt, refs[0]), (prompt, refs[0]), (other, refs[1])):
+            _same_generation(generate(model, p), ref)
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+        kernels_runtime.revert(model)
+    assert stats["prefill_graphs"] == 1 and stats["prefill_replays"] == 2 and not stats["refused"], stats
