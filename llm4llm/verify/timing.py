@@ -335,6 +335,8 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
             _REFERENCE_CACHE[key] = timer(ref, ref_prepare)
         return _REFERENCE_CACHE[key]
 
+    replicas: dict = {}
+
     def graph_pair(args) -> tuple[Latency, Latency, str]:
         """Candidate and reference under graph replay, their replays alternating, each cycling through as many
         copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
@@ -342,16 +344,23 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         nonlocal cand_fn, cand_prepare, kernel_calls, how
         copies = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device)) \
             if kernel_calls is not None else 1
-        ref_side = module_replicas(task, device, copies)
+        if copies not in replicas:  # built once per task and copy count, for every timed case
+            replicas[copies] = module_replicas(task, device, copies)
+        ref_side = replicas[copies]
         if kernel_calls is not None:
-            cand_side, calls = patched_replicas(task, source, device, copies)
+            if "candidate" not in replicas:
+                replicas["candidate"] = patched_replicas(task, source, device, copies)
+            cand_side, calls = replicas["candidate"]
             ran = calls()
             c, r = time_graphs([cand_side, ref_side], args, device)
             if calls() > ran:
                 return c, r, f"{copies} weight copies, alternating with the reference"
             cand_fn, cand_prepare, kernel_calls = entry, None, None
             how = "bare entry (every patched call fell back to the original forward)"
-            copies, ref_side = 1, module_replicas(task, device, 1)
+            copies = 1
+            if 1 not in replicas:
+                replicas[1] = module_replicas(task, device, 1)
+            ref_side = replicas[1]
         c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device)
         return c, r, f"{copies} weight copy, alternating with the reference"
 
