@@ -532,24 +532,20 @@ class DecodeGraphs:
             call = self._with_positions(kwargs, cache) if positions else kwargs
             key = _signature(call, cache_name, slots)
         except NotGraphable as e:
-            self.counts[f"eager: {e}"] += 1
-            return self.original(**kwargs)
+            return self._eager(str(e), kwargs)
         if key in self.refused:
-            self.counts[f"eager: {self.refused[key]}"] += 1
-            return self.original(**kwargs)
+            return self._eager(self.refused[key], kwargs)
         entry = self.entries.get(key)
         if entry is None:
             if len(self.entries) >= self.max_graphs:
-                self.counts[f"eager: {self.max_graphs} graphs already captured"] += 1
-                return self.original(**kwargs)
+                return self._eager(f"{self.max_graphs} graphs already captured", kwargs)
             return self._capture(key, kwargs, call, cache_name, cache, slots, hosts, positions)
         mod_states = entry.states[len(entry.states) - len(entry.module_slots):]
         for ms, t in zip(entry.module_slots, mod_states):
             v = ms.get()
             if not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype:
                 # a call without a cache cleared it, or a different batch left it reshaped: the module makes anew
-                self.counts[f"eager: module state {type(ms.layer).__name__}.{ms.attr} missing or reshaped"] += 1
-                return self.original(**kwargs)
+                return self._eager(f"module state {type(ms.layer).__name__}.{ms.attr} missing or reshaped", kwargs)
         slots = slots + entry.module_slots
         self._bind(entry, cache, slots)
         self._fast = (entry, weakref.ref(cache), _light_key(call, cache_name),
@@ -730,21 +726,17 @@ class DecodeGraphs:
             _fresh_prefill_layers(cache)
             key = ("prefill", _signature(kwargs, cache_name, []), len(cache.layers))
         except NotGraphable as e:
-            self.counts[f"eager: prefill: {e}"] += 1
-            return self.original(**kwargs)
+            return self._eager(f"prefill: {e}", kwargs)
         if key in self.refused:
-            self.counts[f"eager: prefill: {self.refused[key]}"] += 1
-            return self.original(**kwargs)
+            return self._eager(f"prefill: {self.refused[key]}", kwargs)
         entry = self.prefill_entries.get(key)
         if entry is not None:
             return self._replay_prefill(entry, kwargs, cache)
         if key not in self.prefill_seen:
             self.prefill_seen.add(key)
-            self.counts["eager: prefill signature seen once (captured on its second call)"] += 1
-            return self.original(**kwargs)
+            return self._eager("prefill signature seen once (captured on its second call)", kwargs)
         if len(self.prefill_entries) >= self.max_graphs:
-            self.counts[f"eager: prefill: {self.max_graphs} prefill graphs already captured"] += 1
-            return self.original(**kwargs)
+            return self._eager(f"prefill: {self.max_graphs} prefill graphs already captured", kwargs)
         return self._capture_prefill(key, kwargs, cache_name, cache)
 
     def _capture_prefill(self, key, kwargs, cache_name, cache):
@@ -823,6 +815,10 @@ class DecodeGraphs:
         entry.replays += 1
         self.counts["replayed a prefill"] += 1
         return _fresh_outputs(entry.out[0], entry.cache_keys, cache)
+
+    def _eager(self, reason: str, kwargs: dict):
+        self.counts[f"eager: {reason}"] += 1
+        return self.original(**kwargs)
 
     def _refuse(self, key, reason, out):
         self.refused[key] = reason
