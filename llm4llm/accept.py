@@ -580,9 +580,13 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
             bracket = f" (baseline {current:.1f} ms before, {again:.1f} ms after the trial: drift {drift:.1%})"
             if drift > cfg.delta and cfg.noisy_rounds > 0:
                 base, trials = [current, again], [after]
-                for _ in range(cfg.noisy_rounds):  # trial, baseline, trial, baseline ...
-                    trials.append(_measure_as(model, bundle, latency))
-                    base.append(rebaseline())
+                try:
+                    for _ in range(cfg.noisy_rounds):  # trial, baseline, trial, baseline ...
+                        trials.append(_measure_as(model, bundle, latency))
+                        base.append(rebaseline())
+                except Exception as e:  # noqa: BLE001 - it ran once already: a failure now costs this candidate only
+                    return decide("rejected", f"runtime (measuring a noisy bracket again): {type(e).__name__}: "
+                                              f"{str(e)[:300]}", check, counters=counters)
                 if all(t is not None for t in trials + base):
                     gains = [1 - t / ((b0 + b1) / 2) for t, b0, b1 in zip(trials, base, base[1:])]
                     gain = statistics.median(gains)

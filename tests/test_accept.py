@@ -253,6 +253,22 @@ def test_a_noisy_bracket_is_measured_again_alternately(ref, current, trials, bas
         assert "median" not in d.reason and "drift 1.0%" in d.reason
 
 
+def test_a_failure_while_measuring_a_noisy_bracket_again_rejects_the_candidate(ref):
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    t = iter([90.0])
+
+    def trial():
+        return next(t)  # the second trial measurement raises StopIteration: a runtime failure
+
+    try:
+        d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
+                     AcceptConfig(delta=0.02), trial, 120.0, 0.1, floor=ref.floor, rebaseline=lambda: 100.0)
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert d.decision == "rejected" and d.reason.startswith("runtime (measuring a noisy bracket again): StopIteration")
+
+
 def test_noisy_rounds_is_checked():
     with pytest.raises(ValueError, match="noisy_rounds"):
         AcceptConfig(noisy_rounds=-1)
