@@ -428,7 +428,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     def latency() -> float | None:
         if not on_gpu:
             return None
-        return measure(model, wl, batch, script.run, repeats=cfg.repeats).total_ms
+        return measure(model, wl, batch, script.run, repeats=cfg.repeats, split=False).total_ms
 
     current = latency()
     baseline = current

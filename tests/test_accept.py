@@ -438,3 +438,22 @@ def test_torch_compile_falls_back_to_mode_default_and_says_so():
     script = SimpleNamespace(run=lambda model, workload, batch, **gen: run(model, workload, batch, True, **gen))
     with pytest.raises(RuntimeError, match="mode=default: .*CUDAGraphs.*; mode=reduce-overhead: .*CUDAGraphs"):
         ev._variant("torch_compile", model, wl, {}, script, None, 1)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_measure_times_the_prefill_only_when_asked(split):
+    """Acceptance needs the total alone: split=False runs the full generation only (two warm-ups, so a prefill
+    graph is captured before the timed runs), half the runs of the split measurement."""
+    from llm4llm.evaluate import measure
+    from llm4llm.workload import load_workload
+
+    wl = load_workload(str(Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tiny-mamba.toml"))
+    seen = []
+    r = measure(None, wl, {}, lambda model, workload, batch: seen.append(workload.decode_len), repeats=3, split=split)
+    full, one = wl.decode_len, 1
+    if split:
+        assert seen == [full, one] + [full] * 3 + [one] * 3
+        assert r.prefill_ms is not None and r.decode_ms_per_token is not None
+    else:
+        assert seen == [full] * 5 and r.prefill_ms is None and r.decode_ms_per_token is None
+    assert r.total_ms is not None and len(r.samples_ms) == 3
