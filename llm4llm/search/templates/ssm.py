@@ -180,7 +180,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
-            "ssu_BLOCK_D": [16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False],
+            "ssu_BLOCK_D": [8, 16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False],
             "ssu_xproj_fused": [True, False]}
 
 
