@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +194,24 @@ def _group_key(inst: _Instance) -> tuple:
         return (cls, inst.record.family, inst.record.phase, False, inst.reason.split(":", 1)[0])
     weight_sig = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(inst.module).items())
     structure = inst.obs.calls[0].structure_key(drop_instance_keys=True)
-    return (cls, inst.record.family, inst.record.phase, True, structure, tuple(inst.obs.sigs), weight_sig)
+    # the observed shapes without their dtypes: instances called with the same shapes in another dtype (Mamba's first
+    # residual block takes the bf16 embeddings, the others the fp32 residual stream) are one task whose cases cover
+    # both; other shapes stay apart (Qwen3's q_norm and k_norm)
+    shapes = tuple(re.sub(r":[a-z0-9_]+\[", ":[", k) for k in inst.obs.sigs)
+    return (cls, inst.record.family, inst.record.phase, True, structure, shapes, weight_sig)
+
+
+def _group_calls(group: list[_Instance]) -> list[tuple[_Instance, BoundaryCall]]:
+    """The first instance's calls, then each other instance's call of a shape signature not seen yet, with the
+    instance that made it (its weights go with the case)."""
+    out, seen = [], set()
+    for inst in group:
+        for c in inst.obs.calls:
+            key = c.shape_key()
+            if key not in seen:
+                seen.add(key)
+                out.append((inst, c))
+    return out
 
 
 def _class_path(module: torch.nn.Module) -> str:
@@ -203,12 +221,14 @@ def _class_path(module: torch.nn.Module) -> str:
 
 def _spec_for(group: list[_Instance], hardware: dict, workload_name: str, run_id: str) -> TaskSpec:
     rep = group[0]
-    calls = rep.obs.calls
-    observed = []
-    for skey, sig in rep.obs.sigs.items():
-        total = sum(inst.obs.sigs[skey].calls for inst in group if skey in inst.obs.sigs)
-        observed.append(sig.model_copy(update={"calls": total}, deep=True))
-    by_key = dict(zip(rep.obs.sigs, observed))
+    calls = [c for _, c in _group_calls(group)]
+    observed, by_key = [], {}
+    for inst in group:
+        for skey, sig in inst.obs.sigs.items():
+            if skey not in by_key:
+                total = sum(i.obs.sigs[skey].calls for i in group if skey in i.obs.sigs)
+                by_key[skey] = sig.model_copy(update={"calls": total}, deep=True)
+                observed.append(by_key[skey])
     first = calls[0] if calls else None
     reason = rep.reason if len(group) == 1 else f"{rep.path}: {rep.reason}" if rep.reason else ""
     return TaskSpec(
@@ -257,9 +277,13 @@ def _dtype_of(call: BoundaryCall | None, inst: _Instance) -> str:
 
 
 def _cases(group: list[_Instance]) -> list[Case]:
-    rep = group[0]
-    weights = {k: v.detach().cpu().clone() for k, v in weights_of(rep.module).items()}
-    return [Case(inputs=c.inputs, weights=weights, state=c.state, ref=c.reference()) for c in rep.obs.calls]
+    weights: dict[int, dict] = {}
+    cases = []
+    for inst, c in _group_calls(group):
+        if id(inst) not in weights:
+            weights[id(inst)] = {k: v.detach().cpu().clone() for k, v in weights_of(inst.module).items()}
+        cases.append(Case(inputs=c.inputs, weights=weights[id(inst)], state=c.state, ref=c.reference()))
+    return cases
 
 
 def _reference_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -120,8 +120,9 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
 ])
 def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_type, template, config):
     """The fused Mamba / Mamba2 block templates (decode and prefill) in bf16 over two blocks: the first takes the bf16
-    embeddings, the second the fp32 residual stream (residual_in_fp32); both tasks compute in bf16 (their weights'
-    dtype) and the kernels pass both, their output fp32 as HF's."""
+    embeddings, the second the fp32 residual stream (residual_in_fp32). Same shapes, another dtype: one task per
+    phase whose cases hold both streams, computing in bf16 (the weights' dtype); the kernels pass both cases, their
+    output fp32 as HF's."""
     from llm4llm.pipeline import run_extract, run_profile
 
     script = WORKLOADS.parent / "scripts" / "hf_generate.py"
@@ -135,8 +136,9 @@ def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_ty
     prefill = template.replace("_decode_fused", "")  # ssm_block.mamba / ssm_block.mamba2
     for phase, name in (("decode", template), ("prefill", prefill)):
         blocks = [(s, d) for s, d in specs if s.family == "ssm_block" and s.phase == phase and s.deployable]
-        streams = sorted(s.observed[0].inputs["hidden_states"].dtype for s, _ in blocks)
-        assert streams == ["bfloat16", "float32"], [s.observed for s, _ in blocks]
+        assert len(blocks) == 1 and len(blocks[0][0].instances) == 2, [s.instances for s, _ in blocks]
+        streams = sorted({c.inputs["hidden_states"].dtype for c in blocks[0][0].cases})
+        assert streams == ["bfloat16", "float32"], blocks[0][0].cases
         t = next(t for t in TEMPLATES if t.name == name)
         for spec, task_dir in blocks:
             assert spec.dtype == "bfloat16" and t.why_not(spec) is None, (spec.dtype, t.why_not(spec))
