@@ -182,6 +182,22 @@ def test_a_space_larger_than_the_pool_keeps_its_default_and_is_sampled_evenly(ta
     assert first.config == t.default(spec)  # explore starts from the default, as it does for small spaces
 
 
+@pytest.mark.parametrize("width,rows,warps", [(128, [1, 2, 4, 8], [1, 2, 4, 8]), (5120, [1], [4, 8])])
+def test_mamba2_gated_norm_space_fits_its_width(width, rows, warps):
+    """The gated norm's [ROWS, next_pow2(width)] tile must fit a thread's registers for every pair of the product
+    space: on the H200 mamba2-2.7b's 4-row, 1-warp configs (32768 values a warp) ran past the candidate limit."""
+    from types import SimpleNamespace
+
+    from llm4llm.search.templates.mamba2 import NORM_PER_THREAD, _norm_space
+
+    for static in ({"intermediate_size": width}, {"mixer.intermediate_size": width}):  # mixer, block
+        space = _norm_space(SimpleNamespace(static=static))
+        assert space == {"norm_ROWS": rows, "norm_num_warps": warps}
+        block_n = 1 << (width - 1).bit_length()
+        assert max(rows) * block_n <= NORM_PER_THREAD * 32 * min(warps)
+    assert {1, 4} <= {*rows, *warps}  # the templates' default (1 row, 4 warps) stays in
+
+
 # ---- a real tiny task: the norm template's source runs and matches the reference under the interpreter ----
 
 def _rmsnorm_task(tmp_path):

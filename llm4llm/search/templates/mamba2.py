@@ -88,6 +88,20 @@ def _applies(spec: TaskSpec) -> str | None:
 
 
 NORM = {"norm_ROWS": [1, 2, 4, 8], "norm_num_warps": [1, 2, 4, 8]}
+NORM_PER_THREAD = 64  # fp32 values of the gated norm's [ROWS, BLOCK_N] tile a thread may hold (it keeps three)
+
+
+def _norm_space(spec: TaskSpec) -> dict[str, list]:
+    """The gated norm's rows and warps whose tile fits in registers at this width, every pair of the two lists (the
+    space is a product): on the H200 the 4-row, 1-warp configs of mamba2-2.7b's 5120-wide norm (32768 values a
+    warp) ran past the 120 s candidate limit in two searches (2026-11-30-h200-g)."""
+    width = spec.static.get("intermediate_size", spec.static.get("mixer.intermediate_size"))
+    if not isinstance(width, int) or width <= 0:
+        return {k: list(v) for k, v in NORM.items()}
+    block_n = 1 << (width - 1).bit_length()
+    warps = [w for w in NORM["norm_num_warps"] if block_n <= NORM_PER_THREAD * 32 * w] or [max(NORM["norm_num_warps"])]
+    rows = [r for r in NORM["norm_ROWS"] if r * block_n <= NORM_PER_THREAD * 32 * min(warps)] or [1]
+    return {"norm_ROWS": rows, "norm_num_warps": warps}
 
 
 def _space(spec: TaskSpec) -> dict[str, list]:
@@ -98,7 +112,7 @@ def _space(spec: TaskSpec) -> dict[str, list]:
                "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [4, 8]}
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
-    return {**lin, **ops, **NORM}
+    return {**lin, **ops, **_norm_space(spec)}
 
 
 def _default(spec: TaskSpec) -> dict:
@@ -177,7 +191,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
-            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **NORM, "state_inplace": [True, False],
+            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **_norm_space(spec), "state_inplace": [True, False],
             "out_gnorm_fused": [True, False]}  # the gated norm in out_proj's GEMV (its own launch otherwise)
 
 
