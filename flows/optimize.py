@@ -17,7 +17,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       families: list[str] | None = None, delta: float = 0.02, repeats: int = 5,
                       timeout_s: float = 120.0, llm: dict | None = None, accept_metric: str = "auto",
                       accept_tol_factor: float = 3.0, accept_floor_factor: float = 2.0,
-                      accept_min_task_speedup: float = 1.0, decode_graphs: str | bool = "auto",
+                      accept_min_task_speedup: float = 1.0, accept_noisy_rounds: int = 2,
+                      decode_graphs: str | bool = "auto",
                       e2e_variants: tuple[str, ...] | None = None, rounds: int = 1) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
 
@@ -25,6 +26,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     logits_rel_l2 | logits_max_abs; accept_tol_factor: fixed rel-L2 limit = factor x TOLERANCES[dtype].rtol;
     accept_floor_factor: per-step limit = max(fixed, factor x the model's own bf16-vs-fp32 noise floor).
     accept_min_task_speedup: on the GPU, candidates no faster than this in their task are not tried in-model.
+    accept_noisy_rounds: more alternating (trial, baseline) pairs when the baseline drifts by more than delta.
     decode_graphs: auto | on | off (or a bool). On the GPU the model's one-token decode steps replay from CUDA graphs
     (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (the verifier's
     decode_timing="graph"), acceptance's baseline and trials run with graphs, and
@@ -67,7 +69,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                        repeats, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
-                                       graphs, static_cache)
+                                       graphs, static_cache, accept_noisy_rounds)
     for _ in range(1, rounds):
         retry = out["acceptance"].get("retry_tasks") or []
         if not retry:
@@ -77,7 +79,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                                         llm=llm, decode_timing=decode_timing)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
-                                           accept_min_task_speedup, graphs, static_cache)
+                                           accept_min_task_speedup, graphs, static_cache, accept_noisy_rounds)
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:

@@ -110,6 +110,10 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              accept_min_task_speedup: float = typer.Option(
                  1.0, help="on the GPU, a candidate no faster than this in its task is rejected without an "
                            "in-model trial (0: try every candidate)"),
+             accept_noisy_rounds: int = typer.Option(
+                 2, help="when the baseline drifts by more than delta around a trial, measure this many more "
+                         "(trial, baseline) pairs alternately and decide on the median bracketed gain (0: the drift "
+                         "itself is the bar)"),
              decode_graphs: str = typer.Option(
                  "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
                               "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
@@ -132,7 +136,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         from flows.optimize import optimize_workload
 
         _check_proposer(proposer)
-        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup)
+        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
+                      accept_noisy_rounds)
         _check_graphs(decode_graphs, e2e_variants)
         _check_families(family)
         llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
@@ -145,7 +150,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                                     accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
                                     accept_floor_factor=accept_floor_factor,
                                     accept_min_task_speedup=accept_min_task_speedup,
-                                    decode_graphs=decode_graphs,
+                                    accept_noisy_rounds=accept_noisy_rounds, decode_graphs=decode_graphs,
                                     e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")) if e2e_variants else None,
                                     rounds=rounds)
         console.print(f"run [bold]{out['run_id']}[/]")
@@ -200,14 +205,15 @@ def _check_variants(option: str, variants: str | None) -> None:
         raise Llm4llmError(f"{option}: expected names from {', '.join(VARIANTS + GRAPH_VARIANTS)}, got {bad}")
 
 
-def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0) -> None:
+def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0,
+                  noisy_rounds: int = 2) -> None:
     """--accept-*: one error line (exit 2) before any flow starts."""
     from llm4llm.accept import AcceptConfig
     from llm4llm.errors import Llm4llmError
 
     try:
         AcceptConfig(metric=metric, tol_factor=tol_factor, floor_factor=floor_factor,
-                     min_task_speedup=min_task_speedup)
+                     min_task_speedup=min_task_speedup, noisy_rounds=noisy_rounds)
     except ValueError as e:
         raise Llm4llmError(f"--accept-{str(e).split(':')[0].replace('_', '-')}: {str(e).split(':', 1)[1].strip()}")
 

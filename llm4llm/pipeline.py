@@ -564,7 +564,8 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
                metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 2.0,
-               min_task_speedup: float = 1.0, decode_graphs: bool = False, static_cache: bool = False) -> dict:
+               min_task_speedup: float = 1.0, decode_graphs: bool = False, static_cache: bool = False,
+               noisy_rounds: int = 2) -> dict:
     """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
     experience for the next search round) go to DuckDB. `metric`: auto (logits_rel_l2_floor for 16-bit models,
     logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs; see llm4llm/accept.py."""
@@ -579,7 +580,8 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
                            cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats, tol_factor=tol_factor,
                                             floor_factor=floor_factor, min_task_speedup=min_task_speedup,
-                                            decode_graphs=decode_graphs, static_cache=static_cache),
+                                            decode_graphs=decode_graphs, static_cache=static_cache,
+                                            noisy_rounds=noisy_rounds),
                            run_id=run_id)
     wl = describe_workload(workload_path)
     with Database(db_path) as db:
