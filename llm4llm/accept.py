@@ -570,7 +570,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     if after is None:
         return decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
                                   f"(in-model correctness ok: {detail})", check, counters=counters)
-    bracket, need = "", cfg.delta
+    bracket, need, gain = "", cfg.delta, None
     if rebaseline is not None and current is not None:
         again = rebaseline()
         if again is not None:
@@ -587,20 +587,16 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
                 except Exception as e:  # noqa: BLE001 - it ran once already: a failure now costs this candidate only
                     return decide("rejected", f"runtime (measuring a noisy bracket again): {type(e).__name__}: "
                                               f"{str(e)[:300]}", check, counters=counters)
-                if all(t is not None for t in trials + base):
+                if all(t is not None for t in trials + base):  # the median bracketed gain decides, against delta
                     gains = [1 - t / ((b0 + b1) / 2) for t, b0, b1 in zip(trials, base, base[1:])]
-                    gain = statistics.median(gains)
-                    before, after, again, need = statistics.median(base), statistics.median(trials), base[-1], cfg.delta
+                    gain, need = statistics.median(gains), cfg.delta
+                    before, after, again = statistics.median(base), statistics.median(trials), base[-1]
                     bracket = (f" (median of {len(gains)} bracketed gains {', '.join(f'{g:+.1%}' for g in gains)}: "
                                f"the baseline drifted {drift:.1%} around the first trial; baselines "
                                f"{', '.join(f'{b:.1f}' for b in base)} ms, trials "
                                f"{', '.join(f'{t:.1f}' for t in trials)} ms)")
-                    if gain < need:
-                        return decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below delta {cfg.delta:.0%}; "
-                                                  f"{detail}", check, after, gain, counters)
-                    return decide("accepted", f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain,
-                                  counters)
-    gain = (before - after) / before
+    if gain is None:
+        gain = (before - after) / before
     if gain < need:
         below = f"delta {cfg.delta:.0%}" if need == cfg.delta else f"the baseline's drift {need:.1%}"
         return decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check, after,

@@ -342,8 +342,9 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
         of weights, and the reference then gets one too)."""
         nonlocal cand_fn, cand_prepare, kernel_calls, how
-        copies = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device)) \
-            if kernel_calls is not None else 1
+        if "copies" not in replicas:
+            replicas["copies"] = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device))
+        copies = replicas["copies"] if kernel_calls is not None else 1
         if copies not in replicas:  # built once per task and copy count, for every timed case
             replicas[copies] = module_replicas(task, device, copies)
         ref_side = replicas[copies]
