@@ -247,7 +247,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def hardware_info(device: str | torch.device) -> dict:
-    """Where a profile was taken: device kind, GPU name and capability ("9.0"), library versions."""
+    """Where a profile was taken: device kind, GPU name, capability ("9.0") and SM count (CUDA only), library
+    versions."""
     device = torch.device(device)
     info: dict[str, Any] = {
         "device": device.type,
@@ -263,7 +264,8 @@ def hardware_info(device: str | torch.device) -> dict:
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
-        info.update(gpu_name=torch.cuda.get_device_name(index), capability=f"{major}.{minor}")
+        info.update(gpu_name=torch.cuda.get_device_name(index), capability=f"{major}.{minor}",
+                    sm_count=torch.cuda.get_device_properties(index).multi_processor_count)
     return info
 
 

@@ -182,6 +182,51 @@ def test_a_space_larger_than_the_pool_keeps_its_default_and_is_sampled_evenly(ta
     assert first.config == t.default(spec)  # explore starts from the default, as it does for small spaces
 
 
+@pytest.mark.parametrize("n,sms,split", [(768, 132, 8), (2560, 132, 2), (9728, 132, 1), (80, 132, 8), (768, 16, 1),
+                                         (768, 48, 2)])
+def test_gemv_occupancy_splits_k_until_every_sm_has_a_program(n, sms, split):
+    from llm4llm.search.templates._linear import DECODE, gemv_occupancy
+
+    got = gemv_occupancy(n, sms)
+    assert got["lin_GEMV_SPLIT_K"] == split and got["lin_GEMV_BLOCK_N"] == 32
+    assert all(v in DECODE[k] for k, v in got.items())  # a point of the decode GEMV space
+
+
+def test_decode_templates_try_the_occupancy_seed_right_after_their_default(task_dir):
+    """A decode template's first batch: its default, then the GEMV point that fills the GPU for the task's output
+    width (on the H200 a mamba-130m block search of 8 trials started from the 48-program default and never left
+    its neighbourhood, 2026-11-30-h200-h). The SM count comes from the task's hardware; seeds outside the space or
+    equal to the default are dropped; a sampled pool keeps them."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.search.templates._linear import occupancy_seeds
+    from llm4llm.taskspec import CaseSig, TensorSig
+
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    out = {"out": TensorSig(shape=[1, 1, 768], dtype="bfloat16")}
+    spec = spec.model_copy(update={"phase": "decode", "cases": [CaseSig(inputs={}, outputs=out)]})
+    space = {"lin_GEMV_BLOCK_N": [16, 32, 64], "lin_GEMV_BLOCK_K": [32, 128], "lin_num_warps": [4, 8],
+             "lin_num_stages": [1, 2], "lin_GEMV_SPLIT_K": [1, 2, 4, 8], "other": ["a", "b"]}
+    default = {"lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8, "lin_num_stages": 2,
+               "lin_GEMV_SPLIT_K": 1, "other": "b"}
+    t = dataclasses.replace(FAKE, phases=("decode",), space_fn=lambda spec: space, default_fn=lambda spec: default,
+                            seeds_fn=occupancy_seeds(lambda spec: default))
+    seed = {**default, "lin_GEMV_BLOCK_N": 32, "lin_GEMV_BLOCK_K": 128, "lin_num_stages": 1, "lin_GEMV_SPLIT_K": 8}
+    assert t.seeds(spec) == [seed]
+    first = LibraryProposer(templates=[t]).propose(spec, [], [], 3)
+    assert [c.config for c in first[:2]] == [default, seed]
+    small_gpu = spec.model_copy(update={"hardware": {**spec.hardware, "sm_count": 24}})
+    assert t.seeds(small_gpu)[0]["lin_GEMV_SPLIT_K"] == 1  # 24 column blocks already fill 24 SMs
+    assert t.seeds(spec.model_copy(update={"phase": "prefill"})) == []
+    assert dataclasses.replace(t, seeds_fn=lambda spec: [default]).seeds(spec) == []  # the default is not a seed
+    off = dataclasses.replace(t, seeds_fn=lambda spec: [{"lin_GEMV_SPLIT_K": 16, "other": "a"}])
+    assert off.seeds(spec) == [{**default, "other": "a"}]  # a value outside the space falls back to the default's
+    assert t.configs(spec, limit=10)[:2] == [default, seed]  # the sampled pool (192 points > 10) keeps the seed
+    # the library's decode templates that carry the seed, and one of them on a real Mamba-like shape
+    seeded = {x.name for x in TEMPLATES if x.seeds_fn(spec)}
+    assert {"ssm_block.mamba_decode_fused", "ssm_mixer.mamba_decode_fused", "ssm_block.mamba2_decode_fused",
+            "recurrent_block.rglru_decode"} <= seeded
+
+
 @pytest.mark.parametrize("width,rows,warps", [(128, [1, 2, 4, 8], [1, 2, 4, 8]), (5120, [1], [4, 8])])
 def test_mamba2_gated_norm_space_fits_its_width(width, rows, warps):
     """The gated norm's [ROWS, next_pow2(width)] tile must fit a thread's registers for every pair of the product

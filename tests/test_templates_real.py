@@ -164,6 +164,24 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
     assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
 
 
+# the decode templates with an occupancy seed (their largest launch a GEMV: out_proj)
+SEEDED = [(w, t) for w, t, p in CASES if p == "decode" and t.split(".")[0] in ("ssm_mixer", "ssm_block",
+                                                                                  "recurrent_block")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload,template", SEEDED, ids=[t for _, t in SEEDED])
+def test_occupancy_seed_passes(tiny_tasks, pool, workload, template):
+    """Each decode template's occupancy seed (tried right after its default) passes every gate."""
+    t = next(t for t in TEMPLATES if t.name == template)
+    spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
+                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+    seeds = t.seeds(spec)
+    assert len(seeds) == 1 and seeds[0]["lin_GEMV_BLOCK_N"] == 32, seeds
+    v = pool.verify(task_dir, t.render(spec, seeds[0]))
+    assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("template", ["ssm_mixer.mamba_decode_fused", "ssm_block.mamba_decode_fused"])
 def test_x_proj_inside_the_state_update_passes(tiny_tasks, pool, template):

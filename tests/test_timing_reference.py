@@ -260,6 +260,65 @@ def test_graph_timing_times_replays_per_call():
     assert 0 < cand.p50 < large.p50 and 0 < ref.p50 < large.p50 and cand.reps == ref.reps >= timing.GRAPH_REPLAYS
 
 
+def test_held_tensors_are_module_held_state_not_parameters():
+    """held_tensors: what time_graphs keeps alive across captures. RecurrentGemma-style state held as attributes
+    (nested submodules, lists and dicts too); parameters and buffers are the module's own and are not listed."""
+    outer = torch.nn.Linear(2, 2)
+    outer.inner = torch.nn.Linear(2, 2)
+    outer.register_buffer("buf", torch.zeros(1))
+    state, lst, dct = torch.ones(3), torch.ones(4), torch.ones(5)
+    outer.state = state
+    outer.inner.states = [lst, None]
+    outer.inner.by_name = {"h": dct}
+    held = timing.held_tensors(outer)
+    assert sorted(t.numel() for t in held) == [3, 4, 5]
+    assert {id(t) for t in held} == {id(state), id(lst), id(dct)}
+
+
+class _AssignedState(torch.nn.Module):
+    """A module that replaces its state every call, as RecurrentGemma's recurrent block does (new tensor)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.state = None
+
+    def forward(self, x):
+        self.state = self.state * 0.5 + x
+        return self.state
+
+
+@pytest.mark.gpu
+def test_graph_timing_keeps_the_state_a_capture_began_with():
+    """Two sides whose calls replace module-held state: the first side's graph reads the state its module held at
+    capture, which nothing else references; the second side's capture empties the allocator's cache. Without
+    time_graphs keeping it, that memory went back to the driver and the first replay faulted (on the H200: two
+    RecurrentGemma decode candidates, 2026-11-30-h200-h). 64 MB states: a segment of their own."""
+    dev = torch.device("cuda")
+    n = 1 << 24
+    sides = []
+    for _ in range(2):
+        m = _AssignedState(n)
+
+        def prepare(inputs, weights, state, static, m=m):
+            saved, m.state = m.state, state["h"].clone()
+
+            def restore():
+                m.state = saved
+            return ((inputs["x"],), {}), restore
+
+        def run(call, m=m):
+            args, kwargs = call
+            return m(*args, **kwargs)
+
+        run.held = lambda m=m: timing.held_tensors(m)
+        sides.append(([run], [prepare]))
+    args = [({"x": torch.ones(n, device=dev)}, {}, {"h": torch.zeros(n, device=dev)}, {})]
+    cand, ref = timing.time_graphs(sides, args, dev)
+    torch.cuda.synchronize()
+    assert 0 < cand.p50 and 0 < ref.p50
+
+
 def test_decode_timing_is_a_verifier_option(monkeypatch):
     """The optimize flow asks for graph timing through the verifier pool (not the environment): one pool per mode,
     the mode in the options every job carries to the worker; a bad mode is one error before a worker starts."""

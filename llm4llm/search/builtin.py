@@ -2,10 +2,10 @@
 
 Policy per pick: with probability 1 - `explore`, exploit (the nearest untried neighbour of the best config known
 from feedback or experience); after a failure with nothing passing yet, repair (step the failed config on the keys
-its failure implicates, toward the template's default); otherwise explore (template defaults first, then random
-points, favouring values not tried yet). Points ruled out by experience or by the evidence of this episode's
-feedback (exact failures and the rules derived from them) are never proposed, and neither is a point this search
-already tried: the proposer remembers what it emitted per task until `reset()`.
+its failure implicates, toward the template's default); otherwise explore (template defaults first, then their
+seeds, then random points, favouring values not tried yet). Points ruled out by experience or by the evidence of
+this episode's feedback (exact failures and the rules derived from them) are never proposed, and neither is a point
+this search already tried: the proposer remembers what it emitted per task until `reset()`.
 """
 from __future__ import annotations
 
@@ -159,6 +159,10 @@ def _explore(pool, templates, spec, evidence: list[Point], picks, rng) -> tuple[
         d = t.default(spec)
         if (name, d) in pool and config_key(name, d) not in chosen:
             return (name, d)
+    for name, t in templates.items():  # then its seeds (points derived from the task's shapes and GPU)
+        for s in t.seeds(spec):
+            if (name, s) in pool and config_key(name, s) not in chosen:
+                return (name, s)
     used_t = [p.template for p in evidence] + [t for t, _, _ in picks]
     fresh_t = [name for name in templates if name not in used_t]
     cands = [p for p in pool if p[0] in fresh_t] or pool

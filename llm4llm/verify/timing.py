@@ -74,7 +74,22 @@ def _module_runner(task, module: torch.nn.Module) -> tuple[Callable, Prepare]:
         with torch.inference_mode():
             return module(*args, **kwargs)
 
+    run.held = lambda: held_tensors(module)  # what a graph captured now reads from the module (time_graphs)
     return run, prepare
+
+
+def held_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors the module and its submodules hold as plain attributes (module-held state such as
+    RecurrentGemma's `conv1d_state`, directly or in a list/tuple/dict), not parameters or buffers."""
+    out: list[torch.Tensor] = []
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else (value,)
+            out += [t for t in items if isinstance(t, torch.Tensor)]
+    return out
 
 
 def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
@@ -225,15 +240,23 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     side's graph cycles its GRAPH_CALLS calls through its replicas (`weight_replicas`), each replica's call prepared
     from its own copy of the draw. The sides' replays alternate, so a clock or host change during the measurement
     moves both (on the H200 one reference timed 0.459 ms in one call and 0.110 ms in another, 2026-11-30, while
-    the candidates were timed against it minutes apart)."""
+    the candidates were timed against it minutes apart).
+
+    A graph's first call reads the state its module held when the capture began. Where a call replaces
+    module-held state (RecurrentGemma's blocks assign new tensors), nothing else keeps that tensor, and the next
+    side's capture (torch.cuda.graph empties the allocator's cache) handed its memory back to the driver: on the
+    H200 two RecurrentGemma decode candidates that write their state back by assignment failed this way with an
+    illegal memory access (2026-11-30-h200-h). `keep` holds every call's prepared arguments and each replica's
+    module-held tensors at its side's capture until the timing is done."""
     from kernels_runtime.graphs import CudaGraphBackend
 
-    prepared, cleanups = [], []
+    prepared, cleanups, keep = [], [], []
     try:
         for fns, preps in sides:
             calls = []
             for fn, prep in zip(fns, preps):
                 a = _clone_args(args[0])
+                keep.append(a)
                 if prep is None:
                     calls.append((fn, a, False))
                 else:
@@ -255,6 +278,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
             for calls in prepared:
                 run = runner(calls)
                 backend.warmup(run)  # GRAPH_CALLS >= WARMUP calls, every replica's among them
+                keep += [held_of() for held_of in {id(c[0]): getattr(c[0], "held", list) for c in calls}.values()]
                 graphs.append(backend.record(run)[0])
             stream = torch.cuda.current_stream(device)
 
@@ -284,6 +308,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     finally:
         for cleanup in cleanups:
             cleanup()
+        keep.clear()
     return lats
 
 

@@ -26,3 +26,33 @@ def linear_space(spec: TaskSpec) -> dict[str, list]:
 
 def linear_default(spec: TaskSpec) -> dict:
     return dict(DECODE_DEFAULT if spec.phase == "decode" else PREFILL_DEFAULT)
+
+
+SMS_DEFAULT = 132  # H100 / H200 SXM, for task specs profiled without an SM count
+
+
+def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
+    """Decode GEMV keys that give an [*, K] x [K, n] projection at least one program per SM: 32-wide column blocks
+    and K split in 1, 2, 4 or 8 until cdiv(n, 32) x split >= sms (the op never splits finer than one 128-deep K
+    tile a program), 8 warps, no pipelining. On the H200 (2026-11-30-h200-g, mamba-130m, n = 768) this point
+    timed 15.0 us for the whole fused block against 29.7-31.4 us for the 16-wide unsplit default, which launches
+    48 programs on 132 SMs; a search of 8 trials that started from the default never left its neighbourhood
+    (2026-11-30-h200-h)."""
+    blocks = -(-n // 32)
+    split = next((s for s in (1, 2, 4, 8) if blocks * s >= sms), 8)
+    return {"lin_GEMV_BLOCK_N": 32, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8, "lin_num_stages": 1,
+            "lin_GEMV_SPLIT_K": split}
+
+
+def occupancy_seeds(default_fn, output: str = "out"):
+    """seeds_fn of a decode template whose largest launch is a GEMV writing `output`: its default with the GEMV
+    keys of `gemv_occupancy` for that output's width on the task's GPU (SM count from the profile's hardware)."""
+
+    def seeds(spec: TaskSpec) -> list[dict]:
+        sig = next((c.outputs.get(output) for c in spec.cases if c.outputs.get(output)), None)
+        if spec.phase != "decode" or sig is None or not sig.shape:
+            return []
+        sms = spec.hardware.get("sm_count") or SMS_DEFAULT
+        return [{**default_fn(spec), **gemv_occupancy(int(sig.shape[-1]), int(sms))}]
+
+    return seeds

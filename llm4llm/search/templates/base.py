@@ -39,6 +39,8 @@ class Template:
     render_fn: Callable[[TaskSpec, dict[str, Any]], str]
     applies_fn: Callable[[TaskSpec], str | None] = lambda spec: None  # None, or why the task is out of scope
     default_fn: Callable[[TaskSpec], dict[str, Any]] = lambda spec: {}  # preferred values (else each key's first)
+    # further starting points tried right after the default (derived from the task's shapes and GPU)
+    seeds_fn: Callable[[TaskSpec], list[dict[str, Any]]] = lambda spec: []
     choice_requires: dict[tuple[str, Any], tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
     def missing_ops(self, config: dict[str, Any] | None = None) -> list[str]:
@@ -71,18 +73,32 @@ class Template:
         space, pref = self.space(spec), self.default_fn(spec)
         return {k: pref[k] if pref.get(k) in vals else vals[0] for k, vals in space.items()}
 
+    def seeds(self, spec: TaskSpec) -> list[dict[str, Any]]:
+        """The seeds_fn points that lie in the space (full configs: the default fills keys a seed leaves out),
+        without the default and without repeats."""
+        space, default = self.space(spec), self.default(spec)
+        out, seen = [], {config_key("", default)}
+        for pref in self.seeds_fn(spec):
+            c = {k: pref[k] if pref.get(k) in vals else default[k] for k, vals in space.items()}
+            if config_key("", c) not in seen:
+                seen.add(config_key("", c))
+                out.append(c)
+        return out
+
     def configs(self, spec: TaskSpec, limit: int = 20000) -> list[dict[str, Any]]:
-        """Every point of the space, or, when it has more than `limit`, the default, every point one key away from
-        it, then a uniform sample of the rest (seeded by template and task: reproducible). A plain cut of the
-        product would keep only the first keys' smallest values and drop the default (the fused Mamba2 decode
-        space has 4.0M points: its searches had tried only 16x32 one-warp GEMVs and never the default)."""
+        """Every point of the space, or, when it has more than `limit`, the default and the seeds, every point one
+        key away from the default, then a uniform sample of the rest (seeded by template and task: reproducible).
+        A plain cut of the product would keep only the first keys' smallest values and drop the default (the fused
+        Mamba2 decode space has 4.0M points: its searches had tried only 16x32 one-warp GEMVs and never the
+        default)."""
         space = self.space(spec)
         keys, sizes = list(space), [len(v) for v in space.values()]
         total = math.prod(sizes)
         if total <= limit:
             return [dict(zip(keys, vals)) for vals in itertools.product(*space.values())]
         default = self.default(spec)
-        out, seen = [default], {config_key("", default)}
+        out = [default, *self.seeds(spec)]
+        seen = {config_key("", c) for c in out}
         for k, vals in space.items():
             for v in vals:
                 c = {**default, k: v}

@@ -11,7 +11,7 @@ Limits: SiLU activation only; a multi-token call continuing a cached state (chun
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
                                              MIXER_PREFILL_ENTRY, block_applies, renderer)
@@ -255,10 +255,11 @@ TEMPLATES = [
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba2_decode", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, RND, CONV_UPDATE, SSD_UPDATE), space_fn=_space, render_fn=_render_decode,
-             applies_fn=_applies, default_fn=_default),
+             applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
     Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
-             render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused),
+             render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused,
+             seeds_fn=occupancy_seeds(_default_fused)),
     Template(name="ssm_block.mamba2", family="ssm_block", phases=("prefill",),
              requires=(LINEAR_OP, RND, CONV, SSD, ("kernels_runtime.ops.rmsnorm", "rmsnorm")), space_fn=_space,
              render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba2", _applies),
@@ -266,5 +267,5 @@ TEMPLATES = [
     Template(name="ssm_block.mamba2_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
              render_fn=_render_block_decode_fused, applies_fn=block_applies("ssm_block.mamba2_decode_fused", _applies),
-             default_fn=_default_fused),
+             default_fn=_default_fused, seeds_fn=occupancy_seeds(_default_fused)),
 ]

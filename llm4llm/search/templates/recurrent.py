@@ -10,7 +10,7 @@ task would carry state); the GELU variants are the tanh approximation (Recurrent
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.ssm import HELPERS
 from llm4llm.taskspec import TaskSpec
@@ -132,5 +132,5 @@ TEMPLATES = [
              default_fn=_default),
     Template(name="recurrent_block.rglru_decode", family="recurrent_block", phases=("decode",),
              requires=(LINEAR_OP, CONV_UPDATE, RGLRU), space_fn=_space, render_fn=_render_decode,
-             applies_fn=_applies, default_fn=_default),
+             applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
 ]

@@ -11,7 +11,7 @@ result in the weight dtype before the SiLU, dt + bias and softplus (log1p) in dt
 before the C contraction, and round-to-nearest bf16 stores under the interpreter (which truncates)."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
                                              MIXER_PREFILL_ENTRY, block_applies, renderer)
@@ -246,14 +246,15 @@ TEMPLATES = [
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE), space_fn=_space, render_fn=_render_decode,
-             applies_fn=_applies, default_fn=_default),
+             applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
     Template(name="ssm_mixer.mamba_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_decode_fused,
-             applies_fn=_applies_fused, default_fn=_default_fused),
+             applies_fn=_applies_fused, default_fn=_default_fused, seeds_fn=occupancy_seeds(_default_fused)),
     Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP),
              space_fn=_space, render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba", _applies),
              default_fn=_default),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_block_decode_fused,
-             applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused),
+             applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused,
+             seeds_fn=occupancy_seeds(_default_fused)),
 ]
