@@ -29,7 +29,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     accept_noisy_rounds: more alternating (trial, baseline) pairs when the baseline drifts by more than delta.
     decode_graphs: auto | on | off (or a bool). On the GPU the model's one-token decode steps replay from CUDA graphs
     (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay (the verifier's
-    decode_timing="graph"), acceptance's baseline and trials run with graphs, and
+    decode_timing="graph"; "graph_prefill", prefill candidates too, where the prompt forward on a Mamba/Mamba2 cache
+    replays from a graph as well: pipeline.prefill_graphed), acceptance's baseline and trials run with graphs, and
     the bundle ships with them. auto: on when every module's decode state sits in a static-address cache (Mamba,
     Mamba2), a KV cache that the run swaps for transformers' static cache (Llama, Qwen3, RecurrentGemma's attention)
     or on modules with a state adapter (RecurrentGemma's recurrent blocks), decided from the extracted tasks
@@ -56,7 +57,9 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     graphs, static_cache, why = pipeline.decode_graphs_plan(ext["index_path"], device, decode_graphs)
     print(f"decode graphs: {why}")
     out["decode_graphs"] = why
-    decode_timing = "graph" if graphs else "launch"
+    # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
+    decode_timing = ("graph_prefill" if pipeline.prefill_graphed(ext["index_path"]) else "graph") if graphs \
+        else "launch"
     if e2e_variants is None:
         # what this run produced first (each row lands as it is measured), the compiled baseline last: its compile
         # is the slowest step, and a run stopped by a time limit then still has the patched numbers

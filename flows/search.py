@@ -14,8 +14,9 @@ def search_tasks(run_id: str, db_path: str | None = None, data_dir: str | None =
                  seed: int = 0, task_ids: list[str] | None = None, families: list[str] | None = None,
                  top: int | None = None, llm: dict | None = None, decode_timing: str = "launch") -> list[dict]:
     """Fan out one search per task of a run. Timing is one job per GPU at a time: all searches share the device's
-    single verifier worker, whose lock serializes them. decode_timing: "launch" (back to back) or "graph" (GPU time
-    under CUDA-graph replay, for a run whose decode steps replay from graphs)."""
+    single verifier worker, whose lock serializes them. decode_timing: "launch" (back to back), "graph" (GPU time
+    under CUDA-graph replay, for a run whose decode steps replay from graphs) or "graph_prefill" (prefill tasks too,
+    where the prompt forward replays from graphs as well)."""
     data_dir = _defaults(data_dir)
     dirs = searchable_tasks(run_id, db_path, task_ids, families, top, proposer)
     try:

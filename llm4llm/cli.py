@@ -260,7 +260,9 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
            timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
            decode_timing: str = typer.Option(
                "launch", help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
-                              "replay (what `optimize` uses when the model's decode steps run from graphs)"),
+                              "replay (what `optimize` uses when the model's decode steps run from graphs) | "
+                              "graph_prefill: prefill candidates too (Mamba, Mamba2: their prompt forward is "
+                              "graphed as well)"),
            llm_model: Optional[str] = typer.Option(None), llm_api_base: Optional[str] = typer.Option(None),
            db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
            verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:

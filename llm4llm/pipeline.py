@@ -288,7 +288,8 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
                     decode_timing: str = "launch") -> dict:
     """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
     and an `experience` record. Returns a small summary. decode_timing: "graph" times decode candidates by GPU time
-    under CUDA-graph replay (a run whose decode steps replay from graphs), "launch" back to back."""
+    under CUDA-graph replay (a run whose decode steps replay from graphs), "graph_prefill" prefill candidates too
+    (a run whose prompt forward replays from graphs as well), "launch" back to back."""
     from llm4llm import progress
     from llm4llm.search.episode import run_search
     from llm4llm.taskspec import load_spec
@@ -560,6 +561,17 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
                               f"{sorted(STATIC_LAYERS)}, {list(KV_LAYERS)} under the static cache, or on modules: "
                               f"{sorted(MODULE_ADAPTERS)})")
     return True, static, f"on (auto): decode state only in {sorted(adapters)}{cache_note}"
+
+
+def prefill_graphed(index_path: str) -> bool:
+    """Whether the run's prompt forward replays from a CUDA graph when its decode graphs are on: kernels_runtime
+    graphs a prefill only on a cache whose every layer is one of PREFILL_LAYERS (Mamba, Mamba2), so every extracted
+    task that keeps state must keep it there, and one must."""
+    from kernels_runtime.graphs import PREFILL_LAYERS
+
+    adapters = {((t.get("recipe") or {}).get("state") or {}).get("adapter") for t in json.loads(
+        Path(index_path).read_text())} - {None}
+    return bool(adapters) and adapters <= set(PREFILL_LAYERS)
 
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,

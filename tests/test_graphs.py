@@ -367,6 +367,20 @@ def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, static, w
     assert got is on and got_static is static and why in reason, reason
 
 
+@pytest.mark.parametrize("adapters, graphed", [
+    (["LinearAttentionLayer", None], True),  # Mamba, Mamba2: the prompt forward is graphed too
+    (["LinearAttentionLayer", "DynamicLayer"], False),  # a hybrid's KV layers: prefill graphs refuse the cache
+    (["LinearAttentionLayer", "RecurrentGemmaRecurrentBlock"], False),  # state on modules: refused too
+    (["DynamicLayer"], False), ([None], False), ([], False),
+])
+def test_prefill_graphed(tmp_path, adapters, graphed):
+    """Prefill candidates are timed under graph replay only where kernels_runtime graphs the prompt forward: every
+    task that keeps state keeps it in a PREFILL_LAYERS cache layer."""
+    from llm4llm.pipeline import prefill_graphed
+
+    assert prefill_graphed(_index(tmp_path, adapters)) is graphed
+
+
 def test_decode_graphs_choice_is_one_error(tmp_path):
     from typer.testing import CliRunner
 

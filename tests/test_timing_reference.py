@@ -179,6 +179,37 @@ def _graph_stand_in(monkeypatch, seen: list, scale=lambda lat: lat, l2: int = 0)
     monkeypatch.setattr(timing, "l2_bytes", lambda device: l2)
 
 
+def test_prefill_tasks_are_graph_timed_only_with_prefill_graphs(tiny_extracted, cpu_events, monkeypatch, tmp_path):
+    """decode_timing "graph" graphs decode tasks only; "graph_prefill" (the model's prompt forward replays from a
+    graph: Mamba, Mamba2) graphs prefill tasks as well. The graph timer is stood in for on the CPU."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    task = next(t for t in (load_task(d) for d in tiny_extracted("tiny-mamba"))
+                if t.spec.phase == "prefill" and t.spec.family == "ssm_mixer")
+    tpl = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba")
+    source = tpl.render(task.spec, tpl.default(task.spec))
+    module = load_candidate(source, tmp_path, "timing_prefill_candidate")
+    seen = []
+    _graph_stand_in(monkeypatch, seen)
+    dev = torch.device("cpu")
+    draws = make_draws(task, dev, 0, 0)
+    try:
+        for decode_graph, prefill_graph, graphed in ((True, False, False), (True, True, True), (False, False, False)):
+            timing._REFERENCE_CACHE.clear()
+            seen.clear()
+            v = Verdict(source_hash="x", task_id=task.spec.task_id)
+            timing.time_task(v, task, module.entry, draws, dev, source=source, decode_graph=decode_graph,
+                             prefill_graph=prefill_graph)
+            detail = {g.name: g.detail for g in v.gates}["timing_in_context"]
+            assert ("CUDA-graph replay" in detail) is graphed and bool(seen) is graphed, detail
+    finally:
+        unload_candidate("timing_prefill_candidate")
+    assert "graph_prefill" in __import__("llm4llm.verify.worker", fromlist=["x"]).DECODE_TIMINGS
+
+
 def test_weight_replicas_cover_twice_the_l2():
     assert timing.weight_replicas(10 << 20, 50 << 20) == 10  # mamba-130m's block: 7.4 MB a layer
     assert timing.weight_replicas(54 << 20, 50 << 20) == 2  # mamba2's in_proj alone is 54 MB

@@ -480,7 +480,8 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
     from llm4llm.verify.timing import time_task
 
     try:
-        time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing == "graph")
+        time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing != "launch",
+                  prefill_graph=decode_timing == "graph_prefill")
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     return v.finish(), False

@@ -23,7 +23,9 @@ HF's ops under graph replay). The graph cycles through copies of the module with
 twice the L2 (`weight_replicas`): in the model a layer's weights come from HBM, not from L2 where twenty calls of one
 module keep them. Candidate and reference are captured side by side and their replays alternate, so the reference is
 timed with each candidate, not once per worker: a clock or host change moves both. Where a call cannot be captured,
-it is timed back to back and the gate says so.
+it is timed back to back and the gate says so. `decode_timing="graph_prefill"` times prefill tasks the same way:
+the optimize flow sets it where the model's prompt forward replays from a graph too (kernels_runtime's prefill
+graphs: every cache layer a Mamba/Mamba2 `LinearAttentionLayer`).
 There is no CPU timing: a CPU time would say nothing about the GPU and must never count as a speedup.
 """
 from __future__ import annotations
@@ -321,7 +323,7 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
 
 
 def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None,
-              decode_graph: bool = False) -> None:
+              decode_graph: bool = False, prefill_graph: bool = False) -> None:
     """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
     The reference is the module's own forward (`module_call`), built and timed once per task in this worker (under
     graph replay: with each candidate, their replays alternating, `time_graphs`). With `source`,
@@ -390,7 +392,10 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device)
         return c, r, f"{copies} weight copy, alternating with the reference"
 
-    graph = decode_graph and task.spec.phase == "decode"  # time_task runs only on a GPU (gates.run_gates)
+    # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
+    # timed 956 us back to back where its kernels take about 350 us (eight Triton launches at ~75 us of host each),
+    # so the search ranked prefill configs by host time, while the model replays its prompt forward from a graph
+    graph = (decode_graph and task.spec.phase == "decode") or (prefill_graph and task.spec.phase == "prefill")
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
     weights = [all_weights[k] for k in timed]

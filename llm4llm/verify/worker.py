@@ -63,8 +63,9 @@ def _serve(conn, run_gates) -> None:
 
 
 # How decode tasks are timed (llm4llm/verify/timing.py): "launch", calls back to back as eager decoding runs them;
-# "graph", GPU time under CUDA-graph replay, as decoding runs under kernels_runtime.graphs.
-DECODE_TIMINGS = ("launch", "graph")
+# "graph", GPU time under CUDA-graph replay, as decoding runs under kernels_runtime.graphs; "graph_prefill", prefill
+# tasks that way too, where the model's prompt forward replays from graphs as well (Mamba, Mamba2).
+DECODE_TIMINGS = ("launch", "graph", "graph_prefill")
 
 
 class VerifierPool:
