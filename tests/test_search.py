@@ -221,10 +221,30 @@ def test_decode_templates_try_the_occupancy_seed_right_after_their_default(task_
     off = dataclasses.replace(t, seeds_fn=lambda spec: [{"lin_GEMV_SPLIT_K": 16, "other": "a"}])
     assert off.seeds(spec) == [{**default, "other": "a"}]  # a value outside the space falls back to the default's
     assert t.configs(spec, limit=10)[:2] == [default, seed]  # the sampled pool (192 points > 10) keeps the seed
-    # the library's decode templates that carry the seed, and one of them on a real Mamba-like shape
+    # the library's decode templates that carry the seed
     seeded = {x.name for x in TEMPLATES if x.seeds_fn(spec)}
     assert {"ssm_block.mamba_decode_fused", "ssm_mixer.mamba_decode_fused", "ssm_block.mamba2_decode_fused",
             "recurrent_block.rglru_decode"} <= seeded
+
+
+@pytest.mark.parametrize("inner,block_d", [(1536, 8), (5120, 32), (64, 8)])
+def test_mamba_fused_decode_seeds_the_state_update_occupancy_too(task_dir, inner, block_d):
+    """Mamba's fused decode templates have a second seed: the first one's GEMV keys plus the state update's
+    channel block that gives its (B, I / ssu_BLOCK_D) grid a program per SM (mamba-130m: I = 1536 -> 8, 192
+    programs; at the default 64, 24 programs)."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.search.templates._linear import programs_block
+    from llm4llm.taskspec import CaseSig, TensorSig
+
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    case = CaseSig(inputs={}, state={"ssm_state": TensorSig(shape=[1, inner, 16], dtype="float32")},
+                   outputs={"out": TensorSig(shape=[1, 1, 768], dtype="bfloat16")})
+    spec = spec.model_copy(update={"phase": "decode", "cases": [case]})
+    t = next(x for x in TEMPLATES if x.name == "ssm_mixer.mamba_decode_fused")
+    first, second = t.seeds(spec)
+    assert first["lin_GEMV_SPLIT_K"] == second["lin_GEMV_SPLIT_K"] == 8
+    assert second == {**first, "ssu_BLOCK_D": block_d} and first["ssu_BLOCK_D"] == t.default(spec)["ssu_BLOCK_D"]
+    assert programs_block(1536, [8, 16, 32, 64], 24) == 64  # a 24-SM GPU: the default's 24 programs fill it
 
 
 @pytest.mark.parametrize("width,rows,warps", [(128, [1, 2, 4, 8], [1, 2, 4, 8]), (5120, [1], [4, 8])])

@@ -44,15 +44,24 @@ def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
             "lin_GEMV_SPLIT_K": split}
 
 
-def occupancy_seeds(default_fn, output: str = "out"):
+def occupancy_seeds(default_fn, output: str = "out", extras: tuple = ()):
     """seeds_fn of a decode template whose largest launch is a GEMV writing `output`: its default with the GEMV
-    keys of `gemv_occupancy` for that output's width on the task's GPU (SM count from the profile's hardware)."""
+    keys of `gemv_occupancy` for that output's width on the task's GPU (SM count from the profile's hardware); then,
+    for each of `extras` (spec, sms) -> dict of further keys (or None), that seed with those keys too."""
 
     def seeds(spec: TaskSpec) -> list[dict]:
         sig = next((c.outputs.get(output) for c in spec.cases if c.outputs.get(output)), None)
         if spec.phase != "decode" or sig is None or not sig.shape:
             return []
-        sms = spec.hardware.get("sm_count") or SMS_DEFAULT
-        return [{**default_fn(spec), **gemv_occupancy(int(sig.shape[-1]), int(sms))}]
+        sms = int(spec.hardware.get("sm_count") or SMS_DEFAULT)
+        base = {**default_fn(spec), **gemv_occupancy(int(sig.shape[-1]), sms)}
+        more = [extra(spec, sms) for extra in extras]
+        return [base] + [{**base, **m} for m in more if m]
 
     return seeds
+
+
+def programs_block(width: int, blocks: list[int], sms: int = SMS_DEFAULT) -> int:
+    """The largest of `blocks` (ascending) that cuts `width` into at least `sms` programs, else the smallest."""
+    fits = [b for b in blocks if -(-width // b) >= sms]
+    return fits[-1] if fits else blocks[0]
