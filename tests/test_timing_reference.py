@@ -165,10 +165,13 @@ def test_a_patch_that_always_falls_back_is_timed_as_its_bare_entry(fused_candida
             assert [module.entry] in graph_calls  # the bare entry, after the patched call fell back
 
 
-def _graph_stand_in(monkeypatch, seen: list, scale=lambda lat: lat, l2: int = 0):
+def _graph_stand_in(monkeypatch, seen: list, scale=lambda lat: lat, l2: int = 0, fresh_seen: list | None = None):
     """On the CPU the graph timer (time_graphs) is stood in for by the back-to-back one on each side's first
-    replica; `seen` gets each side's replica functions, `l2` is the L2 size the copies are sized for."""
-    def stand_in(sides, args, device):
+    replica; `seen` gets each side's replica functions, `l2` is the L2 size the copies are sized for, `fresh_seen`
+    each call's `fresh`."""
+    def stand_in(sides, args, device, fresh=False):
+        if fresh_seen is not None:
+            fresh_seen.append(fresh)
         out = []
         for fns, preps in sides:
             seen.append(list(fns))
@@ -192,8 +195,8 @@ def test_prefill_tasks_are_graph_timed_only_with_prefill_graphs(tiny_extracted, 
     tpl = next(t for t in TEMPLATES if t.name == "ssm_mixer.mamba")
     source = tpl.render(task.spec, tpl.default(task.spec))
     module = load_candidate(source, tmp_path, "timing_prefill_candidate")
-    seen = []
-    _graph_stand_in(monkeypatch, seen)
+    seen, fresh = [], []
+    _graph_stand_in(monkeypatch, seen, fresh_seen=fresh)
     dev = torch.device("cpu")
     draws = make_draws(task, dev, 0, 0)
     try:
@@ -207,7 +210,35 @@ def test_prefill_tasks_are_graph_timed_only_with_prefill_graphs(tiny_extracted, 
             assert ("CUDA-graph replay" in detail) is graphed and bool(seen) is graphed, detail
     finally:
         unload_candidate("timing_prefill_candidate")
+    assert fresh == [True]  # the graphed prefill's calls each on a fresh cache (side_calls)
     assert "graph_prefill" in __import__("llm4llm.verify.worker", fromlist=["x"]).DECODE_TIMINGS
+
+
+def test_prefill_graph_calls_each_run_on_a_fresh_cache(tiny_extracted, monkeypatch):
+    """side_calls: decode graphs prepare one call per replica (the state advances call to call); prefill graphs
+    (`fresh`) one per call, each on its own fresh cache. HF's Mamba prefill continues from a cache that holds state
+    (another output: another path, which a capture would freeze), so only the fresh calls all compute the prompt
+    forward the model runs; time_task asks for them on prefill tasks."""
+    monkeypatch.setattr(timing, "GRAPH_CALLS", 5)
+    task = next(t for t in (load_task(d) for d in tiny_extracted("tiny-mamba"))
+                if t.spec.phase == "prefill" and t.spec.family == "ssm_mixer")
+    dev = torch.device("cpu")
+    fns, preps = timing.module_replicas(task, dev, 2)
+    case = task.cases[0]
+    args = (case.inputs, case.weights, case.state, task.spec.static)
+    outs = {}
+    for fresh in (False, True):
+        keep = []
+        calls, cleanups = timing.side_calls(fns, preps, args, fresh, keep)
+        assert len(calls) == (5 if fresh else 2) == len(cleanups) == len(keep)
+        assert len({id(c[1]) for c in calls}) == len(calls) and all(c[2] for c in calls)
+        outs[fresh] = [c[0](c[1]) for c in (calls[i % len(calls)] for i in range(5))]  # MambaMixer: a tensor
+        for cleanup in reversed(cleanups):
+            cleanup()
+    assert all(torch.equal(o, outs[True][0]) for o in outs[True])  # every call the same fresh prompt forward
+    assert not torch.equal(outs[False][0], outs[False][2])  # replica 0's second call continued from its state
+    bare = timing.side_calls([lambda *a: None], [None], args, True, [])[0]
+    assert len(bare) == 5 and not bare[0][2] and bare[0][1] is not args  # bare entries: a copy of the draw
 
 
 def test_weight_replicas_cover_twice_the_l2():
@@ -348,6 +379,34 @@ def test_graph_timing_keeps_the_state_a_capture_began_with():
     cand, ref = timing.time_graphs(sides, args, dev)
     torch.cuda.synchronize()
     assert 0 < cand.p50 and 0 < ref.p50
+
+
+@pytest.mark.gpu
+def test_fresh_graph_timing_captures_every_call_on_a_state_prepared_after_the_warm_up():
+    """time_graphs(fresh=True), the prefill graphs: GRAPH_CALLS calls each prepared from its own copy of the draw,
+    prepared again after the warm-up, so the captured calls read states no warm-up call touched: each of those
+    advanced once per replay, alike; the warm-up's states once, by the warm-up alone."""
+    dev = torch.device("cuda")
+    prepared = []
+
+    def prepare(inputs, weights, state, static):
+        prepared.append(state["h"])
+        return ((inputs["x"], state["h"]), {}), lambda: None
+
+    def run(call):
+        x, h = call[0]
+        h.add_(x)
+        return h
+
+    args = [({"x": torch.ones(256, device=dev)}, {}, {"h": torch.zeros(256, device=dev)}, {})]
+    lat = timing.time_graphs([([run, run], [prepare, prepare])], args, dev, fresh=True)[0]
+    torch.cuda.synchronize()
+    n = timing.GRAPH_CALLS
+    assert len(prepared) == 2 * n and lat.reps >= timing.GRAPH_REPLAYS
+    warm, captured = prepared[:n], prepared[n:]
+    assert all(h.eq(1).all() for h in warm)
+    counts = {float(h[0]) for h in captured}
+    assert len(counts) == 1 and counts.pop() >= timing.GRAPH_REPLAYS  # every call replayed, each on its own state
 
 
 def test_decode_timing_is_a_verifier_option(monkeypatch):

@@ -236,8 +236,28 @@ def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
     return time_graphs([([fn], [prepare])], args, device)[0]
 
 
+def side_calls(fns: list[Callable], preps: list[Prepare | None], args: Args, fresh: bool, keep: list
+               ) -> tuple[list[tuple[Callable, object, bool]], list[Callable[[], None]]]:
+    """One side's calls for a graph of GRAPH_CALLS, cycling its replicas, and their cleanups: one prepared call
+    per replica (decode: the state advances call to call), or with `fresh` one per call, each from its own copy of
+    the draw (prefill: every prompt forward on a fresh cache). Entries are (fn, call, wrapped): wrapped calls go
+    through a prepared module call, fn(call); bare entries get the draw, fn(*args). `keep` gets every copy."""
+    calls, cleanups = [], []
+    for i in range(GRAPH_CALLS if fresh else len(fns)):
+        fn, prep = fns[i % len(fns)], preps[i % len(fns)]
+        a = _clone_args(args)
+        keep.append(a)
+        if prep is None:
+            calls.append((fn, a, False))
+        else:
+            call, cleanup = prep(*a)
+            cleanups.append(cleanup)
+            calls.append((fn, call, True))
+    return calls, cleanups
+
+
 def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: list[Args],
-                device: torch.device) -> list[Latency]:
+                device: torch.device, fresh: bool = False) -> list[Latency]:
     """`time_call_graph` for one or more sides (candidate, reference), each a list of replicas (fn, prepare): a
     side's graph cycles its GRAPH_CALLS calls through its replicas (`weight_replicas`), each replica's call prepared
     from its own copy of the draw. The sides' replays alternate, so a clock or host change during the measurement
@@ -249,23 +269,20 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     side's capture (torch.cuda.graph empties the allocator's cache) handed its memory back to the driver: on the
     H200 two RecurrentGemma decode candidates that write their state back by assignment failed this way with an
     illegal memory access (2026-11-30-h200-h). `keep` holds every call's prepared arguments and each replica's
-    module-held tensors at its side's capture until the timing is done."""
+    module-held tensors at its side's capture until the timing is done.
+
+    `fresh` (prefill tasks): every call of the graph gets its own freshly prepared cache (`side_calls`), prepared
+    again after the warm-up, so the capture records a prompt forward on a fresh cache each time, as the model runs
+    it. A capture freezes the Python path a call took: HF's Mamba/Mamba2 forwards continue from a cache that holds
+    state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed."""
     from kernels_runtime.graphs import CudaGraphBackend
 
     prepared, cleanups, keep = [], [], []
     try:
         for fns, preps in sides:
-            calls = []
-            for fn, prep in zip(fns, preps):
-                a = _clone_args(args[0])
-                keep.append(a)
-                if prep is None:
-                    calls.append((fn, a, False))
-                else:
-                    call, cleanup = prep(*a)
-                    cleanups.append(cleanup)
-                    calls.append((fn, call, True))
+            calls, side_cleanups = side_calls(fns, preps, args[0], fresh, keep)
             prepared.append(calls)
+            cleanups.append(side_cleanups)
 
         def runner(calls):
             def run():
@@ -277,11 +294,15 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
         backend = CudaGraphBackend()
         with torch.no_grad(), torch.cuda.device(device):
             graphs = []
-            for calls in prepared:
-                run = runner(calls)
-                backend.warmup(run)  # GRAPH_CALLS >= WARMUP calls, every replica's among them
+            for j, (fns, preps) in enumerate(sides):
+                backend.warmup(runner(prepared[j]))  # GRAPH_CALLS >= WARMUP calls, every replica's among them
+                if fresh:  # the warm-up ran every prompt forward on its cache: capture from fresh ones
+                    for cleanup in reversed(cleanups[j]):
+                        cleanup()
+                    prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
+                calls = prepared[j]
                 keep += [held_of() for held_of in {id(c[0]): getattr(c[0], "held", list) for c in calls}.values()]
-                graphs.append(backend.record(run)[0])
+                graphs.append(backend.record(runner(calls))[0])
             stream = torch.cuda.current_stream(device)
 
             def replay_all(record: bool):
@@ -308,8 +329,9 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
             lats = [latency([r[j][0].elapsed_time(r[j][1]) / GRAPH_CALLS for r in rounds]) for j in range(len(graphs))]
             graphs.clear()
     finally:
-        for cleanup in cleanups:
-            cleanup()
+        for side_cleanups in cleanups:
+            for cleanup in reversed(side_cleanups):
+                cleanup()
         keep.clear()
     return lats
 
@@ -363,6 +385,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         return _REFERENCE_CACHE[key]
 
     replicas: dict = {}
+    fresh = task.spec.phase == "prefill"  # under graphs only with prefill_graph: each prompt forward on a fresh cache
 
     def graph_pair(args) -> tuple[Latency, Latency, str]:
         """Candidate and reference under graph replay, their replays alternating, each cycling through as many
@@ -380,7 +403,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
                 replicas["candidate"] = patched_replicas(task, source, device, copies)
             cand_side, calls = replicas["candidate"]
             ran = calls()
-            c, r = time_graphs([cand_side, ref_side], args, device)
+            c, r = time_graphs([cand_side, ref_side], args, device, fresh=fresh)
             if calls() > ran:
                 return c, r, f"{copies} weight copies, alternating with the reference"
             cand_fn, cand_prepare, kernel_calls = entry, None, None
@@ -389,7 +412,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
             if 1 not in replicas:
                 replicas[1] = module_replicas(task, device, 1)
             ref_side = replicas[1]
-        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device)
+        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device, fresh=fresh)
         return c, r, f"{copies} weight copy, alternating with the reference"
 
     # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
