@@ -227,6 +227,22 @@ def test_decode_templates_try_the_occupancy_seed_right_after_their_default(task_
             "recurrent_block.rglru_decode"} <= seeded
 
 
+@pytest.mark.parametrize("inner,block_d", [(1536, 8), (5120, 32), (128, 8)])
+def test_mamba_prefill_seeds_the_scan_occupancy(task_dir, inner, block_d):
+    """Mamba's prefill templates seed the selective scan's channel block that gives its (B, I / scan_BLOCK_D) grid
+    a program per SM (the default 16 gives mamba-130m's 1536 channels 96 programs)."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import CaseSig, TensorSig
+
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    case = CaseSig(inputs={}, outputs={"state_out.ssm_state": TensorSig(shape=[1, inner, 16], dtype="float32")})
+    spec = spec.model_copy(update={"phase": "prefill", "cases": [case]})
+    for name in ("ssm_mixer.mamba", "ssm_block.mamba"):
+        t = next(x for x in TEMPLATES if x.name == name)
+        assert t.seeds(spec) == [{**t.default(spec), "scan_BLOCK_D": block_d}]
+        assert t.seeds(spec.model_copy(update={"phase": "decode"})) == []
+
+
 @pytest.mark.parametrize("inner,block_d", [(1536, 8), (5120, 32), (64, 8)])
 def test_mamba_fused_decode_seeds_the_state_update_occupancy_too(task_dir, inner, block_d):
     """Mamba's fused decode templates have a second seed: the first one's GEMV keys plus the state update's

@@ -164,9 +164,10 @@ def test_split_k_gemv_config_passes(tiny_tasks, pool, workload, template):
     assert v.passed, f"{template} on {spec.task_id}: {v.failure_class}: {v.message}"
 
 
-# the decode templates with an occupancy seed (their largest launch a GEMV: out_proj)
+# the templates with occupancy seeds: decode (their largest launch a GEMV: out_proj), Mamba prefill (the scan)
 SEEDED = [(w, t) for w, t, p in CASES if p == "decode" and t.split(".")[0] in ("ssm_mixer", "ssm_block",
                                                                                   "recurrent_block")]
+SEEDED += [("tiny-mamba", "ssm_mixer.mamba"), ("tiny-mamba", "ssm_block.mamba")]
 
 
 @pytest.mark.slow
@@ -175,9 +176,9 @@ def test_occupancy_seed_passes(tiny_tasks, pool, workload, template):
     """Each decode template's occupancy seed (tried right after its default) passes every gate."""
     t = next(t for t in TEMPLATES if t.name == template)
     spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
-                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+                          if s.deployable and s.family == t.family and t.why_not(s) is None)
     seeds = t.seeds(spec)
-    assert seeds and seeds[0]["lin_GEMV_BLOCK_N"] == 32, seeds
+    assert seeds and (seeds[0].get("lin_GEMV_BLOCK_N") == 32 or seeds[0]["scan_BLOCK_D"] == 8), seeds
     for seed in seeds:  # Mamba's fused templates: a second seed with the state update's occupancy block
         v = pool.verify(task_dir, t.render(spec, seed))
         assert v.passed, f"{template} {seed} on {spec.task_id}: {v.failure_class}: {v.message}"

@@ -11,8 +11,8 @@ result in the weight dtype before the SiLU, dt + bias and softplus (log1p) in dt
 before the C contraction, and round-to-nearest bf16 stores under the interpreter (which truncates)."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds,
-                                              programs_block)
+from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, SMS_DEFAULT, linear_default, linear_space,
+                                              occupancy_seeds, programs_block)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
                                              MIXER_PREFILL_ENTRY, block_applies, renderer)
@@ -208,6 +208,18 @@ def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
     return {"ssu_BLOCK_D": programs_block(int(sig.shape[1]), [8, 16, 32, 64], sms)}
 
 
+def _scan_seeds(spec: TaskSpec) -> list[dict]:
+    """Prefill: the default with the selective scan's channel block cut for a program per SM (its grid is
+    (B, I / scan_BLOCK_D); the default 16 gives mamba-130m's I = 1536 96 programs on 132 SMs, and on the H200 the scan
+    took 294 us a layer in the model's trace, 2026-11-30-h200-h)."""
+    sig = next((c.outputs.get("state_out.ssm_state") for c in spec.cases if c.outputs.get("state_out.ssm_state")),
+               None)
+    if spec.phase != "prefill" or sig is None or len(sig.shape) != 3:
+        return []
+    sms = int(spec.hardware.get("sm_count") or SMS_DEFAULT)
+    return [{**_default(spec), "scan_BLOCK_D": programs_block(int(sig.shape[1]), [8, 16, 32, 64], sms)}]
+
+
 def _applies_fused(spec: TaskSpec) -> str | None:
     why = _applies(spec)
     if why:
@@ -254,7 +266,8 @@ _render_block_decode_fused = renderer("ssm_block.mamba_decode_fused", FUSED_IMPO
 
 TEMPLATES = [
     Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN),
-             space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
+             space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default,
+             seeds_fn=_scan_seeds),
     Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE), space_fn=_space, render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
@@ -264,7 +277,7 @@ TEMPLATES = [
              seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,))),
     Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP),
              space_fn=_space, render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba", _applies),
-             default_fn=_default),
+             default_fn=_default, seeds_fn=_scan_seeds),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_block_decode_fused,
              applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused,
