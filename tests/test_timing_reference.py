@@ -237,6 +237,16 @@ def test_prefill_graph_calls_each_run_on_a_fresh_cache(tiny_extracted, monkeypat
             cleanup()
     assert all(torch.equal(o, outs[True][0]) for o in outs[True])  # every call the same fresh prompt forward
     assert not torch.equal(outs[False][0], outs[False][2])  # replica 0's second call continued from its state
+    # a module that holds its state (RecurrentGemma's block) prepared for every call: undo restores its own state
+    rg = next(t for t in (load_task(d) for d in tiny_extracted("tiny-recurrentgemma"))
+              if t.spec.phase == "decode" and t.spec.family == "recurrent_block")
+    rg_fns, rg_preps = timing.module_replicas(rg, dev, 1)
+    held_before = rg_fns[0].held()
+    c = rg.cases[0]
+    _, rg_cleanups = timing.side_calls(rg_fns, rg_preps, (c.inputs, c.weights, c.state, rg.spec.static), True, [])
+    assert len(rg_cleanups) == 5 and [id(t) for t in rg_fns[0].held()] != [id(t) for t in held_before]
+    timing.undo(rg_cleanups)
+    assert [id(t) for t in rg_fns[0].held()] == [id(t) for t in held_before]
     bare = timing.side_calls([lambda *a: None], [None], args, True, [])[0]
     assert len(bare) == 5 and not bare[0][2] and bare[0][1] is not args  # bare entries: a copy of the draw
 

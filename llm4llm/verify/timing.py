@@ -256,6 +256,13 @@ def side_calls(fns: list[Callable], preps: list[Prepare | None], args: Args, fre
     return calls, cleanups
 
 
+def undo(cleanups: list[Callable[[], None]]) -> None:
+    """Run preparations' cleanups last first: a module prepared several times (fresh calls) gets back the state it
+    had before the first, not a state one of the later preparations saved."""
+    for cleanup in reversed(cleanups):
+        cleanup()
+
+
 def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: list[Args],
                 device: torch.device, fresh: bool = False) -> list[Latency]:
     """`time_call_graph` for one or more sides (candidate, reference), each a list of replicas (fn, prepare): a
@@ -297,8 +304,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
             for j, (fns, preps) in enumerate(sides):
                 backend.warmup(runner(prepared[j]))  # GRAPH_CALLS >= WARMUP calls, every replica's among them
                 if fresh:  # the warm-up ran every prompt forward on its cache: capture from fresh ones
-                    for cleanup in reversed(cleanups[j]):
-                        cleanup()
+                    undo(cleanups[j])
                     prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
                 calls = prepared[j]
                 keep += [held_of() for held_of in {id(c[0]): getattr(c[0], "held", list) for c in calls}.values()]
@@ -330,8 +336,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
             graphs.clear()
     finally:
         for side_cleanups in cleanups:
-            for cleanup in reversed(side_cleanups):
-                cleanup()
+            undo(side_cleanups)
         keep.clear()
     return lats
 
