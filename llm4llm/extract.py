@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +196,7 @@ def _group_key(inst: _Instance) -> tuple:
     # the observed shapes without their dtypes: instances called with the same shapes in another dtype (Mamba's first
     # residual block takes the bf16 embeddings, the others the fp32 residual stream) are one task whose cases cover
     # both; other shapes stay apart (Qwen3's q_norm and k_norm)
-    shapes = tuple(re.sub(r":[a-z0-9_]+\[", ":[", k) for k in inst.obs.sigs)
+    shapes = tuple(sig.shapes() for sig in inst.obs.sigs.values())
     return (cls, inst.record.family, inst.record.phase, True, structure, shapes, weight_sig)
 
 

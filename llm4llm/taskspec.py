@@ -42,6 +42,10 @@ class CaseSig(BaseModel):
         parts = [f"{k}:{v.dtype}{v.shape}" for k, v in sorted({**self.inputs, **self.state}.items())]
         return "|".join(parts)
 
+    def shapes(self) -> tuple:
+        """`key` without the dtypes: ((name, shape), ...) of every input and state tensor, by name."""
+        return tuple((k, tuple(v.shape)) for k, v in sorted({**self.inputs, **self.state}.items()))
+
 
 class DispatchTemplate(BaseModel):
     """How phase-specialised candidates rejoin into one patched module."""

@@ -421,9 +421,9 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         return c, r, f"{copies} weight copy, alternating with the reference"
 
     # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
-    # timed 956 us back to back; a layer's prefill kernels took about 350 us in the model's trace (Triton launches at
-    # ~75 us of host each on that machine),
-    # so the search ranked prefill configs by host time, while the model replays its prompt forward from a graph
+    # timed 956 us back to back, where a layer's prefill kernels took about 350 us in the model's trace (Triton
+    # launches at ~75 us of host each on that machine): the search ranked prefill configs by host time, while the
+    # model replays its prompt forward from a graph
     graph = (decode_graph and task.spec.phase == "decode") or (prefill_graph and task.spec.phase == "prefill")
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
