@@ -498,22 +498,27 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
-    """Each searched task's best passing candidate (by utility, then lowest error)."""
+    """Each searched task's best passing candidate, by its time against its search's pooled reference (the median
+    of every reference time measured in that search: search.episode.pool_reference), then lowest error. Candidates
+    without in-context timings rank by their own utility."""
     from llm4llm.accept import Proposal
     from storage.db import Database
 
     with Database(db_path) as db:
         df = db.query_df(
-            "SELECT c.task_id, c.candidate_id, c.source_path, c.utility, c.speedup_in_context, c.config_json, c.template, "
-            "c.max_abs_err, t.artifact_path FROM candidates c JOIN searches s USING (search_id) "
-            "JOIN tasks t ON t.task_id = c.task_id AND t.run_id = s.run_id "
-            "WHERE s.run_id = ? AND c.passed AND c.utility >= ? AND c.candidate_id NOT IN "
-            "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = s.run_id AND a.decision = 'rejected') "
-            "QUALIFY row_number() OVER (PARTITION BY c.task_id ORDER BY c.utility DESC, c.max_abs_err ASC) = 1",
+            "WITH c AS (SELECT c.*, s.run_id, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
+            "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ?), "
+            "p AS (SELECT *, CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
+            "ELSE utility END AS pooled FROM c WHERE passed) "
+            "SELECT p.task_id, p.candidate_id, p.source_path, p.pooled, p.config_json, p.template, p.max_abs_err, "
+            "t.artifact_path FROM p JOIN tasks t ON t.task_id = p.task_id AND t.run_id = p.run_id "
+            "WHERE p.pooled >= ? AND p.candidate_id NOT IN "
+            "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = p.run_id AND a.decision = 'rejected') "
+            "QUALIFY row_number() OVER (PARTITION BY p.task_id ORDER BY p.pooled DESC, p.max_abs_err ASC) = 1",
             [run_id, min_utility],
         )
     return [Proposal(task_dir=r.artifact_path, candidate_id=r.candidate_id, source=Path(r.source_path).read_text(),
-                     speedup=float(r.speedup_in_context or 0.0), config=json.loads(r.config_json or "{}"),
+                     speedup=float(r.pooled or 0.0), config=json.loads(r.config_json or "{}"),
                      template=r.template or "")
             for r in df.itertuples()]
 

@@ -336,3 +336,68 @@ def test_real_rmsnorm_task_two_trials_through_the_verifier(tmp_path):
         getattr(pool, "close", lambda: None)()
     assert res.trials_used == 2
     assert res.pass_rate == 1.0, [t.feedback.message for t in res.trials]
+
+
+class NoisyReferenceVerifier(FakeVerifier):
+    """Candidate times are a stable function of the config; the reference timed beside each one is not: the slowest
+    candidate (num_warps 1) happens to draw a reference 5x the usual one, so its own ratio is the highest."""
+
+    def __call__(self, task_dir, source):
+        c = config_of(source)
+        self.calls.append(c)
+        if c["BLOCK"] > 128:
+            return {"passed": False, "failure_class": "compile", "utility": 0.0, "message": "out of resources"}
+        cand = 10.0 / (1.0 + c["num_warps"] / 8 + (0.5 if c["BLOCK"] == 128 else 0.0))
+        ref = 100.0 if c["num_warps"] == 1 else 20.0
+        lat = lambda ms: {"p20": ms, "p50": ms, "p80": ms, "reps": 10}  # noqa: E731
+        return {"passed": True, "failure_class": None, "message": "", "max_abs_err": 1e-6,
+                "candidate_in_context": lat(cand), "reference_in_context": lat(ref),
+                "speedup_in_context": ref / cand, "utility": ref / cand}
+
+
+def test_the_best_trial_is_the_fastest_against_the_searchs_pooled_reference(task_dir):
+    verifier = NoisyReferenceVerifier()
+    result = run_search(task_dir, LibraryProposer(seed=0, templates=[FAKE]), verifier, mode="sample", budget=12,
+                        archive_dir=task_dir.parent / "archive")
+    passed = [t for t in result.trials if t.feedback.passed]
+    assert any(t.candidate.config["num_warps"] == 1 for t in passed), "the lucky-reference trial must be sampled"
+    fastest = min(passed, key=lambda t: t.verdict["candidate_in_context"]["p50"])
+    lucky = max(passed, key=lambda t: t.verdict["speedup_in_context"])
+    assert lucky.candidate.config["num_warps"] == 1 and lucky is not fastest  # the per-trial ratio would pick it
+    assert result.best is fastest
+    refs = sorted(t.verdict["reference_in_context"]["p50"] for t in passed)
+    pooled = refs[len(refs) // 2] if len(refs) % 2 else (refs[len(refs) // 2 - 1] + refs[len(refs) // 2]) / 2
+    for t in passed:
+        assert t.feedback.utility == pytest.approx(pooled / t.verdict["candidate_in_context"]["p50"])
+
+
+# (candidate time, reference time beside it) in us: Mamba-130M's decode block search on the H200 (2026-11-30,
+# docs/results/2026-11-30-h200-i, call 1). The per-trial ratio ranks the first (6.39x) above the third (5.38x).
+H200_BLOCK_TRIALS = [(30.76, 196.43), (21.48, 104.21), (17.67, 95.03), (30.88, 118.61), (32.85, 209.39),
+                     (96.07, 113.31), (95.00, 95.41), (33.83, 80.21)]
+
+
+def test_best_proposals_rank_by_the_searchs_pooled_reference_not_each_trials_own(tmp_path):
+    from llm4llm.pipeline import best_proposals
+    from storage import repo
+    from storage.db import Database
+
+    db_path = str(tmp_path / "r.duckdb")
+    src = tmp_path / "cand.py"
+    src.write_text("# candidate\n")
+    with Database(db_path) as db:
+        repo.record_tasks(db, "run1", [{"task_id": "t-decode", "family": "ssm_block", "module_class": "M",
+                                        "phase": "decode", "instances": 24, "shapes": {}, "dtype": "bfloat16",
+                                        "score": 1.0, "deployable": True, "artifact_path": str(tmp_path)}])
+        repo.record_search_start(db, {"search_id": "s1", "task_id": "t-decode", "run_id": "run1",
+                                      "mode": "episodic", "proposer": "library", "budget": 8})
+        for i, (cand, ref) in enumerate(H200_BLOCK_TRIALS):
+            repo.record_candidate(db, {"candidate_id": f"c{i}", "task_id": "t-decode", "search_id": "s1",
+                                       "episode": 0, "iteration": i, "proposer": "library", "passed": True,
+                                       "utility": ref / cand, "speedup_in_context": ref / cand,
+                                       "ctx_p50_ms": cand / 1e3, "ref_ctx_p50_ms": ref / 1e3,
+                                       "source_path": str(src), "max_abs_err": 1e-3})
+    (best,) = best_proposals("run1", db_path)
+    assert best.candidate_id == "c2"
+    assert best.speedup == pytest.approx(((104.21 + 113.31) / 2) / 17.67)
+    assert best_proposals("run1", db_path, min_utility=6.2) == []  # the pooled 6.16x, not c0's own 6.39x
