@@ -66,11 +66,14 @@ python3 - "$OUT/e2e.duckdb" <<'PY' 2>&1 | tee "$OUT/logs/summary.txt"
 import sys, duckdb
 c = duckdb.connect(sys.argv[1], read_only=True)
 q = lambda s: print(c.execute(s).df().to_string(max_colwidth=90))
-q("select task_id, count(*) n, avg(passed::int) pass_rate, max(speedup_in_context) best_ctx, any_value(failure_class) fail from candidates group by 1 order by 1")
+q("select task_id, count(*) n, avg(passed::int) pass_rate, 1000 * min(ctx_p50_ms) filter (passed) best_us, "
+  "1000 * median(ref_ctx_p50_ms) ref_us, median(ref_ctx_p50_ms) / min(ctx_p50_ms) filter (passed) best_x, "
+  "any_value(failure_class) fail from candidates group by 1 order by 1")
 q("select task_id, decision, left(reason, 110) reason, e2e_before_ms before, e2e_after_ms after, gain from acceptances")
 q("select run_id, variant, prefill_ms pre, decode_ms_per_token dec, total_ms, compile_s, left(notes, 50) notes from e2e_results")
 for r in c.execute("select variant, notes from e2e_results where variant like '%graphs'").fetchall():
     print(r[0], r[1][-300:])
 PY
 cat "$OUT/logs/dispatch.log" 2>/dev/null
+[ -d /tmp/l4l/bundles ] && cp -r /tmp/l4l/bundles "$OUT/logs/bundles"  # the accepted bundles: evaluate --bundle later
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
