@@ -352,6 +352,19 @@ class PatchReport:
         """Live per-instance counters: {module path: {"kernel": {phase: n}, "fallback": {reason: n}}}."""
         return {path: d.counters() for path, d in sorted(self._dispatches.items())}
 
+    def calls_of(self, patch_id: str) -> int:
+        """Calls one patch's kernel took (eager calls; graph replays are not counted). Read from the per-phase
+        counters of the instances it was applied to, each phase credited to the kernel that phase dispatches to
+        there, so a patch whose calls another patch takes (a block-level kernel replacing its submodule's forward)
+        or whose guard rejects every call reads 0 while the bundle's totals do not."""
+        n = 0
+        for d in self._dispatches.values():
+            for phase, calls in d.kernel_calls.items():
+                k = d.kernel_for(phase)
+                if k is not None and k.spec.patch_id == patch_id:
+                    n += calls
+        return n
+
     def totals(self) -> dict[str, int]:
         c = self.counters().values()
         return {"kernel": sum(sum(v["kernel"].values()) for v in c),

@@ -556,9 +556,12 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     detail = check.detail
     if not check.ok:
         return decide("rejected", f"in-model correctness: {detail}", check, counters=counters)
-    if counters.get("kernel", 0) == 0:
-        return decide("rejected", f"shape coverage: the kernel never ran in-model (all calls fell back: "
-                                  f"{report.counters()})", check, counters=counters)
+    own = report.calls_of(bundle.patches[-1].patch_id)  # the trial's patch is the last; the rest were accepted
+    if own == 0:  # the bundle's totals count the accepted patches too: a patch whose module another patch's kernel
+        # replaces (the mixer under an accepted block kernel) ran 0 times and its "gain" is the baseline's noise
+        return decide("rejected", f"shape coverage: this candidate's kernel never ran in-model (its calls fell back "
+                                  f"or another patch's kernel took them: {report.counters()})", check,
+                      counters=counters)
     if cfg.check_tokens:
         forced_free, _ = reference_tokens(model, batch, wl.decode_len)
         if not torch.equal(forced_free, tokens):

@@ -200,6 +200,25 @@ def test_cpu_latency_gate_never_accepts_a_correct_patch(ref):
     assert row["metric"] == d.metric and row["decision"] == "rejected"
 
 
+def test_a_trial_whose_own_kernel_never_runs_is_rejected_though_the_accepted_ones_run(ref):
+    """The bundle's call totals include the patches accepted before: on the H200 a Mamba mixer decode patch, whose
+    calls the accepted block kernel takes, was accepted at +2.41 % of noise. Here the trial (decode) has a guard no
+    call meets while the accepted prefill patch runs: the trial's own count decides."""
+    bundle = rmsnorm_bundle(RMSNORM_FP32)
+    bundle.patches[-1].guard = Guard(dtypes=["float32"])  # the decode patch, the trial: every bf16 call falls back
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    try:
+        d = acc._try(ref.model, bundle, spec, p, ref.batch, ref.tokens, ref.logits, wl, AcceptConfig(delta=0.0),
+                     lambda: 90.0, 100.0, 0.1, floor=ref.floor, rebaseline=lambda: 100.0)
+        report = kernels_runtime.apply(ref.model, bundle, strict=True)  # already applied: the same live counters
+        assert report.calls_of("rmsnorm-decode") == 0 < report.calls_of("rmsnorm-prefill")
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert d.counters["kernel"] > 0  # the accepted prefill patch ran
+    assert d.decision == "rejected" and "this candidate's kernel never ran in-model" in d.reason, d.reason
+
+
 @pytest.mark.parametrize("current,trial,again,decision,why", [
     (100.0, 90.0, 101.0, "accepted", "drift 1.0%"),  # 10.4 % against the mean 100.5: above delta and drift
     (100.0, 96.0, 120.0, "rejected", "below the baseline's drift 20.0%"),  # 12.7 % gain, but the baseline moved 20 %

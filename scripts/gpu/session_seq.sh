@@ -8,7 +8,8 @@
 #    launch: scripts/gpu/launch_overhead.py;
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
-#    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate without a bundle, e.g. eager,eager_graphs;
+#    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate, e.g. eager,eager_graphs; EVAL_ARGS: extra options, e.g.
+#    "--bundle docs/results/.../bundle_W --repeats 7" (a bundle an earlier call brought back in its logs);
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu;
 #    GPUTEST_ARGS replaces the test paths, e.g. "tests/ops/test_linear.py");
 #    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
@@ -51,7 +52,7 @@ for step in ${STEPS:-dispatch}; do
       echo "task_timing $w rc=$? in $(( $(date +%s) - s ))s"; tail -4 "$OUT/logs/task_timing_$w.log" ;;
     evaluate)
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
-        --variants "${top:-eager,eager_graphs}" > "$OUT/logs/evaluate_$w.log" 2>&1
+        --variants "${top:-eager,eager_graphs}" ${EVAL_ARGS:-} > "$OUT/logs/evaluate_$w.log" 2>&1
       echo "evaluate $w rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$OUT/logs/evaluate_$w.log" ;;
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
