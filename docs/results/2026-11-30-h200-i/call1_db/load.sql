@@ -1,0 +1,14 @@
+COPY acceptances FROM 'docs/results/2026-11-30-h200-i/call1_db/acceptances.parquet' (FORMAT 'parquet');
+COPY candidates FROM 'docs/results/2026-11-30-h200-i/call1_db/candidates.parquet' (FORMAT 'parquet');
+COPY e2e_results FROM 'docs/results/2026-11-30-h200-i/call1_db/e_e_results.parquet' (FORMAT 'parquet');
+COPY episodes FROM 'docs/results/2026-11-30-h200-i/call1_db/episodes.parquet' (FORMAT 'parquet');
+COPY experience FROM 'docs/results/2026-11-30-h200-i/call1_db/experience.parquet' (FORMAT 'parquet');
+COPY llm_calls FROM 'docs/results/2026-11-30-h200-i/call1_db/llm_calls.parquet' (FORMAT 'parquet');
+COPY op_benchmarks FROM 'docs/results/2026-11-30-h200-i/call1_db/op_benchmarks.parquet' (FORMAT 'parquet');
+COPY patches FROM 'docs/results/2026-11-30-h200-i/call1_db/patches.parquet' (FORMAT 'parquet');
+COPY profiles FROM 'docs/results/2026-11-30-h200-i/call1_db/profiles.parquet' (FORMAT 'parquet');
+COPY runs FROM 'docs/results/2026-11-30-h200-i/call1_db/runs.parquet' (FORMAT 'parquet');
+COPY schema_version FROM 'docs/results/2026-11-30-h200-i/call1_db/schema_version.parquet' (FORMAT 'parquet');
+COPY searches FROM 'docs/results/2026-11-30-h200-i/call1_db/searches.parquet' (FORMAT 'parquet');
+COPY tasks FROM 'docs/results/2026-11-30-h200-i/call1_db/tasks.parquet' (FORMAT 'parquet');
+COPY workloads FROM 'docs/results/2026-11-30-h200-i/call1_db/workloads.parquet' (FORMAT 'parquet');
