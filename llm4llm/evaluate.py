@@ -33,13 +33,26 @@ class E2EResult:
     repeats: int = 0
     timer: str = "wall+cuda_sync"
     notes: str = ""
-    samples_ms: list[float] = field(default_factory=list)
+    samples_ms: list[float] = field(default_factory=list)  # every timed full run, in order (total_ms: their median)
+    prefill_samples_ms: list[float] = field(default_factory=list)  # every timed one-token run (prefill_ms: median)
 
     def to_row(self) -> dict:
         d = asdict(self)
-        d.pop("samples_ms")
+        d["total_samples_ms"] = d.pop("samples_ms")
         d.pop("timer")
         return d
+
+    @property
+    def total_range_ms(self) -> str:
+        return spread(self.samples_ms)
+
+
+def spread(samples: list[float] | str | None) -> str:
+    """`min-max` of a row's timed runs ('' without any), as tables show it beside the median. A DuckDB row holds
+    them as JSON text."""
+    if isinstance(samples, str):
+        samples = json.loads(samples)
+    return f"{min(samples):.1f}-{max(samples):.1f}" if samples else ""
 
 
 def _sync(device: str) -> None:
@@ -94,7 +107,7 @@ def measure(model, workload, batch, run_fn, *, repeats: int = 3, warmup: int = 1
     new_tokens = workload.batch_size * workload.decode_len
     return E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, repeats,
                      "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
-                     samples_ms=totals)
+                     samples_ms=totals, prefill_samples_ms=prefills)
 
 
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,

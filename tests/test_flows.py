@@ -193,11 +193,18 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
         e2e = repo.table_df(db, "e2e_results")
     assert list(e2e["variant"]) == ["eager"] and list(e2e["run_id"]) == ["r-killed"]
     assert e2e["total_ms"].iloc[0] > 0 and e2e["workload_hash"].iloc[0]
-    out = run_evaluate(str(EXAMPLES / "tiny-llama.toml"), db_path, repeats=1, variants=("eager", "patched"),
+    out = run_evaluate(str(EXAMPLES / "tiny-llama.toml"), db_path, repeats=2, variants=("eager", "patched"),
                        run_id="r-whole")
     assert [r["variant"] for r in out["rows"]] == ["eager", "patched"]
     with Database(db_path) as db:
         assert db.query("select count(*) from e2e_results where run_id = 'r-whole'")[0][0] == 2
+        eager = repo.table_df(db, "e2e_results", "run_id = 'r-whole' and variant = 'eager'").iloc[0]
+    # every timed run is on record beside the medians (the old row, from before the column existed, needs none)
+    totals, prefills = json.loads(eager["total_samples_ms"]), json.loads(eager["prefill_samples_ms"])
+    assert len(totals) == 2 and len(prefills) == 2 and min(totals) > 0
+    assert eager["total_ms"] == pytest.approx(sum(totals) / 2) and eager["prefill_ms"] == pytest.approx(sum(prefills) / 2)
+    from llm4llm.evaluate import spread
+    assert spread(eager["total_samples_ms"]) == f"{min(totals):.1f}-{max(totals):.1f}" and spread(None) == ""
 
 
 @pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0"),
