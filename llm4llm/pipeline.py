@@ -498,25 +498,14 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
-    """Each searched task's best passing candidate, by its time against its search's pooled reference (the median
-    of every reference time measured in that search: search.episode.pool_reference), then lowest error. Candidates
-    without in-context timings rank by their own utility."""
+    """Each searched task's best passing candidate, ranked against its search's pooled reference
+    (storage.repo.best_candidates)."""
     from llm4llm.accept import Proposal
+    from storage import repo
     from storage.db import Database
 
     with Database(db_path) as db:
-        df = db.query_df(
-            "WITH c AS (SELECT c.*, s.run_id, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
-            "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ?), "
-            "p AS (SELECT *, CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
-            "ELSE utility END AS pooled FROM c WHERE passed) "
-            "SELECT p.task_id, p.candidate_id, p.source_path, p.pooled, p.config_json, p.template, p.max_abs_err, "
-            "t.artifact_path FROM p JOIN tasks t ON t.task_id = p.task_id AND t.run_id = p.run_id "
-            "WHERE p.pooled >= ? AND p.candidate_id NOT IN "
-            "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = p.run_id AND a.decision = 'rejected') "
-            "QUALIFY row_number() OVER (PARTITION BY p.task_id ORDER BY p.pooled DESC, p.max_abs_err ASC) = 1",
-            [run_id, min_utility],
-        )
+        df = repo.best_candidates(db, run_id, min_utility)
     return [Proposal(task_dir=r.artifact_path, candidate_id=r.candidate_id, source=Path(r.source_path).read_text(),
                      speedup=float(r.pooled or 0.0), config=json.loads(r.config_json or "{}"),
                      template=r.template or "")
@@ -549,11 +538,7 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
         return False, False, "off"
     if not device.startswith("cuda"):
         return False, False, f"off ({choice}): CUDA graphs need a CUDA device, this run is on {device}"
-    adapters = set()
-    for t in json.loads(Path(index_path).read_text()):
-        state = (t.get("recipe") or {}).get("state") or {}
-        if state.get("adapter"):
-            adapters.add(state["adapter"])
+    adapters = state_adapters(index_path)
     static = bool(adapters & set(KV_LAYERS))
     cache_note = "; generate with the static KV cache" if static else ""
     if choice == "on":
@@ -574,9 +559,14 @@ def prefill_graphed(index_path: str) -> bool:
     task that keeps state must keep it there, and one must."""
     from kernels_runtime.graphs import PREFILL_LAYERS
 
-    adapters = {((t.get("recipe") or {}).get("state") or {}).get("adapter") for t in json.loads(
-        Path(index_path).read_text())} - {None}
+    adapters = state_adapters(index_path)
     return bool(adapters) and adapters <= set(PREFILL_LAYERS)
+
+
+def state_adapters(index_path: str) -> set[str]:
+    """The state adapters (cache layer or module kinds) the run's extracted tasks keep decode state in."""
+    return {a for t in json.loads(Path(index_path).read_text())
+            if (a := ((t.get("recipe") or {}).get("state") or {}).get("adapter"))}
 
 
 def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,

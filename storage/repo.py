@@ -127,6 +127,26 @@ def candidate_rows(db: Database, task_id: str | None = None, search_id: str | No
     return db.query_df(sql + " ORDER BY created_at", params)
 
 
+def best_candidates(db: Database, run_id: str, min_speedup: float = 0.0):
+    """Each task's best passing candidate of a run that acceptance has not rejected: by `pooled`, its speedup
+    against its search's pooled reference (the median of every reference time measured in that search, as
+    llm4llm.search.episode.pool_reference scores trials live), then lowest error. Rows without in-context timings
+    (CPU) rank by their own utility. Columns: task_id, candidate_id, source_path, pooled, config_json, template,
+    max_abs_err, artifact_path."""
+    return db.query_df(
+        "WITH c AS (SELECT c.*, s.run_id, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
+        "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ?), "
+        "p AS (SELECT *, CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
+        "ELSE utility END AS pooled FROM c WHERE passed) "
+        "SELECT p.task_id, p.candidate_id, p.source_path, p.pooled, p.config_json, p.template, p.max_abs_err, "
+        "t.artifact_path FROM p JOIN tasks t ON t.task_id = p.task_id AND t.run_id = p.run_id "
+        "WHERE p.pooled >= ? AND p.candidate_id NOT IN "
+        "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = p.run_id AND a.decision = 'rejected') "
+        "QUALIFY row_number() OVER (PARTITION BY p.task_id ORDER BY p.pooled DESC, p.max_abs_err ASC) = 1",
+        [run_id, min_speedup],
+    )
+
+
 def experience_records(db: Database, task_id: str) -> list[dict]:
     rows = db.query("SELECT record_json FROM experience WHERE task_id = ? ORDER BY created_at", [task_id])
     return [json.loads(r[0]) for r in rows]

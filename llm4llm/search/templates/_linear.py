@@ -31,6 +31,11 @@ def linear_default(spec: TaskSpec) -> dict:
 SMS_DEFAULT = 132  # H100 / H200 SXM, for task specs profiled without an SM count
 
 
+def sm_count(spec: TaskSpec) -> int:
+    """The SM count of the GPU the task was profiled on (profiler.hardware_info), else SMS_DEFAULT."""
+    return int(spec.hardware.get("sm_count") or SMS_DEFAULT)
+
+
 def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
     """Decode GEMV keys that give an [*, K] x [K, n] projection at least one program per SM: 32-wide column blocks
     and K split in 1, 2, 4 or 8 until cdiv(n, 32) x split >= sms (the op never splits finer than one 128-deep K
@@ -53,7 +58,7 @@ def occupancy_seeds(default_fn, output: str = "out", extras: tuple = ()):
         sig = next((c.outputs.get(output) for c in spec.cases if c.outputs.get(output)), None)
         if spec.phase != "decode" or sig is None or not sig.shape:
             return []
-        sms = int(spec.hardware.get("sm_count") or SMS_DEFAULT)
+        sms = sm_count(spec)
         base = {**default_fn(spec), **gemv_occupancy(int(sig.shape[-1]), sms)}
         more = [extra(spec, sms) for extra in extras]
         return [base] + [{**base, **m} for m in more if m]

@@ -11,8 +11,8 @@ result in the weight dtype before the SiLU, dt + bias and softplus (log1p) in dt
 before the C contraction, and round-to-nearest bf16 stores under the interpreter (which truncates)."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, SMS_DEFAULT, linear_default, linear_space,
-                                              occupancy_seeds, programs_block)
+from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds,
+                                              programs_block, sm_count)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, BLOCK_PREFILL_IMPORT, MIXER_ENTRY,
                                              MIXER_PREFILL_ENTRY, block_applies, renderer)
@@ -216,8 +216,7 @@ def _scan_seeds(spec: TaskSpec) -> list[dict]:
                None)
     if spec.phase != "prefill" or sig is None or len(sig.shape) != 3:
         return []
-    sms = int(spec.hardware.get("sm_count") or SMS_DEFAULT)
-    return [{**_default(spec), "scan_BLOCK_D": programs_block(int(sig.shape[1]), [8, 16, 32, 64], sms)}]
+    return [{**_default(spec), "scan_BLOCK_D": programs_block(int(sig.shape[1]), [8, 16, 32, 64], sm_count(spec))}]
 
 
 def _applies_fused(spec: TaskSpec) -> str | None:
