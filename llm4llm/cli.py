@@ -245,13 +245,9 @@ def _run_workload_path(d, run_id: str) -> Optional[Path]:
 def _print_e2e(rows: list[dict]) -> None:
     import pandas as pd
 
-    from llm4llm.evaluate import spread
+    from llm4llm.evaluate import table_rows
 
-    cols = ["variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "tokens_per_s",
-            "peak_mem_mb", "compile_s", "notes"]
-    df = pd.DataFrame(rows)
-    df["total_range_ms"] = [spread(s) for s in df.get("total_samples_ms", [None] * len(df))]
-    console.print(_df_table(df[cols], "end to end"))
+    console.print(_df_table(pd.DataFrame(table_rows(rows)), "end to end"))
 
 
 @app.command()

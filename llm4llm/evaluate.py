@@ -47,6 +47,17 @@ class E2EResult:
         return spread(self.samples_ms)
 
 
+TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "tokens_per_s",
+                 "peak_mem_mb", "compile_s", "notes")
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """e2e rows (`E2EResult.to_row` plus run fields) as the CLI table and the Prefect artifact show them: the medians
+    and the total's min-max over the timed runs."""
+    return [{k: spread(r.get("total_samples_ms")) if k == "total_range_ms" else r.get(k) for k in TABLE_COLUMNS}
+            for r in rows]
+
+
 def spread(samples: list[float] | str | None) -> str:
     """`min-max` of a row's timed runs ('' without any), as tables show it beside the median. A DuckDB row holds
     them as JSON text."""

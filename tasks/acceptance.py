@@ -20,14 +20,10 @@ def accept_patches(workload_path: str, run_id: str, db_path: str | None, data_di
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, repeats: int,
                  variants: tuple[str, ...], run_id: str | None) -> dict:
-    from llm4llm.evaluate import spread
+    from llm4llm.evaluate import table_rows
 
     out = pipeline.run_evaluate(workload_path, db_path, bundle=bundle, repeats=repeats, variants=variants,
                                 run_id=run_id)
-    create_table_artifact(key="e2e", table=[{**{k: r[k] for k in ("variant", "prefill_ms", "decode_ms_per_token",
-                                                                     "total_ms")},
-                                             "total_range_ms": spread(r.get("total_samples_ms")),
-                                             **{k: r[k] for k in ("tokens_per_s", "peak_mem_mb", "compile_s", "notes")}}
-                                            for r in out["rows"]],
+    create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out

@@ -203,8 +203,11 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
     totals, prefills = json.loads(eager["total_samples_ms"]), json.loads(eager["prefill_samples_ms"])
     assert len(totals) == 2 and len(prefills) == 2 and min(totals) > 0
     assert eager["total_ms"] == pytest.approx(sum(totals) / 2) and eager["prefill_ms"] == pytest.approx(sum(prefills) / 2)
-    from llm4llm.evaluate import spread
+    from llm4llm.evaluate import TABLE_COLUMNS, spread, table_rows
     assert spread(eager["total_samples_ms"]) == f"{min(totals):.1f}-{max(totals):.1f}" and spread(None) == ""
+    shown = table_rows(out["rows"])  # the CLI table and the Prefect artifact
+    assert [list(r) for r in shown] == [list(TABLE_COLUMNS)] * 2 and shown[1]["total_range_ms"] == ""
+    assert shown[0]["total_range_ms"] == spread(out["rows"][0]["total_samples_ms"]) != ""
 
 
 @pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0"),
