@@ -198,11 +198,11 @@ def _check_families(families: list[str] | None) -> None:
 def _check_variants(option: str, variants: str | None) -> None:
     """An evaluate variant list: one error line (exit 2) before anything is built or measured."""
     from llm4llm.errors import Llm4llmError
-    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
+    from llm4llm.evaluate import ALL_VARIANTS
 
-    bad = [v.strip() for v in (variants or "").split(",") if v.strip() and v.strip() not in VARIANTS + GRAPH_VARIANTS]
+    bad = [v.strip() for v in (variants or "").split(",") if v.strip() and v.strip() not in ALL_VARIANTS]
     if bad:
-        raise Llm4llmError(f"{option}: expected names from {', '.join(VARIANTS + GRAPH_VARIANTS)}, got {bad}")
+        raise Llm4llmError(f"{option}: expected names from {', '.join(ALL_VARIANTS)}, got {bad}")
 
 
 def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0,
@@ -303,13 +303,16 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
 @app.command()
 def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
              bundle: Optional[Path] = typer.Option(None, help="patch bundle dir for the patched variant"),
-             repeats: int = typer.Option(3), db: Optional[Path] = DbOpt,
+             repeats: int = typer.Option(7, help="interleaved rounds: one timed run of every variant per round"),
+             db: Optional[Path] = DbOpt,
              variants: str = typer.Option(
                  "eager,patched,torch_compile",
-                 help="comma-separated, in order: eager, patched (kernels only), torch_compile; on a GPU also "
-                      "eager_graphs, patched_graphs (decode steps replayed from CUDA graphs)"),
+                 help="comma-separated: eager, patched (kernels only), torch_compile; on a GPU also "
+                      "eager_graphs, patched_graphs (decode steps replayed from CUDA graphs); liger "
+                      "(Liger-Kernel's patch of the architecture, where installed and supported)"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
-    """End to end, in one process: eager vs torch.compile (HF static-cache compiled generate) vs patched."""
+    """End to end, in one process, interleaved: eager vs torch.compile (HF static-cache compiled generate) vs patched;
+    each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
         from llm4llm.pipeline import run_evaluate

@@ -1,13 +1,22 @@
-"""End-to-end evaluation: eager vs patched vs torch.compile through the user's own script, in one process.
+"""End-to-end evaluation: eager vs patched vs torch.compile (and baselines) through the user's own script, in one
+process, interleaved.
 
 Timing is wall clock around the script's `run`, synchronized on the GPU: it includes HF generate's host time, which
 is what a user waits for. Prefill is a run with one new token; decode per token is the rest divided by the
-remaining steps. Every variant runs in the same process on the same inputs, because absolute times drift between
-machines of one kind. On the CPU the numbers are reported but marked, and never used to accept anything.
+remaining steps.
+
+Every variant is set up once on its own copy of the model (the copies share the weights: only module objects are
+duplicated), then the variants are timed in rounds, one run of each per round in a rotated order (A B C, B C A, ...).
+Eager drifts by tens of percent between calls on one host; timed back to back, one variant after the other, such a
+drift reads as a speedup or a slowdown. Each variant's ratio to eager (and to torch.compile) is taken round by round,
+so both sides of a ratio saw the same drift, and is reported as the median with its p20-p80 spread.
+On the CPU the numbers are reported but marked, and never used to accept anything.
 """
 from __future__ import annotations
 
+import copy
 import inspect
+import itertools
 import json
 import statistics
 import time
@@ -19,6 +28,10 @@ import torch
 VARIANTS = ("eager", "patched", "torch_compile")  # the compiled baseline last: its compile is the slowest
 # Also measurable on request: the decode step replayed from CUDA graphs (kernels_runtime.graphs), unpatched and patched.
 GRAPH_VARIANTS = ("eager_graphs", "patched_graphs")
+# Baselines a user could pick instead of us: Liger-Kernel's model patch (`apply_liger_kernel_to_<model_type>`).
+BASELINE_VARIANTS = ("liger",)
+ALL_VARIANTS = VARIANTS + GRAPH_VARIANTS + BASELINE_VARIANTS
+DEFAULT_ROUNDS = 7
 
 
 @dataclass
@@ -35,6 +48,20 @@ class E2EResult:
     notes: str = ""
     samples_ms: list[float] = field(default_factory=list)  # every timed full run, in order (total_ms: their median)
     prefill_samples_ms: list[float] = field(default_factory=list)  # every timed one-token run (prefill_ms: median)
+    # Ratios taken round by round (eager's run / this variant's run of the same round): median and p20-p80
+    vs_eager: float | None = None
+    vs_eager_p20: float | None = None
+    vs_eager_p80: float | None = None
+    vs_compile: float | None = None
+    vs_compile_p20: float | None = None
+    vs_compile_p80: float | None = None
+    # GPU time of one decode step (its CUDA graph replayed back to back; graph variants only), and the rest of
+    # decode_ms_per_token: the host's share (generate's loop, dispatch) that no kernel removes
+    gpu_step_ms: float | None = None
+    host_overhead_ms: float | None = None
+    # Decode-token floor: the model's weight bytes at the copy bandwidth measured in this process
+    hbm_floor_ms: float | None = None
+    copy_gbps: float | None = None
 
     def to_row(self) -> dict:
         d = asdict(self)
@@ -47,15 +74,27 @@ class E2EResult:
         return spread(self.samples_ms)
 
 
-TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "tokens_per_s",
-                 "peak_mem_mb", "compile_s", "notes")
+TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "vs_eager",
+                 "vs_compile", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms", "peak_mem_mb", "compile_s", "notes")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
-    """e2e rows (`E2EResult.to_row` plus run fields) as the CLI table and the Prefect artifact show them: the medians
-    and the total's min-max over the timed runs."""
-    return [{k: spread(r.get("total_samples_ms")) if k == "total_range_ms" else r.get(k) for k in TABLE_COLUMNS}
-            for r in rows]
+    """e2e rows (`E2EResult.to_row` plus run fields) as the CLI table and the Prefect artifact show them: the medians,
+    the total's min-max over the timed runs and each ratio as `median (p20-p80)`."""
+    def cell(r: dict, k: str):
+        if k == "total_range_ms":
+            return spread(r.get("total_samples_ms"))
+        if k in ("vs_eager", "vs_compile"):
+            return ratio_cell(r.get(k), r.get(f"{k}_p20"), r.get(f"{k}_p80"))
+        return r.get(k)
+
+    return [{k: cell(r, k) for k in TABLE_COLUMNS} for r in rows]
+
+
+def ratio_cell(median: float | None, p20: float | None, p80: float | None) -> str:
+    if median is None:
+        return ""
+    return f"{median:.2f}x" + (f" ({p20:.2f}-{p80:.2f})" if p20 is not None and p80 is not None else "")
 
 
 def spread(samples: list[float] | str | None) -> str:
@@ -64,6 +103,23 @@ def spread(samples: list[float] | str | None) -> str:
     if isinstance(samples, str):
         samples = json.loads(samples)
     return f"{min(samples):.1f}-{max(samples):.1f}" if samples else ""
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1]) of a non-empty list."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def paired_ratios(base: list[float], other: list[float]) -> tuple[float, float, float] | None:
+    """Median, p20 and p80 of base[i] / other[i] over the rounds both measured."""
+    rs = [b / o for b, o in zip(base, other) if b and o]
+    if not rs:
+        return None
+    return statistics.median(rs), quantile(rs, 0.2), quantile(rs, 0.8)
 
 
 def _sync(device: str) -> None:
@@ -86,66 +142,341 @@ def accepts_generate_kwargs(run_fn: Callable) -> bool:
 
 def measure(model, workload, batch, run_fn, *, repeats: int = 3, warmup: int = 1, label: str = "eager",
             split: bool = True, **gen_kwargs) -> E2EResult:
-    """Median over `repeats` of the full run and of a one-token run (prefill). split=False: the full run only
-    (prefill_ms and decode_ms_per_token None), warmed up with two of them instead of one full and one prefill run
-    (acceptance wants the total alone: half the runs; a prefill graph is still captured before the timed runs)."""
-    from llm4llm.workload import call_script
-
-    def full():
-        return call_script(run_fn, model, workload, batch, **gen_kwargs)
-
-    one = workload.model_copy(update={"decode_len": 1})
-
-    def prefill():
-        return call_script(run_fn, model, one, batch, **gen_kwargs)
-
-    compile_s = None
+    """Median over `repeats` of the full run and of a one-token run (prefill), one variant alone. split=False: the
+    full run only (prefill_ms and decode_ms_per_token None), warmed up with two of them instead of one full and one
+    prefill run (acceptance wants the total alone: half the runs; a prefill graph is still captured before the timed
+    runs)."""
+    slot = _Slot(label, model, gen_kwargs)
     t0 = time.perf_counter()
     for _ in range(max(warmup, 1)):
-        _timed(full, workload.device)
-        _timed(prefill if split else full, workload.device)
-    if label == "torch_compile":
-        compile_s = time.perf_counter() - t0
+        slot.run_full(run_fn, workload, batch)
+        slot.run_prefill(run_fn, workload, batch) if split else slot.run_full(run_fn, workload, batch)
+    compile_s = time.perf_counter() - t0 if label == "torch_compile" else None
     if workload.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    totals = [_timed(full, workload.device) for _ in range(repeats)]
-    prefills = [_timed(prefill, workload.device) for _ in range(repeats)] if split else []
-    peak = torch.cuda.max_memory_allocated() / 2**20 if workload.device.startswith("cuda") else None
+    totals = [slot.run_full(run_fn, workload, batch) for _ in range(repeats)]
+    prefills = [slot.run_prefill(run_fn, workload, batch) for _ in range(repeats)] if split else []
+    return _result(label, workload, totals, prefills, compile_s, _peak(workload.device))
+
+
+def _peak(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+
+
+def _result(label, workload, totals, prefills, compile_s, peak, notes: str = "") -> E2EResult:
     total = statistics.median(totals)
-    pre = statistics.median(prefills) if split else None
+    pre = statistics.median(prefills) if prefills else None
     steps = max(workload.decode_len - 1, 1)
-    decode = max(total - pre, 0.0) / steps if split else None
+    decode = max(total - pre, 0.0) / steps if pre is not None else None
     new_tokens = workload.batch_size * workload.decode_len
-    return E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, repeats,
+    return E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, len(totals),
                      "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
-                     samples_ms=totals, prefill_samples_ms=prefills)
+                     notes, samples_ms=list(totals), prefill_samples_ms=list(prefills))
 
 
+# ------------------------------------------------------------------------------------------------- variant slots
+@dataclass
+class _Slot:
+    """One variant, set up on its own model copy: how to run it, and the state it swaps in around each run."""
+
+    variant: str
+    model: Any
+    kwargs: dict = field(default_factory=dict)
+    enter: Callable[[], None] = lambda: None
+    exit: Callable[[], None] = lambda: None
+    teardown: Callable[[], None] = lambda: None
+    notes: Callable[[], str] = lambda: ""
+    compile_s: float | None = None
+    totals: list[float] = field(default_factory=list)
+    prefills: list[float] = field(default_factory=list)
+
+    def _run(self, run_fn, workload, batch) -> float:
+        from llm4llm.workload import call_script
+
+        self.enter()
+        try:
+            return _timed(lambda: call_script(run_fn, self.model, workload, batch, **self.kwargs), workload.device)
+        finally:
+            self.exit()
+
+    def run_full(self, run_fn, workload, batch) -> float:
+        return self._run(run_fn, workload, batch)
+
+    def run_prefill(self, run_fn, workload, batch) -> float:
+        return self._run(run_fn, workload.model_copy(update={"decode_len": 1}), batch)
+
+
+def clone_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are the original's tensors (no weight memory is added):
+    patches, decode graphs and compiled calls installed on the copy leave the original as it was."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+class _Skip(Exception):
+    """A variant that cannot run here (no GPU for graphs, no bundle, no Liger): its row says why."""
+
+
+def _setup(variant: str, model, clean, wl, script, bundle) -> _Slot:
+    """The slot of `variant`. `model` is the base model (eager and torch.compile share it: compiling is a generate
+    argument); `clean()` returns a fresh weight-sharing copy for the variants that change modules."""
+    import kernels_runtime
+
+    if variant == "eager":
+        return _Slot("eager", model)
+    if variant == "torch_compile":
+        if not accepts_generate_kwargs(script.run):
+            raise _Skip("skipped: the script's run() takes no generate kwargs")
+        return _Slot("torch_compile", model, {"cache_implementation": "static"})
+    if variant == "liger":
+        return _liger_slot(clean(), wl)
+    graphs = variant.endswith("_graphs")
+    if graphs and not wl.device.startswith("cuda"):
+        raise _Skip("skipped: CUDA graphs need a CUDA device")
+    # A graph needs the cache at static addresses: the graph variants generate with transformers' static KV cache
+    # (its auto-compile off, so the graph is ours); Mamba/Mamba2 keep their LinearAttentionLayer either way.
+    how = "static cache, compile off; " if graphs else ""
+    m = clean()
+    if variant == "eager_graphs":
+        g = kernels_runtime.enable_decode_graphs(m, static_cache=True)
+        return _Slot(variant, m, teardown=lambda: kernels_runtime.disable_decode_graphs(m),
+                     notes=lambda: f"{how}decode graphs: {g.stats()}")
+    if bundle is None:
+        raise _Skip("skipped: no bundle")
+    report = kernels_runtime.apply(m, bundle, decode_graphs=graphs, static_cache=graphs)
+
+    def notes() -> str:
+        g = kernels_runtime.decode_graphs_of(m)
+        return how + str(report).replace("\n", "; ") + (f"; graphs {g.stats()}" if g is not None else "")
+
+    return _Slot(variant, m, teardown=lambda: kernels_runtime.revert(m), notes=notes)
+
+
+def _liger_slot(m, wl) -> _Slot:
+    """Liger-Kernel's patch of this architecture on a copy. Liger patches the instance's modules and also rebinds
+    names in transformers' modeling module (the rotary function, module classes): those are swapped in around each
+    of this variant's runs only, so every other variant runs transformers as shipped."""
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except ImportError as e:
+        raise _Skip(f"skipped: liger-kernel is not installed ({e})") from e
+    fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(m.config.model_type)
+    if fn is None:
+        raise _Skip(f"skipped: liger-kernel has no patch for model_type {m.config.model_type!r}")
+    import importlib
+
+    mod = importlib.import_module(type(m).__module__)
+    before = _namespace(mod)
+    # inference: no loss to fuse (the cross-entropy patches replace the CausalLM forward for training)
+    kwargs = {k: False for k in ("cross_entropy", "fused_linear_cross_entropy")
+              if k in inspect.signature(fn).parameters}
+    fn(model=m, **kwargs)
+    after = _namespace(mod)
+    _restore(mod, before)
+    changed = [k for k in after if after[k] is not before.get(k)]
+    return _Slot("liger", m, enter=lambda: _restore(mod, after), exit=lambda: _restore(mod, before),
+                 notes=lambda: f"liger-kernel {_version('liger-kernel')} ({fn.__name__}); swapped per run: "
+                               f"{', '.join(sorted(changed)) or 'nothing'}")
+
+
+def _namespace(mod) -> dict:
+    """The module's globals and the attributes of the classes it defines (what a monkey patch rebinds)."""
+    out = {}
+    for name, v in vars(mod).items():
+        out[name] = v
+        if isinstance(v, type) and v.__module__ == mod.__name__:
+            for attr, a in list(vars(v).items()):
+                out[(name, attr)] = a
+    return out
+
+
+def _restore(mod, ns: dict) -> None:
+    for key, v in ns.items():
+        if isinstance(key, tuple):
+            cls = ns.get(key[0])
+            if getattr(cls, "__dict__", {}).get(key[1], _MISSING) is not v:
+                setattr(cls, key[1], v)
+        elif vars(mod).get(key, _MISSING) is not v:
+            setattr(mod, key, v)
+
+
+_MISSING = object()
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
-                      repeats: int = 3, results_path: str | None = None) -> list[E2EResult]:
-    """Build the model once through the script and measure each variant in turn, in this process. results_path:
-    each variant's row (with the GPU and library versions) is appended there as a JSON line as soon as it is
-    measured, so a run stopped midway (a time limit, a crash) keeps the variants it finished."""
+                      repeats: int = DEFAULT_ROUNDS, results_path: str | None = None) -> list[E2EResult]:
+    """Build the model once through the script, set each variant up on its own weight-sharing copy, and time the
+    variants in `repeats` interleaved rounds, in this process.
+
+    Round 0 runs each variant right after its setup (so a variant that dies in its warm-up still leaves the rows of
+    those before it); rounds 1.. rotate the order. results_path: after every round each variant's row (with the GPU
+    and library versions) is appended there as a JSON line, the newest line of a variant replacing its earlier ones,
+    so a run stopped midway keeps what it measured."""
     from llm4llm.workload import call_script, load_script, load_workload
 
-    unknown = [v for v in variants if v not in VARIANTS + GRAPH_VARIANTS]
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
     if unknown:  # before anything is built or measured
-        raise ValueError(f"variant: expected one of {VARIANTS + GRAPH_VARIANTS}, got {unknown}")
+        raise ValueError(f"variant: expected one of {ALL_VARIANTS}, got {unknown}")
+    if repeats < 1:
+        raise ValueError(f"repeats: expected at least 1 round, got {repeats}")
     wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
     batch = call_script(script.inputs, wl)
-    results: list[E2EResult] = []
-    for variant in variants:
-        try:
-            results.append(_variant(variant, model, wl, batch, script, bundle, repeats))
-        except Exception as e:  # one variant failing (e.g. a static cache the architecture lacks) is a row too
-            results.append(E2EResult(variant, None, None, None, None, None, notes=f"failed: {_first_line(e, 700)}"))
-            if wl.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if results_path:
-            _append_row(results_path, results[-1], wl.device)
-    return results
+    copies = {v: clone_sharing_weights(model) for v in variants if v not in ("eager", "torch_compile")}
+    clean = iter(copies.values())
+    slots: dict[str, _Slot] = {}
+    failed: dict[str, E2EResult] = {}
+    emit = (lambda r: _append_row(results_path, r, wl.device)) if results_path else (lambda r: None)
+    try:
+        for variant in variants:  # round 0: set up, warm up, one timed run each
+            try:
+                slot = _setup(variant, model, lambda: next(clean), wl, script, bundle)
+                _warm(slot, script.run, wl, batch)
+                slot.totals.append(slot.run_full(script.run, wl, batch))
+                slot.prefills.append(slot.run_prefill(script.run, wl, batch))
+                slots[variant] = slot
+            except _Skip as e:
+                failed[variant] = E2EResult(variant, None, None, None, None, None, notes=str(e))
+            except Exception as e:  # one variant failing (a static cache the architecture lacks) is a row too
+                failed[variant] = E2EResult(variant, None, None, None, None, None,
+                                            notes=f"failed: {_first_line(e, 700)}")
+                if wl.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            emit(failed[variant] if variant in failed else _slot_result(slots[variant], wl, slots))
+        if wl.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        order = list(slots.values())
+        for r in range(1, repeats):
+            k = r % len(order) if order else 0
+            turn = order[k:] + order[:k]
+            for slot in turn:
+                slot.totals.append(slot.run_full(script.run, wl, batch))
+            for slot in reversed(turn):
+                slot.prefills.append(slot.run_prefill(script.run, wl, batch))
+            if r < repeats - 1:
+                for slot in order:
+                    emit(_slot_result(slot, wl, slots))
+        floor = _hbm_floor(model, wl.device)
+        results = []
+        for variant in variants:
+            res = failed.get(variant) or _slot_result(slots[variant], wl, slots, _peak(wl.device), floor)
+            results.append(res)
+            if variant in slots:
+                emit(res)
+        return results
+    finally:
+        for slot in slots.values():
+            slot.teardown()
+
+
+def _warm(slot: _Slot, run_fn, wl, batch) -> None:
+    """Two full runs (the second captures a prompt graph) and a prefill; torch.compile's compile is timed here. A
+    compile that fails in HF's default mode is retried without CUDA graphs (see _compile_fallback)."""
+    t0 = time.perf_counter()
+    try:
+        for _ in range(2):
+            slot.run_full(run_fn, wl, batch)
+        slot.run_prefill(run_fn, wl, batch)
+    except Exception as e:
+        if slot.variant != "torch_compile":
+            raise
+        _compile_fallback(slot, e)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            slot.run_full(run_fn, wl, batch)
+        slot.run_prefill(run_fn, wl, batch)
+    if slot.variant == "torch_compile":
+        slot.compile_s = time.perf_counter() - t0
+
+
+def _compile_fallback(slot: _Slot, first_error: Exception) -> None:
+    # HF compiles the static-cache decode step with mode="reduce-overhead" (CUDA graph trees); a model that keeps
+    # per-step state on its modules reads a graph output a later replay overwrote ("accessing tensor output of
+    # CUDAGraphs that has been overwritten", RecurrentGemma). Inductor without CUDA graphs is what a user tries next;
+    # the row says which mode it is. The failed run left graph outputs as the state modules keep on themselves, so
+    # the state is dropped first and the next prefill builds it afresh.
+    from transformers import CompileConfig
+
+    from kernels_runtime.boundary import clear_module_state
+
+    first = _first_line(first_error)
+    torch._dynamo.reset()
+    clear_module_state(slot.model)
+    slot.kwargs = {"cache_implementation": "static", "compile_config": CompileConfig(mode="default")}
+    slot.notes = lambda: f"compile mode=default (reduce-overhead failed: {first})"
+
+
+def _slot_result(slot: _Slot, wl, slots: dict[str, _Slot], peak: float | None = None,
+                 floor: tuple[float, float] | None = None) -> E2EResult:
+    res = _result(slot.variant, wl, slot.totals, slot.prefills, slot.compile_s, peak, slot.notes()[:500])
+    for name, base in (("vs_eager", slots.get("eager")), ("vs_compile", slots.get("torch_compile"))):
+        if base is not None and base is not slot:
+            # round 0 ran each variant right after its own warm-up, not interleaved: ratios pair rounds 1.. only
+            skip = 1 if min(len(base.totals), len(slot.totals)) > 1 else 0
+            pr = paired_ratios(base.totals[skip:], slot.totals[skip:])
+            if pr is not None:
+                setattr(res, name, pr[0]), setattr(res, f"{name}_p20", pr[1]), setattr(res, f"{name}_p80", pr[2])
+    if floor is not None:
+        res.hbm_floor_ms, res.copy_gbps = floor
+        step = _graph_step_ms(slot.model)
+        if step is not None:
+            res.gpu_step_ms = step
+            if res.decode_ms_per_token is not None:
+                res.host_overhead_ms = max(res.decode_ms_per_token - step, 0.0)
+    return res
+
+
+def _hbm_floor(model: torch.nn.Module, device: str) -> tuple[float, float] | None:
+    """(ms per decode token, GB/s): the model's weight bytes, each read once a step, at the device-to-device copy
+    bandwidth measured here (bytes read + written over the copy's time). None off the GPU."""
+    if not device.startswith("cuda"):
+        return None
+    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    src = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    gbps = 2 * src.numel() * src.element_size() / (statistics.median(times[2:]) * 1e-3) / 1e9
+    del src, dst
+    return weights / (gbps * 1e9) * 1e3, gbps
+
+
+def _graph_step_ms(model: torch.nn.Module, replays: int = 30) -> float | None:
+    """GPU time of one decode step: the most replayed decode graph of `model`, replayed back to back between CUDA
+    events (the graph owns every buffer it reads, so replaying it after generate returned is safe). None without
+    decode graphs."""
+    import kernels_runtime
+
+    g = kernels_runtime.decode_graphs_of(model)
+    entries = [e for e in (g.entries.values() if g is not None else ()) if e.replays and hasattr(e.graph, "replay")]
+    if not entries:
+        return None
+    graph = max(entries, key=lambda e: e.replays).graph
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / replays
 
 
 def _append_row(path: str, result: E2EResult, device: str) -> None:
@@ -161,62 +492,3 @@ def _append_row(path: str, result: E2EResult, device: str) -> None:
 def _first_line(e: Exception, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:limit]
-
-
-def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
-    if variant == "eager":
-        return measure(model, wl, batch, script.run, repeats=repeats, label="eager")
-    if variant == "torch_compile":
-        if not accepts_generate_kwargs(script.run):
-            return E2EResult("torch_compile", None, None, None, None, None,
-                             notes="skipped: the script's run() takes no generate kwargs")
-        try:
-            return measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
-                           cache_implementation="static")
-        except Exception as e:
-            first = _first_line(e)
-        # HF compiles the static-cache decode step with mode="reduce-overhead" (CUDA graph trees); a model that keeps
-        # per-step state on its modules reads a graph output a later replay overwrote (RecurrentGemma on the H200:
-        # "accessing tensor output of CUDAGraphs that has been overwritten"). Inductor without CUDA graphs is what a
-        # user tries next; the row says which mode it is. The failed run left graph outputs as the state modules keep
-        # on themselves, and reading one raises the same error (the H200, 2026-11-30: the retry failed so before any
-        # compiling): the state is dropped first, the next prefill builds it afresh.
-        from transformers import CompileConfig
-
-        from kernels_runtime.boundary import clear_module_state
-
-        torch._dynamo.reset()
-        clear_module_state(model)
-        try:
-            r = measure(model, wl, batch, script.run, repeats=repeats, label="torch_compile",
-                        cache_implementation="static", compile_config=CompileConfig(mode="default"))
-        except Exception as e:  # the mode=default error first: it is the new one
-            raise RuntimeError(f"mode=default: {_first_line(e)}; mode=reduce-overhead: {first}") from e
-        r.notes = f"compile mode=default (reduce-overhead failed: {first})"
-        return r
-    import kernels_runtime
-
-    graphs = variant.endswith("_graphs")
-    if graphs and not wl.device.startswith("cuda"):
-        return E2EResult(variant, None, None, None, None, None, notes="skipped: CUDA graphs need a CUDA device")
-    # A graph needs the cache at static addresses: the graph variants generate with transformers' static KV cache
-    # (its auto-compile off, so the graph is ours); Mamba/Mamba2 keep their LinearAttentionLayer either way.
-    how = "static cache, compile off; " if graphs else ""
-    if variant == "eager_graphs":
-        g = kernels_runtime.enable_decode_graphs(model, static_cache=True)
-        try:
-            r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
-            r.notes = f"{how}decode graphs: {g.stats()}"[:500]
-            return r
-        finally:
-            kernels_runtime.disable_decode_graphs(model)
-    if bundle is None:
-        return E2EResult(variant, None, None, None, None, None, notes="skipped: no bundle")
-    report = kernels_runtime.apply(model, bundle, decode_graphs=graphs, static_cache=graphs)
-    try:
-        r = measure(model, wl, batch, script.run, repeats=repeats, label=variant)
-        g = kernels_runtime.decode_graphs_of(model)
-        r.notes = (how + str(report).replace("\n", "; ") + (f"; graphs {g.stats()}" if g is not None else ""))[:500]
-        return r
-    finally:
-        kernels_runtime.revert(model)

@@ -645,7 +645,7 @@ def prior_experience(db, task_id: str) -> list:
     return out
 
 
-def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 3,
+def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None) -> dict:
     from llm4llm.evaluate import evaluate_workload
     from storage import repo
@@ -653,13 +653,14 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
 
     wl = describe_workload(workload_path)
     run_id = run_id or new_run_id(wl["name"] + "-eval")
-    rows: list[dict] = []
+    latest: dict[str, dict] = {}  # variant -> its newest row (the child re-sends a variant's row after each round)
+    seen = [0]
     with tempfile.TemporaryDirectory(prefix="llm4llm-e2e-") as tmp:
         stream = Path(tmp) / "rows.jsonl"
 
-        def record_new() -> None:  # each variant's row lands in DuckDB as the child finishes it
+        def record_new() -> None:  # each variant's row lands in DuckDB as the child measures it
             new = []
-            for line in (stream.read_text().splitlines() if stream.exists() else [])[len(rows):]:
+            for line in (stream.read_text().splitlines() if stream.exists() else [])[seen[0]:]:
                 try:
                     new.append({"run_id": run_id, "workload_hash": wl["workload_hash"], **json.loads(line)})
                 except json.JSONDecodeError:  # the line being written: the next poll reads it whole
@@ -667,8 +668,9 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             if new:
                 with Database(db_path) as db:
                     repo.record_e2e(db, new)
-                rows.extend(new)
+                seen[0] += len(new)
+                latest.update((r["variant"], r) for r in new)
 
         in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats,
                       results_path=str(stream), poll=record_new)
-    return {"run_id": run_id, "rows": rows}
+    return {"run_id": run_id, "rows": list(latest.values())}
