@@ -32,6 +32,7 @@ import torch
 from kernels_runtime import tolerances
 from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, save_bundle
 from kernels_runtime.tolerances import tolerance_for
+from llm4llm.evaluate import clone_sharing_weights
 from llm4llm.patchspec import task_patch_spec
 from llm4llm.taskspec import TaskSpec
 
@@ -67,6 +68,11 @@ class AcceptConfig:
     # it): on the H200 a +13.7 % prefill patch was rejected under a 29.8 % drift (the baseline measured 99.9 ms,
     # then 77.0 ms) and no gain could pass such a bracket. 0: the drift itself is the bar, as before.
     noisy_rounds: int = 2
+    # On the GPU the latency gate interleaves: the trial and the current bundle, each on its own weight-sharing copy
+    # of the model and warmed up once, are timed alternately (T B, B T, ...) for this many rounds, and the median of
+    # the per-round gains decides. Back-to-back measurements read the host's drift as a gain or a loss.
+    # 0: the bracketed gate above (one trial measurement between two baselines).
+    interleave_rounds: int = 7
 
     def __post_init__(self):
         if self.metric not in METRIC_CHOICES:
@@ -78,6 +84,8 @@ class AcceptConfig:
             raise ValueError(f"min_task_speedup: expected a finite number >= 0, got {self.min_task_speedup!r}")
         if not (isinstance(self.noisy_rounds, int) and 0 <= self.noisy_rounds <= 10):
             raise ValueError(f"noisy_rounds: expected an integer in [0, 10], got {self.noisy_rounds!r}")
+        if not (isinstance(self.interleave_rounds, int) and 0 <= self.interleave_rounds <= 50):
+            raise ValueError(f"interleave_rounds: expected an integer in [0, 50], got {self.interleave_rounds!r}")
         for name in ("tol_factor", "floor_factor"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -432,6 +440,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
 
     current = latency()
     baseline = current
+    # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
+    base_model = clone_sharing_weights(model) if on_gpu and cfg.interleave_rounds > 0 else None
     graph_decision = None
     if graphs:  # gated like a patch: the unpatched model with graphs, in-model logits then delta; then the baseline
         g = kernels_runtime.enable_decode_graphs(model, static_cache=cfg.static_cache)
@@ -449,6 +459,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         graphs_note = f"decode graphs {'on' if graphs else 'off'}: {graph_decision.reason}"
         if graphs:
             current = graphed
+            if base_model is not None:
+                kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
         print(f"accept: {graphs_note}")
     accepted = PatchBundle(name=f"{wl.name}", library_versions=library_versions(),
                            gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs,
@@ -464,13 +476,20 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         for s in accepted.patches:
             trial.add_kernel(accepted.source(s.kernel))
         trial.add_patch(patch_spec_for(p, spec, device_type, run_id), source=p.source)
+        interleaved = None if base_model is None else (
+            lambda: interleave(model, base_model, wl, batch, script.run, cfg.interleave_rounds))
         decision = _try(model, trial, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
-                        floor=floor, rebaseline=lambda: _measure_as(model, accepted, latency))
+                        floor=floor, rebaseline=lambda: _measure_as(model, accepted, latency),
+                        interleaved=interleaved)
         decisions.append(decision)
         kernels_runtime.revert(model)
         if decision.decision == "accepted":
             accepted = trial
             current = decision.e2e_after_ms
+            if base_model is not None:  # the baseline side now carries the new bundle
+                kernels_runtime.revert(base_model)
+                kernels_runtime.disable_decode_graphs(base_model)
+                kernels_runtime.apply(base_model, accepted, strict=True)
         elif decision.baseline_after_ms is not None:  # the latest measurement of the state the next trial starts from
             current = decision.baseline_after_ms
     bundle_path = None
@@ -523,8 +542,32 @@ def decide_graphs(check: LogitsCheck | None, before: float, after: float | None,
     return decision("accepted", f"end-to-end gain {gain:+.2%}: {numbers}", gain)
 
 
+def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple[list[float], list[float]]:
+    """(trial ms, baseline ms) of `rounds` interleaved full runs, the order swapped every round (T B, B T, ...), after
+    two warm-up runs of each (the second captures a prompt graph)."""
+    from llm4llm.evaluate import _Slot
+
+    trial, base = _Slot("trial", trial_model), _Slot("baseline", base_model)
+    for s in (trial, base):
+        for _ in range(2):
+            s.run_full(run_fn, wl, batch)
+    for r in range(rounds):
+        for s in ((trial, base) if r % 2 == 0 else (base, trial)):
+            s.totals.append(s.run_full(run_fn, wl, batch))
+    return trial.totals, base.totals
+
+
+def interleaved_gain(trials: list[float], bases: list[float]) -> tuple[float, float, float]:
+    """Median, p20 and p80 of the per-round gains 1 - trial / baseline."""
+    from llm4llm.evaluate import quantile
+
+    gains = [1 - t / b for t, b in zip(trials, bases)]
+    return statistics.median(gains), quantile(gains, 0.2), quantile(gains, 0.8)
+
+
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
-         floor: NoiseFloor | None = None, rebaseline: Callable[[], float | None] | None = None) -> Decision:
+         floor: NoiseFloor | None = None, rebaseline: Callable[[], float | None] | None = None,
+         interleaved: Callable[[], tuple[list[float], list[float]]] | None = None) -> Decision:
     """One trial: apply `bundle` to `model` (the caller reverts), compare teacher-forced logits with `ref_logits`,
     check that the kernel ran, then the latency gate (`latency()` returns None on the CPU: never accepts).
 
@@ -566,6 +609,25 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
         forced_free, _ = reference_tokens(model, batch, wl.decode_len)
         if not torch.equal(forced_free, tokens):
             return decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
+    if interleaved is not None:
+        try:
+            trials, bases = interleaved()
+        except Exception as e:  # noqa: BLE001 - a failure while timing costs this candidate only
+            return decide("rejected", f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}", check,
+                          counters=counters)
+        gain, lo, hi = interleaved_gain(trials, bases)
+        before, again = statistics.median(bases), statistics.median(bases)
+        after = statistics.median(trials)
+        how = (f"median of {len(trials)} interleaved rounds {gain:+.2%} (p20 {lo:+.2%}, p80 {hi:+.2%}); baseline "
+               f"{before:.1f} ms ({min(bases):.1f}-{max(bases):.1f}), trial {after:.1f} ms "
+               f"({min(trials):.1f}-{max(trials):.1f})")
+        g = kernels_runtime.decode_graphs_of(model)
+        if g is not None:
+            detail += f"; decode graphs: {g.summary()}"
+        if gain < cfg.delta:
+            return decide("rejected", f"end-to-end gain {how} below delta {cfg.delta:.0%}; {detail}", check, after,
+                          gain, counters)
+        return decide("accepted", f"end-to-end gain {how}; {detail}", check, after, gain, counters)
     after = latency()
     g = kernels_runtime.decode_graphs_of(model)
     if g is not None:  # what the graphs did in this trial (a refusal means every decode step ran eagerly)

@@ -391,16 +391,19 @@ def _warm(slot: _Slot, run_fn, wl, batch) -> None:
     except Exception as e:
         if slot.variant != "torch_compile":
             raise
-        _compile_fallback(slot, e)
+        first = _compile_fallback(slot, e)
         t0 = time.perf_counter()
-        for _ in range(2):
-            slot.run_full(run_fn, wl, batch)
-        slot.run_prefill(run_fn, wl, batch)
+        try:
+            for _ in range(2):
+                slot.run_full(run_fn, wl, batch)
+            slot.run_prefill(run_fn, wl, batch)
+        except Exception as e2:  # the mode=default error first: it is the new one
+            raise RuntimeError(f"mode=default: {_first_line(e2)}; mode=reduce-overhead: {first}") from e2
     if slot.variant == "torch_compile":
         slot.compile_s = time.perf_counter() - t0
 
 
-def _compile_fallback(slot: _Slot, first_error: Exception) -> None:
+def _compile_fallback(slot: _Slot, first_error: Exception) -> str:
     # HF compiles the static-cache decode step with mode="reduce-overhead" (CUDA graph trees); a model that keeps
     # per-step state on its modules reads a graph output a later replay overwrote ("accessing tensor output of
     # CUDAGraphs that has been overwritten", RecurrentGemma). Inductor without CUDA graphs is what a user tries next;
@@ -415,6 +418,20 @@ def _compile_fallback(slot: _Slot, first_error: Exception) -> None:
     clear_module_state(slot.model)
     slot.kwargs = {"cache_implementation": "static", "compile_config": CompileConfig(mode="default")}
     slot.notes = lambda: f"compile mode=default (reduce-overhead failed: {first})"
+    return first
+
+
+def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
+    """One variant alone on `model` (set up, warmed up, `repeats` timed runs), not interleaved."""
+    slot = _setup(variant, model, lambda: clone_sharing_weights(model), wl, script, bundle)
+    try:
+        _warm(slot, script.run, wl, batch)
+        for _ in range(repeats):
+            slot.totals.append(slot.run_full(script.run, wl, batch))
+            slot.prefills.append(slot.run_prefill(script.run, wl, batch))
+        return _slot_result(slot, wl, {})
+    finally:
+        slot.teardown()
 
 
 def _slot_result(slot: _Slot, wl, slots: dict[str, _Slot], peak: float | None = None,

@@ -272,6 +272,54 @@ def test_a_noisy_bracket_is_measured_again_alternately(ref, current, trials, bas
         assert "median" not in d.reason and "drift 1.0%" in d.reason
 
 
+@pytest.mark.parametrize("trials,bases,decision,gain", [
+    # a host drifting 30 % over the rounds: every round still shows the trial 10 % ahead of the baseline beside it
+    ([90.0, 99.0, 108.0, 117.0, 90.0, 99.0, 108.0], [100.0, 110.0, 120.0, 130.0, 100.0, 110.0, 120.0], "accepted",
+     0.10),
+    # the same drift and no gain: back to back (trial late, baseline early) this would read as a loss or a gain
+    ([100.0, 110.0, 120.0, 130.0, 100.0, 110.0, 120.0], [100.0, 110.0, 120.0, 130.0, 100.0, 110.0, 120.0],
+     "rejected", 0.0),
+    ([99.0] * 7, [100.0] * 7, "rejected", 0.01),  # a real 1 % gain is below delta 2 %
+])
+def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, trials, bases, decision, gain):
+    """On the GPU the gate times trial and baseline alternately in rounds (scripted timings here: the gate's
+    arithmetic, not a CPU timing); neither the one-shot latency nor the bracket is measured."""
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    untouched = lambda: pytest.fail("the interleaved gate measured the one-shot latency")  # noqa: E731
+    try:
+        d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
+                     AcceptConfig(delta=0.02), untouched, 150.0, 0.1, floor=ref.floor, rebaseline=untouched,
+                     interleaved=lambda: (trials, bases))
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert d.decision == decision and d.gain == pytest.approx(gain, abs=1e-9), d.reason
+    assert f"median of {len(trials)} interleaved rounds" in d.reason and "p20" in d.reason, d.reason
+    assert d.e2e_before_ms == sorted(bases)[3] and d.e2e_after_ms == sorted(trials)[3]
+
+
+def test_interleave_alternates_the_order_after_warming_both(tmp_path):
+    """interleave(): two warm-up runs of each side, then T B, B T, T B ... (each side's own model object)."""
+    order = []
+
+    class Script:
+        @staticmethod
+        def run(model, workload, inputs):
+            order.append(model.tag)
+
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    a.tag, b.tag = "T", "B"
+    wl = SimpleNamespace(device="cpu", decode_len=4, model_copy=lambda update: wl)
+    trials, bases = acc.interleave(a, b, wl, None, Script.run, 3)
+    assert order == ["T", "T", "B", "B", "T", "B", "B", "T", "T", "B"]
+    assert len(trials) == len(bases) == 3 and min(trials + bases) >= 0
+
+
+def test_interleave_rounds_is_checked():
+    with pytest.raises(ValueError, match="interleave_rounds"):
+        AcceptConfig(interleave_rounds=-1)
+
+
 def test_a_failure_while_measuring_a_noisy_bracket_again_rejects_the_candidate(ref):
     spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
     wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
