@@ -498,6 +498,9 @@ class DecodeGraphs:
     # Hand positions counted on the host in as position_ids (see _with_positions). Off only to show what it is for:
     # RecurrentGemma's replays would then keep the capture's position (tests)
     pass_positions: ClassVar[bool] = True
+    # When a list: every decode replay appends a (start, end) pair of CUDA events around the graph, so the GPU time
+    # of a step can be read apart from the host's (gpu_step_ms); None (the default) records nothing.
+    step_events: list | None = None
 
     # ------------------------------------------------------------------------------------------------ call path
     def __call__(self, *args, **kwargs):
@@ -579,7 +582,14 @@ class DecodeGraphs:
             # the re-run emulation runs Python on the private cache: it takes the caller's branch (a graph has frozen it)
             for (layer, c), (mine, _) in zip(hosts, _host_layers(entry.private)):
                 setattr(mine, c, getattr(layer, c))
-        self.backend.replay(entry.graph, entry.fn, entry.out)
+        if self.step_events is not None and type(self.backend) is CudaGraphBackend:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.backend.replay(entry.graph, entry.fn, entry.out)
+            end.record()
+            self.step_events.append((start, end))
+        else:
+            self.backend.replay(entry.graph, entry.fn, entry.out)
         n = call["input_ids"].shape[1]
         for layer, c in hosts:  # the bookkeeping the layer's update does in Python, which a replay skips
             setattr(layer, c, getattr(layer, c) + n)
@@ -824,6 +834,16 @@ class DecodeGraphs:
         self.refused[key] = reason
         self.counts[f"refused: {reason}"] += 1
         return out
+
+    def gpu_step_ms(self) -> float | None:
+        """Median GPU time of the decode replays recorded in `step_events` (None without any). In a host-bound decode
+        loop the GPU is idle when the start event is reached, so each pair spans the graph's kernels alone."""
+        if not self.step_events:
+            return None
+        self.step_events[-1][1].synchronize()
+        import statistics
+
+        return statistics.median(a.elapsed_time(b) for a, b in self.step_events)
 
     def summary(self) -> str:
         """One line for reports and decisions: graphs, replays and why any signature was refused."""
