@@ -13,7 +13,7 @@ from deployments.triggers import workload_files
 
 def build_deployments(workloads: list[Path], cron: str = "0 3 * * *", db_path: str | None = None):
     from flows.optimize import optimize_workload
-    from flows.profile import profile_workload
+    from flows.profiling import profile_workload
 
     deps = []
     for w in workloads:
