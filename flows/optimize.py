@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.gpu import gpu_slot
 from flows.profiling import _defaults, extract_tasks, profile_workload
 from flows.search import search_tasks
 from llm4llm import pipeline
 from llm4llm.config import STAGES, OptimizeConfig
 from tasks.acceptance import accept_patches, evaluate_e2e
+from tasks.profiling import describe_workload
 
 
 @flow(name="optimize-workload", log_prints=True)
@@ -32,8 +34,13 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     config.search.rounds: search + acceptance rounds; a task rejected at deployment is searched again from its
     experience (the rejection included) in the next round."""
     cfg = config if config is not None else OptimizeConfig()
-    stages = set(cfg.stages)
     data_dir = _defaults(data_dir)
+    with gpu_slot(describe_workload(workload_path)["device"]):
+        return _optimize(workload_path, cfg, db_path, data_dir, new_run)
+
+
+def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data_dir: str, new_run: bool) -> dict:
+    stages = set(cfg.stages)
     prof = profile_workload(workload_path, db_path=db_path, data_dir=data_dir, refresh=cfg.refresh, new_run=new_run)
     out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
     if "extract" not in stages:

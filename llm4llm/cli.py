@@ -284,7 +284,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         # The run's workload file supplies the [llm] table when it is still where it was profiled from.
         llm = _llm_options(workload_path, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
-            results = search_tasks(run, settings, db_path=str(db) if db else None,
+            results = search_tasks(run, settings=settings, db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
                                    task_ids=task or None, llm=llm, decode_timing=decode_timing)
@@ -328,24 +328,24 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
 
 
 @app.command()
-def watch(paths: list[Path] = typer.Argument(..., help="workload files or directories"), db: Optional[Path] = DbOpt,
-          stages: str = typer.Option("profile,extract", help="stages to run on a changed workload")) -> None:
-    """Re-profile (and re-optimize) a workload whenever its config or script changes (content hash)."""
-    _quiet_prefect(False)
-    from deployments.triggers import watch as _watch
-    from flows.optimize import optimize_workload
-    from llm4llm.errors import Llm4llmError
+def watch(paths: list[Path] = typer.Argument(..., help="workload files or directories"),
+          state: Optional[Path] = typer.Option(None, help="the last content hash seen per workload (default "
+                                                          "$LLM4LLM_HOME/watch-state.json)"),
+          debounce_ms: int = typer.Option(1600, help="a burst of writes within this many ms is one change"),
+          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen")) -> None:
+    """Emit a Prefect event (llm4llm.workload.changed) whenever a workload's config or inference script really
+    changes (the hash of the parsed TOML and of the script: a touch or a comment-only edit emits nothing). The
+    `optimize-workload/on-change` deployment (python -m deployments.serve) runs on it; set PREFECT_API_URL."""
+    from deployments.triggers import emit, watch as _watch
+    from storage.db import data_home
 
-    def on_change(path: Path) -> None:
-        console.print(f"[bold]{path}[/] changed: running {stages}")
-        try:
-            out = optimize_workload(str(path), db_path=str(db) if db else None,
-                                    stages=tuple(s.strip() for s in stages.split(",")))
-            console.print(f"run {out['run_id']}")
-        except Llm4llmError as e:
-            err_console.print(f"[bold red]error:[/] {e}")
+    def on_change(fields: dict) -> None:
+        emit(fields)
+        p = fields["payload"]
+        console.print(f"[bold]{p['path']}[/] changed ({p['previous_hash']} -> {p['content_hash']}): "
+                      f"emitted {fields['event']}")
 
-    _watch([str(p) for p in paths], on_change, str(db) if db else None)
+    _watch([str(p) for p in paths], state or data_home() / "watch-state.json", on_change, debounce_ms, initial)
 
 
 def _print_tasks(db: Optional[Path], run_id: Optional[str]) -> None:
