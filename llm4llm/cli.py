@@ -81,7 +81,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     """Profile a workload per phase and print the ranked hotspot table."""
     _quiet_prefect(verbose)
     with _user_errors():
-        from flows.profile import profile_workload
+        from flows.profiling import profile_workload
 
         with progress.rich_progress(console):
             out = profile_workload(str(workload), db_path=str(db) if db else None,
@@ -135,24 +135,21 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     with _user_errors():
         from flows.optimize import optimize_workload
 
-        _check_proposer(proposer)
-        _check_accept(accept_metric, accept_tol_factor, accept_floor_factor, accept_min_task_speedup,
-                      accept_noisy_rounds)
         _check_graphs(decode_graphs, e2e_variants)
-        _check_families(family)
-        llm = _llm_options(workload, llm_model, llm_api_base) if proposer != "library" else None
+        cfg = _config({
+            "stages": [s.strip() for s in stages.split(",")], "refresh": refresh,
+            "search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
+                       "families": list(family) if family else None, "rounds": rounds, "min_score": min_score},
+            "accept": {"delta": delta, "metric": accept_metric, "tol_factor": accept_tol_factor,
+                       "floor_factor": accept_floor_factor, "min_task_speedup": accept_min_task_speedup,
+                       "noisy_rounds": accept_noisy_rounds},
+            "graphs": {"decode_graphs": decode_graphs},
+            "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None}})
+        if cfg.search.proposer != "library":
+            cfg.llm = _llm_options(workload, llm_model, llm_api_base)
         with progress.rich_progress(console):
-            out = optimize_workload(str(workload), db_path=str(db) if db else None,
-                                    data_dir=str(data_dir) if data_dir else None, min_score=min_score,
-                                    refresh=refresh, stages=tuple(s.strip() for s in stages.split(",")),
-                                    mode=mode, budget=budget, proposer=proposer, top=top,
-                                    families=list(family) if family else None, delta=delta, llm=llm,
-                                    accept_metric=accept_metric, accept_tol_factor=accept_tol_factor,
-                                    accept_floor_factor=accept_floor_factor,
-                                    accept_min_task_speedup=accept_min_task_speedup,
-                                    accept_noisy_rounds=accept_noisy_rounds, decode_graphs=decode_graphs,
-                                    e2e_variants=tuple(v.strip() for v in e2e_variants.split(",")) if e2e_variants else None,
-                                    rounds=rounds)
+            out = optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
+                                    data_dir=str(data_dir) if data_dir else None)
         console.print(f"run [bold]{out['run_id']}[/]")
         if out.get("decode_graphs"):
             console.print(f"decode graphs: {out['decode_graphs']}")
@@ -174,25 +171,37 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 
 PROPOSERS = ("library", "llm", "hybrid")
 
+# OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
+_FLAGS = {("search", "families"): "--family", ("search", "min_score"): "--min-score",
+          ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
+          ("stages",): "--stages"}
+
+
+def _config(values: dict):
+    """The run's OptimizeConfig from the flags; a value it refuses is one error line naming the flag (exit 2)."""
+    from pydantic import ValidationError
+
+    from llm4llm.config import OptimizeConfig
+    from llm4llm.errors import Llm4llmError
+
+    try:
+        return OptimizeConfig.model_validate(values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(str(x) for x in err["loc"] if not isinstance(x, int))
+        flag = _FLAGS.get(loc[:2]) or _FLAGS.get(loc[:1]) or (
+            "--accept-" + loc[1].replace("_", "-") if loc[0] == "accept" else "--" + loc[-1].replace("_", "-"))
+        raise Llm4llmError(f"{flag}: {err['msg']}, got {err.get('input')!r}") from None
+
 
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
-    """--decode-graphs and --e2e-variants: one error line (exit 2) before any flow starts."""
+    """--decode-graphs and --e2e-variants: one error line (exit 2) that lists the choices, before any flow starts."""
     from llm4llm.errors import Llm4llmError
     from llm4llm.pipeline import GRAPH_CHOICES
 
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
     _check_variants("--e2e-variants", e2e_variants)
-
-
-def _check_families(families: list[str] | None) -> None:
-    """--family: one error line (exit 2) before any flow starts."""
-    from llm4llm.errors import Llm4llmError
-    from llm4llm.extract import TARGET_FAMILIES
-
-    bad = [f for f in families or [] if f not in TARGET_FAMILIES]
-    if bad:
-        raise Llm4llmError(f"--family: expected one of {', '.join(TARGET_FAMILIES)}, got {', '.join(bad)}")
 
 
 def _check_variants(option: str, variants: str | None) -> None:
@@ -203,19 +212,6 @@ def _check_variants(option: str, variants: str | None) -> None:
     bad = [v.strip() for v in (variants or "").split(",") if v.strip() and v.strip() not in ALL_VARIANTS]
     if bad:
         raise Llm4llmError(f"{option}: expected names from {', '.join(ALL_VARIANTS)}, got {bad}")
-
-
-def _check_accept(metric: str, tol_factor: float, floor_factor: float, min_task_speedup: float = 1.0,
-                  noisy_rounds: int = 2) -> None:
-    """--accept-*: one error line (exit 2) before any flow starts."""
-    from llm4llm.accept import AcceptConfig
-    from llm4llm.errors import Llm4llmError
-
-    try:
-        AcceptConfig(metric=metric, tol_factor=tol_factor, floor_factor=floor_factor,
-                     min_task_speedup=min_task_speedup, noisy_rounds=noisy_rounds)
-    except ValueError as e:
-        raise Llm4llmError(f"--accept-{str(e).split(':')[0].replace('_', '-')}: {str(e).split(':', 1)[1].strip()}")
 
 
 def _check_proposer(proposer: str) -> None:
@@ -275,6 +271,8 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         from storage import repo
 
         _check_proposer(proposer)
+        settings = _config({"search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
+                                       "timeout_s": timeout_s}}).search
         if decode_timing not in DECODE_TIMINGS:
             raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
         with _db(db) as d:
@@ -286,11 +284,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         # The run's workload file supplies the [llm] table when it is still where it was profiled from.
         llm = _llm_options(workload_path, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
-            results = search_tasks(run, db_path=str(db) if db else None, data_dir=str(data_dir) if data_dir else None,
-                                   mode=mode, budget=budget, proposer=proposer,
+            results = search_tasks(run, settings=settings, db_path=str(db) if db else None,
+                                   data_dir=str(data_dir) if data_dir else None,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
-                                   timeout_s=timeout_s, task_ids=task or None, top=top, llm=llm,
-                                   decode_timing=decode_timing)
+                                   task_ids=task or None, llm=llm, decode_timing=decode_timing)
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")
@@ -334,24 +331,24 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
 
 
 @app.command()
-def watch(paths: list[Path] = typer.Argument(..., help="workload files or directories"), db: Optional[Path] = DbOpt,
-          stages: str = typer.Option("profile,extract", help="stages to run on a changed workload")) -> None:
-    """Re-profile (and re-optimize) a workload whenever its config or script changes (content hash)."""
-    _quiet_prefect(False)
-    from deployments.triggers import watch as _watch
-    from flows.optimize import optimize_workload
-    from llm4llm.errors import Llm4llmError
+def watch(paths: list[Path] = typer.Argument(..., help="workload files or directories"),
+          state: Optional[Path] = typer.Option(None, help="the last content hash seen per workload (default "
+                                                          "$LLM4LLM_HOME/watch-state.json)"),
+          debounce_ms: int = typer.Option(1600, help="a burst of writes within this many ms is one change"),
+          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen")) -> None:
+    """Emit a Prefect event (llm4llm.workload.changed) whenever a workload's config or inference script really
+    changes (the hash of the parsed TOML and of the script: a touch or a comment-only edit emits nothing). The
+    `optimize-workload/on-change` deployment (python -m deployments.serve) runs on it; set PREFECT_API_URL."""
+    from deployments.triggers import emit, watch as _watch
+    from storage.db import data_home
 
-    def on_change(path: Path) -> None:
-        console.print(f"[bold]{path}[/] changed: running {stages}")
-        try:
-            out = optimize_workload(str(path), db_path=str(db) if db else None,
-                                    stages=tuple(s.strip() for s in stages.split(",")))
-            console.print(f"run {out['run_id']}")
-        except Llm4llmError as e:
-            err_console.print(f"[bold red]error:[/] {e}")
+    def on_change(fields: dict) -> None:
+        emit(fields)
+        p = fields["payload"]
+        console.print(f"[bold]{p['path']}[/] changed ({p['previous_hash']} -> {p['content_hash']}): "
+                      f"emitted {fields['event']}")
 
-    _watch([str(p) for p in paths], on_change, str(db) if db else None)
+    _watch([str(p) for p in paths], state or data_home() / "watch-state.json", on_change, debounce_ms, initial)
 
 
 def _print_tasks(db: Optional[Path], run_id: Optional[str]) -> None:

@@ -131,16 +131,22 @@ def load_profile(profile_path: str) -> tuple[dict, ProfileResult]:
     return payload, result
 
 
-def record_profile(profile_path: str, workload: dict, db_path: str | None) -> str:
-    """Write the run and its profile rows to DuckDB in one transaction. Idempotent for a cached profile."""
+def record_profile(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
+    """Write the run and its profile rows to DuckDB in one transaction. Idempotent for a cached profile, unless
+    new_run: then a profile whose run is recorded already is recorded again under a new run id (its `profile_of`
+    names the run that measured it), so that a run served from the cache still has rows of its own."""
     from storage import repo
     from storage.db import Database
 
     payload, result = load_profile(profile_path)
-    run_id = payload["run_id"]
+    run_id, profile_of = payload["run_id"], None
+    started = payload["started_at"]
     with Database(db_path) as db:
         if repo.get_run(db, run_id) is not None:
-            return run_id
+            if not new_run:
+                return run_id
+            run_id, profile_of = new_run_id(payload["workload_name"]), run_id
+            started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
         hw = result.hardware
         run = {
             "run_id": run_id,
@@ -148,7 +154,8 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None) -> st
             "workload_name": payload["workload_name"],
             "kind": "profile",
             "status": "ok",
-            "started_at": payload["started_at"],
+            "started_at": started,
+            "profile_of": profile_of,
             "device": hw.get("device"),
             "gpu_name": hw.get("gpu_name"),
             "capability": hw.get("capability"),
@@ -569,13 +576,10 @@ def state_adapters(index_path: str) -> set[str]:
             if (a := ((t.get("recipe") or {}).get("state") or {}).get("adapter"))}
 
 
-def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, *, delta: float = 0.02,
-               metric: str = "auto", repeats: int = 5, tol_factor: float = 3.0, floor_factor: float = 2.0,
-               min_task_speedup: float = 1.0, decode_graphs: bool = False, static_cache: bool = False,
-               noisy_rounds: int = 2) -> dict:
-    """Deployment-time acceptance of the run's best candidates; decisions, the bundle and rejected reasons (as
-    experience for the next search round) go to DuckDB. `metric`: auto (logits_rel_l2_floor for 16-bit models,
-    logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs; see llm4llm/accept.py."""
+def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: str, cfg=None) -> dict:
+    """Deployment-time acceptance of the run's best candidates under `cfg` (an llm4llm.accept.AcceptConfig;
+    OptimizeConfig.accept.build() makes one with the run's graph plan); decisions, the bundle and rejected reasons
+    (as experience for the next search round) go to DuckDB."""
     from llm4llm.accept import AcceptConfig, accept, decision_rows
     from storage import repo
     from storage.db import Database
@@ -585,10 +589,7 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
     result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
-                           cfg=AcceptConfig(delta=delta, metric=metric, repeats=repeats, tol_factor=tol_factor,
-                                            floor_factor=floor_factor, min_task_speedup=min_task_speedup,
-                                            decode_graphs=decode_graphs, static_cache=static_cache,
-                                            noisy_rounds=noisy_rounds),
+                           cfg=cfg if cfg is not None else AcceptConfig(),
                            run_id=run_id)
     wl = describe_workload(workload_path)
     with Database(db_path) as db:

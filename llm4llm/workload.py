@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import json
 import sys
 import tomllib
 import traceback
@@ -114,10 +115,12 @@ class Workload(BaseModel):
         return self._toml_path
 
     def content_hash(self) -> str:
-        """sha256 of the TOML text and the script text, first 16 hex digits."""
-        toml_text = self._toml_text if self._toml_text is not None else self.model_dump_json()
+        """sha256 of the parsed TOML (not its text: a comment, whitespace or key order changes nothing the run
+        depends on) and the script's bytes, first 16 hex digits."""
+        parsed = (json.dumps(tomllib.loads(self._toml_text), sort_keys=True, default=str)
+                  if self._toml_text is not None else self.model_dump_json())
         digest = hashlib.sha256()
-        digest.update(toml_text.encode())
+        digest.update(parsed.encode())
         digest.update(b"\0")
         digest.update(Path(self.script).read_bytes() if Path(self.script).is_file() else b"")
         return digest.hexdigest()[:16]

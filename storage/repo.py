@@ -190,3 +190,48 @@ def table_df(db: Database, table: str, where: str = "", params: list | None = No
     if table not in known:
         raise ValueError(f"table: expected one of {sorted(known)}, got {table!r}")
     return db.query_df(f"SELECT * FROM {table}" + (f" WHERE {where}" if where else ""), params)
+
+
+# ---- the bundle in service: versions, the current pointer, nightly validations and decisions -------------------
+
+def bundle_versions(db: Database, workload_name: str) -> list[dict]:
+    """A workload's bundle versions, newest first."""
+    df = db.query_df("SELECT * FROM bundle_versions WHERE workload_name = ? ORDER BY version DESC", [workload_name])
+    return df.to_dict("records")
+
+
+def current_bundle(db: Database, workload_name: str) -> dict | None:
+    """The version in service (its bundle_versions row), or None when the workload has none in service."""
+    df = db.query_df("SELECT v.* FROM bundle_current c JOIN bundle_versions v USING (workload_name, version) "
+                     "WHERE c.workload_name = ?", [workload_name])
+    return None if df.empty else df.iloc[0].to_dict()
+
+
+def next_bundle_version(db: Database, workload_name: str) -> int:
+    return int(db.query("SELECT coalesce(max(version), 0) + 1 FROM bundle_versions WHERE workload_name = ?",
+                        [workload_name])[0][0])
+
+
+def record_bundle_version(db: Database, row: dict) -> None:
+    """Add a version of a workload's bundle; the (workload, version) key refuses to overwrite an existing one."""
+    with db.transaction() as con:
+        _insert(con, "bundle_versions", {**row, "created_at": _now()})
+
+
+def set_current_bundle(db: Database, workload_name: str, version: int | None, run_id: str) -> None:
+    with db.transaction() as con:
+        _insert(con, "bundle_current", {"workload_name": workload_name, "version": version, "run_id": run_id,
+                                        "updated_at": _now()}, replace=True)
+
+
+def record_service_night(db: Database, validations: Iterable[dict], decision: dict) -> None:
+    """A night's validations and its keep / replace / rollback decision, in one transaction."""
+    with db.transaction() as con:
+        for v in validations:
+            _insert(con, "bundle_validations", v, replace=True)
+        _insert(con, "service_decisions", decision)
+
+
+def service_decisions(db: Database, workload_name: str | None = None):
+    sql = "SELECT * FROM service_decisions" + (" WHERE workload_name = ?" if workload_name else "")
+    return db.query_df(sql + " ORDER BY created_at", [workload_name] if workload_name else [])

@@ -4,17 +4,13 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from llm4llm import pipeline
+from llm4llm.accept import AcceptConfig
 from tasks.common import infrastructure_only
 
 
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
-def accept_patches(workload_path: str, run_id: str, db_path: str | None, data_dir: str, delta: float,
-                   metric: str, repeats: int, tol_factor: float = 3.0, floor_factor: float = 2.0,
-                   min_task_speedup: float = 1.0, decode_graphs: bool = False, static_cache: bool = False,
-                   noisy_rounds: int = 2) -> dict:
-    return pipeline.run_accept(workload_path, run_id, db_path, data_dir, delta=delta, metric=metric, repeats=repeats,
-                               tol_factor=tol_factor, floor_factor=floor_factor, min_task_speedup=min_task_speedup,
-                               decode_graphs=decode_graphs, static_cache=static_cache, noisy_rounds=noisy_rounds)
+def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: str | None, data_dir: str) -> dict:
+    return pipeline.run_accept(workload_path, run_id, db_path, data_dir, cfg)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)

@@ -25,8 +25,8 @@ def profile(workload: dict, data_dir: str) -> str:
 
 
 @task(name="record-profile", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
-def record_profile(profile_path: str, workload: dict, db_path: str | None) -> str:
-    return pipeline.record_profile(profile_path, workload, db_path)
+def record_profile(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
+    return pipeline.record_profile(profile_path, workload, db_path, new_run=new_run)
 
 
 @task(name="publish-hotspots")

@@ -3,18 +3,19 @@ from __future__ import annotations
 from prefect import task
 
 from llm4llm import pipeline
+from llm4llm.config import SearchSettings
 from tasks.common import infrastructure_only
 
 
 @task(name="search-task", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       task_run_name="search-{task_dir}")
-def search_task(task_dir: str, db_path: str | None, data_dir: str, mode: str, budget: int, proposer: str,
-                device: str, timeout_s: float, seed: int, run_id: str | None, llm: dict | None = None,
-                decode_timing: str = "launch") -> dict:
+def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, data_dir: str, device: str,
+                run_id: str | None, llm: dict | None = None, decode_timing: str = "launch") -> dict:
     """One task's search. A failing candidate is data (a row), not a task failure: only infrastructure errors
     (the worker pool cannot start, the database is unavailable) fail and retry this task."""
-    return pipeline.run_task_search(task_dir, db_path, data_dir, mode=mode, budget=budget, proposer=proposer,
-                                    device=device, timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm,
+    return pipeline.run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
+                                    proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
+                                    seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
                                     decode_timing=decode_timing)
 
 

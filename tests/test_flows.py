@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from llm4llm.config import OptimizeConfig
 from llm4llm.errors import ScriptError, WorkloadError
 from llm4llm.taskspec import load_task
 from storage import repo
@@ -24,8 +25,8 @@ def optimized(prefect_harness, tmp_path_factory):
     db_path = str(root / "l4l.duckdb")
     out = {}
     for name in ("tiny-llama", "tiny-mamba"):
-        out[name] = optimize_workload(str(EXAMPLES / f"{name}.toml"), db_path=db_path, data_dir=str(root / "data"),
-                                      stages=("profile", "extract"))
+        out[name] = optimize_workload(str(EXAMPLES / f"{name}.toml"), OptimizeConfig(stages=["profile", "extract"]),
+                                      db_path=db_path, data_dir=str(root / "data"))
     return root, db_path, out
 
 
@@ -74,7 +75,7 @@ def test_tasks_extracted_and_round_trip(optimized):
 
 
 def test_cached_rerun_reuses_profile(prefect_harness, optimized):
-    from flows.profile import profile_workload
+    from flows.profiling import profile_workload
 
     root, db_path, out = optimized
     again = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"))
@@ -98,7 +99,7 @@ def _bad_workload(tmp_path: Path, script_body: str | None, **overrides) -> Path:
 
 @pytest.mark.parametrize("case", ["raises", "missing_field", "unknown_model"])
 def test_bad_input_leaves_no_run(prefect_harness, tmp_path, case):
-    from flows.profile import profile_workload
+    from flows.profiling import profile_workload
 
     if case == "raises":
         path = _bad_workload(tmp_path, "def build(w):\n    raise RuntimeError('boom in user code')\n"
@@ -138,8 +139,8 @@ def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tm
     from flows.optimize import optimize_workload
 
     db_path = str(tmp_path / "loop.duckdb")
-    out = optimize_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(tmp_path / "data"),
-                            budget=1, top=2, e2e_variants=("eager", "patched"), rounds=2)
+    cfg = OptimizeConfig(search={"budget": 1, "top": 2, "rounds": 2}, evaluate={"variants": ["eager", "patched"]})
+    out = optimize_workload(str(EXAMPLES / "tiny-llama.toml"), cfg, db_path=db_path, data_dir=str(tmp_path / "data"))
     assert len(out["searches"]) == 2 and out["acceptance"]["accepted"] == 0 and out["acceptance"]["bundle"] is None
     assert out["acceptance"]["retry_tasks"] == []  # CPU rejections are not the candidates' fault: no second round
     with Database(db_path) as db:

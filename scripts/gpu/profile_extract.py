@@ -28,6 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     from flows.optimize import optimize_workload
     from flows.search import search_tasks
+    from llm4llm.config import OptimizeConfig, SearchSettings
     from llm4llm.pipeline import load_profile
     from llm4llm.profiler import format_hotspots
     from storage import repo
@@ -37,7 +38,7 @@ def main() -> None:
     summary = []
     for wl in args.workloads:
         t0 = time.time()
-        out = optimize_workload(wl, db_path=args.db, stages=("profile", "extract"))
+        out = optimize_workload(wl, OptimizeConfig(stages=["profile", "extract"]), db_path=args.db)
         t_prof = time.time() - t0
         _, prof = load_profile(out["profile_path"])
         console.print(format_hotspots(prof, top=25))
@@ -52,8 +53,9 @@ def main() -> None:
         name = os.path.basename(wl).removesuffix(".toml")
         if args.search_budget and (not args.search_workloads or name in args.search_workloads.split(",")):
             t1 = time.time()
-            res = search_tasks(out["run_id"], db_path=args.db, mode="episodic", budget=args.search_budget,
-                               device="cuda", top=args.search_top, timeout_s=180)
+            res = search_tasks(out["run_id"], SearchSettings(mode="episodic", budget=args.search_budget,
+                                                             top=args.search_top, timeout_s=180),
+                               db_path=args.db, device="cuda")
             entry["search_s"] = round(time.time() - t1, 1)
             entry["searches"] = res
             for r in res:

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     from flows.optimize import optimize_workload
+    from llm4llm.config import OptimizeConfig
     from llm4llm import pipeline
     from storage import repo
     from storage.db import Database
@@ -47,7 +48,7 @@ def main() -> None:
     for wl in args.workloads:
         name = os.path.basename(wl).removesuffix(".toml")
         t = time.time()
-        out = optimize_workload(wl, db_path=args.db, stages=("profile", "extract"))
+        out = optimize_workload(wl, OptimizeConfig(stages=["profile", "extract"]), db_path=args.db)
         runs[name] = out["run_id"]
         print(f"[{time.time() - T0:6.1f}s] {name}: profile+extract {time.time() - t:.1f}s run {out['run_id']}", flush=True)
     plan = []

@@ -14,14 +14,16 @@ def _defaults(data_dir: str | None) -> str:
 
 @flow(name="profile-workload", log_prints=True)
 def profile_workload(workload_path: str, db_path: str | None = None, data_dir: str | None = None,
-                     refresh: bool = False) -> dict:
-    """Profile a workload per phase; returns {"run_id", "profile_path", "workload"}."""
+                     refresh: bool = False, new_run: bool = False) -> dict:
+    """Profile a workload per phase; returns {"run_id", "profile_path", "workload"}. new_run: a profile served from
+    the cache is recorded again under a run id of its own (a nightly run keeps its own rows; `runs.profile_of`
+    names the run that measured the profile)."""
     data_dir = _defaults(data_dir)
     workload = profiling.describe_workload(workload_path)
     profile_path = profiling.profile.with_options(refresh_cache=refresh)(workload, data_dir)
     if not Path(profile_path).exists():  # a cached result whose artifact was deleted: run again
         profile_path = profiling.profile.with_options(refresh_cache=True)(workload, data_dir)
-    run_id = profiling.record_profile(profile_path, workload, db_path)
+    run_id = profiling.record_profile(profile_path, workload, db_path, new_run)
     profiling.publish_hotspots(profile_path)
     return {"run_id": run_id, "profile_path": profile_path, "workload": workload}
 

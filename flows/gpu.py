@@ -1,0 +1,34 @@
+"""One GPU run at a time per device: a Prefect global concurrency limit per CUDA device (`gpu-cuda-0`, limit 1,
+created by the deployments), held by the outermost flow of a run for as long as it runs. Nightly runs that fire
+together queue on it instead of timing kernels against each other."""
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+
+_HELD: contextvars.ContextVar[frozenset] = contextvars.ContextVar("llm4llm_gpu_slots", default=frozenset())
+
+
+def gpu_limit_name(device: str) -> str | None:
+    """The global concurrency limit of a workload's device ("cuda", "cuda:1"), None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    return f"gpu-cuda-{device.partition(':')[2] or '0'}"
+
+
+@contextmanager
+def gpu_slot(device: str):
+    """Occupy the device's slot (waiting for it), once per run: a subflow of a run that holds it passes through."""
+    name = gpu_limit_name(device)
+    if name is None or name in _HELD.get():
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    token = _HELD.set(_HELD.get() | {name})
+    try:
+        # the lease is renewed while the run is alive; a crashed run's slot frees itself when the lease expires
+        with concurrency(name, occupy=1, strict=False):
+            yield
+    finally:
+        _HELD.reset(token)

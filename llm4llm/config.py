@@ -1,0 +1,112 @@
+"""One typed settings object for a closed-loop run: what `llm4llm optimize`, the `optimize-workload` flow, its
+deployments (the Prefect UI's run form) and the stages below them take, instead of each setting passed by hand.
+
+Where a run reads and writes (workload path, DuckDB file, artifact dir) is not part of it: those are the flow's own
+parameters. The choices are `Literal`s so the UI offers a list and a typo fails before anything runs; tests keep
+them equal to the tuples of the modules that implement them (accept.METRIC_CHOICES, extract.TARGET_FAMILIES, ...).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from llm4llm.llm.config import LLMConfig
+
+Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
+STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
+SearchMode = Literal["episodic", "sample", "iter"]
+ProposerKind = Literal["library", "llm", "hybrid"]
+Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv"]
+Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
+GraphChoice = Literal["auto", "on", "off"]
+Variant = Literal["eager", "patched", "torch_compile", "eager_graphs", "patched_graphs"]
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SearchSettings(_Settings):
+    """How candidates are proposed and how many are verified per task."""
+
+    mode: SearchMode = Field("episodic", description="episodic (episodes with restart, the default), sample "
+                                                     "(independent samples) or iter (one refinement chain)")
+    budget: int = Field(15, ge=1, description="verified trials per task")
+    proposer: ProposerKind = Field("library", description="library: built-in Triton families (no API key); llm: "
+                                                          "any litellm model (see `llm`); hybrid: both share the "
+                                                          "budget")
+    top: int | None = Field(6, ge=1, description="search the N hottest deployable tasks (empty: all of them)")
+    families: list[Family] | None = Field(None, description="search only tasks of these families (taken before "
+                                                            "`top`); empty: every family")
+    timeout_s: float = Field(120.0, gt=0, description="wall-clock limit per verified candidate, in seconds")
+    rounds: int = Field(1, ge=1, description="search + acceptance rounds: a task rejected in the model is searched "
+                                             "again from its experience (the rejection included)")
+    min_score: float = Field(0.0, ge=0, description="extraction skips modules whose hotspot score is below this")
+    warm_start: bool = Field(True, description="start each task's search from its stored experience (earlier "
+                                               "searches and acceptance rejections of the same task)")
+    seed: int = Field(0, ge=0, description="seed of the built-in proposer")
+
+
+class AcceptSettings(_Settings):
+    """Deployment-time acceptance: in-model correctness, then an end-to-end gain of at least delta."""
+
+    delta: float = Field(0.02, ge=0, lt=1, description="minimum end-to-end gain (fraction of the latency) for a "
+                                                       "patch to be accepted")
+    metric: Metric = Field("auto", description="in-model correctness metric; auto: logits_rel_l2_floor for 16-bit "
+                                               "models, logits_rel_l2 for fp32")
+    repeats: int = Field(5, ge=1, description="end-to-end runs per latency measurement")
+    tol_factor: float = Field(3.0, gt=0, description="fixed rel-L2 limit = factor x the dtype's rtol")
+    floor_factor: float = Field(2.0, gt=0, description="logits_rel_l2_floor: per-step limit = max(fixed limit, "
+                                                       "factor x the model's own 16-bit-vs-fp32 noise floor)")
+    min_task_speedup: float = Field(1.0, ge=0, description="on the GPU, a candidate no faster than this in its task "
+                                                           "is rejected without an in-model trial (0: try all)")
+    noisy_rounds: int = Field(2, ge=0, le=10, description="when the baseline drifts by more than delta around a "
+                                                          "trial, this many more (trial, baseline) pairs decide on "
+                                                          "the median bracketed gain (0: the drift is the bar)")
+
+    @field_validator("tol_factor", "floor_factor", "min_task_speedup")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"expected a finite number, got {v!r}")
+        return v
+
+    def build(self, decode_graphs: bool = False, static_cache: bool = False):
+        """The acceptance stage's own AcceptConfig, with the run's graph plan."""
+        from llm4llm.accept import AcceptConfig
+
+        return AcceptConfig(**self.model_dump(), decode_graphs=decode_graphs, static_cache=static_cache)
+
+
+class GraphSettings(_Settings):
+    """CUDA-graph replay of the decode (and, for Mamba/Mamba2, the prompt) forward."""
+
+    decode_graphs: GraphChoice = Field("auto", description="auto: on where every decode state sits at static "
+                                                           "addresses (Mamba/Mamba2 caches, the static KV cache, "
+                                                           "state adapters); on; off. GPU only")
+
+
+class EvaluateSettings(_Settings):
+    """The end-to-end comparison after acceptance."""
+
+    variants: list[Variant] | None = Field(None, description="variants in the order measured; empty: eager, "
+                                                             "patched, torch_compile (with decode graphs also "
+                                                             "eager_graphs, patched_graphs)")
+    repeats: int = Field(3, ge=1, description="timed runs per variant")
+
+
+class OptimizeConfig(_Settings):
+    """Every setting of one closed-loop run of a workload (profile -> extract -> search -> accept -> evaluate)."""
+
+    stages: list[Stage] = Field(default_factory=lambda: list(STAGES),
+                                description="stages to run, a prefix of profile, extract, search, accept, evaluate")
+    refresh: bool = Field(False, description="ignore cached profile and extraction results")
+    search: SearchSettings = Field(default_factory=SearchSettings, description="candidate search")
+    accept: AcceptSettings = Field(default_factory=AcceptSettings, description="deployment-time acceptance")
+    graphs: GraphSettings = Field(default_factory=GraphSettings, description="CUDA-graph replay")
+    evaluate: EvaluateSettings = Field(default_factory=EvaluateSettings, description="end-to-end evaluation")
+    llm: LLMConfig | None = Field(None, description="the LLM proposer's settings (proposer llm or hybrid); API "
+                                                    "keys come from the provider's environment variable, never "
+                                                    "from here")

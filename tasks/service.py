@@ -1,0 +1,20 @@
+"""Prefect tasks of the nightly run: re-validate the bundle in service, decide keep / replace / rollback."""
+from __future__ import annotations
+
+from prefect import task
+
+from llm4llm import nightly
+from llm4llm.accept import AcceptConfig
+from tasks.common import infrastructure_only
+
+
+@task(name="revalidate-current-bundle", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
+def revalidate_current(workload_path: str, db_path: str | None, cfg: AcceptConfig) -> dict | None:
+    return nightly.current_validation(workload_path, db_path, cfg)
+
+
+@task(name="decide-service", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
+def decide_service(workload_path: str, run_id: str, candidate_bundle: str | None, current: dict | None,
+                   db_path: str | None, data_dir: str, cfg: AcceptConfig) -> dict:
+    return nightly.service_decision(workload_path, run_id, candidate_bundle, dict(current) if current else None,
+                                    db_path, data_dir, cfg)

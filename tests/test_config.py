@@ -1,0 +1,84 @@
+"""OptimizeConfig: one typed settings object for the CLI, the flow and the deployments' UI form."""
+from __future__ import annotations
+
+import typing
+
+import pytest
+from pydantic import ValidationError
+
+from llm4llm import config as C
+
+
+def _choices(tp) -> tuple:
+    return typing.get_args(tp)
+
+
+def test_choices_are_the_implementing_modules_own():
+    from llm4llm.accept import METRIC_CHOICES
+    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
+    from llm4llm.extract import TARGET_FAMILIES
+    from llm4llm.pipeline import GRAPH_CHOICES
+    from llm4llm.search.episode import Mode
+
+    assert _choices(C.Metric) == METRIC_CHOICES
+    assert set(_choices(C.Variant)) == set(VARIANTS + GRAPH_VARIANTS)
+    assert _choices(C.Family) == TARGET_FAMILIES
+    assert _choices(C.GraphChoice) == GRAPH_CHOICES
+    assert _choices(C.Stage) == C.STAGES
+    assert _choices(C.SearchMode) == _choices(Mode)
+    assert _choices(C.ProposerKind) == ("library", "llm", "hybrid")
+
+
+def test_every_field_has_a_description():
+    def walk(model, where):
+        for name, f in model.model_fields.items():
+            if model.__module__ != C.__name__:
+                continue
+            assert f.description, f"{where}.{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, C._Settings):
+                walk(ann, f"{where}.{name}")
+
+    walk(C.OptimizeConfig, "OptimizeConfig")
+    assert {"search", "accept", "graphs", "evaluate", "llm"} <= set(C.OptimizeConfig.model_fields)
+
+
+def test_defaults_match_the_acceptance_stage_and_round_trip():
+    from llm4llm.accept import AcceptConfig
+
+    cfg = C.OptimizeConfig()
+    built = cfg.accept.build(decode_graphs=True)
+    ref = AcceptConfig(decode_graphs=True)
+    assert built == ref
+    assert C.OptimizeConfig.model_validate(cfg.model_dump()) == cfg
+    assert C.OptimizeConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+@pytest.mark.parametrize("values,where", [
+    ({"search": {"proposer": "lib"}}, ("search", "proposer")),
+    ({"search": {"mode": "greedy"}}, ("search", "mode")),
+    ({"accept": {"metric": "l2"}}, ("accept", "metric")),
+    ({"accept": {"noisy_rounds": 11}}, ("accept", "noisy_rounds")),
+    ({"accept": {"tol_factor": float("inf")}}, ("accept", "tol_factor")),
+    ({"stages": ["profile", "serve"]}, ("stages", 1)),
+    ({"graphs": {"decode_graphs": "yes"}}, ("graphs", "decode_graphs")),
+    ({"search": {"budgett": 3}}, ("search", "budgett")),
+])
+def test_bad_values_fail_with_their_field(values, where):
+    with pytest.raises(ValidationError) as info:
+        C.OptimizeConfig.model_validate(values)
+    assert info.value.errors()[0]["loc"] == where
+
+
+def test_flow_parameter_schema_is_the_typed_form():
+    """The deployments' run form: one `config` parameter whose nested fields carry choices and descriptions."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.optimize import optimize_workload
+
+    schema = parameter_schema(optimize_workload.fn).model_dump_for_openapi()
+    assert set(schema["properties"]) == {"workload_path", "config", "db_path", "data_dir", "new_run"}
+    defs = schema["definitions"]
+    search = defs["SearchSettings"]["properties"]
+    assert search["proposer"]["enum"] == ["library", "llm", "hybrid"] and search["proposer"]["description"]
+    assert defs["AcceptSettings"]["properties"]["metric"]["enum"][0] == "auto"

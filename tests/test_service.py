@@ -1,0 +1,286 @@
+"""The service against a real local Prefect server (`prefect server start` on a free loopback port, a temporary
+PREFECT_HOME), started and stopped by a fixture: served deployments run, the nightly one registers with its schedule
+and concurrency limit, the change event starts the on-change deployment with the event's path, two nights keep two
+runs' rows, an injected infrastructure failure is retried, and keep / replace / rollback on a tiny workload."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.triggers import EVENT, HashState, change_event, scan, watch
+from llm4llm.config import OptimizeConfig
+from storage import repo
+from storage.db import Database
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(what: str, fn, timeout_s: float, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = fn()
+        except Exception:  # noqa: BLE001 - not up yet
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: nothing after {timeout_s:.0f} s")
+        time.sleep(every_s)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """A real Prefect server for this module, and this process's client pointed at it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait("prefect server", lambda: urllib.request.urlopen(url + "/health", timeout=2).status == 200, 150)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield SimpleNamespace(url=url, home=home, env={**env, "PREFECT_API_URL": url})
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _workloads(root: Path) -> SimpleNamespace:
+    """tiny-llama as `w.toml` (CPU) and as `w-gpu.toml` (device cuda), with their own copy of the script."""
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "scripts" / "hf_generate.py", root / "scripts")
+    (root / "workloads").mkdir()
+    text = (EXAMPLES / "workloads" / "tiny-llama.toml").read_text()
+    cpu = root / "workloads" / "w.toml"
+    cpu.write_text(text)
+    gpu = root / "workloads" / "w-gpu.toml"
+    gpu.write_text(text.replace('name = "tiny-llama"', 'name = "tiny-llama-gpu"').replace('device = "cpu"',
+                                                                                            'device = "cuda"'))
+    return SimpleNamespace(dir=root / "workloads", cpu=cpu, gpu=gpu, script=root / "scripts" / "hf_generate.py")
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, tmp_path_factory):
+    """`python -m deployments.serve` in its own process on the server, over the two tiny workloads."""
+    from prefect import get_client
+
+    root = tmp_path_factory.mktemp("served")
+    w = _workloads(root)
+    db = root / "db.duckdb"
+    env = {**prefect_server.env, "PYTHONPATH": str(ROOT), "LLM4LLM_HOME": str(root / "home"),
+           "TRITON_INTERPRET": "1", "LLM4LLM_AOT_ARCH": "0", "PREFECT_LOGGING_LEVEL": "INFO"}
+    log = open(root / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.serve", str(w.dir), "--db", str(db)], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with get_client(sync_client=True) as client:
+            for name in ("nightly-workload/nightly-w", "optimize-workload/manual", "optimize-workload/on-change",
+                         "profile-workload/manual"):
+                _wait(f"served deployment {name}", lambda: client.read_deployment_by_name(name), 120)
+        yield SimpleNamespace(w=w, db=db, data=root / "home", log=root / "serve.log", proc=proc)
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def test_served_deployment_run_completes(served):
+    from prefect.deployments import run_deployment
+
+    run = run_deployment("profile-workload/manual", timeout=300,
+                         parameters={"workload_path": str(served.w.cpu), "data_dir": str(served.data)})
+    assert run.state.is_completed(), (run.state, served.log.read_text()[-3000:])
+    with Database(served.db) as db:
+        runs = repo.list_runs(db)
+    assert list(runs["workload_name"]) == ["tiny-llama"] and runs["status"].iloc[0] == "ok"
+
+
+def test_nightly_registers_with_schedule_and_concurrency_limit(served):
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("nightly-workload/nightly-w")
+        assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+        assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
+        assert nightly.concurrency_options.collision_strategy == "ENQUEUE"  # a second night waits, never collides
+        assert nightly.parameters["workload_path"] == str(served.w.cpu.resolve())
+        assert nightly.entrypoint == "flows.nightly.nightly_workload"  # a module path: nothing shadows the stdlib
+        with pytest.raises(ObjectNotFound):  # its device (cuda) is not on this host: not scheduled here
+            client.read_deployment_by_name("nightly-workload/nightly-w-gpu")
+    assert "nightly-w-gpu: not scheduled on this host" in served.log.read_text()
+
+
+def test_change_event_starts_the_on_change_deployment_with_its_path(served):
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    from deployments.triggers import emit
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("optimize-workload/on-change")
+        _wait("the on-change automation", lambda: client.read_automations_by_name(
+            "workload config or script changed"), 30)
+        time.sleep(2)  # the server's trigger service loads new automations on its own cycle
+        emit(change_event(served.w.cpu, "tiny-llama", "0123456789abcdef", None, "cpu"))
+        runs = _wait("a run of optimize-workload/on-change", lambda: client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))), 60)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.parameters["workload_path"] == str(served.w.cpu.resolve())
+    assert run.parameters["config"] == {"stages": ["profile", "extract"]}
+    assert run.parameters["db_path"] == str(served.db)
+    assert run.created_by is not None and run.created_by.type == "AUTOMATION"  # the UI shows it as triggered
+
+
+def _edit(path: Path, text: str) -> None:
+    path.write_text(text)
+    os.utime(path, None)
+
+
+def test_only_a_real_change_emits(tmp_path):
+    """The hash is of the parsed TOML and the script: a touch, an identical rewrite and a comment-only or
+    whitespace edit emit nothing; a script edit and a value edit emit, once each."""
+    w = _workloads(tmp_path)
+    state = HashState(tmp_path / "state.json")
+    got: list[dict] = []
+    assert scan([w.dir], state, got.append, emit_new=False) == []  # first sight: the baseline
+    text = w.cpu.read_text()
+    w.cpu.touch()
+    _edit(w.cpu, text)
+    _edit(w.cpu, "# a comment the run does not read\n" + text.replace("decode_len = 4", "decode_len   =   4  # same"))
+    assert scan([w.dir], state, got.append) == []
+    _edit(w.script, w.script.read_text() + "\n# edited\n")
+    events = scan([w.dir], state, got.append)
+    assert sorted(e["resource"]["prefect.resource.id"] for e in events) == ["llm4llm.workload.tiny-llama",
+                                                                            "llm4llm.workload.tiny-llama-gpu"]
+    _edit(w.cpu, text.replace("decode_len = 4", "decode_len = 5"))
+    (e,) = scan([w.dir], state, got.append)
+    assert e["event"] == EVENT and e["payload"]["path"] == str(w.cpu.resolve())
+    assert e["payload"]["previous_hash"] != e["payload"]["content_hash"]
+    assert e["resource"]["llm4llm.device"] == "cpu"
+    assert HashState(tmp_path / "state.json").hashes == state.hashes  # a restarted watcher starts from here
+    assert scan([w.dir], HashState(tmp_path / "state.json"), got.append) == []
+
+
+def test_watch_reacts_to_files_through_watchfiles(tmp_path):
+    """The watcher itself (watchfiles, debounced): a comment-only edit emits nothing, a script edit in the
+    script's own directory emits."""
+    w = _workloads(tmp_path)
+    got: list[dict] = []
+    stop = threading.Event()
+    t = threading.Thread(target=watch, args=([str(w.cpu)], tmp_path / "state.json", got.append, 100),
+                         kwargs={"stop_event": stop}, daemon=True)
+    t.start()
+    time.sleep(1.5)
+    _edit(w.cpu, w.cpu.read_text() + "\n# only a comment\n")
+    time.sleep(1.5)
+    assert got == []
+    _edit(w.script, w.script.read_text() + "\n# edited\n")
+    _wait("a change event", lambda: got, 15, 0.1)
+    stop.set()
+    t.join(10)
+    assert [e["payload"]["path"] for e in got] == [str(w.cpu.resolve())]
+
+
+def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(prefect_server, tmp_path,
+                                                                             monkeypatch):
+    """Night 2 serves its profile from the cache and still gets a run id, searches, e2e rows and a decision of its
+    own; its search starts from night 1's experience. A database write that fails once (infrastructure) is retried
+    and the night completes."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    from flows.nightly import nightly_workload
+    from llm4llm import pipeline
+
+    w = _workloads(tmp_path)
+    db, data = str(tmp_path / "db.duckdb"), str(tmp_path / "data")
+    cfg = OptimizeConfig(search={"budget": 1, "top": 1}, evaluate={"variants": ["eager"], "repeats": 1})
+    one = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
+    real, calls = pipeline.record_profile, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("injected: the database volume is unavailable")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "record_profile", flaky)
+    two = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
+    assert len(calls) == 2  # failed once, retried once
+    assert one["run_id"] != two["run_id"] and one["profile_path"] == two["profile_path"]  # cached profile
+    with Database(db) as d:
+        runs = repo.get_run(d, two["run_id"])
+        assert runs["profile_of"] == one["run_id"]
+        for night in (one, two):
+            run = night["run_id"]
+            assert d.query("select count(*) from profiles where run_id = ?", [run])[0][0] > 0
+            assert d.query("select count(*) from tasks where run_id = ?", [run])[0][0] > 0
+            assert d.query("select count(*) from searches where run_id = ?", [run])[0][0] == 1
+            assert d.query("select variant from e2e_results where run_id = ?", [run + "-e2e"]) == [("eager",)]
+        decisions = repo.service_decisions(d, "tiny-llama")
+        transcripts = [r[0] for r in d.query("select e.transcript_path from episodes e join searches s "
+                                             "using (search_id) where s.run_id = ?", [two["run_id"]])]
+    assert list(decisions["run_id"]) == [one["run_id"], two["run_id"]]
+    assert list(decisions["decision"]) == ["keep", "keep"]  # the CPU accepts nothing: no bundle in service
+    assert decisions["reason"].str.contains("no bundle in service and none accepted tonight").all()
+    assert transcripts and json.loads(Path(transcripts[0]).read_text())["experience_in"]  # warm start
+    with get_client(sync_client=True) as client:
+        tr = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["record-profile"])))
+    retried = [t for t in tr if t.run_count == 2]
+    assert retried and all(t.state.is_completed() for t in retried)
+
+
+def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path):
+    """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0 (one slot), staggered, the GPU
+    global concurrency limit created."""
+    from prefect import get_client
+
+    from deployments.deploy import deploy_all
+
+    w = _workloads(tmp_path)
+    deploy_all([w.cpu, w.gpu], "llm4llm-test", "03:00", 45, None)
+    with get_client(sync_client=True) as client:
+        assert client.read_work_pool("llm4llm-test").type == "process"
+        queues = {q.name: q for q in client.read_work_queues(work_pool_name="llm4llm-test")}
+        assert queues["gpu-cuda-0"].concurrency_limit == 1 and queues["cpu"].concurrency_limit is None
+        gpu = client.read_deployment_by_name("nightly-workload/nightly-w-gpu")
+        assert gpu.work_queue_name == "gpu-cuda-0" and [s.schedule.cron for s in gpu.schedules] == ["45 3 * * *"]
+        assert client.read_deployment_by_name("optimize-workload/on-change-gpu-cuda-0").work_queue_name == "gpu-cuda-0"
+        assert client.read_global_concurrency_limit_by_name("gpu-cuda-0").limit == 1
