@@ -114,6 +114,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  2, help="when the baseline drifts by more than delta around a trial, measure this many more "
                          "(trial, baseline) pairs alternately and decide on the median bracketed gain (0: the drift "
                          "itself is the bar)"),
+             accept_interleave_rounds: int = typer.Option(
+                 7, help="GPU: time each trial and the current bundle alternately in this many rounds (each on its "
+                         "own weight-sharing model copy) and decide on the median per-round gain (0: the bracket)"),
              decode_graphs: str = typer.Option(
                  "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
                               "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
@@ -142,7 +145,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                        "families": list(family) if family else None, "rounds": rounds, "min_score": min_score},
             "accept": {"delta": delta, "metric": accept_metric, "tol_factor": accept_tol_factor,
                        "floor_factor": accept_floor_factor, "min_task_speedup": accept_min_task_speedup,
-                       "noisy_rounds": accept_noisy_rounds},
+                       "noisy_rounds": accept_noisy_rounds, "interleave_rounds": accept_interleave_rounds},
             "graphs": {"decode_graphs": decode_graphs},
             "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None}})
         if cfg.search.proposer != "library":

@@ -21,7 +21,7 @@ ProposerKind = Literal["library", "llm", "hybrid"]
 Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv"]
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
 GraphChoice = Literal["auto", "on", "off"]
-Variant = Literal["eager", "patched", "torch_compile", "eager_graphs", "patched_graphs"]
+Variant = Literal["eager", "patched", "torch_compile", "eager_graphs", "patched_graphs", "liger"]
 
 
 class _Settings(BaseModel):
@@ -65,6 +65,10 @@ class AcceptSettings(_Settings):
     noisy_rounds: int = Field(2, ge=0, le=10, description="when the baseline drifts by more than delta around a "
                                                           "trial, this many more (trial, baseline) pairs decide on "
                                                           "the median bracketed gain (0: the drift is the bar)")
+    interleave_rounds: int = Field(7, ge=0, le=50, description="GPU: the trial and the current bundle are timed "
+                                                               "alternately in this many rounds, each on its own "
+                                                               "weight-sharing model copy, and the median per-round "
+                                                               "gain decides (0: the bracketed gate above)")
 
     @field_validator("tol_factor", "floor_factor", "min_task_speedup")
     @classmethod
@@ -94,7 +98,8 @@ class EvaluateSettings(_Settings):
     variants: list[Variant] | None = Field(None, description="variants in the order measured; empty: eager, "
                                                              "patched, torch_compile (with decode graphs also "
                                                              "eager_graphs, patched_graphs)")
-    repeats: int = Field(3, ge=1, description="timed runs per variant")
+    repeats: int = Field(7, ge=1, description="interleaved rounds: one timed run of every variant per round, the "
+                                              "order rotated, ratios paired round by round")
 
 
 class OptimizeConfig(_Settings):

@@ -15,13 +15,13 @@ def _choices(tp) -> tuple:
 
 def test_choices_are_the_implementing_modules_own():
     from llm4llm.accept import METRIC_CHOICES
-    from llm4llm.evaluate import GRAPH_VARIANTS, VARIANTS
+    from llm4llm.evaluate import ALL_VARIANTS
     from llm4llm.extract import TARGET_FAMILIES
     from llm4llm.pipeline import GRAPH_CHOICES
     from llm4llm.search.episode import Mode
 
     assert _choices(C.Metric) == METRIC_CHOICES
-    assert set(_choices(C.Variant)) == set(VARIANTS + GRAPH_VARIANTS)
+    assert set(_choices(C.Variant)) == set(ALL_VARIANTS)
     assert _choices(C.Family) == TARGET_FAMILIES
     assert _choices(C.GraphChoice) == GRAPH_CHOICES
     assert _choices(C.Stage) == C.STAGES
