@@ -3,11 +3,20 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.profile import _defaults, extract_tasks, profile_workload
-from flows.search import search_tasks
+from flows.search import search_flow
 from llm4llm import pipeline
+from llm4llm.scale import ScaleOut
 from tasks.acceptance import accept_patches, evaluate_e2e
+from tasks.reporting import publish_markdown
 
 STAGES = ("profile", "extract", "search", "accept", "evaluate")
+
+
+def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) -> None:
+    """A stage's markdown artifact; a failure to publish is reported, and the run goes on."""
+    state = publish_markdown(kind, workload_name, run_id, db_path, return_state=True)
+    if state.is_failed():
+        print(f"artifact {kind}: not published ({state.message})")
 
 
 @flow(name="optimize-workload", log_prints=True)
@@ -19,7 +28,8 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
                       accept_tol_factor: float = 3.0, accept_floor_factor: float = 2.0,
                       accept_min_task_speedup: float = 1.0, accept_noisy_rounds: int = 2,
                       decode_graphs: str | bool = "auto",
-                      e2e_variants: tuple[str, ...] | None = None, rounds: int = 1) -> dict:
+                      e2e_variants: tuple[str, ...] | None = None, rounds: int = 1,
+                      scale: ScaleOut | None = None) -> dict:
     """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
 
     accept_metric: auto (logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32) | logits_rel_l2_floor |
@@ -39,13 +49,18 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     e2e_variants: None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, patched,
     torch_compile (rows are written as each is measured: the compiled baseline, slowest to build, last).
     rounds: search + acceptance rounds; a task rejected at deployment is searched again from its experience (the
-    rejection included) in the next round."""
+    rejection included) in the next round.
+    scale: where the searches run (llm4llm.scale.ScaleOut: local, the default, or fanned out over Ray, one GPU
+    per task search; docs/scale-out.md). Each stage publishes its markdown artifact (`<workload>-hotspots`,
+    `-leaderboard`, `-acceptance`, `-e2e`) as it ends."""
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"stages: expected a subset of {STAGES}, got {sorted(unknown)}")
     data_dir = _defaults(data_dir)
     prof = profile_workload(workload_path, db_path=db_path, data_dir=data_dir, refresh=refresh)
     out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
+    name = prof["workload"]["name"]
+    _publish("hotspots", name, prof["run_id"], db_path)
     if "extract" not in stages:
         return out
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
@@ -65,9 +80,11 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
         # is the slowest step, and a run stopped by a time limit then still has the patched numbers
         e2e_variants = (("eager", "patched_graphs", "eager_graphs", "patched", "torch_compile") if graphs
                         else ("eager", "patched", "torch_compile"))
+    search_tasks = search_flow(scale)
     out["searches"] = search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                    proposer=proposer, device=device, timeout_s=timeout_s, top=top,
-                                   families=families, llm=llm, decode_timing=decode_timing)
+                                   families=families, llm=llm, decode_timing=decode_timing, scale=scale)
+    _publish("leaderboard", name, prof["run_id"], db_path)
     if "accept" not in stages:
         return out
     out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
@@ -79,13 +96,15 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
             break
         out["searches"] += search_tasks(prof["run_id"], db_path=db_path, data_dir=data_dir, mode=mode, budget=budget,
                                         proposer=proposer, device=device, timeout_s=timeout_s, task_ids=retry,
-                                        llm=llm, decode_timing=decode_timing)
+                                        llm=llm, decode_timing=decode_timing, scale=scale)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
                                            accept_min_task_speedup, graphs, static_cache, accept_noisy_rounds)
+    _publish("acceptance", name, prof["run_id"], db_path)
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], 3,
                                   tuple(e2e_variants), prof["run_id"] + "-e2e")
+        _publish("e2e", name, prof["run_id"], db_path)
     return out
