@@ -5,11 +5,19 @@ from prefect import flow
 
 from flows.gpu import gpu_slot
 from flows.profiling import _defaults, extract_tasks, profile_workload
-from flows.search import search_tasks
+from flows.search import search_flow
 from llm4llm import pipeline
 from llm4llm.config import STAGES, OptimizeConfig
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.profiling import describe_workload
+from tasks.reporting import publish_markdown
+
+
+def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) -> None:
+    """A stage's markdown artifact; a failure to publish is reported, and the run goes on."""
+    state = publish_markdown(kind, workload_name, run_id, db_path, return_state=True)
+    if state.is_failed():
+        print(f"artifact {kind}: not published ({state.message})")
 
 
 @flow(name="optimize-workload", log_prints=True)
@@ -32,7 +40,9 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     config.evaluate.variants: None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs,
     patched, torch_compile (rows are written as each is measured: the compiled baseline, slowest to build, last).
     config.search.rounds: search + acceptance rounds; a task rejected at deployment is searched again from its
-    experience (the rejection included) in the next round."""
+    experience (the rejection included) in the next round. config.scale: where the searches run (local, the
+    default, or fanned out over Ray, one GPU per task search; docs/scale-out.md). Each stage publishes its markdown
+    artifact (`<workload>-hotspots`, `-leaderboard`, `-acceptance`, `-e2e`) as it ends."""
     cfg = config if config is not None else OptimizeConfig()
     data_dir = _defaults(data_dir)
     with gpu_slot(describe_workload(workload_path)["device"]):
@@ -43,6 +53,8 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
     stages = set(cfg.stages)
     prof = profile_workload(workload_path, db_path=db_path, data_dir=data_dir, refresh=cfg.refresh, new_run=new_run)
     out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
+    name = prof["workload"]["name"]
+    _publish("hotspots", name, prof["run_id"], db_path)
     if "extract" not in stages:
         return out
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
@@ -63,8 +75,10 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
         # is the slowest step, and a run stopped by a time limit then still has the patched numbers
         variants = (["eager", "patched_graphs", "eager_graphs", "patched", "torch_compile"] if graphs
                     else ["eager", "patched", "torch_compile"])
+    search_tasks = search_flow(cfg.scale)
     out["searches"] = search_tasks(prof["run_id"], cfg.search, db_path=db_path, data_dir=data_dir, device=device,
-                                   llm=cfg.llm, decode_timing=decode_timing)
+                                   llm=cfg.llm, decode_timing=decode_timing, scale=cfg.scale)
+    _publish("leaderboard", name, prof["run_id"], db_path)
     if "accept" not in stages:
         return out
     accept_cfg = cfg.accept.build(decode_graphs=graphs, static_cache=static_cache)
@@ -75,11 +89,13 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
             break
         out["searches"] += search_tasks(prof["run_id"], cfg.search.model_copy(update={"top": None}),
                                         db_path=db_path, data_dir=data_dir, device=device, task_ids=retry,
-                                        llm=cfg.llm, decode_timing=decode_timing)
+                                        llm=cfg.llm, decode_timing=decode_timing, scale=cfg.scale)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], accept_cfg, db_path, data_dir)
+    _publish("acceptance", name, prof["run_id"], db_path)
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:
         out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], cfg.evaluate.repeats,
                                   tuple(variants), prof["run_id"] + "-e2e")
+        _publish("e2e", name, prof["run_id"], db_path)
     return out

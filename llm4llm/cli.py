@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llm4llm import progress
+from llm4llm.scale import scale_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deployment-aware, closed-loop optimizer of GPU kernels for language-model inference.")
@@ -21,6 +22,13 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 DbOpt = typer.Option(None, "--db", help="DuckDB file (default $LLM4LLM_DB or $LLM4LLM_HOME/llm4llm.duckdb)")
 DataOpt = typer.Option(None, "--data-dir", help="artifact dir (default $LLM4LLM_HOME or ./.llm4llm)")
+TaskRunnerOpt = typer.Option("local", "--task-runner",
+                             help="local: searches in this process on the workload's device | ray: one search per "
+                                  "Ray task, one GPU each (prefect-ray; docs/scale-out.md)")
+RayAddressOpt = typer.Option(None, "--ray-address",
+                             help="with --task-runner ray: 'auto' (this machine's cluster), 'ray://HEAD:10001', or "
+                                  "unset for a local Ray instance")
+RayGpusOpt = typer.Option(1.0, "--ray-gpus-per-eval", help="with --task-runner ray: GPUs per search (0: CPU workloads)")
 
 
 def _quiet_prefect(verbose: bool) -> None:
@@ -131,6 +139,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  None, help="variants the evaluate stage runs, in order (default: eager,patched,torch_compile; with "
                             "decode graphs eager,patched_graphs,eager_graphs,patched,torch_compile)"),
              rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
+             task_runner: str = TaskRunnerOpt, ray_address: Optional[str] = RayAddressOpt,
+             ray_gpus_per_eval: float = RayGpusOpt,
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Run the closed loop on a workload: profile -> extract -> search -> accept -> evaluate."""
@@ -139,6 +149,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         from flows.optimize import optimize_workload
 
         _check_graphs(decode_graphs, e2e_variants)
+        scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         cfg = _config({
             "stages": [s.strip() for s in stages.split(",")], "refresh": refresh,
             "search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
@@ -147,6 +158,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                        "floor_factor": accept_floor_factor, "min_task_speedup": accept_min_task_speedup,
                        "noisy_rounds": accept_noisy_rounds, "interleave_rounds": accept_interleave_rounds},
             "graphs": {"decode_graphs": decode_graphs},
+            "scale": scale.model_dump(),
             "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None}})
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
@@ -168,6 +180,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                           f"{a['rejected']} rejected; bundle {a['bundle']}")
             if a.get("floor"):
                 console.print(f"  noise {a['floor']}")
+            _print_decisions(db, out["run_id"])
         if "e2e" in out:
             _print_e2e(out["e2e"]["rows"])
 
@@ -195,6 +208,17 @@ def _config(values: dict):
         flag = _FLAGS.get(loc[:2]) or _FLAGS.get(loc[:1]) or (
             "--accept-" + loc[1].replace("_", "-") if loc[0] == "accept" else "--" + loc[-1].replace("_", "-"))
         raise Llm4llmError(f"{flag}: {err['msg']}, got {err.get('input')!r}") from None
+
+
+def _print_decisions(db: Optional[Path], run_id: str) -> None:
+    """Why each patch (and the decode-graphs gate) was accepted or rejected, in the order tried."""
+    from storage import report_queries
+
+    with _db(db) as d:
+        df = report_queries.acceptances(d, run_id)
+    for r in df.itertuples():
+        gain = f" {r.gain:+.1%}" if r.gain is not None and r.gain == r.gain else ""
+        console.print(f"  {r.decision} {r.task_id} {r.candidate_id}{gain}: {r.reason}", highlight=False)
 
 
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
@@ -263,12 +287,14 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
                               "graph_prefill: prefill candidates too (Mamba, Mamba2: their prompt forward is "
                               "graphed as well)"),
            llm_model: Optional[str] = typer.Option(None), llm_api_base: Optional[str] = typer.Option(None),
+           task_runner: str = TaskRunnerOpt, ray_address: Optional[str] = RayAddressOpt,
+           ray_gpus_per_eval: float = RayGpusOpt,
            db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
            verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Search Triton candidates for the tasks of a run (episodic with restart by default)."""
     _quiet_prefect(verbose)
     with _user_errors():
-        from flows.search import search_tasks
+        from flows.search import search_flow
         from llm4llm.errors import Llm4llmError, TaskError
         from llm4llm.verify.worker import DECODE_TIMINGS
         from storage import repo
@@ -278,6 +304,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
                                        "timeout_s": timeout_s}}).search
         if decode_timing not in DECODE_TIMINGS:
             raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
+        scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         with _db(db) as d:
             run = run or repo.latest_run_id(d)
             info = repo.get_run(d, run) if run else None
@@ -287,10 +314,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         # The run's workload file supplies the [llm] table when it is still where it was profiled from.
         llm = _llm_options(workload_path, llm_model, llm_api_base) if proposer != "library" else None
         with progress.rich_progress(console):
-            results = search_tasks(run, settings=settings, db_path=str(db) if db else None,
+            results = search_flow(scale)(run, settings=settings, db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
-                                   task_ids=task or None, llm=llm, decode_timing=decode_timing)
+                                   task_ids=task or None, llm=llm, decode_timing=decode_timing, scale=scale)
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")
@@ -382,6 +409,48 @@ def runs(db: Optional[Path] = DbOpt, limit: int = typer.Option(20)) -> None:
     with _db(db) as d:
         df = repo.list_runs(d, limit)
     console.print(_df_table(df, "runs"))
+
+
+@app.command()
+def report(run: Optional[str] = typer.Argument(None, help="run id (default: the latest optimized run)"),
+           workload: Optional[str] = typer.Option(
+               None, "--workload", help="workload name or TOML file: its latest optimized run, with its history"),
+           out: Optional[Path] = typer.Option(None, "--out", help="HTML file (default $LLM4LLM_HOME/reports/RUN.html)"),
+           db: Optional[Path] = DbOpt) -> None:
+    """Write a self-contained HTML report of a run: hotspots, speedups, search curves, acceptance, e2e, history."""
+    with _user_errors():
+        from llm4llm.errors import Llm4llmError
+        from llm4llm.report import write_report
+
+        if workload and workload.endswith(".toml") and Path(workload).is_file():
+            from llm4llm.workload import load_workload
+
+            workload = load_workload(workload, check_device=False).name
+        try:
+            path, run_id = write_report(db, run=run, workload=workload, out=out)
+        except LookupError as e:
+            raise Llm4llmError(str(e)) from e
+        console.print(f"report of run [bold]{run_id}[/]: {path}")
+
+
+@app.command()
+def sql(query: str = typer.Argument(..., help="a SQL query over the tables (storage/migrations/)"),
+        db: Optional[Path] = DbOpt, limit: int = typer.Option(200, help="rows shown at most")) -> None:
+    """Run a read-only SQL query on the DuckDB file and print the result."""
+    import duckdb
+
+    from storage import repo
+    from storage.db import Database
+
+    with _user_errors():
+        from llm4llm.errors import Llm4llmError
+
+        try:
+            with Database(db, read_only=True) as d:
+                df = repo.run_sql(d, query)
+        except (duckdb.Error, RuntimeError) as e:
+            raise Llm4llmError(f"sql: {e}") from e
+        console.print(_df_table(df.head(limit), f"{len(df)} rows" + (f" (first {limit})" if len(df) > limit else "")))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm4llm.llm.config import LLMConfig
+from llm4llm.scale import ScaleOut
 
 Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
 STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
@@ -112,6 +113,8 @@ class OptimizeConfig(_Settings):
     accept: AcceptSettings = Field(default_factory=AcceptSettings, description="deployment-time acceptance")
     graphs: GraphSettings = Field(default_factory=GraphSettings, description="CUDA-graph replay")
     evaluate: EvaluateSettings = Field(default_factory=EvaluateSettings, description="end-to-end evaluation")
+    scale: ScaleOut = Field(default_factory=ScaleOut, description="where the searches run: locally (the default) "
+                                                                  "or fanned out over a Ray cluster")
     llm: LLMConfig | None = Field(None, description="the LLM proposer's settings (proposer llm or hybrid); API "
                                                     "keys come from the provider's environment variable, never "
                                                     "from here")

@@ -350,25 +350,140 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         finally:
             if llm_backed:
                 prop.on_call = None  # the database closes with this block
-        for ep in result.episodes:
-            passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
-            utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
-            repo.record_episode(db, {"search_id": search_id, "episode": ep.index, "trials": len(ep.trials),
-                                     "passed": passed, "best_utility": max(utils) if utils else None,
-                                     "transcript_path": ep.transcript},
-                                json.loads(ep.experience.to_json()), spec.task_id)
-        best = result.best
-        repo.record_search_end(db, search_id, result.trials_used, sum(t.feedback.passed for t in result.trials),
-                               best.candidate.id if best else None, best.feedback.utility if best else None)
-    summary = {"search_id": search_id, "task_id": spec.task_id, "trials": result.trials_used,
+        for row, experience in episode_rows(result, search_id):
+            repo.record_episode(db, row, experience, spec.task_id)
+        end = search_end(result)
+        repo.record_search_end(db, search_id, end["trials"], end["passed"], end["best_candidate_id"],
+                               end["best_utility"])
+    return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
+
+
+def episode_rows(result, search_id: str) -> list[tuple[dict, dict]]:
+    """(episodes row, experience record) per episode of a SearchResult."""
+    out = []
+    for ep in result.episodes:
+        passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
+        utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
+        out.append(({"search_id": search_id, "episode": ep.index, "trials": len(ep.trials), "passed": passed,
+                     "best_utility": max(utils) if utils else None, "transcript_path": ep.transcript},
+                    json.loads(ep.experience.to_json())))
+    return out
+
+
+def search_end(result) -> dict:
+    best = result.best
+    return {"trials": result.trials_used, "passed": sum(t.feedback.passed for t in result.trials),
+            "best_candidate_id": best.candidate.id if best else None,
+            "best_utility": best.feedback.utility if best else None}
+
+
+def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
+    best = result.best
+    summary = {"search_id": search_id, "task_id": task_id, "trials": result.trials_used,
                "pass_rate": result.pass_rate, "best_candidate": best.candidate.id if best else None,
                "best_utility": best.feedback.utility if best else None, "episodes": len(result.episodes),
                "ended_by": result.episodes[-1].ended_by if result.episodes else None}
-    if llm_backed:
-        llm_prop = getattr(prop, "llm", prop)
+    if llm_prop is not None:
+        llm_prop = getattr(llm_prop, "llm", llm_prop)
         summary.update(llm_calls=len(llm_prop.calls), llm_tokens=llm_prop.tokens_used,
                        llm_cost_usd=llm_prop.cost_used, llm_exhausted=llm_prop.exhausted)
     return summary
+
+
+# ---- searches away from the flow (a task runner's workers: Ray, one GPU each) ----------------------------------
+
+def remote_search_input(task_dir: str, db_path: str | None) -> dict:
+    """What a search away from the flow needs, read in the flow: the task directory as bytes (a worker on another
+    machine does not see the flow's data directory) and the task's stored experience (it cannot read DuckDB)."""
+    from llm4llm.scale import pack_dir
+    from llm4llm.taskspec import load_spec
+    from storage.db import Database
+
+    spec = load_spec(Path(task_dir))
+    with Database(db_path) as db:
+        prior = [json.loads(e.to_json()) for e in prior_experience(db, spec.task_id)]
+    return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
+
+
+def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget: int = 15,
+                proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
+                run_id: str | None = None, llm: dict | None = None, decode_timing: str = "launch",
+                prior: list[dict] | None = None) -> dict:
+    """Search one task and write nothing to the database: return every row instead (the search, its candidates
+    with their sources, its episodes with experience and transcripts, LLM calls), for the flow to write with
+    record_search_rows, so DuckDB keeps one writer however many machines evaluate. Verifies on a verifier worker of
+    its own, started for this search and closed after it (a pooled Ray worker may hold another GPU next time);
+    `work_dir` holds the transcripts until they are read back into the rows."""
+    from llm4llm.search.episode import run_search
+    from llm4llm.search.types import Experience
+    from llm4llm.taskspec import load_spec
+    from llm4llm.verify.worker import VerifierPool
+
+    spec = load_spec(Path(task_dir))
+    prop = make_proposer(proposer, seed, llm)
+    search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
+    archive_dir = Path(work_dir) / "archive"
+    started = datetime.now(timezone.utc).replace(tzinfo=None)
+    search_kw, calls, candidates = {}, [], []
+    llm_backed = hasattr(prop, "on_call")
+    if llm_backed:
+        search_kw["samples_per_step"] = prop.config.samples_per_step
+        escaped = str(archive_dir).replace("{", "{{").replace("}", "}}")
+        prop.transcript_path = f"{escaped}/llm-e{{episode}}.jsonl"
+        prop.on_call = lambda call: calls.append(llm_call_row(call, search_id, spec.task_id))
+
+    def on_trial(candidate, verdict, episode, iteration):
+        candidates.append({"row": candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration, ""),
+                           "source": candidate.source})
+
+    pool = VerifierPool(device, timeout_s, decode_timing=decode_timing)
+    try:
+        result = run_search(Path(task_dir), prop, pool.verify, mode=mode, budget=budget, seed=seed,
+                            on_trial=on_trial, archive_dir=archive_dir,
+                            prior=[Experience.model_validate(p) for p in prior or []], **search_kw)
+    finally:
+        pool.close()
+    episodes = []
+    for row, experience in episode_rows(result, search_id):
+        t = Path(row["transcript_path"]) if row["transcript_path"] else None
+        episodes.append({"row": row, "experience": experience, "transcript_name": t.name if t else None,
+                         "transcript": t.read_text() if t and t.exists() else None})
+    files = {f.name: f.read_text() for f in archive_dir.glob("llm-e*.jsonl")}
+    return {"search": {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id, "mode": mode,
+                       "proposer": prop.name, "budget": budget, "started_at": started,
+                       "finished_at": datetime.now(timezone.utc).replace(tzinfo=None), **search_end(result)},
+            "candidates": candidates, "episodes": episodes, "llm_calls": calls, "files": files,
+            "summary": search_summary(search_id, spec.task_id, result, prop if llm_backed else None)}
+
+
+def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
+    """Write what search_rows returned, in the flow: sources and transcripts under the data dir (where a local
+    search puts them), then every row in one transaction. Returns the search's summary."""
+    from storage import repo
+    from storage.db import Database
+
+    search, task_id = rows["search"], rows["search"]["task_id"]
+    cand_dir = Path(data_dir) / "candidates" / task_id
+    archive = Path(data_dir) / "searches" / search["search_id"]
+    cand_dir.mkdir(parents=True, exist_ok=True)
+    archive.mkdir(parents=True, exist_ok=True)
+    candidates = []
+    for c in rows["candidates"]:
+        src = cand_dir / f"{c['row']['candidate_id']}.py"
+        src.write_text(c["source"])
+        candidates.append({**c["row"], "source_path": str(src)})
+    episodes = []
+    for e in rows["episodes"]:
+        row = dict(e["row"])
+        if e["transcript_name"] and e["transcript"] is not None:
+            (archive / e["transcript_name"]).write_text(e["transcript"])
+            row["transcript_path"] = str(archive / e["transcript_name"])
+        episodes.append((row, e["experience"]))
+    for name, text in rows.get("files", {}).items():
+        (archive / name).write_text(text)
+    with Database(db_path) as db:
+        repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
+    return rows["summary"]
 
 
 def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,

@@ -115,6 +115,23 @@ def record_search_end(db: Database, search_id: str, trials: int, passed: int, be
         )
 
 
+def record_search_result(db: Database, search: dict, candidates: Iterable[dict],
+                         episodes: Iterable[tuple[dict, dict | None]], llm_calls: Iterable[dict] = ()) -> None:
+    """A whole search at once (a search that ran away from the flow, e.g. on a Ray worker): the search row with
+    its end fields, its candidates, episodes with their experience and its LLM calls, all or nothing."""
+    with db.transaction() as con:
+        _insert(con, "searches", search, replace=True)
+        for row in candidates:
+            _insert(con, "candidates", row, replace=True)
+        for row, experience in episodes:
+            _insert(con, "episodes", row, replace=True)
+            if experience is not None:
+                _insert(con, "experience", {"task_id": search["task_id"], "search_id": row["search_id"],
+                                            "episode": row["episode"], "record_json": experience}, replace=True)
+        for row in llm_calls:
+            _insert(con, "llm_calls", row, replace=True)
+
+
 def candidate_rows(db: Database, task_id: str | None = None, search_id: str | None = None):
     where, params = [], []
     if task_id:
@@ -127,6 +144,12 @@ def candidate_rows(db: Database, task_id: str | None = None, search_id: str | No
     return db.query_df(sql + " ORDER BY created_at", params)
 
 
+# A run's candidates (one `?`: the run id) with `ref_pool`, the median of every reference time measured in their
+# search: the pooled reference a search scores its trials against (llm4llm.search.episode.pool_reference).
+POOLED_CANDIDATES = ("p AS (SELECT c.*, s.run_id, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
+                     "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ?)")
+
+
 def best_candidates(db: Database, run_id: str, min_speedup: float = 0.0):
     """Each task's best passing candidate of a run that acceptance has not rejected: by `pooled`, its speedup
     against its search's pooled reference (the median of every reference time measured in that search, as
@@ -134,12 +157,11 @@ def best_candidates(db: Database, run_id: str, min_speedup: float = 0.0):
     (CPU) rank by their own utility. Columns: task_id, candidate_id, source_path, pooled, config_json, template,
     max_abs_err, artifact_path."""
     return db.query_df(
-        "WITH c AS (SELECT c.*, s.run_id, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
-        "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ?), "
-        "p AS (SELECT *, CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
-        "ELSE utility END AS pooled FROM c WHERE passed) "
+        f"WITH {POOLED_CANDIDATES}, "
+        "b AS (SELECT *, CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
+        "ELSE utility END AS pooled FROM p WHERE passed) "
         "SELECT p.task_id, p.candidate_id, p.source_path, p.pooled, p.config_json, p.template, p.max_abs_err, "
-        "t.artifact_path FROM p JOIN tasks t ON t.task_id = p.task_id AND t.run_id = p.run_id "
+        "t.artifact_path FROM b AS p JOIN tasks t ON t.task_id = p.task_id AND t.run_id = p.run_id "
         "WHERE p.pooled >= ? AND p.candidate_id NOT IN "
         "(SELECT a.candidate_id FROM acceptances a WHERE a.run_id = p.run_id AND a.decision = 'rejected') "
         "QUALIFY row_number() OVER (PARTITION BY p.task_id ORDER BY p.pooled DESC, p.max_abs_err ASC) = 1",
@@ -235,3 +257,8 @@ def record_service_night(db: Database, validations: Iterable[dict], decision: di
 def service_decisions(db: Database, workload_name: str | None = None):
     sql = "SELECT * FROM service_decisions" + (" WHERE workload_name = ?" if workload_name else "")
     return db.query_df(sql + " ORDER BY created_at", [workload_name] if workload_name else [])
+
+
+def run_sql(db: Database, sql: str):
+    """A user's own query (`llm4llm sql`), on a connection the caller opened read-only."""
+    return db.query_df(sql)

@@ -1,0 +1,479 @@
+"""Run reports: one self-contained HTML file per run (plots embedded as PNG), and the markdown tables a run
+publishes as Prefect artifacts, both from the DuckDB rows (storage.report_queries).
+
+A report is a list of sections. Each is a function of a `ReportContext` returning a `Block` (notes, matplotlib
+figures, tables), registered with `@section(key, title)`; adding one, e.g. a kernel's roofline frontier, is one
+query in storage/report_queries.py and one decorated function here (or in any module imported before rendering).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from storage import report_queries as q
+from storage.db import Database
+
+# mode -> colour, so one mode reads the same in every plot
+MODE_COLOURS = {"episodic": "#1f77b4", "sample": "#ff7f0e", "iter": "#2ca02c"}
+VARIANT_ORDER = ("eager", "torch_compile", "eager_graphs", "patched", "patched_graphs")
+
+
+@dataclass
+class Block:
+    """What a section shows: short notes, figures (embedded as PNG) and titled tables, in that order."""
+
+    notes: list[str] = field(default_factory=list)
+    figures: list[Any] = field(default_factory=list)  # matplotlib.figure.Figure
+    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
+
+
+@dataclass
+class ReportContext:
+    """The run a report is about; `df(name)` runs a report_queries function once per report."""
+
+    db: Database
+    run_id: str
+    workload: str
+    _cache: dict = field(default_factory=dict)
+
+    def df(self, name: str, *args) -> pd.DataFrame:
+        key = (name, args)
+        if key not in self._cache:
+            fn = getattr(q, name)
+            self._cache[key] = fn(self.db, *args) if args else fn(self.db, self._arg(name))
+        return self._cache[key]
+
+    def _arg(self, name: str) -> str:
+        return self.workload if name in ("e2e_history", "run_history") else self.run_id
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    build: Callable[[ReportContext], Block]
+
+
+SECTIONS: list[Section] = []
+
+
+def section(key: str, title: str) -> Callable:
+    """Register a report section (in report order; a key registered again replaces the earlier one in place)."""
+    def register(fn: Callable[[ReportContext], Block]) -> Callable[[ReportContext], Block]:
+        new = Section(key, title, fn)
+        for i, s in enumerate(SECTIONS):
+            if s.key == key:
+                SECTIONS[i] = new
+                return fn
+        SECTIONS.append(new)
+        return fn
+    return register
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+def _figure(w: float = 11.0, h: float = 4.0):
+    # Figure objects, not pyplot: no global state, no display backend
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(w, h))
+
+
+def _samples(v) -> list[float]:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return []
+    return [float(x) for x in (json.loads(v) if isinstance(v, str) else v)]
+
+
+def _spread(v) -> str:
+    s = _samples(v)
+    return f"{min(s):.1f}-{max(s):.1f}" if s else ""
+
+
+def _short(task_id: str, n: int = 28) -> str:
+    return task_id if len(task_id) <= n else task_id[: n - 1] + "…"
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, transform=ax.transAxes, color="#555")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _variant_rank(v: str) -> int:
+    return VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER)
+
+
+# ---- sections ---------------------------------------------------------------------------------------------------
+
+@section("overview", "Run")
+def overview(ctx: ReportContext) -> Block:
+    run = ctx.df("run_overview")
+    if run.empty:
+        return Block(notes=[f"run {ctx.run_id}: no row in `runs`"])
+    r = run.iloc[0]
+    keys = ["run_id", "workload_name", "workload_path", "status", "started_at", "device", "gpu_name", "capability",
+            "torch_version", "triton_version", "transformers_version", "timer", "prefill_ms", "decode_ms",
+            "prefill_forwards", "decode_forwards"]
+    info = pd.DataFrame({"field": keys, "value": [r.get(k) for k in keys]})
+    notes = []
+    if not str(r.get("device") or "").startswith("cuda"):
+        notes.append("CPU run: Triton kernels ran under the interpreter, nothing was timed and the latency gate "
+                     "accepts no patch. Only GPU runs produce speedups and bundles.")
+    return Block(notes=notes, tables=[("run", info)])
+
+
+@section("hotspots", "Hotspots per phase")
+def hotspots(ctx: ReportContext) -> Block:
+    df = ctx.df("hotspots")
+    if df.empty:
+        return Block(notes=["no profile rows for this run"])
+    phases = list(dict.fromkeys(df["phase"]))
+    fig = _figure(11.0, 0.28 * df.groupby("phase").size().max() + 1.4)
+    for ax, phase in zip(fig.subplots(1, len(phases), squeeze=False)[0], phases):
+        d = df[df["phase"] == phase].iloc[::-1]
+        ax.barh([f"{m} ({c})" for m, c in zip(d["module_path"], d["class_name"])], d["share"] * 100,
+                color="#4c72b0")
+        w = d["weight"].dropna()
+        ax.set_title(f"{phase}" + (f" (weight {w.iloc[0]:.2f})" if len(w) else ""))
+        ax.set_xlabel("% of the phase's time")
+        ax.tick_params(axis="y", labelsize=7)
+    cols = ["phase", "rank", "module_path", "class_name", "family", "calls", "time_ms", "share", "hotspot_score"]
+    return Block(notes=["Inclusive time: a container (a decoder layer) includes its children. hotspot_score = share "
+                        "x the phase's weight in the workload."], figures=[fig], tables=[("hotspots", df[cols])])
+
+
+@section("speedups", "Per-task speedup distribution")
+def speedups(ctx: ReportContext) -> Block:
+    t = ctx.df("trials")
+    if t.empty:
+        return Block(notes=["no searches in this run"])
+    tasks = list(dict.fromkeys(t["task_id"]))
+    fig = _figure(11.0, 0.35 * len(tasks) + 1.8)
+    ax_s, ax_o = fig.subplots(1, 2, width_ratios=[3, 2])
+    timed = t[t["pooled"].notna()]
+    if timed.empty:
+        _no_data(ax_s, "no timed candidates\n(on the CPU the verifier times nothing)")
+    else:
+        data = [timed.loc[timed["task_id"] == k, "pooled"].to_numpy() for k in tasks]
+        ax_s.boxplot([d if len(d) else [float("nan")] for d in data], orientation="horizontal",
+                     tick_labels=[_short(k) for k in tasks], showfliers=False)
+        for i, d in enumerate(data):
+            ax_s.scatter(d, [i + 1] * len(d), s=12, alpha=0.6, color="#dd8452", zorder=3)
+        ax_s.axvline(1.0, color="#999", lw=1, ls="--")
+        ax_s.set_xlabel("speedup over the search's pooled reference (passing candidates)")
+        ax_s.tick_params(axis="y", labelsize=7)
+    outcome = t.assign(outcome=t["failure_class"].where(~t["passed"], "passed").fillna("failed"))
+    counts = outcome.pivot_table(index="task_id", columns="outcome", aggfunc="size", fill_value=0).reindex(tasks)
+    left = pd.Series(0, index=counts.index)
+    for col in sorted(counts.columns, key=lambda c: (c != "passed", c)):
+        ax_o.barh([_short(k) for k in counts.index], counts[col], left=left, label=col,
+                  color="#55a868" if col == "passed" else None)
+        left = left + counts[col]
+    ax_o.invert_yaxis()
+    ax_o.set_xlabel("trials by outcome")
+    ax_o.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
+    ax_o.set_yticks([])
+    if not timed.empty:
+        ax_s.invert_yaxis()
+    g = t.groupby("task_id", sort=False)
+    table = pd.DataFrame({
+        "family": g["family"].first(), "phase": g["phase"].first(), "trials": g.size(),
+        "passed": g["passed"].sum(), "pass_rate": g["passed"].mean().round(3),
+        "speedup_p20": g["pooled"].quantile(0.2), "speedup_p50": g["pooled"].median(),
+        "speedup_p80": g["pooled"].quantile(0.8), "speedup_best": g["pooled"].max(),
+    }).reset_index()
+    return Block(figures=[fig], tables=[("speedups per task", table)])
+
+
+def _best_so_far(d: pd.DataFrame) -> pd.Series:
+    score = d["pooled"].where(d["pooled"].notna(), d["utility"]).where(d["passed"], 0.0)
+    return score.cummax()
+
+
+@section("search", "Search curves")
+def search_curves(ctx: ReportContext) -> Block:
+    t = ctx.df("trials")
+    if t.empty:
+        return Block(notes=["no searches in this run"])
+    tasks = list(dict.fromkeys(t["task_id"]))
+    ncol = min(3, len(tasks))
+    nrow = -(-len(tasks) // ncol)
+    fig = _figure(11.0, 2.6 * nrow + 0.6)
+    axes = fig.subplots(nrow, ncol, squeeze=False).ravel()
+    for ax, task in zip(axes, tasks):
+        seen: dict[str, int] = {}
+        for _, d in t[t["task_id"] == task].groupby("search_id", sort=False):
+            d = d.sort_values("iteration")
+            mode = d["mode"].iloc[0]
+            seen[mode] = seen.get(mode, 0) + 1
+            x = d["iteration"].to_numpy() + 1
+            colour = MODE_COLOURS.get(mode, "#7f7f7f")
+            label = mode if seen[mode] == 1 else f"{mode} #{seen[mode]}"
+            ax.step(x, _best_so_far(d), where="post", color=colour, label=label)
+            ok = d["passed"].to_numpy()
+            raw = d["pooled"].where(d["pooled"].notna(), d["utility"]).fillna(0.0).to_numpy()
+            ax.scatter(x[ok], raw[ok], s=14, color=colour, zorder=3)
+            ax.scatter(x[~ok], [0.0] * int((~ok).sum()), s=18, marker="x", color="#c44e52", zorder=3)
+            for start in d.loc[d["episode"].diff().fillna(0) != 0, "iteration"] + 1:
+                ax.axvline(start - 0.5, color=colour, lw=0.8, ls=":")
+        ax.set_title(_short(task, 40), fontsize=8)
+        ax.set_xlabel("trial")
+        ax.set_ylabel("best utility so far")
+        ax.legend(fontsize=6)
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    notes = ["utility: speedup over the search's pooled reference for passing trials (0 for failing ones, marked "
+             "x); dotted lines: a new episode starts (a restart from the distilled experience)."]
+    if t["pooled"].isna().all():
+        notes.append("no trial was timed (CPU): every passing trial scores 0, the curves show pass/fail only.")
+    return Block(notes=notes, figures=[fig], tables=[("searches", ctx.df("searches"))])
+
+
+@section("acceptance", "Acceptance decisions")
+def acceptance(ctx: ReportContext) -> Block:
+    a = ctx.df("acceptances")
+    if a.empty:
+        return Block(notes=["no acceptance decisions for this run"])
+    fig = _figure(11.0, 0.35 * len(a) + 1.4)
+    ax = fig.subplots()
+    labels = [f"{_short(t)} / {c[:8]}" for t, c in zip(a["task_id"], a["candidate_id"])]
+    gains = a["gain"].fillna(0.0) * 100
+    ax.barh(labels, gains, color=["#55a868" if d == "accepted" else "#c44e52" for d in a["decision"]])
+    for i, (g, d, has) in enumerate(zip(gains, a["decision"], a["gain"].notna())):
+        ax.text(g, i, f" {d}" + ("" if has else " (no latency measured)"), va="center", fontsize=7)
+    ax.axvline(0, color="#999", lw=1)
+    ax.invert_yaxis()
+    ax.set_xlabel("end-to-end gain of the trial, % (green: accepted, red: rejected)")
+    ax.tick_params(axis="y", labelsize=7)
+    n_acc = int((a["decision"] == "accepted").sum())
+    cols = ["task_id", "family", "phase", "candidate_id", "decision", "gain", "e2e_before_ms", "e2e_after_ms",
+            "in_model_max_abs_err", "metric", "reason"]
+    return Block(notes=[f"{n_acc} accepted, {len(a) - n_acc} rejected, in the order tried"], figures=[fig],
+                 tables=[("decisions", a[cols])])
+
+
+def e2e_table(e: pd.DataFrame) -> pd.DataFrame:
+    """The end-to-end rows with the total's spread over the timed runs and the ratio to eager's median."""
+    e = e.copy()
+    eager = e.loc[e["variant"] == "eager", "total_ms"]
+    base = float(eager.iloc[-1]) if len(eager) and pd.notna(eager.iloc[-1]) else None
+    e["total_range_ms"] = e["total_samples_ms"].map(_spread)
+    e["runs"] = e["total_samples_ms"].map(lambda v: len(_samples(v)))
+    e["speedup_vs_eager"] = [base / t if base and pd.notna(t) and t > 0 else None for t in e["total_ms"]]
+    cols = ["variant", "total_ms", "total_range_ms", "runs", "speedup_vs_eager", "prefill_ms",
+            "decode_ms_per_token", "tokens_per_s", "peak_mem_mb", "compile_s", "gpu_name", "notes"]
+    return e[cols]
+
+
+@section("e2e", "End to end")
+def end_to_end(ctx: ReportContext) -> Block:
+    e = ctx.df("e2e")
+    if e.empty:
+        return Block(notes=["no end-to-end rows for this run"])
+    e = e.sort_values("variant", key=lambda s: s.map(_variant_rank), kind="stable")
+    table = e2e_table(e)
+    measured = e[e["total_ms"].notna()]
+    fig = _figure(11.0, 3.6)
+    ax_t, ax_d = fig.subplots(1, 2)
+    for i, r in enumerate(measured.itertuples()):
+        s = _samples(r.total_samples_ms)
+        lo, hi = (min(s), max(s)) if s else (r.total_ms, r.total_ms)
+        ax_t.bar(i, r.total_ms, color="#4c72b0" if "patched" not in r.variant else "#55a868")
+        ax_t.errorbar(i, r.total_ms, yerr=[[r.total_ms - lo], [hi - r.total_ms]], color="k", capsize=4)
+        ax_t.scatter([i] * len(s), s, s=10, color="#333", zorder=3)
+        ax_d.bar(i, r.decode_ms_per_token or 0.0, color="#4c72b0" if "patched" not in r.variant else "#55a868")
+    for ax in (ax_t, ax_d):
+        ax.set_xticks(range(len(measured)), list(measured["variant"]), rotation=15, fontsize=8)
+    if len(measured) and measured["total_ms"].max() > 10 * measured["total_ms"].min():
+        ax_t.set_yscale("log")
+    ax_t.set_ylabel("total ms")
+    ax_d.set_ylabel("decode ms per token (median)")
+    skipped = e[e["total_ms"].isna()]
+    notes = ["Bars: the median total of the script's run (prefill + decode); whiskers: min-max of the timed runs; "
+             "dots: each run. Every variant was measured in one process."]
+    notes += [f"{r.variant}: {r.notes}" for r in skipped.itertuples()]
+    return Block(notes=notes, figures=[fig], tables=[("end to end", table)])
+
+
+@section("history", "History of the workload")
+def history(ctx: ReportContext) -> Block:
+    h = ctx.df("e2e_history")
+    runs = ctx.df("run_history")
+    if h.empty:
+        return Block(notes=[f"no end-to-end rows for {ctx.workload} yet"], tables=[("runs", runs)])
+    h = h[h["total_ms"].notna()]
+    order = list(dict.fromkeys(h["run_id"]))
+    fig = _figure(11.0, 3.8)
+    ax_t, ax_r = fig.subplots(1, 2, width_ratios=[3, 2])
+    x_of = {r: i for i, r in enumerate(order)}
+    for variant, d in sorted(h.groupby("variant"), key=lambda kv: _variant_rank(kv[0])):
+        xs = [x_of[r] for r in d["run_id"]]
+        lo = [min(_samples(s) or [t]) for s, t in zip(d["total_samples_ms"], d["total_ms"])]
+        hi = [max(_samples(s) or [t]) for s, t in zip(d["total_samples_ms"], d["total_ms"])]
+        ax_t.errorbar(xs, d["total_ms"], yerr=[d["total_ms"] - lo, pd.Series(hi, index=d.index) - d["total_ms"]],
+                      marker="o", capsize=3, label=variant)
+    labels = [str(h.loc[h["run_id"] == r, "run_started"].iloc[0])[:16] for r in order]
+    ax_t.set_xticks(range(len(order)), labels, rotation=20, fontsize=7)
+    if h["total_ms"].max() > 10 * h["total_ms"].min():
+        ax_t.set_yscale("log")
+    ax_t.set_ylabel("total ms (median, min-max)")
+    ax_t.legend(fontsize=7)
+    ratio = h.pivot_table(index="run_id", columns="variant", values="total_ms", aggfunc="last").reindex(order)
+    if "eager" in ratio:
+        for variant in [c for c in ratio.columns if c != "eager"]:
+            ax_r.plot(range(len(order)), ratio["eager"] / ratio[variant], marker="o", label=f"eager / {variant}")
+        ax_r.axhline(1.0, color="#999", lw=1, ls="--")
+        ax_r.set_ylabel("speedup over eager (same run)")
+        ax_r.legend(fontsize=7)
+        ax_r.set_xticks(range(len(order)), labels, rotation=20, fontsize=7)
+    else:
+        _no_data(ax_r, "no eager baseline in these runs")
+    table = h.assign(total_range_ms=h["total_samples_ms"].map(_spread))[
+        ["run_started", "run_id", "variant", "total_ms", "total_range_ms", "decode_ms_per_token", "gpu_name",
+         "accepted", "rejected", "workload_hash"]]
+    return Block(notes=[f"{len(order)} evaluated run(s) of {ctx.workload}, oldest first"], figures=[fig],
+                 tables=[("end to end per run", table), ("runs", runs)])
+
+
+# ---- rendering --------------------------------------------------------------------------------------------------
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
+nav a { margin-right: 1em; } .note { color: #444; margin: 0.3em 0; } .plot { max-width: 100%; display: block; }
+table.data { border-collapse: collapse; font-size: 12px; margin: 0.6em 0 1.2em; }
+table.data th, table.data td { border: 1px solid #ddd; padding: 2px 6px; text-align: left; vertical-align: top; }
+table.data th { background: #f4f4f4; } table.data td { max-width: 520px; overflow-wrap: anywhere; }
+.wide { overflow-x: auto; } .meta { color: #666; }
+"""
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def html_table(name: str, df: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+                   for row in df.itertuples(index=False))
+    return (f'<h3>{html.escape(name)}</h3><div class="wide"><table class="data" data-table="{html.escape(name)}">'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+
+
+def render_section(s: Section, ctx: ReportContext) -> str:
+    block = s.build(ctx)
+    parts = [f'<section id="{s.key}" data-section="{s.key}"><h2>{html.escape(s.title)}</h2>']
+    parts += [f'<p class="note">{html.escape(n)}</p>' for n in block.notes]
+    parts += [f'<img class="plot" alt="{s.key} plot {i}" src="data:image/png;base64,{_png(f)}">'
+              for i, f in enumerate(block.figures)]
+    parts += [html_table(name, df) for name, df in block.tables]
+    return "".join(parts) + "</section>"
+
+
+def render_report(db: Database, run_id: str, sections: list[Section] | None = None) -> str:
+    """The whole report of one run as one HTML string (nothing external: plots are inline PNG)."""
+    run = q.run_overview(db, run_id)
+    if run.empty:
+        raise ValueError(f"run: expected an existing run id, got {run_id!r}")
+    ctx = ReportContext(db, run_id, str(run.iloc[0]["workload_name"]))
+    chosen = sections if sections is not None else SECTIONS
+    body = "".join(render_section(s, ctx) for s in chosen)
+    nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in chosen)
+    made = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    title = f"llm4llm report: {ctx.workload} ({run_id})"
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+            f'<p class="meta">made {made} from {html.escape(str(db.path))}</p><nav>{nav}</nav>{body}</body></html>')
+
+
+def write_report(db_path: str | Path | None, run: str | None = None, workload: str | None = None,
+                 out: str | Path | None = None) -> tuple[Path, str]:
+    """Render the report of `run` (or of `workload`'s latest optimized run) to `out` (default
+    `<data home>/reports/<run>.html`); returns (path, run_id). Opens the database read-only."""
+    from storage.db import data_home
+
+    with Database(db_path, read_only=True) as db:
+        run_id = q.resolve_run(db, run, workload)
+        if run_id is None:
+            what = f"run {run!r}" if run else (f"workload {workload!r}" if workload else "any run")
+            raise LookupError(f"{what}: nothing in {db.path} (see `llm4llm runs`)")
+        page = render_report(db, run_id)
+    path = Path(out) if out else data_home() / "reports" / f"{run_id}.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path, run_id
+
+
+# ---- markdown (Prefect artifacts) -------------------------------------------------------------------------------
+
+def markdown_table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "_no rows_"
+    cell = lambda v: _fmt(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def leaderboard(trials: pd.DataFrame, per_task: int = 3) -> pd.DataFrame:
+    """The best passing candidates of each task (by pooled speedup where timed, else by utility)."""
+    ok = trials[trials["passed"]].assign(score=lambda d: d["pooled"].where(d["pooled"].notna(), d["utility"]))
+    ok = ok.sort_values(["task_id", "score", "max_abs_err"], ascending=[True, False, True])
+    top = ok.groupby("task_id", sort=False).head(per_task)
+    return top[["task_id", "phase", "candidate_id", "template", "mode", "score", "ctx_p50_ms", "ref_ctx_p50_ms",
+                "max_abs_err"]]
+
+
+ARTIFACTS = ("hotspots", "leaderboard", "acceptance", "e2e")
+
+
+def markdown(kind: str, db: Database, run_id: str) -> str:
+    """One of the run's markdown artifacts (ARTIFACTS)."""
+    if kind == "hotspots":
+        df = q.hotspots(db, run_id, 10)
+        return f"## Hotspots of run `{run_id}`\n\nShare of each phase's time (containers include children).\n\n" \
+               + markdown_table(df[["phase", "rank", "module_path", "family", "calls", "time_ms", "share",
+                                    "hotspot_score"]])
+    if kind == "leaderboard":
+        t = q.trials(db, run_id)
+        timed = "" if t.empty or t["pooled"].notna().any() else "\n\nNo trial was timed (CPU): scores are 0."
+        return f"## Leaderboard of run `{run_id}`\n\nBest passing candidates per task (score: speedup over the " \
+               f"search's pooled reference).{timed}\n\n" + (markdown_table(leaderboard(t)) if not t.empty
+                                                             else "_no searches_")
+    if kind == "acceptance":
+        a = q.acceptances(db, run_id)
+        n = int((a["decision"] == "accepted").sum()) if not a.empty else 0
+        return f"## Acceptance of run `{run_id}`\n\n{n} accepted, {len(a) - n} rejected.\n\n" + markdown_table(
+            a[["task_id", "candidate_id", "decision", "gain", "e2e_before_ms", "e2e_after_ms", "reason"]])
+    if kind == "e2e":
+        e = q.e2e(db, run_id)
+        return f"## End to end, run `{run_id}`\n\nMedians; range: min-max of the timed runs.\n\n" + (
+            markdown_table(e2e_table(e)) if not e.empty else "_no rows_")
+    raise ValueError(f"kind: expected one of {ARTIFACTS}, got {kind!r}")
+
+
+def artifact_key(workload: str, kind: str) -> str:
+    """A Prefect artifact key per workload and kind (keys allow lowercase letters, digits and dashes)."""
+    import re
+
+    return re.sub(r"[^a-z0-9-]+", "-", f"{workload}-{kind}".lower()).strip("-")

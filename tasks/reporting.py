@@ -1,0 +1,22 @@
+"""The markdown artifacts a run publishes, one key per workload and kind (`<workload>-hotspots`, `-leaderboard`,
+`-acceptance`, `-e2e`), so the Prefect UI's artifact page keeps each workload's history under its own keys."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from llm4llm.report import ARTIFACTS, artifact_key, markdown
+
+
+@task(name="publish-report", retries=1, retry_delay_seconds=2, task_run_name="publish-{kind}")
+def publish_markdown(kind: str, workload_name: str, run_id: str, db_path: str | None) -> str:
+    """Publish one kind of ARTIFACTS for a run; returns the artifact key."""
+    from storage.db import Database
+
+    if kind not in ARTIFACTS:
+        raise ValueError(f"kind: expected one of {ARTIFACTS}, got {kind!r}")
+    with Database(db_path) as db:
+        text = markdown(kind, db, run_id)
+    key = artifact_key(workload_name, kind)
+    create_markdown_artifact(key=key, markdown=text, description=f"{kind} of {workload_name}, run {run_id}")
+    return key

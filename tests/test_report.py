@@ -1,0 +1,228 @@
+"""`llm4llm report`: a self-contained HTML report of a run from a DuckDB file written through storage's own API
+(two nights of a GPU workload: profiles, searches in two modes over episodes, decisions, e2e rows with every timed
+run), every plot and table present; and the markdown artifacts a run publishes."""
+from __future__ import annotations
+
+import base64
+import random
+from datetime import datetime, timedelta
+from html.parser import HTMLParser
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from storage import repo  # noqa: E402
+from storage.db import Database  # noqa: E402
+
+WL = {"workload_hash": "abc123", "name": "mamba-130m", "path": "/w/mamba-130m.toml", "config": {"dtype": "bfloat16"}}
+TASKS = [("mamba-decode-block-1", "ssm_block", "decode", 0.62), ("mamba-prefill-block-2", "ssm_block", "prefill", 0.21),
+         ("mamba-decode-norm-3", "norm", "decode", 0.04)]
+
+
+def _night(db: Database, run_id: str, day: datetime, eager_ms: float, patched_ms: float, rng: random.Random) -> None:
+    repo.record_profile_run(db, {
+        "run_id": run_id, "workload_hash": WL["workload_hash"], "workload_name": WL["name"], "kind": "profile",
+        "status": "ok", "started_at": day, "device": "cuda", "gpu_name": "NVIDIA H200", "capability": "9.0",
+        "torch_version": "2.11.0", "triton_version": "3.6.0", "transformers_version": "5.17.0", "timer": "cuda_event",
+        "prefill_ms": 31.0, "decode_ms": 1650.0, "prefill_forwards": 1, "decode_forwards": 63}, WL, [
+        {"phase": ph, "module_path": path, "class_name": cls, "family": fam, "depth": depth, "calls": calls,
+         "time_ms": total * share, "share": share, "hotspot_score": share * w, "in_shapes": [[1, 1, 768]],
+         "out_shapes": [[1, 1, 768]]}
+        for ph, total, w in (("prefill", 31.0, 0.02), ("decode", 1650.0, 0.98))
+        for path, cls, fam, depth, calls, share in (
+            ("", "MambaForCausalLM", "model", 0, 1, 1.0),
+            ("backbone.layers.0", "MambaBlock", "ssm_block", 2, 63, 0.041),
+            ("backbone.layers.0.mixer", "MambaMixer", "ssm_mixer", 3, 63, 0.038),
+            ("backbone.layers.0.norm", "MambaRMSNorm", "norm", 3, 63, 0.002),
+            ("lm_head", "Linear", "lm_head", 1, 63, 0.011))])
+    repo.record_tasks(db, run_id, [
+        {"task_id": t, "family": fam, "module_class": "transformers.MambaBlock", "phase": ph, "instances": 24,
+         "shapes": [[1, 1, 768]], "dtype": "bfloat16", "artifact_path": f"/d/tasks/{t}", "score": score,
+         "time_ms": 1000 * score, "deployable": True, "reason": ""} for t, fam, ph, score in TASKS])
+    for t, _, _, _ in TASKS:
+        for mode, budget in (("episodic", 8), ("sample", 4)):
+            sid = f"{t}-{mode}-library-{run_id[-4:]}"
+            repo.record_search_start(db, {"search_id": sid, "task_id": t, "run_id": run_id, "mode": mode,
+                                          "proposer": "library", "budget": budget})
+            ref = 80.0
+            for i in range(budget):
+                passed = i % 4 != 3
+                ctx = ref / (1.0 + 0.4 * i + rng.random()) if passed else None
+                repo.record_candidate(db, {
+                    "candidate_id": f"c{i:02d}{mode[0]}{t[-1]}", "task_id": t, "search_id": sid,
+                    "episode": i // 5 if mode == "episodic" else 0, "iteration": i, "proposer": "library",
+                    "template": "ssm_block.mamba_decode_fused", "config_json": {"lin_GEMV_SPLIT_K": 1 + i % 4},
+                    "source_path": f"/d/candidates/{t}/c{i}.py", "passed": passed,
+                    "failure_class": None if passed else "correctness", "message": "" if passed else "max err 3e-1",
+                    "max_abs_err": 1e-3 if passed else 0.3, "ctx_p20_ms": ctx and ctx * 0.98, "ctx_p50_ms": ctx,
+                    "ctx_p80_ms": ctx and ctx * 1.03, "ref_ctx_p50_ms": ref * (0.9 + 0.2 * rng.random()),
+                    "speedup_in_context": ref / ctx if ctx else None, "utility": ref / ctx if ctx else 0.0})
+            repo.record_episode(db, {"search_id": sid, "episode": 0, "trials": budget, "passed": budget - 1,
+                                     "best_utility": 3.0, "transcript_path": None}, {"task_id": t}, t)
+            repo.record_search_end(db, sid, budget, budget - budget // 4, f"c00{mode[0]}{t[-1]}", 3.0)
+    repo.record_acceptance(db, {"acceptance_id": f"{run_id}:decode-graphs:-", "run_id": run_id,
+                                "task_id": "decode-graphs", "candidate_id": "-", "decision": "accepted",
+                                "reason": "graphs: logits ok (max step rel-L2 1.2e-3), +61.0 % >= 2 %",
+                                "gain": 0.61, "e2e_before_ms": eager_ms, "e2e_after_ms": eager_ms * 0.39})
+    for k, (t, _, _, _) in enumerate(TASKS):
+        acc = k < 2
+        repo.record_acceptance(db, {
+            "acceptance_id": f"{run_id}:{t}:c", "run_id": run_id, "task_id": t, "candidate_id": f"c00e{t[-1]}",
+            "decision": "accepted" if acc else "rejected", "metric": "logits_rel_l2_floor",
+            "reason": "in-model correctness ok; +12.4 % >= 2 %" if acc else
+                      "in-model correctness ok; latency +0.6 % < 2 % (bracketed gains 0.4, 0.6, 0.9 %)",
+            "gain": 0.124 if acc else 0.006, "e2e_before_ms": 100.0, "e2e_after_ms": 88.0 if acc else 99.4,
+            "in_model_max_abs_err": 2e-3})
+    repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
+                                  "workload_hash": WL["workload_hash"], "bundle_path": f"/d/bundles/{run_id}",
+                                  "manifest_json": {"patches": 2}})
+    rows = []
+    for variant, ms in (("eager", eager_ms), ("patched_graphs", patched_ms), ("torch_compile", eager_ms / 2.3),
+                        ("patched", None)):
+        samples = [ms * (1 + 0.05 * rng.random()) for _ in range(5)] if ms else None
+        rows.append({"run_id": f"{run_id}-e2e", "workload_hash": WL["workload_hash"], "variant": variant,
+                     "total_ms": sorted(samples)[2] if samples else None, "total_samples_ms": samples,
+                     "prefill_ms": 3.0 if ms else None, "decode_ms_per_token": ms / 64 if ms else None,
+                     "repeats": 5, "gpu_name": "NVIDIA H200", "notes": "" if ms else "skipped: not asked for"})
+    repo.record_e2e(db, rows)
+
+
+@pytest.fixture(scope="module")
+def two_nights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("report") / "r.duckdb"
+    rng = random.Random(0)
+    with Database(path) as db:
+        _night(db, "mamba-130m-night1-aaaa", datetime(2026, 11, 29, 3), 1721.0, 48.0, rng)
+        _night(db, "mamba-130m-night2-bbbb", datetime(2026, 11, 30, 3), 1650.0, 47.1, rng)
+    return path
+
+
+class _Page(HTMLParser):
+    """Sections of the page with their images and tables (rows counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sections: dict[str, dict] = {}
+        self.cur = None
+        self.table = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section":
+            self.cur = self.sections.setdefault(a["data-section"], {"imgs": [], "tables": {}})
+        elif tag == "img" and self.cur is not None:
+            self.cur["imgs"].append(a["src"])
+        elif tag == "table" and self.cur is not None:
+            self.table = a["data-table"]
+            self.cur["tables"][self.table] = 0
+        elif tag == "tr" and self.table is not None:
+            self.cur["tables"][self.table] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.table = None
+        elif tag == "section":
+            self.cur = None
+
+
+def _parse(text: str) -> dict:
+    p = _Page()
+    p.feed(text)
+    return p.sections
+
+
+def _is_png(src: str) -> bool:
+    prefix = "data:image/png;base64,"
+    return src.startswith(prefix) and base64.b64decode(src[len(prefix):])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_workload_has_every_plot_and_table(two_nights, tmp_path):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+    from llm4llm.report import SECTIONS
+
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["report", "--workload", "mamba-130m", "--db", str(two_nights), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "mamba-130m-night2-bbbb" in res.output  # the latest night
+    page = out.read_text()
+    assert "<script" not in page and "http://" not in page and "https://" not in page  # nothing external
+    sections = _parse(page)
+    assert list(sections) == [s.key for s in SECTIONS]
+    plots = {k: v["imgs"] for k, v in sections.items() if k != "overview"}
+    assert all(len(v) == 1 and _is_png(v[0]) for v in plots.values()), {k: len(v) for k, v in plots.items()}
+    tables = {k: v["tables"] for k, v in sections.items()}
+    # header row + data rows: 4 modules below the model in each of two phases
+    assert tables["hotspots"] == {"hotspots": 1 + 8}
+    assert tables["speedups"] == {"speedups per task": 1 + 3}
+    assert tables["search"] == {"searches": 1 + 6}  # 3 tasks x (episodic, sample)
+    assert tables["acceptance"] == {"decisions": 1 + 4}  # the decode-graphs gate and three tasks
+    assert tables["e2e"] == {"end to end": 1 + 4}
+    assert tables["history"] == {"end to end per run": 1 + 6, "runs": 1 + 2}  # two nights, 3 measured variants
+    assert "latency +0.6 % &lt; 2 %" in page  # the rejection's reason, verbatim (escaped)
+    assert "skipped: not asked for" in page
+
+
+def test_report_numbers_come_from_the_rows(two_nights):
+    from llm4llm.report import ReportContext, e2e_table, speedups
+
+    with Database(two_nights, read_only=True) as db:
+        ctx = ReportContext(db, "mamba-130m-night1-aaaa", "mamba-130m")
+        e = e2e_table(ctx.df("e2e")).set_index("variant")
+        trials = ctx.df("trials")
+        block = speedups(ctx)
+    assert e.loc["patched_graphs", "speedup_vs_eager"] == pytest.approx(e.loc["eager", "total_ms"]
+                                                                        / e.loc["patched_graphs", "total_ms"])
+    assert e.loc["eager", "runs"] == 5 and "-" in e.loc["eager", "total_range_ms"]
+    # pooled: the search's median reference over the candidate's time, only for passing timed trials
+    t = trials[trials["search_id"] == trials["search_id"].iloc[0]]
+    pool = t["ref_ctx_p50_ms"].median()
+    ok = t[t["passed"]]
+    assert ok["pooled"].to_numpy() == pytest.approx((pool / ok["ctx_p50_ms"]).to_numpy())
+    assert t.loc[~t["passed"], "pooled"].isna().all()
+    per_task = block.tables[0][1].set_index("index" if "index" in block.tables[0][1] else "task_id")
+    assert per_task.loc["mamba-decode-norm-3", "trials"] == 12 and per_task.loc["mamba-decode-norm-3", "passed"] == 9
+
+
+def test_a_section_is_one_decorated_function(two_nights):
+    """What a later section (e.g. a kernel frontier) needs: register, render, and it appears with its plot."""
+    from llm4llm import report
+
+    before = list(report.SECTIONS)
+    try:
+        @report.section("frontier", "Frontier")
+        def frontier(ctx):
+            fig = report._figure(4, 3)
+            t = ctx.df("trials")
+            fig.subplots().scatter(t["ctx_p50_ms"], t["pooled"])
+            return report.Block(figures=[fig], tables=[("points", t[["candidate_id", "pooled"]].head(3))])
+
+        with Database(two_nights, read_only=True) as db:
+            page = report.render_report(db, "mamba-130m-night1-aaaa", [report.SECTIONS[-1]])
+        assert report.SECTIONS[-1].key == "frontier" and len(report.SECTIONS) == len(before) + 1
+        sec = _parse(page)["frontier"]
+        assert len(sec["imgs"]) == 1 and _is_png(sec["imgs"][0]) and sec["tables"] == {"points": 4}
+    finally:
+        report.SECTIONS[:] = before
+
+
+def test_markdown_artifacts_and_cli_errors(two_nights):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+    from llm4llm.report import ARTIFACTS, artifact_key, markdown
+
+    with Database(two_nights, read_only=True) as db:
+        md = {k: markdown(k, db, "mamba-130m-night2-bbbb") for k in ARTIFACTS}
+    assert md["acceptance"].count("\n| ") == 1 + 4 and "3 accepted, 1 rejected" in md["acceptance"]
+    assert "bracketed gains 0.4, 0.6, 0.9 %" in md["acceptance"]
+    assert md["leaderboard"].count("\n| ") == 1 + 9  # the best 3 passing candidates of each of 3 tasks
+    assert "patched_graphs" in md["e2e"] and "backbone.layers.0.mixer" in md["hotspots"]
+    assert artifact_key("Mamba_130M", "e2e") == "mamba-130m-e2e"
+    res = CliRunner().invoke(app, ["report", "--workload", "nope", "--db", str(two_nights)])
+    assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["sql", "select variant, count(*) n from e2e_results group by variant order by 1",
+                                   "--db", str(two_nights)])
+    assert res.exit_code == 0 and "patched_graphs" in res.output, res.output
