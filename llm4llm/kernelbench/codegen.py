@@ -219,8 +219,9 @@ class Gen:
 
     def _load(self, b: Buf, idx: list[str], pre: list[str]) -> str:
         terms = [f"({i}) * {st}" for i, s, st in zip(idx, b.shape, b.strides) if s != 1 and i != "0"]
-        off = " + ".join(terms) if terms else "0"
-        return f"tl.load({b.var}_ptr + {off}, mask=MASK, other=0.0)"
+        if not terms:  # a scalar (or the first element): in bounds, no mask
+            return f"tl.load({b.var}_ptr)"
+        return f"tl.load({b.var}_ptr + {' + '.join(terms)}, mask=MASK, other=0.0)"
 
     def _pointwise(self, n, idx, shape, pre, bind, memo) -> str:
         t = n.target
@@ -325,8 +326,12 @@ class Gen:
                 pass
         return n, bind[n]
 
+    def var(self) -> str:
+        self.n_var = getattr(self, "n_var", 0) + 1
+        return f"t{self.n_var}"
+
     def _alloc(self, node, shape) -> Buf:
-        var = f"t{len(self.bufs)}"
+        var = self.var()
         self.plan.lines.append(f"{var} = torch.empty({tuple(shape)!r}, device=x0.device, dtype=torch.float32)")
         b = Buf(var, tuple(shape), _strides(tuple(shape)))
         self.bufs[node] = b
@@ -345,8 +350,8 @@ class Gen:
         idx = self._decompose("offs", shape, pre)
         body: list[str] = []
         v = self.expr(n, idx, shape, body, {}, {})
-        out = self._alloc(out_node or n, shape)
         leaves = sorted(self._leaves(n, set(), {}), key=lambda x: self.bufs[x].var)
+        out = self._alloc(out_node or n, shape)
         name = self._new()
         ptrs, call = self._args_sig(leaves)
         blk = self.cfg.get("BLOCK", 1024)
@@ -511,7 +516,7 @@ class Gen:
                 return ["rn", "cc", *sp], lines
             chan = "cc"
         else:
-            dims = [d % nd for d in dims]
+            dims = sorted({d % nd for d in dims})
             kept = [d for d in range(nd) if d not in dims]
             nrows = math.prod(L[d] for d in kept) if kept else 1
             R = math.prod(L[d] for d in dims)
@@ -547,10 +552,12 @@ class Gen:
             return out
 
         red_axis = "1"
+        acc_t = "tl.float64" if self.cfg.get("acc64", True) else "tl.float32"
         if op in ("sum", "mean"):
-            body.append("acc = tl.zeros([ROWS, BR], tl.float32)")
-            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0)"])(_val_lines(val)))
-            body.append(f"res = tl.sum(acc, axis={red_axis})[:, None]")
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
+                _val_lines(val)))
+            body.append(f"res = tl.sum(acc, axis={red_axis})[:, None].to(tl.float32)")
             if op == "mean":
                 body.append(f"res = res / {float(R)}")
         elif op in ("max", "min"):
@@ -571,13 +578,15 @@ class Gen:
             body += ["m_row = tl.max(m_acc, axis=1)[:, None]",
                      "s_row = tl.sum(s_acc * tl.exp(m_acc - m_row), axis=1)[:, None]"]
         else:  # norms: mean, then variance about it (two passes, as torch computes them)
-            body.append("acc = tl.zeros([ROWS, BR], tl.float32)")
-            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0)"])(_val_lines(val)))
-            body.append(f"mean = tl.sum(acc, axis=1)[:, None] / {float(R)}")
-            body.append("acc2 = tl.zeros([ROWS, BR], tl.float32)")
-            body += loop(lambda: (lambda p: p + [f"dv = tl.where(MASK, {p.pop()} - mean, 0.0)",
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
+                _val_lines(val)))
+            body.append(f"mean = (tl.sum(acc, axis=1)[:, None] / {float(R)}).to(tl.float32)")
+            body.append(f"acc2 = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"dv = tl.where(MASK, {p.pop()} - mean, 0.0).to({acc_t})",
                                                  "acc2 += dv * dv"])(_val_lines(val)))
-            body.append(f"rstd = 1.0 / tl.sqrt(tl.sum(acc2, axis=1)[:, None] / {float(R)} + {eps!r})")
+            body.append(f"rstd = (1.0 / tl.sqrt(tl.sum(acc2, axis=1)[:, None] / {float(R)} + {eps!r}))"
+                        f".to(tl.float32)")
         name = self._new()
         res_node = n
         if t in (aten.max.dim, aten.min.dim, aten.native_group_norm.default, aten.native_layer_norm.default,
@@ -629,8 +638,8 @@ class Gen:
             extra_leaves.update(self._leaves(stored, set(), bind))
             body.append("MASK = ROWMASK")
             body += p
-            body.append(f"tl.store(OUT_ptr + {self._offset(_strides(out_shape), out_shape, oidx)}, {v}, "
-                        f"mask=ROWMASK)")
+            off = self._offset(_strides(out_shape), out_shape, oidx)
+            body.append(f"tl.store(OUT_ptr + {'0 * rows' if off == '0' else off}, {v}, mask=ROWMASK)")
         for w in (weight, bias):
             if isinstance(w, torch.fx.Node):
                 leaves |= self._leaves(w, set(), {})
@@ -741,7 +750,7 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
         if n in drop:
             x, p = drop[n]
             b = stored(x)
-            var = f"t{len(g.bufs)}"
+            var = g.var()
             lines.append(f"{var} = torch.nn.functional.dropout({b.var}, {p!r}, True)")
             g.bufs[n] = Buf(var, b.shape, b.strides)
             g.plan.kinds.append("dropout (torch, same RNG stream)")
@@ -755,7 +764,7 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
             continue
         if k == "heavy":
             args = [stored(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
-            var = f"t{len(g.bufs)}"
+            var = g.var()
             if n.target == aten.convolution.default:
                 x, w, b, stride, pad, dil, transposed, opad, groups = args
                 nd = len(stride)
@@ -784,7 +793,7 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
             continue
         if k == "view":
             b = stored(n.args[0])
-            var = f"t{len(g.bufs)}"
+            var = g.var()
             shape = _shape(n)
             if n.target in (aten.permute.default, aten.t.default):
                 perm = list(n.args[1]) if n.target == aten.permute.default else [1, 0]
