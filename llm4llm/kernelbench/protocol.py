@@ -146,6 +146,17 @@ class KBJudge(Judge):
 def run_kb(v: Verdict, task, module, dev: torch.device, timing: bool = True,
            perf_trials: int | None = None) -> tuple[Verdict, bool]:
     """Judge a loaded ModelNew candidate against its KernelBench task. Returns (verdict, context poisoned)."""
+    try:
+        return _run_kb(v, task, module, dev, timing, perf_trials)
+    finally:
+        if dev.type == "cuda":  # give cached blocks back: shards of a run share the GPU's memory
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_trials: int | None):
     spec = task.spec
     flags = strict_fp32()
     problem = load_module(spec.static["source"], f"kb_ref_{spec.task_id.replace('-', '_')}")

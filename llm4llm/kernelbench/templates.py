@@ -42,6 +42,8 @@ def build_plan(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> tuple[code
             applied.append("gemm_sum_to_gemv")
     if codegen.fold_size1_reductions(gm):
         applied.append("size1_reductions_dropped")
+    if rewrite and codegen.cancel_self_subtraction(gm):
+        applied.append("x_minus_x_is_zero")
     return codegen.generate(gm, names, n_in, cfg), applied
 
 
@@ -75,7 +77,7 @@ def _applies(rewrite: bool):
             _, applied = build_plan(spec, {k: v[0] for k, v in _space(spec).items()}, rewrite)
         except codegen.Unsupported as e:
             return f"graph not covered: {e}"
-        if rewrite and "gemm_sum_to_gemv" not in applied:
+        if rewrite and not {"gemm_sum_to_gemv", "x_minus_x_is_zero"} & set(applied):
             return "no exact rewrite applies"
         return None
     return why_not
