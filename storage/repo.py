@@ -226,10 +226,12 @@ def kb_curves(db: Database, kb_run_id: str):
     problems with a passing candidate so far."""
     return db.query_df(
         "WITH t AS (SELECT s.mode, s.task_id, c.iteration, "
-        "  CASE WHEN c.passed THEN c.speedup_cold END AS sp FROM candidates c JOIN searches s USING (search_id) "
+        "  CASE WHEN c.passed THEN c.speedup_cold END AS sp, c.passed::INT AS ok "
+        "  FROM candidates c JOIN searches s USING (search_id) "
         "  WHERE s.run_id = ?), "
-        "b AS (SELECT mode, task_id, iteration, max(sp) OVER (PARTITION BY mode, task_id ORDER BY iteration "
-        "  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS best FROM t) "
+        "b AS (SELECT mode, task_id, iteration, max(sp) OVER w AS best, max(ok) OVER w AS solved FROM t "
+        "  WINDOW w AS (PARTITION BY mode, task_id ORDER BY iteration ROWS BETWEEN UNBOUNDED PRECEDING AND "
+        "  CURRENT ROW)) "
         "SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(best, 1.0)))) AS geo_best, "
-        "avg((best IS NOT NULL)::INT) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
+        "avg(solved) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
         [kb_run_id])

@@ -22,7 +22,7 @@ HEAVY_CALLS = {
     "torch.matmul", "torch.nn.functional.dropout",
 }
 FORBIDDEN = ("torch.utils", "torch.compile", "torch._dynamo", "torch._inductor", "torch.jit", "torch.ops",
-             "torch.library", "torch.cuda.Stream", "torch.cuda.stream", "torch.cuda.set_stream",
+             "torch.library", "torch.cuda.Stream", "torch.cuda.stream", "torch.cuda.streams", "torch.cuda.set_stream",
              "torch.cuda.ExternalStream", "torch.backends", "torch.set_float32_matmul_precision", "torch.hub",
              "torch.load", "torch.save", "torch.autograd", "torch.func")
 HEAVY_METHODS = {"matmul", "mm", "bmm", "addmm"}
