@@ -168,16 +168,6 @@ class Gen:
             return "rng"
         raise Unsupported(f"op {t}")
 
-    def inline(self, n) -> bool:
-        """Values computed inside their consumer's kernel rather than stored."""
-        k = self.kind(n)
-        if k in ("pointwise", "identity"):
-            return True
-        if k == "getitem":
-            src = n.args[0]
-            return n.args[1] == 0 and self.kind(src) in ("reduce", "pool") and src in self.bufs and False
-        return False
-
     # ---------------------------------------------------------------- expressions
     def expr(self, n, idx: list[str], out_shape: tuple[int, ...], pre: list[str], bind: dict, memo: dict) -> str:
         """A Triton expression of node `n` at index `idx` (one expression per dim of `out_shape`, the shape the
@@ -218,6 +208,10 @@ class Gen:
                                                                       tail)]
 
     def _load(self, b: Buf, idx: list[str], pre: list[str]) -> str:
+        flat = getattr(self, "flat", None)
+        if flat is not None and b.shape == flat[0] and b.strides == _strides(b.shape) and list(idx) == flat[1]:
+            # same shape and layout as the kernel's iteration space: the flat offset, no index arithmetic
+            return f"tl.load({b.var}_ptr + offs, mask=MASK, other=0.0)"
         terms = [f"({i}) * {st}" for i, s, st in zip(idx, b.shape, b.strides) if s != 1 and i != "0"]
         if not terms:  # a scalar (or the first element): in bounds, no mask
             return f"tl.load({b.var}_ptr)"
@@ -273,6 +267,13 @@ class Gen:
         raise Unsupported(f"pointwise {t}")
 
     # ---------------------------------------------------------------- kernels
+    def _wide(self, leaves, numel: int) -> str:
+        """int64 index arithmetic only where some offset can pass 2**31: int64 division and modulo cost several
+        times int32's per element (suspected, not measured, of making the fused Mish-Mish tail of problem 4 slower
+        than eager's two kernels on the H200, 2026-12-01)."""
+        big = max([numel, *(math.prod(self.bufs[l].shape) for l in leaves)]) >= 2**31 - 2**20
+        return ".to(tl.int64)" if big else ""
+
     def _new(self) -> str:
         self.n_kernel += 1
         return f"_k{self.n_kernel}"
@@ -351,14 +352,18 @@ class Gen:
         pre: list[str] = []
         idx = self._decompose("offs", shape, pre)
         body: list[str] = []
-        v = self.expr(n, idx, shape, body, {}, {})
+        self.flat = (shape, idx)
+        try:
+            v = self.expr(n, idx, shape, body, {}, {})
+        finally:
+            self.flat = None
         leaves = sorted(self._leaves(n, set(), {}), key=lambda x: self.bufs[x].var)
         out = self._alloc(out_node or n, shape)
         name = self._new()
         ptrs, call = self._args_sig(leaves)
         blk = self.cfg.get("BLOCK", 1024)
         src = [f"@triton.jit", f"def {name}({ptrs}{', ' if ptrs else ''}{out.var}_ptr, BLOCK: tl.constexpr):",
-               "    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
+               f"    offs = tl.program_id(0){self._wide(leaves, numel)} * BLOCK + tl.arange(0, BLOCK)",
                f"    MASK = offs < {numel}"]
         src += [f"    {l}" for l in pre + body]
         src.append(f"    tl.store({out.var}_ptr + offs, {v}, mask=MASK)")
@@ -453,7 +458,7 @@ class Gen:
         ptrs, call = self._args_sig(leaves)
         blk = self.cfg.get("POOL_BLOCK", 256)
         src = [f"@triton.jit", f"def {name}({ptrs}, {out.var}_ptr, BLOCK: tl.constexpr):",
-               "    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
+               f"    offs = tl.program_id(0){self._wide(leaves, numel)} * BLOCK + tl.arange(0, BLOCK)",
                f"    MASK = offs < {numel}"]
         src += [f"    {l}" for l in pre + body]
         src.append(f"    tl.store({out.var}_ptr + offs, {v}, mask=MASK)")
@@ -652,7 +657,7 @@ class Gen:
             self.fused_into[stored] = res_node
         ptrs, call = self._args_sig(leaves)
         src = [f"@triton.jit", f"def {name}({ptrs}, OUT_ptr, ROWS: tl.constexpr, BR: tl.constexpr):",
-               "    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]",
+               f"    rows = (tl.program_id(0){self._wide(leaves, nrows * R)} * ROWS + tl.arange(0, ROWS))[:, None]",
                f"    ROWMASK = rows < {nrows}"]
         src += [f"    {l}" for l in pre + body]
         self.plan.kernels.append("\n".join(src))
@@ -941,10 +946,3 @@ def cancel_self_subtraction(gm: torch.fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
-
-
-def fold_lse_size1(gm: torch.fx.GraphModule) -> int:
-    """logsumexp over a size-1 dim, as make_fx decomposes it (amax, where(|m| == inf), exp(x - m), sum, log, add):
-    after `fold_size1_reductions` it reads log(exp(x - m)) + m with m = x; left to the verifier to judge, it is
-    x up to rounding. Nothing to do here beyond the size-1 folds: kept as a named no-op for the record."""
-    return 0
