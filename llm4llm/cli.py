@@ -390,6 +390,8 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
                 proposer: str = typer.Option("library", help="library | llm | hybrid"),
                 device: str = typer.Option("cuda", help="cuda | cuda:N | cpu (cpu: correctness only)"),
                 timeout_s: float = typer.Option(600.0, help="per-candidate wall-clock limit"),
+                run_id: Optional[str] = typer.Option(None, "--run-id", help="kernelbench run id (shards of one run "
+                                                                           "share it; default: a new one)"),
                 db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
                 verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Run KernelBench problems through the search and the verifier (KernelBench's protocol on top of every gate)."""
@@ -412,7 +414,7 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         kb_run_id, _ = run_kernelbench(str(directory), problems=problems, budget=budget, modes=list(mode),
                                        proposer=proposer, device=device, db_path=str(db) if db else None,
                                        data_dir=str(data_dir) if data_dir else None, timeout_s=timeout_s,
-                                       on_problem=show)
+                                       kb_run_id=run_id, on_problem=show)
         with _db(db) as d:
             summary = repo.kb_summary(d, kb_run_id)
         console.print(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
