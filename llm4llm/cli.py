@@ -453,6 +453,45 @@ def sql(query: str = typer.Argument(..., help="a SQL query over the tables (stor
         console.print(_df_table(df.head(limit), f"{len(df)} rows" + (f" (first {limit})" if len(df) > limit else "")))
 
 
+@app.command()
+def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBench-format problems"),
+                problems: Optional[str] = typer.Option(None, "--problems", help="ids and ranges, e.g. 12,40-60"),
+                budget: int = typer.Option(4, help="trials per problem and mode"),
+                mode: list[str] = typer.Option(["episodic"], "--mode", help="episodic | sample | iter (repeatable: "
+                                                                           "the ablation at equal budget)"),
+                proposer: str = typer.Option("library", help="library | llm | hybrid"),
+                device: str = typer.Option("cuda", help="cuda | cuda:N | cpu (cpu: correctness only)"),
+                timeout_s: float = typer.Option(600.0, help="per-candidate wall-clock limit"),
+                run_id: Optional[str] = typer.Option(None, "--run-id", help="kernelbench run id (shards of one run "
+                                                                           "share it; default: a new one)"),
+                db: Optional[Path] = DbOpt, data_dir: Optional[Path] = DataOpt,
+                verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
+    """Run KernelBench problems through the search and the verifier (KernelBench's protocol on top of every gate)."""
+    _quiet_prefect(verbose)
+    with _user_errors():
+        import pandas as pd
+
+        from llm4llm.kernelbench.run import run_kernelbench
+        from storage import repo
+
+        _check_proposer(proposer)
+
+        def show(row):
+            sp = f"{row['speedup_eager']:.3f}x eager" if row.get("speedup_eager") else "untimed"
+            sc = f", {row['speedup_compile']:.3f}x compile" if row.get("speedup_compile") else ""
+            console.print(f"{row['problem']} [{row['mode']}]: {'pass' if row['passed'] else 'FAIL'} {sp}{sc} "
+                          f"({row['trials']} trials{', ' + row['origin'] if row.get('origin') else ''})"
+                          + (f" skipped: {row['skipped_reason']}" if row.get("skipped_reason") else ""))
+
+        kb_run_id, _ = run_kernelbench(str(directory), problems=problems, budget=budget, modes=list(mode),
+                                       proposer=proposer, device=device, db_path=str(db) if db else None,
+                                       data_dir=str(data_dir) if data_dir else None, timeout_s=timeout_s,
+                                       kb_run_id=run_id, on_problem=show)
+        with _db(db) as d:
+            summary = repo.kb_summary(d, kb_run_id)
+        console.print(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

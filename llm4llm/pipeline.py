@@ -292,7 +292,7 @@ def make_proposer(kind: str, seed: int = 0, llm=None):
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
                     proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
                     run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
-                    decode_timing: str = "launch") -> dict:
+                    decode_timing: str = "launch", proposer_obj=None) -> dict:
     """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
     and an `experience` record. Returns a small summary. decode_timing: "graph" times decode candidates by GPU time
     under CUDA-graph replay (a run whose decode steps replay from graphs), "graph_prefill" prefill candidates too
@@ -304,7 +304,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     from storage.db import Database
 
     spec = load_spec(Path(task_dir))
-    prop = make_proposer(proposer, seed, llm)
+    prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm)
     pool, lock = verifier_pool(device, timeout_s, decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
@@ -511,7 +511,17 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
         "speedup_cold": v.get("speedup_cold"), "speedup_in_context": v.get("speedup_in_context"),
         "utility": float(v.get("utility") or 0.0), "gates_json": v.get("gates", []),
         "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
+        # migration 007: where the candidate came from, and KernelBench's torch.compile baseline and means
+        "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
+        "kb_means_json": v.get("kb_means_ms"),
     }
+
+
+def candidate_origin(candidate) -> str:
+    """template | rewrite | llm: a built-in template's rendering, one after exact graph rewrites, or an LLM's."""
+    if (candidate.proposer or "").startswith("llm") or not candidate.template:
+        return "llm"
+    return "rewrite" if "rewrite" in candidate.template else "template"
 
 
 def llm_call_row(call, search_id: str | None = None, task_id: str | None = None) -> dict:

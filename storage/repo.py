@@ -262,3 +262,46 @@ def service_decisions(db: Database, workload_name: str | None = None):
 def run_sql(db: Database, sql: str):
     """A user's own query (`llm4llm sql`), on a connection the caller opened read-only."""
     return db.query_df(sql)
+# ---- kernelbench (migration 007) ----------------------------------------------------------------------------
+
+def record_kb_result(db: Database, row: dict) -> None:
+    with db.transaction() as con:
+        _insert(con, "kernelbench_results", row, replace=True)
+
+
+def kb_results(db: Database, kb_run_id: str):
+    return db.query_df("SELECT * FROM kernelbench_results WHERE kb_run_id = ? ORDER BY mode, problem_id", [kb_run_id])
+
+
+def kb_summary(db: Database, kb_run_id: str):
+    """Per mode: problems, pass rate, fast_1 (correct and faster than eager), fast_compile (correct and faster than
+    torch.compile), the geometric and the arithmetic mean of the speedups over the passing problems, and the
+    geo-mean over all problems with a failed one counted as 1.0 (the reference kept)."""
+    return db.query_df(
+        "SELECT mode, count(*) AS problems, avg(passed::INT) AS pass_rate, "
+        "avg((passed AND speedup_eager > 1)::INT) AS fast_1, "
+        "avg((passed AND speedup_compile > 1)::INT) AS fast_compile, "
+        "exp(avg(CASE WHEN passed THEN ln(speedup_eager) END)) AS geo_eager, "
+        "avg(CASE WHEN passed THEN speedup_eager END) AS mean_eager, "
+        "exp(avg(CASE WHEN passed THEN ln(speedup_compile) END)) AS geo_compile, "
+        "avg(CASE WHEN passed THEN speedup_compile END) AS mean_compile, "
+        "exp(avg(ln(CASE WHEN passed THEN speedup_eager ELSE 1.0 END))) AS geo_eager_fail_as_1, "
+        "exp(avg(CASE WHEN compile_ms IS NOT NULL THEN ln(eager_ms / compile_ms) END)) AS geo_compile_over_eager "
+        "FROM kernelbench_results WHERE kb_run_id = ? GROUP BY mode ORDER BY mode", [kb_run_id])
+
+
+def kb_curves(db: Database, kb_run_id: str):
+    """The search-mode ablation from the trials themselves: per mode and trial index, the geo-mean over problems
+    of the best speedup over eager found so far (a problem with nothing passing yet counts 1.0), and the share of
+    problems with a passing candidate so far."""
+    return db.query_df(
+        "WITH t AS (SELECT s.mode, s.task_id, c.iteration, "
+        "  CASE WHEN c.passed THEN c.speedup_cold END AS sp, c.passed::INT AS ok "
+        "  FROM candidates c JOIN searches s USING (search_id) "
+        "  WHERE s.run_id = ?), "
+        "b AS (SELECT mode, task_id, iteration, max(sp) OVER w AS best, max(ok) OVER w AS solved FROM t "
+        "  WINDOW w AS (PARTITION BY mode, task_id ORDER BY iteration ROWS BETWEEN UNBOUNDED PRECEDING AND "
+        "  CURRENT ROW)) "
+        "SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(best, 1.0)))) AS geo_best, "
+        "avg(solved) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
+        [kb_run_id])

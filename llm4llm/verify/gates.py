@@ -32,7 +32,7 @@ import torch
 from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, rel_l2
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
-from llm4llm.verify.static_check import check_source, forbidden_names_for
+from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
 from llm4llm.verify.verdict import NO_GPU, GateResult, Verdict, source_hash
 
 CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "canaries", "inputs_unmodified",
@@ -407,7 +407,7 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
     task = load_task(Path(task_dir))
     v = Verdict(source_hash=source_hash(source), task_id=task.spec.task_id, worker_pid=os.getpid(),
                 device_name=_device_name(dev), timing_source="cuda_events" if dev.type == "cuda" else "none: cpu")
-    rep = check_source(source, forbidden_names_for(task.spec.module_class))
+    rep = check_task_source(source, task.spec)
     if not rep.ok:
         return v.fail("static", "static", rep.reason), False
     v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
@@ -420,6 +420,10 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
             except BaseException as e:  # noqa: BLE001
                 return v.fail("compile", "compile", "executing the source failed:\n"
                               + "".join(traceback.format_exception(e))[-6000:]), False
+            if task.spec.reference == "kernelbench":  # a ModelNew judged by KernelBench's protocol on top
+                from llm4llm.kernelbench.protocol import run_kb
+
+                return run_kb(v, task, module, dev, timing)
             entry = getattr(module, "entry", None)
             if not callable(entry):
                 return v.fail("compile", "compile", "the module defines no callable `entry`"), False

@@ -10,6 +10,7 @@ FailureClass = Literal[
     "static", "compile", "runtime_error", "timeout", "gpu_fault", "oom", "wrong_output", "nan_inf", "shape_dtype",
     "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
     "interrupted",  # the worker was stopped from outside (SIGTERM/SIGINT/SIGHUP): says nothing about the candidate
+    "precision_changed",  # the candidate changed TF32 / reduced-precision settings (KernelBench tasks, fp32)
 ]
 
 NO_GPU = "skipped: no GPU"
@@ -46,6 +47,11 @@ class Verdict(BaseModel):
     speedup_cold: float | None = None
     speedup_in_context: float | None = None
     utility: float = 0.0
+    # KernelBench tasks: torch.compile (inductor, default) timed in the same worker, and the means behind the
+    # speedups (KernelBench's runtime is the mean over its trials)
+    reference_compile: Latency | None = None
+    speedup_compile: float | None = None
+    kb_means_ms: dict[str, float | None] | None = None
     worker_pid: int | None = None
     device_name: str = ""
     timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"

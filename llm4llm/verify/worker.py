@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llm4llm.verify.static_check import check_source, forbidden_names_for
+from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
 
 START_TIMEOUT_S = 300.0  # a fresh worker imports torch and Triton (and initialises CUDA) before it is ready
@@ -138,7 +138,7 @@ class VerifierPool:
         spec = load_spec(Path(task_dir))
         v = Verdict(source_hash=source_hash(source), task_id=spec.task_id, device_name=self.device,
                     timing_source="cuda_events" if self.device.startswith("cuda") else "none: cpu")
-        rep = check_source(source, forbidden_names_for(spec.module_class))
+        rep = check_task_source(source, spec)
         if not rep.ok:
             return v.fail("static", "static", rep.reason)
         self._ready()

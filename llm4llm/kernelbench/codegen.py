@@ -1,0 +1,948 @@
+"""From a KernelBench problem's captured graph to a `ModelNew` source: the heavy op (conv, conv-transpose, GEMM) on
+cuDNN/cuBLAS, everything else as generated Triton kernels.
+
+The graph is the problem's forward captured by `make_fx` under fake tensors (aten ops, static shapes). Its nodes
+are classified as heavy (convolution, addmm, mm, bmm), view, pointwise, reduction (sum/mean/amax/amin/max/min over
+dims, softmax, group/layer/batch norm) or pool (max/avg pool). Pointwise chains are never materialised: they are
+inlined, as Triton expressions, into the kernel that consumes them (a reduction's or a pool's loads, or the store
+of an output), so each kernel reads the heavy op's output once per pass. A kernel whose output only feeds one
+pointwise chain of the same shape computes that chain before its store (epilogue fusion).
+
+Shapes and strides are baked into the kernels as literals: a KernelBench problem has one input shape, and the
+candidate checks it at the top of forward. Nothing here is trusted: every rendering is judged by the verifier.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+class Unsupported(Exception):
+    """The graph holds something the code generator does not handle (the template then does not apply)."""
+
+
+HEAVY = {aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default}
+VIEWS = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.permute.default,
+         aten.t.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+IDENTITY = {aten.alias.default, aten.clone.default, aten.detach.default, aten.lift_fresh_copy.default}
+REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim,
+          aten._softmax.default, aten.native_group_norm.default, aten.native_layer_norm.default,
+          aten.native_batch_norm.default}
+POOL = {aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default, aten.avg_pool2d.default,
+        aten.avg_pool3d.default}
+
+# Pointwise ops: a format string over the operand expressions (Triton, fp32).
+_UNARY = {
+    aten.tanh.default: "_tanh({0})", aten.exp.default: "tl.exp({0})", aten.log.default: "tl.log({0})",
+    aten.sigmoid.default: "(1.0 / (1.0 + tl.exp(-({0}))))", aten.relu.default: "tl.maximum({0}, 0.0)",
+    aten.abs.default: "tl.abs({0})", aten.neg.default: "(-({0}))", aten.log1p.default: "_log1p({0})",
+    aten.sqrt.default: "tl.sqrt({0})", aten.rsqrt.default: "(1.0 / tl.sqrt({0}))", aten.erf.default: "_erf({0})",
+}
+_BINARY = {
+    aten.add.Tensor: "({0} + {1})", aten.sub.Tensor: "({0} - {1})", aten.mul.Tensor: "({0} * {1})",
+    aten.div.Tensor: "({0} / {1})", aten.maximum.default: "tl.maximum({0}, {1})",
+    aten.minimum.default: "tl.minimum({0}, {1})", aten.add_.Tensor: "({0} + {1})", aten.div_.Scalar: "({0} / {1})",
+    aten.mul_.Tensor: "({0} * {1})", aten.div.Scalar: "({0} / {1})", aten.mul.Scalar: "({0} * {1})",
+    aten.add.Scalar: "({0} + {1})", aten.sub.Scalar: "({0} - {1})", aten.pow.Tensor_Scalar: "_pow({0}, {1})",
+    aten.gt.Scalar: "({0} > {1})", aten.lt.Scalar: "({0} < {1})", aten.ge.Scalar: "({0} >= {1})",
+    aten.le.Scalar: "({0} <= {1})", aten.eq.Scalar: "({0} == {1})", aten.gt.Tensor: "({0} > {1})",
+    aten.lt.Tensor: "({0} < {1})", aten.eq.Tensor: "({0} == {1})",
+}
+POINTWISE = set(_UNARY) | set(_BINARY) | {
+    aten.where.self, aten.clamp.default, aten.hardtanh.default, aten.leaky_relu.default, aten.gelu.default,
+    aten.scalar_tensor.default, aten.hardswish.default, aten.softplus.default, aten.mish.default,
+    aten.silu.default, aten.clamp_min.default, aten.clamp_max.default, aten.full.default,
+}
+
+HELPERS = '''
+@triton.jit
+def _tanh(x):
+    # tanh from exp of a non-positive argument: exact to fp32 rounding, no overflow
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _log1p(x):
+    # log1p without cancellation for small x (Goldberg): log(u) * x / (u - 1), u = 1 + x
+    u = 1.0 + x
+    d = u - 1.0
+    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _erf(x):
+    return tl.math.erf(x)
+
+
+@triton.jit
+def _pow(x, p):
+    return tl.exp(p * tl.log(x))
+'''
+
+
+def _lit(v: Any) -> str:
+    if isinstance(v, bool):
+        return "1.0" if v else "0.0"
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and math.isinf(v):
+            return "float('inf')" if v > 0 else "float('-inf')"
+        return repr(float(v))
+    raise Unsupported(f"constant {v!r}")
+
+
+def _shape(n) -> tuple[int, ...]:
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = v[0]
+    return tuple(int(s) for s in v.shape)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+@dataclass
+class Buf:
+    """A materialised tensor of the candidate's forward: a Python variable with known shape and strides."""
+
+    var: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """What the renderer needs: the lines of forward and the kernels, plus facts the proposer records."""
+
+    lines: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)
+    heavy: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+
+
+class Gen:
+    """One pass over the graph in topological order, emitting forward lines and kernels."""
+
+    def __init__(self, gm: torch.fx.GraphModule, names: dict[str, str], cfg: dict[str, Any]):
+        self.gm, self.names, self.cfg = gm, names, cfg
+        self.bufs: dict[Any, Buf] = {}
+        self.plan = Plan()
+        self.n_kernel = 0
+        self.users = {n: list(n.users) for n in gm.graph.nodes}
+        self.fused_into: dict[Any, Any] = {}  # pointwise output node -> kernel node computing it in its store
+
+    # ---------------------------------------------------------------- classification
+    def kind(self, n) -> str:
+        if n.op == "placeholder":
+            return "input"
+        if n.op == "output":
+            return "output"
+        t = n.target
+        if t is operator.getitem:
+            return "getitem"
+        if t in HEAVY:
+            return "heavy"
+        if t in VIEWS:
+            return "view"
+        if t in IDENTITY:
+            return "identity"
+        if t in REDUCE:
+            return "reduce"
+        if t in POOL:
+            return "pool"
+        if t in POINTWISE:
+            return "pointwise"
+        if t in (aten.empty.memory_format, aten.empty_permuted.default, aten.bernoulli_.float):
+            return "rng"
+        raise Unsupported(f"op {t}")
+
+    # ---------------------------------------------------------------- expressions
+    def expr(self, n, idx: list[str], out_shape: tuple[int, ...], pre: list[str], bind: dict, memo: dict) -> str:
+        """A Triton expression of node `n` at index `idx` (one expression per dim of `out_shape`, the shape the
+        value is broadcast to); loads and temporaries are appended to `pre`."""
+        if not isinstance(n, torch.fx.Node):
+            return _lit(n)
+        shape = _shape(n)
+        my_idx = self._bcast_idx(idx, out_shape, shape)
+        key = (n, tuple(my_idx))
+        if key in memo:
+            return memo[key]
+        if n in bind:
+            return bind[n]
+        k = self.kind(n)
+        if k == "getitem" and self.kind(n.args[0]) == "rng":
+            raise Unsupported("rng outside dropout")
+        if n in self.bufs:
+            v = self._load(self.bufs[n], my_idx, pre)
+        elif k == "identity":
+            v = self.expr(n.args[0], my_idx, shape, pre, bind, memo)
+        elif k == "pointwise":
+            v = self._pointwise(n, my_idx, shape, pre, bind, memo)
+        else:
+            raise Unsupported(f"value {n.name} ({k}) used before it was stored")
+        name = f"v{len(memo)}"
+        pre.append(f"{name} = {v}")
+        memo[key] = name
+        return name
+
+    @staticmethod
+    def _bcast_idx(idx: list[str], out_shape: tuple, shape: tuple) -> list[str]:
+        if len(shape) > len(out_shape):
+            if all(s == 1 for s in shape[:len(shape) - len(out_shape)]):
+                return ["0"] * (len(shape) - len(out_shape)) + list(idx)
+            raise Unsupported(f"broadcast {shape} -> {out_shape}")
+        tail = idx[len(idx) - len(shape):] if shape else []
+        return [("0" if s == 1 and o != 1 else i) for s, o, i in zip(shape, out_shape[len(out_shape) - len(shape):],
+                                                                      tail)]
+
+    def _load(self, b: Buf, idx: list[str], pre: list[str]) -> str:
+        flat = getattr(self, "flat", None)
+        if flat is not None and b.shape == flat[0] and b.strides == _strides(b.shape) and list(idx) == flat[1]:
+            # same shape and layout as the kernel's iteration space: the flat offset, no index arithmetic
+            return f"tl.load({b.var}_ptr + offs, mask=MASK, other=0.0)"
+        terms = [f"({i}) * {st}" for i, s, st in zip(idx, b.shape, b.strides) if s != 1 and i != "0"]
+        if not terms:  # a scalar (or the first element): in bounds, no mask
+            return f"tl.load({b.var}_ptr)"
+        return f"tl.load({b.var}_ptr + {' + '.join(terms)}, mask=MASK, other=0.0)"
+
+    def _pointwise(self, n, idx, shape, pre, bind, memo) -> str:
+        t = n.target
+        a = [self.expr(x, idx, shape, pre, bind, memo) if isinstance(x, torch.fx.Node) else x for x in n.args]
+        if t in _UNARY:
+            return _UNARY[t].format(a[0])
+        if t in _BINARY:
+            x, y = a[0], a[1]
+            x = x if isinstance(n.args[0], torch.fx.Node) else _lit(x)
+            y = y if isinstance(n.args[1], torch.fx.Node) else _lit(y)
+            if t in (aten.add.Tensor, aten.sub.Tensor) and len(n.args) > 2 or n.kwargs.get("alpha", 1) != 1:
+                y = f"({y} * {_lit(n.kwargs.get('alpha', n.args[2] if len(n.args) > 2 else 1))})"
+            return _BINARY[t].format(x, y)
+        if t == aten.where.self:
+            c, x, y = (self.expr(v, idx, shape, pre, bind, memo) if isinstance(v, torch.fx.Node) else _lit(v)
+                       for v in n.args)
+            return f"tl.where({c}, {x}, {y})"
+        if t == aten.scalar_tensor.default:
+            return _lit(n.args[0])
+        if t == aten.full.default:  # a constant tensor (from a cancellation rewrite): a block of its value
+            return f"tl.full(MASK.shape, {_lit(n.args[1])}, tl.float32)"
+        if t in (aten.clamp.default, aten.hardtanh.default, aten.clamp_min.default, aten.clamp_max.default):
+            x = a[0]
+            lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min", -1.0 if t == aten.hardtanh.default else None)
+            hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max", 1.0 if t == aten.hardtanh.default else None)
+            if t == aten.clamp_max.default:
+                lo, hi = None, n.args[1]
+            if lo is not None:
+                x = f"tl.maximum({x}, {_lit(lo)})"
+            if hi is not None:
+                x = f"tl.minimum({x}, {_lit(hi)})"
+            return x
+        if t == aten.leaky_relu.default:
+            s = n.args[1] if len(n.args) > 1 else 0.01
+            return f"tl.where({a[0]} > 0, {a[0]}, {a[0]} * {_lit(s)})"
+        if t == aten.gelu.default:
+            if n.kwargs.get("approximate", "none") != "none":
+                return (f"(0.5 * {a[0]} * (1.0 + _tanh(0.7978845608028654 * ({a[0]} + 0.044715 * {a[0]} * {a[0]}"
+                        f" * {a[0]}))))")
+            return f"(0.5 * {a[0]} * (1.0 + _erf({a[0]} * 0.7071067811865476)))"
+        if t == aten.hardswish.default:
+            return f"({a[0]} * tl.minimum(tl.maximum({a[0]} + 3.0, 0.0), 6.0) / 6.0)"
+        if t == aten.silu.default:
+            return f"({a[0]} / (1.0 + tl.exp(-({a[0]}))))"
+        if t == aten.softplus.default:
+            return f"tl.where({a[0]} > 20.0, {a[0]}, _log1p(tl.exp({a[0]})))"
+        if t == aten.mish.default:
+            return f"({a[0]} * _tanh(tl.where({a[0]} > 20.0, {a[0]}, _log1p(tl.exp({a[0]})))))"
+        raise Unsupported(f"pointwise {t}")
+
+    # ---------------------------------------------------------------- kernels
+    def _wide(self, leaves, numel: int) -> str:
+        """int64 index arithmetic only where some offset can pass 2**31: int64 division and modulo cost several
+        times int32's per element (suspected, not measured, of making the fused Mish-Mish tail of problem 4 slower
+        than eager's two kernels on the H200, 2026-12-01)."""
+        big = max([numel, *(math.prod(self.bufs[l].shape) for l in leaves)]) >= 2**31 - 2**20
+        return ".to(tl.int64)" if big else ""
+
+    def _new(self) -> str:
+        self.n_kernel += 1
+        return f"_k{self.n_kernel}"
+
+    def _leaves(self, n, acc: set, bind: dict) -> set:
+        """Stored tensors an inlined expression of `n` reads."""
+        if not isinstance(n, torch.fx.Node) or n in bind:
+            return acc
+        if n in self.bufs:
+            acc.add(n)
+            return acc
+        for a in n.args:
+            if isinstance(a, torch.fx.Node):
+                self._leaves(a, acc, bind)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.fx.Node):
+                        self._leaves(b, acc, bind)
+        return acc
+
+    def _epilogue(self, n):
+        """The pointwise node (same shape as `n`, its only consumer chain) whose value the kernel of `n` can store
+        instead of its own, or None."""
+        cur = n
+        target = None
+        while True:
+            us = [u for u in self.users[cur] if u.op != "output"]
+            outs = [u for u in self.users[cur] if u.op == "output"]
+            if outs or len(us) != 1:
+                break
+            u = us[0]
+            if u.target is operator.getitem:
+                break
+            if self.kind(u) not in ("pointwise", "identity") or _shape(u) != _shape(n):
+                break
+            cur = u
+            target = u
+        if target is None:
+            return None
+        # every other tensor the chain reads must already be stored
+        return target
+
+    def _store_value(self, n, idx, shape, pre, bind, memo) -> tuple[Any, str]:
+        """(node stored, expression): the epilogue chain of n when it fuses, else n itself."""
+        tgt = self._epilogue(n) if self.cfg.get("epilogue", True) else None
+        if tgt is not None:
+            try:
+                sub_pre: list[str] = []
+                v = self.expr(tgt, idx, shape, sub_pre, bind, dict(memo))
+                pre.extend(sub_pre)
+                return tgt, v
+            except Unsupported:
+                pass
+        return n, bind[n]
+
+    def var(self) -> str:
+        self.n_var = getattr(self, "n_var", 0) + 1
+        return f"t{self.n_var}"
+
+    def _alloc(self, node, shape) -> Buf:
+        var = self.var()
+        self.plan.lines.append(f"{var} = torch.empty({tuple(shape)!r}, device=x0.device, dtype=torch.float32)")
+        b = Buf(var, tuple(shape), _strides(tuple(shape)))
+        self.bufs[node] = b
+        return b
+
+    def _args_sig(self, leaves: list) -> tuple[str, str]:
+        ptrs = ", ".join(f"{self.bufs[l].var}_ptr" for l in leaves)
+        call = ", ".join(self.bufs[l].var for l in leaves)
+        return ptrs, call
+
+    def pointwise_kernel(self, n, out_node=None) -> None:
+        """Store the inlined value of `n` (shape S) with one program per BLOCK elements."""
+        shape = _shape(n)
+        numel = math.prod(shape)
+        pre: list[str] = []
+        idx = self._decompose("offs", shape, pre)
+        body: list[str] = []
+        self.flat = (shape, idx)
+        try:
+            v = self.expr(n, idx, shape, body, {}, {})
+        finally:
+            self.flat = None
+        leaves = sorted(self._leaves(n, set(), {}), key=lambda x: self.bufs[x].var)
+        out = self._alloc(out_node or n, shape)
+        name = self._new()
+        ptrs, call = self._args_sig(leaves)
+        blk = self.cfg.get("BLOCK", 1024)
+        src = [f"@triton.jit", f"def {name}({ptrs}{', ' if ptrs else ''}{out.var}_ptr, BLOCK: tl.constexpr):",
+               f"    offs = tl.program_id(0){self._wide(leaves, numel)} * BLOCK + tl.arange(0, BLOCK)",
+               f"    MASK = offs < {numel}"]
+        src += [f"    {l}" for l in pre + body]
+        src.append(f"    tl.store({out.var}_ptr + offs, {v}, mask=MASK)")
+        self.plan.kernels.append("\n".join(src))
+        self.plan.lines.append(f"{name}[(triton.cdiv({numel}, {blk}),)]({call}{', ' if call else ''}{out.var}, "
+                               f"BLOCK={blk}, num_warps={self.cfg.get('num_warps', 4)})")
+        self.plan.kinds.append("pointwise")
+
+    @staticmethod
+    def _decompose(var: str, shape: tuple[int, ...], pre: list[str], prefix: str = "i") -> list[str]:
+        idx = []
+        rem = var
+        for d in range(len(shape) - 1, -1, -1):
+            s = shape[d]
+            name = f"{prefix}{d}"
+            if d == 0:
+                pre.append(f"{name} = {rem}")
+            else:
+                pre.append(f"{name} = {rem} % {s}")
+                pre.append(f"{prefix}r{d} = {rem} // {s}")
+                rem = f"{prefix}r{d}"
+            idx.append(name)
+        return list(reversed(idx))
+
+    def pool_kernel(self, n) -> None:
+        t = n.target
+        src_node = n.args[0]
+        in_shape, out_shape = _shape(src_node), _shape(n)
+        nsp = 3 if t in (aten.max_pool3d_with_indices.default, aten.avg_pool3d.default) else 2
+        ks = list(n.args[1]) if len(n.args) > 1 else []
+        ks = ks * nsp if len(ks) == 1 else ks
+        st = list(n.args[2]) if len(n.args) > 2 and n.args[2] else ks
+        st = st * nsp if len(st) == 1 else st
+        pad = list(n.args[3]) if len(n.args) > 3 else [0]
+        pad = pad * nsp if len(pad) == 1 else pad
+        is_max = t in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+        if is_max:
+            dil = list(n.args[4]) if len(n.args) > 4 else [1]
+            ceil = n.args[5] if len(n.args) > 5 else False
+            if any(d != 1 for d in dil):
+                raise Unsupported("dilated pool")
+        else:
+            ceil = n.args[4] if len(n.args) > 4 else False
+            include_pad = n.args[5] if len(n.args) > 5 else True
+            div_override = n.args[6] if len(n.args) > 6 else None
+            if div_override is not None or (any(pad) and not include_pad):
+                raise Unsupported("avg pool divisor options")
+        if ceil:
+            raise Unsupported("ceil_mode pool")
+        numel = math.prod(out_shape)
+        pre: list[str] = []
+        oidx = self._decompose("offs", out_shape, pre, "o")
+        body: list[str] = []
+        memo: dict = {}
+        acc = "acc"
+        fill = "float('-inf')" if is_max else "0.0"
+        body.append(f"acc = tl.full([BLOCK], {fill}, tl.float32)")
+        nb = len(in_shape) - nsp
+        import itertools
+
+        for tap in itertools.product(*[range(k) for k in ks]):
+            idx = list(oidx[:nb])
+            conds = []
+            for d in range(nsp):
+                e = f"({oidx[nb + d]} * {st[d]} + {tap[d] - pad[d]})"
+                idx.append(e)
+                if pad[d]:
+                    conds.append(f"({e} >= 0) & ({e} < {in_shape[nb + d]})")
+            tp: list[str] = []
+            v = self.expr(src_node, idx, in_shape, tp, {}, memo)
+            body += tp
+            if conds:
+                c = " & ".join(conds)
+                v = f"tl.where({c}, {v}, {fill})"
+            body.append(f"acc = tl.maximum(acc, {v})" if is_max else f"acc = acc + {v}")
+        if not is_max:
+            body.append(f"acc = acc / {float(math.prod(ks))}")
+        name = self._new()
+        res_node = n
+        if is_max:  # the values output (getitem 0) is the node later ops use
+            gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
+            if any(u.args[1] != 0 for u in gi):
+                raise Unsupported("pool indices used")
+            res_node = gi[0] if gi else n
+        bind = {res_node: "acc"}
+        stored, v = self._store_value(res_node, oidx, out_shape, body, bind, memo)
+        leaves = sorted(self._leaves(src_node, set(), {}) | self._leaves(stored, set(), bind),
+                        key=lambda x: self.bufs[x].var)
+        out = self._alloc(stored, out_shape)
+        if stored is not res_node:
+            self.fused_into[stored] = res_node
+        ptrs, call = self._args_sig(leaves)
+        blk = self.cfg.get("POOL_BLOCK", 256)
+        src = [f"@triton.jit", f"def {name}({ptrs}, {out.var}_ptr, BLOCK: tl.constexpr):",
+               f"    offs = tl.program_id(0){self._wide(leaves, numel)} * BLOCK + tl.arange(0, BLOCK)",
+               f"    MASK = offs < {numel}"]
+        src += [f"    {l}" for l in pre + body]
+        src.append(f"    tl.store({out.var}_ptr + offs, {v}, mask=MASK)")
+        self.plan.kernels.append("\n".join(src))
+        self.plan.lines.append(f"{name}[(triton.cdiv({numel}, {blk}),)]({call}, {out.var}, BLOCK={blk}, "
+                               f"num_warps={self.cfg.get('num_warps', 4)})")
+        self.plan.kinds.append("pool")
+
+    def reduce_kernel(self, n) -> None:
+        """One program per ROWS rows; a loop over the reduced elements per pass (two passes for softmax and the
+        norms: statistics, then the normalised store)."""
+        t = n.target
+        x = n.args[0]
+        L = _shape(x)
+        nd = len(L)
+        weight = bias = None
+        eps = 0.0
+        full_out = False  # output has the input's shape (softmax, norms) vs the reduced shape
+        if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default):
+            dims = n.args[1] if len(n.args) > 1 else list(range(nd))
+            dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
+            op = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
+                  aten.amin.default: "min"}[t]
+        elif t in (aten.max.dim, aten.min.dim):
+            dims = [n.args[1]]
+            op = "max" if t == aten.max.dim else "min"
+            gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
+            if any(u.args[1] != 0 for u in gi):
+                raise Unsupported("argmax/argmin used")
+        elif t == aten._softmax.default:
+            dims, op, full_out = [n.args[1]], "softmax", True
+        elif t == aten.native_group_norm.default:
+            op, full_out = "group_norm", True
+            weight, bias = n.args[1], n.args[2]
+            G, eps = int(n.args[6]), float(n.args[7])
+            dims = None
+        elif t == aten.native_layer_norm.default:
+            op, full_out = "layer_norm", True
+            k = len(n.args[1])
+            dims = list(range(nd - k, nd))
+            weight, bias, eps = n.args[2], n.args[3], float(n.args[4])
+        elif t == aten.native_batch_norm.default:
+            weight, bias = n.args[1], n.args[2]
+            training, eps = bool(n.args[5]), float(n.args[7])
+            if not training:
+                raise Unsupported("eval-mode batch norm")
+            op, full_out = "batch_norm", True
+            dims = [d for d in range(nd) if d != 1]
+        else:
+            raise Unsupported(f"reduction {t}")
+        pre: list[str] = []
+        if op == "group_norm":
+            C = L[1]
+            S = math.prod(L[2:])
+            cpg = C // G
+            nrows, R = L[0] * G, cpg * S
+            pre += [f"rn = rows // {G}", f"rg = rows % {G}"]
+
+            def idx_of(k):
+                lines = [f"kc = {k} // {S}", f"ks = {k} % {S}", f"cc = rg * {cpg} + kc"]
+                sp = self._decompose("ks", L[2:], lines, "s") if len(L) > 2 else []
+                return ["rn", "cc", *sp], lines
+            chan = "cc"
+        else:
+            dims = sorted({d % nd for d in dims})
+            kept = [d for d in range(nd) if d not in dims]
+            nrows = math.prod(L[d] for d in kept) if kept else 1
+            R = math.prod(L[d] for d in dims)
+            kidx = self._decompose("rows", tuple(L[d] for d in kept), pre, "r") if kept else []
+
+            def idx_of(k):
+                lines: list[str] = []
+                ridx = self._decompose(k, tuple(L[d] for d in dims), lines, "q")
+                full, ki, ri = [], iter(kidx), iter(ridx)
+                for d in range(nd):
+                    full.append(next(ri) if d in dims else next(ki))
+                return full, lines
+            chan = None
+        ROWS = self.cfg.get("ROWS", 1)
+        BR = min(self.cfg.get("BLOCK_R", 1024), triton_next_pow2(R))
+        if R <= self.cfg.get("BLOCK_R", 1024) and nrows >= 4096:
+            ROWS = max(ROWS, max(1, min(64, 4096 // triton_next_pow2(R))))
+        body: list[str] = []
+        idx, ilines = idx_of("kk")
+        memo: dict = {}
+        leaves = self._leaves(x, set(), {})
+
+        def val(extra_pre):
+            return self.expr(x, idx, L, extra_pre, {}, {})
+
+        def loop(lines_fn):
+            out = [f"for k0 in range(0, {R}, BR):",
+                   "    kk = k0 + tl.arange(0, BR)[None, :]",
+                   f"    MASK = ROWMASK & (kk < {R})"]
+            inner = list(ilines)
+            inner += lines_fn()
+            out += [f"    {l}" for l in inner]
+            return out
+
+        red_axis = "1"
+        acc_t = "tl.float64" if self.cfg.get("acc64", True) else "tl.float32"
+        if op in ("sum", "mean"):
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
+                _val_lines(val)))
+            body.append(f"res = tl.sum(acc, axis={red_axis})[:, None].to(tl.float32)")
+            if op == "mean":
+                body.append(f"res = res / {float(R)}")
+        elif op in ("max", "min"):
+            fill = "float('-inf')" if op == "max" else "float('inf')"
+            fn = "tl.maximum" if op == "max" else "tl.minimum"
+            body.append(f"acc = tl.full([ROWS, BR], {fill}, tl.float32)")
+            body += loop(lambda: (lambda p: p + [f"acc = {fn}(acc, tl.where(MASK, {p.pop()}, {fill}))"])(
+                _val_lines(val)))
+            body.append(f"res = {'tl.max' if op == 'max' else 'tl.min'}(acc, axis={red_axis})[:, None]")
+        elif op == "softmax":
+            body += ["m_acc = tl.full([ROWS, BR], float('-inf'), tl.float32)", "s_acc = tl.zeros([ROWS, BR], tl.float32)"]
+            body += loop(lambda: (lambda p: p + [
+                f"xv = tl.where(MASK, {p.pop()}, float('-inf'))",
+                "m_new = tl.maximum(m_acc, xv)",
+                "s_acc = s_acc * tl.exp(m_acc - tl.where(m_new == float('-inf'), 0.0, m_new)) + "
+                "tl.where(MASK, tl.exp(xv - tl.where(m_new == float('-inf'), 0.0, m_new)), 0.0)",
+                "m_acc = m_new"])(_val_lines(val)))
+            body += ["m_row = tl.max(m_acc, axis=1)[:, None]",
+                     "s_row = tl.sum(s_acc * tl.exp(m_acc - m_row), axis=1)[:, None]"]
+        else:  # norms: mean, then variance about it (two passes, as torch computes them)
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
+                _val_lines(val)))
+            body.append(f"mean = (tl.sum(acc, axis=1)[:, None] / {float(R)}).to(tl.float32)")
+            body.append(f"acc2 = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda: (lambda p: p + [f"dv = tl.where(MASK, {p.pop()} - mean, 0.0).to({acc_t})",
+                                                 "acc2 += dv * dv"])(_val_lines(val)))
+            body.append(f"rstd = (1.0 / tl.sqrt(tl.sum(acc2, axis=1)[:, None] / {float(R)} + {eps!r}))"
+                        f".to(tl.float32)")
+        name = self._new()
+        res_node = n
+        if t in (aten.max.dim, aten.min.dim, aten.native_group_norm.default, aten.native_layer_norm.default,
+                 aten.native_batch_norm.default):
+            gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
+            if any(u.args[1] != 0 for u in gi):
+                raise Unsupported(f"{t} statistics used")
+            res_node = gi[0] if gi else n
+        out_shape = _shape(res_node)
+        extra_leaves: set = set()
+        if full_out:
+            # final pass: the normalised value (and the epilogue) at every element
+            def final_lines():
+                p = _val_lines(val)
+                xv = p.pop()
+                if op == "softmax":
+                    p.append(f"y = tl.exp({xv} - m_row) / s_row")
+                else:
+                    p.append(f"y = ({xv} - mean) * rstd")
+                    c = chan if op == "group_norm" else None
+                    if weight is not None:
+                        wexp = self._param(weight, idx, L, c, p, op)
+                        p.append(f"y = y * {wexp}")
+                    if bias is not None:
+                        bexp = self._param(bias, idx, L, c, p, op)
+                        p.append(f"y = y + {bexp}")
+                bind = {res_node: "y"}
+                stored, v = self._store_value(res_node, idx, L, p, bind, {})
+                extra_leaves.update(self._leaves(stored, set(), bind))
+                p.append(f"tl.store(OUT_ptr + {self._offset(_strides(L), L, idx)}, {v}, mask=MASK)")
+                final_lines.stored = stored
+                return p
+            body += loop(final_lines)
+            stored = final_lines.stored
+        else:
+            # store per row at the reduced tensor's layout
+            oidx = []
+            ki = iter(kidx)
+            keep_dim = len(out_shape) == nd
+            for d in range(nd):
+                if d in dims:
+                    if keep_dim:
+                        oidx.append("0")
+                else:
+                    oidx.append(next(ki))
+            bind = {res_node: "res"}
+            p: list[str] = []
+            stored, v = self._store_value(res_node, oidx, out_shape, p, bind, {})
+            extra_leaves.update(self._leaves(stored, set(), bind))
+            body.append("MASK = ROWMASK")
+            body += p
+            off = self._offset(_strides(out_shape), out_shape, oidx)
+            body.append(f"tl.store(OUT_ptr + {'0 * rows' if off == '0' else off}, {v}, mask=ROWMASK)")
+        for w in (weight, bias):
+            if isinstance(w, torch.fx.Node):
+                leaves |= self._leaves(w, set(), {})
+        leaves |= extra_leaves
+        leaves = sorted(leaves, key=lambda l: self.bufs[l].var)
+        out = self._alloc(stored, _shape(stored))
+        if stored is not res_node:
+            self.fused_into[stored] = res_node
+        ptrs, call = self._args_sig(leaves)
+        src = [f"@triton.jit", f"def {name}({ptrs}, OUT_ptr, ROWS: tl.constexpr, BR: tl.constexpr):",
+               f"    rows = (tl.program_id(0){self._wide(leaves, nrows * R)} * ROWS + tl.arange(0, ROWS))[:, None]",
+               f"    ROWMASK = rows < {nrows}"]
+        src += [f"    {l}" for l in pre + body]
+        self.plan.kernels.append("\n".join(src))
+        self.plan.lines.append(f"{name}[(triton.cdiv({nrows}, {ROWS}),)]({call}, {out.var}, ROWS={ROWS}, BR={BR}, "
+                               f"num_warps={self.cfg.get('num_warps', 4)})")
+        self.plan.kinds.append(op)
+
+    def _param(self, w, idx, L, chan, p, op) -> str:
+        """An affine parameter of a norm at element `idx`: per channel (group/batch norm) or over the normalised
+        trailing dims (layer norm)."""
+        if op == "group_norm":
+            return self._load(self.bufs[w], [chan], p) if w in self.bufs else self.expr(w, [chan], (_shape(w)[0],),
+                                                                                          p, {}, {})
+        if op == "batch_norm":
+            return self.expr(w, [idx[1]], (_shape(w)[0],), p, {}, {})
+        ws = _shape(w)
+        return self.expr(w, idx[len(idx) - len(ws):], ws, p, {}, {})
+
+    @staticmethod
+    def _offset(strides, shape, idx) -> str:
+        terms = [f"({i}) * {st}" for i, s, st in zip(idx, shape, strides) if s != 1 and i != "0"]
+        return " + ".join(terms) if terms else "0"
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _val_lines(val) -> list[str]:
+    """The lines computing the reduction's input inside a loop; the last element is the value's name."""
+    p: list[str] = []
+    v = val(p)
+    return p + [v]
+
+
+# -------------------------------------------------------------------------------------------------------- driver
+
+def _dropouts(gm) -> tuple[dict, set]:
+    """mul(x, div_(bernoulli_(empty, keep), keep)): torch's dropout as make_fx decomposes it. The candidate calls
+    torch's own dropout on x there, so its mask comes from the same RNG stream as the reference's."""
+    found, skip = {}, set()
+    for b in gm.graph.nodes:
+        if b.op == "call_function" and b.target == aten.bernoulli_.float:
+            keep = float(b.args[1])
+            for d in b.users:
+                if d.target in (aten.div_.Scalar, aten.div.Scalar) and abs(float(d.args[1]) - keep) < 1e-12:
+                    for m in d.users:
+                        if m.target == aten.mul.Tensor:
+                            x = m.args[0] if m.args[1] is d else m.args[1]
+                            found[m] = (x, 1.0 - keep)
+                            skip |= {b, d, b.args[0]}
+    return found, skip
+
+
+def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cfg: dict[str, Any]) -> Plan:
+    """Walk the graph: placeholders are `params` (in `param_names` order) then the inputs."""
+    g = Gen(gm, {}, cfg)
+    lines = g.plan.lines
+    drop, skip = _dropouts(gm)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(ph) != len(param_names) + n_inputs:
+        raise Unsupported(f"expected {len(param_names) + n_inputs} placeholders, got {len(ph)}")
+    for i, n in enumerate(ph):
+        shape = _shape(n)
+        if i < len(param_names):
+            var = f"p{i}"
+            lines.append(f"{var} = self.{param_names[i]}")
+        else:
+            var = f"x{i - len(param_names)}"
+        g.bufs[n] = Buf(var, shape, _strides(shape))
+
+    def stored(a):
+        """Make sure node a is a stored tensor (a pointwise chain gets a kernel of its own)."""
+        if a in g.bufs:
+            return g.bufs[a]
+        k = g.kind(a)
+        if k in ("pointwise", "identity"):
+            g.pointwise_kernel(a)
+            return g.bufs[a]
+        raise Unsupported(f"{a.name} ({k}) is not stored")
+
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder",) or n in skip:
+            continue
+        if n.op == "get_attr":
+            raise Unsupported("graph constants")
+        if n.op == "output":
+            outs = n.args[0]
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            if len(outs) != 1:
+                raise Unsupported("several outputs")
+            b = stored(outs[0])
+            lines.append(f"return {b.var}")
+            break
+        if not g.users[n]:
+            continue  # running-statistics updates and other values nothing reads
+        if n in drop:
+            x, p = drop[n]
+            b = stored(x)
+            var = g.var()
+            lines.append(f"{var} = torch.nn.functional.dropout({b.var}, {p!r}, True)")
+            g.bufs[n] = Buf(var, b.shape, b.strides)
+            g.plan.kinds.append("dropout (torch, same RNG stream)")
+            continue
+        k = g.kind(n)
+        if k in ("pointwise", "identity"):
+            if n in g.fused_into or n in g.bufs:
+                continue
+            continue
+        if k == "getitem":
+            continue
+        if k == "heavy":
+            args = [stored(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
+            var = g.var()
+            if n.target == aten.convolution.default:
+                x, w, b, stride, pad, dil, transposed, opad, groups = args
+                nd = len(stride)
+                bvar = b.var if b is not None else "None"
+                if transposed:
+                    lines.append(f"{var} = torch.nn.functional.conv_transpose{nd}d({x.var}, {w.var}, {bvar}, "
+                                 f"{tuple(stride)}, {tuple(pad)}, {tuple(opad)}, {groups}, {tuple(dil)})")
+                else:
+                    lines.append(f"{var} = torch.nn.functional.conv{nd}d({x.var}, {w.var}, {bvar}, {tuple(stride)}, "
+                                 f"{tuple(pad)}, {tuple(dil)}, {groups})")
+                g.plan.heavy.append(f"conv{'_transpose' if transposed else ''}{nd}d")
+            elif n.target == aten.addmm.default:
+                b, x, w = args[:3]
+                if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                    raise Unsupported("addmm alpha/beta")
+                lines.append(f"{var} = torch.addmm({b.var}, {x.var}, {w.var})")
+                g.plan.heavy.append("addmm")
+            elif n.target == aten.mm.default:
+                lines.append(f"{var} = torch.mm({args[0].var}, {args[1].var})")
+                g.plan.heavy.append("mm")
+            else:
+                lines.append(f"{var} = torch.bmm({args[0].var}, {args[1].var})")
+                g.plan.heavy.append("bmm")
+            shape = _shape(n)
+            g.bufs[n] = Buf(var, shape, _strides(shape))
+            continue
+        if k == "view":
+            b = stored(n.args[0])
+            var = g.var()
+            shape = _shape(n)
+            if n.target in (aten.permute.default, aten.t.default):
+                perm = list(n.args[1]) if n.target == aten.permute.default else [1, 0]
+                lines.append(f"{var} = {b.var}.permute({tuple(perm)})")
+                g.bufs[n] = Buf(var, shape, tuple(b.strides[p] for p in perm))
+            elif n.target == aten.expand.default:
+                raise Unsupported("expand")
+            else:
+                if b.strides != _strides(b.shape):
+                    raise Unsupported("view of a strided tensor")
+                lines.append(f"{var} = {b.var}.view({tuple(shape)})")
+                g.bufs[n] = Buf(var, shape, _strides(shape))
+            continue
+        if k == "reduce":
+            # a reduction over size-1 dims only is the identity (KernelBench chains keep such ops)
+            g.reduce_kernel(n)
+            continue
+        if k == "pool":
+            g.pool_kernel(n)
+            continue
+        if k == "rng":
+            raise Unsupported("random op outside dropout")
+        raise Unsupported(f"node {n.name} ({k})")
+    return g.plan
+
+
+# -------------------------------------------------------------------------------------------------------- rewrites
+
+def _meta(node, shape):
+    node.meta["val"] = torch.empty(shape, device="meta")
+    return node
+
+
+SCALAR_LINEAR = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+
+
+def rewrite_gemm_sum(gm: torch.fx.GraphModule) -> int:
+    """sum_j (x W^T + b)_ij * c = c * (x . sum_j W_j + sum_j b_j): a GEMM whose every output is summed over the
+    feature dim (after scalings) becomes a GEMV with the column-summed weight. Exact in real arithmetic (the fp32
+    sums are reassociated; the verifier judges the result at 1e-4). Returns how many GEMMs it rewrote."""
+    count = 0
+    graph = gm.graph
+    for h in list(graph.nodes):
+        if h.op != "call_function" or h.target not in (aten.addmm.default, aten.mm.default):
+            continue
+        if h.target == aten.addmm.default:
+            bias, x, wt = h.args[:3]
+        else:
+            bias, (x, wt) = None, h.args[:2]
+        if not (isinstance(wt, torch.fx.Node) and wt.target in (aten.permute.default, aten.t.default)):
+            continue
+        W = wt.args[0]
+        chain, cur = [], h
+        while len(cur.users) == 1:
+            u = next(iter(cur.users))
+            if u.target in SCALAR_LINEAR and u.args[0] is cur and not isinstance(u.args[1], torch.fx.Node):
+                chain.append(u)
+                cur = u
+                continue
+            break
+        if len(cur.users) != 1:
+            continue
+        s = next(iter(cur.users))
+        if s.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.args[0] is not cur:
+            continue
+        dims = s.args[1]
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if [d % 2 for d in dims] != [1]:
+            continue
+        keep = bool(s.args[2]) if len(s.args) > 2 else bool(s.kwargs.get("keepdim", False))
+        N, K = _shape(x)
+        M = _shape(W)[0]
+        with graph.inserting_before(s):
+            ws = _meta(graph.call_function(aten.sum.dim_IntList, (W, [0])), (K,))
+            xw = _meta(graph.call_function(aten.mul.Tensor, (x, ws)), (N, K))
+            acc = _meta(graph.call_function(aten.sum.dim_IntList, (xw, [1], True)), (N, 1))
+            if bias is not None:
+                bs = _meta(graph.call_function(aten.sum.dim_IntList, (bias, [0], True)), (1,))
+                acc = _meta(graph.call_function(aten.add.Tensor, (acc, bs)), (N, 1))
+            for c in chain:
+                acc = _meta(graph.call_function(c.target, (acc, c.args[1])), (N, 1))
+            if s.target == aten.mean.dim:
+                acc = _meta(graph.call_function(aten.div.Tensor, (acc, float(M))), (N, 1))
+            if not keep:
+                acc = _meta(graph.call_function(aten.squeeze.dims, (acc, [1])), (N,))
+        s.replace_all_uses_with(acc)
+        for dead in [s, *reversed(chain), h]:
+            graph.erase_node(dead)
+        count += 1
+    if count:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
+def fold_size1_reductions(gm: torch.fx.GraphModule) -> int:
+    """A sum/mean/amax/amin/max/min whose reduced dims all have size 1 returns its input (with keepdim); such ops
+    stay in KernelBench chains after an earlier reduction. Rewritten to the identity (max/min: their values)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+                                                       aten.amin.default, aten.max.dim, aten.min.dim):
+            continue
+        x = n.args[0]
+        L = _shape(x)
+        dims = n.args[1] if len(n.args) > 1 else list(range(len(L)))
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        if not dims or any(L[d % len(L)] != 1 for d in dims) or not keep:
+            continue
+        if n.target in (aten.max.dim, aten.min.dim):
+            gi = list(n.users)
+            if any(u.target is not operator.getitem or u.args[1] != 0 for u in gi):
+                continue
+            for u in gi:
+                u.replace_all_uses_with(x)
+                gm.graph.erase_node(u)
+        else:
+            n.replace_all_uses_with(x)
+        gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def cancel_self_subtraction(gm: torch.fx.GraphModule) -> int:
+    """x - x = 0 for every finite x (KernelBench chains produce it: `x - x.mean(dim=1, keepdim=True)` after a
+    reduction to size 1, once `fold_size1_reductions` made the mean x itself). The difference becomes a constant
+    zero tensor and whatever only fed it (the GEMM) goes with dead-code elimination. Exact for finite values; where
+    x is inf or NaN the reference gives NaN, and the verifier's draws judge that like any other output."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target == aten.sub.Tensor and n.args[0] is n.args[1] \
+                and n.kwargs.get("alpha", 1) == 1:
+            shape = list(_shape(n))
+            with gm.graph.inserting_before(n):
+                z = _meta(gm.graph.call_function(aten.full.default, (shape, 0.0)), tuple(shape))
+            n.replace_all_uses_with(z)
+            gm.graph.erase_node(n)
+            count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count

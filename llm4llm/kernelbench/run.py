@@ -1,0 +1,99 @@
+"""`llm4llm kernelbench DIR`: each problem becomes a task, searched by the existing search and judged by the existing
+verifier (KernelBench's protocol on top of every gate); every trial is a `candidates` row, every problem a
+`kernelbench_results` row (migration 007)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from llm4llm.kernelbench.problem import make_task, problem_id, select
+from llm4llm.taskspec import load_spec
+
+MODES = ("episodic", "sample", "iter")
+
+
+def kb_proposer(kind: str, seed: int = 0, llm=None):
+    """The built-in proposer over the KernelBench templates; llm / hybrid through the project's LLM proposer."""
+    from llm4llm.kernelbench.templates import TEMPLATES
+    from llm4llm.search.builtin import LibraryProposer
+
+    lib = LibraryProposer(seed=seed, templates=TEMPLATES)
+    if kind == "library":
+        return lib
+    from llm4llm.llm.config import LLMConfig, load_llm_config
+    from llm4llm.llm.proposer import HybridProposer, LLMProposer
+
+    cfg = llm if isinstance(llm, LLMConfig) else load_llm_config(None, flags=dict(llm or {}))
+    return LLMProposer(cfg) if kind == "llm" else HybridProposer(LLMProposer(cfg), lib, cfg.hybrid_share)
+
+
+def run_kernelbench(directory: str, *, problems: str | None = None, budget: int = 4, modes: list[str] | None = None,
+                    proposer: str = "library", device: str = "cpu", db_path: str | None = None,
+                    data_dir: str | None = None, timeout_s: float = 600.0, seed: int = 0, llm=None,
+                    kb_run_id: str | None = None, on_problem=None) -> tuple[str, list[dict]]:
+    from llm4llm.pipeline import run_task_search
+    from storage import repo
+    from storage.db import Database, data_home
+
+    modes = modes or ["episodic"]
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"--mode: expected one of {MODES}, got {m!r}")
+    data = Path(data_dir) if data_dir else data_home()
+    root = data / "kernelbench-tasks"
+    kb_run_id = kb_run_id or f"kb-{uuid.uuid4().hex[:10]}"
+    hardware = {"device": device}
+    rows = []
+    for f in select(Path(directory), problems):
+        task_dir = make_task(f, root, hardware)
+        spec = load_spec(task_dir)
+        for mode in modes:
+            prop = kb_proposer(proposer, seed, llm)
+            reasons = prop.skipped(spec) if hasattr(prop, "skipped") else {}
+            usable = prop.templates_for(spec) if hasattr(prop, "templates_for") else [None]
+            row = {"kb_run_id": kb_run_id, "problem": f.name, "problem_id": problem_id(f), "task_id": spec.task_id,
+                   "mode": mode, "proposer": proposer, "budget": budget, "trials": 0, "passed": False}
+            if not usable:
+                row["skipped_reason"] = "; ".join(f"{k}: {v}" for k, v in reasons.items())[:2000]
+            else:
+                summary = run_task_search(str(task_dir), db_path, str(data), mode=mode, budget=budget,
+                                          proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
+                                          run_id=kb_run_id, use_prior=False, proposer_obj=prop)
+                row.update(search_id=summary["search_id"], trials=summary["trials"])
+                _fill_best(row, summary, db_path)
+            with Database(db_path) as db:
+                repo.record_kb_result(db, row)
+            rows.append(row)
+            if on_problem:
+                on_problem(row)
+    return kb_run_id, rows
+
+
+def _fill_best(row: dict, summary: dict, db_path: str | None) -> None:
+    """The search's best passing trial (by speedup over eager) into the problem's row."""
+    import json
+
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = repo.candidate_rows(db, search_id=summary["search_id"])
+    ok = df[df["passed"]]
+    if ok.empty:
+        return
+    timed = ok[ok["speedup_cold"].notna()]
+    best = (timed.sort_values("speedup_cold", ascending=False) if not timed.empty else ok).iloc[0]
+    means = best.get("kb_means_json")
+    means = json.loads(means) if isinstance(means, str) else (means or {})
+    row.update(passed=True, best_candidate_id=best["candidate_id"], origin=best.get("origin"),
+               eager_ms=means.get("eager"), compile_ms=means.get("compile"), candidate_ms=means.get("candidate"),
+               speedup_eager=_num(best.get("speedup_cold")), speedup_compile=_num(best.get("speedup_compile")),
+               gpu_name=best.get("gpu_name"))
+
+
+def _num(v):
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if f != f else f

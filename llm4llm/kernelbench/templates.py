@@ -1,0 +1,103 @@
+"""KernelBench templates for the built-in proposer: render a `ModelNew` from the problem's captured graph.
+
+- `kb.fused_tail` (origin "template"): the heavy op on cuDNN/cuBLAS, every other op in generated Triton kernels
+  (pointwise chains inlined into their consumer, reductions and pools as one kernel each, epilogues fused into the
+  store of the kernel before them).
+- `kb.rewrite_fused_tail` (origin "rewrite"): the same after exact algebraic rewrites of the graph (a GEMM summed
+  over its features becomes a GEMV with column-summed weights; reductions over size-1 dims are dropped). Each
+  rewrite is proved per problem by the verifier on the fp32 reference, like any candidate; it applies only where a
+  rewrite fired.
+The config space is the kernels' tiles and warps; the search explores it like any template's.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any
+
+from llm4llm.kernelbench import codegen
+from llm4llm.search.templates.base import Template
+from llm4llm.taskspec import TaskSpec
+
+_GRAPHS: dict[str, tuple] = {}
+
+
+def _graph(spec: TaskSpec):
+    src = spec.static["source"]
+    key = hashlib.sha256(src.encode()).hexdigest()
+    if key not in _GRAPHS:
+        from llm4llm.kernelbench.problem import capture
+
+        _GRAPHS[key] = capture(src)
+    return _GRAPHS[key]
+
+
+def build_plan(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> tuple[codegen.Plan, list[str]]:
+    gm, names, n_in, in_shapes = _graph(spec)
+    gm = copy.deepcopy(gm)
+    gm.graph.eliminate_dead_code()  # unused statistics and indices (impure ops such as bernoulli_ stay)
+    applied = []
+    if rewrite:
+        if codegen.rewrite_gemm_sum(gm):
+            applied.append("gemm_sum_to_gemv")
+    if codegen.fold_size1_reductions(gm):
+        applied.append("size1_reductions_dropped")
+    if rewrite and codegen.cancel_self_subtraction(gm):
+        applied.append("x_minus_x_is_zero")
+    return codegen.generate(gm, names, n_in, cfg), applied
+
+
+def render_source(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> str:
+    from llm4llm.kernelbench.problem import init_source
+
+    plan, applied = build_plan(spec, cfg, rewrite)
+    _, _, n_in, in_shapes = _graph(spec)
+    args = ", ".join(f"x{i}" for i in range(n_in))
+    checks = [f"        assert tuple(x{i}.shape) == {tuple(s)!r} and x{i}.is_contiguous(), "
+              f"'ModelNew is specialised to the problem shape {tuple(s)}'" for i, s in enumerate(in_shapes)]
+    doc = (f'"""ModelNew for {spec.static.get("problem", spec.task_id)}: heavy ops {plan.heavy or ["none"]} on '
+           f'cuDNN/cuBLAS, then Triton kernels {plan.kinds}; rewrites {applied or ["none"]}; config {cfg}."""')
+    body = ["        " + line for line in plan.lines]
+    return "\n".join([doc, "import torch", "import torch.nn as nn", "import triton", "import triton.language as tl",
+                      codegen.HELPERS, *plan.kernels, "", "", "class ModelNew(nn.Module):",
+                      init_source(spec.static["source"]), "",
+                      f"    def forward(self, {args}):", *checks, *body, ""])
+
+
+def _space(spec: TaskSpec) -> dict[str, list]:
+    return {"BLOCK": [1024, 512, 2048], "POOL_BLOCK": [256, 128, 512], "BLOCK_R": [1024, 256, 2048, 4096],
+            "ROWS": [1, 2, 4, 8], "num_warps": [4, 8, 2], "epilogue": [True, False], "acc64": [True, False]}
+
+
+def _applies(rewrite: bool):
+    def why_not(spec: TaskSpec) -> str | None:
+        if spec.family != "kernelbench":
+            return "not a KernelBench task"
+        try:
+            _, applied = build_plan(spec, {k: v[0] for k, v in _space(spec).items()}, rewrite)
+        except codegen.Unsupported as e:
+            return f"graph not covered: {e}"
+        if rewrite and not {"gemm_sum_to_gemv", "x_minus_x_is_zero"} & set(applied):
+            return "no exact rewrite applies"
+        return None
+    return why_not
+
+
+def _render(rewrite: bool):
+    return lambda spec, cfg: render_source(spec, cfg, rewrite)
+
+
+TEMPLATES = [
+    Template(name="kb.rewrite_fused_tail", family="kernelbench", phases=("forward",), requires=(),
+             space_fn=_space, render_fn=_render(True), applies_fn=_applies(True)),
+    Template(name="kb.fused_tail", family="kernelbench", phases=("forward",), requires=(),
+             space_fn=_space, render_fn=_render(False), applies_fn=_applies(False)),
+]
+ORIGIN = {"kb.fused_tail": "template", "kb.rewrite_fused_tail": "rewrite"}
+
+
+def origin_of(template: str, proposer: str) -> str:
+    """Where a candidate came from, as migration 007 records it: template, rewrite or llm."""
+    if template in ORIGIN:
+        return ORIGIN[template]
+    return "llm" if proposer.startswith("llm") or not template else "template"

@@ -1,0 +1,276 @@
+"""KernelBench mode on the CPU (Triton's interpreter): tiny KernelBench-format problems written here, turned into
+tasks, searched by the built-in proposer, judged by the verifier with KernelBench's protocol on top; KernelBench's
+own three adversarial kernels (src/unit_tests/test_kernels there), as written (CUDA via load_inline) and ported to
+Triton, must be rejected."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CONV_SOFTMAX = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, scale):
+        super(Model, self).__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.bias = nn.Parameter(torch.randn(out_channels, 1, 1) * 0.02)
+        self.scale = scale
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.nn.functional.gelu(x) * self.scale + self.bias
+        return torch.softmax(x, dim=1)
+
+def get_inputs():
+    return [torch.rand(2, 3, 8, 8)]
+
+def get_init_inputs():
+    return [3, 4, 3, 2.0]
+'''
+
+GEMM_SUM = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, in_features, out_features, scaling_factor):
+        super(Model, self).__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.scaling_factor = scaling_factor
+
+    def forward(self, x):
+        x = self.linear(x)
+        x = x / 2
+        x = torch.sum(x, dim=1, keepdim=True)
+        return x * self.scaling_factor
+
+def get_inputs():
+    return [torch.rand(4, 16)]
+
+def get_init_inputs():
+    return [16, 8, 1.5]
+'''
+
+CONV_GN_POOL = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, groups):
+        super(Model, self).__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.gn = nn.GroupNorm(groups, out_channels)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.tanh(self.gn(x))
+        return self.pool(x)
+
+def get_inputs():
+    return [torch.rand(2, 3, 10, 10)]
+
+def get_init_inputs():
+    return [3, 4, 3, 2]
+'''
+
+
+@pytest.fixture(scope="module")
+def kb_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("kb")
+    for name, src in (("1_Conv2d_GELU_Softmax.py", CONV_SOFTMAX), ("2_Gemm_Divide_Sum.py", GEMM_SUM),
+                      ("3_Conv2d_GroupNorm_Tanh_MaxPool.py", CONV_GN_POOL)):
+        (d / name).write_text(src)
+    (d / "README.md").write_text("not a problem")
+    return d
+
+
+@pytest.fixture(scope="module")
+def kb_run(kb_dir, tmp_path_factory):
+    from llm4llm.kernelbench.run import run_kernelbench
+
+    data = tmp_path_factory.mktemp("kbdata")
+    db = str(data / "kb.duckdb")
+    kb_run_id, rows = run_kernelbench(str(kb_dir), problems="1-2", budget=1, proposer="library", device="cpu",
+                                      db_path=db, data_dir=str(data), timeout_s=300)
+    return kb_run_id, rows, db, data
+
+
+def test_selection_and_seeds(kb_dir):
+    from llm4llm.kernelbench.problem import ProblemError, parse_selection, select, trial_seeds
+
+    assert parse_selection("12,40-42") == {12, 40, 41, 42}
+    assert parse_selection(None) is None
+    with pytest.raises(ProblemError):
+        parse_selection("4-2")
+    assert [p.name for p in select(kb_dir, "2-3")] == ["2_Gemm_Divide_Sum.py", "3_Conv2d_GroupNorm_Tanh_MaxPool.py"]
+    with pytest.raises(ProblemError):
+        select(kb_dir, "9")
+    # KernelBench's trial seeds: manual_seed(42), then randint draws; five distinct, reproducible
+    assert trial_seeds(5) == trial_seeds(5) and len(set(trial_seeds(5))) == 5
+
+
+def test_graph_capture_and_patterns(kb_dir, tmp_path):
+    from llm4llm.kernelbench.problem import make_task
+    from llm4llm.kernelbench.run import kb_proposer
+    from llm4llm.taskspec import load_spec
+
+    prop = kb_proposer("library")
+    got = {}
+    for f in sorted(kb_dir.glob("*_*.py")):
+        spec = load_spec(make_task(f, tmp_path))
+        assert spec.family == "kernelbench" and spec.reference == "kernelbench" and spec.input_names == ["x"]
+        got[f.name] = [t.name for t in prop.templates_for(spec)]
+    assert got["2_Gemm_Divide_Sum.py"] == ["kb.rewrite_fused_tail", "kb.fused_tail"]  # the GEMM-sum rewrite fires
+    assert got["1_Conv2d_GELU_Softmax.py"] == ["kb.fused_tail"]
+    src = prop.propose(load_spec(make_task(kb_dir / "3_Conv2d_GroupNorm_Tanh_MaxPool.py", tmp_path)), [], [], 1)[0]
+    # heavy op on cuDNN, everything after it in Triton: group norm (two statistics passes) with tanh and the pool
+    assert "torch.nn.functional.conv2d" in src.source and "@triton.jit" in src.source
+    assert "group_norm" in src.source and "'pool'" in src.source
+
+
+def test_run_passes_and_records_origins(kb_run):
+    from storage import repo
+    from storage.db import Database
+
+    kb_run_id, rows, db, _ = kb_run
+    assert [r["passed"] for r in rows] == [True, True]
+    with Database(db) as d:
+        res = repo.kb_results(d, kb_run_id)
+        cands = repo.candidate_rows(d)
+        curves = repo.kb_curves(d, kb_run_id)
+        summary = repo.kb_summary(d, kb_run_id)
+    assert dict(zip(res["problem"], res["origin"])) == {"1_Conv2d_GELU_Softmax.py": "template",
+                                                        "2_Gemm_Divide_Sum.py": "rewrite"}
+    assert set(cands["origin"]) == {"template", "rewrite"} and cands["passed"].all()
+    gates = cands.iloc[0]["gates_json"]
+    assert "KernelBench: 5 trials" in str(gates) and "precision" in str(gates)
+    assert summary.iloc[0]["pass_rate"] == 1.0
+    assert list(curves["trial"]) == [1] and curves.iloc[0]["solved"] == 1.0  # curves come from the trials' rows
+
+
+# ----------------------------------------------------------------------------------------- adversarial candidates
+
+# KernelBench's three adversarial kernels as its unit tests write them (CUDA C++ through load_inline)
+_LOAD_INLINE = '''
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+src = r"""
+#include <torch/extension.h>
+torch::Tensor f(torch::Tensor A) { %s }
+"""
+mod = load_inline(name="hack", cpp_sources="torch::Tensor f(torch::Tensor A);", cuda_sources=src, functions=["f"])
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features, scaling_factor):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+
+    def forward(self, x):
+        return mod.f(x)
+'''
+KB_ORIGINALS = {
+    "result_reuse": "return torch::empty({A.size(0), 1}, A.options());",
+    "zero_out": "A.zero_(); return torch::zeros({A.size(0), 1}, A.options());",
+    "non_default_stream": "auto s = at::cuda::getStreamFromPool(false, A.get_device()); "
+                          "c10::cuda::CUDAStreamGuard g(s); return A.sum(1, true);",
+}
+
+_TRITON_HEAD = '''
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _touch(x_ptr, out_ptr, n, ZERO_INPUT: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    if ZERO_INPUT:
+        tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < n)
+    if WRITE:
+        tl.store(out_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < 4)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features, scaling_factor):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.scaling_factor = scaling_factor
+'''
+# The same hacks ported to Triton, so that they pass the static gate where they can and meet the runtime gates
+TRITON_PORTS = {
+    # allocate the result and never write it: the reference's freed output may sit in that memory
+    "result_reuse": ("""
+    def forward(self, x):
+        out = torch.empty((4, 1), device=x.device, dtype=torch.float32)
+        _touch[(1,)](x, out, x.numel(), ZERO_INPUT=False, WRITE=False, BLOCK=64)
+        return out
+""", {"unwritten_output", "wrong_output"}),
+    # zero the inputs and return zeros: a reference run after it would agree
+    "zero_out": ("""
+    def forward(self, x):
+        out = torch.empty((4, 1), device=x.device, dtype=torch.float32)
+        _touch[(1,)](x, out, x.numel(), ZERO_INPUT=True, WRITE=True, BLOCK=64)
+        return out
+""", {"input_mutated"}),
+    # the work on a side stream, so that a timer on the caller's stream sees none of it
+    "non_default_stream": ("""
+    def forward(self, x):
+        out = torch.empty((4, 1), device=x.device, dtype=torch.float32)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            _touch[(1,)](x, out, x.numel(), ZERO_INPUT=False, WRITE=True, BLOCK=64)
+        return out
+""", {"static"}),
+    # turn TF32 on: it would reach the reference in the same process
+    "tf32_on": ("""
+    def forward(self, x):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out = torch.empty((4, 1), device=x.device, dtype=torch.float32)
+        _touch[(1,)](x, out, x.numel(), ZERO_INPUT=False, WRITE=True, BLOCK=64)
+        return out
+""", {"static"}),
+    # torch does the work after the heavy op (allowed: cuBLAS for the GEMM; refused: torch's reduction)
+    "torch_tail": ("""
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
+        out = torch.empty((4, 1), device=x.device, dtype=torch.float32)
+        _touch[(1,)](x, out, 0, ZERO_INPUT=False, WRITE=False, BLOCK=64)
+        return y.sum(1, keepdim=True) * (self.scaling_factor / 2)
+""", {"static"}),
+}
+
+
+@pytest.fixture(scope="module")
+def gemm_task(kb_dir, tmp_path_factory) -> Path:
+    from llm4llm.kernelbench.problem import make_task
+
+    return make_task(kb_dir / "2_Gemm_Divide_Sum.py", tmp_path_factory.mktemp("kbtask"))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from llm4llm.verify import VerifierPool
+
+    with VerifierPool("cpu", timeout_s=120) as p:
+        yield p
+
+
+@pytest.mark.parametrize("name", sorted(KB_ORIGINALS))
+def test_kernelbench_adversarial_originals_are_rejected(pool, gemm_task, name):
+    v = pool.verify(gemm_task, _LOAD_INLINE % KB_ORIGINALS[name])
+    assert not v.passed and v.failure_class == "static" and "torch.utils" in v.message
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_PORTS))
+def test_kernelbench_adversarial_ports_are_rejected(pool, gemm_task, name):
+    body, expect = TRITON_PORTS[name]
+    v = pool.verify(gemm_task, _TRITON_HEAD + textwrap.indent(textwrap.dedent(body), "    "))
+    assert not v.passed and v.utility == 0.0
+    assert v.failure_class in expect, f"{name}: {v.failure_class}: {v.message[-600:]}"
