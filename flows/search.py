@@ -18,7 +18,7 @@ def search_tasks(run_id: str, db_path: str | None = None, data_dir: str | None =
     under CUDA-graph replay, for a run whose decode steps replay from graphs) or "graph_prefill" (prefill tasks too,
     where the prompt forward replays from graphs as well)."""
     data_dir = _defaults(data_dir)
-    dirs = searchable_tasks(run_id, db_path, task_ids, families, top, proposer)
+    dirs = searchable_tasks(run_id, db_path, task_ids, families, top, proposer, device, timeout_s, decode_timing)
     try:
         futures = [search_task.submit(d, db_path, data_dir, mode, budget, proposer, device, timeout_s, seed, run_id,
                                       llm, decode_timing) for d in dirs]
@@ -27,6 +27,6 @@ def search_tasks(run_id: str, db_path: str | None = None, data_dir: str | None =
         pipeline.close_pools()
     if results:
         create_table_artifact(key="search", table=[{k: r[k] for k in ("task_id", "trials", "pass_rate",
-                                                                      "best_utility")} for r in results],
+                                                                      "best_utility", "ended_by")} for r in results],
                               description=f"Search results of run {run_id} ({mode}, budget {budget})")
     return results
