@@ -10,6 +10,19 @@ from tasks.acceptance import accept_patches, evaluate_e2e
 STAGES = ("profile", "extract", "search", "accept", "evaluate")
 
 
+def _coverage_artifact(run_id: str, db_path: str | None) -> None:
+    """The run's template coverage (pipeline.coverage_table) as a Prefect table artifact."""
+    from prefect.artifacts import create_table_artifact
+
+    cov = pipeline.coverage_table(run_id, db_path)
+    rows = [r for r in cov["tasks"] if r["status"] != "not checked"]
+    if rows:
+        shares = ", ".join(f"{p} {100 * s:.1f}%" for p, s in cov["phases"].items()) or "none"
+        create_table_artifact(key="coverage", table=rows,
+                              description=f"Template coverage of run {run_id}; phase time under accepted patches: "
+                                          f"{shares}")
+
+
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: str | None = None,
                       min_score: float = 0.0, refresh: bool = False, stages: tuple[str, ...] = STAGES,
@@ -83,6 +96,7 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], db_path, data_dir, delta, accept_metric,
                                            repeats, accept_tol_factor, accept_floor_factor,
                                            accept_min_task_speedup, graphs, static_cache, accept_noisy_rounds)
+    _coverage_artifact(prof["run_id"], db_path)
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:

@@ -564,6 +564,50 @@ def applicable_templates_of(templates, checks: list[dict]) -> list:
     return applicable_templates(templates, [TemplateCheck(**{k: c.get(k) for k in fields}) for c in checks])
 
 
+def coverage_table(run_id: str, db_path: str | None) -> dict:
+    """Per deployable task of a run: the built-in templates that compute what its module does, those found
+    inapplicable and why, the templates tried, trials (and wrong-output trials), whether a patch was accepted, and
+    the task's share of its phase's time; per phase, the share some accepted patch covers (instances of an accepted
+    task nested in another accepted task's instances are counted once). {"tasks": [...], "phases": {...}}."""
+    from llm4llm.search.applicability import NOT_COVERED
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        cov = repo.coverage_rows(db, run_id)
+        checks = repo.template_check_rows(db, list(cov["task_id"]))
+    by_task: dict[str, list[dict]] = {}
+    for r in checks.to_dict("records"):
+        by_task.setdefault(r["task_id"], []).append(r)
+    rows, covered_paths = [], {}
+    for r in cov.to_dict("records"):
+        if not r["deployable"]:
+            continue
+        cs = by_task.get(r["task_id"], [])
+        ok = [c["template"] for c in cs if c["applicable"]]
+        bad = [f"{c['template']} ({c['reason'][:160]})" for c in cs if not c["applicable"] and c["stage"] == "computation"]
+        share = float(r["time_ms"] or 0.0) / float(r["phase_ms"]) if r["phase_ms"] else 0.0
+        status = "accepted" if r["accepted"] else ("searched" if r["trials"] else
+                                                    ("not checked" if not cs else (NOT_COVERED if not ok else "")))
+        rows.append({"task_id": r["task_id"], "family": r["family"], "phase": r["phase"],
+                     "applicable": ", ".join(ok), "inapplicable": "; ".join(bad), "tried": r["templates_tried"],
+                     "trials": int(r["trials"]), "wrong_output": int(r["wrong_output"]), "accepted": bool(r["accepted"]),
+                     "phase_share": round(share, 4), "status": status})
+        if r["accepted"] and r["artifact_path"]:
+            try:
+                insts = load_spec(Path(r["artifact_path"])).instances
+            except Exception:  # noqa: BLE001 - a deleted artifact: its share is still the task's own
+                insts = [r["task_id"]]
+            covered_paths.setdefault(r["phase"], []).append((insts, float(r["time_ms"] or 0.0), r["phase_ms"]))
+    phases = {}
+    for phase, items in covered_paths.items():
+        outer = [i for i in items if not any(o is not i and all(any(p.startswith(q + ".") for q in o[0])
+                                                                for p in i[0]) for o in items)]
+        phases[phase] = round(sum(t for _, t, _ in outer) / float(items[0][2]), 4) if items[0][2] else 0.0
+    return {"tasks": rows, "phases": phases}
+
+
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
     """Each searched task's best passing candidate, ranked against its search's pooled reference
     (storage.repo.best_candidates)."""

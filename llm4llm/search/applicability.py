@@ -4,9 +4,10 @@ Before a search spends a trial on a template, its default config is verified onc
 alone (correctness against the module's own recorded outputs; no fresh draws, no timing) — a check, not a trial: it
 is no `candidates` row and no budget. A mismatch (wrong output, NaN/Inf, another shape or dtype) on the default and
 on every variant of the template's option keys (`Template.options`) marks the template inapplicable to that task
-with the verifier's message as the reason. On the H200 a Falcon-Mamba mixer passed the old name check (Mamba's
-weight names) and all 24 trials then failed with `wrong_output`. A failure of another kind (the compile, a crash, a
-timeout) says nothing about the computation: the template stays in and the reason says the check was inconclusive.
+with the verifier's message as the reason; so does a default that raises on the module's own call or does not
+compile. On the H200 a Falcon-Mamba mixer passed the old name check (Mamba's weight names) and all 24 trials then
+failed with `wrong_output`. A failure of the machinery (timeout, worker crash, OOM, GPU fault, an outside stop) says
+nothing about the template: it stays in and the reason says the check was inconclusive.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from llm4llm.search.templates.base import Template
 from llm4llm.taskspec import TaskSpec
 
 MISMATCH = ("wrong_output", "nan_inf", "shape_dtype")  # failure classes that mean "computes something else"
+# failures that say nothing about the template (the worker, the machine, a time limit): the check is inconclusive;
+# any other failure of the default (it raised on the module's own call, it does not compile) rules the template out
+INCONCLUSIVE = ("timeout", "worker_crash", "interrupted", "oom", "gpu_fault")
 NOT_COVERED = "not covered by the built-in library"
 
 CheckVerify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like, correctness on the captured cases
@@ -62,14 +66,16 @@ def _run_check(task_dir: Path, spec: TaskSpec, t: Template, verify: CheckVerify)
                 f"matches with option {variant} (the default did not: {_brief(first)})"
             return TemplateCheck(t.name, True, "computation", None, note, pinned)
         fc = _get(v, "failure_class")
-        if fc not in MISMATCH:
+        if fc in INCONCLUSIVE:
             if first is None:  # the default itself could not be judged: keep the template, say why
                 return TemplateCheck(t.name, True, "computation", fc,
                                      f"check inconclusive ({fc}): {_get(v, 'message')[:300]}")
             continue
         first = first or v
+    what = "computes something else than the module" if _get(first, "failure_class") in MISMATCH else \
+        "cannot run the module's own call"
     return TemplateCheck(t.name, False, "computation", _get(first, "failure_class"),
-                         f"default config computes something else than the module: {_brief(first)}")
+                         f"default config {what}: {_brief(first)}")
 
 
 def applicable_templates(templates: Sequence[Template], checks: Sequence[TemplateCheck]) -> list[Template]:
@@ -85,5 +91,7 @@ def _get(v: Any, key: str) -> Any:
 def _brief(v: Any) -> str:
     if v is None:
         return ""
-    msg = " ".join(str(_get(v, "message") or "").split())
-    return f"{_get(v, 'failure_class')}: {msg[:240]}"
+    lines = [ln.strip() for ln in str(_get(v, "message") or "").splitlines() if ln.strip()]
+    if len(lines) > 1 and any(ln.startswith("Traceback") for ln in lines):  # the raise, not the frames
+        lines = [lines[0].split("Traceback")[0].strip(), lines[-1]]
+    return f"{_get(v, 'failure_class')}: {' '.join(ln for ln in lines if ln)[:240]}"

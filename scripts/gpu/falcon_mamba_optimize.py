@@ -15,6 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main() -> int:
     from flows.optimize import optimize_workload
+    from kernels_runtime.ops._common import interpret_without_gpu
+
+    interpret_without_gpu()  # a CPU smoke run: Triton's interpreter, as the CLI sets it
 
     workload, db = sys.argv[1], sys.argv[2]
     budget = int(sys.argv[3]) if len(sys.argv) > 3 else 1
