@@ -56,16 +56,27 @@ def new_run_id(name: str) -> str:
     return f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-def _build(workload_path: str):
+def _build(workload_path: str, corners: bool = False):
+    """(workload, model, run_fn). corners: run_fn runs the representative point, then every corner of the
+    workload's serving regime (llm4llm/regime.py), so extraction captures each task's calls at those shapes too."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
-    batch = call_script(script.inputs, wl)
+    points = [wl]
+    if corners and wl.regime is not None:
+        points += [wl.model_copy(update={"batch_size": b, "prompt_len": n, "decode_len": d})
+                   for b, n, d in wl.regime.corners(wl.decode_len)
+                   if (b, n, d) != (wl.batch_size, wl.prompt_len, wl.decode_len)]
+    batches = [call_script(script.inputs, w) for w in points]
 
     def run_fn():
-        return call_script(script.run, model, wl, batch)
+        out = None
+        for w, batch in zip(points, batches):
+            result = call_script(script.run, model, w, batch)
+            out = result if out is None else out  # the representative point's result
+        return out
 
     return wl, model, run_fn
 
@@ -179,10 +190,13 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
 
     progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
     payload, profile = load_profile(profile_path)
-    wl, model, run_fn = _build(workload_path)
+    wl, model, run_fn = _build(workload_path, corners=True)
+    # a regime's corners are captured as cases of the same tasks (each corner adds a prefill and a decode shape)
+    corners = len(wl.regime.corners(wl.decode_len)) if wl.regime is not None else 0
     specs = extract_tasks(
         model, run_fn, profile, Path(data_dir) / "tasks",
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
+        max_cases=4 + 2 * corners,
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
