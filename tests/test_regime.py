@@ -28,9 +28,9 @@ def _workload(tmp_path: Path, regime: str) -> Path:
 def test_the_representative_point_must_lie_inside_the_regime(tmp_path):
     from llm4llm.errors import WorkloadError
 
-    wl = load_workload(_workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 12]\n"))
-    assert wl.regime.corners(wl.decode_len) == [(1, 4, 3), (1, 12, 3), (3, 4, 3), (3, 12, 3)]
-    with pytest.raises(WorkloadError, match="prompt_lens: 8 outside 10..12"):
+    wl = load_workload(_workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 20]\n"))
+    assert wl.regime.corners(wl.decode_len) == [(1, 4, 4), (1, 20, 4), (3, 4, 4), (3, 20, 4)]
+    with pytest.raises(WorkloadError, match="prompt_lens: 16 outside 10..12"):
         load_workload(_workload(tmp_path, "batch_sizes = [1, 2]\nprompt_lens = {min = 10, max = 12}\n"))
     with pytest.raises(WorkloadError, match="min <= max"):
         load_workload(_workload(tmp_path, "batch_sizes = {min = 3, max = 1}\nprompt_lens = [8]\n"))
@@ -41,7 +41,7 @@ def test_a_bundle_over_a_regime_runs_its_kernels_at_another_in_regime_shape(tmp_
     from llm4llm.verify import VerifierPool
     from llm4llm.workload import call_script, load_script
 
-    wpath = _workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 12]\n")
+    wpath = _workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 20]\n")
     data = tmp_path / "data"
     run_extract(str(wpath), run_profile(str(wpath), str(data)), str(data))
     dirs = [d for d in (data / "tasks").iterdir() if d.name.startswith("ssm_block")]
