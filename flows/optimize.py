@@ -20,6 +20,19 @@ def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) ->
         print(f"artifact {kind}: not published ({state.message})")
 
 
+def _coverage_artifact(run_id: str, db_path: str | None) -> None:
+    """The run's template coverage (pipeline.coverage_table) as a Prefect table artifact."""
+    from prefect.artifacts import create_table_artifact
+
+    cov = pipeline.coverage_table(run_id, db_path)
+    rows = [r for r in cov["tasks"] if r["status"] != "not checked"]
+    if rows:
+        shares = ", ".join(f"{p} {100 * s:.1f}%" for p, s in cov["phases"].items()) or "none"
+        create_table_artifact(key="coverage", table=rows,
+                              description=f"Template coverage of run {run_id}; phase time under accepted patches: "
+                                          f"{shares}")
+
+
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
                       data_dir: str | None = None, new_run: bool = False) -> dict:
@@ -92,6 +105,7 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
                                         llm=cfg.llm, decode_timing=decode_timing, scale=cfg.scale)
         out["acceptance"] = accept_patches(workload_path, prof["run_id"], accept_cfg, db_path, data_dir)
     _publish("acceptance", name, prof["run_id"], db_path)
+    _coverage_artifact(prof["run_id"], db_path)
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:

@@ -26,7 +26,8 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
     s = settings if settings is not None else SearchSettings(top=None)
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm
-    dirs = searchable_tasks(run_id, db_path, task_ids, s.families, s.top, s.proposer)
+    dirs = searchable_tasks(run_id, db_path, task_ids, s.families, s.top, s.proposer, device, s.timeout_s,
+                            decode_timing)
     if scale is not None and scale.task_runner == "ray":
         kw = dict(mode=s.mode, budget=s.budget, proposer=s.proposer, device=device, timeout_s=s.timeout_s,
                   seed=s.seed, run_id=run_id, llm=llm, decode_timing=decode_timing)
@@ -38,8 +39,8 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
         finally:
             pipeline.close_pools()
     if results:
-        create_table_artifact(key="search", table=[{k: r[k] for k in ("task_id", "trials", "pass_rate",
-                                                                      "best_utility")} for r in results],
+        create_table_artifact(key="search", table=[{k: r.get(k) for k in ("task_id", "trials", "pass_rate",
+                                                                      "best_utility", "ended_by")} for r in results],
                               description=f"Search results of run {run_id} ({s.mode}, budget {s.budget})")
     return results
 

@@ -387,6 +387,10 @@ class PatchReport:
             reasons.update(v["fallback"])
         for reason, n in reasons.most_common():
             lines.append(f"    fallback {n:>6}  {reason}")
+        outside = sum(n for reason, n in reasons.items() if reason.startswith("shape "))
+        if outside:  # the guards admit what was verified: these calls came from shapes outside it
+            lines.append(f"  {outside} call(s) had shapes outside what the bundle was verified for: re-profile "
+                         f"(llm4llm optimize) with a [regime] in the workload that covers them")
         return "\n".join(lines)
 
 

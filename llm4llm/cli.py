@@ -392,6 +392,23 @@ def _print_tasks(db: Optional[Path], run_id: Optional[str]) -> None:
         df = repo.task_rows(d, run_id)
     cols = ["task_id", "family", "phase", "instances", "dtype", "score", "deployable", "reason"]
     console.print(_df_table(df, f"tasks of run {run_id}", cols))
+    _print_coverage(db, run_id)
+
+
+def _print_coverage(db: Optional[Path], run_id: str) -> None:
+    """Which built-in templates cover each task (decided by running them on its captured calls), which were found
+    inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
+    import pandas as pd
+
+    from llm4llm.pipeline import coverage_table
+
+    cov = coverage_table(run_id, str(db) if db else None)
+    rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed
+    if not rows:
+        return
+    console.print(_df_table(pd.DataFrame(rows), f"template coverage of run {run_id}"))
+    for phase, share in cov["phases"].items():
+        console.print(f"  {phase}: {100 * share:.1f}% of the phase's time is covered by accepted patches")
 
 
 @app.command("tasks")

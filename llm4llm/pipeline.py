@@ -56,16 +56,27 @@ def new_run_id(name: str) -> str:
     return f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-def _build(workload_path: str):
+def _build(workload_path: str, corners: bool = False):
+    """(workload, model, run_fn). corners: run_fn runs the representative point, then every corner of the
+    workload's serving regime (llm4llm/regime.py), so extraction captures each task's calls at those shapes too."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
-    batch = call_script(script.inputs, wl)
+    points = [wl]
+    if corners and wl.regime is not None:
+        points += [wl.model_copy(update={"batch_size": b, "prompt_len": n, "decode_len": d})
+                   for b, n, d in wl.regime.corners(wl.decode_len)
+                   if (b, n, d) != (wl.batch_size, wl.prompt_len, wl.decode_len)]
+    batches = [call_script(script.inputs, w) for w in points]
 
     def run_fn():
-        return call_script(script.run, model, wl, batch)
+        out = None
+        for w, batch in zip(points, batches):
+            result = call_script(script.run, model, w, batch)
+            out = result if out is None else out  # the representative point's result
+        return out
 
     return wl, model, run_fn
 
@@ -186,10 +197,13 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
 
     progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
     payload, profile = load_profile(profile_path)
-    wl, model, run_fn = _build(workload_path)
+    wl, model, run_fn = _build(workload_path, corners=True)
+    # a regime's corners are captured as cases of the same tasks (each corner adds a prefill and a decode shape)
+    corners = len(wl.regime.corners(wl.decode_len)) if wl.regime is not None else 0
     specs = extract_tasks(
         model, run_fn, profile, Path(data_dir) / "tasks",
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
+        max_cases=4 + 2 * corners,
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
@@ -268,16 +282,17 @@ def close_pools() -> None:
     _POOLS.clear()
 
 
-def make_proposer(kind: str, seed: int = 0, llm=None):
+def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
     """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget).
 
     `llm`: an LLMConfig, or a dict of its fields (the CLI's merged `[llm]` table + env + flags, or a caller's own;
     env `LLM4LLM_LLM_*` fill what the dict leaves out or sets to None). API keys are never part of it: litellm
-    reads them from the provider's environment variable."""
+    reads them from the provider's environment variable. templates: the built-in templates the library proposer
+    may use (default: all; the applicability check passes those that match the task's module)."""
     from llm4llm.search.builtin import LibraryProposer
 
     if kind == "library":
-        return LibraryProposer(seed=seed)
+        return LibraryProposer(seed=seed, templates=templates)
     if kind not in ("llm", "hybrid"):
         raise ValueError(f"proposer: expected library, llm or hybrid, got {kind!r}")
     from llm4llm.llm.config import LLMConfig, load_llm_config
@@ -286,7 +301,7 @@ def make_proposer(kind: str, seed: int = 0, llm=None):
     cfg = llm if isinstance(llm, LLMConfig) else load_llm_config(None, flags=dict(llm or {}))
     if kind == "llm":
         return LLMProposer(cfg)
-    return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed), cfg.hybrid_share)
+    return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed, templates=templates), cfg.hybrid_share)
 
 
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
@@ -304,7 +319,20 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     from storage.db import Database
 
     spec = load_spec(Path(task_dir))
-    prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm)
+    templates = None
+    if proposer_obj is None and proposer in ("library", "hybrid"):  # the built-in templates that compute what this module does
+        from llm4llm.search.applicability import NOT_COVERED
+        from llm4llm.search.templates import TEMPLATES
+
+        checks = check_applicability(task_dir, db_path, run_id, device, timeout_s, decode_timing)
+        templates = applicable_templates_of(TEMPLATES, checks)
+        if not templates and proposer == "library":
+            print(f"search: {spec.task_id} {NOT_COVERED} (no trial spent)")
+            return {"search_id": None, "task_id": spec.task_id, "trials": 0, "pass_rate": 0.0,
+                    "best_candidate": None, "best_utility": None, "episodes": 0, "ended_by": NOT_COVERED}
+        if not templates:  # hybrid: the LLM writes for it alone
+            proposer = "llm"
+    prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm, templates)
     pool, lock = verifier_pool(device, timeout_s, decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
@@ -597,11 +625,13 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
 
 
 def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
-                         top: int | None, proposer: str = "library") -> list[str]:
+                         top: int | None, proposer: str = "library", device: str | None = None,
+                         timeout_s: float = 120.0, decode_timing: str = "launch") -> list[str]:
     """The task dirs a search fans out to: deployable tasks (of `task_ids`, of `families`), hottest first, the top
     N of them. With the library proposer alone, tasks no built-in template applies to are left out before the top N
     is taken (a search of them spends no trial: on the H200 two of RecurrentGemma's five searched tasks were such),
-    and each is named with why; the LLM proposers can write for any task."""
+    and each is named with why; the LLM proposers can write for any task. With `device`, "applies" is decided by
+    computation (`check_applicability`, hottest first until N tasks are covered), else by the templates' scope."""
     from llm4llm.search.builtin import LibraryProposer
     from llm4llm.taskspec import load_spec
     from storage import repo
@@ -619,14 +649,109 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
     if proposer == "library":
         library, kept = LibraryProposer(), []
         for d in dirs:
+            if top and len(kept) >= top:
+                break
             spec = load_spec(Path(d))
-            if library.templates_for(spec):
-                kept.append(d)
-            else:
+            if not library.templates_for(spec):
                 why = "; ".join(library.skipped(spec).values()) or f"no template for {spec.family}/{spec.phase}"
                 print(f"search: {spec.task_id} left out, no built-in template applies ({why[:300]})")
+                continue
+            if device is not None:
+                checks = check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+                if not any(c["applicable"] for c in checks):
+                    why = "; ".join(f"{c['template']}: {c['reason']}" for c in checks)
+                    print(f"search: {spec.task_id} left out, no built-in template computes what it does "
+                          f"({why[:300]})")
+                    continue
+            kept.append(d)
         dirs = kept
     return dirs[:top] if top else dirs
+
+
+def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, device: str,
+                        timeout_s: float = 120.0, decode_timing: str = "launch") -> list[dict]:
+    """The task's template checks (llm4llm.search.applicability): recorded ones of this code version when every
+    template of its family has one, else run now in the device's verifier worker (correctness on the captured
+    cases only: no budget) and written to `template_checks`. Returns one dict per template of the family."""
+    from llm4llm.search.applicability import check_templates
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    spec = load_spec(Path(task_dir))
+    names = {t.name for t in TEMPLATES if t.family == spec.family and spec.phase in t.phases}
+    with Database(db_path) as db:
+        df = repo.template_check_rows(db, [spec.task_id], code_version())
+    if names <= set(df["template"]):
+        return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in df.to_dict("records")
+                if r["template"] in names]
+    pool, lock = verifier_pool(device, timeout_s, decode_timing)
+
+    def verify(path, source):
+        with lock:
+            return pool.verify(path, source, draws=0, timing=False)
+
+    rows = [{**c.row(spec.task_id, run_id), "code_version": code_version()}
+            for c in check_templates(Path(task_dir), spec, TEMPLATES, verify)]
+    with Database(db_path) as db:
+        repo.record_template_checks(db, rows)
+    for r in rows:
+        if not r["applicable"] and r["stage"] == "computation":
+            print(f"applicability: {r['template']} inapplicable to {spec.task_id}: {r['reason'][:300]}")
+    return rows
+
+
+def applicable_templates_of(templates, checks: list[dict]) -> list:
+    """The templates whose check passed, pinned to the option values that matched."""
+    from llm4llm.search.applicability import TemplateCheck, applicable_templates
+
+    fields = ("template", "applicable", "stage", "failure_class", "reason", "pinned")
+    return applicable_templates(templates, [TemplateCheck(**{k: c.get(k) for k in fields}) for c in checks])
+
+
+def coverage_table(run_id: str, db_path: str | None) -> dict:
+    """Per deployable task of a run: the built-in templates that compute what its module does, those found
+    inapplicable and why, the templates tried, trials (and wrong-output trials), whether a patch was accepted, and
+    the task's share of its phase's time; per phase, the share some accepted patch covers (instances of an accepted
+    task nested in another accepted task's instances are counted once). {"tasks": [...], "phases": {...}}."""
+    from llm4llm.search.applicability import NOT_COVERED
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        cov = repo.coverage_rows(db, run_id)
+        checks = repo.template_check_rows(db, list(cov["task_id"]))
+    by_task: dict[str, list[dict]] = {}
+    for r in checks.to_dict("records"):
+        by_task.setdefault(r["task_id"], []).append(r)
+    rows, covered_paths = [], {}
+    for r in cov.to_dict("records"):
+        if not r["deployable"]:
+            continue
+        cs = by_task.get(r["task_id"], [])
+        ok = [c["template"] for c in cs if c["applicable"]]
+        bad = [f"{c['template']} ({c['reason'][:160]})" for c in cs if not c["applicable"] and c["stage"] == "computation"]
+        share = float(r["time_ms"] or 0.0) / float(r["phase_ms"]) if r["phase_ms"] else 0.0
+        status = "accepted" if r["accepted"] else ("searched" if r["trials"] else
+                                                    ("not checked" if not cs else (NOT_COVERED if not ok else "")))
+        rows.append({"task_id": r["task_id"], "family": r["family"], "phase": r["phase"],
+                     "applicable": ", ".join(ok), "inapplicable": "; ".join(bad), "tried": r["templates_tried"],
+                     "trials": int(r["trials"]), "wrong_output": int(r["wrong_output"]), "accepted": bool(r["accepted"]),
+                     "phase_share": round(share, 4), "status": status})
+        if r["accepted"] and r["artifact_path"]:
+            try:
+                insts = load_spec(Path(r["artifact_path"])).instances
+            except Exception:  # noqa: BLE001 - a deleted artifact: its share is still the task's own
+                insts = [r["task_id"]]
+            covered_paths.setdefault(r["phase"], []).append((insts, float(r["time_ms"] or 0.0), r["phase_ms"]))
+    phases = {}
+    for phase, items in covered_paths.items():
+        outer = [i for i in items if not any(o is not i and all(any(p.startswith(q + ".") for q in o[0])
+                                                                for p in i[0]) for o in items)]
+        phases[phase] = round(sum(t for _, t, _ in outer) / float(items[0][2]), 4) if items[0][2] else 0.0
+    return {"tasks": rows, "phases": phases}
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:

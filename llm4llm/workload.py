@@ -22,6 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, Vali
                       field_validator, model_validator)
 
 from llm4llm.errors import DeviceError, Llm4llmError, ScriptError, WorkloadError
+from llm4llm.regime import Regime
 
 SCRIPT_FUNCTIONS = ("build", "inputs", "run")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -102,6 +103,14 @@ class Workload(BaseModel):
     seed: StrictInt = Field(default=0, ge=0)
     phase_weights: PhaseWeights | None = None
     llm: dict[str, Any] | None = None  # the [llm] table: validated by llm4llm.llm.config when the LLM proposer runs
+    regime: Regime | None = None  # the serving regime (llm4llm/regime.py); the fields above are its representative point
+
+    @model_validator(mode="after")
+    def _point_in_regime(self) -> "Workload":
+        why = self.regime.contains(self.batch_size, self.prompt_len, self.decode_len) if self.regime else None
+        if why:
+            raise ValueError(f"regime: expected batch_size, prompt_len, decode_len inside it, got {why}")
+        return self
 
     _toml_path: Path | None = PrivateAttr(default=None)
     _toml_text: str | None = PrivateAttr(default=None)

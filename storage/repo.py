@@ -305,3 +305,49 @@ def kb_curves(db: Database, kb_run_id: str):
         "SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(best, 1.0)))) AS geo_best, "
         "avg(solved) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
         [kb_run_id])
+# ---- template applicability and coverage (migration 006) ------------------------------------------------------
+
+def record_template_checks(db: Database, rows: Iterable[dict]) -> None:
+    """One row per (task, template): replaces an earlier check of the same pair (a new code version re-checks)."""
+    with db.transaction() as con:
+        for r in rows:
+            _insert(con, "template_checks", {"task_id": r["task_id"], "template": r["template"],
+                                             "run_id": r.get("run_id"), "applicable": bool(r["applicable"]),
+                                             "stage": r["stage"], "failure_class": r.get("failure_class"),
+                                             "reason": (r.get("reason") or "")[:2000],
+                                             "pinned_json": r.get("pinned") or {},
+                                             "code_version": r.get("code_version"), "checked_at": _now()},
+                    replace=True)
+
+
+def template_check_rows(db: Database, task_ids: list[str] | None = None, code_version: str | None = None):
+    where, params = [], []
+    if task_ids is not None:
+        where.append(f"task_id IN ({', '.join('?' for _ in task_ids)})" if task_ids else "FALSE")
+        params += list(task_ids)
+    if code_version:
+        where.append("code_version = ?")
+        params.append(code_version)
+    sql = "SELECT * FROM template_checks" + (" WHERE " + " AND ".join(where) if where else "")
+    return db.query_df(sql + " ORDER BY task_id, template", params)
+
+
+def coverage_rows(db: Database, run_id: str):
+    """Per task of a run: templates tried (with candidate rows), passing trials, accepted (by acceptance), its
+    time and its phase's time (runs.prefill_ms / decode_ms) for the share some accepted patch covers."""
+    return db.query_df(
+        "WITH tried AS (SELECT c.task_id, string_agg(DISTINCT c.template, ', ') AS templates_tried, "
+        "count(*) AS trials, count(*) FILTER (WHERE c.passed) AS passed, "
+        "count(*) FILTER (WHERE c.failure_class = 'wrong_output') AS wrong_output "
+        "FROM candidates c JOIN searches s USING (search_id) WHERE s.run_id = ? GROUP BY c.task_id), "
+        "acc AS (SELECT task_id, bool_or(decision = 'accepted') AS accepted FROM acceptances WHERE run_id = ? "
+        "GROUP BY task_id) "
+        "SELECT t.task_id, t.family, t.phase, t.time_ms, t.artifact_path, t.deployable, "
+        "CASE t.phase WHEN 'prefill' THEN r.prefill_ms ELSE r.decode_ms END AS phase_ms, "
+        "coalesce(tried.templates_tried, '') AS templates_tried, coalesce(tried.trials, 0) AS trials, "
+        "coalesce(tried.passed, 0) AS passed, coalesce(tried.wrong_output, 0) AS wrong_output, "
+        "coalesce(acc.accepted, FALSE) AS accepted "
+        "FROM tasks t JOIN runs r ON r.run_id = t.run_id LEFT JOIN tried ON tried.task_id = t.task_id "
+        "LEFT JOIN acc ON acc.task_id = t.task_id WHERE t.run_id = ? ORDER BY t.score DESC",
+        [run_id, run_id, run_id],
+    )

@@ -18,6 +18,8 @@ WORKLOADS = Path(__file__).resolve().parents[1] / "examples" / "workloads"
 
 # (workload, template, phase): each template on the workload(s) whose tasks it was written for
 CASES = [
+    ("tiny-gpt-neox", "norm.layernorm", "prefill"),  # LayerNorm with bias
+    ("tiny-gpt-neox", "norm.layernorm", "decode"),
     ("tiny-llama", "norm.rmsnorm_op", "prefill"),
     ("tiny-llama", "norm.rmsnorm_op", "decode"),
     ("tiny-llama", "norm.rmsnorm_rows", "prefill"),

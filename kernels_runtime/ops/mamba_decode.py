@@ -124,13 +124,28 @@ def _dt_state_update_kernel(
     stride_pb, stride_xw, stride_dtw, stride_ad, stride_ob, stride_sb, stride_sd,
     DT_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, SKIP_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr,
     RNE: tl.constexpr, INPLACE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_XPROJ: tl.constexpr = False, BLOCK_I: tl.constexpr = 128,
+    HAS_XPROJ: tl.constexpr = False, BLOCK_I: tl.constexpr = 128, HAS_RMS: tl.constexpr = False, rms_eps=1e-6,
 ):
     # HAS_XPROJ: x_proj's output (dt_low, B, C: R + 2N values, each a reduction over all I channels) computed here
     # by every program from xc and x_proj's weight, instead of by a launch of its own (it is small: R + 2N rows)
+    # HAS_RMS: Falcon-Mamba's weightless RMSNorms on dt_low, B and C (each over its own R or N values, in fp32,
+    # rounded to the activation dtype), applied as x_proj's output is read: every program reads all of it anyway
     pid_b = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < I
+    dt_rstd = 1.0
+    if HAS_RMS:  # dt_low's statistics first (R values, in chunks)
+        ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            if HAS_XPROJ:
+                pv = _xproj_rows(xw_ptr, xc_ptr + pid_b * stride_ob, stride_xw, offs_r, mask_r, I, DT_DTYPE,
+                                 BLOCK_I)
+            else:
+                pv = tl.load(p_ptr + pid_b * stride_pb + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            ss += pv * pv
+        dt_rstd = tl.rsqrt(tl.sum(ss, axis=0) / R + rms_eps)
     # dt_proj row d over the first R entries of x_proj's output (no bias: added in fp32 below, as HF's update does)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -140,6 +155,8 @@ def _dt_state_update_kernel(
             pv = _xproj_rows(xw_ptr, xc_ptr + pid_b * stride_ob, stride_xw, offs_r, mask_r, I, DT_DTYPE, BLOCK_I)
         else:
             pv = tl.load(p_ptr + pid_b * stride_pb + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        if HAS_RMS:
+            pv = rnd(pv * dt_rstd, DT_DTYPE)
         w = tl.load(dtw_ptr + offs_d[:, None] * stride_dtw + offs_r[None, :],
                     mask=mask_d[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * pv[None, :], axis=1)
@@ -157,6 +174,9 @@ def _dt_state_update_kernel(
     else:
         Bv = tl.load(p_ptr + pid_b * stride_pb + R + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         Cv = tl.load(p_ptr + pid_b * stride_pb + R + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_RMS:
+        Bv = rnd(Bv * tl.rsqrt(tl.sum(Bv * Bv, axis=0) / N + rms_eps), DT_DTYPE)
+        Cv = rnd(Cv * tl.rsqrt(tl.sum(Cv * Cv, axis=0) / N + rms_eps), DT_DTYPE)
     x = tl.load(xc_ptr + pid_b * stride_ob + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     s_offs = pid_b * stride_sb + offs_d[:, None] * stride_sd + offs_n[None, :]
     h = tl.load(s_ptr + s_offs, mask=mask_dn, other=0.0).to(tl.float32)
@@ -246,13 +266,16 @@ def mamba_in_proj_conv(x, in_proj_w, in_proj_b, conv_state, conv_w, conv_b, mask
 
 
 def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *, BLOCK_D=32, num_warps=2,
-                          inplace=False, x_proj_w=None, BLOCK_I=128):
+                          inplace=False, x_proj_w=None, BLOCK_I=128, rms_eps=None):
     """p: [B, R + 2N] (x_proj's output: dt_low, B, C); dt_proj_w: [I, R]; dt_proj_b, D: [I]; A_log: [I, N];
     xc, z: [B, I]; ssm_state: [B, I, N] (not modified, or with inplace=True updated in place and returned: it must
     be contiguous) -> (y [B, I], new ssm state [B, I, N] in ssm_state's dtype).
 
     x_proj_w [R + 2N, I] with p=None: x_proj is computed inside this launch (every program reduces the R + 2N rows
-    over xc in chunks of BLOCK_I), one launch a layer fewer; its output rounded as nn.Linear's, in xc's dtype."""
+    over xc in chunks of BLOCK_I), one launch a layer fewer; its output rounded as nn.Linear's, in xc's dtype.
+
+    rms_eps (Falcon-Mamba, `mixer_rms_eps`): dt_low, B and C each RMS-normalized (no weight) before use, in fp32 and
+    rounded to the activation dtype, as `FalconMambaWeightlessRMSNorm` does (see ops/bcdt_rmsnorm.py)."""
     Bsz, I = xc.shape
     N = A_log.shape[1]
     R = dt_proj_w.shape[1]
@@ -290,7 +313,8 @@ def mamba_dt_state_update(p, dt_proj_w, dt_proj_b, A_log, D, xc, z, ssm_state, *
         ssm_state.stride(1),
         DT_DTYPE=_TL[pp.dtype], Y_DTYPE=_TL[pp.dtype], SKIP_DTYPE=_TL[skip], Z_DTYPE=_TL[z.dtype], RNE=interpreting(),
         INPLACE=inplace, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(N), BLOCK_R=min(64, triton.next_power_of_2(R)),
-        HAS_XPROJ=x_proj_w is not None, BLOCK_I=BLOCK_I, num_warps=num_warps,
+        HAS_XPROJ=x_proj_w is not None, BLOCK_I=BLOCK_I, HAS_RMS=rms_eps is not None,
+        rms_eps=float(rms_eps) if rms_eps is not None else 0.0, num_warps=num_warps,
     )
     return y, s_out
 

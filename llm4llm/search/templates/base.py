@@ -7,6 +7,7 @@ verifier's static gate: torch only allocates, views and copies; compute happens 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -42,6 +43,24 @@ class Template:
     # further starting points tried right after the default (derived from the task's shapes and GPU)
     seeds_fn: Callable[[TaskSpec], list[dict[str, Any]]] = lambda spec: []
     choice_requires: dict[tuple[str, Any], tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    # keys whose value follows from the module's computation, not from speed (Falcon-Mamba's dt/B/C norms): the
+    # applicability check tries the default, then each other value of these, and pins the one that matches
+    options: tuple[str, ...] = ()
+
+    def pinned(self, values: dict[str, Any]) -> "Template":
+        """This template with `values` (option keys) fixed: the config space a search of one task explores once
+        the applicability check found which variant computes what the module does."""
+        if not values:
+            return self
+        space_fn = self.space_fn
+        return dataclasses.replace(self, space_fn=lambda spec: {**space_fn(spec), **{k: [v] for k, v in
+                                                                                   values.items()}})
+
+    def variants(self, spec: TaskSpec) -> list[dict[str, Any]]:
+        """The option assignments the applicability check tries after the default's: every other value of each
+        option key (one key at a time)."""
+        space, default = self.space(spec), self.default(spec)
+        return [{k: v} for k in self.options if k in space for v in space[k] if v != default[k]]
 
     def missing_ops(self, config: dict[str, Any] | None = None) -> list[str]:
         """The `module.attr` names this template (or this config of it) imports that do not exist yet."""

@@ -1,4 +1,5 @@
-"""mlp family: SwiGLU MLP `down(silu(gate(x)) * up(x))` (LlamaMLP, Qwen3MLP), fusion scope as a config choice:
+"""mlp family: SwiGLU MLP `down(silu(gate(x)) * up(x))` (LlamaMLP, Qwen3MLP; Phi3MLP's one `gate_up_proj` Linear as
+row views [gate | up] of its weight), fusion scope as a config choice:
 - "gate_up_swiglu": gate/up in one GEMM with the silu-mul epilogue (kernels_runtime.ops.swiglu.swiglu_fused),
   rounding like HF; then the down projection with the Triton linear.
 - "gate_up_linear": the same fusion through linear(..., epilogue="silu", w_up=...) (one fp32 rounding).
@@ -14,13 +15,18 @@ SWIGLU = "kernels_runtime.ops.swiglu"
 SCOPES = ["gate_up_swiglu", "gate_up_linear", "separate"]
 
 
+GATE_UP = {"gate_proj.weight", "up_proj.weight"}
+FUSED_GATE_UP = "gate_up_proj.weight"  # one Linear [2I, H] whose output chunks into (gate, up): Phi-3
+
+
 def _applies(spec: TaskSpec) -> str | None:
-    need = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
-    if not need <= set(spec.weight_names) or spec.input_names != ["x"]:
-        return f"mlp: expected input ['x'] and weights {sorted(need)}, got {spec.input_names}, {spec.weight_names}"
-    if any(w.endswith(".bias") for w in spec.weight_names):
+    w = set(spec.weight_names)
+    if not (GATE_UP <= w or FUSED_GATE_UP in w) or "down_proj.weight" not in w or len(spec.input_names) != 1:
+        return f"mlp: expected one input and weights gate_proj + up_proj (or one gate_up_proj) + down_proj, got " \
+               f"{spec.input_names}, {spec.weight_names}"
+    if any(n.endswith(".bias") for n in spec.weight_names):
         return "mlp: projections with bias are out of scope"
-    act = spec.static.get("act_fn.__class__", "SiLUActivation")
+    act = spec.static.get("act_fn.__class__", spec.static.get("activation_fn.__class__", "SiLUActivation"))
     if act not in ("SiLU", "SiLUActivation"):
         return f"mlp: expected a SiLU act_fn, got {act!r}"
     return None
@@ -40,12 +46,16 @@ def _render(spec: TaskSpec, config: dict) -> str:
     else:
         imports.append("from kernels_runtime.ops.swiglu import silu_and_mul")
         mid = '    h = silu_and_mul(linear(x, wg, **LIN), linear(x, wu, **LIN))  # [..., I]\n'
+    if FUSED_GATE_UP in spec.weight_names:  # rows [gate | up] of one Linear: contiguous row views, no copy
+        split = ('    w = weights["gate_up_proj.weight"]  # [2I, H]\n'
+                 '    wg, wu = w[: w.shape[0] // 2], w[w.shape[0] // 2:]  # [I, H] each\n')
+    else:
+        split = '    wg, wu = weights["gate_proj.weight"], weights["up_proj.weight"]  # [I, H]\n'
     return header("mlp.swiglu", spec, imports, config) + LIN_KWARGS + f'''
 
 def entry(inputs, weights, state, static):
-    x = inputs["x"]  # [..., H]
-    wg, wu = weights["gate_proj.weight"], weights["up_proj.weight"]  # [I, H]
-{mid}    return {{"out": linear(h, weights["down_proj.weight"], **LIN)}}  # [..., H]
+    x = inputs["{spec.input_names[0]}"]  # [..., H]
+{split}{mid}    return {{"out": linear(h, weights["down_proj.weight"], **LIN)}}  # [..., H]
 '''
 
 

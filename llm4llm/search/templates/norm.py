@@ -1,4 +1,5 @@
-"""norm family: Llama-style RMSNorm (`weight * normed.to(input dtype)`) over the last dim, and Mamba2's gated
+"""norm family: LayerNorm with or without bias (torch.nn.LayerNorm: GPT-NeoX, Phi, StableLM, GPT-J), Llama-style
+RMSNorm (`weight * normed.to(input dtype)`) over the last dim, and Mamba2's gated
 RMSNorm (`MambaRMSNormGated`: `weight * rmsnorm(x * silu(gate)).to(input dtype)`, normalised over the whole last dim,
 as HF 5.17 does)."""
 from __future__ import annotations
@@ -139,7 +140,60 @@ def entry(inputs, weights, state, static):
 '''
 
 
+def _applies_layernorm(spec: TaskSpec) -> str | None:
+    if len(spec.input_names) != 1 or spec.weight_names not in (["weight", "bias"], ["weight"]):
+        return f"norm.layernorm: expected one input and weights ['weight'(, 'bias')], got {spec.input_names}, " \
+               f"{spec.weight_names}"
+    shape = spec.static.get("normalized_shape")
+    if not isinstance(shape, list) or len(shape) != 1:
+        return f"norm.layernorm: expected a normalized_shape over the last dim, got {shape!r}"
+    return None
+
+
+def _render_layernorm(spec: TaskSpec, config: dict) -> str:
+    x = spec.input_names[0]
+    return header("norm.layernorm", spec, [], config) + f'''
+
+@triton.jit
+def _layernorm_rows_kernel(X, W, B, Y, n_rows, N, eps, stride_x, stride_y,
+                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # torch's layer_norm: mean and biased variance in fp32, (x - mean) * rstd * w + b, one rounding at the store
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N  # [ROWS]
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None] * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def entry(inputs, weights, state, static):
+    x, w, b = inputs["{x}"], weights["weight"], weights.get("bias")
+    eps = float(_static(static, "eps", {EPS_NAMES}))
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)
+    rows = CONFIG["ROWS"]
+    if x2.shape[0] > 0:
+        _layernorm_rows_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, w, b if b is not None else w, y2, x2.shape[0], n, eps, x2.stride(0), y2.stride(0),
+            HAS_BIAS=b is not None, ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
+    return {{"out": y}}
+'''
+
+
 TEMPLATES = [
+    Template(name="norm.layernorm", family="norm", phases=("prefill", "decode"), requires=(),
+             space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]},
+             render_fn=_render_layernorm, applies_fn=_applies_layernorm,
+             default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
     Template(name="norm.rmsnorm_op", family="norm", phases=("prefill", "decode"),
              requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm"),),
              space_fn=lambda spec: {"num_warps": [1, 2, 4, 8, 16]}, render_fn=_render_op, applies_fn=_applies,

@@ -3,7 +3,10 @@ state is the last K inputs) or causal_conv1d_update (decode) -> x_proj, dt_proj 
 with the D skip and the silu(z) gate fused (prefill) or selective_state_update (decode) -> out_proj. The state-in is
 copied before the in-place decode updates: a candidate never modifies its inputs. A 2-D `attention_mask` input
 (prefill) zeroes padded positions before in_proj and after the conv, as HF does. Limit: the SiLU activation only
-(MambaConfig's default).
+(MambaConfig's default). Option `xproj_rms` (Falcon-Mamba's `FalconMambaMixer`): weightless RMSNorms on dt_low, B
+and C right after x_proj (`mixer_rms_eps`), in fp32 — one launch on x_proj's output in prefill
+(ops/bcdt_rmsnorm.py), inside the state-update kernel in the fused decode; the applicability check settles it per
+task by running both values against the module.
 
 16-bit: the chain amplifies 1-ulp differences of its bf16 intermediates (at mamba-130m's dims one flipped rounding per
 stage moves `out` by ~2-3 and the fp32 ssm_state by ~1), so the ops round exactly where HF's torch path does: the conv
@@ -19,6 +22,7 @@ from llm4llm.search.templates.blocks import (BLOCK_ENTRY, BLOCK_PREFILL_ENTRY, B
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
+BCDT_NORM = ("kernels_runtime.ops.bcdt_rmsnorm", "bcdt_rmsnorm")
 CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
 SCAN = ("kernels_runtime.ops.selective_scan", "selective_scan")
 STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
@@ -87,6 +91,8 @@ def _ssm_params(xc, weights, static):
     N = weights["A_log"].shape[1]
     R = weights["dt_proj.weight"].shape[1]
     p = linear(xc, weights["x_proj.weight"], **LIN)  # [..., R + 2N]
+    if CONFIG["xproj_rms"]:  # Falcon-Mamba: weightless RMSNorms on dt_low, B and C, in fp32 (one launch on p)
+        p = bcdt_rmsnorm(p, R, N, float(_static(static, "rms_eps", "dt_layernorm.eps")))
     dt = linear(p[..., :R], weights["dt_proj.weight"], **LIN)
     return dt, p[..., R:R + N], p[..., R + N:]
 '''
@@ -102,6 +108,12 @@ def _applies(spec: TaskSpec) -> str | None:
     return None
 
 
+def _xproj_rms_hint(spec: TaskSpec) -> bool:
+    """The default of the `xproj_rms` option: Falcon-Mamba's mixer records its norms' eps (`rms_eps`). Only a
+    starting point: the applicability check runs both values and keeps the one that matches the module."""
+    return any(k.rsplit(".", 1)[-1] == "rms_eps" for k in spec.static)
+
+
 def _space(spec: TaskSpec) -> dict[str, list]:
     if spec.phase == "decode":
         ops = {"conv_BLOCK_C": [64, 128, 256], "scan_BLOCK_D": [16, 32, 64], "scan_num_warps": [1, 2, 4]}
@@ -110,13 +122,13 @@ def _space(spec: TaskSpec) -> dict[str, list]:
                "scan_num_warps": [1, 2, 4], "scan_BLOCK_T": [0, 4, 8, 16]}  # BLOCK_T 0: one step at a time
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
-    return {**lin, **ops}
+    return {**lin, **ops, "xproj_rms": [False, True]}
 
 
 def _default(spec: TaskSpec) -> dict:
     ops = {"conv_BLOCK_C": 128, "scan_BLOCK_D": 32, "scan_num_warps": 2} if spec.phase == "decode" else \
         {"conv_BLOCK_C": 32, "conv_BLOCK_L": 64, "scan_BLOCK_D": 16, "scan_num_warps": 2, "scan_BLOCK_T": 8}
-    return {**linear_default(spec), **ops}
+    return {**linear_default(spec), **ops, "xproj_rms": _xproj_rms_hint(spec)}
 
 
 # The prefill mixer over its own weight and static names, shared with the block's template (templates/blocks.py);
@@ -146,12 +158,14 @@ def _prefill_step(x, mask, weights, static, residual=None):
     return out, conv_state, ssm_state
 '''
 PREFILL_IMPORTS = ["from kernels_runtime.ops.linear import linear",
+                   "from kernels_runtime.ops.bcdt_rmsnorm import bcdt_rmsnorm",
                    "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
                    "from kernels_runtime.ops.selective_scan import selective_scan"]
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
     imports = ["from kernels_runtime.ops.linear import linear",
+               "from kernels_runtime.ops.bcdt_rmsnorm import bcdt_rmsnorm",
                "from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
                "from kernels_runtime.ops.selective_scan import selective_state_update"]
     return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
@@ -182,7 +196,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
             "ssu_BLOCK_D": [8, 16, 32, 64], "ssu_num_warps": [1, 2, 4], "state_inplace": [True, False],
-            "ssu_xproj_fused": [True, False]}
+            "ssu_xproj_fused": [True, False], "xproj_rms": [False, True]}
 
 
 def _default_fused(spec: TaskSpec) -> dict:
@@ -195,7 +209,8 @@ def _default_fused(spec: TaskSpec) -> dict:
             # on the H200 the block task's five fastest configs all had it off (0.015-0.018 ms against 0.043-0.049
             # ms with it, mamba-130m, 2026-11-30-h200-g)
             "ssu_xproj_fused": False,
-            "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
+            "state_inplace": True,  # the kernels update the cache's states: no write-back copies (2 launches a layer)
+            "xproj_rms": _xproj_rms_hint(spec)}
 
 
 def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
@@ -247,7 +262,9 @@ def _fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, resi
     y, ssm_state = mamba_dt_state_update(
         p, weights["dt_proj.weight"], weights["dt_proj.bias"], weights["A_log"], weights["D"], xc, z,
         state["ssm_state"], BLOCK_D=CONFIG["ssu_BLOCK_D"], num_warps=CONFIG["ssu_num_warps"], inplace=STATE_IN_PLACE,
-        x_proj_w=weights["x_proj.weight"] if fused else None)
+        x_proj_w=weights["x_proj.weight"] if fused else None,
+        # Falcon-Mamba's dt/B/C RMSNorms, applied in fp32 as the kernel reads x_proj's output
+        rms_eps=float(_static(static, "rms_eps", "dt_layernorm.eps")) if CONFIG["xproj_rms"] else None)
     out = linear(y.view(y.shape[0], 1, y.shape[1]), weights["out_proj.weight"], weights.get("out_proj.bias"),
                  residual=residual, **LIN)  # [+ residual]: a block's add, in the store
     return out, conv_state, ssm_state
@@ -263,22 +280,24 @@ _render_decode_fused = renderer("ssm_mixer.mamba_decode_fused", FUSED_IMPORTS, L
 _render_block_decode_fused = renderer("ssm_block.mamba_decode_fused", FUSED_IMPORTS, LIN_KWARGS, BLOCK_ENTRY,
                                       FUSED_STEP)
 
+XPROJ_OPTION = ("xproj_rms",)  # a property of the module (Falcon-Mamba or not), settled by the applicability check
+
 TEMPLATES = [
-    Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN),
+    Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, BCDT_NORM),
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default,
-             seeds_fn=_scan_seeds),
+             seeds_fn=_scan_seeds, options=XPROJ_OPTION),
     Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
-             requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE), space_fn=_space, render_fn=_render_decode,
-             applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
+             requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE, BCDT_NORM), space_fn=_space, render_fn=_render_decode,
+             applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default), options=XPROJ_OPTION),
     Template(name="ssm_mixer.mamba_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_decode_fused,
              applies_fn=_applies_fused, default_fn=_default_fused,
-             seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,))),
-    Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP),
+             seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,)), options=XPROJ_OPTION),
+    Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP, BCDT_NORM),
              space_fn=_space, render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba", _applies),
-             default_fn=_default, seeds_fn=_scan_seeds),
+             default_fn=_default, seeds_fn=_scan_seeds, options=XPROJ_OPTION),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_block_decode_fused,
              applies_fn=block_applies("ssm_block.mamba_decode_fused", _applies_fused), default_fn=_default_fused,
-             seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,))),
+             seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,)), options=XPROJ_OPTION),
 ]

@@ -1,0 +1,76 @@
+"""The serving regime a workload may declare: the batch sizes and prompt and decode lengths a server will see.
+
+```toml
+[regime]
+batch_sizes = {min = 1, max = 8}   # or a list: [1, 2, 4, 8]
+prompt_lens = {min = 128, max = 2048}
+decode_lens = [64]                 # optional; default: the workload's decode_len
+```
+The workload's own batch_size / prompt_len / decode_len are the representative point (profiled, timed, and what
+acceptance measures end to end) and must lie inside the regime. Extraction also runs the regime's corners (every
+combination of each axis's smallest and largest value, decoding the fewest tokens), so each task's captured cases
+hold the corner shapes: the verifier checks candidates there, and the guards (llm4llm.patchspec.guard_for: each
+dim's observed min..max) admit the box between them, nothing outside. A call outside falls back, is counted in the
+patch report by reason, and the report suggests re-profiling over a wider regime.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+
+class Span(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min: StrictInt = Field(gt=0)
+    max: StrictInt = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Span":
+        if self.min > self.max:
+            raise ValueError(f"expected min <= max, got min {self.min} > max {self.max}")
+        return self
+
+
+Axis = Span | list[StrictInt]
+
+
+def _lo_hi(axis: Axis) -> tuple[int, int]:
+    if isinstance(axis, Span):
+        return axis.min, axis.max
+    return min(axis), max(axis)
+
+
+class Regime(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_sizes: Axis
+    prompt_lens: Axis
+    decode_lens: Axis | None = None
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> "Regime":
+        for name in ("batch_sizes", "prompt_lens", "decode_lens"):
+            v = getattr(self, name)
+            if isinstance(v, list) and (not v or min(v) < 1):
+                raise ValueError(f"{name}: expected a non-empty list of sizes >= 1, got {v}")
+        return self
+
+    def contains(self, batch: int, prompt: int, decode: int | None = None) -> str | None:
+        """None when the point lies inside, else which axis it leaves."""
+        for name, value in (("batch_sizes", batch), ("prompt_lens", prompt), ("decode_lens", decode)):
+            axis = getattr(self, name)
+            if axis is None or value is None:
+                continue
+            lo, hi = _lo_hi(axis)
+            if not lo <= value <= hi:
+                return f"{name}: {value} outside {lo}..{hi}"
+        return None
+
+    def corners(self, decode_len: int) -> list[tuple[int, int, int]]:
+        """(batch, prompt, decode) at every combination of each axis's extremes; each decodes the fewest tokens
+        the regime declares (at least 2: one decode step is captured past the prompt's)."""
+        dec = max(2, _lo_hi(self.decode_lens)[0] if self.decode_lens is not None else decode_len)
+        return [(b, p, dec) for b, p in product(sorted(set(_lo_hi(self.batch_sizes))),
+                                                sorted(set(_lo_hi(self.prompt_lens))))]

@@ -1,0 +1,32 @@
+"""optimize's profile -> extract -> search -> accept over one workload, mixer blocks only, decode graphs on, two
+end-to-end repeats (scripts/gpu/falcon_mamba.sh). A file, not `python -`: the verifier and acceptance workers are
+spawned, and a spawned child re-imports its parent's main module by path (`<stdin>` has none: the first H200 call
+of 2026-12-01 lost its search that way).
+
+    python scripts/gpu/falcon_mamba_optimize.py WORKLOAD.toml DB [BUDGET]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def main() -> int:
+    from flows.optimize import optimize_workload
+    from kernels_runtime.ops._common import interpret_without_gpu
+
+    interpret_without_gpu()  # a CPU smoke run: Triton's interpreter, as the CLI sets it
+
+    workload, db = sys.argv[1], sys.argv[2]
+    budget = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    out = optimize_workload(workload, db_path=db, stages=("profile", "extract", "search", "accept"), budget=budget,
+                            top=2, families=["ssm_block"], repeats=2, accept_noisy_rounds=1,
+                            decode_graphs="on" if "cuda" in open(workload).read() else "off")
+    print("ACCEPTANCE", out.get("acceptance"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

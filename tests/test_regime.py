@@ -1,0 +1,80 @@
+"""A declared serving regime: extraction captures its corners, the verifier checks the candidate there, the guards
+admit the box between them and nothing else, and every call outside falls back, counted, with a re-profiling hint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels_runtime
+from kernels_runtime.bundle import PatchBundle
+from llm4llm.patchspec import task_patch_spec
+from llm4llm.search.templates import TEMPLATES
+from llm4llm.taskspec import load_spec
+from llm4llm.workload import load_workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _workload(tmp_path: Path, regime: str) -> Path:
+    text = (EXAMPLES / "workloads" / "tiny-falcon-mamba.toml").read_text()
+    text = text.replace('"../scripts/hf_generate.py"', f'"{EXAMPLES / "scripts" / "hf_generate.py"}"')
+    path = tmp_path / "w.toml"
+    path.write_text(text + "\n[regime]\n" + regime)
+    return path
+
+
+def test_the_representative_point_must_lie_inside_the_regime(tmp_path):
+    from llm4llm.errors import WorkloadError
+
+    wl = load_workload(_workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 20]\n"))
+    assert wl.regime.corners(wl.decode_len) == [(1, 4, 4), (1, 20, 4), (3, 4, 4), (3, 20, 4)]
+    with pytest.raises(WorkloadError, match="prompt_lens: 16 outside 10..12"):
+        load_workload(_workload(tmp_path, "batch_sizes = [1, 2]\nprompt_lens = {min = 10, max = 12}\n"))
+    with pytest.raises(WorkloadError, match="min <= max"):
+        load_workload(_workload(tmp_path, "batch_sizes = {min = 3, max = 1}\nprompt_lens = [8]\n"))
+
+
+def test_a_bundle_over_a_regime_runs_its_kernels_at_another_in_regime_shape(tmp_path):
+    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.verify import VerifierPool
+    from llm4llm.workload import call_script, load_script
+
+    wpath = _workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 20]\n")
+    data = tmp_path / "data"
+    run_extract(str(wpath), run_profile(str(wpath), str(data)), str(data))
+    dirs = [d for d in (data / "tasks").iterdir() if d.name.startswith("ssm_block")]
+    bundle = PatchBundle(name="regime")
+    with VerifierPool("cpu", timeout_s=300.0, draws=1) as pool:
+        for d in sorted(dirs):
+            spec = load_spec(d)
+            batches = {c.inputs["hidden_states"].shape[0] for c in spec.cases}
+            assert batches == {1, 3}, spec.cases  # the corners were captured as cases of the one task
+            t = next(t for t in TEMPLATES if t.why_not(spec) is None)
+            source = t.render(spec, t.default(spec))
+            v = pool.verify(d, source)  # correctness at the corners (captured) and fresh draws of them
+            assert v.passed, v.message
+            guard = task_patch_spec(spec, "c", 1.0, "cpu").guard
+            assert list(guard.shapes["hidden_states"][0]) == [1, 3]
+            bundle.add_patch(task_patch_spec(spec, f"{t.name}-default", 1.0, "cpu"), source=source)
+
+    wl = load_workload(wpath)
+    script = load_script(wl)
+    model = call_script(script.build, wl)
+    inside = wl.model_copy(update={"batch_size": 2, "prompt_len": 7})
+    batch = call_script(script.inputs, inside)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    report = kernels_runtime.apply(model, bundle, strict=True)
+    with torch.no_grad():
+        out = model(**batch).logits
+        call_script(script.run, model, inside, batch)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert report.totals()["kernel"] > 0 and report.totals()["fallback"] == 0, str(report)
+
+    outside = wl.model_copy(update={"batch_size": 5})
+    call_script(script.run, model, outside, call_script(script.inputs, outside))
+    text = str(report)
+    assert report.totals()["fallback"] > 0 and "shape hidden_states: expected [1..3" in text
+    assert "re-profile" in text
