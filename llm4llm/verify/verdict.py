@@ -49,6 +49,8 @@ class Verdict(BaseModel):
     worker_pid: int | None = None
     device_name: str = ""
     timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"
+    # the worker's sandbox layers as it reported them before any candidate code ran: layer -> "on ..." | "off: why"
+    sandbox: dict[str, str] = Field(default_factory=dict)
 
     def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
         """Record a failing gate; the verdict is then final (later gates do not run)."""
