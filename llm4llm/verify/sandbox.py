@@ -142,11 +142,13 @@ def sandbox_disabled() -> bool:
 
 def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), args: list[str] | None = None,
                     readonly: list[str] | None = None, extra_env: dict[str, str] | None = None,
-                    layers: tuple[str, ...] = ALL_LAYERS, **popen_kw) -> subprocess.Popen:
+                    layers: tuple[str, ...] = ALL_LAYERS, extra_needed: list[str] | None = None,
+                    **popen_kw) -> subprocess.Popen:
     """Start `python -c <boot>` that applies the sandbox then calls `target` ("module:function", with `args` as
     sys.argv[1:]). The child is its own session (process group = its pid: kill the group with `kill_group`)."""
     cfg = {"target": target, "box": str(box), "layers": [] if sandbox_disabled() else list(layers),
-           "parent": os.getpid(), "needed": needed_paths(), "readonly": readonly or [],
+           "parent": os.getpid(),
+           "needed": sorted(set(needed_paths()) | {os.path.realpath(p) for p in extra_needed or [] if os.path.exists(p)}), "readonly": readonly or [],
            "exec": exec_allowlist(), "devgids": device_gids(),
            "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""})}
     env = clean_env(box, {**(extra_env or {}), SANDBOX_ENV: json.dumps(cfg)})
@@ -562,6 +564,68 @@ def layers_from_env() -> dict[str, str]:
 def layer_summary(layers: dict[str, str]) -> str:
     off = {k: v for k, v in layers.items() if not v.startswith("on")}
     return "all layers on" if not off else "; ".join(f"{k} {v}" for k, v in off.items())
+
+
+# ------------------------------------------------------------------------- a function call in the sandbox (pickle)
+
+_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray", "int", "float",
+                  "complex", "bool", "slice", "range", "object"}
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("datetime", "datetime"),
+                 ("datetime", "date"), ("datetime", "timedelta"), ("pathlib", "PosixPath"),
+                 ("pathlib", "PurePosixPath"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+                 ("numpy._core.multiarray", "scalar")}
+
+
+class SafeUnpickler:
+    """Unpickles what a sandboxed child returned, allowing only plain containers, exception classes and the classes
+    (never functions) of llm4llm and kernels_runtime: unpickling is code execution, and the child ran candidates."""
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        import builtins
+        import io
+        import pickle
+
+        class _U(pickle.Unpickler):
+            def find_class(self, module, name):
+                if module == "builtins":
+                    obj = getattr(builtins, name, None)
+                    if name in _SAFE_BUILTINS or (isinstance(obj, type) and issubclass(obj, BaseException)):
+                        return obj
+                elif (module, name) in _SAFE_GLOBALS:
+                    return super().find_class(module, name)
+                elif module.split(".")[0] in ("llm4llm", "kernels_runtime", "pydantic", "pydantic_core") \
+                        and "." not in name:
+                    obj = super().find_class(module, name)
+                    if isinstance(obj, type) and not module.startswith(("llm4llm.verify.sandbox",
+                                                                        "llm4llm.verify.worker")):
+                        return obj
+                raise pickle.UnpicklingError(f"sandbox result: {module}.{name} is not allowed")
+
+        return _U(io.BytesIO(data)).load()
+
+
+def call_main() -> int:
+    """Target of `sandboxed_call`: run the pickled call in ro/call.pkl, pickle ("ok", result) or ("err", exc, tb)
+    into work/result.pkl."""
+    import pickle
+    import traceback
+
+    box = Path(os.getcwd()).parent
+    fn, args, kwargs = pickle.loads((box / "ro" / "call.pkl").read_bytes())
+    try:
+        out = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        out = ("err", e, "".join(traceback.format_exception(e))[-8000:])
+    try:
+        data = pickle.dumps(out)
+    except Exception as e:  # noqa: BLE001 - an unpicklable exception still says what it was
+        data = pickle.dumps(("err", RuntimeError(f"{type(out[1]).__name__}: {out[1]}"), ""))
+        del e
+    tmp = Path("result.pkl.tmp")
+    tmp.write_bytes(data)
+    tmp.replace("result.pkl")
+    return 0
 
 
 def run_file() -> int:
