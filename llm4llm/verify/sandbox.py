@@ -143,17 +143,17 @@ def sandbox_disabled() -> bool:
 def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), args: list[str] | None = None,
                     readonly: list[str] | None = None, extra_env: dict[str, str] | None = None,
                     layers: tuple[str, ...] = ALL_LAYERS, extra_needed: list[str] | None = None,
-                    **popen_kw) -> subprocess.Popen:
+                    wrapper: list[str] | None = None, **popen_kw) -> subprocess.Popen:
     """Start `python -c <boot>` that applies the sandbox then calls `target` ("module:function", with `args` as
     sys.argv[1:]). The child is its own session (process group = its pid: kill the group with `kill_group`)."""
     cfg = {"target": target, "box": str(box), "layers": [] if sandbox_disabled() else list(layers),
-           "parent": os.getpid(),
+           "parent": 0 if wrapper else os.getpid(),
            "needed": sorted(set(needed_paths()) | {os.path.realpath(p) for p in extra_needed or [] if os.path.exists(p)}), "readonly": readonly or [],
            "exec": exec_allowlist(), "devgids": device_gids(),
            "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""})}
     env = clean_env(box, {**(extra_env or {}), SANDBOX_ENV: json.dumps(cfg)})
     boot = "from llm4llm.verify.sandbox import boot; boot()"
-    return subprocess.Popen([sys.executable, "-c", boot, *(args or [])], env=env, cwd=str(box / "work"),
+    return subprocess.Popen([*(wrapper or []), sys.executable, "-c", boot, *(args or [])], env=env, cwd=str(box / "work"),
                             pass_fds=pass_fds, start_new_session=True, close_fds=True, **popen_kw)
 
 
@@ -359,8 +359,8 @@ def _pdeathsig(parent: int) -> None:
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         _warn("pdeathsig", str(_err("prctl(PR_SET_PDEATHSIG)")))
         return
-    LAYERS["pdeathsig"] = "on"
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    LAYERS["pdeathsig"] = "on" if parent else "on (the direct parent is a wrapper tool)"
+    if parent and os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
 
 

@@ -10,6 +10,8 @@ FailureClass = Literal[
     "static", "compile", "runtime_error", "timeout", "gpu_fault", "oom", "wrong_output", "nan_inf", "shape_dtype",
     "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
     "interrupted",  # the worker was stopped from outside (SIGTERM/SIGINT/SIGHUP): says nothing about the candidate
+    "torch_compute",  # torch ops, not the candidate's Triton kernels, did the work (the does_the_work gate)
+    "impossible_time",  # a timed latency below the physical floor (bytes / HBM bandwidth)
 ]
 
 NO_GPU = "skipped: no GPU"
@@ -51,6 +53,7 @@ class Verdict(BaseModel):
     timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"
     # the worker's sandbox layers as it reported them before any candidate code ran: layer -> "on ..." | "off: why"
     sandbox: dict[str, str] = Field(default_factory=dict)
+    judge_seed: int | None = None  # the per-candidate seed of the draws and canary layout (reproduce with it)
 
     def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
         """Record a failing gate; the verdict is then final (later gates do not run)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -55,7 +56,6 @@ def _worker_main(conn, device: str) -> None:
     import torch
 
     from llm4llm.verify.candidate import install_launch_hook
-    from llm4llm.verify.gates import run_gates
     from llm4llm.verify.sandbox import layers_from_env
 
     if device.startswith("cuda"):
@@ -63,29 +63,53 @@ def _worker_main(conn, device: str) -> None:
         torch.cuda.init()
     install_launch_hook()
     send_json(conn, {"ready": os.getpid(), "sandbox": layers_from_env()})
-    _serve(conn, run_gates)
+    _serve(conn)
     # Skip interpreter teardown (Triton/torch atexit work can take seconds); the worker owns nothing to flush.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _serve(conn, run_gates) -> None:
+def _serve(conn) -> None:
+    """One candidate: "load" (with the job) builds its session, then "call" and "time" as the parent asks."""
+    from llm4llm.verify.gates import CandidateSession
+
+    session = None
     while True:
         try:
-            job = recv_json(conn)
-        except (EOFError, OSError):
+            msg = recv_json(conn)
+        except (EOFError, OSError, ValueError):
             return
-        if job is None:
+        if msg is None:
             return
         try:
-            verdict, poisoned = run_gates(**job)
-            reply = {"verdict": verdict.model_dump(mode="json"), "poisoned": poisoned}
+            op = msg.pop("op")
+            if op == "load":
+                session = CandidateSession(**msg)
+                reply = session.load()
+            elif op == "call":
+                reply = session.call(**msg)
+            elif op == "time":
+                reply = session.time()
+            else:
+                reply = {"error": f"unknown op {op!r}", "poisoned": True}
         except BaseException as e:  # noqa: BLE001 - a harness failure is reported, never hidden
             reply = {"error": "".join(traceback.format_exception(e))[-6000:], "poisoned": True}
         send_json(conn, reply)
-        if reply["poisoned"]:
+        if reply.get("poisoned"):
             return
+
+
+class _WorkerTimeout(Exception):
+    pass
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+class _HarnessError(Exception):
+    pass
 
 
 @dataclass
@@ -208,32 +232,64 @@ class VerifierPool:
         if any(not s.startswith("on") for s in v.sandbox.values()):
             print(f"WARNING: llm4llm verifier: sandbox incomplete: {layer_summary(v.sandbox)}", file=sys.stderr)
         local = copy_readonly(Path(task_dir), w.box / "ro" / spec.task_id)
-        job = {"task_dir": str(local), "source": source, "device": self.device, **self.options, **options}
+        opts = {**self.options, **options}
+        # per candidate: the draws' seed, how many fresh draws, the canary layout (a fixed call count or canary
+        # offset is something a kernel can count on)
+        nonce = secrets.randbits(31) | 1
+        seed = int(opts.get("seed") or 0) * 1_000_003 + nonce if opts.get("randomise", True) else int(opts["seed"])
+        draws = int(opts["draws"]) + (secrets.randbelow(4) if opts.get("randomise", True) else 0)
+        v.judge_seed = seed
+        job = {"op": "load", "task_dir": str(local), "source": source, "device": self.device, "draws": draws,
+               "seed": seed, "canary_seed": seed, "timing": opts["timing"], "decode_timing": opts["decode_timing"]}
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        dog = RssWatchdog(w.proc.pid, self.mem_limit)
-        dog.start()
-        try:
-            send_json(w.conn, job)
-            if not w.conn.poll(limit):
-                self._next()
-                v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
-                return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
+        deadline = t0 + limit
+
+        def rpc(msg: dict) -> dict:
+            send_json(w.conn, job if msg.get("op") == "load" else msg)
+            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise _WorkerTimeout()
             try:
                 reply = recv_json(w.conn)
             except (EOFError, OSError, ValueError):
-                return self._crashed(v, w, time.monotonic() - t0, dog)
+                raise _WorkerDied() from None
+            if "error" in reply:
+                raise _HarnessError(reply["error"])
+            return reply
+
+        dog = RssWatchdog(w.proc.pid, self.mem_limit)
+        dog.start()
+        try:
+            import torch
+
+            from llm4llm.taskspec import load_task
+            from llm4llm.verify.gates import Canary, judge_remote
+
+            v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
+            task = load_task(Path(task_dir))
+            got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
+                                          Canary(seed), timing=bool(opts["timing"]))
+            if opts.get("memcheck") and got.passed:
+                from llm4llm.verify.sanitizer import memcheck_gate
+
+                g = memcheck_gate(str(local), source, self.device)
+                got = got.fail("memcheck", "out_of_bounds", g.detail) if not g.passed else got
+                if g.passed:
+                    got.gates.append(g)
+        except _WorkerTimeout:
+            self._next()
+            return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
+        except _WorkerDied:
+            return self._crashed(v, w, time.monotonic() - t0, dog)
+        except _HarnessError as e:
+            self._next()
+            return v.fail("worker", "worker_crash", f"verifier error:\n{e}")
         except BaseException:
             self._next()  # Ctrl-C or an error here: the worker's group goes with it
             raise
         finally:
             dog.stop()
         self._next()
-        if "error" in reply:
-            v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
-            return v.fail("worker", "worker_crash", f"verifier error:\n{reply['error']}")
-        got = Verdict.model_validate(reply["verdict"])
-        got.worker_pid, got.sandbox = v.worker_pid, v.sandbox  # the parent's record, not the worker's word
         return self._aot(got, Path(task_dir), source)
 
     def _aot(self, v: Verdict, task_dir: Path, source: str) -> Verdict:
@@ -265,7 +321,6 @@ class VerifierPool:
         except Exception:  # noqa: BLE001
             code = None
         self._next()
-        v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
         if dog.tripped is not None:
             return v.fail("worker", "oom", f"worker's resident memory reached {dog.tripped / 2**30:.2f} GiB, over "
                                            f"the sandbox limit of {self.mem_limit / 2**30:.2f} GiB: killed after "
