@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import tempfile
 import uuid
 from dataclasses import asdict
@@ -582,46 +583,110 @@ def _run_child(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0, **kwargs):
-    """Run fn(*args, **kwargs) in a fresh spawned process and return its (picklable) result. Exceptions raised
-    there come back as themselves; a process that dies (GPU fault, OOM kill) raises RuntimeError. poll: called
-    every poll_every_s while the child runs (a failing poll is retried by the next), and once after it ends however
-    it ends (to pick up what it streams; its failure is raised only when the child succeeded)."""
-    import multiprocessing as mp
-    import time
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures import TimeoutError as FutureTimeout
-    from concurrent.futures.process import BrokenProcessPool
-
-    deadline = time.monotonic() + timeout_s
-    ok = False
+def _workload_paths(workload_path: str) -> list[str]:
+    """What a sandboxed run of the workload must read: its TOML's dir, its script's dir, its checkpoint."""
+    paths = [str(Path(workload_path).resolve().parent)]
     try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
-            future = ex.submit(_run_child, fn, args, kwargs)
-            try:
-                while True:
-                    try:
-                        result = future.result(timeout=min(poll_every_s, max(0.0, deadline - time.monotonic()))
-                                               if poll else timeout_s)
-                        break
-                    except FutureTimeout:
-                        if not poll or time.monotonic() >= deadline:
-                            raise
-                        try:
-                            poll()
-                        except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
-                            pass
-            except BrokenProcessPool as e:
-                raise RuntimeError(f"{fn.__name__}: the isolated process died ({e})") from e
-        ok = True
-        return result
-    finally:
+        from llm4llm.workload import load_workload
+
+        wl = load_workload(workload_path)
+        for attr in ("script", "checkpoint"):
+            p = getattr(wl, attr, None) or getattr(getattr(wl, "model", None), attr, None)
+            if p:
+                paths.append(str(Path(p).resolve().parent if Path(p).is_file() else Path(p).resolve()))
+    except Exception:  # noqa: BLE001 - an unusable workload fails in the child with its own message
+        pass
+    return paths
+
+
+def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0,
+                  outputs: dict[str, str] | None = None, readable: list[str] | None = None,
+                  extra_env: dict[str, str] | None = None, box=None, **kwargs):
+    """Run fn(*args, **kwargs) in a fresh sandboxed process (llm4llm/verify/sandbox.py: candidates' kernels run in
+    it) and return its result. Exceptions raised there come back as themselves; a process that dies (GPU fault,
+    OOM kill) or overstays `timeout_s` raises RuntimeError, and nothing it started is left behind.
+
+    outputs: {kwarg name: real path} of files or dirs the child writes: it writes them inside its private dir and
+    the parent copies them to the real path before every poll and at the end (the child can write nothing else).
+    readable: paths outside the usual trees the child must read. poll: called every poll_every_s while the child
+    runs (a failing poll is retried by the next), and once after it ends however it ends (to pick up what it
+    streams; its failure is raised only when the child succeeded). The result is unpickled with an allowlist of
+    classes (llm4llm.verify.sandbox.SafeUnpickler), never as arbitrary pickle. box: a private dir from
+    sandbox.make_box the caller already filled (read-only copies under box/ro)."""
+    import pickle
+    import shutil
+    import time
+
+    from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
+                                        sandboxed_popen)
+
+    box = box or make_box("llm4llm-call-")
+    work = box / "work"
+    mapped = {}
+    for name, real in (outputs or {}).items():
+        child = work / "out" / name / Path(real).name
+        child.parent.mkdir(parents=True, exist_ok=True)
+        os.chown(child.parent, 65534, 65534) if os.geteuid() == 0 else None
+        os.chown(work / "out", 65534, 65534) if os.geteuid() == 0 else None
+        kwargs[name] = str(child)
+        mapped[name] = (child, Path(real))
+
+    def sync() -> None:
+        for child, real in mapped.values():
+            if child.is_dir():
+                shutil.copytree(child, real, dirs_exist_ok=True, symlinks=False)
+            elif child.is_file():
+                real.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(child, real)
+
+    def polled() -> None:
+        sync()
         if poll:
+            poll()
+
+    ok = False
+    (box / "ro" / "call.pkl").write_bytes(pickle.dumps((_run_child, (fn, args, kwargs), {})))
+    proc = sandboxed_popen("llm4llm.verify.sandbox:call_main", box=box, extra_env={
+        "TORCHINDUCTOR_COMPILE_THREADS": "1", **(extra_env or {})}, extra_needed=readable or [])
+    dog = RssWatchdog(proc.pid, default_mem_limit())
+    dog.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{fn.__name__}: no result within {timeout_s:.0f}s: the isolated process was "
+                                   f"killed")
             try:
-                poll()
-            except Exception:
-                if ok:  # a failing last poll must not mask why the child failed
-                    raise
+                proc.wait(poll_every_s)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: poll and wait on
+                try:
+                    polled()
+                except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
+                    pass
+        result_file = work / "result.pkl"
+        if not result_file.exists():
+            why = f"RSS over {dog.limit / 2**30:.1f} GiB" if dog.tripped else f"exit code {proc.returncode}"
+            raise RuntimeError(f"{fn.__name__}: the isolated process died ({why})")
+        from llm4llm.verify.sandbox import SafeUnpickler
+
+        out = SafeUnpickler.loads(result_file.read_bytes())
+        if out[0] == "err":
+            exc = out[1]
+            if len(out) > 2 and out[2] and hasattr(exc, "add_note"):
+                exc.add_note("in the isolated process:\n" + out[2])
+            raise exc
+        ok = True
+        return out[1]
+    finally:
+        dog.stop()
+        kill_group(proc.pid)
+        try:
+            polled() if (poll or mapped) else None
+        except Exception:
+            if ok:  # a failing last poll must not mask why the child failed
+                raise
+        finally:
+            remove_box(box)
 
 
 def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
@@ -834,13 +899,32 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     from storage import repo
     from storage.db import Database
 
+    from dataclasses import replace
+
+    from llm4llm.taskspec import check_artifacts
+    from llm4llm.verify.sandbox import copy_readonly, make_box
+
     proposals = best_proposals(run_id, db_path, min_utility=0.0)
     bundle_dir = Path(data_dir) / "bundles" / run_id
+    # the trials see read-only, hash-checked copies of the tasks in their private dir
+    box, local = make_box("llm4llm-accept-"), {}
+    for p in proposals:
+        if p.task_dir not in local:
+            check_artifacts(Path(p.task_dir))
+            local[p.task_dir] = str(copy_readonly(Path(p.task_dir), box / "ro" / f"{len(local)}-{Path(p.task_dir).name}"))
+    inside = [replace(p, task_dir=local[p.task_dir]) for p in proposals]
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
-    result = in_subprocess(accept, workload_path, proposals, str(bundle_dir),
+    result = in_subprocess(accept, workload_path, inside, outputs={"bundle_dir": str(bundle_dir)},
+                           readable=_workload_paths(workload_path), box=box,
                            cfg=cfg if cfg is not None else AcceptConfig(),
                            run_id=run_id)
+    if result.bundle_dir:  # written in the sandbox's dir, copied here by in_subprocess
+        result.bundle_dir = str(bundle_dir)
+    back = {v: k for k, v in local.items()}
+    for d in getattr(result, "decisions", []):
+        if getattr(d, "task_dir", None) in back:
+            d.task_dir = back[d.task_dir]
     wl = describe_workload(workload_path)
     with Database(db_path) as db:
         for row in decision_rows(result, run_id):
@@ -923,5 +1007,6 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 latest.update((r["variant"], r) for r in new)
 
         in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats,
-                      results_path=str(stream), poll=record_new)
+                      outputs={"results_path": str(stream)}, poll=record_new,
+                      readable=_workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
     return {"run_id": run_id, "rows": list(latest.values())}

@@ -158,6 +158,7 @@ def write_task(root: Path, spec: TaskSpec, module: torch.nn.Module, cases: list[
             save_file(_flatten_case(case), str(tmp / "cases" / f"{k}.safetensors"))
         torch.save(module, tmp / "module.pt")
         (tmp / "spec.json").write_text(spec.model_dump_json(indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(artifact_hashes(tmp), indent=1, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -165,6 +166,40 @@ def write_task(root: Path, spec: TaskSpec, module: torch.nn.Module, cases: list[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+MANIFEST = "artifacts.sha256.json"  # sha256 of every other file, written with the task
+
+
+def artifact_hashes(path: Path) -> dict[str, str]:
+    """sha256 of every file of a task dir (relative path -> hex), the manifest itself left out."""
+    path, out = Path(path), {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            out[f.relative_to(path).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def seal_artifacts(path: Path) -> None:
+    """Rewrite a task dir's manifest after its writer added a file of its own (KernelBench's `problem.py`)."""
+    path = Path(path)
+    (path / MANIFEST).write_text(json.dumps(artifact_hashes(path), indent=1, sort_keys=True))
+
+
+def check_artifacts(path: Path, expected: dict[str, str] | None = None) -> dict[str, str]:
+    """The task dir's hashes, after checking them against `expected` (else its manifest, where it has one): a task
+    whose artifacts changed since they were written raises TaskError (nothing judged against it can be trusted)."""
+    from llm4llm.errors import TaskError
+
+    path = Path(path)
+    now = artifact_hashes(path)
+    if expected is None and (path / MANIFEST).exists():
+        expected = json.loads((path / MANIFEST).read_text())
+    if expected is not None and now != expected:
+        changed = sorted(k for k in set(now) | set(expected) if now.get(k) != expected.get(k))
+        raise TaskError(f"task {path}: artifacts changed since they were written (hash mismatch: {changed}); "
+                        f"re-extract the task")
+    return now
 
 
 def load_spec(path: Path) -> TaskSpec:

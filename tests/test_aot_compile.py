@@ -93,33 +93,40 @@ def test_cpu_verifier_rejects_what_only_the_interpreter_runs(tiny_task_dirs, mon
     """With the gate on, a candidate correct under the interpreter but not compilable for sm_90 fails with the
     compiler's message; a template's rendering passes it."""
     from llm4llm.search.templates import TEMPLATES
-    from llm4llm.verify.gates import run_gates
+    from llm4llm.verify import VerifierPool
 
     monkeypatch.setenv("LLM4LLM_AOT_ARCH", "90")
     task_dir = next(d for d in tiny_task_dirs if "/tiny-llama" in d and Path(d).name.startswith("norm-decode"))
-    v, _ = run_gates(task_dir, _INTERPRETER_ONLY_RMSNORM, device="cpu", draws=1, timing=False)
+    pool = VerifierPool("cpu", draws=1, timing=False)  # the gate runs from the parent, in its own sandbox
+    v = pool.verify(task_dir, _INTERPRETER_ONLY_RMSNORM)
     assert not v.passed and v.failure_class == "compile", v.message
     assert "compile_sm90" in [g.name for g in v.gates] and "_norm" in v.message
     assert "correctness" in [g.name for g in v.gates if g.passed]  # the interpreter had passed it
 
     spec = load_spec(Path(task_dir))
     t = next(t for t in TEMPLATES if t.name == "norm.rmsnorm_op")
-    good, _ = run_gates(task_dir, t.render(spec, t.default(spec)), device="cpu", draws=1, timing=False)
+    good = pool.verify(task_dir, t.render(spec, t.default(spec)))
+    pool.close()
     assert good.passed, good.message
     assert [g.name for g in good.gates if g.name.startswith("compile_sm")] == ["compile_sm90"]
 
 
-def test_a_checker_that_cannot_run_skips_the_gate_and_says_why(monkeypatch):
+def test_a_checker_that_cannot_run_skips_the_gate_and_says_why(monkeypatch, tmp_path):
     """A broken checker (this machine's Triton, an import error) is not the candidate's fault: the gate passes with
     the reason, so a CPU search loses nothing to it; a compiler rejection still fails."""
-    import subprocess as sp
+    from llm4llm.verify import aot, sandbox
 
-    from llm4llm.verify import aot
+    class Fake:
+        def __init__(self, target, *, box, args, **kw):
+            self.pid, self.returncode, self.args = 0, 1, args
 
-    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, 1, "", "ImportError: no triton backend"))
-    g = aot.aot_gate("unused", "def entry(inputs, weights, state, static):\n    return {}\n")
+        def communicate(self, timeout=None):
+            return Fake.answer(self.args)
+
+    monkeypatch.setattr(sandbox, "sandboxed_popen", Fake)
+    Fake.answer = staticmethod(lambda args: ("", "ImportError: no triton backend"))
+    g = aot.aot_gate(str(tmp_path), "def entry(inputs, weights, state, static):\n    return {}\n")
     assert g.passed and g.detail.startswith("skipped:") and "ImportError" in g.detail
-    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, 1, '{"%s": ["_k: CompilationError"]}'
-                                                                        % a[0][-2], ""))
-    bad = aot.aot_gate("unused", "x = 1\n")
+    Fake.answer = staticmethod(lambda args: ('{"%s": ["_k: CompilationError"]}' % args[-2], ""))
+    bad = aot.aot_gate(str(tmp_path), "x = 1\n")
     assert not bad.passed and "_k: CompilationError" in bad.detail

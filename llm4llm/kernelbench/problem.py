@@ -160,10 +160,11 @@ def make_task(path: Path, root: Path, hardware: dict | None = None) -> Path:
         cases=[CaseSig(inputs=dict(zip(names, sigs)), outputs={"out": osigs[0]})],
         dtype="float32", hardware=hardware or {}, reference=REFERENCE,
     )
-    from llm4llm.taskspec import Case
+    from llm4llm.taskspec import Case, seal_artifacts
 
     task_dir = write_task(Path(root), spec, torch.nn.Identity(), [Case({}, {}, {}, {})])
     (task_dir / "problem.py").write_text(source)
+    seal_artifacts(task_dir)  # problem.py is an artifact the hash check covers too
     return task_dir
 
 

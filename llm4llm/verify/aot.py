@@ -206,32 +206,37 @@ def aot_gate(task_dir: str, source: str, arch: int = 90, timeout_s: float = 600.
     compiled for `arch` in a subprocess without TRITON_INTERPRET (the verifier's own process runs the interpreter).
     Returns a GateResult named compile_sm<arch>."""
     import json
-    import os
     import subprocess
-    import sys
-    import tempfile
     from pathlib import Path
 
+    from llm4llm.verify.sandbox import copy_readonly, kill_group, make_box, remove_box, sandboxed_popen
     from llm4llm.verify.verdict import GateResult
 
     name = f"compile_sm{arch}"
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(source)
+    # the candidate's code runs here too (its launches are captured by calling it): in the sandbox, like the worker
+    box = make_box("llm4llm-aot-")
     try:
-        res = subprocess.run([sys.executable, "-m", "llm4llm.verify.aot", "--arch", str(arch), "--candidate", f.name,
-                              task_dir], env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return GateResult(name=name, passed=False, detail=f"no answer within {timeout_s:.0f}s")
+        cand = box / "ro" / "candidate.py"
+        cand.write_text(source)
+        local = box / "ro" / "task"
+        copy_readonly(Path(task_dir), local)
+        proc = sandboxed_popen("llm4llm.verify.aot:main", box=box, args=["--arch", str(arch), "--candidate",
+                               str(cand), str(local)], extra_env={"TRITON_INTERPRET": "0"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.communicate()
+            return GateResult(name=name, passed=False, detail=f"no answer within {timeout_s:.0f}s")
+        kill_group(proc.pid)  # nothing it started outlives it
     finally:
-        os.unlink(f.name)
+        remove_box(box)
     try:
-        errors = json.loads(res.stdout)[f.name]
+        errors = json.loads(out)[str(cand)]
     except (ValueError, KeyError):
         # the checker itself failed (this machine's Triton, an import): not the candidate's fault, nothing is lost
-        tail = (res.stderr or res.stdout).strip().splitlines()[-8:]
+        tail = (err or out).strip().splitlines()[-8:]
         return GateResult(name=name, passed=True, detail="skipped: the compile check could not run here: "
                           + " | ".join(tail)[:2000])
     if errors:

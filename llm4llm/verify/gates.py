@@ -165,13 +165,36 @@ def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable
 
 # ------------------------------------------------------------------------------------------------ guarded buffers
 
-def _canary_fill(buf: torch.Tensor) -> None:
-    if buf.dtype == torch.bool:
-        buf.fill_(True)
-    elif buf.is_floating_point():
-        buf.fill_(-1234.5)
-    else:
-        buf.fill_(-91 if buf.dtype != torch.uint8 else 173)
+@dataclass(frozen=True)
+class Canary:
+    """Per-candidate canary layout: extra margin (in 64-element steps) and fill values drawn from the judge's seed,
+    so a kernel cannot recognise canary views by a fixed offset or value and skip the work on plain tensors."""
+
+    seed: int = 0
+
+    def pad(self, name: str, n: int) -> int:
+        base = max(CANARY_MIN, -(-min(n, 1 << 16) // 64) * 64)
+        if not self.seed:
+            return base
+        return base + 64 * (_mix(self.seed, name) % 16)
+
+    def value(self, dtype: torch.dtype):
+        if dtype == torch.bool:
+            return True
+        k = _mix(self.seed, str(dtype)) % 997 if self.seed else 0
+        if dtype.is_floating_point:
+            return -1234.5 - 0.5 * k
+        return (173 - k % 50) if dtype == torch.uint8 else -91 - k % 20
+
+
+def _mix(seed: int, name: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _canary_fill(buf: torch.Tensor, canary: Canary | None = None) -> None:
+    buf.fill_((canary or Canary()).value(buf.dtype))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -183,14 +206,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
-def guard(draw: Draw) -> Guarded:
+def guard(draw: Draw, canary: Canary | None = None) -> Guarded:
+    canary = canary or Canary()
     buffers, views, originals = [], {"inputs": {}, "weights": {}, "state": {}}, {}
     for kind in views:
         for name, t in getattr(draw, kind).items():
             n = t.numel()
-            pad = max(CANARY_MIN, -(-min(n, 1 << 16) // 64) * 64)
+            pad = canary.pad(f"{kind}.{name}", n)
             buf = torch.empty(n + 2 * pad, dtype=t.dtype, device=t.device)
-            _canary_fill(buf)
+            _canary_fill(buf, canary)
             view = buf[pad:pad + n].view(t.shape)
             view.copy_(t)
             margins = torch.cat([buf[:pad], buf[pad + n:]]).clone()
@@ -270,10 +294,10 @@ def call_candidate(entry: Callable, g: Guarded, static: dict, device: torch.devi
     return out, (stream.cuda_stream if stream is not None else None)
 
 
-def _check_shapes(out: Any, draw: Draw, device: torch.device) -> dict[str, torch.Tensor]:
+def _check_shapes(out: Any, expected: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     if not isinstance(out, dict):
         raise GateFailure("output_shape_dtype", "shape_dtype", f"entry: expected a dict of tensors, got {type(out)}")
-    for name, r in draw.ref.items():
+    for name, r in expected.items():
         if name not in out:
             raise GateFailure("output_shape_dtype", "shape_dtype",
                               f"output {name!r}: expected in the returned dict, got keys {sorted(out)}")
@@ -284,7 +308,7 @@ def _check_shapes(out: Any, draw: Draw, device: torch.device) -> dict[str, torch
         if got != exp:
             raise GateFailure("output_shape_dtype", "shape_dtype",
                               f"output {name!r}: expected (shape, dtype, device) {exp}, got {got}")
-    return {n: out[n] for n in draw.ref}
+    return {n: out[n] for n in expected}
 
 
 def _check_guards(g: Guarded) -> None:
@@ -328,7 +352,7 @@ class Judge:
         if stream is not None and any(s != stream for s in LAUNCHES.streams):
             raise GateFailure("current_stream", "side_stream",
                               "a Triton kernel was launched on a stream other than the caller's current stream")
-        outs = _check_shapes(out, draw, self.device)
+        outs = _check_shapes(out, draw.ref, self.device)
         _check_guards(g)
         kept = {n: t.detach().clone() for n, t in outs.items()}
         if self.device.type == "cuda":
@@ -467,15 +491,6 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         if not g.passed:
             return v.fail("memcheck", "out_of_bounds", g.detail), False
         v.gates.append(g)
-    if dev.type == "cpu":
-        from llm4llm.verify.aot import aot_arch, aot_gate
-
-        arch = aot_arch()
-        if arch is not None:  # the interpreter ran it; would the GPU compiler take it?
-            g = aot_gate(str(task.path), source, arch)
-            if not g.passed:
-                return v.fail(g.name, "compile", g.detail), False
-            v.gates.append(g)
     if dev.type != "cuda" or not timing:
         why = NO_GPU if dev.type != "cuda" else "skipped: timing off"
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
@@ -512,4 +527,326 @@ def tolerance_dtype(task_dtype: str, tensor_dtype: torch.dtype) -> torch.dtype |
     compute = getattr(torch, task_dtype, None)
     if tensor_dtype == torch.float32 and compute in (torch.bfloat16, torch.float16):
         return compute
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the split judge
+# The candidate runs in the sandboxed worker (CandidateSession) and returns only tensors, written to files in its
+# private dir; the draws' references, the comparisons, the canary and input checks run in the parent
+# (RemoteJudge), where the candidate cannot read or patch them. The worker never holds a reference output.
+
+HEAVY_ATEN = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "conv", "_scaled_dot",
+              "softmax", "_softmax", "log_softmax", "einsum", "cumsum", "rms_norm", "layer_norm", "native_layer_norm",
+              "_fused", "scaled_dot_product", "topk", "sort")
+# views, allocations, copies and casts: moving data is not doing the task's work
+FREE_ATEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+             "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "arange", "fill_", "zero_",
+             "view", "_unsafe_view", "reshape", "as_strided", "t", "transpose", "permute", "expand", "select", "slice",
+             "unsqueeze", "squeeze", "detach", "alias", "unbind", "split", "split_with_sizes", "chunk", "narrow",
+             "clone", "copy_", "_to_copy", "contiguous", "lift_fresh", "resize_", "set_", "view_as_real",
+             "view_as_complex", "_reshape_alias", "flatten", "unflatten", "movedim", "diagonal", "lift_fresh_copy",
+             "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense",
+             "item", "scalar_tensor", "_has_compatible_shallow_copy_type", "record_stream", "stride", "size",
+             "numel", "dim", "is_contiguous", "storage_offset", "equal", "isfinite", "index_select", "cat", "stack"}
+TORCH_WORK_SHARE = 0.25  # elements produced by compute aten ops, as a share of the outputs', above which torch did it
+
+
+def _aten_name(func) -> str:
+    name = getattr(func, "__name__", str(func))  # "mul.Tensor"
+    return name.split(".")[0]
+
+
+class AtenCounter:
+    """Counts the aten ops a call runs outside Triton (a TorchDispatchMode): the heavy ones, and the elements the
+    other non-free ones produce."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = _aten_name(func)
+                if name not in FREE_ATEN:
+                    counter.ops[name] = counter.ops.get(name, 0) + 1
+                    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                        if isinstance(t, torch.Tensor):
+                            counter.elements += t.numel()
+                return out
+
+        self.mode, self.ops, self.elements = _Mode(), {}, 0
+
+    def report(self) -> dict:
+        return {"ops": dict(self.ops), "elements": int(self.elements)}
+
+
+def torch_work_failure(report: dict | None, out_elements: int) -> str | None:
+    """Why a call's aten ops say torch, not the candidate's Triton kernels, did the work (None: they do not)."""
+    if not report:
+        return None
+    heavy = {k: v for k, v in report.get("ops", {}).items() if k.startswith(HEAVY_ATEN)}
+    if heavy:
+        return f"torch computed outside Triton: heavy aten ops {heavy}"
+    share = report.get("elements", 0) / max(1, out_elements)
+    if share > TORCH_WORK_SHARE:
+        return (f"torch computed outside Triton: aten ops {report.get('ops')} produced {share:.0%} of the outputs' "
+                f"elements (allowed: {TORCH_WORK_SHARE:.0%} for glue)")
+    return None
+
+
+def out_meta(ref: dict[str, torch.Tensor]) -> dict[str, list]:
+    return {n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in ref.items()}
+
+
+def meta_tensors(meta: dict[str, list]) -> dict[str, torch.Tensor]:
+    return {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, (shape, dt) in meta.items()}
+
+
+WEIGHT_BUFFER_LIMIT = 64 << 20  # weight buffers larger than this are checked in the worker, not sent back
+
+
+class CandidateSession:
+    """Worker side: one candidate, its draws (inputs only), calls on the parent's request."""
+
+    def __init__(self, task_dir: str, source: str, device: str, draws: int, seed: int, canary_seed: int,
+                 timing: bool = True, decode_timing: str = "launch", **_: Any):
+        self.dev = torch.device(device)
+        self.task = load_task(Path(task_dir))
+        self.source, self.timing, self.decode_timing = source, timing, decode_timing
+        self.draws = make_draws(self.task, self.dev, draws, seed)
+        self.by_key = {d.key: d for d in self.draws}
+        self.canary = Canary(canary_seed)
+        self.name = f"llm4llm_candidate_{source_hash(source)[:16]}"
+        self.entry: Callable | None = None
+
+    def load(self) -> dict:
+        install_launch_hook()
+        workdir = Path(tempfile.mkdtemp(prefix="cand-"))
+        try:
+            module = load_candidate(self.source, workdir, self.name)
+        except BaseException as e:  # noqa: BLE001
+            return {"fail": ["compile", "compile", "executing the source failed:\n"
+                             + "".join(traceback.format_exception(e))[-6000:]]}
+        self.entry = getattr(module, "entry", None)
+        if not callable(self.entry):
+            return {"fail": ["compile", "compile", "the module defines no callable `entry`"]}
+        t0 = time.perf_counter()
+        try:
+            call_candidate(self.entry, guard(self.draws[0], self.canary), self.task.spec.static, self.dev,
+                           first_call=True)
+        except GateFailure as f:
+            return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
+        return {"ok": f"first call {time.perf_counter() - t0:.2f}s"}
+
+    def call(self, key: list[int], poison: float, meta: dict, path: str, dispatch: bool = False) -> dict:
+        d = self.by_key[tuple(key)]
+        g = guard(d, self.canary)
+        expected = meta_tensors(meta)
+        counter = AtenCounter() if dispatch else None
+        try:
+            try:
+                if counter is not None:
+                    with counter.mode:
+                        out, stream = call_candidate(self.entry, g, self.task.spec.static, self.dev, ref=expected,
+                                                     poison=poison)
+                else:
+                    out, stream = call_candidate(self.entry, g, self.task.spec.static, self.dev, ref=expected,
+                                                 poison=poison)
+            except RuntimeError as e:
+                raise _classify_exception(e, first_call=False) from None
+            if LAUNCHES.count == 0:
+                raise GateFailure("launches_triton", "no_triton", "entry returned without launching a Triton kernel")
+            if stream is not None and any(s != stream for s in LAUNCHES.streams):
+                raise GateFailure("current_stream", "side_stream",
+                                  "a Triton kernel was launched on a stream other than the caller's current stream")
+            outs = _check_shapes(out, {n: torch.empty(t.shape, dtype=t.dtype, device=self.dev)
+                                       for n, t in expected.items()}, self.dev)
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize(self.dev)
+            from safetensors.torch import save_file
+
+            tensors = {f"out.{n}": t.detach().contiguous().cpu() for n, t in outs.items()}
+            for name, buf, pad, n, margins in g.buffers:
+                if name.startswith("weights.") and buf.numel() * buf.element_size() > WEIGHT_BUFFER_LIMIT:
+                    continue
+                tensors[f"buf.{name}"] = buf.detach().cpu()
+            save_file(tensors, path)
+        except GateFailure as f:
+            return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
+        big = [(name, buf, pad, n, margins) for name, buf, pad, n, margins in g.buffers
+               if f"buf.{name}" not in tensors]
+        if big:  # large weights: checked here (the parent gets the verdict of this check only)
+            try:
+                _check_guards(Guarded({}, {k.split(".", 1)[1]: v for k, v in g.weights.items()}, {}, big,
+                                      {k: v for k, v in g.originals.items() if k.startswith("weights.")
+                                       and any(b[0] == k for b in big)}))
+            except GateFailure as f:
+                return {"fail": [f.gate, f.failure_class, f.message]}
+        return {"ok": True, "launches": LAUNCHES.count, "dispatch": counter.report() if counter else None}
+
+    def time(self) -> dict:
+        from llm4llm.verify.timing import time_task
+
+        v = Verdict(source_hash=source_hash(self.source), task_id=self.task.spec.task_id)
+        try:
+            time_task(v, self.task, self.entry, self.draws, self.dev, source=self.source,
+                      decode_graph=self.decode_timing != "launch", prefill_graph=self.decode_timing == "graph_prefill")
+        except GateFailure as f:
+            return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
+        return {"ok": v.model_dump(mode="json")}
+
+
+@dataclass
+class RemoteJudge(Judge):
+    """Parent side: the same checks as Judge, on the tensors the worker's call wrote back."""
+
+    rpc: Callable[[dict], dict] | None = None
+    work: Path | None = None
+    canary: Canary = field(default_factory=Canary)
+    dispatch_done: bool = False
+    dispatch_note: str = ""
+
+    def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
+        from safetensors.torch import load_file
+
+        name = f"call-{draw.key[0]}-{draw.key[1]}-{self.runs}.safetensors"
+        first = not self.dispatch_done
+        reply = self.rpc({"op": "call", "key": list(draw.key), "poison": poison, "meta": out_meta(draw.ref),
+                          "path": name, "dispatch": first})
+        if "fail" in reply:
+            gate, cls, msg = reply["fail"][:3]
+            raise GateFailure(gate, cls, msg, poisoned=bool(reply.get("poisoned")))
+        self.runs += 1
+        path = self.work / name
+        try:
+            saved = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - a missing or mangled answer is the candidate process's doing
+            raise GateFailure("output_shape_dtype", "shape_dtype", f"the worker's outputs could not be read: {e}")
+        finally:
+            path.unlink(missing_ok=True)
+        if first:
+            self.dispatch_done = True
+            out_elems = sum(r.numel() for r in draw.ref.values())
+            why = torch_work_failure(reply.get("dispatch"), out_elems)
+            if why:
+                raise GateFailure("does_the_work", "torch_compute", why)
+            ops = (reply.get("dispatch") or {}).get("ops") or {}
+            self.dispatch_note = f"aten ops outside Triton: {ops}" if ops else "no compute aten ops outside Triton"
+        outs = {}
+        for n in draw.ref:
+            if f"out.{n}" not in saved:
+                raise GateFailure("output_shape_dtype", "shape_dtype", f"output {n!r}: missing from the worker's answer")
+            outs[n] = saved[f"out.{n}"].to(self.device)
+        outs = _check_shapes(outs, draw.ref, self.device)
+        g = self._guarded(draw, saved)
+        _check_guards(g)
+        return outs, g
+
+    def _guarded(self, draw: Draw, saved: dict[str, torch.Tensor]) -> Guarded:
+        """The worker's canary buffers after the call, checked against this side's layout and pristine draw."""
+        buffers, views, originals = [], {"inputs": {}, "weights": {}, "state": {}}, {}
+        for kind in views:
+            for name, t in getattr(draw, kind).items():
+                key = f"{kind}.{name}"
+                if f"buf.{key}" not in saved:
+                    if kind == "weights":
+                        continue  # large: checked in the worker
+                    raise GateFailure("canaries", "out_of_bounds", f"{key}: its buffer is missing from the answer")
+                n, pad = t.numel(), self.canary.pad(key, t.numel())
+                buf = saved[f"buf.{key}"].to(self.device)
+                if buf.numel() != n + 2 * pad or buf.dtype != t.dtype:
+                    raise GateFailure("canaries", "out_of_bounds", f"{key}: the returned buffer has another layout")
+                margins = torch.empty(2 * pad, dtype=t.dtype, device=self.device)
+                _canary_fill(margins, self.canary)
+                buffers.append((key, buf, pad, n, margins))
+                views[kind][name] = buf[pad:pad + n].view(t.shape)
+                if kind != "state":
+                    originals[key] = t
+        return Guarded(views["inputs"], views["weights"], views["state"], buffers, originals)
+
+
+def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict], dict], work: Path, draws: int,
+                 seed: int, canary: Canary, timing: bool = True, **_: Any) -> tuple[Verdict, bool]:
+    """The parent's half of a verification: references and every comparison here, the candidate's calls in the
+    worker behind `rpc`. Returns the verdict and whether the worker's CUDA context is poisoned."""
+    all_draws = make_draws(task, dev, draws, seed)
+    fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
+                   else None)
+    r = rpc({"op": "load"})
+    if "fail" in r:
+        gate, cls, msg = r["fail"][:3]
+        return v.fail(gate, cls, msg), bool(r.get("poisoned"))
+    v.gates.append(GateResult(name="compile", passed=True, detail=r["ok"]))
+    judge = RemoteJudge(None, task, dev, rpc=rpc, work=work, canary=canary)
+    try:
+        for d in all_draws:
+            try:
+                judge.judge(d)
+            except RuntimeError as e:
+                failure = _classify_exception(e, first_call=False)
+                if failure.failure_class not in ("gpu_fault", "oom"):
+                    raise
+                raise failure from None
+    except GateFailure as f:
+        _append_passed_before(v, f.gate if f.gate != "does_the_work" else "launches_triton")
+        v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
+        return v.fail(f.gate, f.failure_class, f.message), f.poisoned
+    v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
+    _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
+                          floor=judge.floor_detail())
+    v.gates.append(GateResult(name="does_the_work", passed=True, detail=judge.dispatch_note))
+    if dev.type != "cuda" or not timing:
+        why = NO_GPU if dev.type != "cuda" else "skipped: timing off"
+        v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
+                    GateResult(name="timing_in_context", passed=True, detail=why)]
+        return v.finish(), False
+    r = rpc({"op": "time"})
+    if "fail" in r:
+        gate, cls, msg = r["fail"][:3]
+        return v.fail(gate, cls, msg), bool(r.get("poisoned"))
+    timed = Verdict.model_validate(r["ok"])
+    for k in ("candidate_cold", "reference_cold", "candidate_in_context", "reference_in_context", "speedup_cold",
+              "speedup_in_context"):
+        setattr(v, k, getattr(timed, k))
+    v.gates += [g for g in timed.gates]
+    bad = next((g for g in timed.gates if not g.passed), None)
+    if bad is not None:
+        return v.fail(bad.name, "timeout" if "time" in bad.name else "runtime_error", bad.detail), False
+    floor = physical_floor_failure(v, task, all_draws, dev)
+    if floor:
+        return v.fail("physical_floor", "impossible_time", floor), False
+    v.gates.append(GateResult(name="physical_floor", passed=True, detail="timed latencies above the HBM floor"))
+    return v.finish(), False
+
+
+def hbm_bytes_per_s(dev: torch.device) -> float:
+    """Peak DRAM bandwidth of a CUDA device: LLM4LLM_HBM_GBPS, else from its memory clock and bus width (DDR)."""
+    env = os.environ.get("LLM4LLM_HBM_GBPS")
+    if env:
+        return float(env) * 1e9
+    props = torch.cuda.get_device_properties(dev)
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    if clock_khz and bus_bits:
+        return 2.0 * clock_khz * 1e3 * bus_bits / 8
+    return 4.8e12  # H200 (the hardware this project targets)
+
+
+FLOOR_MARGIN = 1.5  # a measured time below floor / 1.5 is impossible even with a generous peak
+
+
+def physical_floor_failure(v: Verdict, task: Task, draws: list[Draw], dev: torch.device) -> str | None:
+    """Cold timing flushes L2, so a call must at least write its outputs and read its weights from HBM: a p50 under
+    (output + weight bytes) / peak bandwidth (with a margin) is impossible and says the timing was cheated."""
+    if v.candidate_cold is None or dev.type != "cuda":
+        return None
+    d = draws[0]
+    nbytes = sum(t.numel() * t.element_size() for t in d.ref.values())
+    nbytes += sum(t.numel() * t.element_size() for t in d.weights.values())
+    floor_ms = nbytes / hbm_bytes_per_s(dev) * 1e3 / FLOOR_MARGIN
+    if v.candidate_cold.p50 < floor_ms:
+        return (f"cold p50 {v.candidate_cold.p50 * 1e3:.2f} us is below the physical floor {floor_ms * 1e3:.2f} us "
+                f"({nbytes} bytes of outputs and weights at {hbm_bytes_per_s(dev) / 1e12:.2f} TB/s / {FLOOR_MARGIN})")
     return None

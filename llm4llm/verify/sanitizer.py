@@ -34,15 +34,27 @@ def memcheck_gate(task_dir: str, source: str, device: str, timeout_s: float = 60
     tool = find_sanitizer()
     if tool is None:
         return GateResult(name="memcheck", passed=True, detail="skipped: compute-sanitizer not found")
-    with tempfile.TemporaryDirectory(prefix="llm4llm-memcheck-") as tmp:
-        src = Path(tmp) / "candidate_source.py"
+    from llm4llm.verify.sandbox import kill_group, make_box, remove_box, sandboxed_popen
+
+    # the candidate runs under the sanitizer: the sanitizer starts the sandboxed interpreter, which locks itself in
+    box = make_box("llm4llm-memcheck-")
+    try:
+        src = box / "ro" / "candidate_source.py"
         src.write_text(source)
-        cmd = [tool, "--tool", "memcheck", "--error-exitcode", str(ERROR_EXIT), sys.executable, "-m",
-               "llm4llm.verify.sanitizer", task_dir, str(src), device]
+        proc = sandboxed_popen("llm4llm.verify.sanitizer:sandbox_main", box=box,
+                               args=[str(task_dir), str(src), device], extra_needed=[str(task_dir)],
+                               wrapper=[tool, "--tool", "memcheck", "--error-exitcode", str(ERROR_EXIT)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.communicate()
             return GateResult(name="memcheck", passed=True, detail=f"skipped: memcheck over {timeout_s:.0f}s")
+        kill_group(proc.pid)
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        remove_box(box)
     if p.returncode == 0:
         return GateResult(name="memcheck", passed=True, detail="compute-sanitizer memcheck: no errors")
     return GateResult(name="memcheck", passed=False,
@@ -57,11 +69,16 @@ def _main(task_dir: str, source_path: str, device: str) -> None:
 
     task = load_task(Path(task_dir))
     case = task.cases[0]
-    mod = load_candidate(Path(source_path).read_text(), Path(source_path).parent, "llm4llm_memcheck_candidate")
+    mod = load_candidate(Path(source_path).read_text(), Path(tempfile.mkdtemp()), "llm4llm_memcheck_candidate")
     dev = torch.device(device)
     to_dev = lambda d: {n: t.to(dev) for n, t in d.items()}  # noqa: E731
     mod.entry(to_dev(case.inputs), to_dev(case.weights), to_dev(case.state), dict(task.spec.static))
     torch.cuda.synchronize(dev)
+
+
+def sandbox_main() -> int:
+    _main(*sys.argv[1:4])
+    return 0
 
 
 if __name__ == "__main__":

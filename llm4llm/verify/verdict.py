@@ -11,6 +11,8 @@ FailureClass = Literal[
     "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
     "interrupted",  # the worker was stopped from outside (SIGTERM/SIGINT/SIGHUP): says nothing about the candidate
     "precision_changed",  # the candidate changed TF32 / reduced-precision settings (KernelBench tasks, fp32)
+    "torch_compute",  # torch ops, not the candidate's Triton kernels, did the work (the does_the_work gate)
+    "impossible_time",  # a timed latency below the physical floor (bytes / HBM bandwidth)
 ]
 
 NO_GPU = "skipped: no GPU"
@@ -55,6 +57,9 @@ class Verdict(BaseModel):
     worker_pid: int | None = None
     device_name: str = ""
     timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"
+    # the worker's sandbox layers as it reported them before any candidate code ran: layer -> "on ..." | "off: why"
+    sandbox: dict[str, str] = Field(default_factory=dict)
+    judge_seed: int | None = None  # the per-candidate seed of the draws and canary layout (reproduce with it)
 
     def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
         """Record a failing gate; the verdict is then final (later gates do not run)."""

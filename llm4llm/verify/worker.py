@@ -1,18 +1,27 @@
-"""The isolated worker: one spawned process per device judges candidates; the parent enforces the wall clock.
+"""The isolated worker: one sandboxed process per candidate judges it; the parent enforces the wall clock.
 
-A candidate may hang, crash the interpreter, or poison its CUDA context (an illegal address leaves every later CUDA
-call failing). So candidates never run in the caller's process: `VerifierPool` sends jobs over a pipe to a worker
-started with multiprocessing 'spawn', waits at most `timeout_s` for the verdict, and on a timeout or a dead worker
-kills it, records the failure class and starts a fresh worker for the next job.
+A candidate may hang, crash the interpreter, poison its CUDA context, or attack the machine. So candidates never run
+in the caller's process: `VerifierPool` starts a worker through llm4llm.verify.sandbox (its own session, an
+allowlisted environment, a private dir holding a read-only copy of the task, no network, uid nobody, Landlock,
+seccomp; docs/threat-model.md), sends it one job as JSON over a socket, waits at most `timeout_s` for the verdict,
+and then kills the worker's whole process group: a worker serves exactly one candidate, so nothing a candidate
+patches in its process (the verifier's own functions, torch, Triton) reaches the next. The next worker is started
+while the current one runs (a warm spare), so the import of torch and Triton overlaps the work.
+
+Messages are JSON, never pickle (unpickling what a compromised worker sent would run its code in the parent).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
+import secrets
 import signal
+import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +29,23 @@ from llm4llm.verify.static_check import check_source, check_task_source, forbidd
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
 
 START_TIMEOUT_S = 300.0  # a fresh worker imports torch and Triton (and initialises CUDA) before it is ready
+MAX_MESSAGE = 64 << 20
+
+
+def send_json(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(json.dumps(obj, default=str).encode())
+
+
+def recv_json(conn: Connection) -> Any:
+    return json.loads(conn.recv_bytes(MAX_MESSAGE).decode())
+
+
+def sandbox_main() -> int:
+    """The worker process (started by `VerifierPool` through the sandbox): python -c boot FD DEVICE."""
+    fd, device = int(sys.argv[1]), sys.argv[2]
+    conn = Connection(fd)
+    _worker_main(conn, device)
+    return 0
 
 
 def _worker_main(conn, device: str) -> None:
@@ -30,36 +56,79 @@ def _worker_main(conn, device: str) -> None:
     import torch
 
     from llm4llm.verify.candidate import install_launch_hook
-    from llm4llm.verify.gates import run_gates
+    from llm4llm.verify.sandbox import layers_from_env
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.cuda.init()
     install_launch_hook()
-    conn.send({"ready": os.getpid()})
-    _serve(conn, run_gates)
+    send_json(conn, {"ready": os.getpid(), "sandbox": layers_from_env()})
+    _serve(conn)
     # Skip interpreter teardown (Triton/torch atexit work can take seconds); the worker owns nothing to flush.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _serve(conn, run_gates) -> None:
+def _serve(conn) -> None:
+    """One candidate: "load" (with the job) builds its session, then "call" and "time" as the parent asks."""
+    from llm4llm.verify.gates import CandidateSession
+
+    session = None
     while True:
         try:
-            job = conn.recv()
-        except EOFError:
+            msg = recv_json(conn)
+        except (EOFError, OSError, ValueError):
             return
-        if job is None:
+        if msg is None:
             return
         try:
-            verdict, poisoned = run_gates(**job)
-            reply = {"verdict": verdict.model_dump(), "poisoned": poisoned}
+            op = msg.pop("op")
+            if op == "load":
+                session = CandidateSession(**msg)
+                reply = session.load()
+            elif op == "call":
+                reply = session.call(**msg)
+            elif op == "time":
+                reply = session.time()
+            elif op == "gates":  # KernelBench tasks: the benchmark's own protocol, judged in this process
+                from llm4llm.verify.gates import run_gates
+
+                verdict, poisoned = run_gates(**msg)
+                reply = {"verdict": verdict.model_dump(mode="json"), "poisoned": poisoned}
+            else:
+                reply = {"error": f"unknown op {op!r}", "poisoned": True}
         except BaseException as e:  # noqa: BLE001 - a harness failure is reported, never hidden
             reply = {"error": "".join(traceback.format_exception(e))[-6000:], "poisoned": True}
-        conn.send(reply)
-        if reply["poisoned"]:
+        send_json(conn, reply)
+        if reply.get("poisoned"):
             return
+
+
+class _WorkerTimeout(Exception):
+    pass
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+class _HarnessError(Exception):
+    pass
+
+
+@dataclass
+class _Worker:
+    """One sandboxed worker process, its socket and its private dir."""
+
+    proc: Any
+    conn: Connection
+    box: Path
+    pid: int | None = None  # set once it said it is ready
+    sandbox: dict | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
 # How decode tasks are timed (llm4llm/verify/timing.py): "launch", calls back to back as eager decoding runs them;
@@ -69,71 +138,90 @@ DECODE_TIMINGS = ("launch", "graph", "graph_prefill")
 
 
 class VerifierPool:
-    """One worker process for `device`, restarted after every timeout, crash or poisoned CUDA context.
+    """Sandboxed workers for `device`, one per candidate (a fresh one after every job, timeout, crash or poisoned
+    CUDA context).
 
-    `verify(task_dir, source)` runs the static gate here (cheap, and it keeps rejected code out of the worker), then
-    the rest in the worker. Use as a context manager or call `close()`.
+    `verify(task_dir, source)` runs the static gate here (cheap, and it keeps rejected code out of the worker),
+    checks the task's artifact hashes, copies the task read-only into the worker's private dir, then runs the rest in
+    the worker. Use as a context manager or call `close()`.
     """
 
     def __init__(self, device: str = "cpu", timeout_s: float = 120.0, draws: int = 5, seed: int = 0,
                  timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S,
-                 decode_timing: str = "launch"):
+                 decode_timing: str = "launch", mem_limit_bytes: int | None = None, spare: bool = True):
+        from llm4llm.verify.sandbox import default_mem_limit
+
         self.device = "cuda:0" if device == "cuda" else device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         if decode_timing not in DECODE_TIMINGS:
             raise ValueError(f"decode_timing: expected one of {DECODE_TIMINGS}, got {decode_timing!r}")
         self.options = {"draws": draws, "seed": seed, "timing": timing, "memcheck": memcheck,
                         "decode_timing": decode_timing}
-        self._ctx = mp.get_context("spawn")
-        self._proc = None
-        self._conn = None
-        self._pid: int | None = None
+        self.mem_limit = mem_limit_bytes or default_mem_limit()
+        self.spare = spare
+        self._w: _Worker | None = None
+        self._hashes: dict[str, dict[str, str]] = {}  # task dir -> artifact hashes first seen
         self.restarts = 0
+        self.last_pid: int | None = None
         self._spawn()
 
     # -- process management
     def _spawn(self) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.device), daemon=True,
-                                 name=f"llm4llm-verify-{self.device}")
-        proc.start()
-        child.close()
-        self._proc, self._conn, self._pid = proc, parent, None
+        from llm4llm.verify.sandbox import make_box, sandboxed_popen
 
-    def _ready(self) -> None:
-        if self._proc is None or not self._proc.is_alive():
+        box = make_box()
+        ours, theirs = socket.socketpair()
+        try:
+            proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=(theirs.fileno(),),
+                                   args=[str(theirs.fileno()), self.device], readonly=_readonly_paths())
+        finally:
+            theirs.close()
+        self._w = _Worker(proc, Connection(ours.detach()), box)
+
+    def _ready(self) -> _Worker:
+        if self._w is None or not self._w.alive():
             self._discard()
             self._spawn()
-        if self._pid is not None:
-            return
-        if not self._conn.poll(self.start_timeout_s):
+        w = self._w
+        if w.pid is not None:
+            return w
+        if not w.conn.poll(self.start_timeout_s):
             self._discard()
             raise RuntimeError(f"verifier worker on {self.device}: not ready after {self.start_timeout_s:.0f}s")
         try:
-            self._pid = self._conn.recv()["ready"]
-        except EOFError:
-            code = self._proc.exitcode
+            msg = recv_json(w.conn)
+            w.pid, w.sandbox = int(msg["ready"]), dict(msg.get("sandbox") or {})
+        except (EOFError, OSError, ValueError, KeyError):
+            code = w.proc.poll()
             self._discard()
             raise RuntimeError(f"verifier worker on {self.device}: died while starting (exit code {code})") from None
+        return w
 
     def _discard(self) -> None:
-        """Kill the worker (if alive) and forget it."""
-        if self._proc is not None:
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join(10)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = self._pid = None
+        """Kill the worker's whole process group and remove its private dir."""
+        from llm4llm.verify.sandbox import kill_group, remove_box
+
+        w, self._w = self._w, None
+        if w is None:
+            return
+        kill_group(w.proc.pid)
+        try:
+            w.proc.wait(10)
+        except Exception:  # noqa: BLE001 - a process that will not die is reported by the OS, not here
+            pass
+        w.conn.close()
+        remove_box(w.box)
 
     @property
     def worker_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """The pid of the worker that judged the last candidate (each candidate gets its own)."""
+        return self.last_pid
 
     # -- jobs
     def verify(self, task_dir: str | Path, source: str, *, timeout_s: float | None = None,
                **options: Any) -> Verdict:
-        from llm4llm.taskspec import load_spec
+        from llm4llm.taskspec import check_artifacts, load_spec
+        from llm4llm.verify.sandbox import RssWatchdog, copy_readonly, layer_summary
 
         spec = load_spec(Path(task_dir))
         v = Verdict(source_hash=source_hash(source), task_id=spec.task_id, device_name=self.device,
@@ -141,53 +229,136 @@ class VerifierPool:
         rep = check_task_source(source, spec)
         if not rep.ok:
             return v.fail("static", "static", rep.reason)
-        self._ready()
-        v.worker_pid = self._proc.pid
-        job = {"task_dir": str(task_dir), "source": source, "device": self.device, **self.options, **options}
+        key = str(Path(task_dir).resolve())
+        self._hashes[key] = check_artifacts(Path(task_dir), self._hashes.get(key))
+        w = self._ready()
+        v.worker_pid = self.last_pid = w.proc.pid
+        v.sandbox = dict(w.sandbox or {})
+        if any(not s.startswith("on") for s in v.sandbox.values()):
+            print(f"WARNING: llm4llm verifier: sandbox incomplete: {layer_summary(v.sandbox)}", file=sys.stderr)
+        local = copy_readonly(Path(task_dir), w.box / "ro" / spec.task_id)
+        opts = {**self.options, **options}
+        # per candidate: the draws' seed, how many fresh draws, the canary layout (a fixed call count or canary
+        # offset is something a kernel can count on)
+        nonce = secrets.randbits(31) | 1
+        seed = int(opts.get("seed") or 0) * 1_000_003 + nonce if opts.get("randomise", True) else int(opts["seed"])
+        draws = int(opts["draws"]) + (secrets.randbelow(4) if opts.get("randomise", True) else 0)
+        v.judge_seed = seed
+        job = {"op": "load", "task_dir": str(local), "source": source, "device": self.device, "draws": draws,
+               "seed": seed, "canary_seed": seed, "timing": opts["timing"], "decode_timing": opts["decode_timing"]}
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        self._conn.send(job)
-        if not self._conn.poll(limit):
-            self._discard()
-            self._spawn()
-            v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
-            return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
-        try:
-            reply = self._conn.recv()
-        except (EOFError, OSError):
-            return self._crashed(v, time.monotonic() - t0)
-        if reply.get("poisoned"):
-            self._discard()
-            self._spawn()
-        if "error" in reply:
-            v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
-            return v.fail("worker", "worker_crash", f"verifier error:\n{reply['error']}")
-        return Verdict.model_validate(reply["verdict"])
+        deadline = t0 + limit
 
-    def _crashed(self, v: Verdict, elapsed: float) -> Verdict:
-        self._proc.join(10)
-        code = self._proc.exitcode
+        def rpc(msg: dict) -> dict:
+            send_json(w.conn, job if msg.get("op") == "load" else msg)
+            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise _WorkerTimeout()
+            try:
+                reply = recv_json(w.conn)
+            except (EOFError, OSError, ValueError):
+                raise _WorkerDied() from None
+            if "error" in reply:
+                raise _HarnessError(reply["error"])
+            return reply
+
+        dog = RssWatchdog(w.proc.pid, self.mem_limit)
+        dog.start()
+        try:
+            import torch
+
+            from llm4llm.taskspec import load_task
+            from llm4llm.verify.gates import Canary, judge_remote
+
+            v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
+            task = load_task(Path(task_dir))
+            if spec.reference == "kernelbench":
+                # KernelBench's protocol compares ModelNew with Model in one process, as the benchmark does: the
+                # judge runs in the sandboxed worker, not here (docs/threat-model.md)
+                r = rpc({"op": "gates", "task_dir": str(local), "source": source, "device": self.device,
+                         "draws": draws, "seed": seed, "timing": bool(opts["timing"])})
+                got = Verdict.model_validate(r["verdict"])
+                got.worker_pid, got.sandbox, got.judge_seed = v.worker_pid, v.sandbox, seed
+            else:
+                got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
+                                              Canary(seed), timing=bool(opts["timing"]))
+            if opts.get("memcheck") and got.passed:
+                from llm4llm.verify.sanitizer import memcheck_gate
+
+                g = memcheck_gate(str(local), source, self.device)
+                got = got.fail("memcheck", "out_of_bounds", g.detail) if not g.passed else got
+                if g.passed:
+                    got.gates.append(g)
+        except _WorkerTimeout:
+            self._next()
+            return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
+        except _WorkerDied:
+            return self._crashed(v, w, time.monotonic() - t0, dog)
+        except _HarnessError as e:
+            self._next()
+            return v.fail("worker", "worker_crash", f"verifier error:\n{e}")
+        except BaseException:
+            self._next()  # Ctrl-C or an error here: the worker's group goes with it
+            raise
+        finally:
+            dog.stop()
+        self._next()
+        return self._aot(got, Path(task_dir), source)
+
+    def _aot(self, v: Verdict, task_dir: Path, source: str) -> Verdict:
+        """On the CPU, after the interpreter passed it: would the GPU compiler take it? (its own sandboxed process,
+        started from here: the worker may not exec anything)"""
+        from llm4llm.verify.aot import aot_arch, aot_gate
+
+        arch = aot_arch()
+        if self.device != "cpu" or arch is None or not v.passed:
+            return v
+        g = aot_gate(str(task_dir), source, arch)
+        timing = [x for x in v.gates if x.name.startswith("timing")]
+        v.gates = [x for x in v.gates if not x.name.startswith("timing")]
+        if not g.passed:
+            return v.fail(g.name, "compile", g.detail)
+        v.gates += [g, *timing]
+        return v.finish()
+
+    def _next(self) -> None:
+        """Retire the worker that judged a candidate and start the next one (a worker serves one candidate)."""
         self._discard()
-        self._spawn()
-        v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
+        self.restarts += 1
+        if self.spare:
+            self._spawn()
+
+    def _crashed(self, v: Verdict, w: _Worker, elapsed: float, dog) -> Verdict:
+        try:
+            code = w.proc.wait(10)
+        except Exception:  # noqa: BLE001
+            code = None
+        self._next()
+        if dog.tripped is not None:
+            return v.fail("worker", "oom", f"worker's resident memory reached {dog.tripped / 2**30:.2f} GiB, over "
+                                           f"the sandbox limit of {self.mem_limit / 2**30:.2f} GiB: killed after "
+                                           f"{elapsed:.1f}s")
         if code == -signal.SIGKILL:
             return v.fail("worker", "oom", f"worker killed by SIGKILL after {elapsed:.1f}s (likely out of memory)")
-        if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             # stopped from outside (a time limit on the whole run, Ctrl-C): not a fault of the candidate, whose
-            # config must not be remembered as one (on the H200 a session's time limit read as gpu_fault)
+            # config must not be remembered as one. Inside the sandbox seccomp refuses these signals, so the
+            # candidate cannot have sent them; where seccomp is off it could have, and the message says so.
+            sure = str((v.sandbox or {}).get("seccomp", "")).startswith("on")
             return v.fail("worker", "interrupted", f"worker stopped by {signal.Signals(-code).name} after "
-                                                    f"{elapsed:.1f}s (from outside: not the candidate's fault)")
+                                                    f"{elapsed:.1f}s (from outside: not the candidate's fault"
+                                                    + ("" if sure else "; seccomp is off, so the candidate could "
+                                                       "have sent it itself") + ")")
         if code is not None and code < 0 and self.device.startswith("cuda"):
             return v.fail("worker", "gpu_fault", f"worker died of signal {-code} after {elapsed:.1f}s")
         return v.fail("worker", "worker_crash", f"worker died (exit code {code}) after {elapsed:.1f}s")
 
     def close(self) -> None:
-        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+        if self._w is not None and self._w.alive():
             try:
-                self._conn.send(None)
+                send_json(self._w.conn, None)
             except (BrokenPipeError, OSError):
                 pass
-            self._proc.join(5)
         self._discard()
 
     def __enter__(self) -> "VerifierPool":
@@ -195,6 +366,23 @@ class VerifierPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._discard()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _readonly_paths() -> list[str]:
+    """Trees the worker sees read-only even where the uid drop is refused: the project and the data dirs."""
+    from llm4llm.verify.sandbox import _project_root
+
+    paths = {_project_root(), os.getcwd()}
+    data = os.environ.get("LLM4LLM_DATA_DIR")
+    if data:
+        paths.add(data)
+    return sorted(p for p in paths if p not in ("/", "/tmp") and os.path.isdir(p))
 
 
 def verify_candidate(task_dir: str | Path, source: str, *, device: str = "cpu", timeout_s: float = 120.0,

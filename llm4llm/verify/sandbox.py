@@ -1,0 +1,641 @@
+"""The sandbox every process that runs candidate code starts in (verifier worker, sm_90 compile gate, in-model
+acceptance trials). Standard library only (ctypes to libc): it must run on the GPU machine, where nothing can be
+installed, and on the CPU machines.
+
+The parent starts the child with `sandboxed_popen` (a fresh interpreter, `start_new_session`, an environment built
+from an allowlist, a private working directory); the child's first act is `apply()`, before any candidate code or
+heavy import. Layers, in the order the child applies them (docs/threat-model.md says what each stops):
+
+  pdeathsig   PR_SET_PDEATHSIG(SIGKILL): the child dies with its parent (set again after the uid change, which
+              clears it)
+  netns       unshare(CLONE_NEWNET): a network namespace holding only a down loopback (no route anywhere)
+  mountns     unshare(CLONE_NEWNS): HOME-like directories (/root, $HOME) covered by an empty tmpfs, with only the
+              paths Python needs bound back; the project tree and the data dirs remounted read-only
+  uid         setresgid/setresuid to 65534 (nobody), supplementary groups only those owning /dev/nvidia*
+  landlock    writes only inside the private dir (and to /dev/null, /dev/nvidia*), exec only of the compiler
+              toolchain (gcc, as, ld, ptxas, ldconfig), reads only below the system and Python trees, no TCP, no
+              signals to or abstract sockets of processes outside (ABI >= 6)
+  seccomp     socket() only for AF_UNIX; no SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGKILL sent to anyone; ptrace, process_vm_*, mount, unshare, setns, setsid, setpgid, bpf, keyctl,
+              perf_event_open, io_uring, module loading: EPERM
+The parent adds an RSS watchdog over the child's process group (`RssWatchdog`) and kills the group on timeout.
+
+A layer the kernel or the container refuses is skipped and reported: a WARNING line on stderr and an entry in
+`layers` ("off: <why>") that the verdict carries (Verdict.sandbox).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SANDBOX_ENV = "LLM4LLM_SANDBOX"  # the JSON config the child reads (never holds a secret)
+OFF_ENV = "LLM4LLM_SANDBOX_OFF"  # "1": no sandbox at all (debugging only; every verdict then says so)
+NOBODY = 65534
+ALL_LAYERS = ("pdeathsig", "netns", "mountns", "uid", "landlock", "seccomp")
+
+# Variables a candidate process may see (exact names, or prefixes ending in "_"); everything else is dropped, and
+# so is any of these whose name or value looks secret (llm4llm.llm.redact decides).
+ENV_ALLOW = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
+             "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "CUDA_PATH",
+             "CUDA_LAUNCH_BLOCKING", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CC", "CXX",
+             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF"}
+ENV_ALLOW_PREFIXES = ("TRITON_", "LLM4LLM_", "TORCH_", "NCCL_DEBUG")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE = 1, 38, 22, 4
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 32, 4096, 8192, 16384, 1 << 18)
+
+
+def _err(what: str) -> OSError:
+    e = ctypes.get_errno()
+    return OSError(e, f"{what}: {os.strerror(e)}")
+
+
+# ------------------------------------------------------------------------------------------------- the parent side
+
+def _secret_like(name: str, value: str) -> bool:
+    from llm4llm.llm.redact import is_secret_name, secret_env_values
+
+    return is_secret_name(name) or value in secret_env_values()
+
+
+def clean_env(box: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's whole environment: allowlisted variables without secrets, HOME/TMPDIR/caches in the box."""
+    env = {k: v for k, v in os.environ.items()
+           if (k in ENV_ALLOW or k.startswith(ENV_ALLOW_PREFIXES)) and not _secret_like(k, v)}
+    env.pop(SANDBOX_ENV, None)
+    work = box / "work"
+    env.update(HOME=str(work), TMPDIR=str(work / "tmp"), USER="nobody", LOGNAME="nobody",
+               TRITON_CACHE_DIR=str(work / ".triton"), TRITON_HOME=str(work), XDG_CACHE_HOME=str(work / ".cache"),
+               PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    # the interpreter's own tree first, so a venv's python resolves the same packages in the child
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), env.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+def _project_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def make_box(prefix: str = "llm4llm-sbx-") -> Path:
+    """A private directory: box/ (root-owned, 0711), box/work (the child's, 0700, its cwd and only writable place),
+    box/ro (root-owned, read-only: the task artifacts the child may read)."""
+    box = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(box, 0o711)
+    work, ro = box / "work", box / "ro"
+    work.mkdir(mode=0o700)
+    (work / "tmp").mkdir(mode=0o700)
+    ro.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        for p in (work, work / "tmp"):
+            os.chown(p, NOBODY, NOBODY)
+    return box
+
+
+def copy_readonly(src: Path, dst: Path) -> Path:
+    """Copy a task's artifact dir into the box, owned by this (parent) user, files 0444 and dirs 0555."""
+    shutil.copytree(src, dst, symlinks=False)
+    for root, dirs, files in os.walk(dst):
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o444)
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o555)
+    os.chmod(dst, 0o555)
+    return dst
+
+
+def remove_box(box: Path) -> None:
+    def unlock(func, path, _exc):
+        try:
+            os.chmod(os.path.dirname(path), 0o700)
+            os.chmod(path, 0o700)
+            func(path)
+        except OSError:
+            pass
+
+    shutil.rmtree(box, onerror=unlock)
+
+
+def sandbox_disabled() -> bool:
+    return os.environ.get(OFF_ENV, "") == "1"
+
+
+def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), args: list[str] | None = None,
+                    readonly: list[str] | None = None, extra_env: dict[str, str] | None = None,
+                    layers: tuple[str, ...] = ALL_LAYERS, extra_needed: list[str] | None = None,
+                    wrapper: list[str] | None = None, **popen_kw) -> subprocess.Popen:
+    """Start `python -c <boot>` that applies the sandbox then calls `target` ("module:function", with `args` as
+    sys.argv[1:]). The child is its own session (process group = its pid: kill the group with `kill_group`)."""
+    cfg = {"target": target, "box": str(box), "layers": [] if sandbox_disabled() else list(layers),
+           "parent": 0 if wrapper else os.getpid(),
+           "needed": sorted(set(needed_paths()) | {os.path.realpath(p) for p in extra_needed or [] if os.path.exists(p)}), "readonly": readonly or [],
+           "exec": exec_allowlist(), "devgids": device_gids(),
+           "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""})}
+    env = clean_env(box, {**(extra_env or {}), SANDBOX_ENV: json.dumps(cfg)})
+    boot = "from llm4llm.verify.sandbox import boot; boot()"
+    return subprocess.Popen([*(wrapper or []), sys.executable, "-c", boot, *(args or [])], env=env, cwd=str(box / "work"),
+                            pass_fds=pass_fds, start_new_session=True, close_fds=True, **popen_kw)
+
+
+def kill_group(pid: int | None) -> None:
+    """SIGKILL the child's whole process group (it is a session leader; grandchildren inherit its group)."""
+    if not pid:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in group `pgid` (from /proc)."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # field 5 of stat: pgrp
+                continue
+            with open(f"/proc/{d}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def default_mem_limit() -> int:
+    """LLM4LLM_SANDBOX_MEM_MB, else half of this machine's physical memory."""
+    mb = os.environ.get("LLM4LLM_SANDBOX_MEM_MB")
+    if mb:
+        return int(float(mb) * (1 << 20))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+class RssWatchdog(threading.Thread):
+    """Kills the group when its summed RSS passes `limit` bytes (CUDA maps far more virtual memory than it uses, so
+    RLIMIT_AS would break it; RSS is what exhausts the machine)."""
+
+    def __init__(self, pgid: int, limit: int, every_s: float = 0.25):
+        super().__init__(daemon=True, name=f"llm4llm-rss-{pgid}")
+        self.pgid, self.limit, self.every_s = pgid, limit, every_s
+        self.tripped: int | None = None  # the RSS seen when it fired
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            rss = group_rss_bytes(self.pgid)
+            if rss > self.limit:
+                self.tripped = rss
+                kill_group(self.pgid)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def needed_paths() -> list[str]:
+    """What the child must read: the interpreter's trees, sys.path, the project."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))), _project_root()}
+    paths |= {p for p in sys.path if p and os.path.isdir(p)}
+    paths |= {os.path.realpath(p) for p in list(paths)}
+    return sorted(p for p in paths if os.path.exists(p))
+
+
+def _which(name: str) -> str | None:
+    p = shutil.which(name)
+    return os.path.realpath(p) if p else None
+
+
+_EXEC_CACHE: list[str] | None = None
+
+
+def exec_allowlist() -> list[str]:
+    """Programs the child may exec: the C toolchain Triton's launcher build uses, ldconfig (Triton looks for
+    libcuda with it), Triton's bundled CUDA tools and the dynamic loader. Never a shell, never Python."""
+    global _EXEC_CACHE
+    if _EXEC_CACHE is not None:
+        return _EXEC_CACHE
+    progs = set()
+    for name in ("cc", "gcc", "clang", os.environ.get("CC", "")):
+        p = _which(name) if name else None
+        if p:
+            progs.add(p)
+            for tool in ("cc1", "as", "ld", "collect2", "lto-wrapper", "ld.bfd", "ld.gold"):
+                try:
+                    out = subprocess.run([p, f"-print-prog-name={tool}"], capture_output=True, text=True,
+                                         timeout=10).stdout.strip()
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                q = out if os.path.isabs(out) else _which(out)
+                if q and os.path.exists(q):
+                    progs.add(os.path.realpath(q))
+    for name in ("as", "ld", "ldconfig", "/sbin/ldconfig", "ldconfig.real", "/sbin/ldconfig.real"):
+        p = os.path.realpath(name) if os.path.isabs(name) and os.path.exists(name) else _which(name)
+        if p:
+            progs.add(p)
+    for loader in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux-x86-64.so.2"):
+        if os.path.exists(loader):
+            progs.add(os.path.realpath(loader))
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("triton")
+        if spec and spec.origin:
+            b = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
+            if b.is_dir():
+                progs.add(str(b.resolve()))
+    except (ImportError, ValueError):
+        pass
+    for env_tool in ("TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH", "TRITON_NVDISASM_PATH"):
+        if os.environ.get(env_tool):
+            progs.add(os.path.realpath(os.environ[env_tool]))
+    _EXEC_CACHE = sorted(progs)
+    return _EXEC_CACHE
+
+
+def device_gids() -> list[int]:
+    gids = set()
+    for d in Path("/dev").glob("nvidia*"):
+        try:
+            gids.add(d.stat().st_gid)
+        except OSError:
+            pass
+    return sorted(g for g in gids if g != 0)
+
+
+# -------------------------------------------------------------------------------------------------- the child side
+
+LAYERS: dict[str, str] = {}  # layer -> "on" | "off: why", filled by apply()
+
+
+def _warn(layer: str, why: str) -> None:
+    LAYERS[layer] = f"off: {why}"
+    print(f"WARNING: llm4llm sandbox: layer {layer} unavailable: {why}", file=sys.stderr, flush=True)
+
+
+def boot() -> None:
+    """The child's entry point: apply the sandbox from $LLM4LLM_SANDBOX, then call the target."""
+    cfg = json.loads(os.environ.pop(SANDBOX_ENV))
+    apply(cfg)
+    os.environ["LLM4LLM_SANDBOX_LAYERS"] = json.dumps(LAYERS)
+    mod, _, fn = cfg["target"].partition(":")
+    import importlib
+
+    sys.argv = [cfg["target"], *sys.argv[1:]]
+    rc = getattr(importlib.import_module(mod), fn)()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(rc or 0))
+
+
+def apply(cfg: dict[str, Any]) -> dict[str, str]:
+    want = set(cfg.get("layers", ()))
+    box = Path(cfg["box"])
+    LAYERS.clear()
+    if not want:
+        for layer in ALL_LAYERS:
+            _warn(layer, f"sandbox turned off ({OFF_ENV}=1)")
+        return LAYERS
+    parent = int(cfg["parent"])
+    if "pdeathsig" in want:
+        _pdeathsig(parent)
+    root = os.geteuid() == 0
+    if "netns" in want:
+        _try("netns", lambda: _unshare(CLONE_NEWNET, "unshare(CLONE_NEWNET)"))
+    if "mountns" in want:
+        _try("mountns", lambda: _mount_ns(box, cfg["needed"], cfg.get("readonly", []), cfg.get("hide", ["/root"])))
+    if "uid" in want:
+        if not root:
+            _warn("uid", f"not started as root (uid {os.geteuid()}): runs as that uid")
+        else:
+            _try("uid", lambda: _drop_uid(cfg["needed"], cfg.get("devgids", [])))
+        if "pdeathsig" in want:
+            _pdeathsig(parent)  # a credential change clears it
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if "landlock" in want:
+        _try("landlock", lambda: _landlock(box, cfg["needed"], cfg.get("exec", [])))
+    if "seccomp" in want:
+        _try("seccomp", _seccomp)
+    for layer in ALL_LAYERS:
+        if layer not in want:
+            _warn(layer, "not requested for this process")
+    os.chdir(box / "work")
+    os.umask(0o077)
+    return LAYERS
+
+
+def _try(layer: str, fn) -> None:
+    try:
+        note = fn()
+        LAYERS[layer] = "on" + (f" ({note})" if note else "")
+    except Exception as e:  # noqa: BLE001 - a refused layer is reported, never fatal
+        _warn(layer, f"{type(e).__name__}: {e}")
+
+
+def _pdeathsig(parent: int) -> None:
+    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        _warn("pdeathsig", str(_err("prctl(PR_SET_PDEATHSIG)")))
+        return
+    LAYERS["pdeathsig"] = "on" if parent else "on (the direct parent is a wrapper tool)"
+    if parent and os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _unshare(flags: int, what: str) -> None:
+    if _libc.unshare(flags) != 0:
+        raise _err(what)
+
+
+def _mount(src, target, fstype, flags, data=None) -> None:
+    enc = lambda s: s.encode() if isinstance(s, str) else s  # noqa: E731
+    if _libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
+        raise _err(f"mount({src}, {target}, {fstype})")
+
+
+def _other_can_enter(path: str) -> bool:
+    try:
+        return bool(os.stat(path).st_mode & stat.S_IXOTH)
+    except OSError:
+        return False
+
+
+def _mount_ns(box: Path, needed: list[str], readonly: list[str], hide: list[str]) -> str:
+    """Hide HOME-like dirs behind an empty tmpfs (binding back only what Python needs below them) and make the
+    project tree and data dirs read-only, in a private mount namespace."""
+    _unshare(CLONE_NEWNS, "unshare(CLONE_NEWNS)")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    notes = []
+    for top in sorted(h for h in hide if os.path.isdir(h) and not str(box).startswith(h + "/")):
+        keep = sorted({os.sep.join(Path(p).parts[:len(Path(top).parts) + 1]).replace("//", "/")
+                       for p in needed if p.startswith(top + "/")})
+        if any(p == top for p in needed):
+            notes.append(f"{top} kept (needed itself)")
+            continue
+        staged = []
+        for i, k in enumerate(keep):
+            st = box / f".stage{i}"
+            st.mkdir(mode=0o700, exist_ok=True)
+            _mount(k, str(st), None, MS_BIND | MS_REC)
+            staged.append((st, k))
+        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+        for st, k in staged:
+            os.makedirs(k, mode=0o755, exist_ok=True)
+            _mount(str(st), k, None, MS_MOVE)
+            st.rmdir()
+        notes.append(f"{top} hidden" + (f" except {', '.join(keep)}" if keep else ""))
+    for p in readonly:
+        if os.path.exists(p) and not str(box).startswith(p.rstrip("/") + "/"):
+            _mount(p, p, None, MS_BIND | MS_REC)
+            _mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+            notes.append(f"{p} read-only")
+    return "; ".join(notes)
+
+
+def _drop_uid(needed: list[str], devgids: list[int]) -> str:
+    blocked = [p for p in needed if not all(_other_can_enter(str(a)) for a in [Path(p), *Path(p).parents])]
+    if blocked:
+        raise PermissionError(f"uid {NOBODY} could not reach {blocked[0]} (a parent dir without o+x)")
+    os.setgroups(devgids)
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    return f"uid/gid {NOBODY}" + (f", groups {devgids}" if devgids else "")
+
+
+# Landlock (linux/landlock.h)
+_LL = dict(EXECUTE=1 << 0, WRITE_FILE=1 << 1, READ_FILE=1 << 2, READ_DIR=1 << 3, REMOVE_DIR=1 << 4,
+           REMOVE_FILE=1 << 5, MAKE_CHAR=1 << 6, MAKE_DIR=1 << 7, MAKE_REG=1 << 8, MAKE_SOCK=1 << 9,
+           MAKE_FIFO=1 << 10, MAKE_BLOCK=1 << 11, MAKE_SYM=1 << 12, REFER=1 << 13, TRUNCATE=1 << 14)
+_NR_LL_CREATE, _NR_LL_ADD, _NR_LL_RESTRICT = 444, 445, 446  # the same on x86_64 and aarch64
+_FILE_RIGHTS = _LL["EXECUTE"] | _LL["WRITE_FILE"] | _LL["READ_FILE"] | _LL["TRUNCATE"]
+READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt", "/proc", "/sys", "/dev",
+              "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives",
+              "/etc/nsswitch.conf", "/usr/local/cuda", "/run/nvidia-persistenced")
+
+
+def landlock_abi() -> int:
+    r = _libc.syscall(_NR_LL_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return int(r) if r > 0 else 0
+
+
+def _landlock(box: Path, needed: list[str], execs: list[str]) -> str:
+    abi = landlock_abi()
+    if abi < 1:
+        raise OSError(errno.ENOSYS, "Landlock not supported by this kernel (or disabled)")
+    write = sum(v for k, v in _LL.items() if k not in ("EXECUTE", "READ_FILE", "READ_DIR"))
+    if abi < 2:
+        write &= ~_LL["REFER"]
+    if abi < 3:
+        write &= ~_LL["TRUNCATE"]
+    read = _LL["READ_FILE"] | _LL["READ_DIR"]
+    handled = write | read | _LL["EXECUTE"]
+    attr = struct.pack("=QQQ", handled, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)  # no TCP; scoped signals+unix
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    buf = ctypes.create_string_buffer(attr[:size], size)
+    fd = _libc.syscall(_NR_LL_CREATE, buf, ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        raise _err("landlock_create_ruleset")
+    fd = int(fd)
+    try:
+        def allow(path: str, access: int) -> None:
+            try:
+                pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return
+            try:
+                if not os.path.isdir(path):
+                    access &= _FILE_RIGHTS
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", access & handled, pfd), 12)
+                if _libc.syscall(_NR_LL_ADD, ctypes.c_int(fd), ctypes.c_int(1), rule, ctypes.c_uint32(0)) != 0:
+                    raise _err(f"landlock_add_rule({path})")
+            finally:
+                os.close(pfd)
+
+        for p in (*READ_ROOTS, *needed):
+            allow(p, read)
+        allow(str(box / "ro"), read)
+        allow(str(box / "work"), read | write)
+        for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/urandom", "/dev/random", "/dev/tty",
+                    *map(str, Path("/dev").glob("nvidia*"))):
+            allow(dev, read | _LL["WRITE_FILE"])
+        for p in execs:
+            allow(p, read | _LL["EXECUTE"])
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise _err("prctl(PR_SET_NO_NEW_PRIVS)")
+        if _libc.syscall(_NR_LL_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            raise _err("landlock_restrict_self")
+    finally:
+        os.close(fd)
+    return f"ABI {abi}" + ("" if abi >= 6 else ": signals and abstract sockets not scoped (ABI < 6)")
+
+
+# seccomp: a classic-BPF filter over (arch, nr, args[0])
+_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "ptrace": 101, "mount": 165, "umount2": 166, "unshare": 272,
+                                  "setns": 308, "bpf": 321, "keyctl": 250, "add_key": 248, "request_key": 249,
+                                  "perf_event_open": 298, "process_vm_readv": 310, "process_vm_writev": 311,
+                                  "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                                  "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246,
+                                  "reboot": 169, "pivot_root": 155, "chroot": 161, "open_by_handle_at": 304,
+                                  "userfaultfd": 323, "setsid": 112, "setpgid": 109, "swapon": 167,
+                                  "swapoff": 168, "fsopen": 430, "fsmount": 432, "move_mount": 429,
+                                  "open_tree": 428}),
+         "aarch64": (0xC00000B7, {"socket": 198, "ptrace": 117, "mount": 40, "umount2": 39, "unshare": 97,
+                                   "setns": 268, "bpf": 280, "keyctl": 219, "add_key": 217, "request_key": 218,
+                                   "perf_event_open": 241, "process_vm_readv": 270, "process_vm_writev": 271,
+                                   "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                                   "init_module": 105, "finit_module": 273, "delete_module": 106,
+                                   "kexec_load": 104, "reboot": 142, "pivot_root": 41, "chroot": 51,
+                                   "open_by_handle_at": 265, "userfaultfd": 282, "setsid": 157, "setpgid": 154,
+                                   "swapon": 224, "swapoff": 225, "fsopen": 430, "fsmount": 432,
+                                   "move_mount": 429, "open_tree": 428})}
+# (syscall, index of its signal argument): a candidate may not send the signals that mean "stopped from outside", so
+# a worker that dies of one was stopped from outside (the verdict's `interrupted`), never by the candidate itself
+_SIGNALLERS = {"x86_64": {62: 1, 200: 1, 234: 2, 129: 1, 297: 2, 424: 1},
+               "aarch64": {129: 1, 130: 1, 131: 2, 138: 1, 240: 2, 424: 1}}
+OUTSIDE_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGKILL, signal.SIGTERM)
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_ABS_W, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+
+
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    arch, nrs = _ARCH[machine]
+    prog = [(_LD_ABS_W, 0, 0, 4), (_JEQ_K, 1, 0, arch), (_RET_K, 0, 0, _RET_ERRNO | errno.ENOSYS),
+            (_LD_ABS_W, 0, 0, 0)]
+    if machine == "x86_64":  # the x32 ABI's numbers alias the filtered ones
+        prog += [(_JGE_K, 0, 1, 0x40000000), (_RET_K, 0, 0, _RET_ERRNO | errno.EPERM)]
+    for name, nr in nrs.items():
+        if name != "socket":
+            prog += [(_JEQ_K, 0, 1, nr), (_RET_K, 0, 0, _RET_ERRNO | errno.EPERM)]
+    for nr, arg in _SIGNALLERS[machine].items():
+        block = [(_LD_ABS_W, 0, 0, 16 + 8 * arg)]
+        for sig in OUTSIDE_SIGNALS:
+            block += [(_JEQ_K, 0, 1, int(sig)), (_RET_K, 0, 0, _RET_ERRNO | errno.EPERM)]
+        block.append((_RET_K, 0, 0, _RET_ALLOW))
+        prog += [(_JEQ_K, 0, len(block), nr), *block]
+    prog += [(_JEQ_K, 0, 3, nrs["socket"]), (_LD_ABS_W, 0, 0, 16), (_JEQ_K, 1, 0, 1),  # args[0] == AF_UNIX
+             (_RET_K, 0, 0, _RET_ERRNO | errno.EAFNOSUPPORT), (_RET_K, 0, 0, _RET_ALLOW)]
+    return prog
+
+
+def _seccomp() -> str:
+    machine = os.uname().machine
+    if machine not in _ARCH:
+        raise OSError(errno.ENOSYS, f"no syscall table for {machine}")
+    prog = seccomp_program(machine)
+    filt = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    fbuf = ctypes.create_string_buffer(filt, len(filt))
+    fprog = struct.pack("=HxxxxxxQ", len(prog), ctypes.addressof(fbuf))  # struct sock_fprog (padded to 16)
+    pbuf = ctypes.create_string_buffer(fprog, len(fprog))
+    if _libc.prctl(PR_SET_SECCOMP, 2, ctypes.addressof(pbuf), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+        raise _err("prctl(PR_SET_SECCOMP)")
+    return f"{len(prog)} instructions"
+
+
+def layers_from_env() -> dict[str, str]:
+    """In a sandboxed child: what apply() reported."""
+    try:
+        return json.loads(os.environ.get("LLM4LLM_SANDBOX_LAYERS", "{}"))
+    except ValueError:
+        return {}
+
+
+def layer_summary(layers: dict[str, str]) -> str:
+    off = {k: v for k, v in layers.items() if not v.startswith("on")}
+    return "all layers on" if not off else "; ".join(f"{k} {v}" for k, v in off.items())
+
+
+# ------------------------------------------------------------------------- a function call in the sandbox (pickle)
+
+_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray", "int", "float",
+                  "complex", "bool", "slice", "range", "object"}
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("datetime", "datetime"),
+                 ("datetime", "date"), ("datetime", "timedelta"), ("pathlib", "PosixPath"),
+                 ("pathlib", "PurePosixPath"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+                 ("numpy._core.multiarray", "scalar")}
+
+
+class SafeUnpickler:
+    """Unpickles what a sandboxed child returned, allowing only plain containers, exception classes and the classes
+    (never functions) of llm4llm and kernels_runtime: unpickling is code execution, and the child ran candidates."""
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        import builtins
+        import io
+        import pickle
+
+        class _U(pickle.Unpickler):
+            def find_class(self, module, name):
+                if module == "builtins":
+                    obj = getattr(builtins, name, None)
+                    if name in _SAFE_BUILTINS or (isinstance(obj, type) and issubclass(obj, BaseException)):
+                        return obj
+                elif (module, name) in _SAFE_GLOBALS:
+                    return super().find_class(module, name)
+                elif module.split(".")[0] in ("llm4llm", "kernels_runtime", "pydantic", "pydantic_core") \
+                        and "." not in name:
+                    obj = super().find_class(module, name)
+                    if isinstance(obj, type) and not module.startswith(("llm4llm.verify.sandbox",
+                                                                        "llm4llm.verify.worker")):
+                        return obj
+                raise pickle.UnpicklingError(f"sandbox result: {module}.{name} is not allowed")
+
+        return _U(io.BytesIO(data)).load()
+
+
+def call_main() -> int:
+    """Target of `sandboxed_call`: run the pickled call in ro/call.pkl, pickle ("ok", result) or ("err", exc, tb)
+    into work/result.pkl."""
+    import pickle
+    import traceback
+
+    box = Path(os.getcwd()).parent
+    fn, args, kwargs = pickle.loads((box / "ro" / "call.pkl").read_bytes())
+    try:
+        out = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        out = ("err", e, "".join(traceback.format_exception(e))[-8000:])
+    try:
+        data = pickle.dumps(out)
+    except Exception as e:  # noqa: BLE001 - an unpicklable exception still says what it was
+        data = pickle.dumps(("err", RuntimeError(f"{type(out[1]).__name__}: {out[1]}"), ""))
+        del e
+    tmp = Path("result.pkl.tmp")
+    tmp.write_bytes(data)
+    tmp.replace("result.pkl")
+    return 0
+
+
+def run_file() -> int:
+    """A target for probes and tests: exec the Python file sys.argv[1] (inside the box) as __main__."""
+    import runpy
+
+    runpy.run_path(sys.argv[1], run_name="__main__")
+    return 0
+
+
+__all__ = ["ALL_LAYERS", "RssWatchdog", "apply", "boot", "clean_env", "copy_readonly", "default_mem_limit",
+           "kill_group", "landlock_abi", "layer_summary", "layers_from_env", "make_box", "remove_box",
+           "sandboxed_popen", "seccomp_program"]
