@@ -48,8 +48,10 @@ def optimize_workload(workload_path: str, db_path: str | None = None, data_dir: 
     out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
     if "extract" not in stages:
         return out
+    # where decode graphs may run, KV-cache decode tasks are captured on the static cache they generate with
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
-                        min_score=min_score, refresh=refresh)
+                        min_score=min_score, refresh=refresh,
+                        static_cache=pipeline.extract_on_static_cache(prof["workload"]["device"], decode_graphs))
     out.update(index_path=ext["index_path"], tasks=ext["tasks"])
     if "search" not in stages:
         return out
