@@ -164,3 +164,56 @@ def test_patched_model_decodes_on_the_static_cache_without_falling_back(static_r
         assert all(c["kernel"]["decode"] >= steps - 1 for c in report_of(model).values())
     finally:
         kernels_runtime.revert(model)
+
+
+def test_graph_timing_of_a_static_cache_task_stays_inside_the_cache(static_run, monkeypatch):
+    """Graph timing of a static-cache decode task: GRAPH_CALLS (20) calls and every replay advance the cache's
+    length, and the workload's cache holds only its decode steps past the prompt (3 here, 7 on the 2-layer
+    qwen3-4b: on the H200 HF's StaticLayer.update then hit its index_copy_ bound: a device-side assert, 2026-12-01).
+    Each call gets its own copy of the captured state and the lengths are put back before every replay, so every
+    call writes at the captured position. A closure re-run stands in for the CUDA graph (update's bound check is
+    an IndexError on the CPU)."""
+    import contextlib
+
+    from llm4llm.verify import timing
+    from llm4llm.verify.gates import make_draws, reference_fn
+    from llm4llm.verify.verdict import Verdict
+    from tests.test_timing_reference import _CpuEvent
+
+    class _Rerun:
+        def warmup(self, fn):
+            fn()
+
+        def record(self, fn):
+            fn()
+            return _Replay(fn), None
+
+    class _Replay:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            self.fn()
+
+    for name, value in (("Event", _CpuEvent), ("synchronize", lambda device=None: None),
+                        ("current_stream", lambda device=None: None), ("device", lambda d: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr("kernels_runtime.graphs.CudaGraphBackend", _Rerun)
+    monkeypatch.setattr(timing, "l2_bytes", lambda d: 1)
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    monkeypatch.setattr(timing, "GRAPH_REPLAYS", 4)
+    monkeypatch.setattr(timing, "GRAPH_WARM_MS", 0.0)
+    timing._REFERENCE_CACHE.clear()
+    task = static_run[1][("attention", "decode")]
+    dev = torch.device("cpu")
+    seen = []
+    real = timing.counters_of
+    monkeypatch.setattr(timing, "counters_of", lambda reads: seen.append(real(reads)) or seen[-1])
+    v = Verdict(source_hash="x", task_id=task.spec.task_id)
+    timing.time_task(v, task, reference_fn(task, dev), make_draws(task, dev, 0, 0), dev, decode_graph=True)
+    timing._REFERENCE_CACHE.clear()
+    detail = next(g.detail for g in v.gates if g.name == "timing_in_context")
+    assert "GPU time under CUDA-graph replay" in detail, detail
+    lengths = [int(start) for reset in seen for t, start in reset if t.dim() == 0]
+    assert len(lengths) >= timing.GRAPH_CALLS and set(lengths) == {16}, lengths  # one cache a call, each at 16

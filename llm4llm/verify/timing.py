@@ -52,6 +52,8 @@ ROTATION = 4  # fresh input buffers cycled through in cold mode
 GRAPH_CALLS = 20  # calls captured in one graph (graph timing)
 GRAPH_REPLAYS = 20  # at least; as many as MIN_TIME_MS takes
 SUSPECT_RATIO = 1.2  # graph time above this x the cold back-to-back time is flagged in the gate detail
+MAX_COUNTER_NUMEL = 64  # integer tensors this small that a graph reads are positions/lengths, reset per replay
+STATIC_KV_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")  # state with a device-side length
 GRAPH_WARM_MS = 25.0  # replays before the timed ones, by time (a graph right after capture ran cold: below)
 
 Args = tuple[dict, dict, dict, dict]
@@ -134,6 +136,15 @@ def capture_keep(calls: list[tuple[Callable, object, bool]]) -> list[torch.Tenso
     for _, call, _ in calls:
         keep += graph_reads(call)
     return keep
+
+
+def counters_of(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, its value now) for the small integer tensors among a capture's reads: device-side positions that
+    a call advances in place (StaticLayer.cumulative_length). Each replay advances them again, so graph timing puts
+    them back before every replay: a static cache's length would otherwise run past its end (on the H200 HF's
+    StaticLayer.update then failed its index_copy_ bound check: a device-side assert, 2026-12-01)."""
+    return [(t, t.detach().clone()) for t in tensors
+            if not t.is_floating_point() and t.dtype != torch.bool and t.numel() <= MAX_COUNTER_NUMEL]
 
 
 def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
@@ -329,7 +340,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed."""
     from kernels_runtime.graphs import CudaGraphBackend
 
-    prepared, cleanups, keep = [], [], []
+    prepared, cleanups, keep, resets = [], [], [], []
     try:
         for fns, preps in sides:
             calls, side_cleanups = side_calls(fns, preps, args[0], fresh, keep)
@@ -352,13 +363,17 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
                     undo(cleanups[j])
                     prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
                 calls = prepared[j]
-                keep.append(capture_keep(calls))  # the cache layers' tensors too: the capture replaces them
+                reads = capture_keep(calls)  # the cache layers' tensors too: the capture replaces them
+                keep.append(reads)
+                resets.append(counters_of(reads))
                 graphs.append(backend.record(runner(calls))[0])
             stream = torch.cuda.current_stream(device)
 
             def replay_all(record: bool):
                 marks = []
-                for graph in graphs:
+                for graph, reset in zip(graphs, resets):
+                    for t, start_value in reset:  # before the start event: not timed
+                        t.copy_(start_value)
                     if record:
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record(stream)
@@ -435,7 +450,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         return _REFERENCE_CACHE[key]
 
     replicas: dict = {}
-    fresh = task.spec.phase == "prefill"  # under graphs only with prefill_graph: each prompt forward on a fresh cache
+    # under graphs only with prefill_graph: each prompt forward on a fresh cache. Decode on a static KV cache too:
+    # a call advances its cache's length, and GRAPH_CALLS calls on one cache would write past a cache sized for the
+    # workload's decode steps; each call on its own copy writes the captured position, as the model's step does
+    adapter = ((task.spec.recipe or {}).get("state") or {}).get("adapter")
+    fresh = task.spec.phase == "prefill" or adapter in STATIC_KV_ADAPTERS
 
     def graph_pair(args) -> tuple[Latency, Latency, str]:
         """Candidate and reference under graph replay, their replays alternating, each cycling through as many

@@ -83,11 +83,14 @@ def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos):
          for n, t in _case(1, 32, 8, S, 128, torch.bfloat16, True, seed=1).items()}
     n = torch.tensor(pos, device=dev)
     ref = attention_decode_static_ref(**_wide(c), cache_len=n, scale=128 ** -0.5)
+    ref16 = attention_decode_static_ref(**c, cache_len=n, scale=128 ** -0.5)  # HF's bf16 roundings
     k_mut, v_mut, n_mut = c["k_cache"].clone(), c["v_cache"].clone(), n.clone()
     args = {**c, "k_cache": k_mut, "v_cache": v_mut}
     out = attention_decode_static(**args, cache_len=n_mut, scale=128 ** -0.5)
     assert_close(out, ref[0].to(torch.bfloat16), torch.bfloat16)
-    assert_close(k_mut, ref[1].to(torch.bfloat16), torch.bfloat16, name="k cache")
+    # the written k against the bf16 chain: against float64 one bf16 ulp of |k| ~ 2-4 (0.0156) is over atol 0.01
+    # (seen on the H200 at 32768, 2026-12-01)
+    assert_close(k_mut, ref16[1], torch.bfloat16, name="k cache")
     assert n_mut.item() == pos + 1
     n_mut.fill_(pos - 7)
     graph = torch.cuda.CUDAGraph()
