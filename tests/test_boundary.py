@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.cache_utils import Cache, StaticIndexedLayer, StaticLayer
+from transformers.cache_utils import Cache, StaticIndexedLayer
 
 from kernels_runtime.boundary import (BoundaryCall, UnsupportedBoundary, boundary_names, call_reference,
                                       capture_boundary, capture_call, find_cache, flatten_outputs, rebuild_outputs,

@@ -3,7 +3,6 @@ adapter, the attention.decode_static template, and the patched model generating 
 under (emulated) decode graphs without falling back. tiny-qwen3 (GQA 4/2, q/k norms), fp32, Triton interpreter."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 import kernels_runtime
 from kernels_runtime.boundary import (CACHE_LAYER_ADAPTERS, STATE_OUT, UnsupportedBoundary, adapter_by_name,
-                                      call_reference, rebuild_call)
+                                      call_reference)
 from kernels_runtime.tolerances import assert_close
 from llm4llm.taskspec import load_task
 
@@ -19,17 +18,15 @@ WORKLOAD = Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tin
 
 
 @pytest.fixture(scope="module")
-def static_run(tmp_path_factory):
-    """tiny-qwen3 profiled and extracted with static_cache=True: (index path, {(family, phase): task})."""
-    from llm4llm.pipeline import run_extract, run_profile
-
-    data = tmp_path_factory.mktemp("static-qwen3")
-    index = run_extract(str(WORKLOAD), run_profile(str(WORKLOAD), str(data)), str(data), static_cache=True)
+def static_run(tiny_extracted):
+    """tiny-qwen3 profiled and extracted with static_cache=True (conftest's `tiny-qwen3+static`): (index path,
+    {(family, phase): task})."""
+    dirs = tiny_extracted("tiny-qwen3+static")
     tasks = {}
-    for d in sorted((data / "tasks").iterdir()):
+    for d in dirs:
         t = load_task(d)
         tasks.setdefault((t.spec.family, t.spec.phase), t)
-    return index, tasks
+    return str(next(dirs[0].parent.parent.rglob("tasks.json"))), tasks
 
 
 def _template(name):
