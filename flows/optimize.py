@@ -70,8 +70,11 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
     _publish("hotspots", name, prof["run_id"], db_path)
     if "extract" not in stages:
         return out
+    # where decode graphs may run, KV-cache decode tasks are captured on the static cache they generate with
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
-                        min_score=cfg.search.min_score, refresh=cfg.refresh)
+                        min_score=cfg.search.min_score, refresh=cfg.refresh,
+                        static_cache=pipeline.extract_on_static_cache(prof["workload"]["device"],
+                                                                      cfg.graphs.decode_graphs))
     out.update(index_path=ext["index_path"], tasks=ext["tasks"])
     if "search" not in stages:
         return out

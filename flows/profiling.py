@@ -30,13 +30,17 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
 
 @flow(name="extract-tasks", log_prints=True)
 def extract_tasks(workload_path: str, run_id: str, profile_path: str, db_path: str | None = None,
-                  data_dir: str | None = None, min_score: float = 0.0, refresh: bool = False) -> dict:
-    """Extract phase-aware tasks for a profiled run; returns {"run_id", "index_path", "tasks"}."""
+                  data_dir: str | None = None, min_score: float = 0.0, refresh: bool = False,
+                  static_cache: bool = False) -> dict:
+    """Extract phase-aware tasks for a profiled run; returns {"run_id", "index_path", "tasks"}. static_cache: the
+    decode tasks of KV-cache modules are captured on transformers' static cache (llm4llm.extract.extract_tasks)."""
     data_dir = _defaults(data_dir)
     workload = profiling.describe_workload(workload_path)
-    index_path = extraction.extract.with_options(refresh_cache=refresh)(workload, profile_path, data_dir, min_score)
+    index_path = extraction.extract.with_options(refresh_cache=refresh)(workload, profile_path, data_dir, min_score,
+                                                                         static_cache)
     if not Path(index_path).exists():
-        index_path = extraction.extract.with_options(refresh_cache=True)(workload, profile_path, data_dir, min_score)
+        index_path = extraction.extract.with_options(refresh_cache=True)(workload, profile_path, data_dir, min_score,
+                                                                         static_cache)
     n = extraction.record_tasks(index_path, run_id, db_path)
     extraction.publish_tasks(index_path)
     return {"run_id": run_id, "index_path": index_path, "tasks": n}

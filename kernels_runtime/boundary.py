@@ -270,6 +270,101 @@ class KVLayerAdapter(StateAdapter):
             layer.cumulative_length += new
 
 
+class StaticLayerAdapter(StateAdapter):
+    """StaticLayer / StaticSlidingWindowLayer (transformers' static KV cache, `generate(cache_implementation=
+    "static")`): `key_cache`, `value_cache` = the preallocated `keys`/`values` [B, Hkv, S_max, D] whole (zeros past
+    the length), `cache_len` = `cumulative_length`, a 0-d int64 device tensor: the positions written so far, the
+    next write position. No host read anywhere (the dispatch runs inside a captured decode graph): a kernel reads the
+    position from `cache_len`, writes k/v there in place and advances it, as `StaticLayer.update` does.
+
+    StaticSlidingWindowLayer is adapted while its window is not full (its update then takes the same
+    write-at-length branch; once full it rolls the window, a branch decided by the host counter
+    `cumulative_length_int`, and the call falls back to the original forward, as kernels_runtime.graphs does)."""
+
+    state_names = ("key_cache", "value_cache", "cache_len")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def describe(self, module, cache):
+        if getattr(cache, "offloading", False):
+            raise UnsupportedBoundary(f"{self.name}: an offloading cache (prefetch/offload around update) "
+                                      f"is not adapted")
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is None:
+            raise UnsupportedBoundary(f"{self.name}: the static cache has no layer {_layer_idx(module)}")
+        spec = {"adapter": self.name, "max_cache_len": int(layer.max_cache_len)}
+        if self.name == "StaticSlidingWindowLayer":
+            if layer.cumulative_length_int >= layer.max_cache_len:
+                raise UnsupportedBoundary("StaticSlidingWindowLayer: the window is full (the update rolls it)")
+            spec["window_filling"] = True
+        return spec
+
+    def extract(self, module, cache, spec):
+        layer = _cache_layer(cache, _layer_idx(module))
+        if layer is None or not layer.is_initialized:
+            return {}
+        return {"key_cache": layer.keys, "value_cache": layer.values, "cache_len": layer.cumulative_length}
+
+    read_out = extract
+
+    def _new_layer(self, spec):
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        if self.name == "StaticSlidingWindowLayer":  # its max_cache_len is min(window, the cache's): no roll below it
+            return StaticSlidingWindowLayer(max_cache_len=spec["max_cache_len"],
+                                            sliding_window=spec["max_cache_len"])
+        return StaticLayer(max_cache_len=spec["max_cache_len"])
+
+    def build(self, module, state, spec):
+        layer = self._new_layer(spec)
+        if state:
+            keys, values, n = state["key_cache"], state["value_cache"], state["cache_len"]
+            if keys.shape[-2] != spec["max_cache_len"]:
+                raise ValueError(f"{self.name}: expected key_cache with {spec['max_cache_len']} positions, "
+                                 f"got {tuple(keys.shape)}")
+            layer.lazy_initialization(keys, values)
+            layer.keys.copy_(keys)
+            layer.values.copy_(values)
+            layer.cumulative_length = n.detach().clone().to(device=keys.device, dtype=torch.int64).reshape(())
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = int(n)  # host bookkeeping of the sliding layer, outside any graph
+        return _one_layer_cache(layer, _layer_idx(module), lambda: self._new_layer(spec)), lambda: None
+
+    def write_state(self, module, cache, state_out, spec, inputs=None):
+        """The layer's `keys`/`values` = `state_out.key_cache/value_cache` [B, Hkv, S_max, D] (nothing to do where
+        the kernel wrote the layer's own tensors in place; copied in otherwise: the addresses stay static for CUDA
+        graphs), `cumulative_length` = `state_out.cache_len` (in place). A fresh layer (a prefill) is lazily
+        initialized first. The sliding layer's host counter advances by the call's new positions."""
+        idx = _layer_idx(module)
+        layer = _cache_layer(cache, idx)
+        if layer is None:
+            raise ValueError(f"write_state: the static cache has no layer {idx}")
+        keys, values, n = state_out["key_cache"], state_out["value_cache"], state_out["cache_len"]
+        like = layer.keys if layer.is_initialized else None
+        for name, t in (("key_cache", keys), ("value_cache", values)):
+            _check_like(name, t, like, 4, (0, 1, 2, 3))
+            if t.shape[-2] != layer.max_cache_len:
+                raise ValueError(f"state_out.{name}: expected {layer.max_cache_len} positions (the static cache's "
+                                 f"size), got {tuple(t.shape)}")
+        if not isinstance(n, torch.Tensor) or n.numel() != 1 or n.is_floating_point():
+            raise ValueError(f"state_out.cache_len: expected a one-element integer tensor, got {n!r}")
+        new = _new_positions(inputs)
+        if hasattr(layer, "cumulative_length_int"):
+            if new is None or layer.cumulative_length_int + new > layer.max_cache_len:
+                raise ValueError(f"write_state: {self.name} past its window ({layer.cumulative_length_int} + {new} "
+                                 f"of {layer.max_cache_len}) rolls it: not adapted")
+        if not layer.is_initialized:  # checks done: from here on the cache changes
+            layer.lazy_initialization(keys, values)
+        for dst, src in ((layer.keys, keys), (layer.values, values)):
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+        if n.data_ptr() != layer.cumulative_length.data_ptr():
+            layer.cumulative_length.copy_(n.reshape(()))
+        if hasattr(layer, "cumulative_length_int"):
+            layer.cumulative_length_int += new
+
+
 class LinearAttentionLayerAdapter(StateAdapter):
     """LinearAttentionLayer (Mamba, Mamba2): `conv_state` [B, C, K], `ssm_state` (Mamba [B, D, N], Mamba2
     [B, H, P, N]). Only a layer with previous state has state-in; the module reads nothing from a fresh one."""
@@ -413,11 +508,13 @@ class RecurrentGemmaBlockAdapter(StateAdapter):
 
 
 # Keyed by the cache layer's class name (state in an HF Cache) or the module's class name (state on the module).
-# Exact names: a subclass (QuantizedLayer, StaticLayer, ...) stores its state differently and is not adapted.
+# Exact names: a subclass (QuantizedLayer, ...) stores its state differently and is not adapted.
 CACHE_LAYER_ADAPTERS: dict[str, StateAdapter] = {
     "DynamicLayer": KVLayerAdapter("DynamicLayer"),
     "DynamicSlidingWindowLayer": KVLayerAdapter("DynamicSlidingWindowLayer"),
     "LinearAttentionLayer": LinearAttentionLayerAdapter(),
+    "StaticLayer": StaticLayerAdapter("StaticLayer"),
+    "StaticSlidingWindowLayer": StaticLayerAdapter("StaticSlidingWindowLayer"),
 }
 MODULE_ADAPTERS: dict[str, StateAdapter] = {
     "RecurrentGemmaRecurrentBlock": RecurrentGemmaBlockAdapter(),

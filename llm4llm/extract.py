@@ -303,17 +303,56 @@ def candidate_records(model: torch.nn.Module, profile: ProfileResult, min_score:
             if r.family in wanted and r.phase in PHASES and r.module_path in paths and r.hotspot_score >= min_score]
 
 
+# Cache layers of a KV cache that grows per token; under `static_cache` their decode calls are captured again on
+# transformers' static cache (StaticLayer), which decode graphs run on
+DYNAMIC_KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def _kv_decode_paths(observed: dict[tuple[str, str], _Observed]) -> list[str]:
+    return [path for (path, phase), obs in observed.items()
+            if phase == "decode" and obs.calls
+            and ((obs.calls[0].recipe.get("state") or {}).get("adapter")) in DYNAMIC_KV_LAYERS]
+
+
+def _capture_static(model: torch.nn.Module, run_fn: Callable[[], Any], modules: dict[str, torch.nn.Module],
+                    max_cases: int) -> dict[tuple[str, str], _Observed]:
+    """The decode calls of `modules` in a run of the workload on transformers' static KV cache: the model's
+    generation config asks for it (cache_implementation="static", as kernels_runtime.graphs does for decode graphs),
+    restored after the run."""
+    from kernels_runtime.graphs import _static_generation
+
+    saved = _static_generation(model)
+    try:
+        with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
+            run_fn()
+    finally:
+        for k, v in saved.items():
+            setattr(model.generation_config, k, v)
+    return {key: obs for key, obs in recorder.observed.items() if key[1] == "decode"}
+
+
 def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: ProfileResult, out_root: Path, *,
                   workload_name: str = "", run_id: str = "", hardware: dict | None = None, min_score: float = 0.0,
-                  families: Iterable[str] | None = None, max_cases: int = 4) -> list[TaskSpec]:
+                  families: Iterable[str] | None = None, max_cases: int = 4,
+                  static_cache: bool = False) -> list[TaskSpec]:
     """Capture the candidates' calls in one more run of the workload and turn them into tasks; deployable ones are
-    written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score."""
+    written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score.
+
+    static_cache (a run whose decode graphs generate with transformers' static KV cache): the decode calls of
+    modules that keep a growing KV cache (DynamicLayer) are captured once more, on the static cache, and their
+    decode tasks come from that run (StaticLayer state: the preallocated keys/values and the device-side length),
+    so a kernel is searched for the cache it will meet; prefill and every other task stay as captured first."""
     records = candidate_records(model, profile, min_score, families)
     named = dict(model.named_modules())
     order = {name: i for i, name in enumerate(named)}
     modules = {r.module_path: named[r.module_path] for r in records}
     with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
         run_fn()
+    kv_paths = _kv_decode_paths(recorder.observed) if static_cache else []
+    if kv_paths:
+        static_obs = _capture_static(model, run_fn, {p: modules[p] for p in kv_paths}, max_cases)
+        for path in kv_paths:
+            recorder.observed[(path, "decode")] = static_obs.get((path, "decode"), _Observed())
 
     instances = []
     for rec in sorted(records, key=lambda r: (r.phase, order[r.module_path])):

@@ -190,9 +190,11 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None, new_r
     return run_id
 
 
-def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0) -> str:
+def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0,
+                static_cache: bool = False) -> str:
     """Re-run the workload with capture hooks on the profiled hotspots and write task artifacts; returns the path
-    of `tasks.json` (the run's task index)."""
+    of `tasks.json` (the run's task index). static_cache: KV-cache decode tasks captured on transformers' static
+    cache, as decode graphs will run them (extract_tasks)."""
     from llm4llm import progress
     from llm4llm.extract import extract_tasks
 
@@ -205,6 +207,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
         model, run_fn, profile, Path(data_dir) / "tasks",
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
         max_cases=4 + 2 * corners,
+        static_cache=static_cache,
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
@@ -839,6 +842,14 @@ GRAPH_CHOICES = ("auto", "on", "off")
 
 # A KV cache that grows per token: graphable under transformers' static cache (StaticLayer / StaticSlidingWindowLayer)
 KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+# The static cache itself (decode tasks extracted with static_cache=True): it asks for the static cache as well
+STATIC_KV_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+
+
+def extract_on_static_cache(device: str, requested: str | bool) -> bool:
+    """Whether a run's extraction captures KV-cache decode tasks on transformers' static cache: wherever decode
+    graphs may be on (a CUDA device, graphs not off), since graphs generate on it (decode_graphs_plan)."""
+    return device.startswith("cuda") and requested not in (False, "off")
 
 
 def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> tuple[bool, bool, str]:
@@ -861,7 +872,7 @@ def decode_graphs_plan(index_path: str, device: str, requested: str | bool) -> t
     if not device.startswith("cuda"):
         return False, False, f"off ({choice}): CUDA graphs need a CUDA device, this run is on {device}"
     adapters = state_adapters(index_path)
-    static = bool(adapters & set(KV_LAYERS))
+    static = bool(adapters & set(KV_LAYERS + STATIC_KV_LAYERS))
     cache_note = "; generate with the static KV cache" if static else ""
     if choice == "on":
         return True, static, f"on (asked for){cache_note}"

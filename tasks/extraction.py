@@ -15,11 +15,13 @@ from tasks.common import infrastructure_only, stage_cache_key
     retries=1,
     retry_delay_seconds=5,
     retry_condition_fn=infrastructure_only,
-    cache_key_fn=lambda ctx, p: stage_cache_key("extract", p, "profile_path", "data_dir", "min_score"),
+    cache_key_fn=lambda ctx, p: stage_cache_key("extract", p, "profile_path", "data_dir", "min_score",
+                                                "static_cache"),
     persist_result=True,
 )
-def extract(workload: dict, profile_path: str, data_dir: str, min_score: float = 0.0) -> str:
-    return pipeline.run_extract(workload["path"], profile_path, data_dir, min_score)
+def extract(workload: dict, profile_path: str, data_dir: str, min_score: float = 0.0,
+            static_cache: bool = False) -> str:
+    return pipeline.run_extract(workload["path"], profile_path, data_dir, min_score, static_cache=static_cache)
 
 
 @task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)

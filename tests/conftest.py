@@ -25,7 +25,8 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def tiny_extracted(tmp_path_factory):
     """name -> the task dirs of examples/workloads/<name>.toml, profiled and extracted once per session on first
-    use (read-only for the tests that share them)."""
+    use (read-only for the tests that share them). `<name>+static`: extracted with static_cache=True (KV-cache
+    decode tasks on transformers' static cache, as runs with decode graphs extract them)."""
     from pathlib import Path
 
     from llm4llm.pipeline import run_extract, run_profile
@@ -36,8 +37,9 @@ def tiny_extracted(tmp_path_factory):
     def get(name: str) -> list:
         if name not in done:
             data = tmp_path_factory.mktemp(name)
-            wl = str(workloads / f"{name}.toml")
-            run_extract(wl, run_profile(wl, str(data)), str(data))
+            base, _, variant = name.partition("+")
+            wl = str(workloads / f"{base}.toml")
+            run_extract(wl, run_profile(wl, str(data)), str(data), static_cache=variant == "static")
             done[name] = sorted(d for d in (data / "tasks").iterdir() if (d / "spec.json").exists())
         return done[name]
 

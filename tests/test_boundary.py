@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, StaticIndexedLayer
 
 from kernels_runtime.boundary import (BoundaryCall, UnsupportedBoundary, boundary_names, call_reference,
                                       capture_boundary, capture_call, find_cache, flatten_outputs, rebuild_outputs,
@@ -185,7 +185,7 @@ def test_stateless_capture_outputs_and_rebuild():
 
 def test_unadaptable_state_and_arguments_are_unsupported():
     toy, x = _Toy(), torch.randn(2, 4)
-    with pytest.raises(UnsupportedBoundary, match="no state adapter for cache layer StaticLayer"):
-        capture_boundary(toy, (x, Cache(layers=[StaticLayer(max_cache_len=8)])), {})
+    with pytest.raises(UnsupportedBoundary, match="no state adapter for cache layer StaticIndexedLayer"):
+        capture_boundary(toy, (x, Cache(layers=[StaticIndexedLayer(max_cache_len=8)])), {})
     with pytest.raises(UnsupportedBoundary, match="argument scale: expected a tensor"):
         capture_boundary(toy, (x,), {"scale": object()})

@@ -34,6 +34,7 @@ CASES = [
     ("tiny-llama", "attention.decode_splitkv", "decode"),
     ("tiny-qwen3", "attention.prefill_flash", "prefill"),  # q_norm / k_norm fused with rotary
     ("tiny-qwen3", "attention.decode_splitkv", "decode"),
+    ("tiny-qwen3+static", "attention.decode_static", "decode"),  # on transformers' static KV cache
     ("tiny-mamba", "ssm_mixer.mamba", "prefill"),  # with the captured attention_mask input
     ("tiny-mamba", "ssm_mixer.mamba_decode", "decode"),
     ("tiny-mamba", "ssm_mixer.mamba_decode_fused", "decode"),

@@ -3,7 +3,10 @@ region), not through the correctness harness. CUDA events are faked with the CPU
 runs here; the numbers only compare two host-bound calls on one CPU, never a GPU claim."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -433,3 +436,148 @@ def test_decode_timing_is_a_verifier_option(monkeypatch):
     a, _ = pipeline.verifier_pool("cpu", 5.0, "graph")
     b, _ = pipeline.verifier_pool("cpu", 5.0, "launch")
     assert a is not b and spawned == ["graph", "launch"] and pipeline.verifier_pool("cpu", 5.0, "graph")[0] is a
+
+
+class _ReadsCheckingBackend:
+    """A CPU stand-in for CudaGraphBackend that faults as a CUDA graph does when memory it captured is freed: at
+    `record`, every DynamicLayer.update of the captured calls notes (weakly) the keys/values it read that the
+    capture did not allocate itself (a graph's pool keeps those); `replay` raises the CUDA error text when one of
+    them is gone (collected: the allocator was free to hand it back to the driver)."""
+
+    def __init__(self, monkeypatch):
+        from transformers.cache_utils import DynamicLayer
+
+        self.capturing, self.read, made = False, [], []  # made: tensors the capture allocated (its own pool)
+        real = DynamicLayer.update
+
+        def update(layer, k, v, *a, **kw):
+            if self.capturing and layer.is_initialized and not any(t is layer.keys for t in made):
+                self.read += [weakref.ref(layer.keys), weakref.ref(layer.values)]
+            out = real(layer, k, v, *a, **kw)
+            if self.capturing:
+                made.extend((layer.keys, layer.values))
+            return out
+
+        monkeypatch.setattr(DynamicLayer, "update", update)
+        monkeypatch.setattr("kernels_runtime.graphs.CudaGraphBackend", lambda *a, **k: self)
+
+    def warmup(self, fn):
+        fn()
+
+    def record(self, fn):
+        self.capturing = True
+        try:
+            fn()
+        finally:
+            self.capturing = False
+        return self, None
+
+    def replay(self):
+        gc.collect()
+        if not self.read or any(r() is None for r in self.read):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.fixture
+def attention_decode_task(tiny_extracted):
+    return next(t for t in (load_task(d) for d in tiny_extracted("tiny-llama"))
+                if t.spec.phase == "decode" and t.spec.family == "attention")
+
+
+def test_graph_timing_keeps_the_kv_cache_a_capture_read(attention_decode_task, cpu_events, monkeypatch):
+    """The attention-decode gpu_fault (qwen3-4b 9/9, a Mistral-shaped model 12/12, 2026-12-01): the K/V a captured
+    call reads live only in the one-layer cache KVLayerAdapter.build made; the captured call replaces them
+    (DynamicLayer.update concatenates), and the next side's capture empties the allocator's cache under the graph.
+    time_graphs must hold them itself. The stand-in backend faults on replay where they were collected."""
+    monkeypatch.setattr(timing, "GRAPH_CALLS", 3)
+    monkeypatch.setattr(timing, "GRAPH_REPLAYS", 2)
+    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    task = attention_decode_task
+    dev = torch.device("cpu")
+    backend = _ReadsCheckingBackend(monkeypatch)
+    case = task.cases[0]
+    args = [(case.inputs, case.weights, case.state, task.spec.static)]
+    sides = [timing.module_replicas(task, dev, 2), timing.module_replicas(task, dev, 1)]
+    cand, ref = timing.time_graphs(sides, args, dev)
+    assert len(backend.read) == 2 * (2 + 1) and cand.reps == ref.reps >= 2  # (keys, values) x replicas (2 + 1)
+
+
+def test_capture_keep_reaches_the_cache_layers(attention_decode_task):
+    """capture_keep: a prepared attention call's one-layer cache (keys, values) is in the keep-alive set, beside
+    the call's own argument tensors."""
+    task = attention_decode_task
+    (run,), (prepare,) = timing.module_replicas(task, torch.device("cpu"), 1)
+    case = task.cases[0]
+    call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
+    cache = call[1].get("past_key_values") or next(a for a in call[0] if hasattr(a, "layers"))
+    layer = next(layer for layer in cache.layers if getattr(layer, "keys", None) is not None
+                 and layer.keys.numel())
+    kept = {id(t) for t in timing.capture_keep([(run, call, True)])}
+    assert id(layer.keys) in kept and id(layer.values) in kept
+    assert id(call[1]["hidden_states"] if "hidden_states" in call[1] else call[0][0]) in kept
+    cleanup()
+
+
+def test_a_fault_under_graph_timing_is_a_contained_gpu_fault(attention_decode_task, cpu_events, monkeypatch):
+    """A CUDA fault during graph timing is the verdict's gpu_fault at timing_in_context, with the worker's context
+    marked poisoned (the pool replaces the worker), never a silent fallback to back-to-back timing in a dead
+    context (which is how today's candidates' fault surfaced later, elsewhere)."""
+    from llm4llm.verify.gates import GateFailure
+
+    class _Faulting:
+        def warmup(self, fn):
+            fn()
+
+        def record(self, fn):
+            fn()
+            return self, None
+
+        def replay(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr("kernels_runtime.graphs.CudaGraphBackend", _Faulting)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(timing, "l2_bytes", lambda d: 50 << 20)
+    monkeypatch.setattr(timing, "GRAPH_CALLS", 2)
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    monkeypatch.setattr(timing, "MIN_TIME_MS", 0.0)
+    task = attention_decode_task
+    dev = torch.device("cpu")
+    v = Verdict(source_hash="x", task_id=task.spec.task_id)
+    with pytest.raises(GateFailure) as info:
+        timing.time_task(v, task, reference_fn(task, dev), make_draws(task, dev, 0, 0), dev, decode_graph=True)
+    f = info.value
+    assert (f.gate, f.failure_class, f.poisoned) == ("timing_in_context", "gpu_fault", True)
+    assert "illegal memory access" in f.message and "CUDA-graph timing" in f.message
+
+
+@pytest.mark.gpu
+def test_graph_timing_of_a_kv_cache_call_survives_the_next_capture():
+    """On the GPU: two sides whose calls grow a DynamicLayer KV cache of 64 MB (its own segment), as the
+    attention modules' reference does through KVLayerAdapter.build's cache. Without capture_keep the first side's
+    capture-time K/V were freed and the second capture's empty_cache handed them back: an illegal memory access on
+    the first replay (qwen3-4b's attention-decode candidates, 2026-12-01)."""
+    from kernels_runtime.boundary import KVLayerAdapter
+
+    dev = torch.device("cuda")
+    adapter = KVLayerAdapter("DynamicLayer")
+    mod = torch.nn.Module()
+    mod.layer_idx = 0
+    shape = (1, 8, 4096, 512)  # bf16: 32 MB each of K and V
+
+    def prepare(inputs, weights, state, static):
+        cache, restore = adapter.build(mod, state, {"adapter": "DynamicLayer"})
+        return ((inputs["k"], inputs["v"], cache), {}), restore
+
+    def run(call):
+        k, v, cache = call[0]
+        keys, values = cache.update(k, v, 0)
+        return keys[:, :, -1:] + values[:, :, -1:]
+
+    state = {"key_cache": torch.randn(shape, device=dev, dtype=torch.bfloat16),
+             "value_cache": torch.randn(shape, device=dev, dtype=torch.bfloat16)}
+    new = {n: torch.randn(1, 8, 1, 512, device=dev, dtype=torch.bfloat16) for n in ("k", "v")}
+    cand, ref = timing.time_graphs([([run], [prepare]), ([run], [prepare])], [(new, {}, state, {})], dev)
+    torch.cuda.synchronize()
+    assert 0 < cand.p50 and 0 < ref.p50

@@ -52,6 +52,8 @@ ROTATION = 4  # fresh input buffers cycled through in cold mode
 GRAPH_CALLS = 20  # calls captured in one graph (graph timing)
 GRAPH_REPLAYS = 20  # at least; as many as MIN_TIME_MS takes
 SUSPECT_RATIO = 1.2  # graph time above this x the cold back-to-back time is flagged in the gate detail
+MAX_COUNTER_NUMEL = 64  # integer tensors this small that a graph reads are positions/lengths, reset per replay
+STATIC_KV_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")  # state with a device-side length
 GRAPH_WARM_MS = 25.0  # replays before the timed ones, by time (a graph right after capture ran cold: below)
 
 Args = tuple[dict, dict, dict, dict]
@@ -92,6 +94,57 @@ def held_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
                 else (value,)
             out += [t for t in items if isinstance(t, torch.Tensor)]
     return out
+
+
+def graph_reads(obj, depth: int = 4) -> list[torch.Tensor]:
+    """Every tensor a prepared call reaches: its arguments (nested in tuples, lists, dicts) and the tensors held by
+    the objects among them, an HF cache's layers included (DynamicLayer `keys`/`values`, StaticLayer
+    `cumulative_length`), and module-held state (`held_tensors`). A graph captured on the call reads and writes them
+    outside its own memory pool; the call may replace them (DynamicLayer.update concatenates into a new tensor), so
+    a capture must hold them itself (`time_graphs`)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(value, left: int) -> None:
+        if id(value) in seen or left < 0:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, torch.nn.Module):
+            out.extend(t for t in held_tensors(value) if id(t) not in seen)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, left)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v, left)
+        elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
+            for v in vars(value).values():  # a cache object and its layers
+                walk(v, left - 1)
+
+    walk(obj, depth)
+    return out
+
+
+def capture_keep(calls: list[tuple[Callable, object, bool]]) -> list[torch.Tensor]:
+    """What a graph about to be captured from `calls` (side_calls' entries) reads that nothing else may keep once
+    the capture has run: each call's `graph_reads` and each replica's module-held tensors (`run.held`)."""
+    keep: list[torch.Tensor] = []
+    for fn in {id(c[0]): c[0] for c in calls}.values():
+        keep += getattr(fn, "held", list)()
+    for _, call, _ in calls:
+        keep += graph_reads(call)
+    return keep
+
+
+def counters_of(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, its value now) for the small integer tensors among a capture's reads: device-side positions that
+    a call advances in place (StaticLayer.cumulative_length). Each replay advances them again, so graph timing puts
+    them back before every replay: a static cache's length would otherwise run past its end (on the H200 HF's
+    StaticLayer.update then failed its index_copy_ bound check: a device-side assert, 2026-12-01)."""
+    return [(t, t.detach().clone()) for t in tensors
+            if not t.is_floating_point() and t.dtype != torch.bool and t.numel() <= MAX_COUNTER_NUMEL]
 
 
 def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
@@ -275,8 +328,11 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     module-held state (RecurrentGemma's blocks assign new tensors), nothing else keeps that tensor, and the next
     side's capture (torch.cuda.graph empties the allocator's cache) handed its memory back to the driver: on the
     H200 two RecurrentGemma decode candidates that write their state back by assignment failed this way with an
-    illegal memory access (2026-11-30-h200-h). `keep` holds every call's prepared arguments and each replica's
-    module-held tensors at its side's capture until the timing is done.
+    illegal memory access (2026-11-30-h200-h). The same held for KV caches: the tensors of the one-layer cache that
+    `KVLayerAdapter.build` makes live only in that cache, the first captured call replaces them (DynamicLayer.update
+    concatenates), and every attention-decode candidate on qwen3-4b (9/9) and a Mistral-shaped model (12/12) ended
+    in an illegal memory access (2026-12-01). `keep` holds every call's prepared arguments and, at its side's
+    capture, everything the call reaches (`capture_keep`: cache layers, module-held state) until the timing is done.
 
     `fresh` (prefill tasks): every call of the graph gets its own freshly prepared cache (`side_calls`), prepared
     again after the warm-up, so the capture records a prompt forward on a fresh cache each time, as the model runs
@@ -284,7 +340,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed."""
     from kernels_runtime.graphs import CudaGraphBackend
 
-    prepared, cleanups, keep = [], [], []
+    prepared, cleanups, keep, resets = [], [], [], []
     try:
         for fns, preps in sides:
             calls, side_cleanups = side_calls(fns, preps, args[0], fresh, keep)
@@ -307,13 +363,17 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
                     undo(cleanups[j])
                     prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
                 calls = prepared[j]
-                keep += [held_of() for held_of in {id(c[0]): getattr(c[0], "held", list) for c in calls}.values()]
+                reads = capture_keep(calls)  # the cache layers' tensors too: the capture replaces them
+                keep.append(reads)
+                resets.append(counters_of(reads))
                 graphs.append(backend.record(runner(calls))[0])
             stream = torch.cuda.current_stream(device)
 
             def replay_all(record: bool):
                 marks = []
-                for graph in graphs:
+                for graph, reset in zip(graphs, resets):
+                    for t, start_value in reset:  # before the start event: not timed
+                        t.copy_(start_value)
                     if record:
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record(stream)
@@ -390,7 +450,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         return _REFERENCE_CACHE[key]
 
     replicas: dict = {}
-    fresh = task.spec.phase == "prefill"  # under graphs only with prefill_graph: each prompt forward on a fresh cache
+    # under graphs only with prefill_graph: each prompt forward on a fresh cache. Decode on a static KV cache too:
+    # a call advances its cache's length, and GRAPH_CALLS calls on one cache would write past a cache sized for the
+    # workload's decode steps; each call on its own copy writes the captured position, as the model's step does
+    adapter = ((task.spec.recipe or {}).get("state") or {}).get("adapter")
+    fresh = task.spec.phase == "prefill" or adapter in STATIC_KV_ADAPTERS
 
     def graph_pair(args) -> tuple[Latency, Latency, str]:
         """Candidate and reference under graph replay, their replays alternating, each cycling through as many
@@ -441,6 +505,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
                     how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
                     continue
                 except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
+                    failure = _classify_exception(e, first_call=False)
+                    if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
+                        failure.gate = f"timing_{mode}"
+                        failure.message = f"under CUDA-graph timing: {failure.message}"
+                        raise failure from None
                     how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
 
             def back_to_back(fn, prep, args=args, mode=mode):

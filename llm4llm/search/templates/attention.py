@@ -1,6 +1,8 @@
 """attention family (LlamaAttention, Qwen3Attention): q/k/v projections (Triton linear), rotary (fused with
 Qwen3's q_norm/k_norm when those weights exist), the KV cache as state_out, causal flash attention (prefill) or
-split-KV flash decoding (decode), o_proj (Triton linear). Limit: the attention mask is taken to be causal only
+split-KV flash decoding (decode), o_proj (Triton linear). Under transformers' static KV cache (decode graphs),
+attention.decode_static: norms, rotary, the cache write at the device-side length and split-KV attention in one
+kernel (kernels_runtime/ops/attention_decode_static.py), nothing on the host that a graph would freeze. Limit: the attention mask is taken to be causal only
 (no padding); a padded batch fails verification rather than being silently accepted."""
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ QK_NORM_ROTARY = ("kernels_runtime.ops.rotary", "qk_norm_rotary")
 PREFILL_OP = ("kernels_runtime.ops.attention_prefill", "attention_prefill")
 DECODE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode")
 DECODE_UPDATE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode_update")
+DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_decode_static")
+# transformers' static KV cache (StaticLayer, StaticSlidingWindowLayer while its window fills): preallocated
+# keys/values and a device-side length, what decode graphs run on
+STATIC_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")
 
 # Smaller linear space than the MLP's: the attention and rotary keys multiply it.
 LIN_PREFILL = {"lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128], "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8],
@@ -24,6 +30,8 @@ ATTN_PREFILL = {"attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [32, 64, 128], "attn_
                 "attn_num_stages": [2, 3]}
 ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128], "attn_num_splits": [None, 2, 8, 32],
                "attn_num_warps": [4, 8]}
+ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
+               "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
 
 PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
 ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
@@ -56,14 +64,38 @@ def _with_past(past, new, extra=0):
 '''
 
 
-def _applies(spec: TaskSpec) -> str | None:
+def _adapter(spec: TaskSpec) -> str | None:
+    return ((spec.recipe or {}).get("state") or {}).get("adapter")
+
+
+def _applies_common(spec: TaskSpec) -> str | None:
     need = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
     if not need <= set(spec.weight_names):
         return f"attention: expected weights {sorted(need)}, got {spec.weight_names}"
     if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
         return f"attention: expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
+    return None
+
+
+def _applies(spec: TaskSpec) -> str | None:
+    why = _applies_common(spec)
+    if why:
+        return why
+    if _adapter(spec) in STATIC_ADAPTERS:
+        return "attention: a static KV cache task (attention.decode_static takes it)"
     if spec.static.get("sliding_window"):
         return "attention: sliding-window attention is out of scope"
+    return None
+
+
+def _applies_static(spec: TaskSpec) -> str | None:
+    why = _applies_common(spec)
+    if why:
+        return why
+    if _adapter(spec) not in STATIC_ADAPTERS:
+        return f"attention.decode_static: expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)}"
+    if spec.static.get("attention_type") not in (None, "full_attention", "sliding_attention"):
+        return f"attention.decode_static: attention type {spec.static.get('attention_type')!r} is out of scope"
     return None
 
 
@@ -116,6 +148,38 @@ def entry(inputs, weights, state, static):
 '''
 
 
+def _render_static(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
+    return header("attention.decode_static", spec, imports, config) + PRELUDE + '''
+
+def _opt(static, *names):
+    for n in names:
+        if static.get(n) is not None:
+            return static[n]
+    return None
+
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]  # [B, 1, H]
+    B, S, _ = x.shape
+    D = int(_static(static, "head_dim"))
+    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))  # [B, H, 1, D] views
+    kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
+    norm = "q_norm.weight" in weights
+    eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
+    window = _opt(static, "sliding_window")
+    cap = _opt(static, "attn_logit_softcapping", "config.attn_logit_softcapping")
+    # writes the rotated k and v at position n of the static cache, attends over [0, n], advances n (in place)
+    o = attention_decode_static(
+        q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
+        float(_static(static, "scaling")), q_norm_weight=weights.get("q_norm.weight"),
+        k_norm_weight=weights.get("k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
+        softcap=float(cap) if cap else None, **ATTN)  # [B, Hq, 1, D]
+    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    return {"out": out, "state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
+'''
+
+
 TEMPLATES = [
     Template(name="attention.prefill_flash", family="attention", phases=("prefill",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, PREFILL_OP),
@@ -133,4 +197,11 @@ TEMPLATES = [
                                       "rope_BLOCK_H": 4, "rope_num_warps": 2, "cache_update": "copy",
                                       "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4},
              choice_requires={("cache_update", "fused"): (DECODE_UPDATE_OP,)}),
+    Template(name="attention.decode_static", family="attention", phases=("decode",),
+             requires=(LINEAR_OP, DECODE_STATIC_OP),
+             space_fn=lambda spec: {**LIN_DECODE, **ATTN_STATIC}, render_fn=_render_static,
+             applies_fn=_applies_static,
+             default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
+                                      "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4,
+                                      "attn_num_stages": 2}),
 ]

@@ -1,0 +1,282 @@
+"""Decode attention over transformers' static KV cache: one kernel from the raw q/k/v projections to the attention
+output, replayable from a CUDA graph.
+
+For one new token per sequence, stage 1 (one program per (batch, kv head, split)):
+- loads the GROUP query heads of its kv head as one [BLOCK_G, D] tile (GQA: K/V are read once per group, never
+  repeated to Hq heads), applies Qwen3's per-head RMSNorm (`q_norm`/`k_norm`, optional) and the rotary embedding
+  to q and to the new k, as HF's attention forward does before `cache.update`;
+- reads the write position `pos` from device memory (StaticLayer.cumulative_length, the length before this token:
+  HF's `StaticLayer.update` writes at it, then advances it), writes the rotated k and the raw v at `pos` of the
+  preallocated caches IN PLACE (the split that holds `pos` writes; every read of that slot takes the new value, so
+  no program depends on the order of the write and the reads);
+- attends over [lo, pos], lo = max(0, pos - sliding_window + 1) (HF's sliding mask: kv > q - window), with optional
+  logit soft-capping (Gemma-2: cap * tanh(s / cap)), and writes the split's normalized partial output and
+  log-sum-exp (fp32).
+Stage 2 merges the splits per query head and advances the length by one (program 0), as `StaticLayer.update` does.
+
+The grid is sized for the whole cache (S_max), never for the current length: splits past `pos` or below the window
+write an empty partial (lse -inf). Nothing reads the length on the host, so every pointer and the grid are the same
+at every step and one captured graph serves every length. A `pos` at or past S_max writes nothing, attends to the
+whole cache and does not advance (never out of bounds).
+Not autotuned: it writes the cache and the length in place, so a re-run by an autotuner would corrupt them; the
+search tunes BLOCK_N / splits / warps by hand (CONFIG_SPACE).
+Limits: one length for the whole batch (no per-sequence lengths, no padding mask); an even head_dim.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_runtime.ops._common import interpreting, rnd
+
+CONFIG_SPACE: dict[str, list] = {
+    "BLOCK_N": [16, 32, 64, 128],
+    "num_splits": [None, 4, 8, 16, 32, 64],  # None: `default_num_splits`
+    "num_warps": [2, 4, 8],
+    "num_stages": [1, 2, 3],
+}
+_LOG2E = 1.4426950408889634
+TARGET_PROGRAMS = 264  # about two waves on an H100/H200 (132 SMs)
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are padded
+
+
+@triton.jit
+def _norm_rope(x, x_rot, w_ptr, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM: tl.constexpr,
+               DTYPE: tl.constexpr):
+    # x, x_rot: fp32 [..., BLOCK_D] (x_rot = x at the rotate_half partner column); HF's roundings to DTYPE
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1) / D + eps)
+        mask_d = offs_d < D
+        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w_r = tl.load(w_ptr + offs_r, mask=mask_d, other=0.0).to(tl.float32)
+        x = rnd(w * rnd(x * tl.expand_dims(rstd, -1), DTYPE), DTYPE)
+        x_rot = rnd(w_r * rnd(x_rot * tl.expand_dims(rstd, -1), DTYPE), DTYPE)
+    return rnd(rnd(x * cos, DTYPE) + rnd(sign * x_rot * sin, DTYPE), DTYPE)
+
+
+@triton.jit
+def _attention_decode_static_kernel(
+    # Pointers
+    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART,
+    # Matrix dimensions
+    Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, qk_scale, eps, window, softcap,
+    # Strides
+    stride_qb, stride_qh, stride_qd,
+    stride_knb, stride_knh, stride_knd,
+    stride_vnb, stride_vnh, stride_vnd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_cb, stride_sb,
+    # Meta-parameters
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b, hkv = pid_bh // Hkv, pid_bh % Hkv
+    offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    mask_g, mask_d = offs_g < GROUP, offs_d < D
+    half = D // 2
+    offs_r = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half's partner column
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(COS + b * stride_cb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + b * stride_sb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+
+    hq = hkv * GROUP + offs_g
+    q_rows = Q + b * stride_qb + hq[:, None] * stride_qh
+    mask_q = mask_g[:, None] & mask_d[None, :]
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+    q_r = tl.load(q_rows + offs_r[None, :] * stride_qd, mask=mask_q, other=0.0).to(tl.float32)
+    q = _norm_rope(q, q_r, QW, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE)
+    kn_row = K_NEW + b * stride_knb + hkv * stride_knh
+    k_new = tl.load(kn_row + offs_d * stride_knd, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    k_new_r = tl.load(kn_row + offs_r * stride_knd, mask=mask_d, other=0.0).to(tl.float32)
+    k_new = _norm_rope(k_new, k_new_r, KW, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE).to(DTYPE)
+    v_new = tl.load(V_NEW + b * stride_vnb + hkv * stride_vnh + offs_d * stride_vnd, mask=mask_d, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(DTYPE)
+
+    k_base = K + b * stride_kb + hkv * stride_kh
+    v_base = V + b * stride_vb + hkv * stride_vh
+    pos = tl.load(LEN).to(tl.int32)  # the write position: the length before this token
+    kv_end = tl.minimum(pos + 1, S_MAX)
+    s_start = split * SPLIT_LEN
+    s_end = tl.minimum(s_start + SPLIT_LEN, kv_end)
+    if (pos >= s_start) & (pos < s_end):
+        tl.store(k_base + pos * stride_ks + offs_d * stride_kd, k_new, mask=mask_d)
+        tl.store(v_base + pos * stride_vs + offs_d * stride_vd, v_new, mask=mask_d)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    start = tl.maximum(s_start, (lo // BLOCK_N) * BLOCK_N)  # whole tiles below the window are skipped
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start_n in range(start, s_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = (offs_n < s_end) & (offs_n >= lo)
+        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,  # [BLOCK_D, BLOCK_N]
+                     mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
+                    mask=kv_ok[:, None] & mask_d[None, :], other=0.0)
+        is_new = offs_n == pos
+        kt = tl.where(is_new[None, :], k_new[:, None], kt)
+        v = tl.where(is_new[:, None], v_new[None, :], v)
+        if UPCAST_DOT:
+            kt, v = kt.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        if HAS_SOFTCAP:  # cap * tanh(s * scale / cap), tanh from exp (exact enough, no libdevice)
+            t = tl.exp(-2.0 * tl.abs(s * qk_scale / softcap))
+            s = softcap * tl.where(s >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t) * 1.4426950408889634
+        else:
+            s = s * (qk_scale * 1.4426950408889634)  # log2 domain
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    rows = (b * Hkv * GROUP + hq) * NUM_SPLITS + split  # [BLOCK_G] into [B, Hq, NUM_SPLITS]
+    some = l_i > 0
+    tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None], mask=mask_q)
+    tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")), mask=mask_g)
+
+
+@triton.jit
+def _merge_advance_kernel(
+    # Pointers
+    O_PART, LSE_PART, O, LEN,
+    # Matrix dimensions
+    Hq, NUM_SPLITS, D, S_MAX,
+    # Strides
+    stride_ob, stride_oh, stride_od,
+    # Meta-parameters
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ADVANCE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+                mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    b, h = pid // Hq, pid % Hq
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < D)
+    if ADVANCE:  # StaticLayer.update's cumulative_length.add_(1); stage 1 has finished reading it
+        if pid == 0:
+            n = tl.load(LEN)
+            tl.store(LEN, tl.where(n < S_MAX, n + 1, n))
+
+
+def attention_decode_static_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_len: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    sliding_window: int | None = None, softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (projections, before norm and rotary), k_cache/v_cache: [B, Hkv, S_max, D]
+    holding `cache_len` (one-element int tensor) positions, cos/sin: [B, 1, D]
+    -> (out [B, Hq, 1, D], k_cache_out, v_cache_out, cache_len + 1), as HF's attention forward over a StaticLayer
+    computes them (norms, rotary, `update`, SDPA over K/V repeated to Hq heads with the causal/sliding mask).
+    Does not modify its inputs."""
+    from kernels_runtime.ops.rotary import _head_rmsnorm_ref, rotary_ref
+
+    if q_norm_weight is not None:
+        q, k = _head_rmsnorm_ref(q, q_norm_weight, eps), _head_rmsnorm_ref(k, k_norm_weight, eps)
+    q, k = rotary_ref(q, k, cos, sin)
+    pos = int(cache_len.reshape(-1)[0])
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    k_out[:, :, pos], v_out[:, :, pos] = k[:, :, 0], v[:, :, 0]
+    lo = max(0, pos - sliding_window + 1) if sliding_window else 0
+    group = q.shape[1] // k_cache.shape[1]
+    kk = k_out[:, :, lo:pos + 1].repeat_interleave(group, dim=1)
+    vv = v_out[:, :, lo:pos + 1].repeat_interleave(group, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * scale  # [B, Hq, 1, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    out = torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
+    return out, k_out, v_out, cache_len + 1
+
+
+def default_num_splits(batch_kv_heads: int, s_max: int, block_n: int) -> int:
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, batch_kv_heads), triton.cdiv(s_max, block_n)))
+
+
+def _check(q, k, v, k_cache, v_cache, cache_len, cos, sin, norms) -> None:
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.shape[2] != 1:
+        raise ValueError(f"attention_decode_static: expected q [B, Hq, 1, D], caches [B, Hkv, S_max, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, Hq, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    if k_cache.shape[0] != B or k_cache.shape[3] != D or Hkv == 0 or Hq % Hkv or D % 2:
+        raise ValueError(f"attention_decode_static: expected caches [{B}, Hkv dividing {Hq}, S_max, {D}] and an "
+                         f"even head dim, got {tuple(k_cache.shape)}")
+    for name, t, shape in (("k", k, (B, Hkv, 1, D)), ("v", v, (B, Hkv, 1, D)), ("cos", cos, (B, 1, D)),
+                           ("sin", sin, (B, 1, D)), ("k_cache", k_cache, k_cache.shape),
+                           ("v_cache", v_cache, k_cache.shape),
+                           *((n, w, (D,)) for n, w in norms if w is not None)):
+        if tuple(t.shape) != tuple(shape) or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"attention_decode_static: expected {name} {tuple(shape)} {q.dtype} on {q.device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if cos.stride(2) != 1 or sin.stride(2) != 1:
+        raise ValueError("attention_decode_static: expected cos/sin contiguous in the head dim")
+    if (not isinstance(cache_len, torch.Tensor) or cache_len.numel() != 1 or cache_len.is_floating_point()
+            or cache_len.device != q.device):
+        raise ValueError(f"attention_decode_static: expected cache_len a one-element integer tensor on {q.device} "
+                         f"(StaticLayer.cumulative_length), got {cache_len!r}")
+
+
+def attention_decode_static(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_len: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    sliding_window: int | None = None, softcap: float | None = None, advance: bool = True,
+    BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
+    PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections)."""
+    norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")
+    _check(q, k, v, k_cache, v_cache, cache_len, cos, sin, norms)
+    B, Hq, _, D = q.shape
+    Hkv, s_max = k_cache.shape[1], k_cache.shape[2]
+    n_splits = num_splits or default_num_splits(B * Hkv, s_max, BLOCK_N)
+    split_len = triton.cdiv(triton.cdiv(s_max, n_splits), BLOCK_N) * BLOCK_N
+    n_splits = triton.cdiv(s_max, split_len)
+    o_part = torch.empty((B, Hq, n_splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, n_splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
+    has_norm = q_norm_weight is not None
+    block_d = max(16, triton.next_power_of_2(D))
+    length = cache_len.reshape(1)
+    _attention_decode_static_kernel[(B * Hkv, n_splits)](
+        q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
+        length, o_part, lse_part,
+        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, scale, eps, int(sliding_window or 0), float(softcap or 1.0),
+        q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+    )
+    _merge_advance_kernel[(B * Hq,)](
+        o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
+        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
+    )
+    return o
+
+
+def _tl_dtype(dtype: torch.dtype):
+    from kernels_runtime.ops._common import _TL
+
+    return _TL[dtype]
