@@ -44,6 +44,13 @@ CASES = [
     ("tiny-mamba2", "ssm_block.mamba2_decode_fused", "decode"),
     ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", "decode"),
+    ("tiny-llama", "mlp.decode_gemv", "decode"),  # gate/up + SwiGLU in one GEMV pass, down_proj
+    ("tiny-qwen3", "attention.decode_fused_qkv", "decode"),  # q/k/v + q/k norms + rotary in one pass
+    ("tiny-llama", "attention.decode_fused_qkv", "decode"),
+    ("tiny-qwen3", "decoder_layer.decode_fused", "decode"),  # the whole layer: norms and residuals fused
+    ("tiny-llama", "decoder_layer.decode_fused", "decode"),
+    ("tiny-qwen3", "lm_head.gemv", "decode"),
+    ("tiny-llama", "lm_head.gemv", "prefill"),  # generate's prefill: the last position's logits only
 ]
 
 
@@ -305,3 +312,19 @@ def test_block_templates_in_model(tiny_tasks, workload, model):
     assert sorted(counters) == [f"backbone.layers.{i}" for i in range(layers)]
     assert all(c["kernel"] == {"prefill": 1, "decode": 2} for c in counters.values()), counters
     assert_close(got, ref, name="patched logits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["tiny-qwen3", "tiny-llama"])
+def test_decoder_layer_other_fusion_and_split_k_pass(tiny_tasks, pool, workload):
+    """The decoder-layer template's other boundary choice (post_attention_layernorm in gate/up's prologue instead of
+    o_proj's reduction) with every GEMV stage split along K (the deterministic two-launch reduction) and 8-row
+    blocks: every gate passes."""
+    t = next(t for t in TEMPLATES if t.name == "decoder_layer.decode_fused")
+    spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
+                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+    config = {**t.default(spec), "post_norm": "gate_up_prologue"}
+    for p in ("qkv_", "o_", "gu_", "dn_"):
+        config.update({p + "SPLIT_K": 4, p + "BLOCK_K": 128, p + "BLOCK_N": 8})
+    v = pool.verify(task_dir, t.render(spec, config))
+    assert v.passed, f"{spec.task_id}: {v.failure_class}: {v.message}"

@@ -231,9 +231,12 @@ def gate_up_swiglu_ref(x, w_gate, w_up, norm_w=None, eps=1e-6):
     return torch.nn.functional.silu(g) * u
 
 
-def qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6):
+def qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6, norm_w=None,
+                      norm_eps=1e-6):
     """x: [M, K], cos/sin: [M, D] or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (Qwen3Attention's
-    projections, q_norm/k_norm and apply_rotary_pos_emb; Llama's without the norms)."""
+    projections, q_norm/k_norm and apply_rotary_pos_emb; Llama's without the norms); x RMSNorm'd by norm_w first."""
+    if norm_w is not None:
+        x = _rmsnorm_ref(x, norm_w, norm_eps)
     def proj(w):
         return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).view(x.shape[0], -1, head_dim)
 
@@ -396,12 +399,14 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
 
 def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cos: torch.Tensor | None,
                   sin: torch.Tensor | None, head_dim: int, *, q_norm_w: torch.Tensor | None = None,
-                  k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
+                  k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
+                  norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
-    the per-head q/k RMSNorms (Qwen3) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos is."""
+    the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
+    is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm)."""
     K = x.shape[-1]
     _weights([wq, wk, wv], K, x.dtype)
     D = head_dim
@@ -422,7 +427,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     ntot = (hq + 2 * hkv) * D
     y = torch.empty((M, ntot), device=x.device, dtype=x.dtype)
     if M:
-        part, split = _stream(x2, [wq, wk, wv], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
+        part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
                               num_warps=num_warps, num_stages=num_stages)
         _qkv_reduce_kernel[(M, hq + 2 * hkv)](
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

@@ -83,8 +83,11 @@ def test_qkv_norm_rope(dtype, norm, D, hq, hkv, cfg):
     qn = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
     kn = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
     cos, sin = _rope(M, D, dtype)
-    q, k, v = qkv_norm_rope(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6, **cfg)
-    qr, kr, vr = qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6)
+    nw = (1 + 0.1 * torch.randn(K)).to(dtype) if norm else None  # and the decoder layer's input_layernorm
+    q, k, v = qkv_norm_rope(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6, norm_w=nw,
+                            norm_eps=1e-5, **cfg)
+    qr, kr, vr = qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6, norm_w=nw,
+                                   norm_eps=1e-5)
     for name, a, b in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
         assert a.shape == b.shape, name
         assert_close(a, b, name=name)
