@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, rnd
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
@@ -302,13 +302,13 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
-    _gemv_kernel[(sum(nbs), split, triton.cdiv(M, block_m))](
+    launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2,
         M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
-        x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, eps,
-        PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
-        EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+        x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
+        dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
+             EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
+             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K), num_warps=num_warps, num_stages=num_stages)
     return out, (0 if direct else split)
 
 
@@ -337,10 +337,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages)
         if split:
             blk = _reduce_block(N)
-            _reduce_kernel[(x2.shape[0], triton.cdiv(N, blk))](
+            launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
                 part, y if r2 is None else r2, y, x2.shape[0], N, split, 0 if r2 is None else r2.stride(0),
-                y.stride(0), HAS_RES=r2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(),
-                BLOCK=blk)
+                y.stride(0)), dict(HAS_RES=r2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
+                                   RNE=interpreting(), BLOCK=blk))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -366,10 +366,10 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
                               num_stages=num_stages)
-        _residual_rmsnorm_reduce_kernel[(M,)](
-            part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), eps,
-            ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
-            RNE=interpreting(), BLOCK=triton.next_power_of_2(N), num_warps=reduce_warps)
+        launch(_residual_rmsnorm_reduce_kernel, (M,), (
+            part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
+            dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
+                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N)), num_warps=reduce_warps)
     lead = x.shape[:-1]
     return h.reshape(*lead, N), y.reshape(*lead, N)
 
@@ -391,9 +391,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
         part, split = _stream(x2, [w_gate, w_up], norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                               SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages)
         blk = _reduce_block(I)
-        _swiglu_reduce_kernel[(M, triton.cdiv(I, blk))](
-            part, y, M, I, split, y.stride(0), ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(),
-            BLOCK=blk)
+        launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
+               dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk))
     return y.reshape(*x.shape[:-1], I)
 
 
@@ -429,12 +428,12 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     if M:
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
                               num_warps=num_warps, num_stages=num_stages)
-        _qkv_reduce_kernel[(M, hq + 2 * hkv)](
+        launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,
             y if k_norm_w is None else k_norm_w, y, M, hq, hkv, split, ntot,
-            0 if c2 is None else c2.stride(0), 0 if s2 is None else s2.stride(0), y.stride(0), eps, D // 2,
-            HAS_NORM=q_norm_w is not None, HAS_ROPE=c2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
-            RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2), num_warps=1)
+            0 if c2 is None else c2.stride(0), 0 if s2 is None else s2.stride(0), y.stride(0), float(eps), D // 2),
+            dict(HAS_NORM=q_norm_w is not None, HAS_ROPE=c2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
+                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2)), num_warps=1)
     q = y[:, : hq * D].view(M, hq, D)
     k = y[:, hq * D: (hq + hkv) * D].view(M, hkv, D)
     v = y[:, (hq + hkv) * D:].view(M, hkv, D)
