@@ -20,20 +20,27 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+if "cpu" in sys.argv[sys.argv.index("--device") + 1:][:1]:  # before Triton is imported: its interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
 from kernels_runtime.ops import _common  # noqa: E402
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def b2b(fn, n):
-    for _ in range(10):
+    for _ in range(min(10, n)):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) * 1e6 / n
 
 
@@ -48,17 +55,18 @@ def rounds(variants: dict, n: int, k: int = 5) -> dict:
     return {name: {"p50": statistics.median(v), "p20": sorted(v)[1], "p80": sorted(v)[-2]} for name, v in ts.items()}
 
 
-def render(template, family, module_class):
+def render(template, family, module_class, dims):
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import TaskSpec
 
     t = next(t for t in TEMPLATES if t.name == template)
     spec = TaskSpec(family=family, module_class=module_class, instances=[], phase="decode", input_names=[],
                     weight_names=[], output_names=["out"], cases=[], dtype="bfloat16",
-                    hardware={"sm_count": torch.cuda.get_device_properties(0).multi_processor_count})
-    spec.static.update({"hidden_size": 2560, "intermediate_size": 9728, "mlp.hidden_size": 2560,
-                        "mlp.intermediate_size": 9728, "self_attn.q_proj.in_features": 2560,
-                        "self_attn.q_proj.out_features": 4096, "self_attn.k_proj.out_features": 1024})
+                    hardware={"sm_count": 132})
+    H, I, hq, hkv, D = dims
+    spec.static.update({"hidden_size": H, "intermediate_size": I, "mlp.hidden_size": H, "mlp.intermediate_size": I,
+                        "self_attn.q_proj.in_features": H, "self_attn.q_proj.out_features": hq * D,
+                        "self_attn.k_proj.out_features": hkv * D})
     return t.render(spec, t.default(spec)), t.default(spec)
 
 
@@ -78,7 +86,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu: a smoke run at tiny sizes (Triton's "
+                    "interpreter, fp32; not a result)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        sys.exit("decode_dispatch: expected a CUDA device (or --device cpu)")
     from transformers import Qwen3Config
     from transformers.cache_utils import DynamicCache
     from transformers.models.qwen3 import modeling_qwen3 as mq
@@ -87,16 +101,20 @@ def main() -> int:
     from kernels_runtime.patch import revert
     from kernels_runtime.tolerances import compare
 
-    dev, dt = "cuda", torch.bfloat16
+    dev = args.device
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls}
+    meta = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke run, not a result)",
+            "torch": torch.__version__, "calls": args.calls}
     rows = []
-    cfg = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, num_hidden_layers=1, vocab_size=1024)
+    dims = (2560, 9728, 32, 8, 128) if dev == "cuda" else (64, 128, 4, 2, 16)  # qwen3-4b, or tiny
+    H, I = dims[0], dims[1]
+    cfg = Qwen3Config(hidden_size=H, intermediate_size=I, num_attention_heads=dims[2], num_key_value_heads=dims[3],
+                      head_dim=dims[4], num_hidden_layers=1, vocab_size=1024)
     cfg._attn_implementation = "sdpa"
     with torch.no_grad():
         # 1. ops, cached launcher on/off
-        x = torch.randn(1, 1, 2560, device=dev, dtype=dt)
+        x = torch.randn(1, 1, H, device=dev, dtype=dt)
         mlp = mq.Qwen3MLP(cfg).to(dev, dt)
         wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
@@ -111,12 +129,13 @@ def main() -> int:
         same = bool(torch.equal(a, b))
         r = rounds({"ops_jit": (ops, False), "ops_cached": (ops, True)}, args.calls)
         rows.append({"measure": "mlp_ops_4_launches", "cached_equals_jit": same, **r})
+        show(rows[-1])
         # 2. Qwen3MLP: eager, direct entry, patched
-        src, _ = render("mlp.decode_gemv", "mlp", f"{mq.__name__}.Qwen3MLP")
+        src, _ = render("mlp.decode_gemv", "mlp", f"{mq.__name__}.Qwen3MLP", dims)
         ns: dict = {}
         exec(compile(src, "<mlp.decode_gemv>", "exec"), ns)
         weights = dict(mlp.named_parameters())
-        static = {"hidden_size": 2560, "intermediate_size": 9728}
+        static = {"hidden_size": H, "intermediate_size": I}
         ref = mlp(x)
         direct = lambda: ns["entry"]({"x": x}, weights, {}, static)  # noqa: E731
         ok_direct = compare(direct()["out"], ref).ok
@@ -127,15 +146,17 @@ def main() -> int:
         r = rounds(variants, args.calls)
         rows.append({"measure": "Qwen3MLP", "correct_direct": ok_direct, "correct_patched": ok_patched,
                      "counters": report.counters(), **r})
+        show(rows[-1])
         revert(holder)
         # 3. Qwen3DecoderLayer over a growing DynamicCache
         layer = mq.Qwen3DecoderLayer(cfg, 0).to(dev, dt)
         rope = mq.Qwen3RotaryEmbedding(cfg).to(dev)
-        src, _ = render("decoder_layer.decode_fused", "decoder_layer", f"{mq.__name__}.Qwen3DecoderLayer")
+        src, _ = render("decoder_layer.decode_fused", "decoder_layer", f"{mq.__name__}.Qwen3DecoderLayer", dims)
 
         def make_cache():
             cache = DynamicCache()
-            h = torch.randn(1, 64, 2560, device=dev, dtype=dt)
+            g = torch.Generator(device=dev).manual_seed(1)  # the same past every time: reference and kernel agree
+            h = torch.randn(1, 64, H, device=dev, dtype=dt, generator=g)
             pos = torch.arange(64, device=dev)[None]
             layer(h, position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=rope(h, pos))
             return cache
@@ -166,15 +187,18 @@ def main() -> int:
         r_p = rounds({"patched_jit": (step, False), "patched_cached": (step, True)}, args.calls // 3)
         rows.append({"measure": "Qwen3DecoderLayer_dynamic_cache", "correct_patched": ok,
                      "counters": report.counters(), **r_e, **r_p})
+        show(rows[-1])
         revert(holder)
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps({**row, **meta}, default=str) + "\n")
-    for row in rows:
-        vals = "  ".join(f"{k} {v['p50']:.1f}" for k, v in row.items() if isinstance(v, dict) and "p50" in v)
-        flags = {k: v for k, v in row.items() if k.startswith(("correct", "cached"))}
-        print(f"{row['measure']:<34} us/call: {vals}  {flags}")
     return 0
+
+
+def show(row):
+    vals = "  ".join(f"{k} {v['p50']:.1f}" for k, v in row.items() if isinstance(v, dict) and "p50" in v)
+    flags = {k: v for k, v in row.items() if k.startswith(("correct", "cached"))}
+    print(f"{row['measure']:<34} us/call: {vals}  {flags}", flush=True)
 
 
 if __name__ == "__main__":

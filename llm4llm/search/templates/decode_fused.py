@@ -10,7 +10,7 @@ around it in the GEMV's prologue or its split-K reduction. One template per boun
 - lm_head.gemv: the vocabulary projection.
 Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
 K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
-them), num_warps; `num_stages` is shared. The default splits K until a stage has >= 2 programs per SM.
+them), num_warps; `num_stages` is shared. Defaults: the H200 sweep's best points (_stage_default).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from llm4llm.taskspec import TaskSpec
 
 GEMV = "kernels_runtime.ops.gemv"
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
-STAGE = {"BLOCK_N": [8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8], "num_warps": [4, 8]}
+STAGE = {"BLOCK_N": [4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
+         "num_warps": [4, 8]}
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
@@ -38,10 +39,20 @@ def _stage_space(prefix: str) -> dict[str, list]:
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
-    """16-row programs 512 deep; K split until the stage has >= 2 programs per SM (never below one K tile)."""
-    blocks = -(-n_out // 16)
-    split = next((s for s in (1, 2, 4, 8) if blocks * s >= 2 * sms and k // s >= 512), 1)
-    return {prefix + "BLOCK_N": 16, prefix + "BLOCK_K": 512, prefix + "SPLIT_K": split, prefix + "num_warps": 4}
+    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the best of 6-8 configs in 8 of the 10
+    batch-1 rows of the H200 sweep (docs/results/2026-12-01-h200-decode-fused; split-K never won there: its second
+    launch costs more than the idle SMs it fills)."""
+    bn, bk = (4, 1024) if k >= 1024 else (8, 512)
+    return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4}
+
+
+def _seeds(*prefixes: str):
+    """seeds_fn: the sweep's runner-up point (8 rows x 512) on every stage, then a K split of 2 on every stage."""
+    def seeds(spec: TaskSpec) -> list[dict]:
+        a = {p + k: v for p in prefixes for k, v in (("BLOCK_N", 8), ("BLOCK_K", 512))}
+        b = {p + "SPLIT_K": 2 for p in prefixes}
+        return [a, b]
+    return seeds
 
 
 def _dim(spec: TaskSpec, *names: str, default: int = 4096) -> int:
@@ -267,14 +278,16 @@ def entry(inputs, weights, state, static):
 
 TEMPLATES = [
     Template(name="mlp.decode_gemv", family="mlp", phases=("decode",), requires=OPS, space_fn=_mlp_space,
-             render_fn=_mlp_render, applies_fn=_mlp_task_applies, default_fn=_mlp_default),
+             render_fn=_mlp_render, applies_fn=_mlp_task_applies, default_fn=_mlp_default,
+             seeds_fn=_seeds("gu_", "dn_")),
     Template(name="attention.decode_fused_qkv", family="attention", phases=("decode",), requires=(*OPS, DECODE_OP),
              space_fn=_attn_space, render_fn=_attn_render,
              applies_fn=lambda spec: (lambda why: why and f"attention.decode_fused_qkv: {why}")(_attn_applies(spec)),
-             default_fn=_attn_default),
+             default_fn=_attn_default, seeds_fn=_seeds("qkv_", "o_")),
     Template(name="decoder_layer.decode_fused", family="decoder_layer", phases=("decode",), requires=(*OPS, DECODE_OP),
-             space_fn=_layer_space, render_fn=_layer_render, applies_fn=_layer_applies, default_fn=_layer_default),
+             space_fn=_layer_space, render_fn=_layer_render, applies_fn=_layer_applies, default_fn=_layer_default,
+             seeds_fn=_seeds("qkv_", "o_", "gu_", "dn_")),
     Template(name="lm_head.gemv", family="lm_head", phases=("prefill", "decode"), requires=OPS,
              space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3]}, render_fn=_lm_render,
-             applies_fn=_lm_applies, default_fn=_lm_default),
+             applies_fn=_lm_applies, default_fn=_lm_default, seeds_fn=_seeds("lm_")),
 ]
