@@ -47,6 +47,7 @@ def _gemv_kernel(
     PRO_NORM: tl.constexpr, DIRECT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
     ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (one segment, no split): y = out (+ residual)
     # stored in p_ptr's dtype; else fp32 partial sums p[split, m, col].
@@ -73,7 +74,9 @@ def _gemv_kernel(
             ss += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
     k_lo = split * K_PER
-    if BLOCK_M == 1:
+    if DOT:  # the tensor cores over a 16-row x tile (rows past M masked): Triton pipelines dot operands' loads
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -83,16 +86,25 @@ def _gemv_kernel(
             k_ok = rk < BLOCK_K
         else:
             k_ok = (kk < K) & ((k0 + rk) < K_PER)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
         if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
             nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
-        if BLOCK_M == 1:
+        if DOT:
+            xd = x.to(w.dtype)  # exact: x is a value of the activation dtype (loaded, or rounded by rnd)
+            if UPCAST_DOT:
+                acc2 = tl.dot(xd.to(tl.float32), tl.trans(w.to(tl.float32)), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(xd, tl.trans(w), acc2, input_precision=DOT_PRECISION)
+        elif BLOCK_M == 1:
+            w = w.to(tl.float32)
             acc += w * x
         else:
-            acc3 += w[None, :, :] * x[:, None, :]
-    if BLOCK_M == 1:
+            acc3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    if DOT:
+        out = acc2
+    elif BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     else:
         out = tl.sum(acc3, axis=2)  # [BM, BN]
@@ -284,10 +296,13 @@ def _weights(ws, K, dtype):
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BLOCK_N, BLOCK_K, SPLIT_K,
-            num_warps, num_stages):
+            num_warps, num_stages, DOT=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
-    `direct_out` (one weight, no split) the output itself. Returns (partials or direct_out, split)."""
+    `direct_out` (one weight, no split) the output itself. Returns (partials or direct_out, split). DOT: tl.dot
+    over x padded to 16 rows (blocks of at least 16 x 16: smaller BLOCK_N / BLOCK_K are raised to 16)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
+    if DOT:
+        BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, BLOCK_K)
     M, K = x2.shape
     if M > MAX_M:
         raise ValueError(f"gemv: expected at most {MAX_M} rows (decode), got {M}")
@@ -298,7 +313,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
     k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
     split = triton.cdiv(K, k_per)  # no empty split
     direct = direct_out is not None and split == 1
-    block_m = triton.next_power_of_2(M)
+    block_m = max(16, triton.next_power_of_2(M)) if DOT else triton.next_power_of_2(M)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
@@ -308,7 +323,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
-             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K), num_warps=num_warps, num_stages=num_stages)
+             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
+             DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32"), num_warps=num_warps,
+        num_stages=num_stages)
     return out, (0 if direct else split)
 
 
@@ -318,7 +335,7 @@ def _reduce_block(n: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-         num_stages: int = 1) -> torch.Tensor:
+         num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
     """x: [..., K] (at most MAX_M rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV."""
     K = x.shape[-1]
@@ -334,7 +351,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     y = torch.empty((x2.shape[0], N), device=x.device, dtype=out_dtype)
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
-                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages)
+                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -346,7 +363,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
 
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
-                          num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4
+                          num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
@@ -365,7 +382,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages)
+                              num_stages=num_stages, DOT=DOT)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
@@ -376,7 +393,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
 
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-                   num_stages: int = 1) -> torch.Tensor:
+                   num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm)."""
     K = x.shape[-1]
@@ -389,7 +406,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     y = torch.empty((M, I), device=x.device, dtype=x.dtype)
     if M:
         part, split = _stream(x2, [w_gate, w_up], norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages)
+                              SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
         blk = _reduce_block(I)
         launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
                dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk))
@@ -400,7 +417,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   sin: torch.Tensor | None, head_dim: int, *, q_norm_w: torch.Tensor | None = None,
                   k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
-                  SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1
+                  SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
@@ -427,7 +444,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     y = torch.empty((M, ntot), device=x.device, dtype=x.dtype)
     if M:
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-                              num_warps=num_warps, num_stages=num_stages)
+                              num_warps=num_warps, num_stages=num_stages, DOT=DOT)
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,
             y if k_norm_w is None else k_norm_w, y, M, hq, hkv, split, ntot,

@@ -128,3 +128,25 @@ def test_gemv_ops_on_gpu_at_model_shapes():
         nw = (1 + 0.1 * torch.randn(2560, device=dev)).to(dt)
         for a, b in zip(gemv_residual_rmsnorm(h, wd, res, nw, **cfg), gemv_residual_rmsnorm_ref(h, wd, res, nw)):
             assert_close(a, b, name="down+res+norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3])
+def test_dot_path_every_op(dtype, M):
+    """DOT=True (tl.dot over x padded to 16 rows; small blocks raised to 16) gives the same results as the reduction
+    path: every op, with a K split and the RMSNorm prologue."""
+    cfg = dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=2, DOT=True)
+    K, N = 40, 37
+    x, w = torch.randn(M, K, dtype=dtype), _w(N, K, dtype)
+    nw = (1 + 0.1 * torch.randn(K)).to(dtype)
+    assert_close(gemv(x, w, norm_w=nw, **cfg), gemv_ref(x, w, norm_w=nw), name="gemv dot")
+    assert_close(gemv(x, w, BLOCK_N=16, BLOCK_K=32, DOT=True), gemv_ref(x, w), name="gemv dot, direct")
+    assert_close(gate_up_swiglu(x, w, w, **cfg), gate_up_swiglu_ref(x, w, w), name="gate/up")
+    res, nw2 = torch.randn(M, N, dtype=dtype), (1 + 0.1 * torch.randn(N)).to(dtype)
+    for a, b in zip(gemv_residual_rmsnorm(x, w, res, nw2, **cfg), gemv_residual_rmsnorm_ref(x, w, res, nw2)):
+        assert_close(a, b, name="residual rmsnorm dot")
+    D = 8
+    wq, wk = _w(4 * D, K, dtype), _w(2 * D, K, dtype)
+    cos, sin = _rope(M, D, dtype)
+    for a, b in zip(qkv_norm_rope(x, wq, wk, wk, cos, sin, D, **cfg), qkv_norm_rope_ref(x, wq, wk, wk, cos, sin, D)):
+        assert_close(a, b, name="qkv dot")

@@ -21,8 +21,10 @@ from llm4llm.taskspec import TaskSpec
 
 GEMV = "kernels_runtime.ops.gemv"
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
+# DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
+# reduction: not timed yet (batch 4 on the reduction path reached 22-44% of the copy bandwidth); the search tries it.
 STAGE = {"BLOCK_N": [4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
-         "num_warps": [4, 8]}
+         "num_warps": [4, 8], "DOT": [False, True]}
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
@@ -43,7 +45,8 @@ def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
     batch-1 rows of the H200 sweep (docs/results/2026-12-01-h200-decode-fused; split-K never won there: its second
     launch costs more than the idle SMs it fills)."""
     bn, bk = (4, 1024) if k >= 1024 else (8, 512)
-    return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4}
+    return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4,
+            prefix + "DOT": False}
 
 
 def _seeds(*prefixes: str):
