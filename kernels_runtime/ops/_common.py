@@ -89,8 +89,8 @@ def _param_defaults(jit_fn) -> list[tuple[str, Any]]:
 
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
     """jit_fn[grid](*args, **constexprs, **options), through the cached compiled kernel after the first call."""
-    if not _CACHED_LAUNCH["on"] or interpreting():
-        return jit_fn[grid](*args, **constexprs, **options)
+    if not _CACHED_LAUNCH["on"] or interpreting() or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+        return jit_fn[grid](*args, **constexprs, **options)  # (off the GPU: the sm_90 compile check records launches)
     from triton import knobs
 
     key = (jit_fn, tuple(_spec_of(a) for a in args), tuple(constexprs.items()), tuple(options.items()),

@@ -41,6 +41,7 @@ def test_cached_launch_binds_once_per_specialization(monkeypatch):
     monkeypatch.setitem(_common._CACHED_LAUNCH, "on", True)
     jit = _FakeJit()
     x = torch.zeros(64)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # stands in for a CUDA tensor
     _common.launch(jit, (3,), (x, 32), {"BLOCK": 16}, num_warps=4)
     _common.launch(jit, (5, 2), (x, 48), {"BLOCK": 16}, num_warps=4)  # same specialization: 48 % 16 == 0
     assert [e[0] for e in jit.log] == ["jit", "run"]
