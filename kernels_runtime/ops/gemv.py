@@ -31,7 +31,9 @@ from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, rnd
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
                                  "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
-MAX_M = 16  # rows a launch handles at once (decode batch); the block over M is next_power_of_2(M)
+# Rows one program handles (decode batch); more rows take more row blocks, each re-reading the weights, on the tl.dot
+# path (a prefill-sized call reaching a decode kernel stays correct, at GEMM-by-GEMV speed)
+MAX_M = 16
 MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
 
 
@@ -299,13 +301,13 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
             num_warps, num_stages, DOT=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` (one weight, no split) the output itself. Returns (partials or direct_out, split). DOT: tl.dot
-    over x padded to 16 rows (blocks of at least 16 x 16: smaller BLOCK_N / BLOCK_K are raised to 16)."""
+    over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256: shared-memory stages); the DOT path
+    also takes calls of more than MAX_M rows, in blocks of 16."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
-    if DOT:
-        BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, BLOCK_K)
     M, K = x2.shape
-    if M > MAX_M:
-        raise ValueError(f"gemv: expected at most {MAX_M} rows (decode), got {M}")
+    DOT = DOT or M > MAX_M
+    if DOT:
+        BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, min(BLOCK_K, 256))  # w tiles of at most 16 KB a stage
     ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
     ntot = sum(ns)
@@ -313,7 +315,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
     k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
     split = triton.cdiv(K, k_per)  # no empty split
     direct = direct_out is not None and split == 1
-    block_m = max(16, triton.next_power_of_2(M)) if DOT else triton.next_power_of_2(M)
+    block_m = MAX_M if DOT else triton.next_power_of_2(M)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
@@ -336,7 +338,7 @@ def _reduce_block(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
-    """x: [..., K] (at most MAX_M rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
+    """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
