@@ -343,3 +343,16 @@ def test_decoder_layers_are_decode_tasks_beside_their_finer_tasks(tiny_tasks):
     decode_families = {s.family for s in specs if s.phase == "decode"}
     assert {"attention", "mlp", "norm", "lm_head"} <= decode_families
     assert {s.phase for s in specs if s.family == "lm_head"} == {"prefill", "decode"}
+
+
+def test_a_seed_that_leaves_out_a_key_whose_values_hold_none_takes_the_default():
+    """Template.seeds / default: a preference without a key whose space holds None (attn_num_splits) takes the
+    default's value; `pref.get(k) in vals` took the missing key for a None preference and raised KeyError (the fused
+    attention template's seeds name only GEMV keys)."""
+    from llm4llm.search.templates.base import Template
+
+    t = Template(name="t", family="attention", phases=("decode",), requires=(),
+                 space_fn=lambda spec: {"a": [1, 2], "splits": [None, 2, 8]}, render_fn=lambda spec, c: "",
+                 default_fn=lambda spec: {"a": 1, "splits": 8}, seeds_fn=lambda spec: [{"a": 2}])
+    assert t.default(None) == {"a": 1, "splits": 8}
+    assert t.seeds(None) == [{"a": 2, "splits": 8}]

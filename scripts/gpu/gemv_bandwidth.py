@@ -153,6 +153,9 @@ def configs(n_out, K, sms, M=1):
         split = next((sp for sp in (1, 2, 4, 8) if blocks * sp >= 2 * sms and K // sp >= bk), 1)
         for sp in sorted({1, split}):
             out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=w, num_stages=1))
+    # the tl.dot path (x padded to 16 rows, pipelined weight tiles): the candidate for small batch
+    for bn, bk, w, st in ((16, 256, 4, 3), (32, 128, 4, 4), (16, 256, 8, 3)) if M > 1 else ((16, 256, 4, 3),):
+        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=st, DOT=True))
     return out
 
 
