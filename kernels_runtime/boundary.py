@@ -121,6 +121,8 @@ class StateAdapter:
 
 def _layer_idx(module: torch.nn.Module) -> int:
     idx = getattr(module, "layer_idx", None)
+    if idx is None:  # a decoder layer: its cache layer is its attention's (HF keeps layer_idx on self_attn)
+        idx = next((c.layer_idx for c in module.children() if isinstance(getattr(c, "layer_idx", None), int)), None)
     if not isinstance(idx, int):
         raise UnsupportedBoundary(f"{type(module).__name__} takes a cache but has no integer layer_idx")
     return idx

@@ -38,7 +38,11 @@ from kernels_runtime.tolerances import TOLERANCES, compare
 from llm4llm.records import ModuleRecord, ProfileResult
 from llm4llm.taskspec import Case, CaseSig, DispatchTemplate, TaskSpec, TensorSig, write_task
 
-TARGET_FAMILIES = ("norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv")
+TARGET_FAMILIES = ("norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv",
+                   "decoder_layer", "lm_head")
+# Families extracted in some phases only: a whole decoder layer is a decode task (one candidate fuses across its
+# modules, where launches and weight passes per token are what a step costs), beside its finer tasks
+FAMILY_PHASES = {"decoder_layer": ("decode",)}
 PREDICATES = {"prefill": "prefill: new positions > 1", "decode": "decode: new positions == 1 with a cache"}
 
 
@@ -300,7 +304,8 @@ def candidate_records(model: torch.nn.Module, profile: ProfileResult, min_score:
     wanted = set(TARGET_FAMILIES) & set(families if families is not None else TARGET_FAMILIES)
     paths = {name for name, _ in model.named_modules()}
     return [r for r in profile.records
-            if r.family in wanted and r.phase in PHASES and r.module_path in paths and r.hotspot_score >= min_score]
+            if r.family in wanted and r.phase in FAMILY_PHASES.get(r.family, PHASES) and r.module_path in paths
+            and r.hotspot_score >= min_score]
 
 
 # Cache layers of a KV cache that grows per token; under `static_cache` their decode calls are captured again on

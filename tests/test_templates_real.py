@@ -47,6 +47,13 @@ CASES = [
     ("tiny-mamba2", "ssm_block.mamba2_decode_fused", "decode"),
     ("tiny-recurrentgemma", "recurrent_block.rglru", "prefill"),
     ("tiny-recurrentgemma", "recurrent_block.rglru_decode", "decode"),
+    ("tiny-llama", "mlp.decode_gemv", "decode"),  # gate/up + SwiGLU in one GEMV pass, down_proj
+    ("tiny-qwen3", "attention.decode_fused_qkv", "decode"),  # q/k/v + q/k norms + rotary in one pass
+    ("tiny-llama", "attention.decode_fused_qkv", "decode"),
+    ("tiny-qwen3", "decoder_layer.decode_fused", "decode"),  # the whole layer: norms and residuals fused
+    ("tiny-llama", "decoder_layer.decode_fused", "decode"),
+    ("tiny-qwen3", "lm_head.gemv", "decode"),
+    ("tiny-llama", "lm_head.gemv", "prefill"),  # generate's prefill: the last position's logits only
 ]
 
 
@@ -308,3 +315,47 @@ def test_block_templates_in_model(tiny_tasks, workload, model):
     assert sorted(counters) == [f"backbone.layers.{i}" for i in range(layers)]
     assert all(c["kernel"] == {"prefill": 1, "decode": 2} for c in counters.values()), counters
     assert_close(got, ref, name="patched logits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["tiny-qwen3", "tiny-llama"])
+def test_decoder_layer_other_fusion_and_split_k_pass(tiny_tasks, pool, workload):
+    """The decoder-layer template's other boundary choice (post_attention_layernorm in gate/up's prologue instead of
+    o_proj's reduction) with every GEMV stage split along K (the deterministic two-launch reduction), 8-row blocks
+    and the q/k/v and gate/up stages on the tl.dot path: every gate passes."""
+    t = next(t for t in TEMPLATES if t.name == "decoder_layer.decode_fused")
+    spec, task_dir = next((s, d) for s, d in tiny_tasks(workload)
+                          if s.phase == "decode" and s.deployable and s.family == t.family and t.why_not(s) is None)
+    config = {**t.default(spec), "post_norm": "gate_up_prologue"}
+    for p in ("qkv_", "o_", "gu_", "dn_"):
+        config.update({p + "SPLIT_K": 4, p + "BLOCK_K": 128, p + "BLOCK_N": 8})
+    config.update({"qkv_DOT": True, "gu_DOT": True})  # two stages on the tl.dot path
+    v = pool.verify(task_dir, t.render(spec, config))
+    assert v.passed, f"{spec.task_id}: {v.failure_class}: {v.message}"
+
+
+@pytest.mark.slow
+def test_decoder_layers_are_decode_tasks_beside_their_finer_tasks(tiny_tasks):
+    """Extraction: each decoder layer is a decode task (its cache layer found through its attention), never a prefill
+    one; the layer's attention, MLP and norms stay tasks of their own; the lm_head is a task in both phases."""
+    specs = [s for s, _ in tiny_tasks("tiny-qwen3")]
+    layers = [s for s in specs if s.family == "decoder_layer"]
+    assert [s.phase for s in layers] == ["decode"] and layers[0].deployable, [(s.phase, s.reason) for s in layers]
+    assert sorted(layers[0].instances) == ["model.layers.0", "model.layers.1"]
+    assert layers[0].state_names == ["key_cache", "value_cache"]
+    decode_families = {s.family for s in specs if s.phase == "decode"}
+    assert {"attention", "mlp", "norm", "lm_head"} <= decode_families
+    assert {s.phase for s in specs if s.family == "lm_head"} == {"prefill", "decode"}
+
+
+def test_a_seed_that_leaves_out_a_key_whose_values_hold_none_takes_the_default():
+    """Template.seeds / default: a preference without a key whose space holds None (attn_num_splits) takes the
+    default's value; `pref.get(k) in vals` took the missing key for a None preference and raised KeyError (the fused
+    attention template's seeds name only GEMV keys)."""
+    from llm4llm.search.templates.base import Template
+
+    t = Template(name="t", family="attention", phases=("decode",), requires=(),
+                 space_fn=lambda spec: {"a": [1, 2], "splits": [None, 2, 8]}, render_fn=lambda spec, c: "",
+                 default_fn=lambda spec: {"a": 1, "splits": 8}, seeds_fn=lambda spec: [{"a": 2}])
+    assert t.default(None) == {"a": 1, "splits": 8}
+    assert t.seeds(None) == [{"a": 2, "splits": 8}]

@@ -90,7 +90,7 @@ class Template:
 
     def default(self, spec: TaskSpec) -> dict[str, Any]:
         space, pref = self.space(spec), self.default_fn(spec)
-        return {k: pref[k] if pref.get(k) in vals else vals[0] for k, vals in space.items()}
+        return {k: pref[k] if k in pref and pref[k] in vals else vals[0] for k, vals in space.items()}
 
     def seeds(self, spec: TaskSpec) -> list[dict[str, Any]]:
         """The seeds_fn points that lie in the space (full configs: the default fills keys a seed leaves out),
@@ -98,7 +98,7 @@ class Template:
         space, default = self.space(spec), self.default(spec)
         out, seen = [], {config_key("", default)}
         for pref in self.seeds_fn(spec):
-            c = {k: pref[k] if pref.get(k) in vals else default[k] for k, vals in space.items()}
+            c = {k: pref[k] if k in pref and pref[k] in vals else default[k] for k, vals in space.items()}
             if config_key("", c) not in seen:
                 seen.add(config_key("", c))
                 out.append(c)

@@ -1,0 +1,463 @@
+"""Decode GEMVs that stream the weights once, with the work around them fused into a prologue and an epilogue.
+
+At batch 1 (and a few rows) a projection `x @ W.T` is bound by reading W: the kernel exists to keep HBM busy.
+`_gemv_kernel` is one weight-streaming pass over up to three weights laid side by side along N (q/k/v, or gate/up):
+each program picks its weight by its program id (no concatenated copy), reads a [BLOCK_N, BLOCK_K] tile of it per
+step with 16-byte loads along K (rows contiguous, no mask along K when the split divides K), and accumulates
+`w * x` elementwise in fp32 registers, reducing over K once after the loop (no shuffles inside it). K is split over
+SPLIT_K programs so that narrow outputs still give every SM several programs; the split partial sums go to an fp32
+buffer [SPLIT_K, M, N_total] and a second, tiny launch adds them in a fixed order (deterministic, no atomics) and
+runs the epilogue:
+- `gemv`: plain, or `residual + out` (an o_proj / down_proj with the block's residual add); the lm_head;
+- `gemv_residual_rmsnorm`: `h = residual + out` and the next RMSNorm of h (one program per row: it needs the row);
+- `gate_up_swiglu`: gate and up in one pass, `silu(gate) * up` in the reduction;
+- `qkv_norm_rope`: q, k, v in one pass; per head the Qwen3 q/k RMSNorm and the rotary embedding in the reduction.
+A `norm_w` prologue (RMSNorm of x folded into the GEMV: each program reads the whole x row from L2 for its rstd)
+removes the norm launch in front of a projection (post_attention_layernorm before gate/up).
+
+Numerics follow transformers 5.17 (LlamaAttention / Qwen3Attention / LlamaMLP, bf16 modules): each nn.Linear
+output is rounded to the activation dtype before the next op, each elementwise op of the eager code rounds.
+The accumulation order differs from cuBLAS's (fp32 either way).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, rnd
+
+# Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
+CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
+                                 "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
+DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+# Rows one program handles (decode batch); more rows take more row blocks, each re-reading the weights, on the tl.dot
+# path (a prefill-sized call reaching a decode kernel stays correct, at GEMM-by-GEMV speed)
+MAX_M = 16
+MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
+
+
+@triton.jit
+def _gemv_kernel(
+    # Pointers
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr,
+    # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1)
+    M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
+    # Strides
+    stride_xm, stride_pm, stride_rm, eps,
+    # Meta-parameters
+    PRO_NORM: tl.constexpr, DIRECT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
+):
+    # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (one segment, no split): y = out (+ residual)
+    # stored in p_ptr's dtype; else fp32 partial sums p[split, m, col].
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_ok = rm < M
+    in1 = pid_n >= NB1
+    in2 = pid_n >= NB2
+    w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w0_ptr))  # this program's weight: no concatenated copy
+    n_seg = tl.where(in2, N2, tl.where(in1, N1, N0))
+    col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
+    nb = pid_n - tl.where(in2, NB2, tl.where(in1, NB1, 0))
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of this weight
+    n_ok = rn < n_seg
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & ((k0 + rk) < K)[None, :],
+                         other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    k_lo = split * K_PER
+    if DOT:  # the tensor cores over a 16-row x tile (rows past M masked): Triton pipelines dot operands' loads
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K_PER, BLOCK_K):
+        kk = k_lo + k0 + rk
+        if EVEN_K:  # the split divides K into whole tiles: no mask along K, so the loads stay 16 bytes wide
+            k_ok = rk < BLOCK_K
+        else:
+            k_ok = (kk < K) & ((k0 + rk) < K_PER)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
+            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
+        if DOT:
+            xd = x.to(w.dtype)  # exact: x is a value of the activation dtype (loaded, or rounded by rnd)
+            if UPCAST_DOT:
+                acc2 = tl.dot(xd.to(tl.float32), tl.trans(w.to(tl.float32)), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(xd, tl.trans(w), acc2, input_precision=DOT_PRECISION)
+        elif BLOCK_M == 1:
+            w = w.to(tl.float32)
+            acc += w * x
+        else:
+            acc3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    if DOT:
+        out = acc2
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+    else:
+        out = tl.sum(acc3, axis=2)  # [BM, BN]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if DIRECT:
+        if HAS_RES:  # nn.Linear's output rounded first, then the residual added in fp32
+            out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask,
+                                                other=0.0).to(tl.float32)
+        tl.store(p_ptr + rm[:, None] * stride_pm + rn[None, :], cast_out(out, p_ptr.dtype.element_ty, RNE),
+                 mask=mask)
+    else:
+        offs = (split * M + rm.to(tl.int64))[:, None] * NTOT + (col0 + rn)[None, :]
+        tl.store(p_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _split_sum(p_ptr, row, cols, mask, M, NTOT, SPLIT):
+    # sum over the split partials p[s, row, cols] in a fixed order (deterministic)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(p_ptr + (s * M + row) * NTOT + cols, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _reduce_kernel(p_ptr, r_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_ym,
+                   HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    out = _split_sum(p_ptr, row, cols, mask, M, N, SPLIT)
+    if HAS_RES:
+        out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + cols, cast_out(out, y_ptr.dtype.element_ty, RNE), mask=mask)
+
+
+@triton.jit
+def _swiglu_reduce_kernel(p_ptr, y_ptr, M, N, SPLIT, stride_ym,
+                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    # y = silu(gate) * up, gate = p[:, row, :N], up = p[:, row, N:]; each eager op's rounding (LlamaMLP)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = rnd(_split_sum(p_ptr, row, cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
+    u = rnd(_split_sum(p_ptr, row, N + cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
+    act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+    tl.store(y_ptr + row * stride_ym + cols, cast_out(act * u, y_ptr.dtype.element_ty, RNE), mask=mask)
+
+
+@triton.jit
+def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, h_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_hm,
+                                    stride_ym, eps, ACT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
+                                    RNE: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: h = residual + out (in the residual's dtype, as the eager add), y = RMSNorm(h)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    out = rnd(_split_sum(p_ptr, row, cols, mask, M, N, SPLIT), ACT_DTYPE)
+    h = rnd(out + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32), RES_DTYPE)
+    tl.store(h_ptr + row * stride_hm + cols, cast_out(h, h_ptr.dtype.element_ty, RNE), mask=mask)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = nw * rnd(h * rstd, RES_DTYPE)
+    tl.store(y_ptr + row * stride_ym + cols, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask)
+
+
+@triton.jit
+def _qkv_reduce_kernel(p_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, y_ptr, M, HQ, HKV, SPLIT, NTOT, stride_cm,
+                       stride_sm, stride_ym, eps, HALF,
+                       HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    # Grid (M, HQ + 2 HKV): one head of q, k or v. q/k: RMSNorm over the head (Qwen3's q_norm / k_norm), then
+    # q * cos + rotate_half(q) * sin with rotate_half(q) = [-q2, q1] (HF's apply_rotary_pos_emb, each op rounded).
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    is_q = head < HQ
+    is_v = head >= HQ + HKV
+    d = tl.arange(0, BLOCK_H)
+    mask = d < HALF
+    c1 = head * 2 * HALF + d  # the head's first half; its second half is c1 + HALF
+    x1 = rnd(_split_sum(p_ptr, row, c1, mask, M, NTOT, SPLIT), ACT_DTYPE)
+    x2 = rnd(_split_sum(p_ptr, row, c1 + HALF, mask, M, NTOT, SPLIT), ACT_DTYPE)
+    y1, y2 = x1, x2
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        nw_ptr = tl.where(is_q, qn_ptr, kn_ptr)
+        w1 = tl.load(nw_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(nw_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        y1 = rnd(w1 * rnd(x1 * rstd, ACT_DTYPE), ACT_DTYPE)
+        y2 = rnd(w2 * rnd(x2 * rstd, ACT_DTYPE), ACT_DTYPE)
+    if HAS_ROPE:
+        cs1 = tl.load(cos_ptr + row * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
+        cs2 = tl.load(cos_ptr + row * stride_cm + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        sn1 = tl.load(sin_ptr + row * stride_sm + d, mask=mask, other=0.0).to(tl.float32)
+        sn2 = tl.load(sin_ptr + row * stride_sm + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        r1 = rnd(rnd(y1 * cs1, ACT_DTYPE) + rnd(-y2 * sn1, ACT_DTYPE), ACT_DTYPE)
+        r2 = rnd(rnd(y2 * cs2, ACT_DTYPE) + rnd(y1 * sn2, ACT_DTYPE), ACT_DTYPE)
+        y1, y2 = r1, r2
+    y1 = tl.where(is_v, x1, y1)  # v: the projection only
+    y2 = tl.where(is_v, x2, y2)
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + row * stride_ym + c1, cast_out(y1, dt, RNE), mask=mask)
+    tl.store(y_ptr + row * stride_ym + c1 + HALF, cast_out(y2, dt, RNE), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# References (pure PyTorch, the eager modules' op order and roundings)
+
+
+def gemv_ref(x, w, residual=None, norm_w=None, eps=1e-6):
+    """x: [..., K] (RMSNorm'd by norm_w first when given), w: [N, K] -> x @ w.T (+ residual, in its dtype)."""
+    if norm_w is not None:
+        x = _rmsnorm_ref(x, norm_w, eps)
+    y = torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
+    return y if residual is None else (residual.float() + y.float()).to(residual.dtype)
+
+
+def _rmsnorm_ref(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def gemv_residual_rmsnorm_ref(x, w, residual, norm_w, eps=1e-6):
+    """-> (h = residual + x @ w.T, RMSNorm(h) * norm_w)."""
+    h = gemv_ref(x, w, residual)
+    return h, _rmsnorm_ref(h, norm_w, eps)
+
+
+def gate_up_swiglu_ref(x, w_gate, w_up, norm_w=None, eps=1e-6):
+    """-> silu(x @ w_gate.T) * (x @ w_up.T), x RMSNorm'd by norm_w first when given."""
+    if norm_w is not None:
+        x = _rmsnorm_ref(x, norm_w, eps)
+    g = torch.nn.functional.linear(x.float(), w_gate.float()).to(x.dtype)
+    u = torch.nn.functional.linear(x.float(), w_up.float()).to(x.dtype)
+    return torch.nn.functional.silu(g) * u
+
+
+def qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6, norm_w=None,
+                      norm_eps=1e-6):
+    """x: [M, K], cos/sin: [M, D] or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (Qwen3Attention's
+    projections, q_norm/k_norm and apply_rotary_pos_emb; Llama's without the norms); x RMSNorm'd by norm_w first."""
+    if norm_w is not None:
+        x = _rmsnorm_ref(x, norm_w, norm_eps)
+    def proj(w):
+        return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).view(x.shape[0], -1, head_dim)
+
+    q, k, v = proj(wq), proj(wk), proj(wv)
+    if q_norm_w is not None:
+        q, k = _rmsnorm_ref(q, q_norm_w, eps), _rmsnorm_ref(k, k_norm_w, eps)
+    if cos is not None:
+        c, s = cos[:, None, :], sin[:, None, :]
+
+        def rot(t):
+            t1, t2 = t[..., : head_dim // 2], t[..., head_dim // 2:]
+            return torch.cat((-t2, t1), dim=-1)
+
+        q, k = q * c + rot(q) * s, k * c + rot(k) * s
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K):
+    for name, v in (("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K)):
+        if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
+            raise ValueError(f"gemv: expected {name} a power of two, got {v!r}")
+    if not (isinstance(SPLIT_K, int) and SPLIT_K >= 1):
+        raise ValueError(f"gemv: expected SPLIT_K an int >= 1, got {SPLIT_K!r}")
+
+
+def _rows2(t, K, name):
+    t2 = t.reshape(-1, K)
+    if t2.stride(-1) != 1:
+        raise ValueError(f"gemv: expected {name} with a unit last stride, got strides {tuple(t.stride())}")
+    return t2
+
+
+def _weights(ws, K, dtype):
+    for w in ws:
+        if w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"gemv: expected weights [N, {K}], got {[tuple(v.shape) for v in ws]}")
+        if not w.is_contiguous():
+            raise ValueError("gemv: expected contiguous weights (nn.Linear layout)")
+        if w.dtype != dtype:
+            raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
+
+
+def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BLOCK_N, BLOCK_K, SPLIT_K,
+            num_warps, num_stages, DOT=False):
+    """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
+    `direct_out` (one weight, no split) the output itself. Returns (partials or direct_out, split). DOT: tl.dot
+    over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256: shared-memory stages); the DOT path
+    also takes calls of more than MAX_M rows, in blocks of 16."""
+    _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
+    M, K = x2.shape
+    DOT = DOT or M > MAX_M
+    if DOT:
+        BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, min(BLOCK_K, 256))  # w tiles of at most 16 KB a stage
+    ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
+    nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
+    ntot = sum(ns)
+    split = max(1, min(SPLIT_K, triton.cdiv(K, BLOCK_K)))
+    k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
+    split = triton.cdiv(K, k_per)  # no empty split
+    direct = direct_out is not None and split == 1
+    block_m = MAX_M if DOT else triton.next_power_of_2(M)
+    out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
+    r2 = residual2 if residual2 is not None else out
+    w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
+    launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
+        x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2,
+        M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
+        x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
+        dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
+             EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
+             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
+             DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32"), num_warps=num_warps,
+        num_stages=num_stages)
+    return out, (0 if direct else split)
+
+
+def _reduce_block(n: int) -> int:
+    return min(1024, triton.next_power_of_2(max(n, 16)))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
+         eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
+         num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
+    """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
+    residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV."""
+    K = x.shape[-1]
+    _weights([w], K, x.dtype)
+    N = w.shape[0]
+    x2 = _rows2(x, K, "x")
+    out_dtype = x.dtype if residual is None else residual.dtype
+    r2 = None
+    if residual is not None:
+        if tuple(residual.shape) != (*x.shape[:-1], N):
+            raise ValueError(f"gemv: expected residual {[*x.shape[:-1], N]}, got {tuple(residual.shape)}")
+        r2 = _rows2(residual, N, "residual")
+    y = torch.empty((x2.shape[0], N), device=x.device, dtype=out_dtype)
+    if y.numel():
+        part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
+                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+        if split:
+            blk = _reduce_block(N)
+            launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
+                part, y if r2 is None else r2, y, x2.shape[0], N, split, 0 if r2 is None else r2.stride(0),
+                y.stride(0)), dict(HAS_RES=r2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
+                                   RNE=interpreting(), BLOCK=blk))
+    return y.reshape(*x.shape[:-1], N)
+
+
+def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                          eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
+                          num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
+    both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
+    down_proj with the next layer's input_layernorm."""
+    K = x.shape[-1]
+    _weights([w], K, x.dtype)
+    N = w.shape[0]
+    if tuple(residual.shape) != (*x.shape[:-1], N) or norm_w.shape != (N,):
+        raise ValueError(f"gemv_residual_rmsnorm: expected residual {[*x.shape[:-1], N]} and norm_w [{N}], got "
+                         f"{tuple(residual.shape)}, {tuple(norm_w.shape)}")
+    if N > MAX_ROW:
+        raise ValueError(f"gemv_residual_rmsnorm: expected N <= {MAX_ROW}, got {N}")
+    x2, r2 = _rows2(x, K, "x"), _rows2(residual, N, "residual")
+    M = x2.shape[0]
+    h = torch.empty((M, N), device=x.device, dtype=residual.dtype)
+    y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
+    if M:
+        part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
+                              num_stages=num_stages, DOT=DOT)
+        launch(_residual_rmsnorm_reduce_kernel, (M,), (
+            part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
+            dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
+                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N)), num_warps=reduce_warps)
+    lead = x.shape[:-1]
+    return h.reshape(*lead, N), y.reshape(*lead, N)
+
+
+def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+                   eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
+                   num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
+    """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
+    `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm)."""
+    K = x.shape[-1]
+    _weights([w_gate, w_up], K, x.dtype)
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"gate_up_swiglu: expected w_up {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    I = w_gate.shape[0]
+    x2 = _rows2(x, K, "x")
+    M = x2.shape[0]
+    y = torch.empty((M, I), device=x.device, dtype=x.dtype)
+    if M:
+        part, split = _stream(x2, [w_gate, w_up], norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+        blk = _reduce_block(I)
+        launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
+               dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk))
+    return y.reshape(*x.shape[:-1], I)
+
+
+def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, head_dim: int, *, q_norm_w: torch.Tensor | None = None,
+                  k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
+                  norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
+                  SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
+    HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
+    the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
+    is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm)."""
+    K = x.shape[-1]
+    _weights([wq, wk, wv], K, x.dtype)
+    D = head_dim
+    if D % 2 or wq.shape[0] % D or wk.shape[0] % D or wv.shape != wk.shape:
+        raise ValueError(f"qkv_norm_rope: expected an even head_dim dividing wq {tuple(wq.shape)} and wk = wv "
+                         f"{tuple(wk.shape)}, got head_dim {D}, wv {tuple(wv.shape)}")
+    if (q_norm_w is None) != (k_norm_w is None) or (q_norm_w is not None and (q_norm_w.shape != (D,)
+                                                                              or k_norm_w.shape != (D,))):
+        raise ValueError(f"qkv_norm_rope: expected both q_norm_w and k_norm_w [{D}] or neither")
+    x2 = _rows2(x, K, "x")
+    M = x2.shape[0]
+    hq, hkv = wq.shape[0] // D, wk.shape[0] // D
+    c2 = s2 = None
+    if cos is not None:
+        c2, s2 = _rows2(cos, D, "cos"), _rows2(sin, D, "sin")
+        if c2.shape[0] != M or s2.shape != c2.shape:
+            raise ValueError(f"qkv_norm_rope: expected cos/sin [{M}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    ntot = (hq + 2 * hkv) * D
+    y = torch.empty((M, ntot), device=x.device, dtype=x.dtype)
+    if M:
+        part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
+                              num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+        launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
+            part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,
+            y if k_norm_w is None else k_norm_w, y, M, hq, hkv, split, ntot,
+            0 if c2 is None else c2.stride(0), 0 if s2 is None else s2.stride(0), y.stride(0), float(eps), D // 2),
+            dict(HAS_NORM=q_norm_w is not None, HAS_ROPE=c2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
+                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2)), num_warps=1)
+    q = y[:, : hq * D].view(M, hq, D)
+    k = y[:, hq * D: (hq + hkv) * D].view(M, hkv, D)
+    v = y[:, (hq + hkv) * D:].view(M, hkv, D)
+    return q, k, v
+
+
+__all__ = ["CONFIG_SPACE", "DEFAULT", "gate_up_swiglu", "gate_up_swiglu_ref", "gemv", "gemv_ref",
+           "gemv_residual_rmsnorm", "gemv_residual_rmsnorm_ref", "qkv_norm_rope", "qkv_norm_rope_ref"]

@@ -1,0 +1,296 @@
+"""Fused decode templates over kernels_runtime.ops.gemv: every projection streams its weights once, with the work
+around it in the GEMV's prologue or its split-K reduction. One template per boundary, finest first:
+- mlp.decode_gemv (an MLP task): gate/up in one pass with the SwiGLU epilogue, down_proj: 4 launches (2 with no split);
+- attention.decode_fused_qkv (an attention task): q/k/v in one pass with Qwen3's q/k norms and the rotary embedding
+  in the reduction, the split-KV decode attention (kernels_runtime.ops.attention_decode), o_proj;
+- decoder_layer.decode_fused (a whole decoder layer, LlamaDecoderLayer / Qwen3DecoderLayer): input_layernorm in the
+  q/k/v GEMV's prologue, o_proj with the residual add and post_attention_layernorm in its reduction (or the norm in
+  gate/up's prologue: `post_norm`), gate/up + SwiGLU, down_proj with the second residual add: the MLP block is 2
+  GEMV passes, the layer 3 plus attention;
+- lm_head.gemv: the vocabulary projection.
+Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
+K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
+them), num_warps; `num_stages` is shared. Defaults: the H200 sweep's best points (_stage_default).
+"""
+from __future__ import annotations
+
+from llm4llm.search.templates._linear import sm_count
+from llm4llm.search.templates.attention import ATTN_DECODE, DECODE_OP, PRELUDE as ATTN_PRELUDE
+from llm4llm.search.templates.base import Template, header
+from llm4llm.taskspec import TaskSpec
+
+GEMV = "kernels_runtime.ops.gemv"
+OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
+# DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
+# reduction: not timed yet (batch 4 on the reduction path reached 22-44% of the copy bandwidth); the search tries it.
+STAGE = {"BLOCK_N": [4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
+         "num_warps": [4, 8], "DOT": [False, True]}
+
+# Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
+STAGE_KWARGS = '''
+
+def _stage(prefix):
+    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix)}
+    kw["num_stages"] = CONFIG["num_stages"]
+    return kw
+'''
+
+
+def _stage_space(prefix: str) -> dict[str, list]:
+    return {prefix + k: list(v) for k, v in STAGE.items()}
+
+
+def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
+    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the best of 6-8 configs in 8 of the 10
+    batch-1 rows of the H200 sweep (docs/results/2026-12-01-h200-decode-fused; split-K never won there: its second
+    launch costs more than the idle SMs it fills)."""
+    bn, bk = (4, 1024) if k >= 1024 else (8, 512)
+    return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4,
+            prefix + "DOT": False}
+
+
+def _seeds(*prefixes: str):
+    """seeds_fn: the sweep's runner-up point (8 rows x 512) on every stage, then a K split of 2 on every stage."""
+    def seeds(spec: TaskSpec) -> list[dict]:
+        a = {p + k: v for p in prefixes for k, v in (("BLOCK_N", 8), ("BLOCK_K", 512))}
+        b = {p + "SPLIT_K": 2 for p in prefixes}
+        return [a, b]
+    return seeds
+
+
+def _dim(spec: TaskSpec, *names: str, default: int = 4096) -> int:
+    for n in names:
+        v = spec.static.get(n)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def _bias_free(spec: TaskSpec, prefix: str = "") -> str | None:
+    biased = [w for w in spec.weight_names if w.startswith(prefix) and w.endswith(".bias")]
+    return f"projections with bias are out of scope: {biased}" if biased else None
+
+
+# ------------------------------------------------------------------------------------------------------------ mlp
+
+def _mlp_applies(spec: TaskSpec, prefix: str = "") -> str | None:
+    need = {prefix + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")}
+    if not need <= set(spec.weight_names):
+        return f"expected weights {sorted(need)}, got {spec.weight_names}"
+    act = spec.static.get(prefix + "act_fn.__class__", "SiLUActivation")
+    if act not in ("SiLU", "SiLUActivation"):
+        return f"expected a SiLU act_fn, got {act!r}"
+    return _bias_free(spec, prefix)
+
+
+def _mlp_task_applies(spec: TaskSpec) -> str | None:
+    why = _mlp_applies(spec) or (None if spec.input_names == ["x"] else f"expected input ['x'], got {spec.input_names}")
+    return f"mlp.decode_gemv: {why}" if why else None
+
+
+def _mlp_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int]:
+    h = _dim(spec, prefix + "hidden_size", prefix + "gate_proj.in_features", "hidden_size")
+    i = _dim(spec, prefix + "intermediate_size", prefix + "gate_proj.out_features", default=4 * h)
+    return h, i
+
+
+def _mlp_space(spec):
+    return {**_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3]}
+
+
+def _mlp_default(spec):
+    h, i = _mlp_dims(spec)
+    sms = sm_count(spec)
+    return {**_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1}
+
+
+def _mlp_render(spec, config):
+    return header("mlp.decode_gemv", spec, ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv"],
+                  config) + STAGE_KWARGS + '''
+
+def entry(inputs, weights, state, static):
+    x = inputs["x"]  # [B, 1, H]
+    h = gate_up_swiglu(x, weights["gate_proj.weight"], weights["up_proj.weight"], **_stage("gu_"))  # [B, 1, I]
+    return {"out": gemv(h, weights["down_proj.weight"], **_stage("dn_"))}
+'''
+
+
+# ------------------------------------------------------------------------------------------------------ attention
+
+def _attn_applies(spec: TaskSpec, prefix: str = "") -> str | None:
+    need = {prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")}
+    if not need <= set(spec.weight_names):
+        return f"expected weights {sorted(need)}, got {spec.weight_names}"
+    if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
+        return f"expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
+    if "attention_mask" in spec.input_names:
+        return "a tensor attention mask (padding) is out of scope: the kernel attends causally to the whole cache"
+    if spec.static.get(prefix + "sliding_window"):
+        return "sliding-window attention is out of scope"
+    if set(spec.state_names) != {"key_cache", "value_cache"}:
+        return f"expected the layer's key_cache and value_cache as state, got {spec.state_names}"
+    return _bias_free(spec, prefix)
+
+
+def _attn_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int, int]:
+    h = _dim(spec, prefix + "q_proj.in_features", "hidden_size")
+    nq = _dim(spec, prefix + "q_proj.out_features", default=h)
+    nkv = _dim(spec, prefix + "k_proj.out_features", default=nq)
+    return h, nq, nkv
+
+
+# The attention part shared by the attention and decoder-layer entries: q/k/v (+ norms + rotary) in one pass, the
+# past ++ new token (copies: the state-in is never modified), the split-KV decode attention.
+ATTN_STEP = '''
+
+def _attention(xin, inputs, weights, static, state, p, norm_w=None, norm_eps=1e-6):
+    B, S, _ = xin.shape
+    D = int(_static(static, p + "head_dim"))
+    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, 1, D]
+    qn, kn = weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight")
+    eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps")) if qn is not None else 1e-6
+    q, k, v = qkv_norm_rope(xin.reshape(B * S, -1), weights[p + "q_proj.weight"], weights[p + "k_proj.weight"],
+                            weights[p + "v_proj.weight"], cos.reshape(B * S, D), sin.reshape(B * S, D), D,
+                            q_norm_w=qn, k_norm_w=kn, eps=eps, norm_w=norm_w, norm_eps=norm_eps,
+                            **_stage("qkv_"))  # [B*S, H, D] views of one buffer
+    q = q.view(B, S, -1, D).transpose(1, 2)  # [B, Hq, 1, D]
+    k_all, _ = _with_past(state.get("key_cache"), k.view(B, S, -1, D).transpose(1, 2))  # [B, Hkv, S_past + 1, D]
+    v_all, _ = _with_past(state.get("value_cache"), v.view(B, S, -1, D).transpose(1, 2))
+    o = attention_decode(q, k_all, v_all, float(_static(static, p + "scaling")), **ATTN)  # [B, Hq, 1, D]
+    return o.transpose(1, 2).reshape(B * S, -1), k_all, v_all
+'''
+
+ATTN_IMPORTS = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope",
+                "from kernels_runtime.ops.attention_decode import attention_decode"]
+
+
+def _attn_space(spec):
+    attn = {k: v for k, v in ATTN_DECODE.items() if k != "cache_update"}
+    return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3]}
+
+
+def _attn_default(spec, prefix=""):
+    h, nq, nkv = _attn_dims(spec, prefix)
+    sms = sm_count(spec)
+    return {**_stage_default("qkv_", nq + 2 * nkv, h, sms), **_stage_default("o_", h, nq, sms), "attn_BLOCK_N": 64,
+            "attn_num_splits": None, "attn_num_warps": 4, "num_stages": 1}
+
+
+def _attn_render(spec, config):
+    return header("attention.decode_fused_qkv", spec, ATTN_IMPORTS, config) + ATTN_PRELUDE + STAGE_KWARGS + \
+        ATTN_STEP + '''
+
+def entry(inputs, weights, state, static):
+    x = inputs["hidden_states"]  # [B, 1, H]
+    o, k_all, v_all = _attention(x, inputs, weights, static, state, "")
+    out = gemv(o, weights["o_proj.weight"], **_stage("o_")).view(*x.shape[:-1], -1)
+    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+'''
+
+
+# -------------------------------------------------------------------------------------------------- decoder layer
+
+ATTN_P, MLP_P = "self_attn.", "mlp."
+
+
+def _layer_applies(spec: TaskSpec) -> str | None:
+    for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        if norm not in spec.weight_names:
+            return f"decoder_layer.decode_fused: expected {norm} (a pre-norm Llama-style layer), got {spec.weight_names}"
+    extra = [w for w in spec.weight_names if not w.startswith((ATTN_P, MLP_P, "input_layernorm.",
+                                                                "post_attention_layernorm."))]
+    if extra:  # Gemma-2's pre/post feedforward norms, ...: another layer structure
+        return f"decoder_layer.decode_fused: weights outside a Llama-style layer: {extra}"
+    for key in ("input_layernorm.variance_epsilon", "post_attention_layernorm.variance_epsilon"):
+        if not isinstance(spec.static.get(key), float):
+            return f"decoder_layer.decode_fused: expected static {key}, got {spec.static.get(key)!r}"
+    why = _attn_applies(spec, ATTN_P) or _mlp_applies(spec, MLP_P)
+    return f"decoder_layer.decode_fused: {why}" if why else None
+
+
+def _layer_space(spec):
+    return {"post_norm": ["o_reduce", "gate_up_prologue"], **_attn_space(spec), **_stage_space("gu_"),
+            **_stage_space("dn_")}
+
+
+def _layer_default(spec):
+    h, i = _mlp_dims(spec, MLP_P)
+    sms = sm_count(spec)
+    return {"post_norm": "o_reduce", **_attn_default(spec, ATTN_P), **_stage_default("gu_", 2 * i, h, sms),
+            **_stage_default("dn_", h, i, sms)}
+
+
+def _layer_render(spec, config):
+    if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
+        mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
+                                  float(static["post_attention_layernorm.variance_epsilon"]), **_stage("o_"))
+    g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
+'''
+    else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
+        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, **_stage("o_"))
+    g = gate_up_swiglu(h, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"],
+                       norm_w=weights["post_attention_layernorm.weight"],
+                       eps=float(static["post_attention_layernorm.variance_epsilon"]), **_stage("gu_"))
+'''
+    return header("decoder_layer.decode_fused", spec, ATTN_IMPORTS, config) + ATTN_PRELUDE + STAGE_KWARGS + \
+        ATTN_STEP + '''
+
+def entry(inputs, weights, state, static):
+    # HF's pre-norm layer: h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_attention_layernorm(h))
+    x = inputs["hidden_states"]  # [B, 1, H]
+    x2 = x.reshape(-1, x.shape[-1])
+    o, k_all, v_all = _attention(x, inputs, weights, static, state, "self_attn.",
+                                 norm_w=weights["input_layernorm.weight"],
+                                 norm_eps=float(static["input_layernorm.variance_epsilon"]))
+''' + mlp_in + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
+    return {"out": out.view(x.shape), "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+'''
+
+
+# -------------------------------------------------------------------------------------------------------- lm_head
+
+def _lm_applies(spec: TaskSpec) -> str | None:
+    if spec.weight_names != ["weight"] or spec.input_names != ["input"]:
+        return f"lm_head.gemv: expected an nn.Linear without bias (input, weight), got {spec.input_names}, " \
+               f"{spec.weight_names}"
+    rows = max((int(_prod(c.inputs["input"].shape[:-1])) for c in spec.cases if "input" in c.inputs), default=1)
+    if rows > 16:
+        return f"lm_head.gemv: expected at most 16 rows (decode, or prefill's last-token logits), got {rows}"
+    return None
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _lm_default(spec):
+    return {**_stage_default("lm_", _dim(spec, "out_features", default=32000), _dim(spec, "in_features"),
+                             sm_count(spec)), "num_stages": 1}
+
+
+def _lm_render(spec, config):
+    return header("lm_head.gemv", spec, ["from kernels_runtime.ops.gemv import gemv"], config) + STAGE_KWARGS + '''
+
+def entry(inputs, weights, state, static):
+    return {"out": gemv(inputs["input"], weights["weight"], **_stage("lm_"))}
+'''
+
+
+TEMPLATES = [
+    Template(name="mlp.decode_gemv", family="mlp", phases=("decode",), requires=OPS, space_fn=_mlp_space,
+             render_fn=_mlp_render, applies_fn=_mlp_task_applies, default_fn=_mlp_default,
+             seeds_fn=_seeds("gu_", "dn_")),
+    Template(name="attention.decode_fused_qkv", family="attention", phases=("decode",), requires=(*OPS, DECODE_OP),
+             space_fn=_attn_space, render_fn=_attn_render,
+             applies_fn=lambda spec: (lambda why: why and f"attention.decode_fused_qkv: {why}")(_attn_applies(spec)),
+             default_fn=_attn_default, seeds_fn=_seeds("qkv_", "o_")),
+    Template(name="decoder_layer.decode_fused", family="decoder_layer", phases=("decode",), requires=(*OPS, DECODE_OP),
+             space_fn=_layer_space, render_fn=_layer_render, applies_fn=_layer_applies, default_fn=_layer_default,
+             seeds_fn=_seeds("qkv_", "o_", "gu_", "dn_")),
+    Template(name="lm_head.gemv", family="lm_head", phases=("prefill", "decode"), requires=OPS,
+             space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3]}, render_fn=_lm_render,
+             applies_fn=_lm_applies, default_fn=_lm_default, seeds_fn=_seeds("lm_")),
+]

@@ -1,0 +1,159 @@
+"""gemv (decode weight-streaming GEMVs): odd sizes exercise the masks along N and K, the split-K reduction, the
+segment choice of the multi-weight pass (q/k/v, gate/up), the RMSNorm prologue and every epilogue, against float64
+references of the eager modules' math (tolerance table)."""
+import pytest
+import torch
+
+from kernels_runtime.ops.gemv import (gate_up_swiglu, gate_up_swiglu_ref, gemv, gemv_ref, gemv_residual_rmsnorm,
+                                      gemv_residual_rmsnorm_ref, qkv_norm_rope, qkv_norm_rope_ref)
+from kernels_runtime.tolerances import assert_close
+
+CFGS = [dict(BLOCK_N=4, BLOCK_K=16, SPLIT_K=1), dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=3),
+        dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)]
+
+
+def _w(n, k, dtype):
+    return (torch.randn(n, k, dtype=torch.float64) / k**0.5).to(dtype)
+
+
+def _ref64(fn, *args, **kw):
+    # the reference in float64 for fp32 inputs; for bf16, the eager bf16 roundings are part of the semantics
+    return fn(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CFGS)
+@pytest.mark.parametrize("M,K,N", [(1, 45, 19), (3, 64, 33), (2, 96, 7)])
+def test_gemv_plain_and_residual(dtype, cfg, M, K, N):
+    x, w = torch.randn(M, 1, K, dtype=dtype), _w(N, K, dtype)
+    out = gemv(x, w, **cfg)
+    assert out.shape == (M, 1, N) and out.dtype == dtype
+    assert_close(out, gemv_ref(x.double(), w.double()).to(dtype), dtype, name="gemv")
+    res = torch.randn(M, 1, N, dtype=torch.float32)  # an fp32 residual stream under bf16 projections
+    out = gemv(x, w, residual=res, **cfg)
+    assert out.dtype == torch.float32
+    assert_close(out, gemv_ref(x, w, residual=res).float(), dtype, name="gemv+residual")
+
+
+@pytest.mark.parametrize("cfg", CFGS[:2])
+def test_gemv_norm_prologue(cfg):
+    x, w = torch.randn(2, 37, dtype=torch.bfloat16), _w(21, 37, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(37)).to(torch.bfloat16)
+    assert_close(gemv(x, w, norm_w=nw, eps=1e-6, **cfg), gemv_ref(x, w, norm_w=nw, eps=1e-6), name="norm+gemv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CFGS[1:])
+def test_gemv_residual_rmsnorm(dtype, cfg):
+    x, w = torch.randn(3, 50, dtype=dtype), _w(27, 50, dtype)
+    res, nw = torch.randn(3, 27, dtype=dtype), (1 + 0.1 * torch.randn(27)).to(dtype)
+    h, y = gemv_residual_rmsnorm(x, w, res, nw, 1e-5, **cfg)
+    h_ref, y_ref = gemv_residual_rmsnorm_ref(x, w, res, nw, 1e-5)
+    assert_close(h, h_ref, name="h")
+    assert_close(y, y_ref, name="rmsnorm(h)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("cfg", CFGS)
+def test_gate_up_swiglu(dtype, norm, cfg):
+    x, wg, wu = torch.randn(2, 41, dtype=dtype), _w(23, 41, dtype), _w(23, 41, dtype)
+    nw = (1 + 0.1 * torch.randn(41)).to(dtype) if norm else None
+    out = gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg)
+    assert_close(out, gate_up_swiglu_ref(x, wg, wu, norm_w=nw), name="gate_up_swiglu")
+    if dtype == torch.float32:  # and the math itself, in float64
+        ref = gate_up_swiglu_ref(x.double(), wg.double(), wu.double(), norm_w=None if nw is None else nw.double())
+        assert_close(out, ref.float(), dtype, name="gate_up_swiglu vs float64")
+
+
+def _rope(M, D, dtype):
+    pos = torch.arange(M, dtype=torch.float64)[:, None] * 7 + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    f = torch.cat([pos * inv, pos * inv], dim=-1)
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("D,hq,hkv,cfg", [(8, 4, 2, CFGS[0]), (6, 3, 1, CFGS[1]), (16, 2, 2, CFGS[2])])
+def test_qkv_norm_rope(dtype, norm, D, hq, hkv, cfg):
+    M, K = 2, 35
+    x = torch.randn(M, K, dtype=dtype)
+    wq, wk, wv = _w(hq * D, K, dtype), _w(hkv * D, K, dtype), _w(hkv * D, K, dtype)
+    qn = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
+    kn = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
+    cos, sin = _rope(M, D, dtype)
+    nw = (1 + 0.1 * torch.randn(K)).to(dtype) if norm else None  # and the decoder layer's input_layernorm
+    q, k, v = qkv_norm_rope(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6, norm_w=nw,
+                            norm_eps=1e-5, **cfg)
+    qr, kr, vr = qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, D, q_norm_w=qn, k_norm_w=kn, eps=1e-6, norm_w=nw,
+                                   norm_eps=1e-5)
+    for name, a, b in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
+        assert a.shape == b.shape, name
+        assert_close(a, b, name=name)
+    q0, k0, _ = qkv_norm_rope(x, wq, wk, wv, None, None, D, q_norm_w=qn, k_norm_w=kn, **cfg)  # no rotary
+    qr0, kr0, _ = qkv_norm_rope_ref(x, wq, wk, wv, None, None, D, q_norm_w=qn, k_norm_w=kn)
+    assert_close(q0, qr0, name="q without rope")
+    assert_close(k0, kr0, name="k without rope")
+
+
+def test_gemv_rejects_bad_config_and_shapes():
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv(x, w, BLOCK_K=24)
+    with pytest.raises(ValueError, match="weights"):
+        gemv(x, torch.randn(8, 15))
+
+
+
+def test_more_rows_than_a_decode_block_stay_correct():
+    """A prefill-sized call (37 rows > MAX_M) reaching a decode kernel: row blocks on the tl.dot path, correct."""
+    x, w = torch.randn(37, 24), _w(19, 24, torch.float32)
+    assert_close(gemv(x, w, BLOCK_N=4, BLOCK_K=1024), gemv_ref(x, w), name="gemv 37 rows")
+    wg = _w(19, 24, torch.float32)
+    assert_close(gate_up_swiglu(x, w, wg, SPLIT_K=2), gate_up_swiglu_ref(x, w, wg), name="gate/up 37 rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gemv_ops_on_gpu_at_model_shapes():
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    x = torch.randn(1, 2560, dtype=dt, device=dev)
+    wq, wk, wv = (_w(n, 2560, dt).to(dev) for n in (4096, 1024, 1024))
+    qn, kn = (1 + 0.1 * torch.randn(128, device=dev)).to(dt), (1 + 0.1 * torch.randn(128, device=dev)).to(dt)
+    cos, sin = (t.to(dev) for t in _rope(1, 128, dt))
+    for cfg in (dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1), dict(BLOCK_N=8, BLOCK_K=256, SPLIT_K=4)):
+        for a, b in zip(qkv_norm_rope(x, wq, wk, wv, cos, sin, 128, q_norm_w=qn, k_norm_w=kn, **cfg),
+                        qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, 128, q_norm_w=qn, k_norm_w=kn)):
+            assert_close(a, b, name="qkv")
+        wg, wu, wd = _w(9728, 2560, dt).to(dev), _w(9728, 2560, dt).to(dev), _w(2560, 9728, dt).to(dev)
+        h = gate_up_swiglu(x, wg, wu, **cfg)
+        assert_close(h, gate_up_swiglu_ref(x, wg, wu), name="gate_up")
+        res = torch.randn(1, 2560, dtype=dt, device=dev)
+        assert_close(gemv(h, wd, residual=res, **cfg), gemv_ref(h, wd, residual=res), name="down+res")
+        nw = (1 + 0.1 * torch.randn(2560, device=dev)).to(dt)
+        for a, b in zip(gemv_residual_rmsnorm(h, wd, res, nw, **cfg), gemv_residual_rmsnorm_ref(h, wd, res, nw)):
+            assert_close(a, b, name="down+res+norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3])
+def test_dot_path_every_op(dtype, M):
+    """DOT=True (tl.dot over x padded to 16 rows; small blocks raised to 16) gives the same results as the reduction
+    path: every op, with a K split and the RMSNorm prologue."""
+    cfg = dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=2, DOT=True)
+    K, N = 40, 37
+    x, w = torch.randn(M, K, dtype=dtype), _w(N, K, dtype)
+    nw = (1 + 0.1 * torch.randn(K)).to(dtype)
+    assert_close(gemv(x, w, norm_w=nw, **cfg), gemv_ref(x, w, norm_w=nw), name="gemv dot")
+    assert_close(gemv(x, w, BLOCK_N=16, BLOCK_K=32, DOT=True), gemv_ref(x, w), name="gemv dot, direct")
+    assert_close(gate_up_swiglu(x, w, w, **cfg), gate_up_swiglu_ref(x, w, w), name="gate/up")
+    res, nw2 = torch.randn(M, N, dtype=dtype), (1 + 0.1 * torch.randn(N)).to(dtype)
+    for a, b in zip(gemv_residual_rmsnorm(x, w, res, nw2, **cfg), gemv_residual_rmsnorm_ref(x, w, res, nw2)):
+        assert_close(a, b, name="residual rmsnorm dot")
+    D = 8
+    wq, wk = _w(4 * D, K, dtype), _w(2 * D, K, dtype)
+    cos, sin = _rope(M, D, dtype)
+    for a, b in zip(qkv_norm_rope(x, wq, wk, wk, cos, sin, D, **cfg), qkv_norm_rope_ref(x, wq, wk, wk, cos, sin, D)):
+        assert_close(a, b, name="qkv dot")
