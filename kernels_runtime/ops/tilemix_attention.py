@@ -40,6 +40,9 @@ QUANT_BLOCK = 64  # tokens per quantisation scale (per head), for Q and K alike
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535
 _TUNED: dict[tuple, dict] = {}
+# Prompts longer than this share the tile config tuned at their first call (a 32k batch of 8 costs ~0.2 s a call,
+# so tuning there costs seconds; past a few thousand tokens the kernel is compute-bound and the choice settles).
+TUNE_MAX_TOKENS = 8192
 
 
 @triton.jit
@@ -405,8 +408,10 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
 def _tuned(args, o) -> dict:
     """The fastest of CONFIGS (fitting the mask's group) for this shape and routing density, timed once."""
     q, k, mask, s_max, B = args[0], args[1], args[3], args[7], args[8]
-    density = round(4 * (mask.coverage if mask.coverage is not None else 0.5))
-    key = (B, tuple(q.shape[1:]), tuple(k.shape[1:]), s_max, q.dtype, k.dtype, mask.group_m, mask.group_n, density)
+    cov = mask.coverage if mask.coverage is not None else 0.5
+    density = "none" if cov == 0 else "all" if cov == 1 else "mixed"
+    key = (B, q.shape[-2 if q.dim() == 3 else 1], k.shape[-2 if k.dim() == 3 else 1], q.shape[-1],
+           min(s_max, TUNE_MAX_TOKENS), q.dtype, k.dtype, mask.group_m, mask.group_n, density)
     if key not in _TUNED:
         fits = [c for c in CONFIGS if mask.group_m % c["BLOCK_M"] == 0 and mask.group_n % c["BLOCK_N"] == 0]
         times = {}
