@@ -36,7 +36,10 @@ CONFIGS: list[dict] = [
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
 ]
-QUANT_BLOCK = 64  # tokens per quantisation scale (per head), for Q and K alike
+QUANT_BLOCK = 128  # tokens per quantisation scale (per head), for Q and K alike; a multiple of BLOCK_N keeps the
+# key scale one number per tile
+# How the int32 scores become fp32: "magic" (integer add + exact subtract) or "cvt" (the conversion instruction)
+INT8_DEQUANT = "magic"
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535
 _TUNED: dict[tuple, dict] = {}
@@ -80,12 +83,13 @@ def _quantize_int8_kernel(
 def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, start_n, offs_m, offs_d, L, D,
           qk_scale, stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
           INT8: tl.constexpr, MASKED: tl.constexpr, KV_INT8: tl.constexpr, QB: tl.constexpr,
-          BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+          BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+          SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr):
     # one key block into the online-softmax state (m_i, l_i, acc); scores in the log2 domain
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < L
     mask_d = offs_d < D
-    if INT8 or KV_INT8:
+    if KV_INT8 or (INT8 and not SCALAR_KS):
         ks = tl.load(ks_base + offs_n // QB, mask=kv_ok, other=0.0)  # [BLOCK_N] per-key (per-block) scales
     if INT8:
         kt8 = tl.load(k8_base + offs_n[None, :] * stride_k8s + offs_d[:, None] * stride_k8d,
@@ -94,7 +98,15 @@ def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, s
             s = tl.dot(q8.to(tl.float32), kt8.to(tl.float32), input_precision="ieee").to(tl.int32)
         else:
             s = tl.dot(q8, kt8, out_dtype=tl.int32)
-        qk = s.to(tl.float32) * (qs[:, None] * (ks * qk_scale)[None, :])
+        if MAGIC_CVT:  # |s| <= D * 127^2 < 2^22: 1.5 * 2^23 + s has s's float bits, and the subtraction is exact:
+            # two full-rate ALU ops per score instead of an int->float conversion (I2FP)
+            sf = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        else:
+            sf = s.to(tl.float32)
+        if SCALAR_KS:  # BLOCK_N divides QB: one key scale per tile, folded into the per-row factor
+            qk = sf * (qs * (tl.load(ks_base + start_n // QB) * qk_scale))[:, None]
+        else:
+            qk = sf * (qs[:, None] * (ks * qk_scale)[None, :])
     else:
         if KV_INT8:
             kt = tl.load(k8_base + offs_n[None, :] * stride_k8s + offs_d[:, None] * stride_k8d,
@@ -137,6 +149,7 @@ def _tilemix_attention_kernel(
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
     HAS_INT8: tl.constexpr, KV_INT8: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr,
 ):
     start_m = n_m - 1 - tl.program_id(0)  # the longest causal rows first
     pid = tl.program_id(1).to(tl.int64)
@@ -172,12 +185,14 @@ def _tilemix_attention_kernel(
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
                                       tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d, L, D, qk_scale,
                                       stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                      True, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+                                      True, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT)
         for t in range(n8, n8 + n16):  # fully visible 16-bit blocks
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
                                   tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d, L, D, qk_scale,
                                   stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                  False, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+                                  False, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT)
         hi = tl.minimum((start_m + 1) * BLOCK_M, L)
         lo = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
         if HAS_INT8:
@@ -188,18 +203,21 @@ def _tilemix_attention_kernel(
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
                                           start_n, offs_m, offs_d, L, D, qk_scale,
                                           stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                          True, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+                                          True, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT)
                 else:
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
                                           start_n, offs_m, offs_d, L, D, qk_scale,
                                           stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                          False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+                                          False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT)
         else:
             for start_n in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
                                       start_n, offs_m, offs_d, L, D, qk_scale,
                                       stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                      False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+                                      False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT)
         acc = acc / l_i[:, None]
         o_ptrs = O + b * stride_ob + hq * stride_oh + (start + offs_m[:, None]) * stride_os + offs_d[None, :] * stride_od
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok)
@@ -335,6 +353,8 @@ def _check(q, k, v, mask, cu_seqlens, seq_lens, k_scale, v_scale) -> tuple[int, 
                          f"{mask.n_rows} x {mask.n_cols} groups of {mask.group_m} x {mask.group_n}")
     if B * hq > _MAX_GRID_Y:
         raise ValueError(f"tilemix_attention: expected B * Hq <= {_MAX_GRID_Y}, got {B * hq}")
+    if q.shape[-1] > 256:  # int32 scores must stay below 2^22 (D * 127^2) for the exact fp32 conversion
+        raise ValueError(f"tilemix_attention: expected head_dim <= 256, got {q.shape[-1]}")
     return B, s_max
 
 
@@ -399,7 +419,8 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *_strides4(q8), *_strides4(k8),
         *qs_strides, *ks_strides,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)), QB=quant_block,
-        HAS_INT8=has8, KV_INT8=kv_int8, UPCAST_DOT=interpreting(),
+        HAS_INT8=has8, KV_INT8=kv_int8, UPCAST_DOT=interpreting(), SCALAR_KS=quant_block % bn == 0,
+        MAGIC_CVT=INT8_DEQUANT == "magic",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

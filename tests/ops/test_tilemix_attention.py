@@ -50,6 +50,20 @@ def test_mixed_routing_matches_its_reference(template):
     assert_close(tilemix_attention(q, k, v, mask, **CFG), tilemix_attention_ref(q, k, v, mask))
     # kernel tiles smaller than the group (two key tiles per group column) route the same
     assert_close(tilemix_attention(q, k, v, mask, BLOCK_M=16, BLOCK_N=8), tilemix_attention_ref(q, k, v, mask))
+    # scale blocks shorter than a key tile: per-key scales inside the tile
+    assert_close(tilemix_attention(q, k, v, mask, quant_block=8, **CFG),
+                 tilemix_attention_ref(q, k, v, mask, quant_block=8))
+
+
+def test_int32_scores_convert_exactly_either_way(monkeypatch):
+    import kernels_runtime.ops.tilemix_attention as tm
+
+    q, k, v = _qkv(1, 2, 1, 40, 16, seed=9)
+    q[0, 0, 3] *= 50.0  # an outlier row: it quantises to +-127, the rest of its block to small integers
+    mask = uniform_mask(True, 40, group=G)
+    magic = tilemix_attention(q, k, v, mask, **CFG)
+    monkeypatch.setattr(tm, "INT8_DEQUANT", "cvt")
+    assert torch.equal(magic, tilemix_attention(q, k, v, mask, **CFG))
 
 
 def test_poisoned_int8_path_changes_exactly_the_routed_tiles():
