@@ -208,9 +208,53 @@ def check(out: Path) -> None:
     summarize(out / "check.jsonl")
 
 
+def dequant_check(rows: Rows) -> None:
+    """The int32 -> fp32 conversion: the magic-number path against the conversion instruction, bit for bit on a
+    ragged batch, then timed at 16k x 8 (uniform INT8 and sink_local 75 %); falls back to "cvt" if it differs."""
+    lens = [1000, 517, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(int(cu[-1]), HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ok = True
+    for cfg in (tm.CONFIGS[0], tm.CONFIGS[2], tm.CONFIGS[5]):
+        m = build_tile_mask("bigbird", 0.5, max(lens), device="cuda")
+        outs = {}
+        for mode in ("magic", "cvt"):
+            tm.INT8_DEQUANT = mode
+            outs[mode] = tm.tilemix_attention(q, k, v, m, cu_seqlens=cu, **cfg)
+        r = tm.tilemix_attention_ref(q, k, v, m, cu_seqlens=cu)
+        err = float((outs["magic"].float() - r.float()).norm() / r.float().norm())
+        same = bool(torch.equal(outs["magic"], outs["cvt"]))
+        ok = ok and same and err < 5e-3
+        rows.add(kind="dequant_check", cfg=cfg, magic_equals_cvt=same, rel_l2_vs_ref=err)
+    S = 16384
+    q, k, v = qkv(8, S, seed=3)
+    masks = {"all_int8": uniform_mask(True, S, device="cuda"),
+             "sink_local@0.75": build_tile_mask("sink_local", 0.75, S, device="cuda")}
+    fns = {}
+    for name, m in masks.items():
+        for mode in ("magic", "cvt"):
+            for ci in (0, 2, 5):
+                def fn(m=m, mode=mode, cfg=tm.CONFIGS[ci]):
+                    tm.INT8_DEQUANT = mode
+                    return tm.tilemix_attention(q, k, v, m, **cfg)
+                fns[f"{name}/{mode}/c{ci}"] = fn
+    fns["all_16bit/c3"] = lambda: tm.tilemix_attention(q, k, v, uniform_mask(False, S, device="cuda"), **tm.CONFIGS[3])
+    for fn in fns.values():
+        fn()
+    for n, (p20, p50, p80, ns) in bench(fns, rounds=3).items():
+        rows.add(kind="dequant_time", S=S, B=8, variant=n, p20_ms=p20, p50_ms=p50, p80_ms=p80, samples=ns)
+        print(f"{n:32s} p50 {p50:8.3f} ms")
+    tm.INT8_DEQUANT = "magic" if ok else "cvt"
+    print("dequant:", tm.INT8_DEQUANT, "(magic path checked)" if ok else "(MAGIC PATH FAILED its check)")
+
+
 def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
     rows = Rows(out / "frontier.jsonl")
     print("versions", versions())
+    t0 = time.time()
+    dequant_check(rows)
+    print(f"dequant check {time.time() - t0:.1f} s")
     for S in lengths:
         B = batch
         q, k, v = qkv(B, S, seed=S)
@@ -239,6 +283,8 @@ def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
         torch.cuda.empty_cache()
     for kk, cfg in tm._TUNED.items():
         rows.add(kind="tuned", key=str(kk), config=cfg)
+    print(f"frontier done at {time.time() - t0:.1f} s")
+    summarize(out / "frontier.jsonl")
     if model_len:
         try:
             model_check(rows, model_len)
@@ -246,7 +292,6 @@ def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
             import traceback
 
             traceback.print_exc()
-    summarize(out / "frontier.jsonl")
 
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -349,6 +394,8 @@ def summarize(path: Path) -> None:
         if r["kind"] == "sweep":
             print(f"{r['variant']:28s} p50 {r['p50_ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s  "
                   f"x{r['speedup_vs_sdpa']:.3f} vs sdpa")
+        if r["kind"] in ("dequant_check", "model", "model_prefill"):
+            print(r)
         if r["kind"] == "frontier":
             print(f"S={r['S']:6d} {r['template']:11s} {str(r['coverage']):5s} p50 {r['p50_ms']:8.3f} ms "
                   f"{r['tflops']:6.1f} TF/s sdpa x{r['vs_sdpa']:.3f} 0% x{r['vs_0pct']:.3f} "
