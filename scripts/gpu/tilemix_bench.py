@@ -2,6 +2,7 @@
 
 python scripts/gpu/tilemix_bench.py check --out DIR      # correctness vs the references, PTX/SASS, a config sweep
 python scripts/gpu/tilemix_bench.py frontier --out DIR   # prompts x templates x coverages, vs SDPA flash; a model
+python scripts/gpu/tilemix_bench.py plot --rows DIR/frontier.jsonl --out DIR   # the frontier PNG (no GPU)
 
 Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. Timing: triton.testing.do_bench
 (L2 flushed before every call), the variants of one shape interleaved over rounds, every sample pooled; p20/p50/p80.
@@ -404,9 +405,45 @@ def summarize(path: Path) -> None:
     print(f"{len([r for r in rows if r['kind'] == 'correct_varlen'])} varlen checks, {len(bad)} bad")
 
 
+def plot(rows_path: Path, png: Path) -> None:
+    """The frontier: speed over SDPA flash against the output's error vs fp32, one panel per prompt length, one line
+    per routing template through its coverages (0 % and 100 % shared), SDPA flash as a point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in rows_path.read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "frontier"]
+    lengths = sorted({r["S"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 4.0), sharey=True)
+    for ax, S in zip(axes if len(lengths) > 1 else [axes], lengths):
+        at = {(r["template"], r["coverage"]): r for r in rows if r["S"] == S}
+        ends = at[("all_16bit", 0.0)], at[("all_int8", 1.0)]
+        for tpl, marker in zip(TEMPLATES, "osD"):
+            pts = [ends[0]] + [at[(tpl, c)] for c in COVERAGES[1:-1]] + [ends[1]]
+            ax.plot([p["rel_err_fp32"] for p in pts], [p["vs_sdpa"] for p in pts], marker=marker, label=tpl)
+            for p, c in zip(pts, COVERAGES):
+                ax.annotate(f"{c:.0%}", (p["rel_err_fp32"], p["vs_sdpa"]), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        sd = at[("sdpa_flash", None)]
+        ax.plot([sd["rel_err_fp32"]], [1.0], "k*", markersize=10, label="SDPA flash (bf16)")
+        ax.axhline(1.4, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"prompt {S // 1024}k, batch {sd['B']}")
+        ax.set_xlabel("output rel-L2 error vs fp32")
+        ax.grid(alpha=0.3)
+    (axes[0] if len(lengths) > 1 else axes).set_ylabel("throughput / SDPA flash")
+    (axes[0] if len(lengths) > 1 else axes).legend(fontsize=7, loc="lower right")
+    fig.suptitle("TileMix on the H200: qwen3-4b attention (32 q / 8 kv heads, d128), causal prefill; "
+                 "dotted: the 1.4x target", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "frontier"])
+    ap.add_argument("mode", choices=["check", "frontier", "plot"])
+    ap.add_argument("--rows", help="plot: the frontier.jsonl to draw")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--batch", type=int, default=8)
@@ -414,6 +451,9 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.mode == "plot":
+        plot(Path(a.rows), out / "frontier.png")
+        return
     (out / "command.txt").write_text(" ".join(sys.argv) + "\n" + json.dumps(versions()) + "\n")
     if a.mode == "check":
         check(out)
