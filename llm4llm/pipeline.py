@@ -183,6 +183,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     specs = extract_tasks(
         model, run_fn, profile, Path(data_dir) / "tasks",
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
+        accuracy_budget=wl.lossy_budget(),
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
