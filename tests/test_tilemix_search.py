@@ -97,7 +97,8 @@ def test_budget_check():
     ref = [torch.randn(1, 50) for _ in range(3)]
     new = [r + 0.01 * torch.randn(1, 50) for r in ref]
     agree = []
-    ok = budget_check(ref, new, {"max_logit_deviation": 0.05, "min_token_agreement": 0.9}, lambda: agree.append(1) or 1.0)
+    both = {"max_logit_deviation": 0.05, "min_token_agreement": 0.9}
+    ok = budget_check(ref, new, both, lambda: agree.append(1) or 1.0)
     assert ok.ok and ok.metric == "accuracy_budget" and ok.agreement == 1.0 and agree == [1]
     assert not budget_check(ref, new, {"max_logit_deviation": 1e-4}, lambda: 1.0).ok
     low = budget_check(ref, new, {"min_token_agreement": 0.9}, lambda: 0.5)

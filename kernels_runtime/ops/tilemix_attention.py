@@ -219,7 +219,8 @@ def _tilemix_attention_kernel(
                                       False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
                                       SCALAR_KS, MAGIC_CVT)
         acc = acc / l_i[:, None]
-        o_ptrs = O + b * stride_ob + hq * stride_oh + (start + offs_m[:, None]) * stride_os + offs_d[None, :] * stride_od
+        o_ptrs = (O + b * stride_ob + hq * stride_oh + (start + offs_m[:, None]) * stride_os
+                  + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok)
 
 
@@ -418,7 +419,8 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
         hq, hkv, D, hq // hkv, scale * _LOG2E, n_m, n_n, bits.shape[1], mask.group_m, mask.group_n,
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *_strides4(q8), *_strides4(k8),
         *qs_strides, *ks_strides,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)), QB=quant_block,
+        BLOCK_M=bm, BLOCK_N=bn, QB=quant_block,
+        BLOCK_D=max(32 if has8 else 16, triton.next_power_of_2(D)),  # an int8 dot needs K >= 32
         HAS_INT8=has8, KV_INT8=kv_int8, UPCAST_DOT=interpreting(), SCALAR_KS=quant_block % bn == 0,
         MAGIC_CVT=INT8_DEQUANT == "magic",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
