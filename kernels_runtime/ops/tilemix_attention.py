@@ -4,8 +4,10 @@ Every (query block, key block) tile of the score matrix is routed by a packed bi
 one bit per tile group). A 16-bit tile computes S = Q K^T with a bf16/fp16 `tl.dot`; an INT8 tile computes it with
 an int8 `tl.dot` accumulating in int32 on Q and K quantised symmetrically per block of `quant_block` tokens per head
 (scale = max|x| / 127), dequantised by the two blocks' scales. Both feed one online-softmax state (log2 domain,
-fp32), and P V stays in the 16-bit dtype. The mask all 16-bit is this project's plain flash kernel (bit for bit
-`attention_prefill` at the same tile config); all INT8 is uniform INT8 attention.
+fp32), and P V stays in the 16-bit dtype. A mask with no INT8 bit compiles without the INT8 path (HAS_INT8) and is
+this project's plain bf16 flash kernel: bit for bit `attention_prefill` at the same tile config under the
+interpreter; on the H200 within one bf16 ulp of it (its fully visible tiles skip the causal `where`, which the
+compiler contracts differently) and faster. All INT8 is uniform INT8 attention.
 
 Sequences: a padded batch q [B, Hq, S, D] (optional `seq_lens`), or a packed varlen batch q [T, Hq, D] with
 `cu_seqlens` [B + 1]; k, v alike with Hkv heads (GQA: Hq % Hkv == 0). Queries and keys of a sequence coincide
