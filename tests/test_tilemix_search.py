@@ -93,6 +93,19 @@ def test_lossy_of_and_the_coverage_descent(prefill_task):
     assert "'tm_coverage': 0.25" in steps[-1].source and steps[-1].template == NAME
 
 
+def test_a_rejected_coverage_step_is_remembered_at_its_coverage():
+    from llm4llm.pipeline import proposal_of, rejection_experience
+
+    p = Proposal("t", "c1", "src", 1.2, {"tm_template": "bigbird", "tm_coverage": 0.9, "attn_BLOCK_M": 128}, NAME)
+    step = proposal_of({"c1": p}, "c1@0.5")
+    assert step.config == {**p.config, "tm_coverage": 0.5} and step.candidate_id == "c1@0.5"
+    assert proposal_of({"c1": p}, "c1") is p and proposal_of({"c1": p}, "c2@0.5") is None
+    d = acc.Decision("t", "c1@0.5", "rejected", "in-model correctness: accuracy_budget: ...", "", None, None, None,
+                     None, 0.0)
+    [failing] = rejection_experience(d, step).failing
+    assert failing.template == NAME and failing.config["tm_coverage"] == 0.5
+
+
 def test_budget_check():
     ref = [torch.randn(1, 50) for _ in range(3)]
     new = [r + 0.01 * torch.randn(1, 50) for r in ref]
