@@ -89,6 +89,9 @@ class PatchSpec(BaseModel):
     # the tuple (out, out.1, ...) when the kernel returns more.
     outputs: dict[str, Any] | None = None
     provenance: Provenance = Field(default_factory=Provenance)
+    # A lossy kernel (TileMix): its routing ({"template", "coverage"}), the workload's accuracy budget it was
+    # accepted under and what acceptance measured in-model ({"max_logit_deviation", "token_agreement"}).
+    lossy: dict[str, Any] | None = None
 
     @property
     def template(self) -> str:

@@ -130,6 +130,7 @@ class Decision:
     in_model_limit: float | None = None  # the deciding step's limit
     in_model_floor: float | None = None  # the deciding step's noise floor (logits_rel_l2_floor)
     baseline_after_ms: float | None = None  # the model without the trial, measured again right after it
+    lossy: dict | None = None  # a lossy trial: its routing, the budget and what was measured against it
 
 
 def expected_impact(p: Proposal, spec: TaskSpec) -> float:
@@ -161,6 +162,74 @@ def not_worth_a_trial(p: Proposal, cfg: AcceptConfig, on_gpu: bool) -> str | Non
 
 def patch_spec_for(p: Proposal, spec: TaskSpec, device_type: str, run_id: str = "") -> PatchSpec:
     return task_patch_spec(spec, p.candidate_id, p.speedup, device_type, run_id)
+
+
+# Templates whose renderings are lossy by design (kernels_runtime.ops.tilemix_attention's INT8 score tiles)
+LOSSY_TEMPLATES = ("attention.prefill_tilemix",)
+
+
+def lossy_of(p: Proposal) -> dict | None:
+    """The routing ({"template", "coverage"}) of a lossy candidate, {} for one lossy by its source alone (an LLM's
+    candidate calling TileMix), None for an exact one."""
+    if p.template in LOSSY_TEMPLATES or "tilemix_attention" in p.source or "\nLOSSY = " in p.source:
+        return {k: p.config[c] for k, c in (("template", "tm_template"), ("coverage", "tm_coverage")) if c in p.config}
+    return None
+
+
+def lossy_descent(p: Proposal, spec: TaskSpec) -> list[Proposal]:
+    """The proposal, then its template rendered at each lower INT8 coverage of the space, highest first: the
+    search ranks TileMix points by speed, the budget can only be measured in the model, so acceptance walks the
+    coverage down until the budget holds. The lower renderings differ only in the routing (the same kernels, less
+    INT8); they keep the verified candidate's task speedup, an upper bound, for the ranking."""
+    from llm4llm.search.templates import TEMPLATES
+
+    template = next((t for t in TEMPLATES if t.name == p.template), None)
+    if template is None or "tm_coverage" not in p.config:
+        return [p]
+    lower = sorted((c for c in template.space(spec)["tm_coverage"] if c < p.config["tm_coverage"]), reverse=True)
+    out = [p]
+    for c in lower:
+        config = {**p.config, "tm_coverage": c}
+        out.append(Proposal(p.task_dir, f"{p.candidate_id}@{c:g}", template.render(spec, config), p.speedup, config,
+                            p.template))
+    return out
+
+
+def token_agreement(model, batch: dict, tokens: torch.Tensor, decode_len: int) -> float:
+    """Fraction of the free-running greedy tokens equal to `tokens` (the unpatched model's), position by position."""
+    free, _ = reference_tokens(model, batch, decode_len)
+    return float((free == tokens.to(free.device)).float().mean())
+
+
+def budget_check(ref: list[torch.Tensor], new: list[torch.Tensor], budget: dict,
+                 agreement: Callable[[], float]) -> LogitsCheck:
+    """A lossy trial against the workload's accuracy budget: every step's teacher-forced logits rel-L2 at most
+    max_logit_deviation and/or the greedy token agreement at least min_token_agreement. NaN/Inf never pass."""
+    metric = "accuracy_budget"
+    if len(ref) != len(new):
+        return LogitsCheck(False, math.inf, f"{metric}: {len(new)} steps of logits, expected {len(ref)}", metric,
+                           summary=f"{metric}: step count mismatch")
+    devs = []
+    for step, (r, n) in enumerate(zip(ref, new)):
+        if not torch.isfinite(n).all():
+            return LogitsCheck(False, math.inf, f"{metric}: step {step}: non-finite logits", metric, step,
+                               summary=f"{metric}: non-finite")
+        devs.append(rel_l2(n, r))
+    step = max(range(len(devs)), key=devs.__getitem__) if devs else -1
+    dev = devs[step] if devs else 0.0
+    limit, tmin = budget.get("max_logit_deviation"), budget.get("min_token_agreement")
+    ok, parts, agree = True, [], None
+    if limit is not None:
+        ok = dev <= limit
+        parts.append(f"logits rel-L2 {dev:.3g} at step {step} {'<=' if ok else '>'} {limit:g}")
+    else:
+        parts.append(f"logits rel-L2 {dev:.3g} at step {step} (no bound)")
+    if tmin is not None and ok:
+        agree = agreement()
+        ok = agree >= tmin
+        parts.append(f"greedy token agreement {agree:.3f} {'>=' if ok else '<'} {tmin:g}")
+    detail = f"{metric}: " + ", ".join(parts)
+    return LogitsCheck(ok, dev, detail, metric, step, limit, None, detail, agreement=agree)
 
 
 class _ForceTokens:
@@ -337,6 +406,7 @@ class LogitsCheck:
     limit: float | None = None  # the deciding step's limit
     floor: float | None = None  # the deciding step's floor (logits_rel_l2_floor)
     summary: str = ""  # compact, for the acceptance row's metric field
+    agreement: float | None = None  # accuracy_budget: free-running greedy token agreement, where measured
 
     def __iter__(self):
         return iter((self.ok, self.err, self.detail))
@@ -466,23 +536,39 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                            gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs,
                            static_cache=graphs and cfg.static_cache)
     decisions: list[Decision] = []
+    budget = wl.lossy_budget()
     for p, spec, impact in rank(proposals):
+        lossy = lossy_of(p)
+        if lossy is not None and budget is None:  # never accepted without the workload's opt-in
+            decisions.append(Decision(spec.task_id, p.candidate_id, "rejected",
+                                      f"lossy candidate {lossy or '(by its source)'}: the workload has not opted in "
+                                      f"(allow_lossy = true and an [accuracy_budget])", metric, None, current, None,
+                                      None, impact))
+            continue
         skip = not_worth_a_trial(p, cfg, on_gpu)
         if skip:
             decisions.append(Decision(spec.task_id, p.candidate_id, "rejected", skip, metric, None, current, None,
                                       None, impact))
             continue
-        trial = PatchBundle.from_json(accepted.to_json())
-        for s in accepted.patches:
-            trial.add_kernel(accepted.source(s.kernel))
-        trial.add_patch(patch_spec_for(p, spec, device_type, run_id), source=p.source)
-        interleaved = None if base_model is None else (
-            lambda: interleave(model, base_model, wl, batch, script.run, cfg.interleave_rounds))
-        decision = _try(model, trial, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
-                        floor=floor, rebaseline=lambda: _measure_as(model, accepted, latency),
-                        interleaved=interleaved)
-        decisions.append(decision)
-        kernels_runtime.revert(model)
+        for q in (lossy_descent(p, spec) if lossy is not None else [p]):
+            trial = PatchBundle.from_json(accepted.to_json())
+            for s in accepted.patches:
+                trial.add_kernel(accepted.source(s.kernel))
+            ps = patch_spec_for(q, spec, device_type, run_id)
+            if lossy is not None:
+                ps.lossy = {**lossy_of(q), "budget": dict(budget)}
+            trial.add_patch(ps, source=q.source)
+            interleaved = None if base_model is None else (
+                lambda: interleave(model, base_model, wl, batch, script.run, cfg.interleave_rounds))
+            decision = _try(model, trial, spec, q, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
+                            floor=floor, rebaseline=lambda: _measure_as(model, accepted, latency),
+                            interleaved=interleaved, budget=budget if lossy is not None else None)
+            decisions.append(decision)
+            kernels_runtime.revert(model)
+            if lossy is None or decision.decision == "accepted" or not decision.reason.startswith("in-model"):
+                break  # over the budget: the next lower coverage; anything else ends this task's trials
+        if decision.decision == "accepted" and lossy is not None:
+            trial.patches[-1].lossy["measured"] = decision.lossy
         if decision.decision == "accepted":
             accepted = trial
             current = decision.e2e_after_ms
@@ -567,7 +653,8 @@ def interleaved_gain(trials: list[float], bases: list[float]) -> tuple[float, fl
 
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
          floor: NoiseFloor | None = None, rebaseline: Callable[[], float | None] | None = None,
-         interleaved: Callable[[], tuple[list[float], list[float]]] | None = None) -> Decision:
+         interleaved: Callable[[], tuple[list[float], list[float]]] | None = None,
+         budget: dict | None = None) -> Decision:
     """One trial: apply `bundle` to `model` (the caller reverts), compare teacher-forced logits with `ref_logits`,
     check that the kernel ran, then the latency gate (`latency()` returns None on the CPU: never accepts).
 
@@ -581,11 +668,13 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     before, again = current, None
 
     def decide(decision, reason, check=None, after=None, gain=None, counters=None):
+        measured = None if budget is None or check is None else {"max_logit_deviation": check.err,
+                                                                  "token_agreement": check.agreement}
         return Decision(spec.task_id, p.candidate_id, decision, reason,
                         check.summary if check is not None else metric_name,
                         check.err if check is not None else None, before, after, gain, impact, counters or {},
                         check.limit if check is not None else None, check.floor if check is not None else None,
-                        baseline_after_ms=again)
+                        baseline_after_ms=again, lossy=measured)
 
     try:
         report = kernels_runtime.apply(model, bundle, strict=True)  # bundle.decode_graphs: as the baseline ran
@@ -595,7 +684,11 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
         return decide("rejected", f"runtime: {type(e).__name__}: {str(e)[:300]}")
     counters = report.totals()
-    check = compare_logits(ref_logits, new_logits, wl.torch_dtype, cfg, floor)
+    if budget is not None:  # a lossy trial answers to the workload's accuracy budget, not to the noise floor
+        check = budget_check(ref_logits, new_logits, budget,
+                             lambda: token_agreement(model, batch, tokens, wl.decode_len))
+    else:
+        check = compare_logits(ref_logits, new_logits, wl.torch_dtype, cfg, floor)
     detail = check.detail
     if not check.ok:
         return decide("rejected", f"in-model correctness: {detail}", check, counters=counters)

@@ -339,14 +339,15 @@ def _capture_static(model: torch.nn.Module, run_fn: Callable[[], Any], modules: 
 def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: ProfileResult, out_root: Path, *,
                   workload_name: str = "", run_id: str = "", hardware: dict | None = None, min_score: float = 0.0,
                   families: Iterable[str] | None = None, max_cases: int = 4,
-                  static_cache: bool = False) -> list[TaskSpec]:
+                  static_cache: bool = False, accuracy_budget: dict | None = None) -> list[TaskSpec]:
     """Capture the candidates' calls in one more run of the workload and turn them into tasks; deployable ones are
     written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score.
 
     static_cache (a run whose decode graphs generate with transformers' static KV cache): the decode calls of
     modules that keep a growing KV cache (DynamicLayer) are captured once more, on the static cache, and their
     decode tasks come from that run (StaticLayer state: the preallocated keys/values and the device-side length),
-    so a kernel is searched for the cache it will meet; prefill and every other task stay as captured first."""
+    so a kernel is searched for the cache it will meet; prefill and every other task stay as captured first.
+    `accuracy_budget` (the workload's lossy opt-in, Workload.lossy_budget()) goes into every spec."""
     records = candidate_records(model, profile, min_score, families)
     named = dict(model.named_modules())
     order = {name: i for i, name in enumerate(named)}
@@ -372,6 +373,8 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
         groups[_group_key(inst)].append(inst)
 
     specs = [(_spec_for(g, hardware or profile.hardware, workload_name, run_id), g) for g in groups.values()]
+    for spec, _ in specs:
+        spec.accuracy_budget = dict(accuracy_budget) if accuracy_budget else None
     seen: Counter = Counter()
     for spec, _ in specs:
         base = spec.content_id()

@@ -208,6 +208,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
         max_cases=4 + 2 * corners,
         static_cache=static_cache,
+        accuracy_budget=wl.lossy_budget(),
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
@@ -945,7 +946,7 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
             if d.decision == "rejected":
                 repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": i, "trials": 1, "passed": 0,
                                          "best_utility": None, "transcript_path": None},
-                                    json.loads(rejection_experience(d, by_id.get(d.candidate_id)).to_json()),
+                                    json.loads(rejection_experience(d, proposal_of(by_id, d.candidate_id)).to_json()),
                                     d.task_id)
         if result.bundle_dir:
             manifest = (Path(result.bundle_dir) / "manifest.json").read_text()
@@ -959,6 +960,20 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
             "rejected": sum(d.decision == "rejected" for d in result.decisions), "timing": result.timing,
             "baseline_ms": result.baseline_ms, "final_ms": result.final_ms, "metric": result.metric,
             "floor": result.floor_note, "graphs": result.graphs}
+
+
+def proposal_of(by_id: dict, candidate_id: str):
+    """The proposal an acceptance decision is about; a coverage step of a lossy one (accept.lossy_descent's
+    `<id>@<coverage>`) is its original at that coverage, so the next round's search prunes that point too."""
+    import dataclasses
+
+    if candidate_id in by_id:
+        return by_id[candidate_id]
+    base, _, cov = candidate_id.rpartition("@")
+    p = by_id.get(base)
+    if p is None or "tm_coverage" not in p.config:
+        return None
+    return dataclasses.replace(p, candidate_id=candidate_id, config={**p.config, "tm_coverage": float(cov)})
 
 
 def rejection_experience(decision, proposal):

@@ -82,11 +82,15 @@ class TaskSpec(BaseModel):
     recipe: dict[str, Any] = Field(default_factory=dict)  # how boundary names rebuild the forward's (args, kwargs)
     # Every distinct signature observed in the phase with its call count; `cases` holds the captured subset.
     observed: list[CaseSig] = Field(default_factory=list)
+    # The workload's lossy opt-in (Workload.lossy_budget()): lossy templates apply only where it is set
+    accuracy_budget: dict[str, float] | None = None
 
     def content_id(self) -> str:
         """Content address: family, class, phase, names, static values and shapes; not run ids or scores."""
         payload = self.model_dump(include={"family", "module_class", "phase", "input_names", "weight_names",
                                            "state_names", "output_names", "static", "cases", "dtype", "hardware"})
+        if self.accuracy_budget:  # an opted-in workload's task is another task (its templates differ); others keep ids
+            payload["accuracy_budget"] = self.accuracy_budget
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return f"{self.family}-{self.phase}-{hashlib.sha256(blob).hexdigest()[:12]}"
 

@@ -87,6 +87,24 @@ class PhaseWeights(BaseModel):
         return {"prefill": self.prefill / total, "decode": self.decode / total}
 
 
+class AccuracyBudget(BaseModel):
+    """How far a lossy kernel (allow_lossy) may move the model, measured in-model against its unpatched run:
+    `max_logit_deviation` bounds every generation step's teacher-forced logits rel-L2, `min_token_agreement` the
+    fraction of free-running greedy tokens that stay the same. At least one; both when both are given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_logit_deviation: float | None = Field(default=None, gt=0, le=1)
+    min_token_agreement: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> AccuracyBudget:
+        if self.max_logit_deviation is None and self.min_token_agreement is None:
+            raise ValueError("max_logit_deviation (a rel-L2 in (0, 1]) or min_token_agreement (a fraction in (0, 1]), "
+                             "got neither")
+        return self
+
+
 class Workload(BaseModel):
     """One inference workload: the model, the script that runs it, the shapes, the device and dtype."""
 
@@ -111,6 +129,26 @@ class Workload(BaseModel):
         if why:
             raise ValueError(f"regime: expected batch_size, prompt_len, decode_len inside it, got {why}")
         return self
+
+    # Lossy kernels (TileMix's INT8 attention tiles) are searched and deployed only with this opt-in and a budget
+    allow_lossy: bool = False
+    accuracy_budget: AccuracyBudget | None = None
+
+    @model_validator(mode="after")
+    def _lossy_opt_in(self) -> Workload:
+        if self.allow_lossy and self.accuracy_budget is None:
+            raise ValueError("an [accuracy_budget] table (max_logit_deviation and/or min_token_agreement) beside "
+                             "allow_lossy = true, got none")
+        if self.accuracy_budget is not None and not self.allow_lossy:
+            raise ValueError("allow_lossy = true beside an [accuracy_budget] (the budget only applies to lossy "
+                             "kernels, which are off without the opt-in), got allow_lossy = false")
+        return self
+
+    def lossy_budget(self) -> dict[str, float] | None:
+        """The accuracy budget as data (for task specs and bundles), None without the opt-in."""
+        if not self.allow_lossy or self.accuracy_budget is None:
+            return None
+        return self.accuracy_budget.model_dump(exclude_none=True)
 
     _toml_path: Path | None = PrivateAttr(default=None)
     _toml_text: str | None = PrivateAttr(default=None)
@@ -251,7 +289,7 @@ def _check_files(workload: Workload, where: str) -> None:
                             f"got {got}: {checkpoint}", path=where, field="model.checkpoint")
 
 
-_NESTED = {"model": ModelSpec, "phase_weights": PhaseWeights}
+_NESTED = {"model": ModelSpec, "phase_weights": PhaseWeights, "accuracy_budget": AccuracyBudget}
 
 
 def _describe(exc: ValidationError) -> tuple[str, str]:

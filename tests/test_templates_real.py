@@ -76,7 +76,8 @@ def pool():
 
 
 def test_every_template_is_covered():
-    assert {t.name for t in TEMPLATES} == {name for _, name, _ in CASES}
+    # lossy templates need an opted-in workload: tests/test_tilemix_search.py verifies TileMix's on tiny-qwen3
+    assert {t.name for t in TEMPLATES if not t.lossy} == {name for _, name, _ in CASES}
     assert not PENDING
 
 

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "examples" / "workloads"
 SCRIPT = ROOT / "examples" / "scripts" / "hf_generate.py"
 TINY = sorted(WORKLOADS.glob("tiny-*.toml"))
-REAL = sorted(set(WORKLOADS.glob("*.toml")) - set(TINY))
+LOSSY = [WORKLOADS / "qwen3-4b-long.toml"]  # opted in to lossy kernels (TileMix), long context
+REAL = sorted(set(WORKLOADS.glob("*.toml")) - set(TINY) - set(LOSSY))
 
 GOOD = """\
 name = "t"
@@ -50,6 +51,43 @@ def test_examples_present():
                                       "tiny-falcon-mamba", "tiny-gpt-neox"}
     assert {p.stem for p in REAL} == {"qwen3-4b", "llama-2-7b", "mamba-130m", "mamba2-2.7b", "recurrentgemma-2b",
                                       "falcon-mamba-7b"}
+    assert all(p.is_file() for p in LOSSY)
+
+
+def test_long_context_example_opts_in_to_lossy_kernels():
+    w = load_workload(LOSSY[0], check_device=False)
+    assert (w.dtype, w.prompt_len, w.decode_len, w.model.config["num_key_value_heads"]) == ("bfloat16", 16384, 4, 8)
+    assert w.allow_lossy and w.lossy_budget() == {"max_logit_deviation": 0.06, "min_token_agreement": 0.75}
+    for p in REAL + TINY:  # nobody else is opted in
+        assert load_workload(p, check_device=False).lossy_budget() is None
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ("allow_lossy = true\n", r"field `\(top level\)`: expected an \[accuracy_budget\] table"),
+    ("[accuracy_budget]\nmax_logit_deviation = 0.05\n", r"expected allow_lossy = true beside an \[accuracy_budget\]"),
+    ("allow_lossy = true\n[accuracy_budget]\n", r"max_logit_deviation .* or min_token_agreement .*, got neither"),
+    ("allow_lossy = true\n[accuracy_budget]\nmin_token_agreement = 1.5\n", r"accuracy_budget.min_token_agreement"),
+    ("allow_lossy = true\n[accuracy_budget]\nmax_logit_deviation = 0\n", r"accuracy_budget.max_logit_deviation"),
+    ("allow_lossy = true\n[accuracy_budget]\nmax_logits = 0.1\n", r"accuracy_budget.max_logits"),
+])
+def test_lossy_opt_in_needs_a_valid_budget(tmp_path, extra, problem):
+    head, _, tail = GOOD.partition("[model]")
+    if extra.startswith("allow_lossy = true\n["):  # the key before the tables, the budget table after
+        text = head + "allow_lossy = true\n[model]" + tail + extra.removeprefix("allow_lossy = true\n")
+    elif extra.startswith("["):
+        text = GOOD + extra
+    else:
+        text = head + extra + "[model]" + tail
+    with pytest.raises(WorkloadError, match=problem):
+        load_workload(_write(tmp_path, text))
+
+
+def test_lossy_opt_in_with_a_budget_loads(tmp_path):
+    head, _, tail = GOOD.partition("[model]")
+    w = load_workload(_write(tmp_path, head + "allow_lossy = true\n[model]" + tail
+                             + "[accuracy_budget]\nmin_token_agreement = 0.9\n"))
+    assert w.lossy_budget() == {"min_token_agreement": 0.9}
+    assert load_workload(_write(tmp_path, GOOD)).lossy_budget() is None
 
 
 @pytest.mark.parametrize("path", TINY, ids=lambda p: p.stem)

@@ -182,9 +182,12 @@ def compile_templates(task_dirs: list[str], arch: int = 90) -> dict[str, list[st
     for d in task_dirs:
         spec = load_spec(Path(d))
         for t in TEMPLATES:
-            if t.family != spec.family or spec.phase not in t.phases or t.why_not(spec) is not None:
+            # a lossy template is compiled as for an opted-in 16-bit workload (the tiny workloads opt in to nothing)
+            probe = spec.model_copy(update={"accuracy_budget": spec.accuracy_budget or {"max_logit_deviation": 1.0},
+                                            "dtype": "bfloat16"}) if t.lossy else spec
+            if t.family != spec.family or spec.phase not in t.phases or t.why_not(probe) is not None:
                 continue
-            for dtype in (None, torch.bfloat16):
+            for dtype in ((torch.bfloat16,) if t.lossy else (None, torch.bfloat16)):
                 key = f"{t.name}/{Path(d).name}/{'bfloat16' if dtype else 'captured dtype'}"
                 try:
                     out[key] = compile_launches(template_launches(d, t.name, dtype), arch)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, rel_l2
+from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, compare_lossy, rel_l2
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
@@ -342,6 +342,9 @@ class Judge:
     runs: int = 0
     floor_passes: int = 0  # outputs (over all draws) that failed the table but passed the rounding floor
     floor_worst: tuple[float, str] = (-1.0, "")  # (got rel-L2 / floor rel-L2, note) of the tightest floor pass
+    # the candidate's LOSSY declaration, honoured only when the task's workload opted in (spec.accuracy_budget)
+    lossy: dict | None = None
+    lossy_worst: tuple[float, str] = (-1.0, "")
 
     def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
         g = guard(draw)
@@ -370,6 +373,13 @@ class Judge:
                     reports[n] = compare_floor(outs[n], draw.ref[n], draw.ref32[n], tdt[n])
                     if reports[n].ok:
                         self._note_floor(n, draw, outs[n])
+        if self.lossy is not None:  # opted in: judged by the lossy bound (acceptance enforces the budget in-model)
+            for n, r in reports.items():
+                if not r.ok:
+                    reports[n] = compare_lossy(outs[n], draw.ref[n], (draw.ref32 or {}).get(n))
+                    if reports[n].ok and rel_l2(outs[n], draw.ref[n]) > self.lossy_worst[0]:
+                        self.lossy_worst = (rel_l2(outs[n], draw.ref[n]), f"{n}: {reports[n].reason} "
+                                                                          f"(case {draw.key[0]}, draw {draw.key[1]})")
         nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
         if nonfinite or not all(r.ok for r in reports.values()):
             again, _ = self.run_once(draw, 3.0)
@@ -405,10 +415,12 @@ class Judge:
             self.floor_worst = (ratio, note)
 
     def floor_detail(self) -> str:
+        lossy = (f"; lossy candidate {self.lossy} of an opted-in workload: worst {self.lossy_worst[1]}"
+                 if self.lossy is not None and self.lossy_worst[0] >= 0 else "")
         if not self.floor_passes:
-            return ""
+            return lossy
         return (f"; {self.floor_passes} output(s) passed by the rounding floor instead (tightest: "
-                f"{self.floor_worst[1]})")
+                f"{self.floor_worst[1]})" + lossy)
 
     def _errs(self, reports) -> None:
         finite = [r for r in reports.values() if math.isfinite(r.max_abs)]
@@ -451,13 +463,16 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
             entry = getattr(module, "entry", None)
             if not callable(entry):
                 return v.fail("compile", "compile", "the module defines no callable `entry`"), False
-            return _run_loaded(v, task, entry, dev, draws, seed, timing, memcheck, source, decode_timing)
+            lossy = getattr(module, "LOSSY", None) if task.spec.accuracy_budget else None
+            return _run_loaded(v, task, entry, dev, draws, seed, timing, memcheck, source, decode_timing,
+                               lossy=dict(lossy) if isinstance(lossy, dict) else None)
     finally:
         unload_candidate(name)
 
 
 def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draws: int, seed: int, timing: bool,
-                memcheck: bool, source: str, decode_timing: str = "launch") -> tuple[Verdict, bool]:
+                memcheck: bool, source: str, decode_timing: str = "launch",
+                lossy: dict | None = None) -> tuple[Verdict, bool]:
     all_draws = make_draws(task, dev, draws, seed)
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
                    else None)
@@ -467,7 +482,7 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.gates.append(GateResult(name="compile", passed=True, detail=f"first call {time.perf_counter() - t0:.2f}s"))
-    judge = Judge(entry, task, dev)
+    judge = Judge(entry, task, dev, lossy=lossy)
     try:
         for d in all_draws:
             try:
@@ -667,11 +682,13 @@ class CandidateSession:
                 torch.cuda.synchronize(self.dev)
             from safetensors.torch import save_file
 
-            tensors = {f"out.{n}": t.detach().contiguous().cpu() for n, t in outs.items()}
+            # copies: an output may be the very state buffer the candidate updated in place (a state_out), and on the
+            # CPU .cpu() would keep the alias, which safetensors refuses to write
+            tensors = {f"out.{n}": t.detach().to("cpu", copy=True).contiguous() for n, t in outs.items()}
             for name, buf, pad, n, margins in g.buffers:
                 if name.startswith("weights.") and buf.numel() * buf.element_size() > WEIGHT_BUFFER_LIMIT:
                     continue
-                tensors[f"buf.{name}"] = buf.detach().cpu()
+                tensors[f"buf.{name}"] = buf.detach().to("cpu", copy=True)
             save_file(tensors, path)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}

@@ -5,11 +5,11 @@ templates can be written ahead of their ops. `PENDING` names the family variants
 """
 from __future__ import annotations
 
-from llm4llm.search.templates import attention, decode_fused, mamba2, mlp, norm, recurrent, ssm
+from llm4llm.search.templates import attention, decode_fused, mamba2, mlp, norm, recurrent, ssm, tilemix
 from llm4llm.search.templates.base import Template
 
 TEMPLATES: list[Template] = [*norm.TEMPLATES, *mlp.TEMPLATES, *attention.TEMPLATES, *ssm.TEMPLATES, *mamba2.TEMPLATES,
-                              *recurrent.TEMPLATES, *decode_fused.TEMPLATES]
+                              *recurrent.TEMPLATES, *decode_fused.TEMPLATES, *tilemix.TEMPLATES]
 
 # Every family variant the tiny example workloads extract has a template now (ssm_mixer.mamba2 and
 # recurrent_block.rglru landed with tests/test_templates_real.py).

@@ -43,6 +43,10 @@ class Template:
     # further starting points tried right after the default (derived from the task's shapes and GPU)
     seeds_fn: Callable[[TaskSpec], list[dict[str, Any]]] = lambda spec: []
     choice_requires: dict[tuple[str, Any], tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    # Lossy renderings (TileMix's INT8 tiles) differ from the reference by design: they apply only to tasks of a
+    # workload that opted in (spec.accuracy_budget), declare LOSSY in their source, and acceptance holds them to
+    # the workload's accuracy budget.
+    lossy: bool = False
     # keys whose value follows from the module's computation, not from speed (Falcon-Mamba's dt/B/C norms): the
     # applicability check tries the default, then each other value of these, and pins the one that matches
     options: tuple[str, ...] = ()
@@ -71,6 +75,9 @@ class Template:
         return [f"{m}.{a}" for m, a in needs if not _importable(m, a)]
 
     def why_not(self, spec: TaskSpec) -> str | None:
+        if self.lossy and not spec.accuracy_budget:
+            return (f"{self.name}: lossy, and the workload has not opted in (allow_lossy = true and an "
+                    f"[accuracy_budget])")
         if spec.family != self.family:
             return f"{self.name}: expected family {self.family}, got {spec.family}"
         if spec.phase not in self.phases:

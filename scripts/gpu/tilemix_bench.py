@@ -1,0 +1,465 @@
+"""TileMix on the GPU: correctness, the int8 dot's instructions, and the accuracy/throughput frontier.
+
+python scripts/gpu/tilemix_bench.py check --out DIR      # correctness vs the references, PTX/SASS, a config sweep
+python scripts/gpu/tilemix_bench.py frontier --out DIR   # prompts x templates x coverages, vs SDPA flash; a model
+python scripts/gpu/tilemix_bench.py plot --rows DIR/frontier.jsonl --out DIR   # the frontier PNG (no GPU)
+
+Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. Timing: triton.testing.do_bench
+(L2 flushed before every call), the variants of one shape interleaved over rounds, every sample pooled; p20/p50/p80.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels_runtime.ops import tilemix_attention as tm
+from kernels_runtime.ops.attention_prefill import attention_prefill
+from kernels_runtime.ops.tilemix_masks import TEMPLATES, build_tile_mask, uniform_mask
+
+HQ, HKV, D = 32, 8, 128  # qwen3-4b attention
+COVERAGES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(), "python": platform.python_version()}
+
+
+class Rows:
+    def __init__(self, path: Path):
+        self.f = path.open("a")
+
+    def add(self, **row) -> dict:
+        self.f.write(json.dumps(row, default=str) + "\n")
+        self.f.flush()
+        return row
+
+
+def qkv(B, S, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, S, D, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    return mk(HQ), mk(HKV), mk(HKV)
+
+
+def sdpa_flash(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def ref32(q, k, v, b=0, heads=8):
+    """fp32 causal attention of batch row b, the first `heads` q heads (memory-efficient SDPA, exact softmax)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = HQ // HKV
+    qf, kf, vf = (t[b:b + 1].float() for t in (q[:, :heads], k[:, :heads // g], v[:, :heads // g]))
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+
+
+def rel_err(out, ref, b=0, heads=8) -> float:
+    o = out[b:b + 1, :heads].float()
+    return float((o - ref).norm() / ref.norm())
+
+
+def bench(fns: dict, rounds: int) -> dict:
+    """name -> (p20, p50, p80 ms, samples): `rounds` rounds, each calling every variant once in turn (A B C A B C),
+    L2 flushed before each call, timed by CUDA events around the call."""
+    flush = torch.empty(512 * 2**20, dtype=torch.int8, device="cuda")  # > the H200's 60 MiB L2
+    samples = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples[n].append(start.elapsed_time(end))
+    out = {}
+    for n, s in samples.items():
+        s = sorted(s)
+        q = lambda p: s[min(len(s) - 1, int(p * len(s)))]  # noqa: E731
+        out[n] = (q(0.2), q(0.5), q(0.8), len(s))
+    return out
+
+
+def compiled(fn) -> list:
+    """The CompiledKernel objects a JITFunction holds (Triton 3.x device_caches)."""
+    found = []
+    for entry in getattr(fn, "device_caches", {}).values():
+        for part in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(part, dict):
+                found += [v for v in part.values() if hasattr(v, "asm")]
+    return found
+
+
+def isa_report(out: Path) -> list[dict]:
+    """Grep each compiled TileMix kernel's PTX and SASS for the tensor-core instructions of its dots."""
+    rows = []
+    for i, k in enumerate(compiled(tm._tilemix_attention_kernel)):
+        ptx = k.asm.get("ptx", "")
+        sass = ""
+        try:
+            sass = k.asm["sass"]
+        except Exception as e:  # noqa: BLE001 - fall back to nvdisasm on the cubin
+            cubin = out / f"k{i}.cubin"
+            cubin.write_bytes(k.asm["cubin"])
+            for tool in ("nvdisasm", "cuobjdump"):
+                exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+                try:
+                    args = [str(exe), "-c", str(cubin)] if tool == "nvdisasm" else [str(exe), "-sass", str(cubin)]
+                    sass = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+                    if sass:
+                        break
+                except Exception:  # noqa: BLE001
+                    sass = f"(no sass: {e})"
+            cubin.unlink(missing_ok=True)
+        lines = ptx.splitlines()
+        grep = lambda pat: sorted({l.strip().split()[0] for l in lines if all(p in l for p in pat)})  # noqa: E731
+        sass_ops = sorted({w for l in sass.splitlines() for w in l.replace(";", " ").split()
+                           if any(w.startswith(p) for p in ("IGMMA", "HGMMA", "IMMA", "HMMA", "QGMMA"))})
+        meta = getattr(k, "metadata", None)
+        md = {a: getattr(meta, a, None) for a in ("num_warps", "num_stages", "shared")} if meta else {}
+        consts = str(getattr(meta, "constants", ""))[:300] if meta else ""
+        rows.append({"kernel": i, "wgmma_s8": grep(("wgmma", ".s8")), "wgmma_bf16": grep(("wgmma", ".bf16")),
+                     "mma_sync_s8": grep(("mma.sync", ".s8")), "sass_tensor_ops": sass_ops,
+                     "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                     "has_int8_path": ".s8" in ptx, **md, "constants": consts})
+        if ".s8" in ptx and not (out / "tilemix_int8.ptx").exists():
+            (out / "tilemix_int8.ptx").write_text(ptx)
+            if sass:
+                (out / "tilemix_int8.sass").write_text(sass)
+    return rows
+
+
+def check(out: Path) -> None:
+    rows = Rows(out / "check.jsonl")
+    print("versions", versions())
+    torch.manual_seed(0)
+    # 1. correctness on ragged packed sequences (GQA 32/8, d128) against the fp32 emulation of the routing
+    lens = [1000, 517, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(T, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for ci, cfg in enumerate(tm.CONFIGS):  # every routing at the default config, every config at one routing
+        for tpl, cov in ([(t, c) for t in TEMPLATES for c in (0.0, 0.5, 1.0)] if ci == 0 else [("sink_local", 0.5)]):
+            if True:
+                m = build_tile_mask(tpl, cov, max(lens), device="cuda")
+                o = tm.tilemix_attention(q, k, v, m, cu_seqlens=cu, **cfg)
+                r = tm.tilemix_attention_ref(q, k, v, m, cu_seqlens=cu)
+                err = float((o.float() - r.float()).norm() / r.float().norm())
+                rows.add(kind="correct_varlen", cfg=cfg, template=tpl, coverage=cov, rel_l2_vs_ref=err,
+                         max_abs=float((o.float() - r.float()).abs().max()), finite=bool(torch.isfinite(o).all()))
+    # 2. 0 % against the plain kernel, bit for bit, padded batch at the plain kernel's default config
+    qb, kb, vb = qkv(2, 1500, seed=1)
+    plain = attention_prefill(qb, kb, vb)
+    for cfg in (tm.CONFIGS[0],):
+        for m in [uniform_mask(False, 1500, device="cuda")] + [build_tile_mask(t, 0.0, 1500, device="cuda")
+                                                                 for t in TEMPLATES]:
+            o = tm.tilemix_attention(qb, kb, vb, m, **cfg)
+            rows.add(kind="bitwise_0pct", cfg=cfg, template=m.template, equal=bool(torch.equal(o, plain)),
+                     max_abs=float((o.float() - plain.float()).abs().max()))
+    # 3. INT8 KV cache input
+    k8, ks = tm.quantize_int8(kb, torch.zeros(2, dtype=torch.int32, device="cuda"),
+                              torch.full((2,), 1500, dtype=torch.int32, device="cuda"), 1500)
+    v8, vs = tm.quantize_int8(vb, torch.zeros(2, dtype=torch.int32, device="cuda"),
+                              torch.full((2,), 1500, dtype=torch.int32, device="cuda"), 1500)
+    for cov in (0.0, 0.5, 1.0):
+        m = build_tile_mask("sink_local", cov, 1500, device="cuda")
+        o = tm.tilemix_attention(qb, k8, v8, m, k_scale=ks, v_scale=vs)
+        r = tm.tilemix_attention_ref(qb, k8, v8, m, k_scale=ks, v_scale=vs)
+        rows.add(kind="kv_int8", coverage=cov, rel_l2_vs_ref=float((o.float() - r.float()).norm() / r.float().norm()))
+    # 4. which instructions the dots became
+    for r in isa_report(out):
+        rows.add(kind="isa", **r)
+    # 5. a config sweep at 16k, batch 8
+    S = 16384
+    q, k, v = qkv(8, S, seed=2)
+    fns = {"sdpa_flash": lambda: sdpa_flash(q, k, v), "plain_attention_prefill": lambda: attention_prefill(q, k, v)}
+    masks = {"tm0": uniform_mask(False, S, device="cuda"), "tm100": uniform_mask(True, S, device="cuda"),
+             "tm75_sink": build_tile_mask("sink_local", 0.75, S, device="cuda")}
+    for name, m in masks.items():
+        for ci, cfg in enumerate(tm.CONFIGS):
+            fns[f"{name}/c{ci}"] = lambda m=m, cfg=cfg: tm.tilemix_attention(q, k, v, m, **cfg)
+    for fn in fns.values():
+        fn()
+    t0 = time.time()
+    times = bench(fns, rounds=3)
+    flops = 2 * 8 * HQ * S * S * D  # causal: half of 4 B H S^2 D
+    for n, (p20, p50, p80, ns) in times.items():
+        rows.add(kind="sweep", S=S, B=8, variant=n, p20_ms=p20, p50_ms=p50, p80_ms=p80, samples=ns,
+                 tflops=flops / p50 / 1e9, speedup_vs_sdpa=times["sdpa_flash"][1] / p50)
+    print(f"sweep {time.time() - t0:.1f} s")
+    summarize(out / "check.jsonl")
+
+
+def dequant_check(rows: Rows) -> None:
+    """The int32 -> fp32 conversion: the magic-number path against the conversion instruction, bit for bit on a
+    ragged batch, then timed at 16k x 8 (uniform INT8 and sink_local 75 %); falls back to "cvt" if it differs."""
+    lens = [1000, 517, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(int(cu[-1]), HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ok = True
+    for cfg in (tm.CONFIGS[0], tm.CONFIGS[2], tm.CONFIGS[5]):
+        m = build_tile_mask("bigbird", 0.5, max(lens), device="cuda")
+        outs = {}
+        for mode in ("magic", "cvt"):
+            tm.INT8_DEQUANT = mode
+            outs[mode] = tm.tilemix_attention(q, k, v, m, cu_seqlens=cu, **cfg)
+        r = tm.tilemix_attention_ref(q, k, v, m, cu_seqlens=cu)
+        err = float((outs["magic"].float() - r.float()).norm() / r.float().norm())
+        same = bool(torch.equal(outs["magic"], outs["cvt"]))
+        ok = ok and same and err < 5e-3
+        rows.add(kind="dequant_check", cfg=cfg, magic_equals_cvt=same, rel_l2_vs_ref=err)
+    S = 16384
+    q, k, v = qkv(8, S, seed=3)
+    masks = {"all_int8": uniform_mask(True, S, device="cuda"),
+             "sink_local@0.75": build_tile_mask("sink_local", 0.75, S, device="cuda")}
+    fns = {}
+    for name, m in masks.items():
+        for mode in ("magic", "cvt"):
+            for ci in (0, 2, 5):
+                def fn(m=m, mode=mode, cfg=tm.CONFIGS[ci]):
+                    tm.INT8_DEQUANT = mode
+                    return tm.tilemix_attention(q, k, v, m, **cfg)
+                fns[f"{name}/{mode}/c{ci}"] = fn
+    fns["all_16bit/c3"] = lambda: tm.tilemix_attention(q, k, v, uniform_mask(False, S, device="cuda"), **tm.CONFIGS[3])
+    for fn in fns.values():
+        fn()
+    for n, (p20, p50, p80, ns) in bench(fns, rounds=3).items():
+        rows.add(kind="dequant_time", S=S, B=8, variant=n, p20_ms=p20, p50_ms=p50, p80_ms=p80, samples=ns)
+        print(f"{n:32s} p50 {p50:8.3f} ms")
+    tm.INT8_DEQUANT = "magic" if ok else "cvt"
+    print("dequant:", tm.INT8_DEQUANT, "(magic path checked)" if ok else "(MAGIC PATH FAILED its check)")
+
+
+def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
+    rows = Rows(out / "frontier.jsonl")
+    print("versions", versions())
+    t0 = time.time()
+    dequant_check(rows)
+    print(f"dequant check {time.time() - t0:.1f} s")
+    for S in lengths:
+        B = batch
+        q, k, v = qkv(B, S, seed=S)
+        ref = ref32(q, k, v)
+        masks = {("all_16bit", 0.0): uniform_mask(False, S, device="cuda"),
+                 ("all_int8", 1.0): uniform_mask(True, S, device="cuda")}
+        for tpl in TEMPLATES:
+            for cov in COVERAGES[1:-1]:
+                masks[(tpl, cov)] = build_tile_mask(tpl, cov, S, device="cuda")
+        fns = {"sdpa_flash": lambda: sdpa_flash(q, k, v)}
+        for (tpl, cov), m in masks.items():
+            fns[f"{tpl}@{cov}"] = lambda m=m: tm.tilemix_attention(q, k, v, m, tune=True)
+        errs = {n: rel_err(fn(), ref) for n, fn in fns.items()}  # the warm-up call: tunes, compiles, and is checked
+        times = bench(fns, rounds={4096: 10, 8192: 8, 16384: 5}.get(S, 3))
+        flops = 2 * B * HQ * S * S * D
+        base = {n: times[n][1] for n in ("sdpa_flash", "all_16bit@0.0", "all_int8@1.0")}
+        for n, (p20, p50, p80, ns) in times.items():
+            tpl, cov = n.split("@") if "@" in n else (n, None)
+            m = masks.get((tpl, float(cov))) if cov is not None else None
+            rows.add(kind="frontier", S=S, B=B, template=tpl, coverage=None if cov is None else float(cov),
+                     realised=None if m is None else m.realised_coverage(S), p20_ms=p20, p50_ms=p50, p80_ms=p80,
+                     samples=ns, tokens_per_s=B * S / (p50 / 1e3), tflops=flops / p50 / 1e9,
+                     vs_sdpa=base["sdpa_flash"] / p50, vs_0pct=base["all_16bit@0.0"] / p50,
+                     vs_100pct=base["all_int8@1.0"] / p50, rel_err_fp32=errs[n])
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    for kk, cfg in tm._TUNED.items():
+        rows.add(kind="tuned", key=str(kk), config=cfg)
+    print(f"frontier done at {time.time() - t0:.1f} s")
+    summarize(out / "frontier.jsonl")
+    if model_len:
+        try:
+            model_check(rows, model_len)
+        except Exception:  # noqa: BLE001 - the frontier rows are written already
+            import traceback
+
+            traceback.print_exc()
+
+
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rope_theta=1_000_000.0, tie_word_embeddings=True)
+
+
+def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, device: str = "cuda",
+                variants=None, prefill_timing: bool = True) -> None:
+    """qwen3-4b architecture (random weights) with TileMix as its prefill attention vs its own bf16 SDPA run:
+    teacher-forced logits rel-L2 (max over steps) and free-running greedy agreement."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, Qwen3Config
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cfg = Qwen3Config(**arch)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    state = {"mask": None}
+
+    def tilemix_fwd(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        if state["mask"] is None or query.shape[2] != key.shape[2] or query.shape[2] == 1:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        o = tm.tilemix_attention(query, key, value, state["mask"], scaling, tune=device == "cuda")
+        return o.transpose(1, 2), None
+
+    AttentionInterface.register("tilemix", tilemix_fwd)
+    try:
+        from transformers import AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionMaskInterface.register("tilemix", sdpa_mask)
+    except ImportError:
+        pass
+    ids = torch.randint(0, cfg.vocab_size, (1, S), device=device, generator=torch.Generator(device).manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    from transformers import LogitsProcessorList
+
+    def reference_tokens(model, batch, n):  # as llm4llm.accept (which needs pydantic, absent on the GPU image)
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+        return out.sequences[:, batch["input_ids"].shape[1]:], [x.float() for x in out.logits]
+
+    def teacher_forced_logits(model, batch, tokens, n):
+        plen = batch["input_ids"].shape[1]
+
+        def force(input_ids, scores):
+            out = torch.full_like(scores, -math.inf)
+            return out.scatter_(1, tokens[:, input_ids.shape[1] - plen][:, None], 0.0)
+
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([force]), output_logits=True,
+                                 return_dict_in_generate=True)
+        return [x.float() for x in out.logits]
+
+    model.config._attn_implementation = "sdpa"
+    tokens, base_logits = reference_tokens(model, batch, decode)
+    model.config._attn_implementation = "tilemix"
+    variants = variants or [("all_16bit", 0.0)] + [("sink_local", c) for c in COVERAGES[1:]] + [
+        ("bigbird", 0.75), ("row_random", 0.75)]
+    for tpl, cov in variants:
+        state["mask"] = uniform_mask(False, S, device=device) if cov == 0 else build_tile_mask(tpl, cov, S,
+                                                                                             device=device)
+        logits = teacher_forced_logits(model, batch, tokens, decode)
+        dev = max(float((a - b).norm() / b.norm()) for a, b in zip(logits, base_logits))
+        free, _ = reference_tokens(model, batch, decode)
+        agree = float((free == tokens).float().mean())
+        top1 = float(torch.stack([(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in
+                                  zip(logits, base_logits)]).mean())
+        rows.add(kind="model", S=S, template=tpl, coverage=cov, max_logits_rel_l2=dev, greedy_agreement=agree,
+                 teacher_forced_top1_agreement=top1, decode=decode)
+        print(f"model {tpl}@{cov}: logits rel-L2 {dev:.4f}, greedy agreement {agree:.3f}")
+    if not prefill_timing:
+        return
+    # the model's prefill, eager SDPA vs TileMix (sink_local at 75 %), one forward of the prompt
+    for tpl, cov in (("sdpa", None), ("sink_local", 0.75), ("sdpa", None), ("sink_local", 0.75)):
+        model.config._attn_implementation = "sdpa" if cov is None else "tilemix"
+        state["mask"] = None if cov is None else build_tile_mask(tpl, cov, S, device=device)
+        with torch.inference_mode():
+            ts = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(**batch, use_cache=True, logits_to_keep=1)
+                torch.cuda.synchronize()
+                ts.append((time.perf_counter() - t) * 1e3)
+        rows.add(kind="model_prefill", S=S, template=tpl, coverage=cov, ms=sorted(ts)[1], samples=ts)
+        print(f"prefill {tpl}@{cov}: {sorted(ts)[1]:.1f} ms")
+
+
+def summarize(path: Path) -> None:
+    rows = [json.loads(l) for l in path.read_text().splitlines()]
+    for r in rows:
+        if r["kind"] in ("correct_varlen",) and r["rel_l2_vs_ref"] > 5e-3:
+            print("BAD", r)
+        if r["kind"] in ("bitwise_0pct", "kv_int8", "isa"):
+            print(r)
+        if r["kind"] == "sweep":
+            print(f"{r['variant']:28s} p50 {r['p50_ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s  "
+                  f"x{r['speedup_vs_sdpa']:.3f} vs sdpa")
+        if r["kind"] in ("dequant_check", "model", "model_prefill"):
+            print(r)
+        if r["kind"] == "frontier":
+            print(f"S={r['S']:6d} {r['template']:11s} {str(r['coverage']):5s} p50 {r['p50_ms']:8.3f} ms "
+                  f"{r['tflops']:6.1f} TF/s sdpa x{r['vs_sdpa']:.3f} 0% x{r['vs_0pct']:.3f} "
+                  f"err {r['rel_err_fp32']:.2e}")
+    bad = [r for r in rows if r["kind"] == "correct_varlen" and (r["rel_l2_vs_ref"] > 5e-3 or not r["finite"])]
+    print(f"{len([r for r in rows if r['kind'] == 'correct_varlen'])} varlen checks, {len(bad)} bad")
+
+
+def plot(rows_path: Path, png: Path) -> None:
+    """The frontier: speed over SDPA flash against the output's error vs fp32, one panel per prompt length, one line
+    per routing template through its coverages (0 % and 100 % shared), SDPA flash as a point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in rows_path.read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "frontier"]
+    lengths = sorted({r["S"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 4.0), sharey=True)
+    for ax, S in zip(axes if len(lengths) > 1 else [axes], lengths):
+        at = {(r["template"], r["coverage"]): r for r in rows if r["S"] == S}
+        ends = at[("all_16bit", 0.0)], at[("all_int8", 1.0)]
+        for tpl, marker in zip(TEMPLATES, "osD"):
+            pts = [ends[0]] + [at[(tpl, c)] for c in COVERAGES[1:-1]] + [ends[1]]
+            ax.plot([p["rel_err_fp32"] for p in pts], [p["vs_sdpa"] for p in pts], marker=marker, label=tpl)
+            for p, c in zip(pts, COVERAGES):
+                ax.annotate(f"{c:.0%}", (p["rel_err_fp32"], p["vs_sdpa"]), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        sd = at[("sdpa_flash", None)]
+        ax.plot([sd["rel_err_fp32"]], [1.0], "k*", markersize=10, label="SDPA flash (bf16)")
+        ax.axhline(1.4, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"prompt {S // 1024}k, batch {sd['B']}")
+        ax.set_xlabel("output rel-L2 error vs fp32")
+        ax.grid(alpha=0.3)
+    (axes[0] if len(lengths) > 1 else axes).set_ylabel("throughput / SDPA flash")
+    (axes[0] if len(lengths) > 1 else axes).legend(fontsize=7, loc="lower right")
+    fig.suptitle("TileMix on the H200: qwen3-4b attention (32 q / 8 kv heads, d128), causal prefill; "
+                 "dotted: the 1.4x target", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["check", "frontier", "plot"])
+    ap.add_argument("--rows", help="plot: the frontier.jsonl to draw")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model-len", type=int, default=0)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.mode == "plot":
+        plot(Path(a.rows), out / "frontier.png")
+        return
+    (out / "command.txt").write_text(" ".join(sys.argv) + "\n" + json.dumps(versions()) + "\n")
+    if a.mode == "check":
+        check(out)
+    else:
+        frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len)
+
+
+if __name__ == "__main__":
+    main()
