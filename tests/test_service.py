@@ -278,8 +278,8 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
 
 def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path):
-    """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0 (one slot), staggered, the GPU
-    global concurrency limit created."""
+    """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0, staggered, every queue with one
+    slot (one GPU run, one DuckDB writer at a time), the GPU global concurrency limit created."""
     from prefect import get_client
 
     from deployments.deploy import deploy_all
@@ -289,7 +289,7 @@ def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefe
     with get_client(sync_client=True) as client:
         assert client.read_work_pool("llm4llm-test").type == "process"
         queues = {q.name: q for q in client.read_work_queues(work_pool_name="llm4llm-test")}
-        assert queues["gpu-cuda-0"].concurrency_limit == 1 and queues["cpu"].concurrency_limit is None
+        assert queues["gpu-cuda-0"].concurrency_limit == 1 and queues["cpu"].concurrency_limit == 1
         gpu = client.read_deployment_by_name("nightly-workload/nightly-w-gpu")
         assert gpu.work_queue_name == "gpu-cuda-0" and [s.schedule.cron for s in gpu.schedules] == ["45 3 * * *"]
         assert client.read_deployment_by_name("optimize-workload/on-change-gpu-cuda-0").work_queue_name == "gpu-cuda-0"
