@@ -7,7 +7,7 @@ from flows.gpu import gpu_slot
 from flows.profiling import _defaults, extract_tasks, profile_workload
 from flows.search import search_flow
 from llm4llm import pipeline
-from llm4llm.config import STAGES, OptimizeConfig
+from llm4llm.config import OptimizeConfig
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.profiling import describe_workload
 from tasks.reporting import publish_markdown

@@ -1,25 +1,47 @@
-"""Deployments: a nightly re-optimization per workload plus manual ones, and the config-change trigger."""
+"""Deployments: a nightly run per workload (staggered, only for devices this host has), manual and on-change ones,
+and the workload identity the change trigger hashes. The same deployments run against a real server in
+tests/test_service.py."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
-from deployments.serve import build_deployments
-from deployments.triggers import changed_workloads, workload_files
+from deployments.serve import build_deployments, nightly_crons
+from deployments.triggers import workload_files
 from llm4llm.workload import load_workload
-from storage import repo
-from storage.db import Database
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def test_nightly_and_manual_deployments():
-    deps = build_deployments([EXAMPLES / "workloads" / "tiny-llama.toml"], cron="0 3 * * *")
-    names = {d.name for d in deps}
-    assert names == {"nightly-tiny-llama", "manual"}
+    deps = build_deployments([EXAMPLES / "workloads" / "tiny-llama.toml", EXAMPLES / "workloads" / "qwen3-4b.toml"])
+    names = {(d.flow_name, d.name) for d in deps}
+    # qwen3-4b runs on cuda: not scheduled on a host without one (tests run on the CPU)
+    assert names == {("nightly-workload", "nightly-tiny-llama"), ("optimize-workload", "manual"),
+                     ("optimize-workload", "on-change"), ("profile-workload", "manual")}
     nightly = next(d for d in deps if d.name == "nightly-tiny-llama")
     assert nightly.schedules and nightly.schedules[0].schedule.cron == "0 3 * * *"
     assert nightly.parameters["workload_path"].endswith("tiny-llama.toml")
+    assert nightly.entrypoint == "flows.nightly.nightly_workload"
+    on_change = next(d for d in deps if d.name == "on-change")
+    (trigger,) = on_change.triggers
+    assert trigger.expect == {"llm4llm.workload.changed"}
+    assert trigger.parameters["workload_path"] == "{{ event.payload.path }}"
+
+
+def test_nightly_runs_are_staggered():
+    assert nightly_crons(4, "03:00", 45) == ["0 3 * * *", "45 3 * * *", "30 4 * * *", "15 5 * * *"]
+    assert nightly_crons(2, "23:30", 45) == ["30 23 * * *", "15 0 * * *"]
+
+
+def test_no_flow_module_shadows_the_standard_library():
+    """Prefect loads a file entrypoint as a module named after the file: flows/profile.py hid the stdlib's profile
+    (then cProfile, torch._dynamo and transformers failed to import in every deployment run)."""
+    for d in ("flows", "tasks", "deployments"):
+        for f in (ROOT / d).glob("*.py"):
+            assert f.stem not in sys.stdlib_module_names, f
 
 
 def _copy_workload(tmp_path: Path) -> Path:
@@ -31,19 +53,15 @@ def _copy_workload(tmp_path: Path) -> Path:
     return dst
 
 
-def test_config_change_trigger(tmp_path):
+def test_workload_identity_is_the_parsed_config_and_the_script(tmp_path):
     path = _copy_workload(tmp_path)
-    db_path = str(tmp_path / "db.duckdb")
     assert workload_files([tmp_path / "workloads"]) == [path]
-    assert [p for p, _ in changed_workloads([tmp_path / "workloads"], db_path)] == [path]  # never run
     h = load_workload(path, check_device=False).content_hash()
-    with Database(db_path) as db:
-        repo.record_profile_run(db, {"run_id": "r1", "workload_hash": h, "workload_name": "tiny-llama", "kind": "profile",
-                                     "status": "ok", "started_at": "2026-11-30 00:00:00"},
-                                {"workload_hash": h, "name": "tiny-llama", "path": str(path), "config": {}}, [])
-    assert changed_workloads([tmp_path / "workloads"], db_path) == []  # this content already has a run
+    path.write_text("# a comment\n" + path.read_text())
+    assert load_workload(path, check_device=False).content_hash() == h  # comments are not configuration
     path.write_text(path.read_text().replace("decode_len = 4", "decode_len = 5"))
-    assert [p for p, _ in changed_workloads([tmp_path / "workloads"], db_path)] == [path]  # edited: re-run
+    h1 = load_workload(path, check_device=False).content_hash()
+    assert h1 != h  # edited: re-run
     (tmp_path / "scripts" / "hf_generate.py").write_text((tmp_path / "scripts" / "hf_generate.py").read_text() + "\n#")
     h2 = load_workload(path, check_device=False).content_hash()
-    assert h2 != h  # the script is part of the workload's identity
+    assert h2 != h1  # the script is part of the workload's identity

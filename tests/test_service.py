@@ -229,6 +229,15 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     from flows.nightly import nightly_workload
     from llm4llm import pipeline
 
+    def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, **kwargs):
+        result = fn(*args, **kwargs)
+        if poll:
+            poll()
+        return result
+
+    # acceptance and e2e run in spawned processes for GPU isolation (tests/test_flows.py covers that path); here
+    # the nights' bookkeeping is under test, so they run in this process (a process start costs ~10 s on the CPU)
+    monkeypatch.setattr(pipeline, "in_subprocess", in_this_process)
     w = _workloads(tmp_path)
     db, data = str(tmp_path / "db.duckdb"), str(tmp_path / "data")
     cfg = OptimizeConfig(search={"budget": 1, "top": 1}, evaluate={"variants": ["eager"], "repeats": 1})
@@ -261,15 +270,16 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     assert list(decisions["decision"]) == ["keep", "keep"]  # the CPU accepts nothing: no bundle in service
     assert decisions["reason"].str.contains("no bundle in service and none accepted tonight").all()
     assert transcripts and json.loads(Path(transcripts[0]).read_text())["experience_in"]  # warm start
-    with get_client(sync_client=True) as client:
-        tr = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["record-profile"])))
-    retried = [t for t in tr if t.run_count == 2]
-    assert retried and all(t.state.is_completed() for t in retried)
+    with get_client(sync_client=True) as client:  # task run states reach the server as events: wait for them
+        retried = _wait("the retried task run on the server", lambda: [
+            t for t in client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(
+                like_="record-profile"))) if t.run_count == 2 and t.state.is_completed()], 30)
+    assert len(retried) == 1
 
 
 def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path):
-    """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0 (one slot), staggered, the GPU
-    global concurrency limit created."""
+    """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0, staggered, every queue with one
+    slot (one GPU run, one DuckDB writer at a time), the GPU global concurrency limit created."""
     from prefect import get_client
 
     from deployments.deploy import deploy_all
@@ -279,8 +289,85 @@ def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefe
     with get_client(sync_client=True) as client:
         assert client.read_work_pool("llm4llm-test").type == "process"
         queues = {q.name: q for q in client.read_work_queues(work_pool_name="llm4llm-test")}
-        assert queues["gpu-cuda-0"].concurrency_limit == 1 and queues["cpu"].concurrency_limit is None
+        assert queues["gpu-cuda-0"].concurrency_limit == 1 and queues["cpu"].concurrency_limit == 1
         gpu = client.read_deployment_by_name("nightly-workload/nightly-w-gpu")
         assert gpu.work_queue_name == "gpu-cuda-0" and [s.schedule.cron for s in gpu.schedules] == ["45 3 * * *"]
         assert client.read_deployment_by_name("optimize-workload/on-change-gpu-cuda-0").work_queue_name == "gpu-cuda-0"
         assert client.read_global_concurrency_limit_by_name("gpu-cuda-0").limit == 1
+
+
+def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
+    """Bundles for tiny-llama's RMSNorm, re-validated in the model each night: none in service + a passing bundle ->
+    replace (v1, `current` -> v0001); v1 still passing -> keep, its latency gate reported skipped on the CPU; a
+    version that fails tonight -> rollback to the last one that passes (v1), and with none that passes -> none."""
+    from kernels_runtime.bundle import save_bundle
+    from llm4llm import nightly, service
+    from tests.test_runtime import RMSNORM_SOURCE, rmsnorm_bundle
+
+    # in this process (the flow runs each check in its own): the same check, without a process start per bundle
+    monkeypatch.setattr(nightly, "_revalidate", service.revalidate)
+    w = _workloads(tmp_path)
+    db, data = str(tmp_path / "db.duckdb"), str(tmp_path / "data")
+    good = str(save_bundle(rmsnorm_bundle(), tmp_path / "good"))
+    wrong = RMSNORM_SOURCE.replace("(w * xn)", "(w * xn * 1.5)")
+    assert wrong != RMSNORM_SOURCE
+    bad = str(save_bundle(rmsnorm_bundle(source=wrong), tmp_path / "bad"))
+
+    def night(run_id: str, candidate: str | None) -> dict:
+        current = nightly.current_validation(str(w.cpu), db)
+        return nightly.service_decision(str(w.cpu), run_id, candidate, current, db, data)
+
+    home = Path(data) / "bundles" / "tiny-llama"
+    first = night("n1", good)
+    assert (first["decision"], first["from_version"], first["to_version"]) == ("replace", None, 1)
+    assert (home / "current").resolve() == (home / "v0001").resolve() and (home / "v0001" / "manifest.json").exists()
+    second = night("n2", bad)  # tonight's bundle is wrong in-model: the one in service stays
+    assert (second["decision"], second["to_version"]) == ("keep", 1)
+    assert "tonight's fails: in-model correctness fails" in second["reason"]
+    # an earlier night put a bundle in service that fails tonight (as after a library or workload change)
+    with Database(db) as d:
+        shutil.copytree(bad, home / "v0002")
+        repo.record_bundle_version(d, {"workload_name": "tiny-llama", "version": 2, "run_id": "n2",
+                                       "workload_hash": "-", "bundle_path": str(home / "v0002"), "digest": "-"})
+        repo.set_current_bundle(d, "tiny-llama", 2, "n2")
+    third = night("n3", None)
+    assert (third["decision"], third["from_version"], third["to_version"]) == ("rollback", 2, 1)
+    assert "rolled back to version 1" in third["reason"] and (home / "current").resolve() == (home / "v0001").resolve()
+    with Database(db) as d:
+        rows = repo.service_decisions(d, "tiny-llama")
+        vals = d.query_df("select * from bundle_validations order by created_at")
+        cur = repo.current_bundle(d, "tiny-llama")
+        versions = repo.bundle_versions(d, "tiny-llama")
+        with pytest.raises(Exception, match="(?i)constraint|duplicate"):  # a version is never overwritten
+            repo.record_bundle_version(d, {"workload_name": "tiny-llama", "version": 1, "run_id": "x",
+                                           "workload_hash": "-", "bundle_path": "-", "digest": "-"})
+    assert list(rows["decision"]) == ["replace", "keep", "rollback"] and rows["reason"].str.len().min() > 20
+    assert cur["version"] == 1 and [v["version"] for v in versions] == [2, 1]
+    passing = vals[vals["ok"]]
+    assert (passing["latency"] == "skipped: cpu").all() and len(passing) >= 3
+    assert vals[~vals["ok"]]["correctness"].str.startswith("failed: logits_rel_l2").all()
+    # nothing passes tonight: no bundle in service
+    with Database(db) as d:
+        repo.set_current_bundle(d, "tiny-llama", 2, "n3")
+    monkeypatch.setattr(nightly, "_revalidate", lambda wl, path, cfg=None: service.revalidate(wl, bad, cfg))
+    fourth = night("n4", None)
+    assert (fourth["decision"], fourth["to_version"]) == ("rollback", None)
+    assert "no earlier version passes" in fourth["reason"] and not (home / "current").exists()
+
+
+def test_decide_prefers_a_faster_bundle_only_by_delta():
+    """The GPU side of the decision, on measured validations: tonight's bundle replaces a passing one only when it
+    runs faster by delta relative to the unpatched model beside it; a regressed bundle in service is replaced."""
+    from llm4llm.service import Validation, decide
+
+    def v(unpatched, patched, ok=True):
+        return Validation("b", ok, "ok", "ok" if ok else "regressed", unpatched, patched, 1 - patched / unpatched)
+
+    assert decide(v(100, 50), v(80, 40), None, 0.02).decision == "keep"  # same ratio: not faster by delta
+    d = decide(v(100, 50), v(80, 38), None, 0.02)
+    assert (d.decision, d.target) == ("replace", "candidate") and "0.475" in d.reason
+    regressed = v(100, 110, ok=False)
+    assert (decide(regressed, None, None).decision, decide(regressed, None, None).target) == ("rollback", None)
+    assert decide(regressed, v(100, 60), None).decision == "replace"
+    assert decide(regressed, None, v(100, 70), fallback_version=3).reason.count("version 3") == 1
+    assert decide(None, None, None).decision == "keep" and decide(None, v(100, 90), None).decision == "replace"
