@@ -125,7 +125,8 @@ def test_graph_capture_and_patterns(kb_dir, tmp_path):
         spec = load_spec(make_task(f, tmp_path))
         assert spec.family == "kernelbench" and spec.reference == "kernelbench" and spec.input_names == ["x"]
         got[f.name] = [t.name for t in prop.templates_for(spec)]
-    assert got["2_Gemm_Divide_Sum.py"] == ["kb.rewrite_fused_tail", "kb.fused_tail"]  # the GEMM-sum rewrite fires
+    # the GEMM-sum rewrite fires; the GEMM also gets the Triton GEMM with its epilogue fused
+    assert got["2_Gemm_Divide_Sum.py"] == ["kb.rewrite_fused_tail", "kb.fused_tail", "kb.gemm_epilogue"]
     assert got["1_Conv2d_GELU_Softmax.py"] == ["kb.fused_tail"]
     src = prop.propose(load_spec(make_task(kb_dir / "3_Conv2d_GroupNorm_Tanh_MaxPool.py", tmp_path)), [], [], 1)[0]
     # heavy op on cuDNN, everything after it in Triton: group norm (two statistics passes) with tanh and the pool
