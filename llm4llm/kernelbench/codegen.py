@@ -295,26 +295,26 @@ class Gen:
         return acc
 
     def _epilogue(self, n):
-        """The pointwise node (same shape as `n`, its only consumer chain) whose value the kernel of `n` can store
-        instead of its own, or None."""
-        cur = n
-        target = None
-        while True:
-            us = [u for u in self.users[cur] if u.op != "output"]
-            outs = [u for u in self.users[cur] if u.op == "output"]
-            if outs or len(us) != 1:
-                break
-            u = us[0]
-            if u.target is operator.getitem:
-                break
-            if self.kind(u) not in ("pointwise", "identity") or _shape(u) != _shape(n):
-                break
-            cur = u
-            target = u
-        if target is None:
-            return None
-        # every other tensor the chain reads must already be stored
-        return target
+        """The last node of the pointwise sub-graph after `n` (same shape, every intermediate value used only inside
+        it, every other operand already stored) that the kernel of `n` can store instead of `n`, or None: chains
+        (`x * s`, leaky_relu) and small DAGs (`x * s + x`, KernelBench's residual adds of a detached clone)."""
+        nodes = list(self.gm.graph.nodes)
+        group = [n]
+        inside = {n}
+        for u in nodes[nodes.index(n) + 1:]:
+            if u.op != "call_function" or self.kind(u) not in ("pointwise", "identity") or _shape(u) != _shape(n):
+                continue
+            ins = [a for a in u.args if isinstance(a, torch.fx.Node)]
+            if not any(a in inside for a in ins):
+                continue
+            if all(a in inside or a in self.bufs for a in ins):
+                group.append(u)
+                inside.add(u)
+        for i in range(len(group) - 1, 0, -1):
+            part = set(group[:i + 1])
+            if all(u in part for m in group[:i] for u in self.users[m]):
+                return group[i]
+        return None
 
     def _store_value(self, n, idx, shape, pre, bind, memo) -> tuple[Any, str]:
         """(node stored, expression): the epilogue chain of n when it fuses, else n itself."""
@@ -665,6 +665,67 @@ class Gen:
                                f"num_warps={self.cfg.get('num_warps', 4)})")
         self.plan.kinds.append(op)
 
+    def gemm_kernel(self, n, x: Buf, w: Buf, b: Buf | None) -> None:
+        """out = epilogue(x @ w + b) in one Triton kernel: an fp32 GEMM with IEEE-precision dots (TF32 would miss
+        1e-4), grouped tile order for L2 reuse, and the pointwise sub-graph after the GEMM computed on the
+        accumulator tile before the store."""
+        M, K = x.shape
+        K2, N = w.shape
+        if K2 != K or (b is not None and b.shape != (N,)):
+            raise Unsupported("GEMM operand shapes")
+        bind = {n: "acc"}
+        pre: list[str] = []
+        self.flat = None
+        stored, v = self._store_value(n, ["rm", "rn"], (M, N), pre, bind, {})
+        own = {x.var, w.var} | ({b.var} if b is not None else set())
+        leaves = sorted((l for l in self._leaves(stored, set(), bind) if self.bufs[l].var not in own),
+                        key=lambda l: self.bufs[l].var)
+        out = self._alloc(stored, (M, N))
+        if stored is not n:
+            self.fused_into[stored] = n
+        name = self._new()
+        ptrs = [f"{x.var}_ptr", f"{w.var}_ptr", *([f"{b.var}_ptr"] if b is not None else []),
+                *(f"{self.bufs[l].var}_ptr" for l in leaves)]
+        call = [x.var, w.var, *([b.var] if b is not None else []), *(self.bufs[l].var for l in leaves)]
+        sxm, sxk = x.strides
+        swk, swn = w.strides
+        src = [f"@triton.jit",
+               f"def {name}({', '.join(ptrs)}, OUT_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, "
+               f"GROUP_M: tl.constexpr):",
+               "    pid = tl.program_id(0)",
+               f"    num_m = tl.cdiv({M}, BM)",
+               f"    num_n = tl.cdiv({N}, BN)",
+               "    group = GROUP_M * num_n",
+               "    first_m = (pid // group) * GROUP_M",
+               "    gsz = tl.minimum(num_m - first_m, GROUP_M)",
+               "    pid_m = first_m + (pid % group) % gsz",
+               "    pid_n = (pid % group) // gsz",
+               "    rm = (pid_m * BM + tl.arange(0, BM))[:, None]",
+               "    rn = (pid_n * BN + tl.arange(0, BN))[None, :]",
+               "    rk = tl.arange(0, BK)",
+               "    acc = tl.zeros([BM, BN], tl.float32)",
+               f"    for k0 in range(0, {K}, BK):",
+               "        kk = k0 + rk",
+               f"        a = tl.load({x.var}_ptr + rm * {sxm} + kk[None, :] * {sxk}, mask=(rm < {M}) & "
+               f"(kk[None, :] < {K}), other=0.0)",
+               f"        bt = tl.load({w.var}_ptr + kk[:, None] * {swk} + rn * {swn}, mask=(kk[:, None] < {K}) & "
+               f"(rn < {N}), other=0.0)",
+               "        acc += tl.dot(a, bt, input_precision=\"ieee\")",
+               f"    MASK = (rm < {M}) & (rn < {N})"]
+        if b is not None:
+            src.append(f"    acc = acc + tl.load({b.var}_ptr + rn, mask=rn < {N}, other=0.0)")
+        src += [f"    {l}" for l in pre]
+        src.append(f"    tl.store(OUT_ptr + rm * {N} + rn, {v}, mask=MASK)")
+        self.plan.kernels.append("\n".join(src))
+        c = self.cfg
+        bm, bn = c.get("BM", 128), c.get("BN", 128)
+        self.plan.lines.append(
+            f"{name}[(triton.cdiv({M}, {bm}) * triton.cdiv({N}, {bn}),)]({', '.join(call)}, {out.var}, BM={bm}, "
+            f"BN={bn}, BK={c.get('BK', 32)}, GROUP_M=8, num_warps={c.get('gemm_warps', 8)}, "
+            f"num_stages={c.get('gemm_stages', 3)})")
+        self.plan.kinds.append("triton_gemm+epilogue")
+        self.plan.heavy.append("triton_gemm_ieee")
+
     def _param(self, w, idx, L, chan, p, op) -> str:
         """An affine parameter of a norm at element `idx`: per channel (group/batch norm) or over the normalised
         trailing dims (layer norm)."""
@@ -783,6 +844,15 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
                     lines.append(f"{var} = torch.nn.functional.conv{nd}d({x.var}, {w.var}, {bvar}, {tuple(stride)}, "
                                  f"{tuple(pad)}, {tuple(dil)}, {groups})")
                 g.plan.heavy.append(f"conv{'_transpose' if transposed else ''}{nd}d")
+            elif n.target in (aten.addmm.default, aten.mm.default) and cfg.get("gemm") == "triton":
+                if n.target == aten.addmm.default:
+                    if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                        raise Unsupported("addmm alpha/beta")
+                    b, x, w = args[:3]
+                else:
+                    b, (x, w) = None, args[:2]
+                g.gemm_kernel(n, x, w, b)
+                continue
             elif n.target == aten.addmm.default:
                 b, x, w = args[:3]
                 if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:

@@ -7,6 +7,9 @@
   over its features becomes a GEMV with column-summed weights; reductions over size-1 dims are dropped). Each
   rewrite is proved per problem by the verifier on the fp32 reference, like any candidate; it applies only where a
   rewrite fired.
+- `kb.gemm_epilogue` (origin "template"): GEMM problems with the GEMM itself in Triton (fp32, IEEE-precision dots,
+  grouped tile order, tiles and stages in the config space) and the pointwise sub-graph after it computed on the
+  accumulator before the store; the rest as in `kb.fused_tail`.
 The config space is the kernels' tiles and warps; the search explores it like any template's.
 """
 from __future__ import annotations
@@ -69,16 +72,23 @@ def _space(spec: TaskSpec) -> dict[str, list]:
             "ROWS": [1, 2, 4, 8], "num_warps": [4, 8, 2], "epilogue": [True, False], "acc64": [True, False]}
 
 
-def _applies(rewrite: bool):
+def _gemm_space(spec: TaskSpec) -> dict[str, list]:
+    return {**_space(spec), "gemm": ["triton"], "BM": [128, 64], "BN": [128, 64, 256], "BK": [32, 16],
+            "gemm_warps": [8, 4], "gemm_stages": [3, 4]}
+
+
+def _applies(rewrite: bool, space=_space, needs_gemm: bool = False):
     def why_not(spec: TaskSpec) -> str | None:
         if spec.family != "kernelbench":
             return "not a KernelBench task"
         try:
-            _, applied = build_plan(spec, {k: v[0] for k, v in _space(spec).items()}, rewrite)
+            plan, applied = build_plan(spec, {k: v[0] for k, v in space(spec).items()}, rewrite)
         except codegen.Unsupported as e:
             return f"graph not covered: {e}"
         if rewrite and not {"gemm_sum_to_gemv", "x_minus_x_is_zero"} & set(applied):
             return "no exact rewrite applies"
+        if needs_gemm and "triton_gemm_ieee" not in plan.heavy:
+            return "no GEMM (addmm/mm) in the graph"
         return None
     return why_not
 
@@ -92,8 +102,10 @@ TEMPLATES = [
              space_fn=_space, render_fn=_render(True), applies_fn=_applies(True)),
     Template(name="kb.fused_tail", family="kernelbench", phases=("forward",), requires=(),
              space_fn=_space, render_fn=_render(False), applies_fn=_applies(False)),
+    Template(name="kb.gemm_epilogue", family="kernelbench", phases=("forward",), requires=(),
+             space_fn=_gemm_space, render_fn=_render(False), applies_fn=_applies(False, _gemm_space, True)),
 ]
-ORIGIN = {"kb.fused_tail": "template", "kb.rewrite_fused_tail": "rewrite"}
+ORIGIN = {"kb.fused_tail": "template", "kb.rewrite_fused_tail": "rewrite", "kb.gemm_epilogue": "template"}
 
 
 def origin_of(template: str, proposer: str) -> str:
