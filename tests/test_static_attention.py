@@ -214,3 +214,11 @@ def test_graph_timing_of_a_static_cache_task_stays_inside_the_cache(static_run, 
     assert "GPU time under CUDA-graph replay" in detail, detail
     lengths = [int(start) for reset in seen for t, start in reset if t.dim() == 0]
     assert len(lengths) >= timing.GRAPH_CALLS and set(lengths) == {16}, lengths  # one cache a call, each at 16
+
+
+def test_extraction_goes_to_the_static_cache_only_where_decode_graphs_may_run():
+    from llm4llm.pipeline import extract_on_static_cache
+
+    assert extract_on_static_cache("cuda", "auto") and extract_on_static_cache("cuda:1", True)
+    assert not extract_on_static_cache("cuda", "off") and not extract_on_static_cache("cuda", False)
+    assert not extract_on_static_cache("cpu", "on")
