@@ -261,8 +261,10 @@ def _llm_options(workload: Optional[Path], model: Optional[str], api_base: Optio
 
 
 def _run_workload_path(d, run_id: str) -> Optional[Path]:
-    rows = d.query("SELECT w.path FROM runs r JOIN workloads w USING (workload_hash) WHERE r.run_id = ?", [run_id])
-    return Path(rows[0][0]) if rows and rows[0][0] else None
+    from storage import repo
+
+    path = repo.run_workload_path(d, run_id)
+    return Path(path) if path else None
 
 
 def _print_e2e(rows: list[dict]) -> None:

@@ -58,6 +58,12 @@ def list_runs(db: Database, limit: int = 50):
     )
 
 
+def run_workload_path(db: Database, run_id: str) -> str | None:
+    """The workload file a run was profiled from, as recorded then."""
+    rows = db.query("SELECT w.path FROM runs r JOIN workloads w USING (workload_hash) WHERE r.run_id = ?", [run_id])
+    return rows[0][0] if rows and rows[0][0] else None
+
+
 def get_run(db: Database, run_id: str) -> dict | None:
     df = db.query_df("SELECT * FROM runs WHERE run_id = ?", [run_id])
     return None if df.empty else df.iloc[0].to_dict()
