@@ -447,7 +447,7 @@ def report(run: Optional[str] = typer.Argument(None, help="run id (default: the 
             workload = load_workload(workload, check_device=False).name
         try:
             path, run_id = write_report(db, run=run, workload=workload, out=out)
-        except LookupError as e:
+        except (LookupError, RuntimeError) as e:  # no such run; a database that cannot be opened
             raise Llm4llmError(str(e)) from e
         console.print(f"report of run [bold]{run_id}[/]: {path}")
 

@@ -181,8 +181,10 @@ def speedups(ctx: ReportContext) -> Block:
     ax_o.invert_yaxis()
     ax_o.set_xlabel("trials by outcome")
     ax_o.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
-    ax_o.set_yticks([])
-    if not timed.empty:
+    if timed.empty:
+        ax_o.tick_params(axis="y", labelsize=7)
+    else:
+        ax_o.set_yticks([])  # the speedup panel beside it names the tasks
         ax_s.invert_yaxis()
     g = t.groupby("task_id", sort=False)
     table = pd.DataFrame({

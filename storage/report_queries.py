@@ -33,13 +33,14 @@ def run_overview(db: Database, run_id: str):
 
 
 def hotspots(db: Database, run_id: str, top: int = 12):
-    """Per phase, the `top` modules by share of the phase's time (the top-level model left out: its share is 1);
+    """Per phase, the `top` modules by share of the phase's time (the model and its backbone left out: their share
+    is the whole phase);
     `weight` is the phase's weight in the workload (hotspot_score = share x weight)."""
     return db.query_df(
         "SELECT phase, row_number() OVER (PARTITION BY phase ORDER BY share DESC, module_path) AS rank, module_path, "
         "class_name, family, depth, calls, time_ms, share, hotspot_score, "
         "CASE WHEN share > 0 THEN hotspot_score / share END AS weight "
-        "FROM profiles WHERE run_id = ? AND depth > 0 QUALIFY rank <= ? ORDER BY phase DESC, rank",
+        "FROM profiles WHERE run_id = ? AND depth > 0 AND family <> 'model' QUALIFY rank <= ? ORDER BY phase DESC, rank",
         [run_id, top],
     )
 

@@ -213,7 +213,7 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
 
 @pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0"),
                                         ("--accept-noisy-rounds", "-1"),
-                                        ("--family", "normz")])
+                                        ("--family", "normz"), ("--task-runner", "dask")])
 def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value):
     from typer.testing import CliRunner
 

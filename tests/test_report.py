@@ -226,3 +226,22 @@ def test_markdown_artifacts_and_cli_errors(two_nights):
     res = CliRunner().invoke(app, ["sql", "select variant, count(*) n from e2e_results group by variant order by 1",
                                    "--db", str(two_nights)])
     assert res.exit_code == 0 and "patched_graphs" in res.output, res.output
+
+
+def test_a_run_publishes_its_markdown_artifacts_under_per_workload_keys(prefect_harness, two_nights):
+    from prefect import flow
+    from prefect.artifacts import Artifact
+
+    from llm4llm.report import ARTIFACTS
+    from tasks.reporting import publish_markdown
+
+    @flow
+    def publish_all() -> list[str]:
+        return [publish_markdown(k, "mamba-130m", "mamba-130m-night2-bbbb", str(two_nights)) for k in ARTIFACTS]
+
+    keys = publish_all()
+    assert keys == [f"mamba-130m-{k}" for k in ARTIFACTS]
+    arts = {k: Artifact.get(k) for k in keys}
+    assert all(a is not None and a.type == "markdown" for a in arts.values())
+    assert "latency +0.6 % < 2 %" in arts["mamba-130m-acceptance"].data
+    assert "patched_graphs" in arts["mamba-130m-e2e"].data

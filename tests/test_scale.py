@@ -90,6 +90,11 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
     assert all(Path(p).is_file() and Path(p).is_relative_to(data) for p in cands["source_path"])
     assert set(eps["search_id"]) == set(rows["search_id"]) == set(exp["search_id"])
     assert all(Path(p).is_file() for p in eps["transcript_path"])
+    from prefect.artifacts import Artifact  # the stages' markdown artifacts, keyed per workload
+
+    board = Artifact.get("tiny-llama-leaderboard")
+    assert board is not None and all(s["task_id"] in board.data for s in searches)
+    assert Artifact.get("tiny-llama-hotspots") is not None
 
 
 def test_a_cluster_without_the_gpus_fails_at_once(scaled):
