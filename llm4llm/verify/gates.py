@@ -552,6 +552,25 @@ def _aten_name(func) -> str:
     return name.split(".")[0]
 
 
+_OPS_DIR = str(Path(__file__).resolve().parents[2] / "kernels_runtime" / "ops")
+
+
+def _from_library_launcher() -> bool:
+    """Was this aten op issued by a kernels_runtime.ops launcher (reviewed library code whose torch glue is part of
+    its design, e.g. rglru's cuBLAS baddbmm)? Its pure-PyTorch `*_ref` references do not count as launchers."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if fn.startswith(_OPS_DIR):
+            return not f.f_code.co_name.endswith("_ref")
+        if "/torch/" not in fn and not fn.endswith("gates.py"):
+            return False  # the first frame outside torch and this module decides
+        f = f.f_back
+    return False
+
+
 class AtenCounter:
     """Counts the aten ops a call runs outside Triton (a TorchDispatchMode): the heavy ones, and the elements the
     other non-free ones produce."""
@@ -565,7 +584,7 @@ class AtenCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 name = _aten_name(func)
-                if name not in FREE_ATEN:
+                if name not in FREE_ATEN and not _from_library_launcher():
                     counter.ops[name] = counter.ops.get(name, 0) + 1
                     for t in (out if isinstance(out, (tuple, list)) else (out,)):
                         if isinstance(t, torch.Tensor):
@@ -663,11 +682,12 @@ class CandidateSession:
                 torch.cuda.synchronize(self.dev)
             from safetensors.torch import save_file
 
-            tensors = {f"out.{n}": t.detach().contiguous().cpu() for n, t in outs.items()}
+            # copies: an output may alias its state buffer (state written in place), and files hold no aliases
+            tensors = {f"out.{n}": t.detach().cpu().clone().contiguous() for n, t in outs.items()}
             for name, buf, pad, n, margins in g.buffers:
                 if name.startswith("weights.") and buf.numel() * buf.element_size() > WEIGHT_BUFFER_LIMIT:
                     continue
-                tensors[f"buf.{name}"] = buf.detach().cpu()
+                tensors[f"buf.{name}"] = buf.detach().cpu().clone()
             save_file(tensors, path)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
