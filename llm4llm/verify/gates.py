@@ -251,7 +251,8 @@ def _classify_exception(e: BaseException, first_call: bool) -> GateFailure:
         InterpreterError = CompilationError  # noqa: N806
     if isinstance(e, CompilationError) or (first_call and isinstance(e, InterpreterError)):
         return GateFailure("compile", "compile", f"Triton compilation failed:\n{tb}")
-    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in low:
+    if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in low \
+            or "can't allocate memory" in low or "not enough memory" in low:  # the CPU allocator's words too
         return GateFailure("compile" if first_call else "correctness", "oom", msg[:2000])
     if any(k in low for k in CUDA_FAULTS):
         return GateFailure("compile" if first_call else "correctness", "gpu_fault", msg[:2000], poisoned=True)
