@@ -99,3 +99,31 @@ def test_cuda_and_triton_work_inside_the_sandbox():
     r, err = _run("cuda_triton.py", "x")
     assert r["ok"], err[-2000:]
     assert "WARNING: llm4llm sandbox" not in err, err
+
+
+def test_a_candidate_passing_the_static_gate_is_contained(tmp_path):
+    """Through the real pool: a correct candidate that also reaches os (torch.cuda.os passes the static gate) and
+    tries to run a shell, write outside its dir and read a secret passes as a kernel, and none of it happened."""
+    from test_verify import build_rmsnorm_task, cheat_source
+
+    from llm4llm.verify import VerifierPool
+
+    task_dir = build_rmsnorm_task(tmp_path / "tasks")
+    marker = tmp_path / "escaped"
+    os.chmod(tmp_path, 0o777)  # even a world-writable dir: Landlock allows writes only in the box
+    src = cheat_source("correct_rmsnorm").replace('    return {"out": out}', f'''    o = torch.cuda.os
+    o.system("touch {marker}.sh")
+    try:
+        fd = o.open("{marker}", o.O_WRONLY | o.O_CREAT)
+        o.write(fd, o.environ.get("SANDBOXTEST_API_KEY", "none").encode())
+    except OSError:
+        pass
+    return {{"out": out}}''')
+    os.environ["SANDBOXTEST_API_KEY"] = "sk-SANDBOXTESTSECRET-0123456789"
+    try:
+        with VerifierPool("cpu", draws=1, spare=False) as pool:
+            v = pool.verify(task_dir, src)
+    finally:
+        os.environ.pop("SANDBOXTEST_API_KEY")
+    assert v.passed, v.message
+    assert not marker.exists() and not Path(f"{marker}.sh").exists()
