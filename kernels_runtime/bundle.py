@@ -53,6 +53,9 @@ class Guard(BaseModel):
     min_capability: tuple[int, int] | None = None  # CUDA compute capability, e.g. (9, 0); only checked on cuda
     shapes: dict[str, list[Dim]] = Field(default_factory=dict)  # input name -> per-dim exact / None / [lo, hi]
     contiguous: list[str] = Field(default_factory=list)  # input names that must be contiguous
+    # the joint shape signatures acceptance verified (input name -> exact shape); when set, a call must match one of
+    # them as a whole: per-dim ranges alone would admit unseen combinations ([1..2, 3..5, 80] admits (1, 4, 80))
+    signatures: list[dict[str, list[int]]] = Field(default_factory=list)
 
     @field_validator("min_capability", mode="before")
     @classmethod

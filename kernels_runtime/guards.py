@@ -92,6 +92,17 @@ def check_shapes(specs: Mapping[str, Sequence[Any]], inputs: Mapping[str, Any]) 
     return OK
 
 
+def check_signatures(signatures: Sequence[Mapping[str, Sequence[int]]], inputs: Mapping[str, Any]) -> tuple[bool, str]:
+    """The call's shapes equal one verified joint signature (empty: not checked)."""
+    if not signatures:
+        return OK
+    for sig in signatures:
+        if all(n in inputs and tuple(inputs[n].shape) == tuple(shape) for n, shape in sig.items()):
+            return OK
+    got = {n: list(inputs[n].shape) for n in signatures[0] if n in inputs}
+    return False, f"signature: expected one of the {len(signatures)} verified shape signatures, got {got}"
+
+
 def check_contiguous(names: Sequence[str], inputs: Mapping[str, Any]) -> tuple[bool, str]:
     for name in names:
         t = inputs.get(name)
@@ -137,6 +148,7 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
         lambda: check_capability(guard.min_capability, device_type, capability()) if guard.min_capability else OK,
         lambda: check_dtype(guard.dtypes, inputs),
         lambda: check_shapes(guard.shapes, inputs),
+        lambda: check_signatures(guard.signatures, inputs),
         lambda: check_contiguous(guard.contiguous, inputs),
     )
     for check in checks:
@@ -147,6 +159,6 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
 
 
 __all__ = [
-    "check_capability", "check_contiguous", "check_device", "check_dtype", "check_shape", "check_shapes",
+    "check_capability", "check_contiguous", "check_signatures", "check_device", "check_dtype", "check_shape", "check_shapes",
     "capability_of", "dim_ok", "first_device", "is_supported",
 ]

@@ -37,24 +37,43 @@ def _quiet_prefect(verbose: bool) -> None:
     interpret_without_gpu()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:  # a failed run's own error is printed once by _user_errors; Prefect's tracebacks only with -v
+        import logging
+
+        for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+            logging.getLogger(name).addFilter(_NoTracebacks())
+
+
+class _NoTracebacks:
+    """Drops ERROR records and tracebacks from Prefect's run loggers (the CLI reports the error itself)."""
+
+    def filter(self, record) -> bool:
+        import logging
+
+        return record.levelno < logging.ERROR and not record.exc_info
 
 
 @contextmanager
 def _user_errors():
     """Bad input gets one clear message and exit code 2; nothing else is printed."""
     from llm4llm.errors import Llm4llmError
+    from storage.db import DatabaseError
 
     try:
         yield
-    except Llm4llmError as e:
+    except (Llm4llmError, DatabaseError) as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2)
 
 
 def _db(db: Optional[Path]):
-    from storage.db import Database
+    from storage.db import Database, DatabaseError
 
-    return Database(db)
+    try:
+        return Database(db)
+    except DatabaseError as e:
+        err_console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
 
 
 def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3) -> Table:

@@ -26,7 +26,14 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     # the fp32 residual stream)
     seen = {sig.dtype for c in spec.cases for sig in c.inputs.values() if sig.dtype in _FLOATING}
     dtypes = [spec.dtype] + sorted(seen - {spec.dtype})
-    return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes)
+    # the exact joint signatures the verifier judged (every case): nothing in between is admitted
+    signatures = []
+    for c in spec.cases:
+        sig = {n: list(c.inputs[n].shape) for n in shapes if n in c.inputs}
+        if sig and sig not in signatures:
+            signatures.append(sig)
+    return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
+                 signatures=signatures if len(signatures) > 1 else [])
 
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")

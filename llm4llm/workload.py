@@ -153,6 +153,14 @@ class Workload(BaseModel):
     _toml_path: Path | None = PrivateAttr(default=None)
     _toml_text: str | None = PrivateAttr(default=None)
 
+    @model_validator(mode="after")
+    def _fits_the_positions(self) -> "Workload":
+        limit = max_positions(self.model) if getattr(self, "model", None) is not None else None
+        if limit is not None and self.prompt_len + self.decode_len > limit:
+            raise ValueError(f"prompt_len + decode_len within the model's max_position_embeddings ({limit}), got "
+                             f"{self.prompt_len} + {self.decode_len} = {self.prompt_len + self.decode_len}")
+        return self
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
@@ -257,14 +265,59 @@ def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
                           traceback_text=_user_traceback(exc)) from exc
 
 
-def _check_config(model_type: str | None, config: dict) -> None:
+def config_fields(model_type: str) -> set[str]:
+    """The fields a transformers config class knows: its defaults, its attribute aliases, its __init__ parameters
+    and the PretrainedConfig base's."""
+    import inspect
+
+    from transformers import AutoConfig, PretrainedConfig
+
+    cls = type(AutoConfig.for_model(model_type))
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    for c in (cls, PretrainedConfig):
+        known |= {n for n in inspect.signature(c.__init__).parameters if n not in ("self", "kwargs")}
+    return known
+
+
+def _kept_as_is(model_type: str, key: str, value: Any) -> bool:
+    """A key the config class does not consume (legacy aliases such as rope_theta are folded into other fields):
+    transformers stores it verbatim, the sign of a field it does not know."""
     from transformers import AutoConfig
 
+    try:
+        return key in AutoConfig.for_model(model_type, **{key: value}).to_dict()
+    except Exception:  # noqa: BLE001 - the full config check below reports it
+        return False
+
+
+def _check_config(model_type: str | None, config: dict) -> None:
+    import difflib
+
+    from transformers import AutoConfig
+
+    known = config_fields(model_type)
+    for key in config:  # transformers keeps unknown keys as attributes: a typo would be silently ignored
+        if key not in known and _kept_as_is(model_type, key, config[key]):
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"a field of {model_type}'s config, got unknown field {key!r}{hint}")
     try:
         AutoConfig.for_model(model_type, **config)
     except Exception as exc:  # transformers validates field types and architecture constraints
         detail = " ".join(str(exc).split())
         raise ValueError(f"a valid {model_type} config, got {type(exc).__name__}: {detail}") from None
+
+
+def max_positions(model: "ModelSpec") -> int | None:
+    """max_position_embeddings of the model's config (random-weight models; None where it has none)."""
+    if model.model_type is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.for_model(model.model_type, **model.config), "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001 - an invalid config has its own error
+        return None
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:

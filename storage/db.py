@@ -37,17 +37,28 @@ def _migrations() -> list[tuple[int, str, str]]:
     return sorted(out)
 
 
+class DatabaseError(RuntimeError):
+    """The database file cannot be used: its path is under a file or is a directory, it is not a DuckDB file, or it
+    cannot be opened. A user error (the CLI prints it in one line)."""
+
+
 class Database:
     """One DuckDB file. Open, migrate to the newest schema, write in transactions."""
 
     def __init__(self, path: str | Path | None = None, read_only: bool = False):
         self.path = Path(path).resolve() if path else default_db_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            raise DatabaseError(f"database {self.path}: expected a DuckDB file, got a directory")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError, PermissionError) as e:
+            raise DatabaseError(f"database {self.path}: cannot create its directory ({e.strerror or e})") from None
         self._lock = threading.RLock()
         try:
             self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except duckdb.Error as e:
-            raise RuntimeError(f"database {self.path}: cannot open ({e})") from e
+        except (duckdb.Error, OSError) as e:
+            first = " ".join(str(e).split())[:300]
+            raise DatabaseError(f"database {self.path}: cannot open it as a DuckDB file ({first})") from None
         if not read_only:
             self.migrate()
 

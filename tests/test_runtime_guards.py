@@ -122,3 +122,35 @@ def test_guard_json_round_trip():
     guard = Guard(dtypes=["bfloat16"], min_capability="8.9", shapes={"x": [1, [1, None], 64, None]}, contiguous=["x"])
     again = Guard.model_validate_json(guard.model_dump_json())
     assert again == guard and again.min_capability == (8, 9)
+
+
+def test_verified_signatures_admit_no_unseen_combination():
+    """Cases (2, 3, 80) and (1, 5, 80) give per-dim ranges [1..2, 3..5, 80]; only the two verified joint shapes
+    may take the kernel, not (1, 4, 80) or (2, 5, 80), which no case covered."""
+    from types import SimpleNamespace
+
+    from kernels_runtime.bundle import Guard
+    from kernels_runtime.guards import is_supported
+
+    g = Guard(shapes={"x": [[1, 2], [3, 5], 80]}, signatures=[{"x": [2, 3, 80]}, {"x": [1, 5, 80]}])
+    call = lambda *shape: {"x": SimpleNamespace(shape=shape, dtype="float32", device=None,  # noqa: E731
+                                                is_floating_point=lambda: True, is_contiguous=lambda: True)}
+    assert is_supported(g, call(2, 3, 80))[0] and is_supported(g, call(1, 5, 80))[0]
+    for unseen in [(1, 4, 80), (2, 5, 80), (1, 3, 80)]:
+        ok, why = is_supported(g, call(*unseen))
+        assert not ok and why.startswith("signature: expected one of the 2 verified"), why
+    assert not is_supported(g, call(3, 3, 80))[0]  # outside the range: the range check says so first
+
+
+def test_guard_for_records_the_cases_joint_signatures():
+    from llm4llm.patchspec import guard_for
+    from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
+
+    spec = TaskSpec(family="norm", module_class="m.C", instances=["a"], phase="prefill", input_names=["x"],
+                    weight_names=[],
+                    output_names=["out"], dtype="float32",
+                    cases=[CaseSig(inputs={"x": TensorSig(shape=list(s), dtype="float32")}) for s in
+                           [(2, 3, 80), (1, 5, 80)]])
+    g = guard_for(spec, "cpu")
+    assert g.shapes == {"x": [(1, 2), (3, 5), 80]}
+    assert g.signatures == [{"x": [2, 3, 80]}, {"x": [1, 5, 80]}]

@@ -1,0 +1,83 @@
+"""Bad input gets exactly one `error:` line, no traceback, exit code 2, and no process left behind (the CLI in a
+real subprocess, as a user runs it). Cases checked before any flow starts, so each costs only the CLI's import."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "workloads" / "tiny-llama.toml"
+
+
+def _workload(tmp_path: Path, old: str | None = None, new: str = "") -> Path:
+    text = TINY.read_text().replace('script = "', f'script = "{TINY.parent}/')
+    if old is not None:
+        assert old in text, old
+        text = text.replace(old, new)
+    p = tmp_path / "w.toml"
+    p.write_text(text)
+    return p
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(int(d))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "COLUMNS": "200"}
+    before = _children()
+    p = subprocess.run([sys.executable, "-m", "llm4llm.cli", *args], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=env)
+    assert _children() <= before  # nothing it started is left (as our child or re-parented zombie)
+    return p
+
+
+def _one_error(p: subprocess.CompletedProcess, fragment: str) -> None:
+    text = p.stdout + p.stderr
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2, text[-3000:]
+    assert len(errors) == 1 and fragment in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("config_typo", "did you mean 'hidden_size'"),
+    ("prompt_too_long", "max_position_embeddings"),
+])
+def test_bad_workload_is_one_error(tmp_path, case, fragment):
+    if case == "config_typo":
+        w = _workload(tmp_path, "hidden_size", "hiden_size")
+    else:
+        import re
+
+        w = _workload(tmp_path)
+        w.write_text(re.sub(r"(?m)^prompt_len = \d+", "prompt_len = 100000", w.read_text()))
+    _one_error(_cli("profile", str(w), "--db", str(tmp_path / "db.duckdb"), "--data-dir", str(tmp_path / "d")),
+               fragment)
+
+
+@pytest.mark.parametrize("case", ["under_a_file", "a_directory", "garbage_bytes"])
+def test_bad_database_path_is_one_error(tmp_path, case):
+    if case == "under_a_file":
+        (tmp_path / "f").write_text("x")
+        db = tmp_path / "f" / "db.duckdb"
+    elif case == "a_directory":
+        db = tmp_path / "dir.duckdb"
+        db.mkdir()
+    else:
+        db = tmp_path / "junk.duckdb"
+        db.write_bytes(os.urandom(8192))
+    _one_error(_cli("runs", "--db", str(db)), "database")
