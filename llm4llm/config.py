@@ -19,7 +19,8 @@ Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
 STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
 SearchMode = Literal["episodic", "sample", "iter"]
 ProposerKind = Literal["library", "llm", "hybrid"]
-Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv"]
+Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv",
+                 "decoder_layer", "lm_head"]
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
 GraphChoice = Literal["auto", "on", "off"]
 Variant = Literal["eager", "patched", "torch_compile", "eager_graphs", "patched_graphs", "liger"]
