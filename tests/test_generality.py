@@ -140,8 +140,8 @@ def _toml(path: Path, model_type: str, cfg: dict) -> Path:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_architecture_through_optimize(prefect_harness, tmp_path, arch):
     """What was covered, found inapplicable (by running it) or rejected; no trial on an inapplicable template."""
-    from flows.optimize import STAGES, optimize_workload
-    from llm4llm.config import OptimizeConfig
+    from flows.optimize import optimize_workload
+    from llm4llm.config import STAGES, OptimizeConfig
     from llm4llm.pipeline import coverage_table
 
     cfg, families, top, last, must_cover, must_fail = ARCHS[arch]
