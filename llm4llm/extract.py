@@ -339,7 +339,8 @@ def _capture_static(model: torch.nn.Module, run_fn: Callable[[], Any], modules: 
 def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: ProfileResult, out_root: Path, *,
                   workload_name: str = "", run_id: str = "", hardware: dict | None = None, min_score: float = 0.0,
                   families: Iterable[str] | None = None, max_cases: int = 4,
-                  static_cache: bool = False, accuracy_budget: dict | None = None) -> list[TaskSpec]:
+                  static_cache: bool = False, accuracy_budget: dict | None = None,
+                  regime: bool = False) -> list[TaskSpec]:
     """Capture the candidates' calls in one more run of the workload and turn them into tasks; deployable ones are
     written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score.
 
@@ -347,7 +348,8 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     modules that keep a growing KV cache (DynamicLayer) are captured once more, on the static cache, and their
     decode tasks come from that run (StaticLayer state: the preallocated keys/values and the device-side length),
     so a kernel is searched for the cache it will meet; prefill and every other task stay as captured first.
-    `accuracy_budget` (the workload's lossy opt-in, Workload.lossy_budget()) goes into every spec."""
+    `accuracy_budget` (the workload's lossy opt-in, Workload.lossy_budget()) goes into every spec; `regime`: the
+    workload declared a serving regime whose corners the captured cases include (TaskSpec.regime)."""
     records = candidate_records(model, profile, min_score, families)
     named = dict(model.named_modules())
     order = {name: i for i, name in enumerate(named)}
@@ -375,6 +377,7 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     specs = [(_spec_for(g, hardware or profile.hardware, workload_name, run_id), g) for g in groups.values()]
     for spec, _ in specs:
         spec.accuracy_budget = dict(accuracy_budget) if accuracy_budget else None
+        spec.regime = regime
     seen: Counter = Counter()
     for spec, _ in specs:
         base = spec.content_id()

@@ -26,14 +26,15 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     # the fp32 residual stream)
     seen = {sig.dtype for c in spec.cases for sig in c.inputs.values() if sig.dtype in _FLOATING}
     dtypes = [spec.dtype] + sorted(seen - {spec.dtype})
-    # the exact joint signatures the verifier judged (every case): nothing in between is admitted
+    # the exact joint signatures the verifier judged (every case): nothing in between is admitted, unless the cases
+    # span a declared serving regime (its corners verified): then the box of `shapes` is what was verified
     signatures = []
     for c in spec.cases:
         sig = {n: list(c.inputs[n].shape) for n in shapes if n in c.inputs}
         if sig and sig not in signatures:
             signatures.append(sig)
     return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
-                 signatures=signatures if len(signatures) > 1 else [])
+                 signatures=signatures if len(signatures) > 1 and not spec.regime else [])
 
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")

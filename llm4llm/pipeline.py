@@ -209,6 +209,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
         max_cases=4 + 2 * corners,
         static_cache=static_cache,
         accuracy_budget=wl.lossy_budget(),
+        regime=wl.regime is not None,
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]

@@ -84,6 +84,9 @@ class TaskSpec(BaseModel):
     observed: list[CaseSig] = Field(default_factory=list)
     # The workload's lossy opt-in (Workload.lossy_budget()): lossy templates apply only where it is set
     accuracy_budget: dict[str, float] | None = None
+    # The cases include a declared serving regime's corners (llm4llm/regime.py): the guards admit the box between
+    # them, which the verifier checked at its corners, instead of the exact signatures alone
+    regime: bool = False
 
     def content_id(self) -> str:
         """Content address: family, class, phase, names, static values and shapes; not run ids or scores."""
