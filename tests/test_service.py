@@ -229,8 +229,9 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     from flows.nightly import nightly_workload
     from llm4llm import pipeline
 
-    def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, **kwargs):
-        result = fn(*args, **kwargs)
+    def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, outputs=None, readable=None,
+                        extra_env=None, box=None, **kwargs):
+        result = fn(*args, **kwargs, **(outputs or {}))  # outputs: written at their real paths, no sandbox here
         if poll:
             poll()
         return result
