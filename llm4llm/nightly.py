@@ -15,7 +15,8 @@ def _revalidate(workload_path: str, bundle_path: str, cfg) -> Validation:
     from llm4llm.service import revalidate
 
     # the bundle's kernels run inside the model here: a GPU fault costs this check, never the flow process
-    return in_subprocess(revalidate, workload_path, bundle_path, cfg)
+    # absolute: the sandboxed child runs in its own private dir
+    return in_subprocess(revalidate, str(Path(workload_path).resolve()), str(Path(bundle_path).resolve()), cfg)
 
 
 def current_validation(workload_path: str, db_path: str | None, cfg=None) -> dict | None:

@@ -928,7 +928,8 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     inside = [replace(p, task_dir=local[p.task_dir]) for p in proposals]
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
-    result = in_subprocess(accept, workload_path, inside, outputs={"bundle_dir": str(bundle_dir)},
+    # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
+    result = in_subprocess(accept, str(Path(workload_path).resolve()), inside, outputs={"bundle_dir": str(bundle_dir)},
                            readable=_workload_paths(workload_path), box=box,
                            cfg=cfg if cfg is not None else AcceptConfig(),
                            run_id=run_id)
@@ -1033,7 +1034,8 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 seen[0] += len(new)
                 latest.update((r["variant"], r) for r in new)
 
-        in_subprocess(evaluate_workload, workload_path, bundle=bundle, variants=variants, repeats=repeats,
+        in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
+                      bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants, repeats=repeats,
                       outputs={"results_path": str(stream)}, poll=record_new,
                       readable=_workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
     return {"run_id": run_id, "rows": list(latest.values())}
