@@ -24,8 +24,9 @@ from typing import Any, Callable
 import torch
 
 from llm4llm.kernelbench.problem import SEED, build_model, inputs_for, load_module, set_seed, trial_seeds
-from llm4llm.verify.gates import (CHECK_GATES, Draw, GateFailure, Judge, _append_passed_before, _bits,
-                                  _classify_exception, _nonfinite_where_ref_finite, call_candidate, guard, same_bits)
+from llm4llm.verify.gates import (CHECK_GATES, Draw, GateFailure, Judge, _append_passed_before,
+                                  _classify_exception, _nonfinite_where_ref_finite, call_candidate, check_rewritten,
+                                  guard, same_bits)
 from llm4llm.verify.verdict import NO_GPU, GateResult, Latency, Verdict
 
 ATOL = RTOL = 1e-4
@@ -122,13 +123,7 @@ class KBJudge(Judge):
         self.max_abs = max(self.max_abs, worst)
         if bad:
             again, _ = self.run_once(draw, 3.0)
-            unwritten = {n: int((_bits(outs[n]).view(-1) != _bits(again[n]).view(-1)).sum()) for n in outs
-                         if outs[n].dtype == again[n].dtype}
-            unwritten = {n: c for n, c in unwritten.items() if c}
-            if unwritten:
-                raise GateFailure("poisoned_outputs", "unwritten_output",
-                                  f"outputs depend on the prior contents of their memory (bytes never written): "
-                                  f"{unwritten}")
+            check_rewritten(outs, again)
             nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
             if nonfinite:
                 raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")

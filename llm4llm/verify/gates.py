@@ -325,6 +325,17 @@ def _check_guards(g: Guarded) -> None:
         raise GateFailure("inputs_unmodified", "input_mutated", f"candidate modified its inputs: {mutated}")
 
 
+def check_rewritten(outs: dict[str, torch.Tensor], again: dict[str, torch.Tensor]) -> None:
+    """A second run under another poison must give the same bits: outputs that differ read memory the candidate
+    never wrote."""
+    unwritten = {n: int((_bits(outs[n]).view(-1) != _bits(again[n]).view(-1)).sum()) for n in outs
+                 if outs[n].dtype == again[n].dtype}
+    unwritten = {n: c for n, c in unwritten.items() if c}
+    if unwritten:
+        raise GateFailure("poisoned_outputs", "unwritten_output",
+                          f"outputs depend on the prior contents of their memory (bytes never written): {unwritten}")
+
+
 def _nonfinite_where_ref_finite(outs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, t in outs.items() if t.is_floating_point()
             and bool((~torch.isfinite(t) & torch.isfinite(ref[n])).any())]
@@ -384,13 +395,7 @@ class Judge:
         nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
         if nonfinite or not all(r.ok for r in reports.values()):
             again, _ = self.run_once(draw, 3.0)
-            unwritten = {n: int((_bits(outs[n]).view(-1) != _bits(again[n]).view(-1)).sum()) for n in outs
-                         if outs[n].dtype == again[n].dtype}
-            unwritten = {n: c for n, c in unwritten.items() if c}
-            if unwritten:
-                raise GateFailure("poisoned_outputs", "unwritten_output",
-                                  f"outputs depend on the prior contents of their memory (bytes never written): "
-                                  f"{unwritten}")
+            check_rewritten(outs, again)
             if nonfinite:
                 raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")
             for key, prev in self.history:
