@@ -463,13 +463,10 @@ def _slot_result(slot: _Slot, wl, slots: dict[str, _Slot], peak: float | None = 
     return res
 
 
-def _hbm_floor(model: torch.nn.Module, device: str) -> tuple[float, float] | None:
-    """(ms per decode token, GB/s): the model's weight bytes, each read once a step, at the device-to-device copy
-    bandwidth measured here (bytes read + written over the copy's time). None off the GPU."""
-    if not device.startswith("cuda"):
-        return None
-    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
-    src = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=device).normal_()
+def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2**30) -> float:
+    """GB/s of a device-to-device copy of `nbytes` (bytes read + written over its CUDA-event time), the median of
+    ten after two warm-ups: the bandwidth a weight-streaming kernel is held to."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(12):
@@ -479,8 +476,17 @@ def _hbm_floor(model: torch.nn.Module, device: str) -> tuple[float, float] | Non
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    gbps = 2 * src.numel() * src.element_size() / (statistics.median(times[2:]) * 1e-3) / 1e9
     del src, dst
+    return 2 * nbytes / (statistics.median(times[2:]) * 1e-3) / 1e9
+
+
+def _hbm_floor(model: torch.nn.Module, device: str) -> tuple[float, float] | None:
+    """(ms per decode token, GB/s): the model's weight bytes, each read once a step, at the copy bandwidth measured
+    here. None off the GPU."""
+    if not device.startswith("cuda"):
+        return None
+    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    gbps = copy_bandwidth_gbps(device)
     return weights / (gbps * 1e9) * 1e3, gbps
 
 

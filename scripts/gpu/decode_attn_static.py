@@ -27,24 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from llm4llm.evaluate import copy_bandwidth_gbps  # noqa: E402
+
 GRAPH_CALLS = 20
 ROUNDS = 30
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (read + write), median of 20."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(22):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times = sorted(times[2:])
-    return 2 * a.numel() / (times[len(times) // 2] * 1e-3) / 1e9
 
 
 def _graph(fn):
@@ -214,7 +200,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
     if "bench" not in skip:
-        result["copy_gb_per_s"] = copy_bandwidth()
+        result["copy_gb_per_s"] = copy_bandwidth_gbps()
         result["bench"] = [r for S in (576, 4096, 32768) for r in bench(S)]
         save()
         print(f"copy bandwidth {result['copy_gb_per_s']:.0f} GB/s")

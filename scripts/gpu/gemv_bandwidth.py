@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels_runtime.ops import gemv as G  # noqa: E402
+from llm4llm.evaluate import copy_bandwidth_gbps  # noqa: E402
 
 SHAPES = {  # hidden, q heads, kv heads, head_dim, intermediate, vocab, q/k norms
     "qwen3-4b": dict(H=2560, hq=32, hkv=8, D=128, I=9728, V=151936, qk_norm=True),
@@ -41,20 +42,6 @@ ROUNDS = 7
 def q(vals, p):
     s = sorted(vals)
     return s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2**29, dtype=torch.float16, device="cuda")  # 1 GiB
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    return 2 * 2**30 / statistics.median(ts)
 
 
 def rmsnorm_eager(x, w, eps):
@@ -194,7 +181,7 @@ def main() -> int:
     torch.manual_seed(0)
     dt = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth_gbps() * 1e9  # bytes/s
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_GBps=copy_bw / 1e9)
     import triton
     meta["triton"] = triton.__version__
