@@ -37,6 +37,8 @@ def _quiet_prefect(verbose: bool) -> None:
     interpret_without_gpu()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's 20 s default for starting its ephemeral API server is missed on a busy 2-core machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if not verbose:  # a failed run's own error is printed once by _user_errors; Prefect's tracebacks only with -v
         import logging
 
@@ -64,6 +66,14 @@ def _user_errors():
     except (Llm4llmError, DatabaseError) as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2)
+    except RuntimeError as e:
+        if "ephemeral Prefect API server" not in str(e):
+            raise
+        err_console.print("[bold red]error:[/] Prefect's ephemeral API server did not start within "
+                          f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS', '20')} s; raise "
+                          "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a running "
+                          "server (`prefect server start`)")
+        raise typer.Exit(2) from None
 
 
 def _db(db: Optional[Path]):

@@ -81,3 +81,20 @@ def test_bad_database_path_is_one_error(tmp_path, case):
         db = tmp_path / "junk.duckdb"
         db.write_bytes(os.urandom(8192))
     _one_error(_cli("runs", "--db", str(db)), "database")
+
+
+def test_an_ephemeral_server_that_does_not_start_is_one_error(capsys):
+    """Prefect raises a RuntimeError when its ephemeral API server misses the startup timeout (a loaded machine);
+    the CLI says what to set instead of printing Prefect's traceback. Any other RuntimeError is not swallowed."""
+    import typer
+
+    from llm4llm import cli
+
+    with pytest.raises(typer.Exit) as e, cli._user_errors():
+        raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+    assert e.value.exit_code == 2
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert text.count("error:") == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in text, text
+    with pytest.raises(RuntimeError, match="something else"), cli._user_errors():
+        raise RuntimeError("something else")
