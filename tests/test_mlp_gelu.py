@@ -104,8 +104,9 @@ def _entry(source: str, tmp_path: Path, name: str):
     return load_candidate(source, tmp_path, name).entry
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("model_type", list(MODULES))
+# both dtypes for the two architectures that also go through optimize; bf16 (the rounding-sensitive path) for the rest
+@pytest.mark.parametrize("model_type,dtype", [(m, d) for m in MODULES for d in (torch.float32, torch.bfloat16)
+                                              if d == torch.bfloat16 or m in ("gpt_neox", "phi")])
 def test_default_rendering_computes_what_the_hf_module_does(tmp_path, model_type, dtype):
     """Prefill (M = 14, the dot path) and decode (M = 2, the GEMV path) calls of the default config against the
     module: fp32 within the table of the module and of its float64 copy; bf16 within the verifier's rounding floor
@@ -164,14 +165,14 @@ def test_gelu_mlp_through_optimize(prefect_harness, tmp_path, arch):
 
     db_path = str(tmp_path / "l4l.duckdb")
     run_cfg = OptimizeConfig(stages=list(STAGES[:STAGES.index("search") + 1]),
-                             search={"budget": 1, "top": 2, "families": ["mlp"]})
+                             search={"budget": 1, "top": 1, "families": ["mlp"]})
     optimize_workload(str(_toml(tmp_path / "w.toml", arch, ARCHS[arch])), run_cfg, db_path=db_path,
                       data_dir=str(tmp_path / "data"))
     with Database(db_path) as db:
         checks = repo.template_check_rows(db).to_dict("records")
         cands = repo.candidate_rows(db).to_dict("records")
     gelu = [c for c in checks if c["template"] == "mlp.gelu"]
-    assert len(gelu) == 2 and all(c["applicable"] and c["stage"] == "computation" for c in gelu), checks
+    assert len(gelu) == 1 and all(c["applicable"] and c["stage"] == "computation" for c in gelu), checks
     assert not any(c["applicable"] for c in checks if c["template"] == "mlp.swiglu"), checks
-    assert {c["template"] for c in cands} == {"mlp.gelu"} and len(cands) == 2, cands
+    assert {c["template"] for c in cands} == {"mlp.gelu"} and len(cands) == 1, cands
     assert all(c["passed"] for c in cands), [c["message"][:300] for c in cands]
