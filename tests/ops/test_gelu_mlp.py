@@ -33,6 +33,18 @@ def test_gelu_mlp_matches_float64_and_the_op_by_op_reference(dtype, approximate,
     assert_close(out, gelu_mlp_ref(x, w1, b1, w2, b2, approximate), dtype, name="vs the op-by-op reference")
 
 
+def test_gelu_mlp_split_k_gemv_in_bf16():
+    """A decode config with split-K: the pre-activation rounding and the GELU happen in the reduce launch."""
+    g = torch.Generator().manual_seed(4)
+    H, I = 40, 72
+    x = (torch.randn(2, 1, H, generator=g) * 2).to(torch.bfloat16)
+    w1, b1, w2, b2 = _weights(H, I, torch.bfloat16, g)
+    out = gelu_mlp(x, w1, b1, w2, b2, "tanh", GEMV_BLOCK_N=16, GEMV_BLOCK_K=16, GEMV_SPLIT_K=3)
+    assert_close(out, gelu_mlp_ref(x, w1, b1, w2, b2, "tanh"), name="split-K vs the op-by-op reference")
+    exact = gelu_mlp_ref(*(t.double() for t in (x, w1, b1, w2, b2)), "tanh")
+    assert_close(out, exact.to(torch.bfloat16), name="split-K vs float64")
+
+
 @pytest.mark.parametrize("gemv", [False, True])
 def test_gelu_mlp_without_bias_and_with_a_transposed_weight_view(gemv):
     """Falcon's bias-free MLP; a Conv1D weight [in, out] passed as its .T view (strides honoured, no copy)."""
