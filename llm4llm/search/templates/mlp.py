@@ -74,7 +74,7 @@ GELU_PAIRS = (("dense_h_to_4h", "dense_4h_to_h"), ("fc1", "fc2"), ("fc_in", "fc_
 ACT_KEYS = ("act.__class__", "activation_fn.__class__", "act_fn.__class__")
 # activation class -> torch.nn.functional.gelu's `approximate` (nn.GELU: its own `approximate` attribute)
 GELU_ACTS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh",
-             "FastGELUActivation": "tanh"}
+             "FastGELUActivation": "tanh", "AccurateGELUActivation": "tanh"}
 
 
 def _gelu_pair(spec: TaskSpec) -> tuple[str, str] | None:
