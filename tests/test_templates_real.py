@@ -30,6 +30,8 @@ CASES = [
     ("tiny-mamba2", "norm.rmsnorm_gated", "decode"),
     ("tiny-llama", "mlp.swiglu", "prefill"),
     ("tiny-llama", "mlp.swiglu", "decode"),
+    ("tiny-gpt-neox", "mlp.gelu", "prefill"),  # erf GELU between two projections with bias
+    ("tiny-gpt-neox", "mlp.gelu", "decode"),
     ("tiny-llama", "attention.prefill_flash", "prefill"),
     ("tiny-llama", "attention.decode_splitkv", "decode"),
     ("tiny-qwen3", "attention.prefill_flash", "prefill"),  # q_norm / k_norm fused with rotary

@@ -37,7 +37,9 @@ GEMV_CONFIGS = [
 
 
 @triton.jit
-def _epilogue(acc, EPILOGUE: tl.constexpr):
+def _epilogue(acc, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr, ACT_DTYPE: tl.constexpr):
+    if ROUND_PRE:  # the pre-activation rounded to x's dtype: nn.Linear's output, then HF's activation module on it
+        acc = rnd(acc, ACT_DTYPE)
     if EPILOGUE == 1:  # silu
         acc = acc * tl.sigmoid(acc)
     elif EPILOGUE == 2:  # gelu (erf)
@@ -57,8 +59,8 @@ def _linear_kernel(
     # Strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_ym, stride_yn,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, RNE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr,
+    HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
@@ -92,7 +94,7 @@ def _linear_kernel(
                 acc_u = tl.dot(x, wu, acc_u)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    acc = _epilogue(acc, EPILOGUE)
+    acc = _epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
     if GATED:
         acc = acc * acc_u
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -112,8 +114,8 @@ def _gemv_kernel(
     # Strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_ym, stride_yn,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr,
+    HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid (M, N / BLOCK_N): the rows sharing one weight block run back to back, so it is read from HBM once.
     row = tl.program_id(0).to(tl.int64)
@@ -132,17 +134,17 @@ def _gemv_kernel(
             wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
             acc_u += tl.sum(wu * x[None, :], axis=1)
     _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
-                EPILOGUE, HAS_RES, ACT_DTYPE, RNE)
+                EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
 
 
 @triton.jit
 def _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn,
-                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-                ACT_DTYPE: tl.constexpr, RNE: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr,
+                HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr):
     # y[row, rn] = epilogue(acc + bias) (* acc_u) (+ residual), rounded to y's dtype: the tail of both GEMV paths
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    acc = _epilogue(acc, EPILOGUE)
+    acc = _epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
     if GATED:
         acc = acc * acc_u
     if HAS_RES:  # out rounded to x's dtype first (nn.Linear's output), then the residual added in fp32
@@ -186,8 +188,8 @@ def _gemv_split_kernel(
 @triton.jit
 def _gemv_reduce_kernel(
     p_ptr, pu_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, stride_yn,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+    ROUND_PRE: tl.constexpr, HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y[row, :] = epilogue(sum_s p[s, row, :] + bias) (* sum_s pu[s, row, :]): a fixed order, so deterministic
     row = tl.program_id(0).to(tl.int64)
@@ -200,14 +202,18 @@ def _gemv_reduce_kernel(
         if GATED:
             acc_u += tl.load(pu_ptr + offs, mask=rn < N, other=0.0)
     _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
-                EPILOGUE, HAS_RES, ACT_DTYPE, RNE)
+                EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,
-               w_up: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+               w_up: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               round_pre: bool = False) -> torch.Tensor:
     """x: [..., K], w: [N, K], bias: [N] -> [..., N]; `w_up` [N, K] makes it act(x @ w.T) * (x @ w_up.T);
-    `residual` [..., N]: residual + that (rounded to x's dtype), in fp32, in their promoted dtype."""
+    `residual` [..., N]: residual + that (rounded to x's dtype), in fp32, in their promoted dtype; `round_pre`:
+    x @ w.T + bias rounded to x's dtype before the epilogue."""
     y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    if round_pre:
+        y = y.to(x.dtype).float()
     if epilogue == "silu":
         y = torch.nn.functional.silu(y)
     elif epilogue in ("gelu", "gelu_tanh"):
@@ -225,7 +231,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
            w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
            BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
            GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64, GEMV_SPLIT_K: int = 1,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, round_pre: bool = False) -> torch.Tensor:
     """x: [..., K], w: [N, K] (nn.Linear layout), bias: [N] -> y: [..., N] in x's dtype.
 
     `residual` [..., N] (last dim contiguous): y = residual + (the above, rounded to x's dtype), added in fp32 in the
@@ -233,7 +239,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     with an fp32 residual stream), no separate launch.
 
     `epilogue` in None|"silu"|"gelu"|"gelu_tanh" is applied to x @ w.T + bias; with `w_up` the output is
-    epilogue(x @ w.T) * (x @ w_up.T) (gate/up projections of a gated MLP in one pass over x).
+    epilogue(x @ w.T) * (x @ w_up.T) (gate/up projections of a gated MLP in one pass over x). `round_pre` rounds
+    x @ w.T + bias to x's dtype before the epilogue, as an nn.Linear followed by an activation module does (HF's
+    GELU MLPs); a no-op for fp32.
     `gemv` None picks the GEMV kernel for M <= GEMV_MAX_M; the block sizes of the chosen kernel apply.
     GEMV_SPLIT_K > 1 splits K over that many programs per output block (fp32 partial sums, then a second launch
     adds them in a fixed order with bias and epilogue): more programs where N / GEMV_BLOCK_N alone would leave SMs
@@ -264,7 +272,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     args = (x2, w, w if w_up is None else w_up, w if bias is None else bias, r2, y, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), r2.stride(0), y.stride(0), y.stride(1))
     meta = dict(HAS_BIAS=bias is not None, GATED=w_up is not None, EPILOGUE=EPILOGUES[epilogue],
-                HAS_RES=residual is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting())
+                ROUND_PRE=bool(round_pre) and x.dtype in (torch.float16, torch.bfloat16), HAS_RES=residual is not None,
+                ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting())
     use_gemv = gemv if gemv is not None else M <= GEMV_MAX_M
     split = min(GEMV_SPLIT_K, triton.cdiv(K, GEMV_BLOCK_K))  # never a split without a K block of its own
     if use_gemv and split > 1:

@@ -351,8 +351,8 @@ def _gated_norm_gemv_kernel(
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     # linear's GEMV tail: + bias, out_proj's output rounded to the activation dtype, + the block's residual in fp32
-    _gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, HAS_RES,
-                ACT_DTYPE, RNE)
+    _gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, False,
+                HAS_RES, ACT_DTYPE, RNE)
 
 
 def gated_norm_linear(y, z, norm_w, eps, w, bias=None, residual=None, *, out_dtype=None, GEMV_BLOCK_N=16,
