@@ -66,3 +66,122 @@ def test_partial_rotary_rejects_bad_widths():
     wide = torch.cat([cos, cos, cos], -1)  # 24 > 16
     with pytest.raises(ValueError, match="R even"):
         rotary(q, k, wide, wide)
+
+
+# ---- scope: which layouts a task's weights allow, what the templates leave to others ------------------------------
+
+def _spec(weights: list[str], adapter: str = "DynamicLayer", phase: str = "prefill"):
+    from llm4llm.taskspec import TaskSpec
+
+    return TaskSpec.model_validate(dict(
+        task_id="t", workload="w", run_id="r", family="attention", module_class="m.Attention", instances=["a"],
+        phase=phase, input_names=["hidden_states", "position_embeddings.0", "position_embeddings.1"],
+        weight_names=weights, state_names=[], output_names=["out"], dtype="float32", cases=[],
+        recipe={"state": {"adapter": adapter}}))
+
+
+def test_qkv_layouts_follow_the_weights_and_the_check_tries_each():
+    from llm4llm.search.templates import TEMPLATES
+
+    by_name = {t.name: t for t in TEMPLATES}
+    prefill, decode = by_name["attention.prefill_flash"], by_name["attention.decode_splitkv"]
+    llama = _spec(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"])
+    assert prefill.why_not(llama) is None and prefill.space(llama)["qkv_layout"] == ["split"]
+    assert prefill.variants(llama) == []  # one layout: the check runs the default only, as before
+    for weights in (["qkv_proj.weight", "o_proj.weight"],
+                    ["query_key_value.weight", "query_key_value.bias", "dense.weight", "dense.bias"]):
+        fused = _spec(weights, phase="decode")
+        assert decode.why_not(fused) is None, decode.why_not(fused)
+        assert decode.default(fused)["qkv_layout"] == "blocks" and decode.variants(fused) == [{"qkv_layout": "heads"}]
+        static = _spec(weights, adapter="StaticLayer", phase="decode")
+        assert "expected q_proj/k_proj/v_proj/o_proj" in by_name["attention.decode_static"].why_not(static)
+        assert "expected q_proj/k_proj/v_proj/o_proj" in by_name["attention.prefill_tilemix"].applies_fn(fused)
+    qk_ln = _spec(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_layernorm.weight",
+                   "k_layernorm.weight"])  # StableLM / Phi with qk_layernorm: LayerNorms the templates do not apply
+    assert "does not read: ['q_layernorm.weight', 'k_layernorm.weight']" in prefill.why_not(qk_ln)
+    assert "expected q_proj/k_proj/v_proj or a fused" in prefill.why_not(_spec(["c_attn.weight", "c_proj.weight"]))
+
+
+# ---- tiny models through extraction, the applicability check and one trial ---------------------------------------
+
+# model_type: (config, the qkv_layout the check must pin)
+MODELS = {
+    # partial rotary (a quarter of the head), q_proj/k_proj/v_proj/o_proj
+    "stablelm": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=64, partial_rotary_factor=0.25), "split"),
+    # partial rotary (half the head), q/k/v and the output Linear `dense`, all with bias
+    "phi": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=64, partial_rotary_factor=0.5), "split"),
+    # fused qkv_proj as [q | k | v] blocks, grouped-query (4 query heads over 2 kv heads)
+    "phi3": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64), "blocks"),
+    # fused query_key_value per head [q_h, k_h, v_h] with its bias, partial rotary, `dense`
+    "gpt_neox": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      rotary_pct=0.5), "heads"),
+}
+PHASE_TEMPLATE = {"prefill": "attention.prefill_flash", "decode": "attention.decode_splitkv"}
+CASES = [(m, p) for m in MODELS for p in PHASE_TEMPLATE]
+
+
+def _attention_tasks(model_type: str, cfg: dict, out: Path) -> list:
+    """The model's attention tasks: a seeded tiny model, profiled and extracted in-process (prompt 6, 2 new
+    tokens: one decode step) as the pipeline does through the workload script."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llm4llm.extract import extract_tasks
+    from llm4llm.profiler import profile_model
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, max_position_embeddings=64, eos_token_id=None,
+                                  bos_token_id=None, pad_token_id=0, **cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                  min_new_tokens=2, do_sample=False, pad_token_id=0)
+
+    profile = profile_model(model, run, device="cpu")
+    specs = extract_tasks(model, run, profile, out, workload_name=f"tiny-{model_type}", families=["attention"])
+    return [(s, out / s.task_id) for s in specs if s.deployable]
+
+
+def _verify(task_dir: Path, source: str, draws: int):
+    # the verifier's gates in this process (the sandboxed worker's start costs ~10 s a candidate under the
+    # interpreter); the check passes draws=0 as llm4llm.pipeline.check_applicability does
+    from llm4llm.verify.gates import run_gates
+
+    return run_gates(str(task_dir), source, device="cpu", draws=draws, timing=False)[0]
+
+
+@pytest.fixture(scope="module")
+def attention_tasks(tmp_path_factory):
+    """model_type -> its deployable attention tasks, extracted once on first use."""
+    done: dict[str, list] = {}
+
+    def get(model_type: str) -> list:
+        if model_type not in done:
+            done[model_type] = _attention_tasks(model_type, MODELS[model_type][0], tmp_path_factory.mktemp(model_type))
+        return done[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type,phase", CASES, ids=[f"{m}-{p}" for m, p in CASES])
+def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_type, phase):
+    from llm4llm.search.applicability import applicable_templates, check_templates
+    from llm4llm.search.templates import TEMPLATES
+
+    name, layout = PHASE_TEMPLATE[phase], MODELS[model_type][1]
+    tasks = [(s, d) for s, d in attention_tasks(model_type) if s.phase == phase]
+    assert len(tasks) == 1, [s.task_id for s, _ in attention_tasks(model_type)]
+    spec, task_dir = tasks[0]
+    template = next(t for t in TEMPLATES if t.name == name)
+    checks = check_templates(task_dir, spec, [template], lambda path, source: _verify(path, source, draws=0))
+    assert [(c.applicable, c.stage, c.failure_class) for c in checks] == [(True, "computation", None)], checks
+    assert checks[0].pinned == {"qkv_layout": layout}, checks
+    (pinned,) = applicable_templates([template], checks)
+    v = _verify(task_dir, pinned.render(spec, pinned.default(spec)), draws=1)  # a trial: a fresh draw beside the cases
+    assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
+    assert [g.name for g in v.gates if not g.passed] == [] and v.max_abs_err is not None and v.max_abs_err < 1e-4

@@ -1,5 +1,6 @@
-"""attention family (LlamaAttention, Qwen3Attention): q/k/v projections (Triton linear), rotary (fused with
-Qwen3's q_norm/k_norm when those weights exist), the KV cache as state_out, causal flash attention (prefill) or
+"""attention family (LlamaAttention, Qwen3Attention, StableLmAttention, Phi3Attention, GPTNeoXAttention): q/k/v
+projections (Triton linear), rotary (fused with Qwen3's q_norm/k_norm when those weights exist; partial rotary when
+cos/sin are narrower than the head, as StableLM's and GPT-NeoX's are), the KV cache as state_out, causal flash attention (prefill) or
 split-KV flash decoding (decode), o_proj (Triton linear). Under transformers' static KV cache (decode graphs),
 attention.decode_static: norms, rotary, the cache write at the device-side length and split-KV attention in one
 kernel (kernels_runtime/ops/attention_decode_static.py), nothing on the host that a graph would freeze. Limit: the attention mask is taken to be causal only
@@ -19,6 +20,17 @@ DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_de
 # transformers' static KV cache (StaticLayer, StaticSlidingWindowLayer while its window fills): preallocated
 # keys/values and a device-side length, what decode graphs run on
 STATIC_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")
+
+# Fused q/k/v projections (one Linear) and output projections, by the names transformers' modules give them
+QKV_NAMES = ("qkv_proj", "query_key_value")  # Phi-3, GPT-NeoX
+O_NAMES = ("o_proj", "dense")  # GPT-NeoX and Phi name it dense
+# qkv_layout, the one option key (the applicability check runs each value and pins the one that matches):
+# split: q_proj/k_proj/v_proj; blocks: one Linear whose output is [q of every head | k | v] (Phi-3's qkv_proj);
+# heads: one Linear whose output is per head [q_h | k_h | v_h] (GPT-NeoX's query_key_value: view(B, S, H, 3D)).
+# Either fused layout is one GEMM, q/k/v strided views of its output (the ops take any strides): no copies.
+QKV_LAYOUTS = ("split", "blocks", "heads")
+# weights the attention templates read besides the projections' (Qwen3's per-head RMSNorm)
+NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 
 # Smaller linear space than the MLP's: the attention and rotary keys multiply it.
 LIN_PREFILL = {"lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128], "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8],
@@ -50,6 +62,10 @@ def _rope(q, k, inputs, weights, static):
     return rotary(q, k, cos, sin, **ROPE)
 
 
+def _head_dim(static):
+    return int(_static(static, "head_dim", "head_size"))
+
+
 def _with_past(past, new, extra=0):
     # [B, Hkv, S_past, D] ++ [B, Hkv, S, D] by copies into a new buffer (the state-in is never modified);
     # `extra` > 0 leaves that many positions unwritten after the past instead of copying `new`.
@@ -64,14 +80,70 @@ def _with_past(past, new, extra=0):
 '''
 
 
+# Pasted after PRELUDE by the templates with the qkv_layout key: QKV and O_PROJ are the module's names.
+QKV_PRELUDE = '''
+
+def _qkv(x, weights, static, B, S, D):
+    # q: [B, Hq, S, D], k/v: [B, Hkv, S, D], transposed views of the projections' outputs (no copies)
+    layout = CONFIG["qkv_layout"]
+    if layout == "split":
+        return tuple(_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    y = linear(x, weights[QKV + ".weight"], weights.get(QKV + ".bias"), **LIN)  # [B, S, (Hq + 2 Hkv) * D]
+    if layout == "heads":  # GPT-NeoX: view(B, S, H, 3D).transpose(1, 2).chunk(3, dim=-1)
+        y = y.view(B, S, -1, 3 * D).transpose(1, 2)  # [B, H, S, 3D]
+        return y[..., :D], y[..., D:2 * D], y[..., 2 * D:]
+    hkv = static.get("num_key_value_heads") or y.shape[-1] // (3 * D)  # Phi-3: [q | k | v] along the features
+    nq, nkv = y.shape[-1] - 2 * hkv * D, hkv * D
+    q, k, v = y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
+    return tuple(t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
+
+
+def _out(o, weights, B, S):
+    # o: [B, H, S, D] -> the output projection of [B, S, H * D]
+    return linear(o.transpose(1, 2).reshape(B, S, -1), weights[O_PROJ + ".weight"], weights.get(O_PROJ + ".bias"),
+                  **LIN)
+'''
+
+
+def _qkv_prelude(spec: TaskSpec) -> str:
+    return PRELUDE + f"\nQKV, O_PROJ = {_fused_name(spec)!r}, {_o_name(spec)!r}\n" + QKV_PRELUDE
+
+
+def _fused_name(spec: TaskSpec) -> str | None:
+    return next((n for n in QKV_NAMES if n + ".weight" in spec.weight_names), None)
+
+
+def _o_name(spec: TaskSpec) -> str | None:
+    return next((n for n in O_NAMES if n + ".weight" in spec.weight_names), None)
+
+
+def _layouts(spec: TaskSpec) -> list[str]:
+    """The qkv_layout values the task's weights allow: split projections, or the two layouts of a fused one."""
+    if {"q_proj.weight", "k_proj.weight", "v_proj.weight"} <= set(spec.weight_names):
+        return ["split"]
+    return ["blocks", "heads"] if _fused_name(spec) else []
+
+
+def _split_only(spec: TaskSpec, name: str) -> str | None:
+    """Scope of the templates that read q_proj/k_proj/v_proj/o_proj by name (decode_static, TileMix)."""
+    if _layouts(spec) != ["split"] or _o_name(spec) != "o_proj":
+        return f"{name}: expected q_proj/k_proj/v_proj/o_proj, got {spec.weight_names}"
+    return None
+
+
 def _adapter(spec: TaskSpec) -> str | None:
     return ((spec.recipe or {}).get("state") or {}).get("adapter")
 
 
 def _applies_common(spec: TaskSpec) -> str | None:
-    need = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
-    if not need <= set(spec.weight_names):
-        return f"attention: expected weights {sorted(need)}, got {spec.weight_names}"
+    if not _layouts(spec) or not _o_name(spec):
+        return f"attention: expected q_proj/k_proj/v_proj or a fused projection {QKV_NAMES}, and an output " \
+               f"projection {O_NAMES}, got weights {spec.weight_names}"
+    qkv = ["q_proj", "k_proj", "v_proj"] if _layouts(spec) == ["split"] else [_fused_name(spec)]
+    read = {f"{n}.{p}" for n in (*qkv, _o_name(spec)) for p in ("weight", "bias")} | set(NORM_WEIGHTS)
+    unread = [w for w in spec.weight_names if w not in read]
+    if unread:  # StableLM's and Phi's q/k LayerNorms, ...: another computation
+        return f"attention: weights the template does not read: {unread}"
     if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
         return f"attention: expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
     return None
@@ -94,6 +166,9 @@ def _applies_static(spec: TaskSpec) -> str | None:
         return why
     if _adapter(spec) not in STATIC_ADAPTERS:
         return f"attention.decode_static: expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)}"
+    why = _split_only(spec, "attention.decode_static")
+    if why:
+        return why
     if spec.static.get("attention_type") not in (None, "full_attention", "sliding_attention"):
         return f"attention.decode_static: attention type {spec.static.get('attention_type')!r} is out of scope"
     return None
@@ -106,18 +181,18 @@ def _imports(extra: list[str]) -> list[str]:
 
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.attention_prefill import attention_prefill"])
-    return header("attention.prefill_flash", spec, imports, config) + PRELUDE + '''
+    return header("attention.prefill_flash", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, S, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    D = _head_dim(static)
+    q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)
     k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
     o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), **ATTN)  # [B, Hq, S, D]
-    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
 '''
 
@@ -134,16 +209,16 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
     v_all, _ = _with_past(state.get("value_cache"), v)
     o = attention_decode(q, k_all, v_all, scale, **ATTN)
 '''
-    return header("attention.decode_splitkv", spec, imports, config) + PRELUDE + '''
+    return header("attention.decode_splitkv", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
+    D = _head_dim(static)
     scale = float(_static(static, "scaling"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)  # q: [B, Hq, 1, D], k: [B, Hkv, 1, D]
-''' + body + '''    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+''' + body + '''    out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
 '''
 
@@ -183,16 +258,16 @@ def entry(inputs, weights, state, static):
 TEMPLATES = [
     Template(name="attention.prefill_flash", family="attention", phases=("prefill",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, PREFILL_OP),
-             space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **ATTN_PREFILL}, render_fn=_render_prefill,
-             applies_fn=_applies,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_PREFILL, **ROPE, **ATTN_PREFILL},
+             render_fn=_render_prefill, applies_fn=_applies, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4,
                                       "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
                                       "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
                                       "attn_num_stages": 2}),
     Template(name="attention.decode_splitkv", family="attention", phases=("decode",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, DECODE_OP),
-             space_fn=lambda spec: {**LIN_DECODE, **ROPE, **ATTN_DECODE}, render_fn=_render_decode,
-             applies_fn=_applies,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ROPE, **ATTN_DECODE},
+             render_fn=_render_decode, applies_fn=_applies, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
                                       "rope_BLOCK_H": 4, "rope_num_warps": 2, "cache_update": "copy",
                                       "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4},

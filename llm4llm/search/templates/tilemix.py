@@ -5,7 +5,8 @@ acceptance holds every rendering to that budget in-model and walks the coverage 
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LINEAR_OP
-from llm4llm.search.templates.attention import LIN_PREFILL, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports
+from llm4llm.search.templates.attention import (LIN_PREFILL, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports,
+                                                 _split_only)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -18,7 +19,7 @@ TM = {"tm_template": ["sink_local", "bigbird", "row_random"], "tm_coverage": COV
 
 
 def _applies_tilemix(spec: TaskSpec) -> str | None:
-    why = _applies(spec)
+    why = _applies(spec) or _split_only(spec, NAME)
     if why:
         return why
     if spec.dtype not in ("bfloat16", "float16"):
