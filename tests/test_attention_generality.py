@@ -68,6 +68,23 @@ def test_partial_rotary_rejects_bad_widths():
         rotary(q, k, wide, wide)
 
 
+# ---- sliding-window prefill, op level -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("S_q,S_kv,window", [(37, 37, 5), (21, 24, 16), (9, 9, 1), (13, 13, 40)])
+def test_prefill_sliding_window_matches_float64(S_q, S_kv, window):
+    """Windows narrower than a tile, across tiles (16-row tiles: whole KV tiles below the window are skipped), of
+    one key, and wider than the sequence; a prefill that extends a cache (S_kv > S_q); grouped-query heads."""
+    from kernels_runtime.ops.attention_prefill import attention_prefill, attention_prefill_ref
+
+    q = torch.randn(2, 4, S_q, 16)
+    k, v = torch.randn(2, 2, S_kv, 16), torch.randn(2, 2, S_kv, 16)
+    out = attention_prefill(q, k, v, 0.3, sliding_window=window, BLOCK_M=16, BLOCK_N=16)
+    ref = attention_prefill_ref(q.double(), k.double(), v.double(), 0.3, sliding_window=window)
+    assert_close(out, ref.float(), torch.float32, name="out vs float64")
+    if window >= S_kv:  # a window that holds everything is plain causal attention
+        assert_close(out, attention_prefill_ref(q, k, v, 0.3), torch.float32, name="out vs causal")
+
+
 # ---- scope: which layouts a task's weights allow, what the templates leave to others ------------------------------
 
 def _spec(weights: list[str], adapter: str = "DynamicLayer", phase: str = "prefill"):
@@ -118,9 +135,18 @@ MODELS = {
     # fused query_key_value per head [q_h, k_h, v_h] with its bias, partial rotary, `dense`
     "gpt_neox": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                       rotary_pct=0.5), "heads"),
+    # sliding window 4 < the prompt (6): the window mask in prefill, the cache keeping the last 3 positions
+    "mistral": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, sliding_window=4), "split"),
+    # layer 0 sliding (window 4), layer 1 full attention: two tasks per phase (under SDPA, HF's Gemma-2 attention
+    # applies no logit soft-capping: transformers' sdpa_attention_forward ignores `softcap`)
+    "gemma2": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    intermediate_size=64, sliding_window=4), "split"),
 }
 PHASE_TEMPLATE = {"prefill": "attention.prefill_flash", "decode": "attention.decode_splitkv"}
-CASES = [(m, p) for m in MODELS for p in PHASE_TEMPLATE]
+# the prefill of each, the decode of those whose decode path differs (fused layouts, partial rotary, the sliding
+# cache); every extra case costs the interpreter seconds
+CASES = [(m, "prefill") for m in MODELS] + [(m, "decode") for m in ("stablelm", "phi3", "gpt_neox", "mistral")]
 
 
 def _attention_tasks(model_type: str, cfg: dict, out: Path) -> list:
@@ -175,13 +201,13 @@ def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_ty
 
     name, layout = PHASE_TEMPLATE[phase], MODELS[model_type][1]
     tasks = [(s, d) for s, d in attention_tasks(model_type) if s.phase == phase]
-    assert len(tasks) == 1, [s.task_id for s, _ in attention_tasks(model_type)]
-    spec, task_dir = tasks[0]
+    assert len(tasks) == (2 if model_type == "gemma2" else 1), [s.task_id for s, _ in attention_tasks(model_type)]
     template = next(t for t in TEMPLATES if t.name == name)
-    checks = check_templates(task_dir, spec, [template], lambda path, source: _verify(path, source, draws=0))
-    assert [(c.applicable, c.stage, c.failure_class) for c in checks] == [(True, "computation", None)], checks
-    assert checks[0].pinned == {"qkv_layout": layout}, checks
-    (pinned,) = applicable_templates([template], checks)
-    v = _verify(task_dir, pinned.render(spec, pinned.default(spec)), draws=1)  # a trial: a fresh draw beside the cases
-    assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
-    assert [g.name for g in v.gates if not g.passed] == [] and v.max_abs_err is not None and v.max_abs_err < 1e-4
+    for spec, task_dir in tasks:
+        checks = check_templates(task_dir, spec, [template], lambda path, source: _verify(path, source, draws=0))
+        assert [(c.applicable, c.stage, c.failure_class) for c in checks] == [(True, "computation", None)], checks
+        assert checks[0].pinned == {"qkv_layout": layout}, checks
+        (pinned,) = applicable_templates([template], checks)
+        v = _verify(task_dir, pinned.render(spec, pinned.default(spec)), draws=1)  # a trial: a fresh draw as well
+        assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
+        assert [g.name for g in v.gates if not g.passed] == [] and v.max_abs_err is not None and v.max_abs_err < 1e-4

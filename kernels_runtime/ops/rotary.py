@@ -4,7 +4,8 @@ Numerics follow transformers 5.17: `q * cos + rotate_half(q) * sin` with every e
 input dtype (the eager ops do so), and for Qwen3 `q_norm` = fp32 RMSNorm over the head dim, rounded, times the
 weight. Partial rotary (StableLM and Phi `partial_rotary_factor`, GPT-NeoX `rotary_pct`): cos/sin hold R < D
 columns (HF's rotary embedding is built for R = the rotated dims); the first R columns of each head are rotated and
-the last D - R pass through unchanged, as HF's `apply_rotary_pos_emb` does (`rotary_dim = cos.shape[-1]`). One program handles one (batch, position) token: cos/sin are loaded once and reused by all q and k heads.
+the last D - R pass through unchanged, as HF's `apply_rotary_pos_emb` does (`rotary_dim = cos.shape[-1]`).
+One program handles one (batch, position) token: cos/sin are loaded once and reused by all q and k heads.
 Outputs are new tensors laid out like q and k (HF's q/k are transposed views of the projections).
 """
 from __future__ import annotations

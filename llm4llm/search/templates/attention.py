@@ -1,10 +1,12 @@
-"""attention family (LlamaAttention, Qwen3Attention, StableLmAttention, Phi3Attention, GPTNeoXAttention): q/k/v
-projections (Triton linear), rotary (fused with Qwen3's q_norm/k_norm when those weights exist; partial rotary when
-cos/sin are narrower than the head, as StableLM's and GPT-NeoX's are), the KV cache as state_out, causal flash attention (prefill) or
-split-KV flash decoding (decode), o_proj (Triton linear). Under transformers' static KV cache (decode graphs),
-attention.decode_static: norms, rotary, the cache write at the device-side length and split-KV attention in one
-kernel (kernels_runtime/ops/attention_decode_static.py), nothing on the host that a graph would freeze. Limit: the attention mask is taken to be causal only
-(no padding); a padded batch fails verification rather than being silently accepted."""
+"""attention family (LlamaAttention, Qwen3Attention and those of StableLM, Phi, Phi-3, GPT-NeoX, Mistral, Gemma-2):
+q/k/v projections (Triton linear; or one fused Linear, the `qkv_layout` option), rotary (fused with Qwen3's
+q_norm/k_norm when those weights exist; partial rotary when cos/sin are narrower than the head), the KV cache as
+state_out (a sliding-window cache keeps its last W - 1 positions), causal flash attention (prefill, with the sliding
+window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
+transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
+device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
+the host that a graph would freeze. Limit: the attention mask is taken to be causal (and windowed) only (no padding);
+a padded batch fails verification rather than being silently accepted."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP
@@ -20,6 +22,8 @@ DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_de
 # transformers' static KV cache (StaticLayer, StaticSlidingWindowLayer while its window fills): preallocated
 # keys/values and a device-side length, what decode graphs run on
 STATIC_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")
+# transformers' dynamic sliding-window cache (Mistral, Gemma-2's sliding layers): keeps the last W - 1 positions
+SLIDING_ADAPTER = "DynamicSlidingWindowLayer"
 
 # Fused q/k/v projections (one Linear) and output projections, by the names transformers' modules give them
 QKV_NAMES = ("qkv_proj", "query_key_value")  # Phi-3, GPT-NeoX
@@ -28,7 +32,6 @@ O_NAMES = ("o_proj", "dense")  # GPT-NeoX and Phi name it dense
 # split: q_proj/k_proj/v_proj; blocks: one Linear whose output is [q of every head | k | v] (Phi-3's qkv_proj);
 # heads: one Linear whose output is per head [q_h | k_h | v_h] (GPT-NeoX's query_key_value: view(B, S, H, 3D)).
 # Either fused layout is one GEMM, q/k/v strided views of its output (the ops take any strides): no copies.
-QKV_LAYOUTS = ("split", "blocks", "heads")
 # weights the attention templates read besides the projections' (Qwen3's per-head RMSNorm)
 NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 
@@ -55,7 +58,7 @@ def _proj(x, weights, name, B, S, D):
 
 
 def _rope(q, k, inputs, weights, static):
-    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, D]
+    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, R], R < D: partial
     if "q_norm.weight" in weights:
         eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps"))
         return qk_norm_rotary(q, k, cos, sin, weights["q_norm.weight"], weights["k_norm.weight"], eps, **ROPE)
@@ -98,6 +101,17 @@ def _qkv(x, weights, static, B, S, D):
     return tuple(t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
 
 
+def _window(static):
+    # the module's window (Gemma-2), else its sliding cache layer's (Mistral keeps it on the config only)
+    w = static.get("sliding_window") or WINDOW
+    return int(w) if w else None
+
+
+def _kept(t, window):
+    # [B, Hkv, L, D] -> what the cache keeps: DynamicSlidingWindowLayer the last W - 1 positions (all while fewer)
+    return t[:, :, -window + 1:] if SLIDING_CACHE and window else t
+
+
 def _out(o, weights, B, S):
     # o: [B, H, S, D] -> the output projection of [B, S, H * D]
     return linear(o.transpose(1, 2).reshape(B, S, -1), weights[O_PROJ + ".weight"], weights.get(O_PROJ + ".bias"),
@@ -106,7 +120,10 @@ def _out(o, weights, B, S):
 
 
 def _qkv_prelude(spec: TaskSpec) -> str:
-    return PRELUDE + f"\nQKV, O_PROJ = {_fused_name(spec)!r}, {_o_name(spec)!r}\n" + QKV_PRELUDE
+    state = (spec.recipe or {}).get("state") or {}
+    return PRELUDE + f"\nQKV, O_PROJ = {_fused_name(spec)!r}, {_o_name(spec)!r}\n" + \
+        f"WINDOW, SLIDING_CACHE = {state.get('sliding_window')!r}, {state.get('adapter') == SLIDING_ADAPTER!r}\n" + \
+        QKV_PRELUDE
 
 
 def _fused_name(spec: TaskSpec) -> str | None:
@@ -155,8 +172,6 @@ def _applies(spec: TaskSpec) -> str | None:
         return why
     if _adapter(spec) in STATIC_ADAPTERS:
         return "attention: a static KV cache task (attention.decode_static takes it)"
-    if spec.static.get("sliding_window"):
-        return "attention: sliding-window attention is out of scope"
     return None
 
 
@@ -191,9 +206,11 @@ def entry(inputs, weights, state, static):
     q, k = _rope(q, k, inputs, weights, static)
     k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
-    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), **ATTN)  # [B, Hq, S, D]
+    window = _window(static)
+    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), sliding_window=window,
+                          **ATTN)  # [B, Hq, S, D]
     out = _out(o, weights, B, S)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
 
 
@@ -202,12 +219,15 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
     if config["cache_update"] == "fused":
         body = '''    k_all, sp = _with_past(state.get("key_cache"), k, extra=1)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v, extra=1)
-    o = attention_decode_update(q, k, v, k_all, v_all, sp, scale, **ATTN)  # writes position S_past
+    lo = max(0, sp + 1 - window) if window else 0  # the window's first position
+    # writes position S_past (through the views), attends over [lo, S_past]
+    o = attention_decode_update(q, k, v, k_all[:, :, lo:], v_all[:, :, lo:], sp - lo, scale, **ATTN)
 '''
     else:
         body = '''    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
-    o = attention_decode(q, k_all, v_all, scale, **ATTN)
+    lo = max(0, k_all.shape[2] - window) if window else 0  # the window's first position
+    o = attention_decode(q, k_all[:, :, lo:], v_all[:, :, lo:], scale, **ATTN)
 '''
     return header("attention.decode_splitkv", spec, imports, config) + _qkv_prelude(spec) + '''
 
@@ -218,8 +238,9 @@ def entry(inputs, weights, state, static):
     scale = float(_static(static, "scaling"))
     q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)  # q: [B, Hq, 1, D], k: [B, Hkv, 1, D]
+    window = _window(static)
 ''' + body + '''    out = _out(o, weights, B, S)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
 
 

@@ -22,6 +22,8 @@ def _applies_tilemix(spec: TaskSpec) -> str | None:
     why = _applies(spec) or _split_only(spec, NAME)
     if why:
         return why
+    if spec.static.get("sliding_window") or ((spec.recipe or {}).get("state") or {}).get("sliding_window"):
+        return f"{NAME}: sliding-window attention is out of scope"
     if spec.dtype not in ("bfloat16", "float16"):
         return f"{NAME}: INT8 tiles beside a 16-bit path, expected a bfloat16/float16 task, got {spec.dtype}"
     return None
