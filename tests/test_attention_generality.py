@@ -1,12 +1,13 @@
 """Attention of architectures beyond Llama/Qwen3 in the built-in attention templates: partial rotary (StableLM
-`partial_rotary_factor`, GPT-NeoX `rotary_pct`: cos/sin narrower than the head) in the rotary op, and fused q/k/v
-projections (Phi-3's `qkv_proj` as [q | k | v] blocks, GPT-NeoX's `query_key_value` per head [q_h, k_h, v_h], with
-its bias) as the `qkv_layout` option of attention.prefill_flash / attention.decode_splitkv, chosen by the
-applicability check (llm4llm/search/applicability.py) by running it on the task's captured calls.
+`partial_rotary_factor`, GPT-NeoX `rotary_pct`: cos/sin narrower than the head) in the rotary and static-decode ops,
+fused q/k/v projections (Phi-3's `qkv_proj` as [q | k | v] blocks, GPT-NeoX's `query_key_value` per head
+[q_h, k_h, v_h], with its bias) as the `qkv_layout` option of attention.prefill_flash / decode_splitkv /
+decode_static, chosen by the applicability check (llm4llm/search/applicability.py) by running it on the task's
+captured calls, and the sliding window (Mistral, Gemma-2) in prefill and in the sliding cache's state.
 
-Op level: against HF's own `apply_rotary_pos_emb` and a float64 reference on fresh random inputs. Model level:
-tiny seeded transformers models are profiled and extracted; the check must judge the template applicable (pinned to
-the layout that matches) and a trial of its default config must pass the verifier with fresh draws."""
+Op level: against HF's own `apply_rotary_pos_emb` and float64 references on fresh random inputs. Model level: tiny
+seeded transformers models are profiled and extracted; the check must judge the template applicable (pinned to the
+layout that matches) and a trial of its pinned default must pass the verifier's gates with a fresh draw."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +33,7 @@ def _qk_cos_sin(B, Hq, Hkv, S, D, R, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 4, 2, 11, 16, 8), (1, 3, 1, 5, 24, 6), (1, 2, 2, 3, 20, 20)])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 11, 16, 8), (1, 3, 1, 5, 24, 6)])
 def test_partial_rotary_matches_hf_and_float64(dtype, shape):
     from transformers.models.stablelm.modeling_stablelm import apply_rotary_pos_emb
 
@@ -66,6 +67,30 @@ def test_partial_rotary_rejects_bad_widths():
     wide = torch.cat([cos, cos, cos], -1)  # 24 > 16
     with pytest.raises(ValueError, match="R even"):
         rotary(q, k, wide, wide)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_static_decode_partial_rotary_matches_float64(norm):
+    """attention_decode_static (the static-cache decode kernel) with cos/sin of R = 6 < D = 16 columns: the output vs
+    float64, the cache written with the partially rotated k at the position and nothing else changed."""
+    from kernels_runtime.ops.attention_decode_static import attention_decode_static, attention_decode_static_ref
+
+    B, Hq, Hkv, S, D, R, pos = 2, 4, 2, 19, 16, 6, 11
+    ang = torch.randn(B, 1, R // 2) * 3
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    w = (lambda: torch.rand(D) + 0.5) if norm else (lambda: None)
+    c = dict(q=torch.randn(B, Hq, 1, D), k=torch.randn(B, Hkv, 1, D), v=torch.randn(B, Hkv, 1, D),
+             k_cache=torch.randn(B, Hkv, S, D), v_cache=torch.randn(B, Hkv, S, D), cos=cos, sin=sin,
+             q_norm_weight=w(), k_norm_weight=w())
+    wide = {n: t.double() if isinstance(t, torch.Tensor) else t for n, t in c.items()}
+    out64, k64, v64, _ = attention_decode_static_ref(**wide, cache_len=torch.tensor(pos), scale=0.3)
+    kc, vc, n = c["k_cache"].clone(), c["v_cache"].clone(), torch.tensor(pos)
+    out = attention_decode_static(**{**c, "k_cache": kc, "v_cache": vc}, cache_len=n, scale=0.3, BLOCK_N=16)
+    assert_close(out, out64.float(), torch.float32, name="out vs float64")
+    assert_close(kc, k64.float(), torch.float32, name="k_cache vs float64")
+    assert torch.equal(vc, v64.float()) and int(n) == pos + 1
+    if not norm:  # the columns past R pass through unrotated
+        assert torch.equal(kc[:, :, pos, R:], c["k"][:, :, 0, R:])
 
 
 # ---- sliding-window prefill, op level -----------------------------------------------------------------------------
@@ -111,7 +136,8 @@ def test_qkv_layouts_follow_the_weights_and_the_check_tries_each():
         assert decode.why_not(fused) is None, decode.why_not(fused)
         assert decode.default(fused)["qkv_layout"] == "blocks" and decode.variants(fused) == [{"qkv_layout": "heads"}]
         static = _spec(weights, adapter="StaticLayer", phase="decode")
-        assert "expected q_proj/k_proj/v_proj/o_proj" in by_name["attention.decode_static"].why_not(static)
+        assert by_name["attention.decode_static"].why_not(static) is None  # the static cache: the same option
+        assert by_name["attention.decode_static"].variants(static) == [{"qkv_layout": "heads"}]
         assert "expected q_proj/k_proj/v_proj/o_proj" in by_name["attention.prefill_tilemix"].applies_fn(fused)
     qk_ln = _spec(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_layernorm.weight",
                    "k_layernorm.weight"])  # StableLM / Phi with qk_layernorm: LayerNorms the templates do not apply
@@ -126,9 +152,6 @@ MODELS = {
     # partial rotary (a quarter of the head), q_proj/k_proj/v_proj/o_proj
     "stablelm": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                       intermediate_size=64, partial_rotary_factor=0.25), "split"),
-    # partial rotary (half the head), q/k/v and the output Linear `dense`, all with bias
-    "phi": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                 intermediate_size=64, partial_rotary_factor=0.5), "split"),
     # fused qkv_proj as [q | k | v] blocks, grouped-query (4 query heads over 2 kv heads)
     "phi3": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=64), "blocks"),
@@ -143,15 +166,19 @@ MODELS = {
     "gemma2": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                     intermediate_size=64, sliding_window=4), "split"),
 }
-PHASE_TEMPLATE = {"prefill": "attention.prefill_flash", "decode": "attention.decode_splitkv"}
+PHASE_TEMPLATE = {"prefill": "attention.prefill_flash", "decode": "attention.decode_splitkv",
+                  "decode+static": "attention.decode_static"}
 # the prefill of each, the decode of those whose decode path differs (fused layouts, partial rotary, the sliding
-# cache); every extra case costs the interpreter seconds
-CASES = [(m, "prefill") for m in MODELS] + [(m, "decode") for m in ("stablelm", "phi3", "gpt_neox", "mistral")]
+# cache), the decode on transformers' static cache (decode graphs) of the fused per-head layout with partial rotary;
+# every extra case costs the interpreter seconds
+CASES = [(m, "prefill") for m in MODELS] + [(m, "decode") for m in ("stablelm", "gpt_neox", "mistral")] + \
+    [("gpt_neox", "decode+static")]
 
 
-def _attention_tasks(model_type: str, cfg: dict, out: Path) -> list:
+def _attention_tasks(model_type: str, cfg: dict, out: Path, static_cache: bool = False) -> list:
     """The model's attention tasks: a seeded tiny model, profiled and extracted in-process (prompt 6, 2 new
-    tokens: one decode step) as the pipeline does through the workload script."""
+    tokens: one decode step) as the pipeline does through the workload script; static_cache: decode tasks on
+    transformers' static KV cache, as runs with decode graphs extract them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llm4llm.extract import extract_tasks
@@ -169,7 +196,8 @@ def _attention_tasks(model_type: str, cfg: dict, out: Path) -> list:
                                   min_new_tokens=2, do_sample=False, pad_token_id=0)
 
     profile = profile_model(model, run, device="cpu")
-    specs = extract_tasks(model, run, profile, out, workload_name=f"tiny-{model_type}", families=["attention"])
+    specs = extract_tasks(model, run, profile, out, workload_name=f"tiny-{model_type}", families=["attention"],
+                          static_cache=static_cache)
     return [(s, out / s.task_id) for s in specs if s.deployable]
 
 
@@ -183,13 +211,14 @@ def _verify(task_dir: Path, source: str, draws: int):
 
 @pytest.fixture(scope="module")
 def attention_tasks(tmp_path_factory):
-    """model_type -> its deployable attention tasks, extracted once on first use."""
-    done: dict[str, list] = {}
+    """(model_type, static_cache) -> its deployable attention tasks, extracted once on first use."""
+    done: dict[tuple, list] = {}
 
-    def get(model_type: str) -> list:
-        if model_type not in done:
-            done[model_type] = _attention_tasks(model_type, MODELS[model_type][0], tmp_path_factory.mktemp(model_type))
-        return done[model_type]
+    def get(model_type: str, static_cache: bool = False) -> list:
+        if (model_type, static_cache) not in done:
+            done[(model_type, static_cache)] = _attention_tasks(
+                model_type, MODELS[model_type][0], tmp_path_factory.mktemp(model_type), static_cache)
+        return done[(model_type, static_cache)]
 
     return get
 
@@ -200,8 +229,10 @@ def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_ty
     from llm4llm.search.templates import TEMPLATES
 
     name, layout = PHASE_TEMPLATE[phase], MODELS[model_type][1]
-    tasks = [(s, d) for s, d in attention_tasks(model_type) if s.phase == phase]
-    assert len(tasks) == (2 if model_type == "gemma2" else 1), [s.task_id for s, _ in attention_tasks(model_type)]
+    static = phase.endswith("+static")
+    found = attention_tasks(model_type, static)
+    tasks = [(s, d) for s, d in found if s.phase == phase.removesuffix("+static")]
+    assert len(tasks) == (2 if model_type == "gemma2" else 1), [s.task_id for s, _ in found]
     template = next(t for t in TEMPLATES if t.name == name)
     for spec, task_dir in tasks:
         checks = check_templates(task_dir, spec, [template], lambda path, source: _verify(path, source, draws=0))

@@ -5,8 +5,9 @@ state_out (a sliding-window cache keeps its last W - 1 positions), causal flash 
 window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
 transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
 device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
-the host that a graph would freeze. Limit: the attention mask is taken to be causal (and windowed) only (no padding);
-a padded batch fails verification rather than being silently accepted."""
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). Limit: the attention mask is
+taken to be causal (and windowed) only (no padding); a padded batch fails verification rather than being silently
+accepted."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP
@@ -142,7 +143,7 @@ def _layouts(spec: TaskSpec) -> list[str]:
 
 
 def _split_only(spec: TaskSpec, name: str) -> str | None:
-    """Scope of the templates that read q_proj/k_proj/v_proj/o_proj by name (decode_static, TileMix)."""
+    """Scope of the templates that read q_proj/k_proj/v_proj/o_proj by name (TileMix)."""
     if _layouts(spec) != ["split"] or _o_name(spec) != "o_proj":
         return f"{name}: expected q_proj/k_proj/v_proj/o_proj, got {spec.weight_names}"
     return None
@@ -181,9 +182,6 @@ def _applies_static(spec: TaskSpec) -> str | None:
         return why
     if _adapter(spec) not in STATIC_ADAPTERS:
         return f"attention.decode_static: expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)}"
-    why = _split_only(spec, "attention.decode_static")
-    if why:
-        return why
     if spec.static.get("attention_type") not in (None, "full_attention", "sliding_attention"):
         return f"attention.decode_static: attention type {spec.static.get('attention_type')!r} is out of scope"
     return None
@@ -246,7 +244,7 @@ def entry(inputs, weights, state, static):
 
 def _render_static(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
-    return header("attention.decode_static", spec, imports, config) + PRELUDE + '''
+    return header("attention.decode_static", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def _opt(static, *names):
     for n in names:
@@ -258,8 +256,8 @@ def _opt(static, *names):
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))  # [B, H, 1, D] views
+    D = _head_dim(static)
+    q, k, v = _qkv(x, weights, static, B, S, D)  # [B, H, 1, D] views
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
     norm = "q_norm.weight" in weights
     eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
@@ -271,7 +269,7 @@ def entry(inputs, weights, state, static):
         float(_static(static, "scaling")), q_norm_weight=weights.get("q_norm.weight"),
         k_norm_weight=weights.get("k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
         softcap=float(cap) if cap else None, **ATTN)  # [B, Hq, 1, D]
-    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
 '''
 
@@ -295,8 +293,8 @@ TEMPLATES = [
              choice_requires={("cache_update", "fused"): (DECODE_UPDATE_OP,)}),
     Template(name="attention.decode_static", family="attention", phases=("decode",),
              requires=(LINEAR_OP, DECODE_STATIC_OP),
-             space_fn=lambda spec: {**LIN_DECODE, **ATTN_STATIC}, render_fn=_render_static,
-             applies_fn=_applies_static,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ATTN_STATIC},
+             render_fn=_render_static, applies_fn=_applies_static, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
                                       "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4,
                                       "attn_num_stages": 2}),
