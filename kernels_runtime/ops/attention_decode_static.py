@@ -20,6 +20,7 @@ at every step and one captured graph serves every length. A `pos` at or past S_m
 whole cache and does not advance (never out of bounds).
 Not autotuned: it writes the cache and the length in place, so a re-run by an autotuner would corrupt them; the
 search tunes BLOCK_N / splits / warps by hand (CONFIG_SPACE).
+Partial rotary (cos/sin narrower than the head, R < D): the first R columns rotate, the rest pass through.
 Limits: one length for the whole batch (no per-sequence lengths, no padding mask); an even head_dim.
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _attention_decode_static_kernel(
     # Pointers
     Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART,
     # Matrix dimensions
-    Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, qk_scale, eps, window, softcap,
+    Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
     # Strides
     stride_qb, stride_qh, stride_qd,
     stride_knb, stride_knh, stride_knd,
@@ -78,11 +79,12 @@ def _attention_decode_static_kernel(
     b, hkv = pid_bh // Hkv, pid_bh % Hkv
     offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     mask_g, mask_d = offs_g < GROUP, offs_d < D
-    half = D // 2
-    offs_r = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half's partner column
+    # the first ROT columns rotate (partial rotary: ROT < D); the others pass through as x * 1 + x * 0, exact
+    half = ROT // 2
+    offs_r = tl.where(offs_d < half, offs_d + half, tl.where(offs_d < ROT, offs_d - half, offs_d))  # the partner
     sign = tl.where(offs_d < half, -1.0, 1.0)
-    cos = tl.load(COS + b * stride_cb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    sin = tl.load(SIN + b * stride_sb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    cos = tl.load(COS + b * stride_cb + offs_d, mask=offs_d < ROT, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + b * stride_sb + offs_d, mask=offs_d < ROT, other=0.0).to(tl.float32)
 
     hq = hkv * GROUP + offs_g
     q_rows = Q + b * stride_qb + hq[:, None] * stride_qh
@@ -183,7 +185,8 @@ def attention_decode_static_ref(
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (projections, before norm and rotary), k_cache/v_cache: [B, Hkv, S_max, D]
-    holding `cache_len` (one-element int tensor) positions, cos/sin: [B, 1, D]
+    holding `cache_len` (one-element int tensor) positions, cos/sin: [B, 1, R] (R <= D: partial rotary, the last
+    D - R columns pass through)
     -> (out [B, Hq, 1, D], k_cache_out, v_cache_out, cache_len + 1), as HF's attention forward over a StaticLayer
     computes them (norms, rotary, `update`, SDPA over K/V repeated to Hq heads with the causal/sliding mask).
     Does not modify its inputs."""
@@ -219,8 +222,12 @@ def _check(q, k, v, k_cache, v_cache, cache_len, cos, sin, norms) -> None:
     if k_cache.shape[0] != B or k_cache.shape[3] != D or Hkv == 0 or Hq % Hkv or D % 2:
         raise ValueError(f"attention_decode_static: expected caches [{B}, Hkv dividing {Hq}, S_max, {D}] and an "
                          f"even head dim, got {tuple(k_cache.shape)}")
-    for name, t, shape in (("k", k, (B, Hkv, 1, D)), ("v", v, (B, Hkv, 1, D)), ("cos", cos, (B, 1, D)),
-                           ("sin", sin, (B, 1, D)), ("k_cache", k_cache, k_cache.shape),
+    R = cos.shape[-1]
+    if not 0 < R <= D or R % 2:
+        raise ValueError(f"attention_decode_static: expected cos/sin [B, 1, R] with R even, 0 < R <= {D}, got "
+                         f"{tuple(cos.shape)}")
+    for name, t, shape in (("k", k, (B, Hkv, 1, D)), ("v", v, (B, Hkv, 1, D)), ("cos", cos, (B, 1, R)),
+                           ("sin", sin, (B, 1, R)), ("k_cache", k_cache, k_cache.shape),
                            ("v_cache", v_cache, k_cache.shape),
                            *((n, w, (D,)) for n, w in norms if w is not None)):
         if tuple(t.shape) != tuple(shape) or t.dtype != q.dtype or t.device != q.device:
@@ -261,7 +268,7 @@ def attention_decode_static(
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         length, o_part, lse_part,
-        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, scale, eps, int(sliding_window or 0), float(softcap or 1.0),
+        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0), float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,

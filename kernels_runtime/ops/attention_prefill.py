@@ -4,6 +4,10 @@ The reference is what transformers 5.17 runs by default (`attn_implementation="s
 Hq heads, causal. Queries are aligned to the end of the keys (query i sits at position S_kv - S_q + i), so a
 prefill that extends a cache (S_kv > S_q) is covered too. One new token (S_q == 1) is decode and is rejected:
 `attention_decode` splits the KV sequence instead, which a one-row query tile here would not.
+Sliding-window attention (Mistral, Gemma-2's sliding layers; `sliding_window` W): query i sees keys j with
+0 <= i + S_kv - S_q - j < W, HF's sliding causal mask (kv > q - W); the KV tiles wholly below the window are skipped.
+Distances are taken between cache indices, so a sliding cache that holds only the last W - 1 positions before the
+new ones (DynamicSlidingWindowLayer) is covered too.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def _attention_prefill_kernel(
     # Pointers
     Q, K, V, O,
     # Matrix dimensions
-    Hq, S_q, S_kv, D, GROUP, qk_scale,
+    Hq, S_q, S_kv, D, GROUP, qk_scale, window,
     # Strides
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -43,6 +47,7 @@ def _attention_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -60,12 +65,16 @@ def _attention_prefill_kernel(
     k_base = K + b * stride_kb + hkv * stride_kh
     v_base = V + b * stride_vb + hkv * stride_vh
     offset = S_kv - S_q  # query row i may see keys 0..i + offset; key 0 is always visible, so no row is empty
+    # (with a window: keys i + offset - W + 1..i + offset; the row's own key is always visible)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     hi = tl.minimum(S_kv, (start_m + 1) * BLOCK_M + offset)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # the first tile that holds a key inside the window of the tile's first row
+        lo = (tl.maximum(start_m * BLOCK_M + offset - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < S_kv
         kt = tl.load(  # [BLOCK_D, BLOCK_N]
@@ -80,31 +89,43 @@ def _attention_prefill_kernel(
             kt, v = kt.to(tl.float32), v.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (offs_m[:, None] + offset >= offs_n[None, :]) & kv_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_m[:, None] + offset - offs_n[None, :] < window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_use = m_new
+        if HAS_WINDOW:  # a row may have seen no key yet (its window starts further on): no -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_WINDOW:  # padding rows past S_q may see no key at all (never stored): no 0 / 0
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_ptrs = O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_q) & mask_d[None, :])
 
 
 def attention_prefill_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, S_q, D], k/v: [B, Hkv, S_kv, D] (S_kv >= S_q, queries at the last S_q positions),
-    scale (default D**-0.5) -> causal attention output [B, Hq, S_q, D]."""
+    scale (default D**-0.5), sliding_window W (query i sees the W keys up to its own) -> causal attention output
+    [B, Hq, S_q, D]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s_q, s_kv = q.shape[2], k.shape[2]
-    if s_q == s_kv:
+    if s_q == s_kv and not sliding_window:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     rows = torch.arange(s_q, device=q.device)[:, None] + (s_kv - s_q)
-    mask = rows >= torch.arange(s_kv, device=q.device)[None, :]  # [S_q, S_kv], True = attend
+    cols = torch.arange(s_kv, device=q.device)[None, :]
+    mask = rows >= cols  # [S_q, S_kv], True = attend
+    if sliding_window:
+        mask &= rows - cols < sliding_window
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -134,12 +155,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def attention_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+    sliding_window: int | None = None,
     BLOCK_M: int | None = None, BLOCK_N: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, S_q, D] (S_q > 1), k/v: [B, Hkv, S_kv, D] with Hq % Hkv == 0 and S_kv >= S_q (any strides),
-    scale (default D**-0.5) -> causal attention output [B, Hq, S_q, D], contiguous, q's dtype."""
+    scale (default D**-0.5), sliding_window W >= 1 (None: full causal) -> causal attention output [B, Hq, S_q, D],
+    contiguous, q's dtype."""
     _check(q, k, v)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"attention_prefill: expected sliding_window >= 1 or None, got {sliding_window}")
     B, Hq, S_q, D = q.shape
     cfg = default_config(D)
     bm, bn = BLOCK_M or cfg["BLOCK_M"], BLOCK_N or cfg["BLOCK_N"]
@@ -149,10 +174,11 @@ def attention_prefill(
     scale = D**-0.5 if scale is None else scale
     _attention_prefill_kernel[(triton.cdiv(S_q, bm), B * Hq)](
         q, k, v, o,
-        Hq, S_q, k.shape[2], D, Hq // k.shape[1], scale * _LOG2E,
+        Hq, S_q, k.shape[2], D, Hq // k.shape[1], scale * _LOG2E, sliding_window or 0,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        UPCAST_DOT=interpreting(), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window is not None, UPCAST_DOT=interpreting(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return o

@@ -2,7 +2,10 @@
 
 Numerics follow transformers 5.17: `q * cos + rotate_half(q) * sin` with every elementwise op rounded to the
 input dtype (the eager ops do so), and for Qwen3 `q_norm` = fp32 RMSNorm over the head dim, rounded, times the
-weight. One program handles one (batch, position) token: cos/sin are loaded once and reused by all q and k heads.
+weight. Partial rotary (StableLM and Phi `partial_rotary_factor`, GPT-NeoX `rotary_pct`): cos/sin hold R < D
+columns (HF's rotary embedding is built for R = the rotated dims); the first R columns of each head are rotated and
+the last D - R pass through unchanged, as HF's `apply_rotary_pos_emb` does (`rotary_dim = cos.shape[-1]`).
+One program handles one (batch, position) token: cos/sin are loaded once and reused by all q and k heads.
 Outputs are new tensors laid out like q and k (HF's q/k are transposed views of the projections).
 """
 from __future__ import annotations
@@ -22,25 +25,41 @@ def _rope_heads(
     X, Y, W, cos1, cos2, sin1, sin2, offs_d, mask_d,
     n_heads, eps,
     stride_xh, stride_xd, stride_yh, stride_yd,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
+    # columns [0, 2 HALF) are rotated, [2 HALF, 2 HALF + PASS) pass through (only normed, with HAS_NORM)
     dt = Y.dtype.element_ty
+    offs_p = 2 * HALF + tl.arange(0, BLOCK_PASS)
+    mask_p = offs_p < 2 * HALF + PASS
     if HAS_NORM:
         w1 = tl.load(W + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(W + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
     for h0 in range(0, n_heads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
         x_ptrs = X + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd
         x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
         x2 = tl.load(x_ptrs + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        y_ptrs = Y + offs_h[:, None] * stride_yh + offs_d[None, :] * stride_yd
+        if PASS > 0:
+            mask_hp = (offs_h[:, None] < n_heads) & mask_p[None, :]
+            xp = tl.load(X + offs_h[:, None] * stride_xh + offs_p[None, :] * stride_xd, mask=mask_hp, other=0.0)
+            xp = xp.to(tl.float32)  # [BLOCK_H, BLOCK_PASS]
         if HAS_NORM:
-            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if PASS > 0:
+                ss += tl.sum(xp * xp, axis=1)
+            rstd = tl.rsqrt(ss / (2 * HALF + PASS) + eps)[:, None]
             x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            if PASS > 0:
+                xp = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if PASS > 0:
+            tl.store(Y + offs_h[:, None] * stride_yh + offs_p[None, :] * stride_yd, xp.to(dt), mask=mask_hp)
         y1 = (x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)
         y2 = (x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)
-        y_ptrs = Y + offs_h[:, None] * stride_yh + offs_d[None, :] * stride_yd
         tl.store(y_ptrs, y1.to(dt), mask=mask)
         tl.store(y_ptrs + HALF * stride_yd, y2.to(dt), mask=mask)
 
@@ -61,6 +80,8 @@ def _rotary_kernel(
     # Meta-parameters
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
@@ -77,12 +98,12 @@ def _rotary_kernel(
     _rope_heads(
         Q + b * stride_qb + s * stride_qs, QO + b * stride_qob + s * stride_qos, QW,
         cos1, cos2, sin1, sin2, offs_d, mask_d, Hq, eps,
-        stride_qh, stride_qd, stride_qoh, stride_qod, HALF, HAS_NORM, BLOCK_H,
+        stride_qh, stride_qd, stride_qoh, stride_qod, HALF, PASS, BLOCK_PASS, HAS_NORM, BLOCK_H,
     )
     _rope_heads(
         K + b * stride_kb + s * stride_ks, KO + b * stride_kob + s * stride_kos, KW,
         cos1, cos2, sin1, sin2, offs_d, mask_d, Hkv, eps,
-        stride_kh, stride_kd, stride_koh, stride_kod, HALF, HAS_NORM, BLOCK_H,
+        stride_kh, stride_kd, stride_koh, stride_kod, HALF, PASS, BLOCK_PASS, HAS_NORM, BLOCK_H,
     )
 
 
@@ -94,9 +115,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotary_ref(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, Hq, S, D], k: [B, Hkv, S, D], cos/sin: [B, S, D] -> (q_embed [B, Hq, S, D], k_embed [B, Hkv, S, D])."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    """q: [B, Hq, S, D], k: [B, Hkv, S, D], cos/sin: [B, S, R] (R <= D: the first R columns of each head rotate,
+    the rest pass through) -> (q_embed [B, Hq, S, D], k_embed [B, Hkv, S, D])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, R]
+    r = cos.shape[-1]
+
+    def one(x):
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+    return one(q), one(k)
 
 
 def _head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,9 +152,11 @@ def _check(q, k, cos, sin, weights) -> None:
         raise ValueError(f"rotary: expected k [{B}, Hkv, {S}, {D}], got {tuple(k.shape)}")
     if D % 2:
         raise ValueError(f"rotary: expected an even head dim, got {D}")
+    R = cos.shape[-1] if cos.dim() == 3 else -1
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, S, D):
-            raise ValueError(f"rotary: expected {name} of shape ({B}, {S}, {D}), got {tuple(t.shape)}")
+        if t.dim() != 3 or t.shape[:2] != (B, S) or t.shape[2] != R or not 0 < R <= D or R % 2:
+            raise ValueError(f"rotary: expected {name} of shape ({B}, {S}, R) with R even and 0 < R <= {D} "
+                             f"(R < {D}: partial rotary), got {tuple(t.shape)}")
     for name, t in (("k", k), ("cos", cos), ("sin", sin)) + tuple(weights):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"rotary: expected {name} {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
@@ -142,12 +172,13 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, BLOCK_H, num_warps):
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if q.numel() == 0:
         return qo, ko
-    half = D // 2
+    half, n_pass = cos.shape[-1] // 2, D - cos.shape[-1]
     _rotary_kernel[(B * S,)](
         q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k, qo, ko,
         S, Hq, k.shape[1], eps,
         *q.stride(), *k.stride(), *cos.stride(), *sin.stride(), *qo.stride(), *ko.stride(),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=BLOCK_H, HAS_NORM=has_norm,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), PASS=n_pass,
+        BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)), BLOCK_H=BLOCK_H, HAS_NORM=has_norm,
         num_warps=num_warps,
     )
     return qo, ko
@@ -157,8 +188,9 @@ def rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     *, BLOCK_H: int = 4, num_warps: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, Hq, S, D], k: [B, Hkv, S, D], cos/sin: [B, S, D] (all one dtype, any strides)
-    -> (q_embed [B, Hq, S, D], k_embed [B, Hkv, S, D]), new tensors with q's and k's layouts."""
+    """q: [B, Hq, S, D], k: [B, Hkv, S, D], cos/sin: [B, S, R] with R even, R <= D (R < D: partial rotary, the
+    last D - R columns pass through) (all one dtype, any strides) -> (q_embed [B, Hq, S, D], k_embed [B, Hkv, S, D]),
+    new tensors with q's and k's layouts."""
     return _launch(q, k, cos, sin, None, None, 0.0, BLOCK_H, num_warps)
 
 
@@ -167,5 +199,5 @@ def qk_norm_rotary(
     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float = 1e-6,
     *, BLOCK_H: int = 4, num_warps: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's q_norm/k_norm (RMSNorm over D, weights [D]) fused with rotary. Shapes as `rotary`."""
+    """Qwen3's q_norm/k_norm (RMSNorm over all D columns, weights [D]) fused with rotary. Shapes as `rotary`."""
     return _launch(q, k, cos, sin, q_weight, k_weight, eps, BLOCK_H, num_warps)

@@ -1,9 +1,13 @@
-"""attention family (LlamaAttention, Qwen3Attention): q/k/v projections (Triton linear), rotary (fused with
-Qwen3's q_norm/k_norm when those weights exist), the KV cache as state_out, causal flash attention (prefill) or
-split-KV flash decoding (decode), o_proj (Triton linear). Under transformers' static KV cache (decode graphs),
-attention.decode_static: norms, rotary, the cache write at the device-side length and split-KV attention in one
-kernel (kernels_runtime/ops/attention_decode_static.py), nothing on the host that a graph would freeze. Limit: the attention mask is taken to be causal only
-(no padding); a padded batch fails verification rather than being silently accepted."""
+"""attention family (LlamaAttention, Qwen3Attention and those of StableLM, Phi, Phi-3, GPT-NeoX, Mistral, Gemma-2):
+q/k/v projections (Triton linear; or one fused Linear, the `qkv_layout` option), rotary (fused with Qwen3's
+q_norm/k_norm when those weights exist; partial rotary when cos/sin are narrower than the head), the KV cache as
+state_out (a sliding-window cache keeps its last W - 1 positions), causal flash attention (prefill, with the sliding
+window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
+transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
+device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). Limit: the attention mask is
+taken to be causal (and windowed) only (no padding); a padded batch fails verification rather than being silently
+accepted."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP
@@ -19,6 +23,18 @@ DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_de
 # transformers' static KV cache (StaticLayer, StaticSlidingWindowLayer while its window fills): preallocated
 # keys/values and a device-side length, what decode graphs run on
 STATIC_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")
+# transformers' dynamic sliding-window cache (Mistral, Gemma-2's sliding layers): keeps the last W - 1 positions
+SLIDING_ADAPTER = "DynamicSlidingWindowLayer"
+
+# Fused q/k/v projections (one Linear) and output projections, by the names transformers' modules give them
+QKV_NAMES = ("qkv_proj", "query_key_value")  # Phi-3, GPT-NeoX
+O_NAMES = ("o_proj", "dense")  # GPT-NeoX and Phi name it dense
+# qkv_layout, the one option key (the applicability check runs each value and pins the one that matches):
+# split: q_proj/k_proj/v_proj; blocks: one Linear whose output is [q of every head | k | v] (Phi-3's qkv_proj);
+# heads: one Linear whose output is per head [q_h | k_h | v_h] (GPT-NeoX's query_key_value: view(B, S, H, 3D)).
+# Either fused layout is one GEMM, q/k/v strided views of its output (the ops take any strides): no copies.
+# weights the attention templates read besides the projections' (Qwen3's per-head RMSNorm)
+NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 
 # Smaller linear space than the MLP's: the attention and rotary keys multiply it.
 LIN_PREFILL = {"lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128], "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8],
@@ -43,11 +59,15 @@ def _proj(x, weights, name, B, S, D):
 
 
 def _rope(q, k, inputs, weights, static):
-    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, D]
+    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, R], R < D: partial
     if "q_norm.weight" in weights:
         eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps"))
         return qk_norm_rotary(q, k, cos, sin, weights["q_norm.weight"], weights["k_norm.weight"], eps, **ROPE)
     return rotary(q, k, cos, sin, **ROPE)
+
+
+def _head_dim(static):
+    return int(_static(static, "head_dim", "head_size"))
 
 
 def _with_past(past, new, extra=0):
@@ -64,14 +84,84 @@ def _with_past(past, new, extra=0):
 '''
 
 
+# Pasted after PRELUDE by the templates with the qkv_layout key: QKV and O_PROJ are the module's names.
+QKV_PRELUDE = '''
+
+def _qkv(x, weights, static, B, S, D):
+    # q: [B, Hq, S, D], k/v: [B, Hkv, S, D], transposed views of the projections' outputs (no copies)
+    layout = CONFIG["qkv_layout"]
+    if layout == "split":
+        return tuple(_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    y = linear(x, weights[QKV + ".weight"], weights.get(QKV + ".bias"), **LIN)  # [B, S, (Hq + 2 Hkv) * D]
+    if layout == "heads":  # GPT-NeoX: view(B, S, H, 3D).transpose(1, 2).chunk(3, dim=-1)
+        y = y.view(B, S, -1, 3 * D).transpose(1, 2)  # [B, H, S, 3D]
+        return y[..., :D], y[..., D:2 * D], y[..., 2 * D:]
+    hkv = static.get("num_key_value_heads") or y.shape[-1] // (3 * D)  # Phi-3: [q | k | v] along the features
+    nq, nkv = y.shape[-1] - 2 * hkv * D, hkv * D
+    q, k, v = y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
+    return tuple(t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
+
+
+def _window(static):
+    # the module's window (Gemma-2), else its sliding cache layer's (Mistral keeps it on the config only)
+    w = static.get("sliding_window") or WINDOW
+    return int(w) if w else None
+
+
+def _kept(t, window):
+    # [B, Hkv, L, D] -> what the cache keeps: DynamicSlidingWindowLayer the last W - 1 positions (all while fewer)
+    return t[:, :, -window + 1:] if SLIDING_CACHE and window else t
+
+
+def _out(o, weights, B, S):
+    # o: [B, H, S, D] -> the output projection of [B, S, H * D]
+    return linear(o.transpose(1, 2).reshape(B, S, -1), weights[O_PROJ + ".weight"], weights.get(O_PROJ + ".bias"),
+                  **LIN)
+'''
+
+
+def _qkv_prelude(spec: TaskSpec) -> str:
+    state = (spec.recipe or {}).get("state") or {}
+    return PRELUDE + f"\nQKV, O_PROJ = {_fused_name(spec)!r}, {_o_name(spec)!r}\n" + \
+        f"WINDOW, SLIDING_CACHE = {state.get('sliding_window')!r}, {state.get('adapter') == SLIDING_ADAPTER!r}\n" + \
+        QKV_PRELUDE
+
+
+def _fused_name(spec: TaskSpec) -> str | None:
+    return next((n for n in QKV_NAMES if n + ".weight" in spec.weight_names), None)
+
+
+def _o_name(spec: TaskSpec) -> str | None:
+    return next((n for n in O_NAMES if n + ".weight" in spec.weight_names), None)
+
+
+def _layouts(spec: TaskSpec) -> list[str]:
+    """The qkv_layout values the task's weights allow: split projections, or the two layouts of a fused one."""
+    if {"q_proj.weight", "k_proj.weight", "v_proj.weight"} <= set(spec.weight_names):
+        return ["split"]
+    return ["blocks", "heads"] if _fused_name(spec) else []
+
+
+def _split_only(spec: TaskSpec, name: str) -> str | None:
+    """Scope of the templates that read q_proj/k_proj/v_proj/o_proj by name (TileMix)."""
+    if _layouts(spec) != ["split"] or _o_name(spec) != "o_proj":
+        return f"{name}: expected q_proj/k_proj/v_proj/o_proj, got {spec.weight_names}"
+    return None
+
+
 def _adapter(spec: TaskSpec) -> str | None:
     return ((spec.recipe or {}).get("state") or {}).get("adapter")
 
 
 def _applies_common(spec: TaskSpec) -> str | None:
-    need = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
-    if not need <= set(spec.weight_names):
-        return f"attention: expected weights {sorted(need)}, got {spec.weight_names}"
+    if not _layouts(spec) or not _o_name(spec):
+        return f"attention: expected q_proj/k_proj/v_proj or a fused projection {QKV_NAMES}, and an output " \
+               f"projection {O_NAMES}, got weights {spec.weight_names}"
+    qkv = ["q_proj", "k_proj", "v_proj"] if _layouts(spec) == ["split"] else [_fused_name(spec)]
+    read = {f"{n}.{p}" for n in (*qkv, _o_name(spec)) for p in ("weight", "bias")} | set(NORM_WEIGHTS)
+    unread = [w for w in spec.weight_names if w not in read]
+    if unread:  # StableLM's and Phi's q/k LayerNorms, ...: another computation
+        return f"attention: weights the template does not read: {unread}"
     if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
         return f"attention: expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
     return None
@@ -83,8 +173,6 @@ def _applies(spec: TaskSpec) -> str | None:
         return why
     if _adapter(spec) in STATIC_ADAPTERS:
         return "attention: a static KV cache task (attention.decode_static takes it)"
-    if spec.static.get("sliding_window"):
-        return "attention: sliding-window attention is out of scope"
     return None
 
 
@@ -106,19 +194,21 @@ def _imports(extra: list[str]) -> list[str]:
 
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.attention_prefill import attention_prefill"])
-    return header("attention.prefill_flash", spec, imports, config) + PRELUDE + '''
+    return header("attention.prefill_flash", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, S, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    D = _head_dim(static)
+    q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)
     k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
-    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), **ATTN)  # [B, Hq, S, D]
-    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+    window = _window(static)
+    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), sliding_window=window,
+                          **ATTN)  # [B, Hq, S, D]
+    out = _out(o, weights, B, S)
+    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
 
 
@@ -127,30 +217,34 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
     if config["cache_update"] == "fused":
         body = '''    k_all, sp = _with_past(state.get("key_cache"), k, extra=1)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v, extra=1)
-    o = attention_decode_update(q, k, v, k_all, v_all, sp, scale, **ATTN)  # writes position S_past
+    lo = max(0, sp + 1 - window) if window else 0  # the window's first position
+    # writes position S_past (through the views), attends over [lo, S_past]
+    o = attention_decode_update(q, k, v, k_all[:, :, lo:], v_all[:, :, lo:], sp - lo, scale, **ATTN)
 '''
     else:
         body = '''    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
-    o = attention_decode(q, k_all, v_all, scale, **ATTN)
+    lo = max(0, k_all.shape[2] - window) if window else 0  # the window's first position
+    o = attention_decode(q, k_all[:, :, lo:], v_all[:, :, lo:], scale, **ATTN)
 '''
-    return header("attention.decode_splitkv", spec, imports, config) + PRELUDE + '''
+    return header("attention.decode_splitkv", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
+    D = _head_dim(static)
     scale = float(_static(static, "scaling"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)  # q: [B, Hq, 1, D], k: [B, Hkv, 1, D]
-''' + body + '''    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+    window = _window(static)
+''' + body + '''    out = _out(o, weights, B, S)
+    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
 
 
 def _render_static(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
-    return header("attention.decode_static", spec, imports, config) + PRELUDE + '''
+    return header("attention.decode_static", spec, imports, config) + _qkv_prelude(spec) + '''
 
 def _opt(static, *names):
     for n in names:
@@ -162,8 +256,8 @@ def _opt(static, *names):
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))  # [B, H, 1, D] views
+    D = _head_dim(static)
+    q, k, v = _qkv(x, weights, static, B, S, D)  # [B, H, 1, D] views
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
     norm = "q_norm.weight" in weights
     eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
@@ -175,7 +269,7 @@ def entry(inputs, weights, state, static):
         float(_static(static, "scaling")), q_norm_weight=weights.get("q_norm.weight"),
         k_norm_weight=weights.get("k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
         softcap=float(cap) if cap else None, **ATTN)  # [B, Hq, 1, D]
-    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
+    out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
 '''
 
@@ -183,24 +277,24 @@ def entry(inputs, weights, state, static):
 TEMPLATES = [
     Template(name="attention.prefill_flash", family="attention", phases=("prefill",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, PREFILL_OP),
-             space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **ATTN_PREFILL}, render_fn=_render_prefill,
-             applies_fn=_applies,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_PREFILL, **ROPE, **ATTN_PREFILL},
+             render_fn=_render_prefill, applies_fn=_applies, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4,
                                       "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
                                       "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
                                       "attn_num_stages": 2}),
     Template(name="attention.decode_splitkv", family="attention", phases=("decode",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, DECODE_OP),
-             space_fn=lambda spec: {**LIN_DECODE, **ROPE, **ATTN_DECODE}, render_fn=_render_decode,
-             applies_fn=_applies,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ROPE, **ATTN_DECODE},
+             render_fn=_render_decode, applies_fn=_applies, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
                                       "rope_BLOCK_H": 4, "rope_num_warps": 2, "cache_update": "copy",
                                       "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4},
              choice_requires={("cache_update", "fused"): (DECODE_UPDATE_OP,)}),
     Template(name="attention.decode_static", family="attention", phases=("decode",),
              requires=(LINEAR_OP, DECODE_STATIC_OP),
-             space_fn=lambda spec: {**LIN_DECODE, **ATTN_STATIC}, render_fn=_render_static,
-             applies_fn=_applies_static,
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ATTN_STATIC},
+             render_fn=_render_static, applies_fn=_applies_static, options=("qkv_layout",),
              default_fn=lambda spec: {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4,
                                       "attn_BLOCK_N": 64, "attn_num_splits": None, "attn_num_warps": 4,
                                       "attn_num_stages": 2}),

@@ -5,7 +5,8 @@ acceptance holds every rendering to that budget in-model and walks the coverage 
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LINEAR_OP
-from llm4llm.search.templates.attention import LIN_PREFILL, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports
+from llm4llm.search.templates.attention import (LIN_PREFILL, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports,
+                                                 _split_only)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -18,9 +19,11 @@ TM = {"tm_template": ["sink_local", "bigbird", "row_random"], "tm_coverage": COV
 
 
 def _applies_tilemix(spec: TaskSpec) -> str | None:
-    why = _applies(spec)
+    why = _applies(spec) or _split_only(spec, NAME)
     if why:
         return why
+    if spec.static.get("sliding_window") or ((spec.recipe or {}).get("state") or {}).get("sliding_window"):
+        return f"{NAME}: sliding-window attention is out of scope"
     if spec.dtype not in ("bfloat16", "float16"):
         return f"{NAME}: INT8 tiles beside a 16-bit path, expected a bfloat16/float16 task, got {spec.dtype}"
     return None
