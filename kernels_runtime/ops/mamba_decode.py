@@ -26,9 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting, rnd
-from kernels_runtime.ops.linear import _gemv_store
-from kernels_runtime.ops.selective_scan import _TL, _dt
+from kernels_runtime.ops._common import _TL, cast_out, dt_bias_softplus, gemv_store, interpreting, rnd
 
 
 @triton.jit
@@ -162,7 +160,7 @@ def _dt_state_update_kernel(
         acc += tl.sum(w * pv[None, :], axis=1)
     dt = rnd(acc, DT_DTYPE)  # nn.Linear's output dtype
     dt_bias = tl.load(dtb_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt = _dt(dt, dt_bias, True, True, DT_DTYPE)
+    dt = dt_bias_softplus(dt, dt_bias, True, True, DT_DTYPE)
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -351,7 +349,7 @@ def _gated_norm_gemv_kernel(
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     # linear's GEMV tail: + bias, out_proj's output rounded to the activation dtype, + the block's residual in fp32
-    _gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, HAS_RES,
+    gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, HAS_RES,
                 ACT_DTYPE, RNE)
 
 
