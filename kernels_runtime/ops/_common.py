@@ -106,8 +106,8 @@ def interpret_without_gpu() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Cached launches: bind the compiled kernel once per specialization, then call its launcher directly.
 #
-# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call (19.5 us a
-# launch on the H200 host, 2026-11-30, against 9.9 us for a torch op); a decode step issues hundreds. `launch` keys
+# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call, about twice
+# a torch op's host time (docs/results/2026-11-30-h200-c); a decode step issues hundreds. `launch` keys
 # the compiled kernel by what Triton specializes on (tensor dtypes and 16-byte alignment, ints equal to 1 or
 # divisible by 16 and their width, the constexprs and launch options) and calls `CompiledKernel.run` with every
 # signature argument in order, as `JITFunction.run` does (Triton 3.6-3.9). The first call of a key, the interpreter,

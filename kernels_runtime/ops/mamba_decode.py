@@ -1,9 +1,8 @@
 """Mamba (v1) mixer decode step in four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + softplus +
 selective state update + D skip + silu(z) gate), out_proj.
 
-Why: a decode step is host-bound. HF's torch path issues ~30 ops per mixer, the unfused Triton composition ~7
-Triton launches plus copies, and on the H200 host a Triton RMSNorm call cost 61 us back to back, against 116-124 us
-for HF's RMSNorm forward, a handful of PyTorch ops (docs/results/2026-11-30-h200-b).
+Why: a decode step is host-bound, so launches are what it costs. HF's torch path issues ~30 ops per mixer, the
+unfused Triton composition ~7 Triton launches plus copies (launch costs: docs/results/2026-11-30-h200-b).
 These two kernels fuse what needs no grid-wide dependency: the conv update of channel c only needs in_proj's row c,
 and dt_proj's row c only feeds channel c's state update. x_proj and out_proj reduce over all channels, so they stay
 separate (`kernels_runtime.ops.linear`).
