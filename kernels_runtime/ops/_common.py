@@ -45,6 +45,57 @@ def cast_out(x, DTYPE: tl.constexpr, RNE: tl.constexpr):
     return x.to(DTYPE)
 
 
+@triton.jit
+def softplus(x):
+    # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:
+    # log(u) * e / (u - 1) with u = 1 + e is accurate to a few ulps where log(1 + e) loses e's low bits (x << 0;
+    # those flipped ~2% of HF's bf16 dt roundings)
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def dt_bias_softplus(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_DTYPE: tl.constexpr):
+    # Mamba's dt: HF adds the bias and applies softplus in delta's dtype
+    if HAS_DT_BIAS:
+        dt = rnd(dt + rnd(dt_bias, DT_DTYPE), DT_DTYPE)
+    if DT_SOFTPLUS:
+        dt = rnd(softplus(dt), DT_DTYPE)
+    return dt
+
+
+@triton.jit
+def apply_epilogue(acc, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr, ACT_DTYPE: tl.constexpr):
+    # the linear ops' activation on fp32 acc: 0 none, 1 silu, 2 gelu (erf), 3 gelu (tanh approximation)
+    if ROUND_PRE:  # the pre-activation rounded to x's dtype: nn.Linear's output, then HF's activation module on it
+        acc = rnd(acc, ACT_DTYPE)
+    if EPILOGUE == 1:  # silu
+        acc = acc * tl.sigmoid(acc)
+    elif EPILOGUE == 2:  # gelu (erf)
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif EPILOGUE == 3:  # gelu, tanh approximation; tanh(z) = 2 * sigmoid(2z) - 1 (tl.math.tanh is not portable)
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z)
+    return acc
+
+
+@triton.jit
+def gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn,
+               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr,
+               HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr):
+    # y[row, rn] = epilogue(acc + bias) (* acc_u) (+ residual), rounded to y's dtype: the tail of the GEMV paths
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    acc = apply_epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
+    if GATED:
+        acc = acc * acc_u
+    if HAS_RES:  # out rounded to x's dtype first (nn.Linear's output), then the residual added in fp32
+        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+
+
 def interpret_without_gpu() -> None:
     """Make Triton run under its interpreter when this process has no GPU (must run before triton compiles
     anything). The CLI, the acceptance/evaluation subprocess and the CPU verifier worker all call this."""
@@ -57,8 +108,8 @@ def interpret_without_gpu() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Cached launches: bind the compiled kernel once per specialization, then call its launcher directly.
 #
-# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call (19.5 us a
-# launch on the H200 host, 2026-11-30, against 9.9 us for a torch op); a decode step issues hundreds. `launch` keys
+# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call, about twice
+# a torch op's host time (docs/results/2026-11-30-h200-c); a decode step issues hundreds. `launch` keys
 # the compiled kernel by what Triton specializes on (tensor dtypes and 16-byte alignment, ints equal to 1 or
 # divisible by 16 and their width, the constexprs and launch options) and calls `CompiledKernel.run` with every
 # signature argument in order, as `JITFunction.run` does (Triton 3.6-3.9). The first call of a key, the interpreter,

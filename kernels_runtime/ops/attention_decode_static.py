@@ -190,11 +190,12 @@ def attention_decode_static_ref(
     -> (out [B, Hq, 1, D], k_cache_out, v_cache_out, cache_len + 1), as HF's attention forward over a StaticLayer
     computes them (norms, rotary, `update`, SDPA over K/V repeated to Hq heads with the causal/sliding mask).
     Does not modify its inputs."""
-    from kernels_runtime.ops.rotary import _head_rmsnorm_ref, rotary_ref
+    from kernels_runtime.ops.rotary import qk_norm_rotary_ref, rotary_ref
 
     if q_norm_weight is not None:
-        q, k = _head_rmsnorm_ref(q, q_norm_weight, eps), _head_rmsnorm_ref(k, k_norm_weight, eps)
-    q, k = rotary_ref(q, k, cos, sin)
+        q, k = qk_norm_rotary_ref(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    else:
+        q, k = rotary_ref(q, k, cos, sin)
     pos = int(cache_len.reshape(-1)[0])
     k_out, v_out = k_cache.clone(), v_cache.clone()
     k_out[:, :, pos], v_out[:, :, pos] = k[:, :, 0], v[:, :, 0]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
+from kernels_runtime.ops._common import _TL, apply_epilogue, cast_out, gemv_store, interpreting, rnd
 
 GEMV_MAX_M = 16  # at or below this many rows the GEMV kernel is used unless a config forces the dot path
 EPILOGUES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -34,20 +34,6 @@ GEMV_CONFIGS = [
     dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=2),
     dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
 ]
-
-
-@triton.jit
-def _epilogue(acc, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr, ACT_DTYPE: tl.constexpr):
-    if ROUND_PRE:  # the pre-activation rounded to x's dtype: nn.Linear's output, then HF's activation module on it
-        acc = rnd(acc, ACT_DTYPE)
-    if EPILOGUE == 1:  # silu
-        acc = acc * tl.sigmoid(acc)
-    elif EPILOGUE == 2:  # gelu (erf)
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    elif EPILOGUE == 3:  # gelu, tanh approximation; tanh(z) = 2 * sigmoid(2z) - 1 (tl.math.tanh is not portable)
-        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc * tl.sigmoid(2.0 * z)
-    return acc
 
 
 @triton.jit
@@ -94,7 +80,7 @@ def _linear_kernel(
                 acc_u = tl.dot(x, wu, acc_u)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    acc = _epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
+    acc = apply_epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
     if GATED:
         acc = acc * acc_u
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -133,23 +119,8 @@ def _gemv_kernel(
         if GATED:
             wu = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
             acc_u += tl.sum(wu * x[None, :], axis=1)
-    _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
-                EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
-
-
-@triton.jit
-def _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn,
-                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROUND_PRE: tl.constexpr,
-                HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr):
-    # y[row, rn] = epilogue(acc + bias) (* acc_u) (+ residual), rounded to y's dtype: the tail of both GEMV paths
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    acc = _epilogue(acc, EPILOGUE, ROUND_PRE, ACT_DTYPE)
-    if GATED:
-        acc = acc * acc_u
-    if HAS_RES:  # out rounded to x's dtype first (nn.Linear's output), then the residual added in fp32
-        acc = rnd(acc, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+    gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
+               EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
 
 
 @triton.jit
@@ -201,8 +172,8 @@ def _gemv_reduce_kernel(
         acc += tl.load(p_ptr + offs, mask=rn < N, other=0.0)
         if GATED:
             acc_u += tl.load(pu_ptr + offs, mask=rn < N, other=0.0)
-    _gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
-                EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
+    gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym, stride_yn, HAS_BIAS, GATED,
+               EPILOGUE, ROUND_PRE, HAS_RES, ACT_DTYPE, RNE)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None,

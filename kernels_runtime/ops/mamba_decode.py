@@ -1,9 +1,8 @@
 """Mamba (v1) mixer decode step in four launches: (in_proj + conv update + SiLU), x_proj, (dt_proj + softplus +
 selective state update + D skip + silu(z) gate), out_proj.
 
-Why: a decode step is host-bound. HF's torch path issues ~30 ops per mixer, the unfused Triton composition ~7
-Triton launches plus copies, and on the H200 host a Triton RMSNorm call cost 61 us back to back, against 116-124 us
-for HF's RMSNorm forward, a handful of PyTorch ops (docs/results/2026-11-30-h200-b).
+Why: a decode step is host-bound, so launches are what it costs. HF's torch path issues ~30 ops per mixer, the
+unfused Triton composition ~7 Triton launches plus copies (launch costs: docs/results/2026-11-30-h200-b).
 These two kernels fuse what needs no grid-wide dependency: the conv update of channel c only needs in_proj's row c,
 and dt_proj's row c only feeds channel c's state update. x_proj and out_proj reduce over all channels, so they stay
 separate (`kernels_runtime.ops.linear`).
@@ -26,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, interpreting, rnd
-from kernels_runtime.ops.linear import _gemv_store
-from kernels_runtime.ops.selective_scan import _TL, _dt
+from kernels_runtime.ops._common import _TL, cast_out, dt_bias_softplus, gemv_store, interpreting, rnd
 
 
 @triton.jit
@@ -162,7 +159,7 @@ def _dt_state_update_kernel(
         acc += tl.sum(w * pv[None, :], axis=1)
     dt = rnd(acc, DT_DTYPE)  # nn.Linear's output dtype
     dt_bias = tl.load(dtb_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt = _dt(dt, dt_bias, True, True, DT_DTYPE)
+    dt = dt_bias_softplus(dt, dt_bias, True, True, DT_DTYPE)
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -351,8 +348,8 @@ def _gated_norm_gemv_kernel(
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     # linear's GEMV tail: + bias, out_proj's output rounded to the activation dtype, + the block's residual in fp32
-    _gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, False,
-                HAS_RES, ACT_DTYPE, RNE)
+    gemv_store(acc, acc, b_ptr, r_ptr, o_ptr, row, rn, N, stride_rm, stride_om, 1, HAS_BIAS, False, 0, False,
+               HAS_RES, ACT_DTYPE, RNE)
 
 
 def gated_norm_linear(y, z, norm_w, eps, w, bias=None, residual=None, *, out_dtype=None, GEMV_BLOCK_N=16,

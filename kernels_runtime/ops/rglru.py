@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .selective_scan import _TL, _rnd, _softplus
+from kernels_runtime.ops._common import _TL, rnd, softplus
 
 # Config space for the searcher. Not autotuned: the kernel writes the recurrent state, and decode calls update it in
 # place (tuning launches would advance it several times).
@@ -44,7 +44,7 @@ def _rglru_kernel(
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask_w = offs_w < W
     # softplus(param) in the parameter's dtype; the decay chain in the promoted dtype ADTYPE (torch promotion)
-    sp = _rnd(_softplus(tl.load(param_ptr + offs_w, mask=mask_w, other=0.0).to(tl.float32)), PDTYPE)
+    sp = rnd(softplus(tl.load(param_ptr + offs_w, mask=mask_w, other=0.0).to(tl.float32)), PDTYPE)
     if HAS_H0:
         h = tl.load(h0_ptr + pid_b * stride_hb + offs_w * stride_hw, mask=mask_w, other=0.0).to(tl.float32)
     else:
@@ -52,16 +52,16 @@ def _rglru_kernel(
     for t in range(L):
         x = tl.load(x_ptr + pid_b * stride_xb + t * stride_xl + offs_w * stride_xw, mask=mask_w, other=0.0).to(tl.float32)
         g_offs = pid_b * stride_gb + t * stride_gl + offs_w * stride_gw
-        gi = _rnd(tl.sigmoid(tl.load(gi_ptr + g_offs, mask=mask_w, other=0.0).to(tl.float32)), DTYPE)
-        ga = _rnd(tl.sigmoid(tl.load(ga_ptr + g_offs, mask=mask_w, other=0.0).to(tl.float32)), DTYPE)
+        gi = rnd(tl.sigmoid(tl.load(gi_ptr + g_offs, mask=mask_w, other=0.0).to(tl.float32)), DTYPE)
+        ga = rnd(tl.sigmoid(tl.load(ga_ptr + g_offs, mask=mask_w, other=0.0).to(tl.float32)), DTYPE)
         reset = tl.load(pos_ptr + pid_b * stride_pb + t * stride_pl) == 0
-        log_a = _rnd(-8.0 * ga * sp, ADTYPE)
-        a = _rnd(tl.exp(log_a), ADTYPE)
-        mult = _rnd(tl.sqrt(_rnd(1.0 - _rnd(tl.exp(2.0 * log_a), ADTYPE), ADTYPE)), ADTYPE)
-        mult = tl.where(reset, 1.0, _rnd(mult, DTYPE))
-        xn = _rnd(_rnd(x * gi, DTYPE) * mult, DTYPE)
+        log_a = rnd(-8.0 * ga * sp, ADTYPE)
+        a = rnd(tl.exp(log_a), ADTYPE)
+        mult = rnd(tl.sqrt(rnd(1.0 - rnd(tl.exp(2.0 * log_a), ADTYPE), ADTYPE)), ADTYPE)
+        mult = tl.where(reset, 1.0, rnd(mult, DTYPE))
+        xn = rnd(rnd(x * gi, DTYPE) * mult, DTYPE)
         h = tl.where(reset, 0.0, a) * h + xn
-        out = _rnd(h, DTYPE)
+        out = rnd(h, DTYPE)
         if HAS_MUL:
             out = out * tl.load(mul_ptr + pid_b * stride_mb + t * stride_ml + offs_w * stride_mw, mask=mask_w,
                                 other=0.0).to(tl.float32)

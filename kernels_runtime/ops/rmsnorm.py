@@ -5,6 +5,8 @@ scaling run in fp32, the normalized value is rounded to the input dtype, then mu
 rounded again). The fused residual add rounds `x + residual` to the input dtype first, as the eager `+` does.
 `gemma=True` follows Gemma's (RecurrentGemmaRMSNorm, Gemma2/3): everything in fp32, scaled by `1 + weight`, rounded
 once to the input dtype at the end.
+`rmsnorm_rows` computes `rmsnorm` with several rows a program; `gated_rmsnorm` is Mamba2's MambaRMSNormGated
+(`w * rmsnorm(x * silu(z)).to(x.dtype)`, normalised over the whole last dim), also several rows a program.
 """
 from __future__ import annotations
 
@@ -58,6 +60,54 @@ def _rmsnorm_kernel(
     tl.store(Y + row * stride_y_row + cols, cast_out(y, Y.dtype.element_ty, RNE), mask=mask)
 
 
+@triton.jit
+def _rmsnorm_rows_kernel(
+    # Pointers
+    X, W, Y,
+    # Matrix dimensions
+    n_rows, N, eps,
+    # Strides
+    stride_x, stride_y,
+    # Meta-parameters
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # ROWS rows per program: small hidden sizes (and decode's few rows) need fewer, fuller programs
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_N]
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)  # [ROWS]
+    xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    # Pointers
+    X, Z, W, Y,
+    # Matrix dimensions
+    n_rows, N, eps,
+    # Strides
+    stride_x, stride_z, stride_y,
+    # Meta-parameters
+    HAS_Z: tl.constexpr, IN_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # h = x * silu(z) in fp32; y = w * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = h * (z * tl.sigmoid(z))
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)  # [ROWS]
+    hn = rnd(h * rstd[:, None], IN_DTYPE)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * hn).to(Y.dtype.element_ty), mask=mask)
+
+
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype)."""
     input_dtype = x.dtype
@@ -79,6 +129,16 @@ def rmsnorm_residual_ref(
     """x, residual: [..., N], weight: [N] -> (normed [..., N], new_residual = x + residual [..., N])."""
     new_residual = residual + x
     return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF's MambaRMSNormGated over the whole last dim: x, z (or None): [..., N], weight: [N]
+    -> weight * rmsnorm(x * silu(z)).to(x.dtype), [..., N] in promote(x.dtype, weight.dtype)."""
+    h = x.to(torch.float32)
+    if z is not None:
+        h = h * torch.nn.functional.silu(z.to(torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _default_num_warps(block_n: int) -> int:
@@ -144,5 +204,49 @@ def rmsnorm_residual(
     return _launch(x, weight, residual, eps, num_warps)
 
 
-__all__ = ["CONFIGS", "CONFIG_SPACE", "rmsnorm", "rmsnorm_gemma_ref", "rmsnorm_ref", "rmsnorm_residual",
-           "rmsnorm_residual_ref"]
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype == weight.dtype else torch.float32  # torch.promote_types for float pairs
+
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, rows: int = 4,
+                 num_warps: int = 4) -> torch.Tensor:
+    """x: [..., N], weight: [N] -> [..., N] in promote(x.dtype, weight.dtype): `rmsnorm`'s numerics with `rows`
+    rows a program (a power of two) instead of one."""
+    _check(x, weight, None)
+    n = x.shape[-1]
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    y2 = y.view(-1, n)
+    if x2.shape[0] > 0:
+        _rmsnorm_rows_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, weight, y2,
+            x2.shape[0], n, eps,
+            x2.stride(0), y2.stride(0),
+            ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps)
+    return y
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *,
+                  out_dtype: torch.dtype | None = None, rows: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """Mamba2's gated RMSNorm (`gated_rmsnorm_ref`): x, z (or None): [..., N], weight: [N] -> [..., N] in
+    `out_dtype` (default promote(x.dtype, weight.dtype)); `rows` rows a program (a power of two)."""
+    _check(x, weight, None)
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"gated_rmsnorm: expected z of shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    n = x.shape[-1]
+    x2 = _rows(x)
+    z2 = _rows(z) if z is not None else x2
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight) if out_dtype is None else out_dtype, device=x.device)
+    y2 = y.view(-1, n)
+    if x2.shape[0] > 0:
+        _gated_rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, z2, weight, y2,
+            x2.shape[0], n, eps,
+            x2.stride(0), z2.stride(0), y2.stride(0),
+            HAS_Z=z is not None, IN_DTYPE=_TL[x.dtype], ROWS=rows, BLOCK_N=triton.next_power_of_2(n),
+            num_warps=num_warps)
+    return y
+
+
+__all__ = ["CONFIGS", "CONFIG_SPACE", "gated_rmsnorm", "gated_rmsnorm_ref", "rmsnorm", "rmsnorm_gemma_ref",
+           "rmsnorm_ref", "rmsnorm_residual", "rmsnorm_residual_ref", "rmsnorm_rows"]

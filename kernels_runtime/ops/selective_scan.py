@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
+from kernels_runtime.ops._common import _TL, cast_out, dt_bias_softplus, interpreting, rnd
 
 # Config space for the searcher. Neither kernel is autotuned: the decode update writes the SSM state in place
 # (tuning launches would advance it several times); the prefill's knobs are the channel block (parallelism vs.
@@ -21,30 +21,6 @@ from kernels_runtime.ops._common import _TL, cast_out, interpreting, rnd
 SELECTIVE_SCAN_CONFIGS: list[dict] = [{"BLOCK_D": bd, "num_warps": w, "BLOCK_T": bt} for bd in (8, 16, 32, 64)
                                       for w in (1, 2, 4) for bt in (0, 8, 16, 32) if bt * bd <= 512]
 SELECTIVE_STATE_UPDATE_CONFIGS: list[dict] = [{"BLOCK_D": bd, "num_warps": w} for bd in (16, 32, 64) for w in (1, 2, 4)]
-
-
-@triton.jit
-def _softplus(x):
-    # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:
-    # log(u) * e / (u - 1) with u = 1 + e is accurate to a few ulps where log(1 + e) loses e's low bits (x << 0;
-    # those flipped ~2% of HF's bf16 dt roundings)
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > 20.0, x, lp)
-
-
-_rnd = rnd  # round to DTYPE and back (bf16 by hand: the interpreter truncates); rglru and ssd import it
-
-
-@triton.jit
-def _dt(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_DTYPE: tl.constexpr):
-    # HF adds the bias and applies softplus in delta's dtype
-    if HAS_DT_BIAS:
-        dt = _rnd(dt + _rnd(dt_bias, DT_DTYPE), DT_DTYPE)
-    if DT_SOFTPLUS:
-        dt = _rnd(_softplus(dt), DT_DTYPE)
-    return dt
 
 
 @triton.jit
@@ -101,17 +77,17 @@ def _selective_scan_kernel(
         for t in range(L):
             u = tl.load(u_base + t * stride_ul, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
             dt = tl.load(dt_base + t * stride_dtl, mask=mask_d, other=0.0).to(tl.float32)
-            dt = _dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
+            dt = dt_bias_softplus(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
             Bt = tl.load(b_base + t * stride_bl, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
             Ct = tl.load(c_base + t * stride_cl, mask=mask_n, other=0.0).to(tl.float32)
             h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bt[None, :]) * u[:, None]  # HF: (dt B) u
             # HF contracts the state cast to u's dtype with C, in u's dtype
-            y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Ct[None, :], axis=1), Y_DTYPE)
+            y = rnd(tl.sum(rnd(h, Y_DTYPE) * Ct[None, :], axis=1), Y_DTYPE)
             if HAS_D:
                 y += u * Dv
             if HAS_Z:
                 z = tl.load(z_base + t * stride_zl, mask=mask_d, other=0.0).to(tl.float32)
-                y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
+                y = y * rnd(z * tl.sigmoid(z), Z_DTYPE)
             tl.store(y_base + t * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask_d)
     else:  # chunks of BLOCK_T steps: each [BLOCK_T, BLOCK_D] / [BLOCK_T, N] tile loaded at once, the recurrence
         # inside the chunk by an associative scan over (exp(dt A), dt B u), carried between chunks by the state of
@@ -124,19 +100,19 @@ def _selective_scan_kernel(
             m_tn = mask_t[:, None] & mask_n[None, :]
             u = tl.load(u_base[None, :] + t[:, None] * stride_ul, mask=m_td, other=0.0).to(tl.float32)  # [T, D]
             dt = tl.load(dt_base[None, :] + t[:, None] * stride_dtl, mask=m_td, other=0.0).to(tl.float32)
-            dt = _dt(dt, dt_bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
+            dt = dt_bias_softplus(dt, dt_bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
             Bt = tl.load(b_base[None, :] + t[:, None] * stride_bl, mask=m_tn, other=0.0).to(tl.float32)  # [T, N]
             Ct = tl.load(c_base[None, :] + t[:, None] * stride_cl, mask=m_tn, other=0.0).to(tl.float32)
             a = tl.exp(dt[:, :, None] * A[None, :, :])  # [T, D, N]
             b = (dt[:, :, None] * Bt[:, None, :]) * u[:, :, None]  # HF: (dt B) u
             ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
             hs = ca * h[None, :, :] + cb  # the state after each step of the chunk
-            y = _rnd(tl.sum(_rnd(hs, Y_DTYPE) * Ct[:, None, :], axis=2), Y_DTYPE)  # [T, D]
+            y = rnd(tl.sum(rnd(hs, Y_DTYPE) * Ct[:, None, :], axis=2), Y_DTYPE)  # [T, D]
             if HAS_D:
                 y += u * Dv[None, :]
             if HAS_Z:
                 z = tl.load(z_base[None, :] + t[:, None] * stride_zl, mask=m_td, other=0.0).to(tl.float32)
-                y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
+                y = y * rnd(z * tl.sigmoid(z), Z_DTYPE)
             tl.store(y_base[None, :] + t[:, None] * stride_yl, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=m_td)
             last = tl.minimum(L - t0, BLOCK_T) - 1  # padded steps past L decay the state: carry the last valid one
             h = tl.sum(tl.where((offs_t == last)[:, None, None], hs, 0.0), axis=0)
@@ -174,20 +150,20 @@ def _selective_state_update_kernel(
     x = tl.load(x_ptr + pid_b * stride_xb + offs_d * stride_xd, mask=mask_d, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + pid_b * stride_dtb + offs_d * stride_dtd, mask=mask_d, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d & HAS_DT_BIAS, other=0.0).to(tl.float32)
-    dt = _dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
+    dt = dt_bias_softplus(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, DT_DTYPE)
     A = tl.load(A_ptr + offs_d[:, None] * stride_ad + offs_n[None, :] * stride_an, mask=mask_dn, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + pid_b * stride_bb + offs_n * stride_bn, mask=offs_n < N, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + pid_b * stride_cb + offs_n * stride_cn, mask=offs_n < N, other=0.0).to(tl.float32)
     h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]  # HF: (dt B) x
     tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     # HF: (h in C's dtype) @ C, then the skip and the gate in the promoted dtypes of their operands
-    y = _rnd(tl.sum(_rnd(h, Y_DTYPE) * Cv[None, :], axis=1), Y_DTYPE)
+    y = rnd(tl.sum(rnd(h, Y_DTYPE) * Cv[None, :], axis=1), Y_DTYPE)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        y = _rnd(y + _rnd(x * Dv, SKIP_DTYPE), SKIP_DTYPE)
+        y = rnd(y + rnd(x * Dv, SKIP_DTYPE), SKIP_DTYPE)
     if HAS_Z:
         z = tl.load(z_ptr + pid_b * stride_zb + offs_d * stride_zd, mask=mask_d, other=0.0).to(tl.float32)
-        y = y * _rnd(z * tl.sigmoid(z), Z_DTYPE)
+        y = y * rnd(z * tl.sigmoid(z), Z_DTYPE)
     tl.store(y_ptr + pid_b * stride_yb + offs_d * stride_yd, cast_out(y, y_ptr.dtype.element_ty, RNE),
              mask=mask_d)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .selective_scan import _TL, _rnd, _softplus
+from kernels_runtime.ops._common import _TL, rnd, softplus
 
 # Config space for the searcher. Not autotuned: the decode update writes the state in place, and the prefill's best
 # tile depends on N and head_dim in ways a searcher should measure (register pressure: S is BLOCK_P x N fp32).
@@ -32,9 +32,9 @@ SSD_STATE_UPDATE_CONFIGS: list[dict] = [{"BLOCK_P": bp, "num_warps": w} for bp i
 @triton.jit
 def _ssd_dt(dt, dt_bias, dt_min, dt_max, DT_SOFTPLUS: tl.constexpr, DT_DTYPE: tl.constexpr):
     # HF adds the bias and applies softplus in dt's dtype, then clamps
-    dt = _rnd(dt + _rnd(dt_bias, DT_DTYPE), DT_DTYPE)
+    dt = rnd(dt + rnd(dt_bias, DT_DTYPE), DT_DTYPE)
     if DT_SOFTPLUS:
-        dt = _rnd(_softplus(dt), DT_DTYPE)
+        dt = rnd(softplus(dt), DT_DTYPE)
     return tl.minimum(tl.maximum(dt, dt_min), dt_max)
 
 
@@ -148,18 +148,18 @@ def _ssd_state_update_kernel(
     Bv = tl.load(B_ptr + b * stride_bb + g * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b * stride_cb + g * stride_cg + offs_n * stride_cn, mask=mask_n, other=0.0).to(tl.float32)
     # HF: dB = dt * B and dB * x in the inputs' dtype, the state update in fp32
-    dBx = _rnd(_rnd(dt * Bv, IO_DTYPE)[None, :] * x[:, None], IO_DTYPE)
+    dBx = rnd(rnd(dt * Bv, IO_DTYPE)[None, :] * x[:, None], IO_DTYPE)
     S = tl.exp(dt * A) * S + dBx
     # the new state in place, or to s_out (same strides) when the caller keeps the old one
     s_out_ptrs = s_out_ptr + b * stride_sb + h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
     tl.store(s_out_ptrs, S.to(s_out_ptr.dtype.element_ty), mask=mask_pn)
-    y = _rnd(tl.sum(_rnd(S, IO_DTYPE) * Cv[None, :], axis=1), IO_DTYPE)  # [BLOCK_P]
+    y = rnd(tl.sum(rnd(S, IO_DTYPE) * Cv[None, :], axis=1), IO_DTYPE)  # [BLOCK_P]
     if HAS_D:
         Dh = tl.load(D_ptr + h).to(tl.float32)
-        y = _rnd(y + _rnd(x * Dh, SKIP_DTYPE), SKIP_DTYPE)
+        y = rnd(y + rnd(x * Dh, SKIP_DTYPE), SKIP_DTYPE)
     if HAS_Z:
         z = tl.load(z_ptr + b * stride_zb + h * stride_zh + offs_p * stride_zp, mask=mask_p, other=0.0).to(tl.float32)
-        y = y * _rnd(z * tl.sigmoid(z), IO_DTYPE)
+        y = y * rnd(z * tl.sigmoid(z), IO_DTYPE)
     tl.store(y_ptr + b * stride_yb + h * stride_yh + offs_p * stride_yp, y.to(y_ptr.dtype.element_ty), mask=mask_p)
 
 

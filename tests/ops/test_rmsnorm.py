@@ -2,11 +2,14 @@ import pytest
 import torch
 
 from kernels_runtime.ops.rmsnorm import (
+    gated_rmsnorm,
+    gated_rmsnorm_ref,
     rmsnorm,
     rmsnorm_gemma_ref,
     rmsnorm_ref,
     rmsnorm_residual,
     rmsnorm_residual_ref,
+    rmsnorm_rows,
 )
 from kernels_runtime.tolerances import assert_close
 
@@ -73,6 +76,66 @@ def test_rmsnorm_rejects_bad_weight():
         rmsnorm(torch.randn(2, 80), torch.randn(64))
     with pytest.raises(ValueError, match="residual"):
         rmsnorm_residual(torch.randn(2, 80), torch.randn(2, 81), torch.randn(80))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 80), (2, 5, 200), (1, 37)])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rmsnorm_rows_matches_ref(dtype, shape, rows, seed):
+    """Several rows a program, a row count that is no multiple of `rows` (masked tail) and odd widths."""
+    torch.manual_seed(seed)
+    x = torch.randn(shape, dtype=dtype) * 3
+    w = torch.randn(shape[-1], dtype=dtype)
+    out = rmsnorm_rows(x, w, 1e-5, rows=rows, num_warps=2)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, rmsnorm_ref(x, w, 1e-5), dtype)
+    assert_close(out, rmsnorm_ref(x.double(), w.double(), 1e-5).to(dtype), dtype, name="vs float64")
+
+
+def test_rmsnorm_rows_strided_rows_and_fp32_weight():
+    x = torch.randn(5, 160, dtype=torch.float16)[:, :80]  # row stride 160
+    w = torch.randn(80, dtype=torch.float32)
+    out = rmsnorm_rows(x, w, rows=2)
+    assert out.dtype == torch.float32
+    assert_close(out, rmsnorm_ref(x, w), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 80), (2, 5, 48), (1, 37)])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gated_rmsnorm_matches_ref_and_hf(dtype, shape, gated, seed):
+    """Mamba2's MambaRMSNormGated, with and without the gate: against HF's module and a float64 reference."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    torch.manual_seed(seed)
+    x = torch.randn(shape, dtype=dtype) * 3
+    z = torch.randn(shape, dtype=dtype) if gated else None
+    hf = MambaRMSNormGated(shape[-1], eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(shape[-1]) * 0.5)
+        want = hf(x, z)
+    x0 = x.clone()
+    out = gated_rmsnorm(x, z, hf.weight, 1e-6, rows=2, num_warps=1)
+    assert out.shape == x.shape and out.dtype == dtype and torch.equal(x, x0)
+    assert_close(out, want, dtype)
+    assert_close(out, gated_rmsnorm_ref(x, z, hf.weight, 1e-6), dtype, name="vs ref")
+    z64 = z.double() if gated else None
+    assert_close(out, gated_rmsnorm_ref(x.double(), z64, hf.weight.double(), 1e-6).to(dtype), dtype,
+                 name="vs float64")
+
+
+def test_gated_rmsnorm_fp32_input_into_a_16_bit_output_over_strided_rows():
+    """Mamba2's prefill: the scan's fp32 output normalised into the activation dtype; the gate a column slice of
+    in_proj's output (row stride > N)."""
+    torch.manual_seed(0)
+    y = torch.randn(7, 48, dtype=torch.float32)
+    gate = torch.randn(7, 100, dtype=torch.float16)[:, 10:58]
+    w = torch.randn(48, dtype=torch.float16)
+    out = gated_rmsnorm(y, gate, w, 1e-5, out_dtype=torch.float16, rows=4)
+    assert out.dtype == torch.float16
+    assert_close(out, gated_rmsnorm_ref(y, gate, w, 1e-5).to(torch.float16), torch.float16)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """ssm_mixer family, Mamba2 `Mamba2Mixer`: in_proj (Triton linear) -> [gate | xBC | dt] -> causal_conv1d + SiLU over
 xBC (prefill; the conv state is the last K inputs) or causal_conv1d_update (decode) -> the SSD scan (kernels_runtime.
 ops.ssd: `ssd` chunked prefill, `ssd_state_update` decode; dt_bias, softplus, the dt limit and the D skip fused) ->
-the gated RMSNorm `w * rmsnorm(y * silu(gate))` (a Triton kernel in the source) -> out_proj (Triton linear).
+the gated RMSNorm `w * rmsnorm(y * silu(gate))` (kernels_runtime.ops.rmsnorm.gated_rmsnorm) -> out_proj
+(Triton linear).
 
 Numerics follow HF's torch path (transformers 5.17): the prefill scan output stays fp32 into the gated norm (HF's
 `mamba2_chunk_scan` returns fp32), the decode update's output is in the input dtype; the norm normalises over the
@@ -22,41 +23,19 @@ CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
 CONV_UPDATE = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d_update")
 SSD = ("kernels_runtime.ops.ssd", "ssd")
 SSD_UPDATE = ("kernels_runtime.ops.ssd", "ssd_state_update")
-RND = ("kernels_runtime.ops.selective_scan", "_rnd")
+GATED_NORM = ("kernels_runtime.ops.rmsnorm", "gated_rmsnorm")
+MASK_ROWS = ("kernels_runtime.ops.mask_rows", "mask_rows")
+NEG_EXP = ("kernels_runtime.ops.neg_exp", "neg_exp")
 PROJ_CONV = ("kernels_runtime.ops.mamba_decode", "proj_conv")
 GNORM_LINEAR = ("kernels_runtime.ops.mamba_decode", "gated_norm_linear")
 MAMBA2_WEIGHTS = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"}
 
 PRELUDE = LIN_KWARGS + HELPERS + '''
-_TLD = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-@triton.jit
-def _gated_rmsnorm_kernel(Y, Z, W, O, n_rows, N, eps, stride_y, stride_z, stride_o,
-                          IN_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # HF MambaRMSNormGated: h = y * silu(z) in fp32; w * (h * rsqrt(mean(h^2) + eps)).to(y.dtype)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = y * (z * tl.sigmoid(z))
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)  # [ROWS]
-    hn = _rnd(h * rstd[:, None], IN_DTYPE)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(O + rows[:, None] * stride_o + cols[None, :], (w[None, :] * hn).to(O.dtype.element_ty), mask=mask)
-
 
 def _gated_rmsnorm(y, z, w, eps, out_dtype):
     # y, z: [R, N] row views (unit stride along N) -> [R, N] in out_dtype
-    R, N = y.shape
-    o = torch.empty((R, N), dtype=out_dtype, device=y.device)
-    rows = CONFIG["norm_ROWS"]
-    if R > 0:
-        _gated_rmsnorm_kernel[(triton.cdiv(R, rows),)](
-            y, z, w, o, R, N, eps, y.stride(0), z.stride(0), o.stride(0),
-            IN_DTYPE=_TLD[y.dtype], ROWS=rows, BLOCK_N=triton.next_power_of_2(N), num_warps=CONFIG["norm_num_warps"])
-    return o
+    return gated_rmsnorm(y, z, w, eps, out_dtype=out_dtype, rows=CONFIG["norm_ROWS"],
+                         num_warps=CONFIG["norm_num_warps"])
 
 
 def _dims(weights, static):
@@ -93,8 +72,7 @@ NORM_PER_THREAD = 64  # fp32 values of the gated norm's [ROWS, BLOCK_N] tile a t
 
 def _norm_space(spec: TaskSpec) -> dict[str, list]:
     """The gated norm's rows and warps whose tile fits in registers at this width, every pair of the two lists (the
-    space is a product): on the H200 the 4-row, 1-warp configs of mamba2-2.7b's 5120-wide norm (32768 values a
-    warp) ran past the 120 s candidate limit in two searches (2026-11-30-h200-g)."""
+    space is a product): tiles that spill ran past the candidate time limit (docs/results/2026-11-30-h200-g)."""
     width = spec.static.get("intermediate_size", spec.static.get("mixer.intermediate_size"))
     if not isinstance(width, int) or width <= 0:
         return {k: list(v) for k, v in NORM.items()}
@@ -122,7 +100,7 @@ def _default(spec: TaskSpec) -> dict:
 
 
 def _imports(extra: list[str]) -> list[str]:
-    return ["from kernels_runtime.ops.linear import linear", "from kernels_runtime.ops.selective_scan import _rnd",
+    return ["from kernels_runtime.ops.linear import linear", "from kernels_runtime.ops.rmsnorm import gated_rmsnorm",
             *extra]
 
 
@@ -133,7 +111,7 @@ PREFILL_STEP = '''
 def _prefill_step(x, mask, weights, static, residual=None):
     # x: [B, L, Hd] (the mixer's input: its dtype is the activation dtype); mask: [B, L] or None
     act = x.dtype
-    x = _mask_rows(x, mask)
+    x = mask_rows(x, mask)
     Bsz, L, _ = x.shape
     H, P, G, N, I, CD = _dims(weights, static)
     proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, I + CD + H]
@@ -141,7 +119,7 @@ def _prefill_step(x, mask, weights, static, residual=None):
     conv_w = weights["conv1d.weight"]  # [CD, 1, K]
     xc, conv_state = causal_conv1d(xbc.transpose(1, 2), conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"),
                                    silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"], BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, CD, L]
-    xc = _mask_rows(xc, mask, channels_last=False).transpose(1, 2)  # [B, L, CD] view
+    xc = mask_rows(xc, mask, channels_last=False).transpose(1, 2)  # [B, L, CD] view
     lim = static.get("time_step_limit") or (0.0, None)
     lo = 0.0 if lim[0] is None else float(lim[0])
     hi = float("inf") if lim[1] is None else float(lim[1])
@@ -156,17 +134,20 @@ def _prefill_step(x, mask, weights, static, residual=None):
     return out, conv_state, ssm_state
 '''
 PREFILL_IMPORTS = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+                            "from kernels_runtime.ops.mask_rows import mask_rows",
                             "from kernels_runtime.ops.ssd import ssd"])
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
     imports = _imports(["from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
+                        "from kernels_runtime.ops.mask_rows import mask_rows",
+                        "from kernels_runtime.ops.neg_exp import neg_exp",
                         "from kernels_runtime.ops.ssd import ssd_state_update"])
     return header("ssm_mixer.mamba2_decode", spec, imports, config) + PRELUDE + '''
 
 def entry(inputs, weights, state, static):
     mask = inputs.get("attention_mask")  # [B, 1] or None
-    x = _mask_rows(inputs["hidden_states"], mask)  # [B, 1, Hd]
+    x = mask_rows(inputs["hidden_states"], mask)  # [B, 1, Hd]
     Bsz = x.shape[0]
     H, P, G, N, I, CD = _dims(weights, static)
     proj = linear(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, I + CD + H]
@@ -175,9 +156,9 @@ def entry(inputs, weights, state, static):
     conv_state = _copy(state["conv_state"])  # [B, CD, K], advanced in place below
     xc = causal_conv1d_update(xbc, conv_state, conv_w.view(CD, conv_w.shape[-1]), weights.get("conv1d.bias"),
                               silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, CD]
-    xc = _mask_rows(xc.view(Bsz, 1, CD), mask).view(Bsz, CD)
+    xc = mask_rows(xc.view(Bsz, 1, CD), mask).view(Bsz, CD)
     ssm_state = _copy(state["ssm_state"])  # [B, H, P, N], advanced in place below
-    y = ssd_state_update(ssm_state, xc[:, :I].view(Bsz, H, P), dt, _neg_exp(weights["A_log"]),
+    y = ssd_state_update(ssm_state, xc[:, :I].view(Bsz, H, P), dt, neg_exp(weights["A_log"]),
                          xc[:, I:I + G * N].view(Bsz, G, N), xc[:, I + G * N:].view(Bsz, G, N), D=weights["D"],
                          dt_bias=weights["dt_bias"], dt_softplus=True, BLOCK_P=CONFIG["ssd_BLOCK_P"],
                          num_warps=CONFIG["ssd_num_warps"])  # [B, H, P] in x's dtype
@@ -196,9 +177,8 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
 
 
 def _default_fused(spec: TaskSpec) -> dict:
-    # The fastest of four configs at mamba2-2.7b's shapes on the H200 under decode graphs (2026-11-30,
-    # scripts/gpu/graph_diag.py, with the prefill template: 383.5 ms end to end vs 1031.5 ms with the previous
-    # default, eager 3438.4 ms): 16-row blocks and 8 warps; the 64-wide GEMV gives out_proj only 40 programs.
+    # 16-row GEMV blocks and 8 warps: the 64-wide GEMV gives mamba2-2.7b's out_proj too few programs
+    # (measured under decode graphs: docs/results/2026-11-30-h200-e).
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssd_BLOCK_P": 16, "ssd_num_warps": 2,
             "norm_ROWS": 1, "norm_num_warps": 4, "out_gnorm_fused": True,  # the gated norm in out_proj: a launch less
@@ -251,21 +231,24 @@ _render_decode_fused = renderer("ssm_mixer.mamba2_decode_fused", FUSED_IMPORTS, 
 _render_block_decode_fused = renderer("ssm_block.mamba2_decode_fused", FUSED_IMPORTS, PRELUDE, BLOCK_ENTRY, FUSED_STEP)
 
 TEMPLATES = [
-    Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, RND, CONV, SSD),
+    Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",),
+             requires=(LINEAR_OP, GATED_NORM, MASK_ROWS, CONV, SSD),
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default),
     Template(name="ssm_mixer.mamba2_decode", family="ssm_mixer", phases=("decode",),
-             requires=(LINEAR_OP, RND, CONV_UPDATE, SSD_UPDATE), space_fn=_space, render_fn=_render_decode,
+             requires=(LINEAR_OP, GATED_NORM, MASK_ROWS, NEG_EXP, CONV_UPDATE, SSD_UPDATE), space_fn=_space,
+             render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default)),
     Template(name="ssm_mixer.mamba2_decode_fused", family="ssm_mixer", phases=("decode",),
-             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
+             requires=(LINEAR_OP, GATED_NORM, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
              render_fn=_render_decode_fused, applies_fn=_applies, default_fn=_default_fused,
              seeds_fn=occupancy_seeds(_default_fused)),
     Template(name="ssm_block.mamba2", family="ssm_block", phases=("prefill",),
-             requires=(LINEAR_OP, RND, CONV, SSD, ("kernels_runtime.ops.rmsnorm", "rmsnorm")), space_fn=_space,
+             requires=(LINEAR_OP, GATED_NORM, MASK_ROWS, CONV, SSD, ("kernels_runtime.ops.rmsnorm", "rmsnorm")),
+             space_fn=_space,
              render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba2", _applies),
              default_fn=_default),
     Template(name="ssm_block.mamba2_decode_fused", family="ssm_block", phases=("decode",),
-             requires=(LINEAR_OP, RND, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
+             requires=(LINEAR_OP, GATED_NORM, PROJ_CONV, SSD_UPDATE, GNORM_LINEAR), space_fn=_space_fused,
              render_fn=_render_block_decode_fused, applies_fn=block_applies("ssm_block.mamba2_decode_fused", _applies),
              default_fn=_default_fused, seeds_fn=occupancy_seeds(_default_fused)),
 ]

@@ -48,39 +48,12 @@ def entry(inputs, weights, state, static):
 
 
 def _render_rows(spec: TaskSpec, config: dict) -> str:
-    return header("norm.rmsnorm_rows", spec, [], config) + f'''
-
-@triton.jit
-def _rmsnorm_rows_kernel(X, W, Y, n_rows, N, eps, stride_x, stride_y,
-                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # ROWS rows per program: small hidden sizes (and decode's few rows) need fewer, fuller programs
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_N]
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)  # [ROWS]
-    xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=mask)
-
+    return header("norm.rmsnorm_rows", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm_rows"], config) + f'''
 
 def entry(inputs, weights, state, static):
-    x, w = inputs["hidden_states"], weights["weight"]
     eps = float(_static(static, {EPS_NAMES}))
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out_dtype = x.dtype if x.dtype == w.dtype else torch.float32  # torch.promote_types for float pairs
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    y2 = y.view(-1, n)
-    rows = CONFIG["ROWS"]
-    if x2.shape[0] > 0:
-        _rmsnorm_rows_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, w, y2, x2.shape[0], n, eps, x2.stride(0), y2.stride(0),
-            ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
-    return {{"out": y}}
+    return {{"out": rmsnorm_rows(inputs["hidden_states"], weights["weight"], eps, rows=CONFIG["ROWS"],
+                                 num_warps=CONFIG["num_warps"])}}
 '''
 
 
@@ -94,49 +67,12 @@ def _applies_gated(spec: TaskSpec) -> str | None:
 
 
 def _render_gated(spec: TaskSpec, config: dict) -> str:
-    return header("norm.rmsnorm_gated", spec, ["from kernels_runtime.ops.selective_scan import _rnd"], config) + f'''
-_TLD = {{torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}}
-
-
-@triton.jit
-def _gated_rmsnorm_kernel(X, Z, W, Y, n_rows, N, eps, stride_x, stride_z, stride_y,
-                          HAS_Z: tl.constexpr, IN_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # h = x * silu(gate) in fp32; y = w * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = h * (z * tl.sigmoid(z))
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)  # [ROWS]
-    hn = _rnd(h * rstd[:, None], IN_DTYPE)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * hn).to(Y.dtype.element_ty), mask=mask)
-
-
-def _rows2d(t, n):
-    t2 = t.reshape(-1, n)
-    if t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
+    return header("norm.rmsnorm_gated", spec, ["from kernels_runtime.ops.rmsnorm import gated_rmsnorm"], config) + f'''
 
 def entry(inputs, weights, state, static):
-    x, w, z = inputs["hidden_states"], weights["weight"], inputs.get("gate")
     eps = float(_static(static, {EPS_NAMES}))
-    n = x.shape[-1]
-    x2 = _rows2d(x, n)
-    z2 = _rows2d(z, n) if z is not None else x2
-    out_dtype = x.dtype if x.dtype == w.dtype else torch.float32  # torch.promote_types for float pairs
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    y2 = y.view(-1, n)
-    rows = CONFIG["ROWS"]
-    if x2.shape[0] > 0:
-        _gated_rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, z2, w, y2, x2.shape[0], n, eps, x2.stride(0), z2.stride(0), y2.stride(0), HAS_Z=z is not None,
-            IN_DTYPE=_TLD[x.dtype], ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
-    return {{"out": y}}
+    return {{"out": gated_rmsnorm(inputs["hidden_states"], inputs.get("gate"), weights["weight"], eps,
+                                  rows=CONFIG["ROWS"], num_warps=CONFIG["num_warps"])}}
 '''
 
 
@@ -152,45 +88,18 @@ def _applies_layernorm(spec: TaskSpec) -> str | None:
 
 def _render_layernorm(spec: TaskSpec, config: dict) -> str:
     x = spec.input_names[0]
-    return header("norm.layernorm", spec, [], config) + f'''
-
-@triton.jit
-def _layernorm_rows_kernel(X, W, B, Y, n_rows, N, eps, stride_x, stride_y,
-                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # torch's layer_norm: mean and biased variance in fp32, (x - mean) * rstd * w + b, one rounding at the store
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / N  # [ROWS]
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    y = xc * rstd[:, None] * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
+    return header("norm.layernorm", spec, ["from kernels_runtime.ops.layernorm import layernorm"], config) + f'''
 
 def entry(inputs, weights, state, static):
-    x, w, b = inputs["{x}"], weights["weight"], weights.get("bias")
     eps = float(_static(static, "eps", {EPS_NAMES}))
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, n)
-    rows = CONFIG["ROWS"]
-    if x2.shape[0] > 0:
-        _layernorm_rows_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, w, b if b is not None else w, y2, x2.shape[0], n, eps, x2.stride(0), y2.stride(0),
-            HAS_BIAS=b is not None, ROWS=rows, BLOCK_N=triton.next_power_of_2(n), num_warps=CONFIG["num_warps"])
-    return {{"out": y}}
+    return {{"out": layernorm(inputs["{x}"], weights["weight"], weights.get("bias"), eps, rows=CONFIG["ROWS"],
+                              num_warps=CONFIG["num_warps"])}}
 '''
 
 
 TEMPLATES = [
-    Template(name="norm.layernorm", family="norm", phases=("prefill", "decode"), requires=(),
+    Template(name="norm.layernorm", family="norm", phases=("prefill", "decode"),
+             requires=(("kernels_runtime.ops.layernorm", "layernorm"),),
              space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]},
              render_fn=_render_layernorm, applies_fn=_applies_layernorm,
              default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
@@ -202,11 +111,12 @@ TEMPLATES = [
              requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm_gemma_ref"),),
              space_fn=lambda spec: {"num_warps": [1, 2, 4, 8, 16]}, render_fn=_render_gemma,
              applies_fn=_applies_gemma, default_fn=lambda spec: {"num_warps": 4}),
-    Template(name="norm.rmsnorm_rows", family="norm", phases=("prefill", "decode"), requires=(),
+    Template(name="norm.rmsnorm_rows", family="norm", phases=("prefill", "decode"),
+             requires=(("kernels_runtime.ops.rmsnorm", "rmsnorm_rows"),),
              space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_rows,
              applies_fn=_applies, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
     Template(name="norm.rmsnorm_gated", family="norm", phases=("prefill", "decode"),
-             requires=(("kernels_runtime.ops.selective_scan", "_rnd"),),
+             requires=(("kernels_runtime.ops.rmsnorm", "gated_rmsnorm"),),
              space_fn=lambda spec: {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}, render_fn=_render_gated,
              applies_fn=_applies_gated, default_fn=lambda spec: {"ROWS": 4, "num_warps": 4}),
 ]

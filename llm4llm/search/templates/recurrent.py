@@ -26,6 +26,7 @@ ACTS = {"GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivat
         "GELUActivation": "gelu"}
 
 PRELUDE = LIN_KWARGS + HELPERS + '''
+
 RG = {k[3:]: v for k, v in CONFIG.items() if k.startswith("rg_")}
 
 

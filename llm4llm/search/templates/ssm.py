@@ -29,59 +29,18 @@ STATE_UPDATE = ("kernels_runtime.ops.selective_scan", "selective_state_update")
 IN_CONV = ("kernels_runtime.ops.mamba_decode", "mamba_in_proj_conv")
 DT_UPDATE = ("kernels_runtime.ops.mamba_decode", "mamba_dt_state_update")
 NORM_OP = ("kernels_runtime.ops.rmsnorm", "rmsnorm")
+MASK_ROWS = ("kernels_runtime.ops.mask_rows", "mask_rows")
+NEG_EXP = ("kernels_runtime.ops.neg_exp", "neg_exp")
 MAMBA_WEIGHTS = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                  "out_proj.weight"}
 
-# Shared with the Mamba2 and RecurrentGemma templates: A = -exp(A_log), the padding mask, a state copy.
+# Shared with the Mamba2 and RecurrentGemma templates: a state copy (the padding mask and A = -exp(A_log) are the ops
+# kernels_runtime.ops.mask_rows and .neg_exp).
 HELPERS = '''
-@triton.jit
-def _neg_exp_kernel(X, Y, n, BLOCK: tl.constexpr):
-    # A = -exp(A_log) in fp32 (the scan ops take A, not A_log)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(Y + offs, -tl.exp(x), mask=offs < n)
-
-
-def _neg_exp(a_log):
-    a = torch.empty(a_log.shape, dtype=torch.float32, device=a_log.device)
-    _neg_exp_kernel[(triton.cdiv(a_log.numel(), 1024),)](a_log.contiguous(), a, a_log.numel(), BLOCK=1024)
-    return a
-
-
-@triton.jit
-def _mask_rows_kernel(X, M, Y, L, C, sxb, sxl, sxc, smb, sml, syb, syl, syc,
-                      BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
-    # y[b, l, c] = x[b, l, c] * mask[b, l]: HF's apply_mask_to_padding_states (any strides: x may be a [B, C, L] view)
-    b = tl.program_id(0).to(tl.int64)
-    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ml, mc = offs_l < L, offs_c < C
-    m = tl.load(M + b * smb + offs_l * sml, mask=ml, other=0).to(tl.float32)
-    x = tl.load(X + b * sxb + offs_l[:, None] * sxl + offs_c[None, :] * sxc, mask=ml[:, None] & mc[None, :], other=0.0)
-    y = x.to(tl.float32) * m[:, None]
-    tl.store(Y + b * syb + offs_l[:, None] * syl + offs_c[None, :] * syc, y.to(Y.dtype.element_ty),
-             mask=ml[:, None] & mc[None, :])
-
-
-def _mask_rows(x, mask, channels_last=True):
-    # x: [B, L, C] (channels_last) or [B, C, L]; mask: [B, L] or None -> a masked copy in x's layout (or x itself)
-    if mask is None:
-        return x
-    xv = x if channels_last else x.transpose(1, 2)  # [B, L, C] view
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    yv = y if channels_last else y.transpose(1, 2)
-    B, L, C = xv.shape
-    _mask_rows_kernel[(B, triton.cdiv(L, 16), triton.cdiv(C, 64))](
-        xv, mask, yv, L, C, *xv.stride(), *mask.stride(), *yv.stride(), BLOCK_L=16, BLOCK_C=64)
-    return y
-
-
 def _copy(t):
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
-
-
 '''
 
 PRELUDE = LIN_KWARGS + HELPERS + '''
@@ -137,14 +96,14 @@ PREFILL_STEP = '''
 
 def _prefill_step(x, mask, weights, static, residual=None):
     # x: [B, L, H]; mask: [B, L] or None
-    x = _mask_rows(x, mask)
+    x = mask_rows(x, mask)
     I = weights["in_proj.weight"].shape[0] // 2
     proj = linear(x, weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, L, 2I]
     xs, gate = proj[..., :I].transpose(1, 2), proj[..., I:].transpose(1, 2)  # [B, I, L] views
     conv_w = weights["conv1d.weight"]  # [I, 1, K]
     xc, conv_state = causal_conv1d(xs, conv_w.view(I, conv_w.shape[-1]), weights.get("conv1d.bias"), silu=True,
                                    BLOCK_C=CONFIG["conv_BLOCK_C"], BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, I, L]
-    xc = _mask_rows(xc, mask, channels_last=False)
+    xc = mask_rows(xc, mask, channels_last=False)
     dt, Bm, Cm = _ssm_params(xc.transpose(1, 2), weights, static)  # [B, L, I], [B, L, N], [B, L, N]
     # A = -exp(A_log) in the kernel; D and the dt bias read as fp32 there (HF's .float() copies, no launches here)
     y, ssm_state = selective_scan(xc, dt.transpose(1, 2), weights["A_log"], Bm.transpose(1, 2),
@@ -160,6 +119,7 @@ def _prefill_step(x, mask, weights, static, residual=None):
 PREFILL_IMPORTS = ["from kernels_runtime.ops.linear import linear",
                    "from kernels_runtime.ops.bcdt_rmsnorm import bcdt_rmsnorm",
                    "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
+                   "from kernels_runtime.ops.mask_rows import mask_rows",
                    "from kernels_runtime.ops.selective_scan import selective_scan"]
 
 
@@ -167,12 +127,14 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
     imports = ["from kernels_runtime.ops.linear import linear",
                "from kernels_runtime.ops.bcdt_rmsnorm import bcdt_rmsnorm",
                "from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
+               "from kernels_runtime.ops.mask_rows import mask_rows",
+               "from kernels_runtime.ops.neg_exp import neg_exp",
                "from kernels_runtime.ops.selective_scan import selective_state_update"]
     return header("ssm_mixer.mamba", spec, imports, config) + PRELUDE + '''
 
 def entry(inputs, weights, state, static):
     mask = inputs.get("attention_mask")  # [B, 1] or None
-    x = _mask_rows(inputs["hidden_states"], mask)  # [B, 1, H]
+    x = mask_rows(inputs["hidden_states"], mask)  # [B, 1, H]
     I = weights["in_proj.weight"].shape[0] // 2
     proj = linear(x[:, 0], weights["in_proj.weight"], weights.get("in_proj.bias"), **LIN)  # [B, 2I]
     xs, gate = proj[:, :I], proj[:, I:]
@@ -180,10 +142,10 @@ def entry(inputs, weights, state, static):
     conv_state = _copy(state["conv_state"])  # [B, I, K], advanced in place below
     xc = causal_conv1d_update(xs, conv_state, conv_w.view(I, conv_w.shape[-1]), weights.get("conv1d.bias"),
                               silu=True, BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, I]
-    xc = _mask_rows(xc.view(xc.shape[0], 1, I), mask).view(xc.shape[0], I)
+    xc = mask_rows(xc.view(xc.shape[0], 1, I), mask).view(xc.shape[0], I)
     dt, Bm, Cm = _ssm_params(xc, weights, static)  # [B, I], [B, N], [B, N]
     ssm_state = _copy(state["ssm_state"])  # [B, I, N]
-    y = selective_state_update(ssm_state, xc, dt, _neg_exp(weights["A_log"]), Bm, Cm, D=weights["D"], z=gate,
+    y = selective_state_update(ssm_state, xc, dt, neg_exp(weights["A_log"]), Bm, Cm, D=weights["D"], z=gate,
                                dt_bias=weights["dt_proj.bias"].float(), dt_softplus=True,
                                BLOCK_D=CONFIG["scan_BLOCK_D"], num_warps=CONFIG["scan_num_warps"])  # [B, I]
     out = linear(y.view(y.shape[0], 1, I), weights["out_proj.weight"], weights.get("out_proj.bias"), **LIN)
@@ -200,14 +162,12 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
 
 
 def _default_fused(spec: TaskSpec) -> dict:
-    # The best GPU time under CUDA-graph replay at mamba-130m's shapes on the H200 (2026-11-30, 3.08x HF's mixer:
-    # 21.6 vs 66.4 us): narrow row blocks and 8 warps keep every SM reading weights; the 64-wide, 4-warp GEMV default
-    # launches too few programs for N = 768 (0.94x).
+    # Narrow GEMV row blocks and 8 warps keep every SM reading weights; the 64-wide, 4-warp GEMV default launches too
+    # few programs for mamba-130m's N = 768 (measured under CUDA-graph replay: docs/results/2026-11-30-h200-c).
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1,
-            # x_proj inside the state update saves a launch a layer but every program reduces x_proj's rows itself:
-            # on the H200 the block task's five fastest configs all had it off (0.015-0.018 ms against 0.043-0.049
-            # ms with it, mamba-130m, 2026-11-30-h200-g)
+            # x_proj inside the state update saves a launch a layer but every program reduces x_proj's rows itself,
+            # which costs more than the launch (docs/results/2026-11-30-h200-g)
             "ssu_xproj_fused": False,
             "state_inplace": True,  # the kernels update the cache's states: no write-back copies (2 launches a layer)
             "xproj_rms": _xproj_rms_hint(spec)}
@@ -215,8 +175,7 @@ def _default_fused(spec: TaskSpec) -> dict:
 
 def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
     """The state update's channel block that gives it a program per SM: its grid is (B, I / ssu_BLOCK_D), and at
-    the default 64 mamba-130m's I = 1536 makes 24 programs; on the H200 its kernel took 6.72 us a layer at 1 warp
-    and 4.8 us at 2 (2026-11-30-h200-h and -g traces)."""
+    the default 64 mamba-130m's I = 1536 makes only 24 programs (traces: docs/results/2026-11-30-h200-h)."""
     sig = next((c.state.get("ssm_state") for c in spec.cases if c.state.get("ssm_state")), None)
     if sig is None or len(sig.shape) != 3:
         return None
@@ -225,8 +184,8 @@ def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
 
 def _scan_seeds(spec: TaskSpec) -> list[dict]:
     """Prefill: the default with the selective scan's channel block cut for a program per SM (its grid is
-    (B, I / scan_BLOCK_D); the default 16 gives mamba-130m's I = 1536 96 programs on 132 SMs, and on the H200 the scan
-    took 294 us a layer in the model's trace, 2026-11-30-h200-h)."""
+    (B, I / scan_BLOCK_D); the default 16 gives mamba-130m's I = 1536 96 programs on 132 SMs; trace:
+    docs/results/2026-11-30-h200-h)."""
     sig = next((c.outputs.get("state_out.ssm_state") for c in spec.cases if c.outputs.get("state_out.ssm_state")),
                None)
     if spec.phase != "prefill" or sig is None or len(sig.shape) != 3:
@@ -283,17 +242,20 @@ _render_block_decode_fused = renderer("ssm_block.mamba_decode_fused", FUSED_IMPO
 XPROJ_OPTION = ("xproj_rms",)  # a property of the module (Falcon-Mamba or not), settled by the applicability check
 
 TEMPLATES = [
-    Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, BCDT_NORM),
+    Template(name="ssm_mixer.mamba", family="ssm_mixer", phases=("prefill",),
+             requires=(LINEAR_OP, CONV, SCAN, BCDT_NORM, MASK_ROWS),
              space_fn=_space, render_fn=_render_prefill, applies_fn=_applies, default_fn=_default,
              seeds_fn=_scan_seeds, options=XPROJ_OPTION),
     Template(name="ssm_mixer.mamba_decode", family="ssm_mixer", phases=("decode",),
-             requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE, BCDT_NORM), space_fn=_space, render_fn=_render_decode,
+             requires=(LINEAR_OP, CONV_UPDATE, STATE_UPDATE, BCDT_NORM, MASK_ROWS, NEG_EXP), space_fn=_space,
+             render_fn=_render_decode,
              applies_fn=_applies, default_fn=_default, seeds_fn=occupancy_seeds(_default), options=XPROJ_OPTION),
     Template(name="ssm_mixer.mamba_decode_fused", family="ssm_mixer", phases=("decode",),
              requires=(LINEAR_OP, IN_CONV, DT_UPDATE), space_fn=_space_fused, render_fn=_render_decode_fused,
              applies_fn=_applies_fused, default_fn=_default_fused,
              seeds_fn=occupancy_seeds(_default_fused, extras=(_ssu_occupancy,)), options=XPROJ_OPTION),
-    Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",), requires=(LINEAR_OP, CONV, SCAN, NORM_OP, BCDT_NORM),
+    Template(name="ssm_block.mamba", family="ssm_block", phases=("prefill",),
+             requires=(LINEAR_OP, CONV, SCAN, NORM_OP, BCDT_NORM, MASK_ROWS),
              space_fn=_space, render_fn=_render_block_prefill, applies_fn=block_applies("ssm_block.mamba", _applies),
              default_fn=_default, seeds_fn=_scan_seeds, options=XPROJ_OPTION),
     Template(name="ssm_block.mamba_decode_fused", family="ssm_block", phases=("decode",),
