@@ -145,6 +145,27 @@ def test_qkv_layouts_follow_the_weights_and_the_check_tries_each():
     assert "expected q_proj/k_proj/v_proj or a fused" in prefill.why_not(_spec(["c_attn.weight", "c_proj.weight"]))
 
 
+def test_logit_soft_capping_follows_the_attention_implementation():
+    """Gemma-2's attn_logit_softcapping is applied by transformers' eager (and flash/flex) attention, not by its SDPA
+    path: the templates without a soft-cap take only the SDPA module, decode_static caps only where the module does."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.search.templates.attention import module_softcap
+
+    prefill = {t.name: t for t in TEMPLATES}["attention.prefill_flash"]
+    weights = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+    for impl, cap in (("eager", 50.0), ("flash_attention_2", 50.0), ("sdpa", None), ("paged|sdpa", None)):
+        spec = _spec(weights)
+        spec.static = {"attn_logit_softcapping": 50.0, "attn_implementation": impl}
+        assert module_softcap(spec.static) == cap
+        assert (prefill.why_not(spec) is None) == (cap is None), prefill.why_not(spec)
+    static_t = {t.name: t for t in TEMPLATES}["attention.decode_static"]
+    spec = _spec(weights, adapter="StaticLayer", phase="decode")
+    ns: dict = {}
+    exec(static_t.render(spec, static_t.default(spec)), ns)  # the candidate's own rule, as the worker runs it
+    for impl, cap in (("eager", 50.0), ("sdpa", None), (None, 50.0)):
+        assert ns["_softcap"]({"config.attn_logit_softcapping": 50.0, "attn_implementation": impl}) == cap
+
+
 # ---- tiny models through extraction, the applicability check and one trial ---------------------------------------
 
 # model_type: (config, the qkv_layout the check must pin)

@@ -167,12 +167,25 @@ def _applies_common(spec: TaskSpec) -> str | None:
     return None
 
 
+def module_softcap(static: dict) -> float | None:
+    """The attention-logit soft-cap the module applies: Gemma-2's `attn_logit_softcapping` under eager, flash or
+    flex attention; none under SDPA, whose transformers path ignores `softcap`."""
+    cap = next((static[n] for n in ("attn_logit_softcapping", "config.attn_logit_softcapping")
+                if static.get(n) is not None), None)
+    if not cap or "sdpa" in str(static.get("attn_implementation") or ""):
+        return None
+    return float(cap)
+
+
 def _applies(spec: TaskSpec) -> str | None:
     why = _applies_common(spec)
     if why:
         return why
     if _adapter(spec) in STATIC_ADAPTERS:
         return "attention: a static KV cache task (attention.decode_static takes it)"
+    if module_softcap(spec.static):
+        return (f"attention: logit soft-capping ({module_softcap(spec.static):g}, "
+                f"{spec.static.get('attn_implementation')} attention) is out of this template's scope")
     return None
 
 
@@ -253,6 +266,13 @@ def _opt(static, *names):
     return None
 
 
+def _softcap(static):
+    # the cap the module applies: transformers' SDPA path ignores it (templates.attention.module_softcap)
+    if "sdpa" in str(static.get("attn_implementation") or ""):
+        return None
+    return _opt(static, "attn_logit_softcapping", "config.attn_logit_softcapping")
+
+
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
@@ -262,7 +282,7 @@ def entry(inputs, weights, state, static):
     norm = "q_norm.weight" in weights
     eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
     window = _opt(static, "sliding_window")
-    cap = _opt(static, "attn_logit_softcapping", "config.attn_logit_softcapping")
+    cap = _softcap(static)
     # writes the rotated k and v at position n of the static cache, attends over [0, n], advances n (in place)
     o = attention_decode_static(
         q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
