@@ -134,6 +134,32 @@ def test_graph_capture_and_patterns(kb_dir, tmp_path):
     assert "group_norm" in src.source and "'pool'" in src.source
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_triton_gemm_dot_precision_is_a_config_choice(kb_dir, tmp_path, precision):
+    """kb.gemm_epilogue's dot precision is searched: IEEE FMA dots or TF32x3 (near-fp32 on tensor cores; the
+    verifier's 1e-4 decides on the GPU). Under the interpreter both must match the fp32 Model; TF32 alone is refused."""
+    import torch
+
+    from llm4llm.kernelbench import codegen
+    from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task
+    from llm4llm.kernelbench.templates import TEMPLATES, render_source
+    from llm4llm.taskspec import load_spec
+
+    spec = load_spec(make_task(kb_dir / "2_Gemm_Divide_Sum.py", tmp_path))
+    t = {x.name: x for x in TEMPLATES}["kb.gemm_epilogue"]
+    assert t.space(spec)["gemm_precision"] == ["ieee", "tf32x3"]
+    src = render_source(spec, {**t.default(spec), "gemm_precision": precision}, rewrite=False)
+    assert f'input_precision="{precision}"' in src and f"triton_gemm_{precision}" in src
+    problem = load_module(GEMM_SUM)
+    new = load_module(GEMM_SUM + "\n" + src.split('"""', 2)[2])
+    ref, cand = build_model(problem, "cpu"), build_model(new, "cpu", "ModelNew")
+    x = inputs_for(problem, 7, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(codegen.Unsupported, match="gemm_precision"):
+        render_source(spec, {**t.default(spec), "gemm_precision": "tf32"}, rewrite=False)
+
+
 def test_run_passes_and_records_origins(kb_run):
     from storage import repo
     from storage.db import Database
