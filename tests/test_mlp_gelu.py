@@ -6,11 +6,11 @@ through optimize, where the applicability check (llm4llm/search/applicability.py
 captured calls and a trial passes the verifier."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from test_generality import _toml
 
 from kernels_runtime.boundary import module_static, weights_of
 from kernels_runtime.tolerances import assert_close, compare_floor
@@ -19,7 +19,6 @@ from llm4llm.taskspec import TaskSpec
 from storage import repo
 from storage.db import Database
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "scripts" / "hf_generate.py"
 GELU = next(t for t in TEMPLATES if t.name == "mlp.gelu")
 SWIGLU = next(t for t in TEMPLATES if t.name == "mlp.swiglu")
 
@@ -146,14 +145,6 @@ ARCHS = {
     "phi": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=128,
                 partial_rotary_factor=0.5, max_position_embeddings=64),
 }
-
-
-def _toml(path: Path, model_type: str, cfg: dict) -> Path:
-    lines = [f'name = "tiny-{model_type}-mlp"', f'script = "{SCRIPT}"', 'dtype = "float32"', 'device = "cpu"',
-             "batch_size = 1", "prompt_len = 8", "decode_len = 2", "seed = 0", "[model]",
-             f'model_type = "{model_type}"', "[model.config]", *(f"{k} = {json.dumps(v)}" for k, v in cfg.items())]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
