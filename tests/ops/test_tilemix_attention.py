@@ -3,6 +3,7 @@ cache input and the error's growth with coverage (interpreter, small shapes)."""
 import pytest
 import torch
 
+from kernels_runtime.ops._common import interpreting
 from kernels_runtime.ops.attention_prefill import attention_prefill, attention_prefill_ref
 from kernels_runtime.ops.tilemix_attention import quantize_int8, tilemix_attention, tilemix_attention_ref
 from kernels_runtime.ops.tilemix_masks import (TEMPLATES, TileMask, build_tile_mask, pack_bits, uniform_mask,
@@ -100,7 +101,11 @@ def test_ragged_packed_batch_with_gqa_matches_each_sequence_alone():
     assert_close(out, tilemix_attention_ref(q, k, v, mask, cu_seqlens=cu))
     for a, b in zip(cu.tolist(), cu.tolist()[1:]):  # the same as that sequence run as a batch of one
         one = tilemix_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), mask, **CFG)
-        assert torch.equal(out[a:b], one[0].transpose(0, 1))
+        if interpreting():  # the interpreter's dots are numpy matmuls whose BLAS path can follow the tile's memory
+            # alignment (a sequence packed at an odd offset): equal to an ulp or two, not bit for bit
+            torch.testing.assert_close(out[a:b], one[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+        else:  # a GPU: the same tiles through the same kernel, bit for bit
+            assert torch.equal(out[a:b], one[0].transpose(0, 1))
     # a padded batch with seq_lens: the same rows, zeros past each length
     S = max(lens)
     pad = lambda t: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, S - (b - a))).transpose(0, 1)
