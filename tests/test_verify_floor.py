@@ -67,6 +67,24 @@ def test_compare_floor_never_rescues_garbage(bug):
     assert not compare_floor(bad, ref16, ref32).ok
 
 
+def test_compare_floor_admits_one_output_ulp_where_ref16_rounded_close():
+    """ref16 sits 0.3 from ref32 everywhere (outputs 130-230, where bf16's ulp is 1, and one output of 1.0 where the
+    table rejects ref16's own error); a candidate one ulp from ref16 at one large output (0.7 > 2 x 0.3 + atol, as a
+    truncating cast or a once-rounded fp32 result can be) passes; two ulps fail."""
+    ref32 = torch.cat([torch.arange(130, 230, dtype=torch.float64) + 0.3, torch.tensor([1.0], dtype=torch.float64)])
+    ref16 = torch.cat([torch.floor(ref32[:-1]), torch.tensor([1.296875], dtype=torch.float64)]).bfloat16()
+    assert torch.equal(ref16.double()[:-1], torch.floor(ref32[:-1]))  # integers in [130, 230) are bf16 values
+    one_ulp, two_ulps = ref16.clone(), ref16.clone()
+    one_ulp[-1] = two_ulps[-1] = 1.0  # exact where ref16 is off by more than the table allows: the floor decides
+    one_ulp[0] += 1
+    two_ulps[0] += 2
+    assert not compare(one_ulp, ref16).ok
+    rep = compare_floor(one_ulp, ref16, ref32)
+    assert rep.ok and rep.criterion == "floor", rep.reason
+    bad = compare_floor(two_ulps, ref16, ref32)
+    assert not bad.ok and "beyond one torch.bfloat16 ulp" in bad.reason, bad.reason
+
+
 def test_compare_floor_not_applied_where_the_16bit_reference_is_noise():
     ref32 = torch.randn(256)
     ref16 = (ref32 + 0.5 * FLOOR_MAX_REL_L2 * 4 * torch.randn(256)).bfloat16()  # rel-L2 ~ 2 x the cap
