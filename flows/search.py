@@ -27,7 +27,7 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm
     dirs = searchable_tasks(run_id, db_path, task_ids, s.families, s.top, s.proposer, device, s.timeout_s,
-                            decode_timing)
+                            decode_timing, phases=s.phases)
     if scale is not None and scale.task_runner == "ray":
         kw = dict(mode=s.mode, budget=s.budget, proposer=s.proposer, device=device, timeout_s=s.timeout_s,
                   seed=s.seed, run_id=run_id, llm=llm, decode_timing=decode_timing)

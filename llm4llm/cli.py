@@ -136,6 +136,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              top: int = typer.Option(6, help="search the top-N tasks by hotspot score"),
              family: Optional[list[str]] = typer.Option(
                  None, help="search only tasks of this family (repeatable; before --top), e.g. norm, ssm_mixer"),
+             phase: Optional[list[str]] = typer.Option(
+                 None, help="search only tasks of this phase (repeatable; before --top): prefill | decode"),
              delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
              accept_metric: str = typer.Option(
                  "auto", help="in-model correctness metric: auto (logits_rel_l2_floor for 16-bit models, "
@@ -182,7 +184,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         cfg = _config({
             "stages": [s.strip() for s in stages.split(",")], "refresh": refresh,
             "search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
-                       "families": list(family) if family else None, "rounds": rounds, "min_score": min_score},
+                       "families": list(family) if family else None,
+                       "phases": list(phase) if phase else None, "rounds": rounds, "min_score": min_score},
             "accept": {"delta": delta, "metric": accept_metric, "tol_factor": accept_tol_factor,
                        "floor_factor": accept_floor_factor, "min_task_speedup": accept_min_task_speedup,
                        "noisy_rounds": accept_noisy_rounds, "interleave_rounds": accept_interleave_rounds},
@@ -217,7 +220,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 PROPOSERS = ("library", "llm", "hybrid")
 
 # OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
-_FLAGS = {("search", "families"): "--family", ("search", "min_score"): "--min-score",
+_FLAGS = {("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
           ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
           ("stages",): "--stages"}
 

@@ -42,6 +42,9 @@ class SearchSettings(_Settings):
     top: int | None = Field(6, ge=1, description="search the N hottest deployable tasks (empty: all of them)")
     families: list[Family] | None = Field(None, description="search only tasks of these families (taken before "
                                                             "`top`); empty: every family")
+    phases: list[Literal["prefill", "decode"]] | None = Field(
+        None, description="search only tasks of these phases (taken before `top`; e.g. decode alone when the "
+                          "decode steps are what the deployment spends); empty: both")
     timeout_s: float = Field(120.0, gt=0, description="wall-clock limit per verified candidate, in seconds")
     rounds: int = Field(1, ge=1, description="search + acceptance rounds: a task rejected in the model is searched "
                                              "again from its experience (the rejection included)")

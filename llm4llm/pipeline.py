@@ -696,8 +696,9 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
 
 def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
                          top: int | None, proposer: str = "library", device: str | None = None,
-                         timeout_s: float = 120.0, decode_timing: str = "launch") -> list[str]:
-    """The task dirs a search fans out to: deployable tasks (of `task_ids`, of `families`), hottest first, the top
+                         timeout_s: float = 120.0, decode_timing: str = "launch",
+                         phases: list[str] | None = None) -> list[str]:
+    """The task dirs a search fans out to: deployable tasks (of `task_ids`, `families`, `phases`), hottest first, the top
     N of them. With the library proposer alone, tasks no built-in template applies to are left out before the top N
     is taken (a search of them spends no trial: on the H200 two of RecurrentGemma's five searched tasks were such),
     and each is named with why; the LLM proposers can write for any task. With `device`, "applies" is decided by
@@ -714,6 +715,8 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
         df = df[df["task_id"].isin(task_ids)]
     if families:
         df = df[df["family"].isin(families)]
+    if phases:
+        df = df[df["phase"].isin(phases)]
     df = df.sort_values("score", ascending=False)
     dirs = list(df["artifact_path"])
     if proposer == "library":

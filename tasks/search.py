@@ -25,11 +25,12 @@ def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, da
 @task(name="searchable-tasks")
 def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
                      top: int | None, proposer: str = "library", device: str | None = None,
-                     timeout_s: float = 120.0, decode_timing: str = "launch") -> list[str]:
+                     timeout_s: float = 120.0, decode_timing: str = "launch",
+                     phases: list[str] | None = None) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
     return pipeline.searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
-                                         decode_timing)
+                                         decode_timing, phases=phases)
 
 
 def _placement() -> dict:

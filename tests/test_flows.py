@@ -281,3 +281,18 @@ def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
     library = searchable_task_dirs(run, db_path, None, None, None, proposer="library")
     assert library == [d for d in everything if d not in rotary]  # same order, hottest first
     assert searchable_task_dirs(run, db_path, None, None, 2, proposer="library") == library[:2]
+
+
+def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
+    """`--phase decode` searches the decode tasks alone (the top N taken among them): a decode-bound deployment
+    spends no search time on prefill tasks."""
+    from llm4llm.pipeline import searchable_task_dirs
+    from llm4llm.taskspec import load_spec
+
+    _, db_path, out = optimized
+    run = out["tiny-llama"]["run_id"]
+    everything = searchable_task_dirs(run, db_path, None, None, None, proposer="llm")
+    decode = searchable_task_dirs(run, db_path, None, None, None, proposer="llm", phases=["decode"])
+    assert decode and {load_spec(Path(d)).phase for d in decode} == {"decode"}
+    assert decode == [d for d in everything if load_spec(Path(d)).phase == "decode"]  # same order
+    assert searchable_task_dirs(run, db_path, None, None, 1, proposer="llm", phases=["decode"]) == decode[:1]

@@ -401,3 +401,30 @@ def test_best_proposals_rank_by_the_searchs_pooled_reference_not_each_trials_own
     assert best.candidate_id == "c2"
     assert best.speedup == pytest.approx(((104.21 + 113.31) / 2) / 17.67)
     assert best_proposals("run1", db_path, min_utility=6.2) == []  # the pooled 6.16x, not c0's own 6.39x
+
+
+def test_every_template_gets_its_default_before_the_best_is_exploited(task_dir):
+    """A decode task with a generic template (both phases) and a decode specialist: the specialist's default and
+    seed come first, then the generic default, and only then the neighbourhood of the best. On the H200
+    (2026-12-02) a budget of 3 on qwen3-4b's decode MLP exploited the generic SwiGLU fusion's first pass three
+    times and never tried the weight-streaming GEMV. Under the old rule the second trial here is a generic
+    neighbour."""
+    from llm4llm.search.types import Feedback
+
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    spec = spec.model_copy(update={"phase": "decode"})
+    generic = dataclasses.replace(FAKE, name="fake.generic")
+    special_default = {"BLOCK": 32, "num_warps": 2, "num_stages": 1}
+    special_seed = {"BLOCK": 128, "num_warps": 8, "num_stages": 1}
+    special = dataclasses.replace(FAKE, name="fake.special", phases=("decode",),
+                                  default_fn=lambda spec: special_default, seeds_fn=lambda spec: [special_seed])
+    prop = LibraryProposer(templates=[generic, special])
+    got, feedback = [], []
+    for i in range(5):
+        c = prop.propose(spec, [], feedback, 1)[0]
+        got.append((c.template, c.config))
+        feedback.append(Feedback(template=c.template, config=c.config, passed=True, failure_class=None, message="",
+                                 utility=2.0 if c.template == "fake.generic" else 1.0, candidate_id=f"c{i}"))
+    assert got[:3] == [("fake.special", special_default), ("fake.special", special_seed),
+                       ("fake.generic", FAKE.default(spec))]
+    assert [t for t, _ in got[3:]].count("fake.generic") >= 1  # then the best (generic) region is exploited
