@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -117,6 +117,15 @@ def interpret_without_gpu() -> None:
 
 _LAUNCHERS: dict[tuple, Any] = {}
 _CACHED_LAUNCH = {"on": os.environ.get("LLM4LLM_CACHED_LAUNCH", "1") != "0"}
+# Called with the launch's arguments on every cached launch. The cached path skips `JITFunction.run`, which the
+# verifier wraps to count launches: without this its `launches_triton` gate failed every GEMV candidate after the
+# first call of a key (H200, 2026-12-02: mlp.decode_gemv and lm_head.gemv "no_triton" on qwen3-4b). Empty when
+# serving.
+LAUNCH_OBSERVERS: list[Callable[[tuple], None]] = []
+
+
+def _on_gpu(args: tuple) -> bool:
+    return isinstance(args[0], torch.Tensor) and args[0].is_cuda
 
 
 def _spec_of(a):
@@ -140,7 +149,7 @@ def _param_defaults(jit_fn) -> list[tuple[str, Any]]:
 
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
     """jit_fn[grid](*args, **constexprs, **options), through the cached compiled kernel after the first call."""
-    if not _CACHED_LAUNCH["on"] or interpreting() or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    if not _CACHED_LAUNCH["on"] or interpreting() or not _on_gpu(args):
         return jit_fn[grid](*args, **constexprs, **options)  # (off the GPU: the sm_90 compile check records launches)
     from triton import knobs
 
@@ -159,6 +168,8 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
             _LAUNCHERS[key] = (kernel, tuple(tail))
         return kernel
     kernel, tail = hit
+    for observe in LAUNCH_OBSERVERS:
+        observe(args)
     g = tuple(grid) + (1, 1)
     stream = torch.cuda.current_stream().cuda_stream
     rt = knobs.runtime  # the hooks and launch metadata exactly as JITFunction.run passes them

@@ -21,6 +21,9 @@ class LaunchLog:
         with self.lock:
             self.count, self.streams = 0, []
 
+    def record_cached(self, args: tuple) -> None:
+        self.record(args, {})
+
     def record(self, args: tuple, kwargs: dict) -> None:
         with self.lock:
             self.count += 1
@@ -46,6 +49,10 @@ def install_launch_hook() -> None:
     Autotuners and `kernels_runtime.ops` launchers all pass through these. Idempotent."""
     from triton.runtime.jit import JITFunction
 
+    from kernels_runtime.ops import _common
+
+    if LAUNCHES.record_cached not in _common.LAUNCH_OBSERVERS:  # kernels_runtime's cached launches skip run()
+        _common.LAUNCH_OBSERVERS.append(LAUNCHES.record_cached)
     classes = [JITFunction]
     try:
         from triton.runtime.interpreter import InterpretedFunction

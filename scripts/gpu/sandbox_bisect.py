@@ -53,6 +53,45 @@ def run(layers: tuple[str, ...]) -> dict:
         sandbox.remove_box(box)
 
 
+# Landlock variants (the layer that broke CUDA on the H200, 2026-12-02): each patches the child's sandbox module
+# before it applies the layers, so one call tells which rule CUDA's initialisation needs.
+LANDLOCK_VARIANTS = {
+    "ll-read-all": "s.READ_ROOTS = s.READ_ROOTS + ('/',)",
+    "ll-exec-all": "_e = s.exec_allowlist; s.exec_allowlist = lambda: ['/']",
+    "ll-abi5": "s.landlock_abi = lambda: 5",
+    "ll-abi3": "s.landlock_abi = lambda: 3",
+    "ll-write-all": "from pathlib import PosixPath as P; _o = s._landlock; s._landlock = lambda box, needed, execs: "
+                    "_o(type('B', (P,), {'__truediv__': lambda self, o: P('/')})('/'), needed, execs)",
+}
+
+
+def run_variant(patch: str) -> dict:
+    box = sandbox.make_box()
+    try:
+        (box / "ro" / "probe.py").write_text(PROBE)
+        boot = f"import llm4llm.verify.sandbox as s; {patch}; s.boot()"
+        env = sandbox.clean_env(box, {sandbox.SANDBOX_ENV: _cfg_json(box)})
+        proc = subprocess.Popen([sys.executable, "-c", boot, str(box / "ro" / "probe.py")], env=env,
+                                cwd=str(box / "work"), start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=60)
+        sandbox.kill_group(proc.pid)
+        try:
+            return {**json.loads(out.strip().splitlines()[-1]), "rc": proc.returncode}
+        except (ValueError, IndexError):
+            return {"rc": proc.returncode, "cuda": "no output", "stderr": err[-600:]}
+    finally:
+        sandbox.remove_box(box)
+
+
+def _cfg_json(box: Path) -> str:
+    """sandboxed_popen's config for the run_file target, all layers."""
+    cfg = {"target": "llm4llm.verify.sandbox:run_file", "box": str(box), "layers": list(sandbox.ALL_LAYERS),
+           "parent": os.getpid(), "needed": sandbox.needed_paths(), "readonly": [], "exec": sandbox.exec_allowlist(),
+           "devgids": sandbox.device_gids(), "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""})}
+    return json.dumps(cfg)
+
+
 def main() -> None:
     os.environ.pop(sandbox.OFF_ENV, None)
     devs = {p: f"{oct(os.stat(p).st_mode)} {os.stat(p).st_uid}:{os.stat(p).st_gid}"
@@ -66,6 +105,10 @@ def main() -> None:
         res["runs"][name] = r = run(layers)
         print(f"{name:18s} cuda={r.get('cuda')!s:60.60s} cannot-open={r.get('open')} {r.get('stderr', '')[-200:]}",
               flush=True)
+    if os.environ.get("BISECT_LANDLOCK"):
+        for name, patch in LANDLOCK_VARIANTS.items():
+            res["runs"][name] = r = run_variant(patch)
+            print(f"{name:18s} cuda={r.get('cuda')!s:60.60s} {r.get('stderr', '')[-300:]}", flush=True)
     print("devices:", devs, "gids:", res["device_gids"])
     Path(os.environ.get("OUT", "/tmp"), "sandbox_bisect.json").write_text(json.dumps(res, indent=1))
 
