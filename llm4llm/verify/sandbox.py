@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llm4llm.errors import Llm4llmError  # project code without third-party imports
+
 SANDBOX_ENV = "LLM4LLM_SANDBOX"  # the JSON config the child reads (never holds a secret)
 OFF_ENV = "LLM4LLM_SANDBOX_OFF"  # "1": no sandbox at all (debugging only; every verdict then says so)
 NOBODY = 65534
@@ -143,10 +145,14 @@ def sandbox_disabled() -> bool:
 def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), args: list[str] | None = None,
                     readonly: list[str] | None = None, extra_env: dict[str, str] | None = None,
                     layers: tuple[str, ...] = ALL_LAYERS, extra_needed: list[str] | None = None,
-                    wrapper: list[str] | None = None, **popen_kw) -> subprocess.Popen:
+                    wrapper: list[str] | None = None, cuda_check: bool = True, **popen_kw) -> subprocess.Popen:
     """Start `python -c <boot>` that applies the sandbox then calls `target` ("module:function", with `args` as
-    sys.argv[1:]). The child is its own session (process group = its pid: kill the group with `kill_group`)."""
+    sys.argv[1:]). The child is its own session (process group = its pid: kill the group with `kill_group`).
+    On a host with CUDA, a layer under which the driver does not initialise is left out (`cuda_dropped_layers`)."""
+    dropped = cuda_dropped_layers() if cuda_check and not sandbox_disabled() else {}
+    layers = tuple(x for x in layers if x not in dropped)
     cfg = {"target": target, "box": str(box), "layers": [] if sandbox_disabled() else list(layers),
+           "dropped": dropped,
            "parent": 0 if wrapper else os.getpid(),
            "needed": sorted(set(needed_paths()) | {os.path.realpath(p) for p in extra_needed or [] if os.path.exists(p)}), "readonly": readonly or [],
            "exec": exec_allowlist(), "devgids": device_gids(),
@@ -155,6 +161,79 @@ def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), a
     boot = "from llm4llm.verify.sandbox import boot; boot()"
     return subprocess.Popen([*(wrapper or []), sys.executable, "-c", boot, *(args or [])], env=env, cwd=str(box / "work"),
                             pass_fds=pass_fds, start_new_session=True, close_fds=True, **popen_kw)
+
+
+_CUDA_DROPPED: dict[str, str] | None = None
+# the layers tried away one at a time when CUDA fails under all of them, likeliest first (on the H200 on
+# 2026-12-02 Landlock alone stopped cuInit: "Error 304: OS call failed or operation not supported on this OS")
+_CUDA_SUSPECTS = ("landlock", "seccomp", "uid", "mountns", "netns")
+
+
+class SandboxCudaError(Llm4llmError):
+    """CUDA initialises on this host but under no sandbox this module can build."""
+
+
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def cuda_init_error() -> str | None:
+    """None when the CUDA driver initialises in this process (cuInit), else its error."""
+    lib = _libcuda()
+    if lib is None:
+        return "libcuda.so.1 not found"
+    rc = lib.cuInit(0)
+    return None if rc == 0 else f"cuInit returned {rc}"
+
+
+def _cuda_probe(layers: tuple[str, ...]) -> str | None:
+    """None when cuInit succeeds in a child sandboxed with `layers`, else why not."""
+    box = make_box("llm4llm-cudaprobe-")
+    try:
+        proc = sandboxed_popen("llm4llm.verify.sandbox:cuda_probe_main", box=box, layers=layers, cuda_check=False,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            kill_group(proc.pid)
+        return None if proc.returncode == 0 else (out.strip() or err.strip()[-200:] or f"exit {proc.returncode}")
+    finally:
+        remove_box(box)
+
+
+def cuda_dropped_layers() -> dict[str, str]:
+    """{layer: why} for the one sandbox layer under which CUDA does not initialise on this host (probed once per
+    process, in a child, with cuInit); {} on a host without CUDA or where every layer lets it through. A dropped
+    layer is a WARNING line and an "off: ..." entry in every verdict's `sandbox`. Raises SandboxCudaError when no
+    single layer explains the failure."""
+    global _CUDA_DROPPED
+    if _CUDA_DROPPED is not None:
+        return _CUDA_DROPPED
+    if os.environ.get("LLM4LLM_SANDBOX_CUDA_PROBE", "1") == "0" or cuda_init_error() is not None:
+        _CUDA_DROPPED = {}
+        return _CUDA_DROPPED
+    err = _cuda_probe(ALL_LAYERS)
+    if err is None:
+        _CUDA_DROPPED = {}
+        return _CUDA_DROPPED
+    for layer in _CUDA_SUSPECTS:
+        if _cuda_probe(tuple(x for x in ALL_LAYERS if x != layer)) is None:
+            why = f"CUDA does not initialise under it on this host ({err[:160]}); left out for this run"
+            print(f"WARNING: llm4llm sandbox: layer {layer} {why}", file=sys.stderr, flush=True)
+            _CUDA_DROPPED = {layer: why}
+            return _CUDA_DROPPED
+    raise SandboxCudaError(f"sandbox: CUDA does not initialise in the sandbox on this host ({err[:200]}), with any "
+                           f"one layer left out either; {OFF_ENV}=1 runs candidates unsandboxed (debugging only)")
+
+
+def cuda_probe_main() -> int:
+    """Child side of `_cuda_probe`: exit 0 when cuInit succeeds under the applied layers."""
+    err = cuda_init_error()
+    print(err or "ok")
+    return 0 if err is None else 3
 
 
 def kill_group(pid: int | None) -> None:
@@ -341,7 +420,7 @@ def apply(cfg: dict[str, Any]) -> dict[str, str]:
         _try("seccomp", _seccomp)
     for layer in ALL_LAYERS:
         if layer not in want:
-            _warn(layer, "not requested for this process")
+            _warn(layer, cfg.get("dropped", {}).get(layer, "not requested for this process"))
     os.chdir(box / "work")
     os.umask(0o077)
     return LAYERS
@@ -637,5 +716,5 @@ def run_file() -> int:
 
 
 __all__ = ["ALL_LAYERS", "RssWatchdog", "apply", "boot", "clean_env", "copy_readonly", "default_mem_limit",
-           "kill_group", "landlock_abi", "layer_summary", "layers_from_env", "make_box", "remove_box",
+           "cuda_dropped_layers", "kill_group", "landlock_abi", "layer_summary", "layers_from_env", "make_box", "remove_box",
            "sandboxed_popen", "seccomp_program"]

@@ -1,0 +1,70 @@
+"""A sandbox layer under which CUDA does not initialise is left out, named, for the run. On the H200 (2026-12-02)
+Landlock stopped cuInit ("Error 304: OS call failed") and every verifier worker died while starting, so a GPU
+optimize with the default (sandboxed) settings verified nothing. There is no GPU here: the probe is a stand-in
+that fails while Landlock is on, and the real child reports what the parent chose."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from llm4llm.verify import sandbox
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(sandbox, "_CUDA_DROPPED", None)
+    monkeypatch.delenv(sandbox.OFF_ENV, raising=False)
+    monkeypatch.setattr(sandbox, "cuda_init_error", lambda: None)  # the parent sees a working driver
+
+
+def test_the_layer_that_stops_cuda_is_dropped_and_reported(fresh, monkeypatch):
+    tried = []
+
+    def probe(layers):
+        tried.append(layers)
+        return "cuInit returned 304" if "landlock" in layers else None
+
+    monkeypatch.setattr(sandbox, "_cuda_probe", probe)
+    dropped = sandbox.cuda_dropped_layers()
+    assert list(dropped) == ["landlock"] and "cuInit returned 304" in dropped["landlock"]
+    assert tried == [sandbox.ALL_LAYERS, tuple(x for x in sandbox.ALL_LAYERS if x != "landlock")]
+    assert sandbox.cuda_dropped_layers() is dropped and len(tried) == 2  # probed once per process
+
+    box = sandbox.make_box()
+    try:
+        (box / "ro" / "p.py").write_text("import json, os; print(os.environ['LLM4LLM_SANDBOX_LAYERS'])")
+        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box, args=[str(box / "ro" / "p.py")],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=120)
+        sandbox.kill_group(proc.pid)
+    finally:
+        sandbox.remove_box(box)
+    layers = json.loads(out.strip().splitlines()[-1])
+    assert layers["landlock"].startswith("off: CUDA does not initialise under it on this host")
+    assert "sandbox: layer landlock" in err  # the WARNING line
+    assert not any("CUDA" in v for k, v in layers.items() if k != "landlock")  # the others as this host allows
+
+
+def test_no_single_layer_explains_it_is_one_clear_error(fresh, monkeypatch):
+    monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: "cuInit returned 304")
+    with pytest.raises(sandbox.SandboxCudaError, match="LLM4LLM_SANDBOX_OFF=1"):
+        sandbox.cuda_dropped_layers()
+
+
+def test_no_cuda_means_no_probe(monkeypatch):
+    monkeypatch.setattr(sandbox, "_CUDA_DROPPED", None)
+    monkeypatch.setattr(sandbox, "_libcuda", lambda: None)
+    monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: pytest.fail("probed without CUDA"))
+    assert sandbox.cuda_dropped_layers() == {}
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_probe_child_runs_under_every_layer(monkeypatch):
+    """The real probe child (cuInit through ctypes) starts and answers under all layers: here, without a driver,
+    it reports that libcuda is missing rather than crashing the sandbox."""
+    monkeypatch.setattr(sandbox, "_libcuda", lambda: None)
+    err = sandbox._cuda_probe(sandbox.ALL_LAYERS)
+    assert err is None or "libcuda" in err or "cuInit" in err
