@@ -428,3 +428,22 @@ def test_every_template_gets_its_default_before_the_best_is_exploited(task_dir):
     assert got[:3] == [("fake.special", special_default), ("fake.special", special_seed),
                        ("fake.generic", FAKE.default(spec))]
     assert [t for t, _ in got[3:]].count("fake.generic") >= 1  # then the best (generic) region is exploited
+
+
+@pytest.mark.parametrize("kv_width,splits", [(1024, 32), (4096, 8)])  # qwen3-4b (8 KV heads), llama-2-7b (32)
+def test_static_cache_attention_seeds_fill_the_gpu(kv_width, splits):
+    """attention.decode_static's first seed: the GEMV occupancy point and enough cache splits that KV heads x
+    splits covers the SMs (H200, qwen3-4b: 319 us at the default, 52 us at 32 splits and split-K 4)."""
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.taskspec import CaseSig, TensorSig
+
+    t = next(x for x in TEMPLATES if x.name == "attention.decode_static")
+    spec = TaskSpec(family="attention", module_class="x.Attention", instances=["a"], phase="decode",
+                    input_names=["hidden_states"], weight_names=["q_proj.weight"], output_names=["out"],
+                    cases=[CaseSig(inputs={}, outputs={"out": TensorSig(shape=[1, 1, 2560], dtype="bfloat16")})],
+                    dtype="bfloat16", static={"head_dim": 128, "k_proj.out_features": kv_width},
+                    hardware={"sm_count": 132})
+    first, second = t.seeds(spec)
+    assert first["attn_num_splits"] == splits and first["lin_GEMV_SPLIT_K"] == 2 and first["lin_GEMV_BLOCK_N"] == 32
+    assert second["attn_num_splits"] is None  # the occupancy point alone next
+    assert t.seeds(spec.model_copy(update={"phase": "prefill"})) == []
