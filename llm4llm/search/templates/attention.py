@@ -264,17 +264,29 @@ def _static_seeds(spec: TaskSpec) -> list[dict]:
     the GPU. On the H200 (qwen3-4b, 2026-12-02) the default took 319 us a call and a point with 32 splits and the
     GEMV split-K 4 took 52 us, against the module's 133 us; with a budget of 2 only luck found it."""
     seeds = occupancy_seeds(lambda s: dict(_STATIC_DEFAULT))(spec)
-    head_dim, kv_width = spec.static.get("head_dim"), spec.static.get("k_proj.out_features")
-    if not seeds or not (isinstance(head_dim, int) and isinstance(kv_width, int) and head_dim > 0):
+    splits = cache_splits(spec)
+    if not seeds or not splits:
         return seeds
+    return [{**seeds[0], **splits}, *seeds]
+
+
+def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
+    """The attn_ keys of attention_decode_static that split the cache so that (KV heads x splits) programs fill the
+    task's GPU (32-position blocks); {} where the static values do not give the KV heads. `prefix`: where the
+    attention's static values sit (a decoder layer's `self_attn.`)."""
+    head_dim, kv_width = spec.static.get(prefix + "head_dim"), spec.static.get(prefix + "k_proj.out_features")
+    if not (isinstance(head_dim, int) and isinstance(kv_width, int) and head_dim > 0):
+        return {}
     heads, sms = max(1, kv_width // head_dim), sm_count(spec)
-    splits = next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64)
-    return [{**seeds[0], "attn_num_splits": splits, "attn_BLOCK_N": 32}, *seeds]
+    return {"attn_num_splits": next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64), "attn_BLOCK_N": 32}
 
 
-def _render_static(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
-    return header("attention.decode_static", spec, imports, config) + _qkv_prelude(spec) + '''
+# Pasted into rendered sources (after PRELUDE: ATTN) by every template that calls attention_decode_static: its
+# call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
+# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over [0, n] (the attention
+# mask taken to be causal, windowed by the module's sliding_window), advances n: all in place, so the state-out is
+# the state-in tensors.
+STATIC_STEP = '''
 
 def _opt(static, *names):
     for n in names:
@@ -283,31 +295,40 @@ def _opt(static, *names):
     return None
 
 
-def _softcap(static):
+def _softcap(static, p=""):
     # the cap the module applies: transformers' SDPA path ignores it (templates.attention.module_softcap)
-    if "sdpa" in str(static.get("attn_implementation") or ""):
+    if "sdpa" in str(static.get(p + "attn_implementation") or ""):
         return None
-    return _opt(static, "attn_logit_softcapping", "config.attn_logit_softcapping")
+    return _opt(static, p + "attn_logit_softcapping", p + "config.attn_logit_softcapping")
 
+
+def _static_attention(q, k, v, inputs, weights, state, static, p=""):
+    # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written)
+    kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
+    norm = p + "q_norm.weight" in weights
+    eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
+    window = _opt(static, p + "sliding_window")
+    cap = _softcap(static, p)
+    o = attention_decode_static(
+        q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
+        float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
+        k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
+        softcap=float(cap) if cap else None, **ATTN)
+    return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
+'''
+
+
+def _render_static(spec: TaskSpec, config: dict) -> str:
+    imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
+    return header("attention.decode_static", spec, imports, config) + _qkv_prelude(spec) + STATIC_STEP + '''
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, 1, H]
     B, S, _ = x.shape
     D = _head_dim(static)
     q, k, v = _qkv(x, weights, static, B, S, D)  # [B, H, 1, D] views
-    kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
-    norm = "q_norm.weight" in weights
-    eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
-    window = _opt(static, "sliding_window")
-    cap = _softcap(static)
-    # writes the rotated k and v at position n of the static cache, attends over [0, n], advances n (in place)
-    o = attention_decode_static(
-        q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
-        float(_static(static, "scaling")), q_norm_weight=weights.get("q_norm.weight"),
-        k_norm_weight=weights.get("k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, **ATTN)  # [B, Hq, 1, D]
-    out = _out(o, weights, B, S)
-    return {"out": out, "state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
+    o, state_out = _static_attention(q, k, v, inputs, weights, state, static)  # [B, Hq, 1, D]
+    return {"out": _out(o, weights, B, S), **state_out}
 '''
 
 
