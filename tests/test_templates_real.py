@@ -54,6 +54,8 @@ CASES = [
     ("tiny-llama", "attention.decode_fused_qkv", "decode"),
     ("tiny-qwen3", "decoder_layer.decode_fused", "decode"),  # the whole layer: norms and residuals fused
     ("tiny-llama", "decoder_layer.decode_fused", "decode"),
+    ("tiny-qwen3+static", "decoder_layer.decode_static", "decode"),  # the layer on the static KV cache
+    ("tiny-llama+static", "decoder_layer.decode_static", "decode"),
     ("tiny-qwen3", "lm_head.gemv", "decode"),
     ("tiny-llama", "lm_head.gemv", "prefill"),  # generate's prefill: the last position's logits only
 ]

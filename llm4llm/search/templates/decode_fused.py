@@ -7,6 +7,9 @@ around it in the GEMV's prologue or its split-K reduction. One template per boun
   q/k/v GEMV's prologue, o_proj with the residual add and post_attention_layernorm in its reduction (or the norm in
   gate/up's prologue: `post_norm`), gate/up + SwiGLU, down_proj with the second residual add: the MLP block is 2
   GEMV passes, the layer 3 plus attention;
+- decoder_layer.decode_static (the same layer on transformers' static KV cache, what decode graphs run on): the
+  input_layernorm + q/k/v GEMV, then attention.decode_static's kernel (q/k norms, rotary, the cache write at the
+  device-side length, split-KV attention: its `attn_` keys), then the MLP half as decode_fused;
 - lm_head.gemv: the vocabulary projection.
 Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
 K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
@@ -15,7 +18,10 @@ them), num_warps; `num_stages` is shared. Defaults: the H200 sweep's best points
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import sm_count
-from llm4llm.search.templates.attention import ATTN_DECODE, DECODE_OP, PRELUDE as ATTN_PRELUDE
+from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
+                                                STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
+                                                cache_splits, module_softcap)
+from llm4llm.search.templates.attention import PRELUDE as ATTN_PRELUDE
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -193,18 +199,23 @@ def entry(inputs, weights, state, static):
 ATTN_P, MLP_P = "self_attn.", "mlp."
 
 
-def _layer_applies(spec: TaskSpec) -> str | None:
+def _layer_structure(spec: TaskSpec) -> str | None:
+    """Why the task's module is not a pre-norm Llama-style layer (both layer templates' scope), or None."""
     for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         if norm not in spec.weight_names:
-            return f"decoder_layer.decode_fused: expected {norm} (a pre-norm Llama-style layer), got {spec.weight_names}"
+            return f"expected {norm} (a pre-norm Llama-style layer), got {spec.weight_names}"
     extra = [w for w in spec.weight_names if not w.startswith((ATTN_P, MLP_P, "input_layernorm.",
                                                                 "post_attention_layernorm."))]
     if extra:  # Gemma-2's pre/post feedforward norms, ...: another layer structure
-        return f"decoder_layer.decode_fused: weights outside a Llama-style layer: {extra}"
+        return f"weights outside a Llama-style layer: {extra}"
     for key in ("input_layernorm.variance_epsilon", "post_attention_layernorm.variance_epsilon"):
         if not isinstance(spec.static.get(key), float):
-            return f"decoder_layer.decode_fused: expected static {key}, got {spec.static.get(key)!r}"
-    why = _attn_applies(spec, ATTN_P) or _mlp_applies(spec, MLP_P)
+            return f"expected static {key}, got {spec.static.get(key)!r}"
+    return None
+
+
+def _layer_applies(spec: TaskSpec) -> str | None:
+    why = _layer_structure(spec) or _attn_applies(spec, ATTN_P) or _mlp_applies(spec, MLP_P)
     return f"decoder_layer.decode_fused: {why}" if why else None
 
 
@@ -220,7 +231,9 @@ def _layer_default(spec):
             **_stage_default("dn_", h, i, sms)}
 
 
-def _layer_render(spec, config):
+def _layer_mlp(config) -> str:
+    """The entry's lines after the attention (o: [B, H*D] rows, x2 the residual rows): o_proj + the residual add +
+    post_attention_layernorm, gate/up + SwiGLU (g), h the residual of the down projection."""
     if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
         mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
                                   float(static["post_attention_layernorm.variance_epsilon"]), **_stage("o_"))
@@ -232,6 +245,10 @@ def _layer_render(spec, config):
                        norm_w=weights["post_attention_layernorm.weight"],
                        eps=float(static["post_attention_layernorm.variance_epsilon"]), **_stage("gu_"))
 '''
+    return mlp_in
+
+
+def _layer_render(spec, config):
     return header("decoder_layer.decode_fused", spec, ATTN_IMPORTS, config) + ATTN_PRELUDE + STAGE_KWARGS + \
         ATTN_STEP + '''
 
@@ -242,8 +259,117 @@ def entry(inputs, weights, state, static):
     o, k_all, v_all = _attention(x, inputs, weights, static, state, "self_attn.",
                                  norm_w=weights["input_layernorm.weight"],
                                  norm_eps=float(static["input_layernorm.variance_epsilon"]))
-''' + mlp_in + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
+''' + _layer_mlp(config) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
     return {"out": out.view(x.shape), "state_out.key_cache": k_all, "state_out.value_cache": v_all}
+'''
+
+
+# ------------------------------------------------------------------------------------ decoder layer, static cache
+# decoder_layer.decode_static: the layer of decoder_layer.decode_fused on transformers' static KV cache (what decode
+# graphs run on): input_layernorm in the q/k/v GEMV's prologue (the raw projections, one pass over the three
+# weights), attention.decode_static's kernel for the q/k norms + rotary + the cache write at the device-side length
+# + split-KV attention (STATIC_STEP, the same call), then o_proj + residual + post_attention_layernorm, gate/up +
+# SwiGLU, down_proj + residual as decode_fused. Nothing is read on the host. The attention mask (every static-cache
+# call carries one) is taken to be causal (and windowed by the module's sliding_window) only, as
+# attention.decode_static does: a padded batch fails verification.
+
+ATTN_WEIGHTS = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                                     "q_norm.weight", "k_norm.weight")}
+
+
+def _layer_static_applies(spec: TaskSpec) -> str | None:
+    why = _layer_structure(spec) or _attn_static_applies(spec) or _mlp_applies(spec, MLP_P)
+    return f"decoder_layer.decode_static: {why}" if why else None
+
+
+def _attn_static_applies(spec: TaskSpec) -> str | None:
+    need = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")}
+    if not need <= set(spec.weight_names):
+        return f"expected weights {sorted(need)}, got {spec.weight_names}"
+    unread = [w for w in spec.weight_names if w.startswith(ATTN_P) and w not in ATTN_WEIGHTS]
+    if unread:  # StableLM's q/k LayerNorms, ...: another computation
+        return f"attention weights the template does not read: {unread}"
+    if (ATTN_P + "q_norm.weight" in spec.weight_names) != (ATTN_P + "k_norm.weight" in spec.weight_names):
+        return "expected both q_norm and k_norm, or neither"
+    if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
+        return f"expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
+    if _adapter(spec) not in STATIC_ADAPTERS:
+        return f"expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)} " \
+               f"(decoder_layer.decode_fused takes the dynamic cache)"
+    if set(spec.state_names) != {"key_cache", "value_cache", "cache_len"}:
+        return f"expected the layer's key_cache, value_cache and cache_len as state, got {spec.state_names}"
+    if not isinstance(spec.static.get(ATTN_P + "head_dim"), int):
+        return f"expected static {ATTN_P}head_dim, got {spec.static.get(ATTN_P + 'head_dim')!r}"
+    if spec.static.get(ATTN_P + "attention_type") not in (None, "full_attention", "sliding_attention"):
+        return f"attention type {spec.static.get(ATTN_P + 'attention_type')!r} is out of scope"
+    attn_static = {k[len(ATTN_P):]: v for k, v in spec.static.items() if k.startswith(ATTN_P)}
+    if any(attn_static.get(n) is not None for n in ("attn_logit_softcapping", "config.attn_logit_softcapping")):
+        # whether the module caps depends on its attention implementation (module_softcap), not recorded here
+        return f"logit soft-capping is out of scope (module_softcap: {module_softcap(attn_static)})"
+    return _bias_free(spec, ATTN_P)
+
+
+def _layer_static_space(spec):
+    return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
+            **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3]}
+
+
+def _layer_static_default(spec):
+    h, nq, nkv = _attn_dims(spec, ATTN_P)
+    _, i = _mlp_dims(spec, MLP_P)
+    sms = sm_count(spec)
+    attn = {k: v for k, v in _STATIC_DEFAULT.items() if k.startswith("attn_")}
+    return {"post_norm": "o_reduce", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
+            **_stage_default("o_", h, nq, sms), **attn, **_stage_default("gu_", 2 * i, h, sms),
+            **_stage_default("dn_", h, i, sms), "num_stages": 1}
+
+
+def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
+    """The smallest SPLIT_K (1-8) that gives the stage's GEMV at least one program per SM (cdiv(n_out, BLOCK_N) x
+    split), never finer than one BLOCK_K tile a program."""
+    blocks, tiles = -(-n_out // block_n), max(1, -(-k // block_k))
+    return {prefix + "SPLIT_K": next((s for s in (1, 2, 4, 8) if blocks * s >= sms or s >= tiles), 8)}
+
+
+def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
+    """attention.decode_static's lesson (the H200, qwen3-4b: 319 us at the default cache split, 52 us at 32 splits):
+    first the default GEMV stages, each split along K until its programs cover the SMs, with the cache split so
+    that KV heads x splits do (cache_splits); then decode_fused's seeds (8 rows x 512, a K split of 2 everywhere)
+    with that cache split."""
+    h, nq, nkv = _attn_dims(spec, ATTN_P)
+    _, i = _mlp_dims(spec, MLP_P)
+    sms, base = sm_count(spec), _layer_static_default(spec)
+    splits = cache_splits(spec, ATTN_P)
+    first = dict(splits)
+    for p, n, k in (("qkv_", nq + 2 * nkv, h), ("o_", h, nq), ("gu_", 2 * i, h), ("dn_", h, i)):
+        first.update(_occupancy_split(p, n, k, sms, base[p + "BLOCK_N"], base[p + "BLOCK_K"]))
+    return [first, *({**s, **splits} for s in _seeds("qkv_", "o_", "gu_", "dn_")(spec))]
+
+
+def _layer_static_render(spec, config):
+    imports = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope",
+               "from kernels_runtime.ops.attention_decode_static import attention_decode_static"]
+    return header("decoder_layer.decode_static", spec, imports, config) + ATTN_PRELUDE + STAGE_KWARGS + \
+        STATIC_STEP + '''
+
+def entry(inputs, weights, state, static):
+    # HF's pre-norm layer: h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_attention_layernorm(h))
+    x = inputs["hidden_states"]  # [B, 1, H]
+    B, S, _ = x.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    D = int(_static(static, "self_attn.head_dim"))
+    # input_layernorm in the GEMV's prologue, the raw q/k/v (no rotary here: the attention kernel applies it)
+    q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
+                            weights["self_attn.v_proj.weight"], None, None, D,
+                            norm_w=weights["input_layernorm.weight"],
+                            norm_eps=float(static["input_layernorm.variance_epsilon"]),
+                            **_stage("qkv_"))  # [B*S, H, D] views of one buffer
+    q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
+    # q/k norms + rotary + the cache write at the device-side length + split-KV attention, the length advanced
+    o, state_out = _static_attention(q, k, v, inputs, weights, state, static, "self_attn.")  # [B, Hq, 1, D]
+    o = o.transpose(1, 2).reshape(B * S, -1)
+''' + _layer_mlp(config) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
+    return {"out": out.view(x.shape), **state_out}
 '''
 
 
@@ -290,6 +416,9 @@ TEMPLATES = [
     Template(name="decoder_layer.decode_fused", family="decoder_layer", phases=("decode",), requires=(*OPS, DECODE_OP),
              space_fn=_layer_space, render_fn=_layer_render, applies_fn=_layer_applies, default_fn=_layer_default,
              seeds_fn=_seeds("qkv_", "o_", "gu_", "dn_")),
+    Template(name="decoder_layer.decode_static", family="decoder_layer", phases=("decode",),
+             requires=(*OPS, DECODE_STATIC_OP), space_fn=_layer_static_space, render_fn=_layer_static_render,
+             applies_fn=_layer_static_applies, default_fn=_layer_static_default, seeds_fn=_layer_static_seeds),
     Template(name="lm_head.gemv", family="lm_head", phases=("prefill", "decode"), requires=OPS,
              space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3]}, render_fn=_lm_render,
              applies_fn=_lm_applies, default_fn=_lm_default, seeds_fn=_seeds("lm_")),

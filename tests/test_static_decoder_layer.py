@@ -1,0 +1,171 @@
+"""decoder_layer.decode_static: a whole Llama / Qwen3 decoder layer in the decode step on transformers' static KV
+cache (what decode graphs run on). The layer tasks of tiny-qwen3 (q/k norms, GQA 4/2) and tiny-llama, extracted on
+the static cache (conftest's `+static`), fp32, Triton interpreter: the template's default rendering matches the
+module on the captured call (the cache written in place at the device-side length, the length advanced) and passes
+the verifier's gates; the dynamic-cache layer template still refuses these tasks and the new one refuses the
+dynamic-cache task; in the model, every decode call of both layers takes the kernel, eagerly and from (emulated)
+graphs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_runtime.boundary import STATE_OUT
+from kernels_runtime.tolerances import assert_close
+from llm4llm.taskspec import TaskSpec, load_task
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+NAME = "decoder_layer.decode_static"
+
+
+def _template(name):
+    from llm4llm.search.templates import TEMPLATES
+
+    return next(t for t in TEMPLATES if t.name == name)
+
+
+@pytest.fixture(scope="module")
+def layer_task(tiny_extracted):
+    """workload name (`tiny-qwen3+static`, ...) -> (the decoder-layer decode task dir, its Task)."""
+    def get(name):
+        d = next(d for d in tiny_extracted(name) if d.name.startswith("decoder_layer-decode-"))
+        return d, load_task(d)
+
+    return get
+
+
+def test_only_the_static_layer_template_takes_the_static_layer_task(layer_task):
+    """Scope: on the static cache the layer task carries an attention mask and the length as state, which the
+    dynamic-cache template refuses and the static one takes; the static one refuses the dynamic-cache layer task."""
+    static_spec = layer_task("tiny-qwen3+static")[1].spec
+    dynamic_spec = layer_task("tiny-qwen3")[1].spec
+    assert static_spec.recipe["state"]["adapter"] == "StaticLayer"
+    assert static_spec.state_names == ["key_cache", "value_cache", "cache_len"] and static_spec.deployable
+    assert "attention_mask" in static_spec.input_names
+    assert _template(NAME).why_not(static_spec) is None
+    assert _template(NAME).why_not(layer_task("tiny-llama+static")[1].spec) is None
+    assert "attention mask" in _template("decoder_layer.decode_fused").why_not(static_spec)
+    assert _template("decoder_layer.decode_fused").why_not(dynamic_spec) is None
+    assert "expected a static KV cache task" in _template(NAME).why_not(dynamic_spec)
+    # out of scope: a weight the template does not read (StableLM's q/k LayerNorms), a soft-cap
+    odd = static_spec.model_copy(update={"weight_names": [*static_spec.weight_names, "self_attn.q_layernorm.weight"]})
+    assert "does not read" in _template(NAME).why_not(odd)
+    capped = static_spec.model_copy(update={"static": {**static_spec.static, "self_attn.attn_logit_softcapping": 50.}})
+    assert "soft-capping" in _template(NAME).why_not(capped)
+
+
+@pytest.mark.parametrize("workload", ["tiny-qwen3+static", "tiny-llama+static"])
+def test_static_layer_template_matches_the_module(layer_task, workload, tmp_path):
+    """The default rendering on the captured call: the layer's output, and the cache written in place (state_out
+    is the state-in tensors) at the device-side length only (16: the prompt), the length advanced to 17, as the
+    module's own forward does; then the verifier's gates (captured case + a fresh draw) pass."""
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = layer_task(workload)
+    tpl = _template(NAME)
+    source = tpl.render(task.spec, tpl.default(task.spec))
+    mod = load_candidate(source, tmp_path, "static_layer_candidate")
+    try:
+        case = task.cases[0]
+        assert int(case.state["cache_len"]) == 16
+        state = {n: t.clone() for n, t in case.state.items()}
+        out = mod.entry(dict(case.inputs), dict(case.weights), state, dict(task.spec.static))
+    finally:
+        unload_candidate("static_layer_candidate")
+    for name in ("key_cache", "value_cache", "cache_len"):
+        assert out[STATE_OUT + name] is state[name]
+    assert_close(out["out"], case.ref["out"])
+    for name in ("key_cache", "value_cache"):
+        got, before = out[STATE_OUT + name], case.state[name]
+        assert_close(got, case.ref[STATE_OUT + name], name=name)
+        assert not torch.equal(got[:, :, 16], before[:, :, 16]), name  # written at the device-side position
+        assert torch.equal(got[:, :, :16], before[:, :, :16]) and torch.equal(got[:, :, 17:], before[:, :, 17:])
+    assert int(out[STATE_OUT + "cache_len"]) == 17
+    v, _ = run_gates(str(task_dir), source, device="cpu", draws=1, timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"
+    assert v.max_abs_err is not None and v.max_abs_err < 1e-4
+
+
+def test_static_layer_other_fusion_and_splits_pass(layer_task):
+    """The other post_attention_layernorm boundary (gate/up's prologue), every GEMV stage split along K, two on the
+    tl.dot path, the cache in 4 splits of 16 positions: the gates pass."""
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = layer_task("tiny-qwen3+static")
+    tpl = _template(NAME)
+    config = {**tpl.default(task.spec), "post_norm": "gate_up_prologue", "attn_num_splits": 4, "attn_BLOCK_N": 16}
+    for p in ("qkv_", "o_", "gu_", "dn_"):
+        config.update({p + "SPLIT_K": 4, p + "BLOCK_K": 128, p + "BLOCK_N": 8})
+    config.update({"qkv_DOT": True, "gu_DOT": True})
+    v, _ = run_gates(str(task_dir), tpl.render(task.spec, config), device="cpu", draws=1, timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"
+
+
+def test_static_layer_seeds_split_the_cache_to_fill_the_gpu():
+    """The first seed (qwen3-4b's layer shape, 132 SMs): the cache in 32 splits (8 KV heads x 32 >= 132, as
+    attention.decode_static's seed), GEMV stages that already cover the SMs unsplit; then decode_fused's seeds."""
+    from llm4llm.taskspec import CaseSig, TensorSig
+
+    tpl = _template(NAME)
+    static = {"self_attn.head_dim": 128, "self_attn.q_proj.in_features": 2560, "self_attn.q_proj.out_features": 4096,
+              "self_attn.k_proj.out_features": 1024, "mlp.hidden_size": 2560, "mlp.intermediate_size": 9728}
+    spec = TaskSpec(family="decoder_layer", module_class="x.Qwen3DecoderLayer", instances=["l"], phase="decode",
+                    input_names=["hidden_states"], weight_names=["self_attn.q_proj.weight"], output_names=["out"],
+                    cases=[CaseSig(inputs={}, outputs={"out": TensorSig(shape=[1, 1, 2560], dtype="bfloat16")})],
+                    dtype="bfloat16", static=static, hardware={"sm_count": 132})
+    first, second, *_ = tpl.seeds(spec)
+    assert first["attn_num_splits"] == 32 and first["attn_BLOCK_N"] == 32
+    assert all(first[p + "SPLIT_K"] == 1 for p in ("qkv_", "o_", "gu_", "dn_"))
+    assert second["attn_num_splits"] == 32 and second["qkv_BLOCK_N"] == 8 and second["qkv_BLOCK_K"] == 512
+    assert tpl.default(spec)["attn_num_splits"] is None
+
+
+def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):
+    """In the model: generate on the static cache with the layer candidate installed: every decode call of both
+    layers takes the kernel (none falls back), the teacher-forced logits match the unpatched model's, eagerly and
+    with the decode steps replayed from (emulated: closure re-run) graphs."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
+    from kernels_runtime.patch import report_of
+    from llm4llm.accept import teacher_forced_logits
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    task = layer_task("tiny-qwen3+static")[1]
+    wl = load_workload(str(WORKLOADS / "tiny-qwen3.toml"))
+    script = load_script(wl)
+    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    steps = wl.decode_len
+    model.generation_config.cache_implementation, model.generation_config.disable_compile = "static", True
+    with torch.inference_mode():
+        tokens = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                pad_token_id=0)[:, batch["input_ids"].shape[1]:]
+    ref = teacher_forced_logits(model, batch, tokens, steps)
+    tpl = _template(NAME)
+    bundle = PatchBundle(name="static-layer")
+    bundle.add_patch(task_patch_spec(task.spec, "c", 1.0, "cpu"), source=tpl.render(task.spec, tpl.default(task.spec)))
+    report = kernels_runtime.apply(model, bundle, strict=True)
+    try:
+        got = teacher_forced_logits(model, batch, tokens, steps)
+        counters = report_of(model)
+        assert sorted(counters) == ["model.layers.0", "model.layers.1"], counters
+        for c in counters.values():
+            assert c["kernel"] == {"decode": steps - 1} and all("prefill" in r for r in c["fallback"]), c
+        assert report.calls_of(bundle.patches[0].patch_id) == 2 * (steps - 1)
+        for step, (g, r) in enumerate(zip(got, ref)):
+            assert_close(g, r, name=f"logits step {step}")
+        graphs = enable_decode_graphs(model, backend="rerun", static_cache=True)
+        try:
+            again = teacher_forced_logits(model, batch, tokens, steps)
+            stats = graphs.stats()
+        finally:
+            disable_decode_graphs(model)
+        assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] >= steps - 2, stats
+        for step, (g, r) in enumerate(zip(again, ref)):
+            assert_close(g, r, name=f"graphed logits step {step}")
+    finally:
+        kernels_runtime.revert(model)
