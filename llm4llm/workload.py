@@ -6,6 +6,8 @@ an exception inside the user's code surfaces as a `ScriptError` carrying the scr
 """
 from __future__ import annotations
 
+import copy
+
 import difflib
 import hashlib
 import importlib.util
@@ -283,11 +285,16 @@ def _kept_as_is(model_type: str, key: str, value: Any) -> bool:
     """A key the config class does not consume (legacy aliases such as rope_theta are folded into other fields):
     transformers stores it verbatim, the sign of a field it does not know."""
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a one-field config trips checks against the other fields' defaults
     try:
-        return key in AutoConfig.for_model(model_type, **{key: value}).to_dict()
+        return key in AutoConfig.for_model(model_type, **{key: copy.deepcopy(value)}).to_dict()
     except Exception:  # noqa: BLE001 - the full config check below reports it
         return False
+    finally:
+        hf_logging.set_verbosity(before)
 
 
 def _check_config(model_type: str | None, config: dict) -> None:
@@ -302,7 +309,7 @@ def _check_config(model_type: str | None, config: dict) -> None:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"a field of {model_type}'s config, got unknown field {key!r}{hint}")
     try:
-        AutoConfig.for_model(model_type, **config)
+        AutoConfig.for_model(model_type, **copy.deepcopy(config))
     except Exception as exc:  # transformers validates field types and architecture constraints
         detail = " ".join(str(exc).split())
         raise ValueError(f"a valid {model_type} config, got {type(exc).__name__}: {detail}") from None
@@ -315,7 +322,8 @@ def max_positions(model: "ModelSpec") -> int | None:
     from transformers import AutoConfig
 
     try:
-        return getattr(AutoConfig.for_model(model.model_type, **model.config), "max_position_embeddings", None)
+        return getattr(AutoConfig.for_model(model.model_type, **copy.deepcopy(model.config)),
+                       "max_position_embeddings", None)
     except Exception:  # noqa: BLE001 - an invalid config has its own error
         return None
 

@@ -5,6 +5,8 @@ Implements the llm4llm script contract (`build`, `inputs`, `run`). The model is 
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -21,7 +23,7 @@ def build(workload) -> torch.nn.Module:
             spec.checkpoint, dtype=workload.torch_dtype, local_files_only=True
         ).to(dev)
     else:
-        config = AutoConfig.for_model(spec.model_type, **{**_NO_SPECIAL_TOKENS, **spec.config})
+        config = AutoConfig.for_model(spec.model_type, **copy.deepcopy({**_NO_SPECIAL_TOKENS, **spec.config}))
         torch.manual_seed(workload.seed)
         # Built on the target device directly: building a 7B model on the CPU first takes minutes.
         with dev:
@@ -59,5 +61,5 @@ def _vocab_size(workload) -> int:
     if spec.checkpoint is not None:
         config = AutoConfig.from_pretrained(spec.checkpoint, local_files_only=True)
     else:
-        config = AutoConfig.for_model(spec.model_type, **spec.config)
+        config = AutoConfig.for_model(spec.model_type, **copy.deepcopy(spec.config))
     return config.get_text_config().vocab_size
