@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,30 @@ def test_the_probe_child_runs_under_every_layer(monkeypatch):
     monkeypatch.setattr(sandbox, "_libcuda", lambda: None)
     err = sandbox._cuda_probe(sandbox.ALL_LAYERS)
     assert err is None or "libcuda" in err or "cuInit" in err
+
+
+def test_a_sandboxed_thread_can_name_itself_as_cuinit_does():
+    """Landlock grants writes to the child's own /proc/<pid>/task (CUDA's cuInit writes each thread's comm and
+    returns 304 when it cannot), threads started after the sandbox included; the rest of /proc stays read-only."""
+    box = sandbox.make_box()
+    try:
+        shutil.copy(Path(__file__).parent / "sandbox_probes" / "thread_comm.py", box / "ro" / "thread_comm.py")
+        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box,
+                                       args=[str(box / "ro" / "thread_comm.py")], cuda_check=False,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=120)
+        sandbox.kill_group(proc.pid)
+    finally:
+        sandbox.remove_box(box)
+    r = json.loads(out.strip().splitlines()[-1])
+    if not r["landlock"].startswith("on"):
+        pytest.skip(f"Landlock is not available here: {r['landlock']}")
+    assert r["main"] == "main" and r["worker"] == "worker", r
+    assert r["oom_score_adj"].startswith("denied"), r
+
+
+def test_strict_mode_refuses_to_leave_a_layer_out(fresh, monkeypatch):
+    monkeypatch.setenv(sandbox.STRICT_ENV, "1")
+    monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: "cuInit returned 304" if "landlock" in layers else None)
+    with pytest.raises(sandbox.SandboxCudaError, match="forbids leaving it out"):
+        sandbox.cuda_dropped_layers()

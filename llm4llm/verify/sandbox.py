@@ -12,7 +12,8 @@ heavy import. Layers, in the order the child applies them (docs/threat-model.md 
   mountns     unshare(CLONE_NEWNS): HOME-like directories (/root, $HOME) covered by an empty tmpfs, with only the
               paths Python needs bound back; the project tree and the data dirs remounted read-only
   uid         setresgid/setresuid to 65534 (nobody), supplementary groups only those owning /dev/nvidia*
-  landlock    writes only inside the private dir (and to /dev/null, /dev/nvidia*), exec only of the compiler
+  landlock    writes only inside the private dir (and to /dev/null, /dev/nvidia*, its own /proc/<pid>/task for
+              CUDA's thread names), exec only of the compiler
               toolchain (gcc, as, ld, ptxas, ldconfig), reads only below the system and Python trees, no TCP, no
               signals to or abstract sockets of processes outside (ABI >= 6)
   seccomp     socket() only for AF_UNIX; no SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGKILL sent to anyone; ptrace, process_vm_*, mount, unshare, setns, setsid, setpgid, bpf, keyctl,
@@ -43,6 +44,7 @@ from typing import Any
 from llm4llm.errors import Llm4llmError  # project code without third-party imports
 
 SANDBOX_ENV = "LLM4LLM_SANDBOX"  # the JSON config the child reads (never holds a secret)
+STRICT_ENV = "LLM4LLM_SANDBOX_STRICT"  # "1": a layer that stops CUDA is an error, never left out
 OFF_ENV = "LLM4LLM_SANDBOX_OFF"  # "1": no sandbox at all (debugging only; every verdict then says so)
 NOBODY = 65534
 ALL_LAYERS = ("pdeathsig", "netns", "mountns", "uid", "landlock", "seccomp")
@@ -221,6 +223,9 @@ def cuda_dropped_layers() -> dict[str, str]:
         return _CUDA_DROPPED
     for layer in _CUDA_SUSPECTS:
         if _cuda_probe(tuple(x for x in ALL_LAYERS if x != layer)) is None:
+            if os.environ.get(STRICT_ENV, "") == "1":
+                raise SandboxCudaError(f"sandbox: CUDA does not initialise under the {layer} layer on this host "
+                                       f"({err[:160]}) and {STRICT_ENV}=1 forbids leaving it out")
             why = f"CUDA does not initialise under it on this host ({err[:160]}); left out for this run"
             print(f"WARNING: llm4llm sandbox: layer {layer} {why}", file=sys.stderr, flush=True)
             _CUDA_DROPPED = {layer: why}
@@ -554,6 +559,12 @@ def _landlock(box: Path, needed: list[str], execs: list[str]) -> str:
 
         for p in (*READ_ROOTS, *needed):
             allow(p, read)
+        # CUDA's cuInit names its threads through /proc/<pid>/task/<tid>/comm and fails with error 304 when it
+        # cannot (seen on the H200, 2026-12-02; NVIDIA/OpenShell#1486). The rule is made here, in the child, so
+        # it binds to this process's own task directory: threads created later sit beneath it, nothing else of
+        # /proc becomes writable.
+        task = f"/proc/{os.getpid()}/task"
+        allow(task, read | _LL["WRITE_FILE"] | _LL["TRUNCATE"])  # fopen(path, "w") truncates
         allow(str(box / "ro"), read)
         allow(str(box / "work"), read | write)
         for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/urandom", "/dev/random", "/dev/tty",
