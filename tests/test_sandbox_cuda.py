@@ -14,6 +14,20 @@ import pytest
 from llm4llm.verify import sandbox
 
 
+def _run_probe(source: str, **kw) -> tuple[str, str]:
+    """(stdout, stderr) of `source` run as a file inside a fresh sandbox box."""
+    box = sandbox.make_box()
+    try:
+        (box / "ro" / "probe.py").write_text(source)
+        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box, args=[str(box / "ro" / "probe.py")],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+        out, err = proc.communicate(timeout=120)
+        sandbox.kill_group(proc.pid)
+        return out, err
+    finally:
+        sandbox.remove_box(box)
+
+
 @pytest.fixture
 def fresh(monkeypatch):
     monkeypatch.setattr(sandbox, "_CUDA_DROPPED", None)
@@ -34,15 +48,7 @@ def test_the_layer_that_stops_cuda_is_dropped_and_reported(fresh, monkeypatch):
     assert tried == [sandbox.ALL_LAYERS, tuple(x for x in sandbox.ALL_LAYERS if x != "landlock")]
     assert sandbox.cuda_dropped_layers() is dropped and len(tried) == 2  # probed once per process
 
-    box = sandbox.make_box()
-    try:
-        (box / "ro" / "p.py").write_text("import json, os; print(os.environ['LLM4LLM_SANDBOX_LAYERS'])")
-        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box, args=[str(box / "ro" / "p.py")],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = proc.communicate(timeout=120)
-        sandbox.kill_group(proc.pid)
-    finally:
-        sandbox.remove_box(box)
+    out, err = _run_probe("import json, os; print(os.environ['LLM4LLM_SANDBOX_LAYERS'])")
     layers = json.loads(out.strip().splitlines()[-1])
     assert layers["landlock"].startswith("off: CUDA does not initialise under it on this host")
     assert "sandbox: layer landlock" in err  # the WARNING line
@@ -74,16 +80,7 @@ def test_the_probe_child_runs_under_every_layer(monkeypatch):
 def test_a_sandboxed_thread_can_name_itself_as_cuinit_does():
     """Landlock grants writes to the child's own /proc/<pid>/task (CUDA's cuInit writes each thread's comm and
     returns 304 when it cannot), threads started after the sandbox included; the rest of /proc stays read-only."""
-    box = sandbox.make_box()
-    try:
-        shutil.copy(Path(__file__).parent / "sandbox_probes" / "thread_comm.py", box / "ro" / "thread_comm.py")
-        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box,
-                                       args=[str(box / "ro" / "thread_comm.py")], cuda_check=False,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = proc.communicate(timeout=120)
-        sandbox.kill_group(proc.pid)
-    finally:
-        sandbox.remove_box(box)
+    out, _ = _run_probe((Path(__file__).parent / "sandbox_probes" / "thread_comm.py").read_text(), cuda_check=False)
     r = json.loads(out.strip().splitlines()[-1])
     if not r["landlock"].startswith("on"):
         pytest.skip(f"Landlock is not available here: {r['landlock']}")

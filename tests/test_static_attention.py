@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels_runtime
 from kernels_runtime.boundary import (CACHE_LAYER_ADAPTERS, STATE_OUT, UnsupportedBoundary, adapter_by_name,
                                       call_reference)
 from kernels_runtime.tolerances import assert_close
@@ -119,48 +118,12 @@ def test_patched_model_decodes_on_the_static_cache_without_falling_back(static_r
     """In the model: generate on the static cache with the candidate installed (the verifier's patch spec for the
     task): every decode call of both layers takes the kernel, none falls back, and the teacher-forced logits match
     the unpatched model's, eagerly and with the decode steps replayed from (emulated: closure re-run) graphs."""
-    from kernels_runtime.bundle import PatchBundle
-    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
-    from kernels_runtime.patch import report_of
-    from llm4llm.accept import teacher_forced_logits
-    from llm4llm.patchspec import task_patch_spec
-    from llm4llm.workload import call_script, load_script, load_workload
+    from static_patched import check_static_decode_in_model
 
     task = static_run[1][("attention", "decode")]
-    wl = load_workload(str(WORKLOAD))
-    script = load_script(wl)
-    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
-    steps = wl.decode_len
-    model.generation_config.cache_implementation, model.generation_config.disable_compile = "static", True
-    with torch.inference_mode():
-        tokens = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                pad_token_id=0)[:, batch["input_ids"].shape[1]:]
-    ref = teacher_forced_logits(model, batch, tokens, steps)
     tpl = _template("attention.decode_static")
-    bundle = PatchBundle(name="static-attention")
-    bundle.add_patch(task_patch_spec(task.spec, "c", 1.0, "cpu"), source=tpl.render(task.spec, tpl.default(task.spec)))
-    report = kernels_runtime.apply(model, bundle, strict=True)
-    try:
-        got = teacher_forced_logits(model, batch, tokens, steps)
-        counters = report_of(model)
-        assert len(counters) == 2
-        for c in counters.values():
-            assert c["kernel"] == {"decode": steps - 1} and all("prefill" in r for r in c["fallback"]), c
-        assert report.calls_of(bundle.patches[0].patch_id) == 2 * (steps - 1)
-        for step, (g, r) in enumerate(zip(got, ref)):
-            assert_close(g, r, name=f"logits step {step}")
-        graphs = enable_decode_graphs(model, backend="rerun", static_cache=True)
-        try:
-            again = teacher_forced_logits(model, batch, tokens, steps)
-            stats = graphs.stats()
-        finally:
-            disable_decode_graphs(model)
-        assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] >= steps - 2, stats
-        for step, (g, r) in enumerate(zip(again, ref)):
-            assert_close(g, r, name=f"graphed logits step {step}")
-        assert all(c["kernel"]["decode"] >= steps - 1 for c in report_of(model).values())
-    finally:
-        kernels_runtime.revert(model)
+    check_static_decode_in_model(str(WORKLOAD), task.spec, tpl.render(task.spec, tpl.default(task.spec)),
+                                 "static-attention")
 
 
 def test_graph_timing_of_a_static_cache_task_stays_inside_the_cache(static_run, monkeypatch):

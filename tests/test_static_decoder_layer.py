@@ -127,47 +127,11 @@ def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):
     """In the model: generate on the static cache with the layer candidate installed: every decode call of both
     layers takes the kernel (none falls back), the teacher-forced logits match the unpatched model's, eagerly and
     with the decode steps replayed from (emulated: closure re-run) graphs."""
-    import kernels_runtime
-    from kernels_runtime.bundle import PatchBundle
-    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
-    from kernels_runtime.patch import report_of
-    from llm4llm.accept import teacher_forced_logits
-    from llm4llm.patchspec import task_patch_spec
-    from llm4llm.workload import call_script, load_script, load_workload
+    from static_patched import check_static_decode_in_model
 
     task = layer_task("tiny-qwen3+static")[1]
-    wl = load_workload(str(WORKLOADS / "tiny-qwen3.toml"))
-    script = load_script(wl)
-    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
-    steps = wl.decode_len
-    model.generation_config.cache_implementation, model.generation_config.disable_compile = "static", True
-    with torch.inference_mode():
-        tokens = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                pad_token_id=0)[:, batch["input_ids"].shape[1]:]
-    ref = teacher_forced_logits(model, batch, tokens, steps)
     tpl = _template(NAME)
-    bundle = PatchBundle(name="static-layer")
     # 32-row GEMV blocks: a quarter of the default's programs to interpret (0.26 s a layer call against 0.65 s)
     config = {**tpl.default(task.spec), **{p + "BLOCK_N": 32 for p in ("qkv_", "o_", "gu_", "dn_")}}
-    bundle.add_patch(task_patch_spec(task.spec, "c", 1.0, "cpu"), source=tpl.render(task.spec, config))
-    report = kernels_runtime.apply(model, bundle, strict=True)
-    try:
-        got = teacher_forced_logits(model, batch, tokens, steps)
-        counters = report_of(model)
-        assert sorted(counters) == ["model.layers.0", "model.layers.1"], counters
-        for c in counters.values():
-            assert c["kernel"] == {"decode": steps - 1} and all("prefill" in r for r in c["fallback"]), c
-        assert report.calls_of(bundle.patches[0].patch_id) == 2 * (steps - 1)
-        for step, (g, r) in enumerate(zip(got, ref)):
-            assert_close(g, r, name=f"logits step {step}")
-        graphs = enable_decode_graphs(model, backend="rerun", static_cache=True)
-        try:
-            again = teacher_forced_logits(model, batch, tokens, steps)
-            stats = graphs.stats()
-        finally:
-            disable_decode_graphs(model)
-        assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] >= steps - 2, stats
-        for step, (g, r) in enumerate(zip(again, ref)):
-            assert_close(g, r, name=f"graphed logits step {step}")
-    finally:
-        kernels_runtime.revert(model)
+    check_static_decode_in_model(str(WORKLOADS / "tiny-qwen3.toml"), task.spec, tpl.render(task.spec, config),
+                                 "static-layer", modules=["model.layers.0", "model.layers.1"])

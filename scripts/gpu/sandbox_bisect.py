@@ -37,12 +37,13 @@ print(json.dumps(r))
 '''
 
 
-def run(layers: tuple[str, ...]) -> dict:
+def _in_box(start) -> dict:
+    """Run PROBE in a fresh box with `start(box, probe_path) -> Popen`; its JSON line, or why there is none."""
     box = sandbox.make_box()
     try:
-        (box / "ro" / "probe.py").write_text(PROBE)
-        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box, args=[str(box / "ro" / "probe.py")],
-                                       layers=layers, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        probe = box / "ro" / "probe.py"
+        probe.write_text(PROBE)
+        proc = start(box, str(probe))
         out, err = proc.communicate(timeout=90)
         sandbox.kill_group(proc.pid)
         try:
@@ -51,6 +52,13 @@ def run(layers: tuple[str, ...]) -> dict:
             return {"rc": proc.returncode, "cuda": "no output", "stderr": err[-600:]}
     finally:
         sandbox.remove_box(box)
+
+
+def run(layers: tuple[str, ...]) -> dict:
+    """The probe under exactly `layers` (cuda_check off: the guard would leave out the layer under study)."""
+    return _in_box(lambda box, probe: sandbox.sandboxed_popen(
+        "llm4llm.verify.sandbox:run_file", box=box, args=[probe], layers=layers, cuda_check=False,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 # Landlock variants (the layer that broke CUDA on the H200, 2026-12-02): each patches the child's sandbox module
@@ -66,22 +74,14 @@ LANDLOCK_VARIANTS = {
 
 
 def run_variant(patch: str) -> dict:
-    box = sandbox.make_box()
-    try:
-        (box / "ro" / "probe.py").write_text(PROBE)
+    """The probe under all layers, the child's sandbox module patched by `patch` before it applies them."""
+    def start(box, probe):
         boot = f"import llm4llm.verify.sandbox as s; {patch}; s.boot()"
         env = sandbox.clean_env(box, {sandbox.SANDBOX_ENV: _cfg_json(box)})
-        proc = subprocess.Popen([sys.executable, "-c", boot, str(box / "ro" / "probe.py")], env=env,
-                                cwd=str(box / "work"), start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        out, err = proc.communicate(timeout=60)
-        sandbox.kill_group(proc.pid)
-        try:
-            return {**json.loads(out.strip().splitlines()[-1]), "rc": proc.returncode}
-        except (ValueError, IndexError):
-            return {"rc": proc.returncode, "cuda": "no output", "stderr": err[-600:]}
-    finally:
-        sandbox.remove_box(box)
+        return subprocess.Popen([sys.executable, "-c", boot, probe], env=env, cwd=str(box / "work"),
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return _in_box(start)
 
 
 def _cfg_json(box: Path) -> str:
