@@ -12,7 +12,10 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import os
+import signal
 import sys
+import threading
 import tomllib
 import traceback
 from pathlib import Path
@@ -132,6 +135,10 @@ class Workload(BaseModel):
             raise ValueError(f"regime: expected batch_size, prompt_len, decode_len inside it, got {why}")
         return self
 
+    # One call of the script's build / inputs / run longer than this stops the process that made it (and every
+    # process it started) with one error line: a run() that never returns must not hang a run or a served worker.
+    script_timeout_s: float = Field(default=1800.0, ge=0)  # 0: no limit
+
     # Lossy kernels (TileMix's INT8 attention tiles) are searched and deployed only with this opt-in and a budget
     allow_lossy: bool = False
     accuracy_budget: AccuracyBudget | None = None
@@ -249,9 +256,57 @@ def load_script(workload: Workload) -> ModuleType:
     return module
 
 
+SCRIPT_TIMEOUT_EXIT = 3  # the exit status of a process stopped by the script time limit
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _script_timed_out(what: str, limit_s: float) -> None:
+    """The time limit's end: one error line, every process this one started killed (Prefect's temporary server,
+    workers, whatever the script spawned), then this process exits. A served flow run ends as crashed; the worker
+    that started it is not below it and lives on."""
+    sys.stderr.write(f"error: the workload script's {what} did not return within {limit_s:.0f} s "
+                     f"(script_timeout_s in the workload TOML); stopped with every process it started\n")
+    sys.stderr.flush()
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(SCRIPT_TIMEOUT_EXIT)
+
+
+def _time_limit(args: tuple) -> float:
+    wl = next((a for a in args if isinstance(a, Workload)), None)
+    return float(wl.script_timeout_s) if wl is not None else 0.0
+
+
 def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Call a function of the user's script: its exceptions become ScriptError (with its traceback), running out
-    of GPU memory becomes DeviceError."""
+    of GPU memory becomes DeviceError, a call longer than the workload's script_timeout_s ends the process
+    (`_script_timed_out`)."""
+    limit = _time_limit(args)
+    timer = threading.Timer(limit, _script_timed_out, (f"{_qualname(fn)}()", limit)) if limit > 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     try:
         return fn(*args, **kwargs)
     except torch.cuda.OutOfMemoryError as exc:
@@ -265,6 +320,9 @@ def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
                               f"(torch.cuda.is_available() == False): {type(exc).__name__}: {exc}") from exc
         raise ScriptError(f"{_qualname(fn)}() raised {type(exc).__name__}: {exc}", script=_script_of(fn),
                           traceback_text=_user_traceback(exc)) from exc
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def config_fields(model_type: str) -> set[str]:
