@@ -7,7 +7,6 @@ an exception inside the user's code surfaces as a `ScriptError` carrying the scr
 from __future__ import annotations
 
 import copy
-
 import difflib
 import hashlib
 import importlib.util
@@ -259,33 +258,16 @@ def load_script(workload: Workload) -> ModuleType:
 SCRIPT_TIMEOUT_EXIT = 3  # the exit status of a process stopped by the script time limit
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _script_timed_out(what: str, limit_s: float) -> None:
     """The time limit's end: one error line, every process this one started killed (Prefect's temporary server,
-    workers, whatever the script spawned), then this process exits. A served flow run ends as crashed; the worker
-    that started it is not below it and lives on."""
+    workers, whatever the script spawned), then this process exits. Only processes below this one are killed, so a
+    Prefect worker that started this flow run is not touched (tested through the CLI, not with a served run)."""
     sys.stderr.write(f"error: the workload script's {what} did not return within {limit_s:.0f} s "
                      f"(script_timeout_s in the workload TOML); stopped with every process it started\n")
     sys.stderr.flush()
-    for pid in _descendants(os.getpid()):
+    from llm4llm.verify.sandbox import descendants
+
+    for pid in descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:

@@ -5,7 +5,6 @@ that fails while Landlock is on, and the real child reports what the parent chos
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -35,7 +34,15 @@ def fresh(monkeypatch):
     monkeypatch.setattr(sandbox, "cuda_init_error", lambda: None)  # the parent sees a working driver
 
 
-def test_the_layer_that_stops_cuda_is_dropped_and_reported(fresh, monkeypatch):
+def test_the_layer_that_stops_cuda_is_named_and_the_run_refused_by_default(fresh, monkeypatch):
+    """Fail closed: without the opt-in, a layer that stops CUDA is an error naming it and both switches."""
+    monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: "cuInit returned 304" if "landlock" in layers else None)
+    with pytest.raises(sandbox.SandboxCudaError, match="under the landlock layer.*LLM4LLM_SANDBOX_ALLOW_DROP=1"):
+        sandbox.cuda_dropped_layers()
+
+
+def test_with_the_opt_in_the_layer_that_stops_cuda_is_dropped_and_reported(fresh, monkeypatch):
+    monkeypatch.setenv(sandbox.ALLOW_DROP_ENV, "1")
     tried = []
 
     def probe(layers):
@@ -56,6 +63,7 @@ def test_the_layer_that_stops_cuda_is_dropped_and_reported(fresh, monkeypatch):
 
 
 def test_no_single_layer_explains_it_is_one_clear_error(fresh, monkeypatch):
+    monkeypatch.setenv(sandbox.ALLOW_DROP_ENV, "1")
     monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: "cuInit returned 304")
     with pytest.raises(sandbox.SandboxCudaError, match="LLM4LLM_SANDBOX_OFF=1"):
         sandbox.cuda_dropped_layers()
@@ -68,13 +76,14 @@ def test_no_cuda_means_no_probe(monkeypatch):
     assert sandbox.cuda_dropped_layers() == {}
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_the_probe_child_runs_under_every_layer(monkeypatch):
-    """The real probe child (cuInit through ctypes) starts and answers under all layers: here, without a driver,
-    it reports that libcuda is missing rather than crashing the sandbox."""
-    monkeypatch.setattr(sandbox, "_libcuda", lambda: None)
+def test_the_probe_child_runs_under_every_layer():
+    """The real probe child (cuInit through ctypes) starts and answers under all layers; without a driver it says
+    so in its one line rather than crashing (a crash would come back as a traceback tail)."""
     err = sandbox._cuda_probe(sandbox.ALL_LAYERS)
-    assert err is None or "libcuda" in err or "cuInit" in err
+    if sandbox._libcuda() is None:
+        assert err == "libcuda.so.1 not found"
+    else:  # a host with the driver: cuInit's answer (0 on a GPU machine where the sandbox lets CUDA through)
+        assert err is None or err.startswith("cuInit returned")
 
 
 def test_a_sandboxed_thread_can_name_itself_as_cuinit_does():
@@ -87,9 +96,3 @@ def test_a_sandboxed_thread_can_name_itself_as_cuinit_does():
     assert r["main"] == "main" and r["worker"] == "worker", r
     assert r["oom_score_adj"].startswith("denied"), r
 
-
-def test_strict_mode_refuses_to_leave_a_layer_out(fresh, monkeypatch):
-    monkeypatch.setenv(sandbox.STRICT_ENV, "1")
-    monkeypatch.setattr(sandbox, "_cuda_probe", lambda layers: "cuInit returned 304" if "landlock" in layers else None)
-    with pytest.raises(sandbox.SandboxCudaError, match="forbids leaving it out"):
-        sandbox.cuda_dropped_layers()

@@ -269,7 +269,8 @@ def attention_decode_static(
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         length, o_part, lse_part,
-        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0), float(softcap or 1.0),
+        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
+        float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,

@@ -44,7 +44,9 @@ from typing import Any
 from llm4llm.errors import Llm4llmError  # project code without third-party imports
 
 SANDBOX_ENV = "LLM4LLM_SANDBOX"  # the JSON config the child reads (never holds a secret)
-STRICT_ENV = "LLM4LLM_SANDBOX_STRICT"  # "1": a layer that stops CUDA is an error, never left out
+# "1": a layer under which CUDA does not initialise is left out (loudly) instead of stopping the run. Off by
+# default: without Landlock a candidate can read world-readable files, write /tmp and start programs.
+ALLOW_DROP_ENV = "LLM4LLM_SANDBOX_ALLOW_DROP"
 OFF_ENV = "LLM4LLM_SANDBOX_OFF"  # "1": no sandbox at all (debugging only; every verdict then says so)
 NOBODY = 65534
 ALL_LAYERS = ("pdeathsig", "netns", "mountns", "uid", "landlock", "seccomp")
@@ -207,10 +209,11 @@ def _cuda_probe(layers: tuple[str, ...]) -> str | None:
 
 
 def cuda_dropped_layers() -> dict[str, str]:
-    """{layer: why} for the one sandbox layer under which CUDA does not initialise on this host (probed once per
-    process, in a child, with cuInit); {} on a host without CUDA or where every layer lets it through. A dropped
-    layer is a WARNING line and an "off: ..." entry in every verdict's `sandbox`. Raises SandboxCudaError when no
-    single layer explains the failure."""
+    """Whether CUDA initialises inside the sandbox on this host (probed once per process: cuInit in a child under
+    every layer). {} on a host without CUDA or where it does. Where it does not, the one layer whose absence lets it
+    through is named in a SandboxCudaError (fail closed); with LLM4LLM_SANDBOX_ALLOW_DROP=1 it is left out instead,
+    returned as {layer: why}: a WARNING line and an "off: ..." entry in every verdict's `sandbox`. No single layer
+    explaining it is a SandboxCudaError either way."""
     global _CUDA_DROPPED
     if _CUDA_DROPPED is not None:
         return _CUDA_DROPPED
@@ -223,9 +226,10 @@ def cuda_dropped_layers() -> dict[str, str]:
         return _CUDA_DROPPED
     for layer in _CUDA_SUSPECTS:
         if _cuda_probe(tuple(x for x in ALL_LAYERS if x != layer)) is None:
-            if os.environ.get(STRICT_ENV, "") == "1":
-                raise SandboxCudaError(f"sandbox: CUDA does not initialise under the {layer} layer on this host "
-                                       f"({err[:160]}) and {STRICT_ENV}=1 forbids leaving it out")
+            if os.environ.get(ALLOW_DROP_ENV, "") != "1":
+                raise SandboxCudaError(
+                    f"sandbox: CUDA does not initialise under the {layer} layer on this host ({err[:160]}); "
+                    f"{ALLOW_DROP_ENV}=1 runs candidates without that layer, {OFF_ENV}=1 without any (debugging)")
             why = f"CUDA does not initialise under it on this host ({err[:160]}); left out for this run"
             print(f"WARNING: llm4llm sandbox: layer {layer} {why}", file=sys.stderr, flush=True)
             _CUDA_DROPPED = {layer: why}
@@ -251,18 +255,39 @@ def kill_group(pid: int | None) -> None:
         pass
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every process in group `pgid` (from /proc)."""
-    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+def proc_stats():
+    """(pid, the fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, ...) of every process."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # field 5 of stat: pgrp
-                continue
-            with open(f"/proc/{d}/statm") as f:
+                yield int(d), f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (parents before their children)."""
+    children: dict[int, list[int]] = {}
+    for p, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(p)
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in group `pgid` (from /proc)."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for p, fields in proc_stats():
+        if int(fields[2]) != pgid:
+            continue
+        try:
+            with open(f"/proc/{p}/statm") as f:
                 total += int(f.read().split()[1]) * page
         except (OSError, IndexError, ValueError):
             continue

@@ -43,10 +43,15 @@ def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
     trials from the 16-wide unsplit default (48 programs on 132 SMs) never left its neighbourhood (29.7-31.4 us);
     seeded with this point, the block timed 23.5 us against the default's 32.1 us, the reference timed alongside
     each (2026-11-30-h200-h, call 6)."""
-    blocks = -(-n // 32)
-    split = next((s for s in (1, 2, 4, 8) if blocks * s >= sms), 8)
     return {"lin_GEMV_BLOCK_N": 32, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8, "lin_num_stages": 1,
-            "lin_GEMV_SPLIT_K": split}
+            "lin_GEMV_SPLIT_K": occupancy_split(n, sms, 32)}
+
+
+def occupancy_split(n: int, sms: int, block_n: int, k_tiles: int | None = None) -> int:
+    """The smallest K split in 1, 2, 4, 8 that gives a GEMV of n outputs in block_n-wide column blocks at least one
+    program per SM, never more splits than the K tiles there are (k_tiles, when given)."""
+    blocks = -(-n // block_n)
+    return next((s for s in (1, 2, 4, 8) if blocks * s >= sms or (k_tiles is not None and s >= k_tiles)), 8)
 
 
 def occupancy_seeds(default_fn, output: str = "out", extras: tuple = ()):

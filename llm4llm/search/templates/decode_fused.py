@@ -17,7 +17,7 @@ them), num_warps; `num_stages` is shared. Defaults: the H200 sweep's best points
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import sm_count
+from llm4llm.search.templates._linear import occupancy_split, sm_count
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
                                                 STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
                                                 cache_splits, module_softcap)
@@ -325,10 +325,8 @@ def _layer_static_default(spec):
 
 
 def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
-    """The smallest SPLIT_K (1-8) that gives the stage's GEMV at least one program per SM (cdiv(n_out, BLOCK_N) x
-    split), never finer than one BLOCK_K tile a program."""
-    blocks, tiles = -(-n_out // block_n), max(1, -(-k // block_k))
-    return {prefix + "SPLIT_K": next((s for s in (1, 2, 4, 8) if blocks * s >= sms or s >= tiles), 8)}
+    """The stage's SPLIT_K that gives its GEMV at least one program per SM, never finer than one BLOCK_K tile."""
+    return {prefix + "SPLIT_K": occupancy_split(n_out, sms, block_n, max(1, -(-k // block_k)))}
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
