@@ -721,7 +721,7 @@ class CandidateSession:
                if f"buf.{name}" not in tensors]
         if big:  # large weights: checked here (the parent gets the verdict of this check only)
             try:
-                _check_guards(Guarded({}, {k.split(".", 1)[1]: v for k, v in g.weights.items()}, {}, big,
+                _check_guards(Guarded({}, dict(g.weights), {}, big,
                                       {k: v for k, v in g.originals.items() if k.startswith("weights.")
                                        and any(b[0] == k for b in big)}))
             except GateFailure as f:
