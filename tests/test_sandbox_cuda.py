@@ -96,3 +96,47 @@ def test_a_sandboxed_thread_can_name_itself_as_cuinit_does():
     assert r["main"] == "main" and r["worker"] == "worker", r
     assert r["oom_score_adj"].startswith("denied"), r
 
+
+
+def test_libcuda_dir_is_read_from_ldconfig_then_ld_library_path(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libcuda.so.1").write_bytes(b"")
+    out = (f"\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n"
+           f"\tlibcuda.so.1 (libc6,x86-64) => {lib}/libcuda.so.1\n")
+    assert sandbox.parse_libcuda_dir(out) == str(lib)
+    assert sandbox.parse_libcuda_dir("\tlibcuda.so.1 (libc6,x86-64) => /nonexistent/libcuda.so.1\n") is None
+    assert sandbox.parse_libcuda_dir("", f"/nonexistent:{lib}") == str(lib)
+
+
+def test_the_child_is_told_where_libcuda_is_and_triton_asks_no_program(monkeypatch, tmp_path):
+    """On the H200 /sbin/ldconfig is a shell script: under Landlock the child may not run it, and Triton's driver
+    (which runs `/sbin/ldconfig -p` to find libcuda unless TRITON_LIBCUDA_PATH is set) died with PermissionError
+    before the first kernel of every candidate. The parent finds the directory and the child's environment says it."""
+    lib = tmp_path / "cuda"
+    lib.mkdir()
+    monkeypatch.setattr(sandbox, "libcuda_dir", lambda: str(lib))
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH", raising=False)
+    probe = ("import json, os, subprocess\n"
+             "calls = []\n"
+             "real = subprocess.check_output\n"
+             "subprocess.check_output = lambda *a, **k: calls.append(a) or real(*a, **k)\n"
+             "from triton.backends.nvidia import driver\n"
+             "print(json.dumps({'env': os.environ.get('TRITON_LIBCUDA_PATH'), 'dirs': driver.libcuda_dirs(),"
+             " 'calls': len(calls)}))\n")
+    out, err = _run_probe(probe, cuda_check=False)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r == {"env": str(lib), "dirs": [str(lib)], "calls": 0}, (r, err[-2000:])
+
+
+def test_a_c_extension_builds_and_loads_inside_the_sandbox_as_tritons_launcher_does():
+    """Triton compiles its launcher and driver utils with the host's C compiler at the first launch of a kernel
+    signature, so the sandbox must let exactly that toolchain run (and read Python's headers), never a shell."""
+    import shutil as _sh
+
+    if not (_sh.which("gcc") or _sh.which("clang")):
+        pytest.skip("no C compiler on this host")
+    out, err = _run_probe((Path(__file__).parent / "sandbox_probes" / "c_extension.py").read_text(), cuda_check=False)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["cc_rc"] == 0 and r.get("answer") == 42, (r, err[-2000:])
+    assert r["shell"].startswith("denied"), r

@@ -93,10 +93,38 @@ def clean_env(box: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
                TRITON_CACHE_DIR=str(work / ".triton"), TRITON_HOME=str(work), XDG_CACHE_HOME=str(work / ".cache"),
                PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if "TRITON_LIBCUDA_PATH" not in env and (cuda_dir := libcuda_dir()):
+        env["TRITON_LIBCUDA_PATH"] = cuda_dir  # else Triton runs /sbin/ldconfig, a shell script the child may not exec
     # the interpreter's own tree first, so a venv's python resolves the same packages in the child
     env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), env.get("PYTHONPATH", "")] if p)
     env.update(extra or {})
     return env
+
+
+_LIBCUDA: list[str | None] = []
+
+
+def libcuda_dir() -> str | None:
+    """The directory of libcuda.so.1, found the way Triton finds it (`ldconfig -p`, then LD_LIBRARY_PATH), once
+    per process in the parent. On Debian and Ubuntu /sbin/ldconfig is a shell script, which Landlock keeps the
+    child from running (PermissionError in Triton's driver on the H200), so the child is told the answer."""
+    if not _LIBCUDA:
+        out = ""
+        for prog in ("/sbin/ldconfig", "/sbin/ldconfig.real", "ldconfig"):
+            try:
+                out = subprocess.run([prog, "-p"], capture_output=True, text=True, timeout=20).stdout
+                break
+            except (OSError, subprocess.SubprocessError):
+                continue
+        _LIBCUDA.append(parse_libcuda_dir(out, os.environ.get("LD_LIBRARY_PATH", "")))
+    return _LIBCUDA[0]
+
+
+def parse_libcuda_dir(ldconfig_p: str, ld_library_path: str = "") -> str | None:
+    locs = [ln.split()[-1] for ln in ldconfig_p.splitlines() if "libcuda.so.1" in ln and "=>" in ln]
+    dirs = [os.path.dirname(p) for p in locs if os.path.exists(p)]
+    dirs += [d for d in ld_library_path.split(os.pathsep) if d and os.path.exists(os.path.join(d, "libcuda.so.1"))]
+    return dirs[0] if dirs else None
 
 
 def _project_root() -> str:
