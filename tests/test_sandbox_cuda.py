@@ -140,3 +140,30 @@ def test_a_c_extension_builds_and_loads_inside_the_sandbox_as_tritons_launcher_d
     r = json.loads(out.strip().splitlines()[-1])
     assert r["cc_rc"] == 0 and r.get("answer") == 42, (r, err[-2000:])
     assert r["shell"].startswith("denied"), r
+
+
+def test_a_compiler_wrapper_script_is_passed_over_for_the_binary(monkeypatch, tmp_path):
+    """On the H200 `gcc` on PATH is /opt/gcc/bin/gcc, which the sandboxed child could not exec (PermissionError at
+    Triton's first build). The parent picks a compiler binary and tells the child (CC), so a wrapper script in front
+    of PATH still leaves the C extension buildable, and the shell stays refused."""
+    import shutil as _sh
+
+    real = _sh.which("gcc") or _sh.which("clang")
+    if not real:
+        pytest.skip("no C compiler on this host")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gcc").write_text(f"#!/bin/sh\nexec {real} \"$@\"\n")
+    (bindir / "gcc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(sandbox, "_CC", [])
+    monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)
+    cc = sandbox.child_compiler()
+    assert cc and sandbox._is_binary(cc), cc
+    probe = (Path(__file__).parent / "sandbox_probes" / "c_extension.py").read_text()
+    probe = probe.replace('cc = os.environ.get("CC") or', 'print("CC", os.environ.get("CC"))\ncc = os.environ.get("CC") or')
+    out, err = _run_probe(probe, cuda_check=False)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["cc_rc"] == 0 and r.get("answer") == 42, (r, err[-2000:])
+    assert f"CC {cc}" in out and r["shell"].startswith("denied"), (out, r)

@@ -93,12 +93,38 @@ def clean_env(box: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
                TRITON_CACHE_DIR=str(work / ".triton"), TRITON_HOME=str(work), XDG_CACHE_HOME=str(work / ".cache"),
                PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if (cc := child_compiler()) and cc != env.get("CC"):
+        env["CC"] = cc  # a binary: a compiler wrapper script would need a shell, which the child may not exec
     if "TRITON_LIBCUDA_PATH" not in env and (cuda_dir := libcuda_dir()):
         env["TRITON_LIBCUDA_PATH"] = cuda_dir  # else Triton runs /sbin/ldconfig, a shell script the child may not exec
     # the interpreter's own tree first, so a venv's python resolves the same packages in the child
     env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), env.get("PYTHONPATH", "")] if p)
     env.update(extra or {})
     return env
+
+
+_CC: list[str | None] = []
+
+
+def _is_binary(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def child_compiler() -> str | None:
+    """The C compiler the child's Triton is to use for its launcher: the one Triton would pick (CC, then gcc, then
+    clang) when that is a binary, else the first binary gcc/cc/clang on PATH or in /usr/bin. A wrapper script
+    (the H200's /opt/gcc/bin/gcc) cannot run in the child: Landlock lets it exec only the toolchain's binaries,
+    never a shell."""
+    if not _CC:
+        names = [os.environ.get("CC", ""), "gcc", "clang", "cc", "/usr/bin/gcc", "/usr/bin/cc", "/usr/bin/clang"]
+        found = [p for p in (_which(n) if n and not os.path.isabs(n) else (os.path.realpath(n) if n else None)
+                             for n in names) if p and os.path.exists(p)]
+        _CC.append(next((p for p in found if _is_binary(p)), None))
+    return _CC[0]
 
 
 _LIBCUDA: list[str | None] = []
@@ -376,7 +402,7 @@ def exec_allowlist() -> list[str]:
     if _EXEC_CACHE is not None:
         return _EXEC_CACHE
     progs = set()
-    for name in ("cc", "gcc", "clang", os.environ.get("CC", "")):
+    for name in ("cc", "gcc", "clang", os.environ.get("CC", ""), child_compiler() or ""):
         p = _which(name) if name else None
         if p:
             progs.add(p)
