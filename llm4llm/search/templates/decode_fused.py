@@ -330,18 +330,23 @@ def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, bl
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
-    """attention.decode_static's lesson (the H200, qwen3-4b: 319 us at the default cache split, 52 us at 32 splits):
-    first the default GEMV stages, each split along K until its programs cover the SMs, with the cache split so
-    that KV heads x splits do (cache_splits); then decode_fused's seeds (8 rows x 512, a K split of 2 everywhere)
-    with that cache split."""
+    """Points that differ from the default in what they run, each with the cache split so that KV heads x splits
+    fill the SMs (cache_splits: attention.decode_static's lesson, 319 -> 52 us on qwen3-4b): decode_fused's seeds
+    (8 rows x 512, then a K split of 2 everywhere), then the default's GEMVs software-pipelined (num_stages 3). The
+    GEMV occupancy split comes first only where it changes a stage: on qwen3-4b's layer every stage already covers
+    the SMs unsplit, and that seed timed within 0.3 % of the default (docs/results/2026-12-02-h200-b), a spent trial."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms, base = sm_count(spec), _layer_static_default(spec)
     splits = cache_splits(spec, ATTN_P)
-    first = dict(splits)
+    occupancy = {}
     for p, n, k in (("qkv_", nq + 2 * nkv, h), ("o_", h, nq), ("gu_", 2 * i, h), ("dn_", h, i)):
-        first.update(_occupancy_split(p, n, k, sms, base[p + "BLOCK_N"], base[p + "BLOCK_K"]))
-    return [first, *({**s, **splits} for s in _seeds("qkv_", "o_", "gu_", "dn_")(spec))]
+        occupancy.update(_occupancy_split(p, n, k, sms, base[p + "BLOCK_N"], base[p + "BLOCK_K"]))
+    a, b = _seeds("qkv_", "o_", "gu_", "dn_")(spec)
+    seeds = [{**a, **splits}, {**b, **splits}, {"num_stages": 3, **splits}]
+    if any(v > 1 for v in occupancy.values()):
+        seeds.insert(0, {**occupancy, **splits})
+    return seeds
 
 
 def _layer_static_render(spec, config):
