@@ -81,11 +81,15 @@ def check_shape(name: str, spec: Sequence[Any], shape: Sequence[int]) -> tuple[b
     return OK
 
 
+def missing_input(name: str) -> str:
+    return f"shape {name}: expected an input named {name}, got none"
+
+
 def check_shapes(specs: Mapping[str, Sequence[Any]], inputs: Mapping[str, Any]) -> tuple[bool, str]:
     for name, spec in specs.items():
         t = inputs.get(name)
         if t is None:
-            return False, f"shape {name}: expected an input named {name}, got none"
+            return False, missing_input(name)
         ok, reason = check_shape(name, spec, tuple(t.shape))
         if not ok:
             return ok, reason

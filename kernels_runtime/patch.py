@@ -30,7 +30,7 @@ import torch
 
 from kernels_runtime import boundary
 from kernels_runtime.bundle import BundleError, PatchBundle, PatchSpec, load_bundle
-from kernels_runtime.guards import is_supported
+from kernels_runtime.guards import is_supported, missing_input
 from kernels_runtime.phase import CURRENT_PHASE, PhaseTracker
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,9 @@ class _Kernel:
         self.in_place = bool(getattr(self.fn, "__globals__", {}).get("STATE_IN_PLACE", False))
         self.config = self.spec.config  # read per call
         self.bare_out = self.spec.outputs is None  # a lone "out" is returned as it is (_pack_outputs' common case)
+        # guarded inputs that a call may pass as keyword None (HF's attention_mask under the dynamic cache): such a
+        # call is refused before binding, the costliest step of a fallback, with the reason the guard would give
+        self.required_kwargs = tuple(n for n in g.shapes if "." not in n)
 
 
 def _own_phase(args: tuple, kwargs: dict) -> str:
@@ -257,6 +260,9 @@ class Dispatch:
         kernel = kernels.get(phase) or kernels.get("any")
         if kernel is None:
             return self._fallback(f"phase: no kernel for {phase}", args, kwargs)
+        for name in kernel.required_kwargs:
+            if name in kwargs and kwargs[name] is None:
+                return self._fallback(missing_input(name), args, kwargs)
         module = self._module()
         try:
             call = self._binder.bind(module, args, kwargs)

@@ -510,3 +510,28 @@ def test_import_without_prefect_duckdb_litellm():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""  # nor triton/transformers: those load lazily, on first use
+
+
+def test_a_guarded_input_passed_as_none_falls_back_before_binding(prompt, monkeypatch):
+    """A kernel verified with an attention mask (the static-cache layer kernel) refuses HF's dynamic-cache calls,
+    which pass attention_mask=None. Binding is the costliest step of a fallback: such calls are refused before it,
+    counted under the reason the shape guard gives, and the model's outputs are the original's."""
+    model = tiny_llama()
+    ref = greedy(model, prompt, n=3)
+    binds = []
+    real_bind = boundary.CallBinder.bind
+    monkeypatch.setattr(boundary.CallBinder, "bind", lambda self, *a, **k: binds.append(1) or real_bind(self, *a, **k))
+    bundle = PatchBundle(name="tiny-attention-masked")
+    bundle.add_patch(PatchSpec(patch_id="attn-any", module_class=ATTENTION, phase="any", kernel="",
+                               outputs=ATTENTION_OUTPUTS, guard=Guard(dtypes=["float32"], shapes={
+                                   "attention_mask": [None, None, None, None]})), source=ATTENTION_SOURCE)
+    report = kernels_runtime.apply(model, bundle)
+    got = greedy(model, prompt, n=3)
+    assert torch.equal(got, ref)
+    counters = report.counters()
+    reason = "shape attention_mask: expected an input named attention_mask, got none"
+    none_calls = sum(c["fallback"].get(reason, 0) for c in counters.values())
+    other = sum(n for c in counters.values() for r, n in c["fallback"].items() if r != reason)
+    kernel = sum(n for c in counters.values() for n in c["kernel"].values())
+    assert none_calls > 0, counters
+    assert len(binds) == other + kernel, (len(binds), counters)  # only the calls with a mask were bound
