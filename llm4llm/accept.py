@@ -479,113 +479,155 @@ class AcceptanceResult:
         return asdict(self)
 
 
-def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptConfig | None = None,
-           run_id: str = "") -> AcceptanceResult:
-    """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact)."""
-    import kernels_runtime
-    from llm4llm.evaluate import measure
+@dataclass
+class _Run:
+    """The workload as acceptance holds it: its model and inputs, the reference tokens and logits every trial is
+    compared with, and the noise floor."""
+
+    wl: Any
+    script: Any
+    model: Any
+    batch: dict
+    cfg: AcceptConfig
+    tokens: torch.Tensor
+    ref_logits: list[torch.Tensor]
+    floor: NoiseFloor | None
+    metric: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.wl.device.startswith("cuda")
+
+    def latency(self) -> float | None:
+        from llm4llm.evaluate import measure
+
+        if not self.on_gpu:
+            return None
+        return measure(self.model, self.wl, self.batch, self.script.run, repeats=self.cfg.repeats,
+                       split=False).total_ms
+
+
+def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
     from llm4llm.workload import call_script, load_script, load_workload
 
-    cfg = cfg or AcceptConfig()
     wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
     batch = call_script(script.inputs, wl)
-    on_gpu = wl.device.startswith("cuda")
-    device_type = "cuda" if on_gpu else "cpu"
     metric = cfg.resolved_metric(wl.torch_dtype)
     tokens, _ = reference_tokens(model, batch, wl.decode_len)
     ref_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
     floor = noise_floor(model, batch, tokens, wl.decode_len, ref_logits) if metric == "logits_rel_l2_floor" else None
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
+    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric)
 
-    graphs = cfg.decode_graphs and on_gpu
-    graphs_note = "" if not cfg.decode_graphs else "decode graphs: not on the CPU (nothing is timed there)"
 
-    def latency() -> float | None:
-        if not on_gpu:
-            return None
-        return measure(model, wl, batch, script.run, repeats=cfg.repeats, split=False).total_ms
+def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptConfig | None = None,
+           run_id: str = "") -> AcceptanceResult:
+    """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact)."""
+    import kernels_runtime
 
-    current = latency()
-    baseline = current
+    cfg = cfg or AcceptConfig()
+    r = _prepare(workload_path, cfg)
+    current = baseline = r.latency()
     # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
-    base_model = clone_sharing_weights(model) if on_gpu and cfg.interleave_rounds > 0 else None
-    graph_decision = None
-    if graphs:  # gated like a patch: the unpatched model with graphs, in-model logits then delta; then the baseline
-        g = kernels_runtime.enable_decode_graphs(model, static_cache=cfg.static_cache)
-        try:
-            check = compare_logits(ref_logits, teacher_forced_logits(model, batch, tokens, wl.decode_len),
-                                   wl.torch_dtype, cfg, floor)
-            graphed = latency()
-            how = g.summary() + (", static KV cache" if cfg.static_cache else "")
-        except Exception as e:  # an error with graphs rejects them (a sticky CUDA fault ends this process: isolated)
-            check, graphed, how = None, None, f"runtime: {type(e).__name__}: {str(e)[:300]}"
-        finally:
-            kernels_runtime.disable_decode_graphs(model)
-        graph_decision = decide_graphs(check, current, graphed, how, cfg, static_cache=cfg.static_cache)
-        graphs = graph_decision.decision == "accepted"
-        graphs_note = f"decode graphs {'on' if graphs else 'off'}: {graph_decision.reason}"
-        if graphs:
+    base_model = clone_sharing_weights(r.model) if r.on_gpu and cfg.interleave_rounds > 0 else None
+    graph_decision, graphs_note = None, ("" if not cfg.decode_graphs else
+                                         "decode graphs: not on the CPU (nothing is timed there)")
+    if cfg.decode_graphs and r.on_gpu:
+        graph_decision, graphed = _graphs_gate(r, current)
+        graphs_note = f"decode graphs {'on' if graph_decision.decision == 'accepted' else 'off'}: " \
+                      f"{graph_decision.reason}"
+        if graph_decision.decision == "accepted":
             current = graphed
             if base_model is not None:
                 kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
         print(f"accept: {graphs_note}")
-    accepted = PatchBundle(name=f"{wl.name}", library_versions=library_versions(),
-                           gpu=torch.cuda.get_device_name() if on_gpu else "cpu", decode_graphs=graphs,
+    graphs = graph_decision is not None and graph_decision.decision == "accepted"
+    accepted = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
+                           gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
                            static_cache=graphs and cfg.static_cache)
     decisions: list[Decision] = []
-    budget = wl.lossy_budget()
     for p, spec, impact in rank(proposals):
-        lossy = lossy_of(p)
-        if lossy is not None and budget is None:  # never accepted without the workload's opt-in
-            decisions.append(Decision(spec.task_id, p.candidate_id, "rejected",
-                                      f"lossy candidate {lossy or '(by its source)'}: the workload has not opted in "
-                                      f"(allow_lossy = true and an [accuracy_budget])", metric, None, current, None,
-                                      None, impact))
-            continue
-        skip = not_worth_a_trial(p, cfg, on_gpu)
-        if skip:
-            decisions.append(Decision(spec.task_id, p.candidate_id, "rejected", skip, metric, None, current, None,
-                                      None, impact))
-            continue
-        for q in (lossy_descent(p, spec) if lossy is not None else [p]):
-            trial = PatchBundle.from_json(accepted.to_json())
-            for s in accepted.patches:
-                trial.add_kernel(accepted.source(s.kernel))
-            ps = patch_spec_for(q, spec, device_type, run_id)
-            if lossy is not None:
-                ps.lossy = {**lossy_of(q), "budget": dict(budget)}
-            trial.add_patch(ps, source=q.source)
-            interleaved = None if base_model is None else (
-                lambda: interleave(model, base_model, wl, batch, script.run, cfg.interleave_rounds))
-            decision = _try(model, trial, spec, q, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
-                            floor=floor, rebaseline=lambda: _measure_as(model, accepted, latency),
-                            interleaved=interleaved, budget=budget if lossy is not None else None)
-            decisions.append(decision)
-            kernels_runtime.revert(model)
-            if lossy is None or decision.decision == "accepted" or not decision.reason.startswith("in-model"):
-                break  # over the budget: the next lower coverage; anything else ends this task's trials
-        if decision.decision == "accepted" and lossy is not None:
-            trial.patches[-1].lossy["measured"] = decision.lossy
-        if decision.decision == "accepted":
-            accepted = trial
-            current = decision.e2e_after_ms
+        task_decisions, trial = _task_trials(r, p, spec, impact, accepted, current, base_model, run_id)
+        decisions += task_decisions
+        last = task_decisions[-1]
+        if trial is not None:
+            accepted, current = trial, last.e2e_after_ms
             if base_model is not None:  # the baseline side now carries the new bundle
                 kernels_runtime.revert(base_model)
                 kernels_runtime.disable_decode_graphs(base_model)
                 kernels_runtime.apply(base_model, accepted, strict=True)
-        elif decision.baseline_after_ms is not None:  # the latest measurement of the state the next trial starts from
-            current = decision.baseline_after_ms
+        elif last.baseline_after_ms is not None:  # the latest measurement of the state the next trial starts from
+            current = last.baseline_after_ms
     bundle_path = None
     if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches
         bundle_path = str(save_bundle(accepted, bundle_dir))
-    return AcceptanceResult(decisions, bundle_path, baseline, current, metric,
-                            "cuda" if on_gpu else "skipped: cpu",
-                            floor=floor.per_step if floor is not None else None,
-                            floor_note=floor.describe() if floor is not None else "", graphs=graphs_note,
+    return AcceptanceResult(decisions, bundle_path, baseline, current, r.metric,
+                            "cuda" if r.on_gpu else "skipped: cpu",
+                            floor=r.floor.per_step if r.floor is not None else None,
+                            floor_note=r.floor.describe() if r.floor is not None else "", graphs=graphs_note,
                             graph_decision=graph_decision)
+
+
+def _graphs_gate(r: _Run, current: float | None) -> tuple[Decision, float | None]:
+    """Decode graphs, gated like a patch: the unpatched model with graphs, in-model logits, then delta. Returns the
+    decision and the graphed latency; the model is left without graphs."""
+    import kernels_runtime
+
+    g = kernels_runtime.enable_decode_graphs(r.model, static_cache=r.cfg.static_cache)
+    try:
+        check = compare_logits(r.ref_logits, teacher_forced_logits(r.model, r.batch, r.tokens, r.wl.decode_len),
+                               r.wl.torch_dtype, r.cfg, r.floor)
+        graphed = r.latency()
+        how = g.summary() + (", static KV cache" if r.cfg.static_cache else "")
+    except Exception as e:  # an error with graphs rejects them (a sticky CUDA fault ends this process: isolated)
+        check, graphed, how = None, None, f"runtime: {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        kernels_runtime.disable_decode_graphs(r.model)
+    return decide_graphs(check, current, graphed, how, r.cfg, static_cache=r.cfg.static_cache), graphed
+
+
+def _task_trials(r: _Run, p: Proposal, spec: TaskSpec, impact: float, accepted: PatchBundle, current: float | None,
+                 base_model, run_id: str) -> tuple[list[Decision], PatchBundle | None]:
+    """One task's trials on top of the `accepted` bundle: one, or for a lossy candidate the coverage walk-down until
+    one fits the workload's accuracy budget. Returns the decisions and, if the last was accepted, its bundle."""
+    import kernels_runtime
+
+    cfg, budget, lossy = r.cfg, r.wl.lossy_budget(), lossy_of(p)
+    if lossy is not None and budget is None:  # never accepted without the workload's opt-in
+        return [Decision(spec.task_id, p.candidate_id, "rejected",
+                         f"lossy candidate {lossy or '(by its source)'}: the workload has not opted in "
+                         f"(allow_lossy = true and an [accuracy_budget])", r.metric, None, current, None, None,
+                         impact)], None
+    skip = not_worth_a_trial(p, cfg, r.on_gpu)
+    if skip:
+        return [Decision(spec.task_id, p.candidate_id, "rejected", skip, r.metric, None, current, None, None,
+                         impact)], None
+    decisions = []
+    for q in (lossy_descent(p, spec) if lossy is not None else [p]):
+        trial = PatchBundle.from_json(accepted.to_json())
+        for s in accepted.patches:
+            trial.add_kernel(accepted.source(s.kernel))
+        ps = patch_spec_for(q, spec, "cuda" if r.on_gpu else "cpu", run_id)
+        if lossy is not None:
+            ps.lossy = {**lossy_of(q), "budget": dict(budget)}
+        trial.add_patch(ps, source=q.source)
+        interleaved = None if base_model is None else (
+            lambda: interleave(r.model, base_model, r.wl, r.batch, r.script.run, cfg.interleave_rounds))
+        decision = _try(r.model, trial, spec, q, r.batch, r.tokens, r.ref_logits, r.wl, cfg, r.latency, current,
+                        impact, floor=r.floor, rebaseline=lambda: _measure_as(r.model, accepted, r.latency),
+                        interleaved=interleaved, budget=budget if lossy is not None else None)
+        decisions.append(decision)
+        kernels_runtime.revert(r.model)
+        if decision.decision == "accepted":
+            if lossy is not None:
+                trial.patches[-1].lossy["measured"] = decision.lossy
+            return decisions, trial
+        if lossy is None or not decision.reason.startswith("in-model"):
+            break  # over the budget: the next lower coverage; anything else ends this task's trials
+    return decisions, None
 
 
 def _measure_as(model, bundle: PatchBundle, latency: Callable[[], float | None]) -> float | None:
@@ -651,115 +693,168 @@ def interleaved_gain(trials: list[float], bases: list[float]) -> tuple[float, fl
     return statistics.median(gains), quantile(gains, 0.2), quantile(gains, 0.8)
 
 
+@dataclass
+class _Trial:
+    """What every gate of one trial reads, and the baseline measurements the latency gates update: `before` (the
+    model without the trial, as last measured) and `again` (measured again around the trial)."""
+
+    model: Any
+    bundle: PatchBundle
+    spec: TaskSpec
+    p: Proposal
+    batch: dict
+    tokens: torch.Tensor
+    ref_logits: list[torch.Tensor]
+    wl: Any
+    cfg: AcceptConfig
+    impact: float
+    floor: NoiseFloor | None
+    budget: dict | None
+    before: float | None
+    again: float | None = None
+
+    def decide(self, decision: str, reason: str, check: LogitsCheck | None = None, after: float | None = None,
+               gain: float | None = None, counters: dict | None = None) -> Decision:
+        measured = None if self.budget is None or check is None else {"max_logit_deviation": check.err,
+                                                                       "token_agreement": check.agreement}
+        return Decision(self.spec.task_id, self.p.candidate_id, decision, reason,
+                        check.summary if check is not None else self.cfg.resolved_metric(self.wl.torch_dtype),
+                        check.err if check is not None else None, self.before, after, gain, self.impact,
+                        counters or {}, check.limit if check is not None else None,
+                        check.floor if check is not None else None, baseline_after_ms=self.again, lossy=measured)
+
+
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
          floor: NoiseFloor | None = None, rebaseline: Callable[[], float | None] | None = None,
          interleaved: Callable[[], tuple[list[float], list[float]]] | None = None,
          budget: dict | None = None) -> Decision:
-    """One trial: apply `bundle` to `model` (the caller reverts), compare teacher-forced logits with `ref_logits`,
-    check that the kernel ran, then the latency gate (`latency()` returns None on the CPU: never accepts).
-
-    The latency gate brackets the trial: `current` is the latest measurement of the model without it and
-    `rebaseline()` measures that state again right after the trial; the trial is judged against the mean of the
-    two, and must gain at least delta and at least the baseline's drift between them (on the H200 the same run
-    measured 2894 and 2263 ms in two calls: a baseline taken minutes earlier decided trials on drift)."""
+    """One trial: apply `bundle` to `model` (the caller reverts), then its gates in order, the first refusal
+    deciding: in-model logits against `ref_logits`, the trial's kernel ran in-model, greedy tokens (where asked),
+    then the latency gate, interleaved (`interleaved`) or bracketed by the baseline measured again right after the
+    trial (`latency()` returns None on the CPU: never accepts)."""
     import kernels_runtime
 
-    metric_name = cfg.resolved_metric(wl.torch_dtype)
-    before, again = current, None
-
-    def decide(decision, reason, check=None, after=None, gain=None, counters=None):
-        measured = None if budget is None or check is None else {"max_logit_deviation": check.err,
-                                                                  "token_agreement": check.agreement}
-        return Decision(spec.task_id, p.candidate_id, decision, reason,
-                        check.summary if check is not None else metric_name,
-                        check.err if check is not None else None, before, after, gain, impact, counters or {},
-                        check.limit if check is not None else None, check.floor if check is not None else None,
-                        baseline_after_ms=again, lossy=measured)
-
+    t = _Trial(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, impact, floor, budget, current)
     try:
         report = kernels_runtime.apply(model, bundle, strict=True)  # bundle.decode_graphs: as the baseline ran
         new_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
         if wl.device.startswith("cuda"):
             torch.cuda.synchronize()
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
-        return decide("rejected", f"runtime: {type(e).__name__}: {str(e)[:300]}")
+        return t.decide("rejected", f"runtime: {type(e).__name__}: {str(e)[:300]}")
     counters = report.totals()
     if budget is not None:  # a lossy trial answers to the workload's accuracy budget, not to the noise floor
         check = budget_check(ref_logits, new_logits, budget,
                              lambda: token_agreement(model, batch, tokens, wl.decode_len))
     else:
         check = compare_logits(ref_logits, new_logits, wl.torch_dtype, cfg, floor)
-    detail = check.detail
-    if not check.ok:
-        return decide("rejected", f"in-model correctness: {detail}", check, counters=counters)
-    own = report.calls_of(bundle.patches[-1].patch_id)  # the trial's patch is the last; the rest were accepted
-    if own == 0:  # the bundle's totals count the accepted patches too: a patch whose module another patch's kernel
-        # replaces (the mixer under an accepted block kernel) ran 0 times and its "gain" is the baseline's noise
-        return decide("rejected", f"shape coverage: this candidate's kernel never ran in-model (its calls fell back "
-                                  f"or another patch's kernel took them: {report.counters()})", check,
-                      counters=counters)
-    if cfg.check_tokens:
-        forced_free, _ = reference_tokens(model, batch, wl.decode_len)
-        if not torch.equal(forced_free, tokens):
-            return decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
+    for gate in (_correct_gate, _kernel_ran_gate, _tokens_gate):
+        refused = gate(t, report, check, counters)
+        if refused is not None:
+            return refused
     if interleaved is not None:
-        try:
-            trials, bases = interleaved()
-        except Exception as e:  # noqa: BLE001 - a failure while timing costs this candidate only
-            return decide("rejected", f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}", check,
-                          counters=counters)
-        gain, lo, hi = interleaved_gain(trials, bases)
-        before, again = statistics.median(bases), statistics.median(bases)
-        after = statistics.median(trials)
-        how = (f"median of {len(trials)} interleaved rounds {gain:+.2%} (p20 {lo:+.2%}, p80 {hi:+.2%}); baseline "
-               f"{before:.1f} ms ({min(bases):.1f}-{max(bases):.1f}), trial {after:.1f} ms "
-               f"({min(trials):.1f}-{max(trials):.1f})")
-        g = kernels_runtime.decode_graphs_of(model)
-        if g is not None:
-            detail += f"; decode graphs: {g.summary()}"
-        if gain < cfg.delta:
-            return decide("rejected", f"end-to-end gain {how} below delta {cfg.delta:.0%}; {detail}", check, after,
-                          gain, counters)
-        return decide("accepted", f"end-to-end gain {how}; {detail}", check, after, gain, counters)
+        return _interleaved_gate(t, interleaved, check, counters)
+    return _bracketed_gate(t, latency, current, rebaseline, check, counters)
+
+
+def _correct_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> Decision | None:
+    if not check.ok:
+        return t.decide("rejected", f"in-model correctness: {check.detail}", check, counters=counters)
+    return None
+
+
+def _kernel_ran_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> Decision | None:
+    """The trial's patch is the bundle's last (the rest were accepted). The report's totals count those too: a
+    patch whose module another patch's kernel replaces (the mixer under an accepted block kernel) runs 0 times, and
+    its "gain" would be the baseline's noise."""
+    if report.calls_of(t.bundle.patches[-1].patch_id) == 0:
+        return t.decide("rejected", f"shape coverage: this candidate's kernel never ran in-model (its calls fell "
+                                    f"back or another patch's kernel took them: {report.counters()})", check,
+                        counters=counters)
+    return None
+
+
+def _tokens_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> Decision | None:
+    if t.cfg.check_tokens:
+        forced_free, _ = reference_tokens(t.model, t.batch, t.wl.decode_len)
+        if not torch.equal(forced_free, t.tokens):
+            return t.decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
+    return None
+
+
+def _with_graphs(t: _Trial, detail: str) -> str:
+    import kernels_runtime
+
+    g = kernels_runtime.decode_graphs_of(t.model)  # what the graphs did (a refusal: every decode step ran eagerly)
+    return detail if g is None else f"{detail}; decode graphs: {g.summary()}"
+
+
+def _interleaved_gate(t: _Trial, interleaved: Callable[[], tuple[list[float], list[float]]], check: LogitsCheck,
+                      counters: dict) -> Decision:
+    """The trial and the baseline (a weight-sharing copy carrying the accepted bundle) in alternating rounds: the
+    median per-round gain must reach delta."""
+    try:
+        trials, bases = interleaved()
+    except Exception as e:  # noqa: BLE001 - a failure while timing costs this candidate only
+        return t.decide("rejected", f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}", check,
+                        counters=counters)
+    gain, lo, hi = interleaved_gain(trials, bases)
+    t.before = t.again = statistics.median(bases)
+    after = statistics.median(trials)
+    how = (f"median of {len(trials)} interleaved rounds {gain:+.2%} (p20 {lo:+.2%}, p80 {hi:+.2%}); baseline "
+           f"{t.before:.1f} ms ({min(bases):.1f}-{max(bases):.1f}), trial {after:.1f} ms "
+           f"({min(trials):.1f}-{max(trials):.1f})")
+    detail = _with_graphs(t, check.detail)
+    if gain < t.cfg.delta:
+        return t.decide("rejected", f"end-to-end gain {how} below delta {t.cfg.delta:.0%}; {detail}", check, after,
+                        gain, counters)
+    return t.decide("accepted", f"end-to-end gain {how}; {detail}", check, after, gain, counters)
+
+
+def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: float | None,
+                    rebaseline: Callable[[], float | None] | None, check: LogitsCheck, counters: dict) -> Decision:
+    """The trial timed once, judged against the mean of the baseline before it (`current`) and measured again right
+    after it (`rebaseline()`); it must gain at least delta and at least the baseline's drift between the two (the
+    same run measured 2894 and 2263 ms in two calls on the H200: a baseline taken minutes earlier decided trials on
+    drift). A drift above delta gets `noisy_rounds` more (trial, baseline) pairs, and the median bracketed gain
+    decides against delta."""
     after = latency()
-    g = kernels_runtime.decode_graphs_of(model)
-    if g is not None:  # what the graphs did in this trial (a refusal means every decode step ran eagerly)
-        detail += f"; decode graphs: {g.summary()}"
+    detail = _with_graphs(t, check.detail)
     if after is None:
-        return decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
-                                  f"(in-model correctness ok: {detail})", check, counters=counters)
-    bracket, need, gain = "", cfg.delta, None
+        return t.decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
+                                    f"(in-model correctness ok: {detail})", check, counters=counters)
+    cfg, bracket, need, gain = t.cfg, "", t.cfg.delta, None
     if rebaseline is not None and current is not None:
-        again = rebaseline()
-        if again is not None:
-            drift = abs(again - current) / min(again, current)
-            before = (current + again) / 2
+        t.again = rebaseline()
+        if t.again is not None:
+            drift = abs(t.again - current) / min(t.again, current)
+            t.before = (current + t.again) / 2
             need = max(cfg.delta, drift)
-            bracket = f" (baseline {current:.1f} ms before, {again:.1f} ms after the trial: drift {drift:.1%})"
+            bracket = f" (baseline {current:.1f} ms before, {t.again:.1f} ms after the trial: drift {drift:.1%})"
             if drift > cfg.delta and cfg.noisy_rounds > 0:
-                base, trials = [current, again], [after]
+                base, trials = [current, t.again], [after]
                 try:
                     for _ in range(cfg.noisy_rounds):  # trial, baseline, trial, baseline ...
-                        trials.append(_measure_as(model, bundle, latency))
+                        trials.append(_measure_as(t.model, t.bundle, latency))
                         base.append(rebaseline())
                 except Exception as e:  # noqa: BLE001 - it ran once already: a failure now costs this candidate only
-                    return decide("rejected", f"runtime (measuring a noisy bracket again): {type(e).__name__}: "
-                                              f"{str(e)[:300]}", check, counters=counters)
-                if all(t is not None for t in trials + base):  # the median bracketed gain decides, against delta
-                    gains = [1 - t / ((b0 + b1) / 2) for t, b0, b1 in zip(trials, base, base[1:])]
+                    return t.decide("rejected", f"runtime (measuring a noisy bracket again): {type(e).__name__}: "
+                                                f"{str(e)[:300]}", check, counters=counters)
+                if all(x is not None for x in trials + base):  # the median bracketed gain decides, against delta
+                    gains = [1 - x / ((b0 + b1) / 2) for x, b0, b1 in zip(trials, base, base[1:])]
                     gain, need = statistics.median(gains), cfg.delta
-                    before, after, again = statistics.median(base), statistics.median(trials), base[-1]
+                    t.before, after, t.again = statistics.median(base), statistics.median(trials), base[-1]
                     bracket = (f" (median of {len(gains)} bracketed gains {', '.join(f'{g:+.1%}' for g in gains)}: "
                                f"the baseline drifted {drift:.1%} around the first trial; baselines "
                                f"{', '.join(f'{b:.1f}' for b in base)} ms, trials "
-                               f"{', '.join(f'{t:.1f}' for t in trials)} ms)")
+                               f"{', '.join(f'{x:.1f}' for x in trials)} ms)")
     if gain is None:
-        gain = (before - after) / before
+        gain = (t.before - after) / t.before
     if gain < need:
         below = f"delta {cfg.delta:.0%}" if need == cfg.delta else f"the baseline's drift {need:.1%}"
-        return decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check, after,
-                      gain, counters)
-    return decide("accepted", f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain, counters)
+        return t.decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check, after,
+                        gain, counters)
+    return t.decide("accepted", f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain, counters)
 
 
 def decision_rows(result: AcceptanceResult, run_id: str) -> list[dict[str, Any]]:
