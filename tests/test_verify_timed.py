@@ -81,6 +81,17 @@ def test_the_sample_is_a_random_choice_over_all_timed_calls():
     assert 0.4 < late < 0.6 and len(choices) > 150
 
 
+def test_large_outputs_keep_fewer_samples(monkeypatch):
+    monkeypatch.setattr(timing, "SAMPLE_BYTES", 3 * 4096)
+    s = TimedSample(0, "cold", "entry")
+    for i in range(20):
+        s.offer(i, {"out": torch.zeros(1024)})  # 4 KiB each: three fit
+    assert s.k == 3 and len(s.kept) == 3
+    small = TimedSample(0, "cold", "entry")
+    small.offer(0, {"out": torch.zeros(1 << 20)})  # over the budget alone: still one
+    assert small.k == 1 and len(small.kept) == 1
+
+
 def test_parent_check_passes_the_correct_entry_and_names_the_bad_call(task_dir, monkeypatch):
     """The bare entry's sampled timed calls, judged in the parent against the reference on their rebuilt inputs:
     the correct candidate passes; one that goes wrong after its 24th call fails with timed_output_mismatch."""

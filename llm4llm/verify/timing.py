@@ -332,6 +332,7 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------------------------- fresh inputs, sampled outputs
 
 SAMPLES_PER_RUN = 6  # timed calls whose outputs the parent checks, per timed (mode, case) of the candidate
+SAMPLE_BYTES = 64 << 20  # at most this much output kept per run (at least one call): large prefill outputs
 KEEP_AS_CAPTURED = ("mask", "position_ids", "cache_position")  # as gates.KEEP_AS_CAPTURED: not random data
 
 
@@ -438,6 +439,10 @@ class TimedSample:
         except Exception:  # noqa: BLE001 - an output that cannot be copied is judged as missing by the parent
             outs = {}
         self.kept[slot] = (self.seen - 1, seed, outs)
+        nbytes = sum(t.numel() * t.element_size() for t in outs.values())
+        if nbytes and nbytes * self.k > SAMPLE_BYTES:  # fewer, still uniform over the calls offered from now on
+            self.k = max(1, SAMPLE_BYTES // nbytes)
+            del self.kept[self.k:]
 
 
 def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
