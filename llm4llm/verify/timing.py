@@ -332,6 +332,7 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------------------------- fresh inputs, sampled outputs
 
 SAMPLES_PER_RUN = 6  # timed calls whose outputs the parent checks, per timed (mode, case) of the candidate
+RUN_SEEDS = 1 << 20  # seeds set aside per timing run (time_task); below 2**64 with a 31-bit fresh_seed << 32
 SAMPLE_BYTES = 64 << 20  # at most this much output kept per run (at least one call): large prefill outputs
 KEEP_AS_CAPTURED = ("mask", "position_ids", "cache_position")  # as gates.KEEP_AS_CAPTURED: not random data
 
@@ -624,12 +625,14 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
 
     from llm4llm.verify.gates import _classify_exception
 
-    base = (fresh_seed if fresh_seed is not None else secrets.randbits(31)) * 4096
+    # each timing run (candidate or reference, mode, case) its own range of seeds: a graph run takes up to
+    # (2 MAX_REPS + 2) replays x sides x GRAPH_CALLS of them, far below RUN_SEEDS, so no two calls share inputs
+    base = (fresh_seed if fresh_seed is not None else secrets.randbits(31)) << 32
     runs = [0]
 
     def next_seed() -> int:
         runs[0] += 1
-        return base + runs[0] * (MAX_REPS + WARMUP + 1)
+        return base + runs[0] * RUN_SEEDS
 
     ref, ref_prepare = None, None
     cand_fn, cand_prepare, kernel_calls, how = entry, None, None, "bare entry"
