@@ -132,6 +132,65 @@ def test_rehearsal_on_the_cpu_checks_timed_outputs_and_never_times(task_dir):
     assert all("rehearsed" in g.detail for g in v.gates if g.name.startswith("timing_"))
 
 
+def test_graph_replays_on_the_cpu_get_fresh_inputs_and_a_capture_only_shortcut_is_caught(monkeypatch):
+    """time_graphs with kernels_runtime's CPU graph emulation (ATen ops recorded at capture, re-executed on replay
+    into the captured outputs): each replay's inputs are rewritten, the sampled call's outputs are those of its
+    fresh inputs, and a candidate that records a do-nothing call when it sees the capture is caught. The GPU test
+    below does the same under real CUDA graphs."""
+    import contextlib
+
+    from kernels_runtime.graphs import _EmulatedBackend
+
+    capturing = [False]
+
+    class _Graph:
+        def __init__(self, ops, fn, out):
+            self.ops, self.fn, self.out = ops, fn, out
+
+        def replay(self):
+            _EmulatedBackend.replay(self.ops, self.fn, self.out)
+
+    class _Backend:
+        def __init__(self, *a, **k):
+            self.inner = _EmulatedBackend()
+
+        def warmup(self, fn):
+            fn()
+
+        def record(self, fn):
+            capturing[0] = True
+            try:
+                ops, out = self.inner.record(fn)
+            finally:
+                capturing[0] = False
+            return _Graph(ops, fn, out), out
+
+    monkeypatch.setattr("kernels_runtime.graphs.CudaGraphBackend", _Backend)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda **k: timing._HostEvent())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for name, value in (("GRAPH_CALLS", 3), ("GRAPH_REPLAYS", 8), ("MIN_TIME_MS", 0.0), ("GRAPH_WARM_MS", 0.0)):
+        monkeypatch.setattr(timing, name, value)
+    x = torch.randn(4, 16)
+    args = [({"x": x}, {}, {}, {})]
+
+    def honest(inputs, weights, state, static):
+        return {"out": inputs["x"] * 2}
+
+    def lazy(inputs, weights, state, static):
+        return {"out": torch.zeros_like(inputs["x"]) if capturing[0] else inputs["x"] * 2}
+
+    for fn, ok in ((honest, True), (lazy, False)):
+        s = TimedSample(0, "in_context (graph replay)", "entry")
+        timing.time_graphs([([fn], [None]), ([honest], [None])], args, CPU, fresh_seed=123, samplers=[s, None])
+        assert len(s.kept) == timing.SAMPLES_PER_RUN and s.seen >= 8
+        assert len({seed for _, seed, _ in s.kept}) == len(s.kept)
+        for _, seed, outs in s.kept:
+            fresh, _ = fresh_draw({"x": x}, {}, seed)
+            assert torch.equal(outs["out"], 2 * fresh["x"]) == ok
+
+
 @pytest.mark.gpu
 def test_graph_replays_get_fresh_inputs_and_a_capture_only_shortcut_is_caught():
     """Under CUDA-graph timing no candidate code runs at replay: a candidate that records a do-nothing call when
