@@ -117,6 +117,8 @@ def test_parent_check_passes_the_correct_entry_and_names_the_bad_call(task_dir, 
     meta[0]["names"] = []
     with pytest.raises(GateFailure, match="missing"):
         check_timed_samples(task, CPU, meta[:1], {})
+    with pytest.raises(GateFailure, match="no sampled timed call"):
+        check_timed_samples(task, CPU, [], {})
 
 
 def test_rehearsal_on_the_cpu_checks_timed_outputs_and_never_times(task_dir):

@@ -615,8 +615,8 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
     module's own forward (its returned tensors). Raises GateFailure(timed_output_mismatch); returns the detail."""
     from llm4llm.verify.timing import fresh_draw
 
-    if not meta:
-        return "no timed call sampled"
+    if not meta:  # cold timing always runs back to back, so every timing offers calls to a sample
+        raise GateFailure("timed_outputs", "timed_output_mismatch", "no sampled timed call came back from the worker")
     ref_fn = reference_fn(task, dev)
     ref32_fn = reference_fn(task, dev, upcast=True) if is_16bit(task) else None
     modules: dict = {}
