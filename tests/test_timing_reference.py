@@ -172,7 +172,7 @@ def _graph_stand_in(monkeypatch, seen: list, scale=lambda lat: lat, l2: int = 0,
     """On the CPU the graph timer (time_graphs) is stood in for by the back-to-back one on each side's first
     replica; `seen` gets each side's replica functions, `l2` is the L2 size the copies are sized for, `fresh_seen`
     each call's `fresh`."""
-    def stand_in(sides, args, device, fresh=False):
+    def stand_in(sides, args, device, fresh=False, **_):  # fresh_seed, samplers: not on the CPU
         if fresh_seen is not None:
             fresh_seen.append(fresh)
         out = []

@@ -1,5 +1,6 @@
 """Adversarial suite: every fixture in tests/cheats/ goes through the real spawned worker and must get the failure
-class its header names (`# expect: <class> [<class> ...]`; `# gpu` marks GPU-only fixtures; `# timeout_s: N`)."""
+class its header names (`# expect: <class> [<class> ...]`; `# gpu` marks GPU-only fixtures; `# timeout_s: N`;
+`# options: <verify option> ...`, each set to True, e.g. rehearse_timing: the timed calls run on the CPU too)."""
 from __future__ import annotations
 
 import re
@@ -14,8 +15,10 @@ def _header(path: Path) -> dict:
     text = path.read_text()
     expect = re.search(r"^# expect: (.+)$", text, re.M).group(1).split()
     timeout = re.search(r"^# timeout_s: (\d+)$", text, re.M)
+    options = re.search(r"^# options: (.+)$", text, re.M)
     return {"expect": expect, "gpu": bool(re.search(r"^# gpu$", text, re.M)),
-            "timeout_s": float(timeout.group(1)) if timeout else None}
+            "timeout_s": float(timeout.group(1)) if timeout else None,
+            "options": dict.fromkeys(options.group(1).split(), True) if options else {}}
 
 
 FIXTURES = sorted(p for p in CHEATS.glob("*.py") if _header(p)["expect"] != ["pass"])
@@ -50,7 +53,7 @@ def test_every_fixture_names_a_known_failure_class():
 @pytest.mark.parametrize("path", list(_params()))
 def test_cheat_is_rejected_for_the_right_reason(pool, task_dir, path):
     h = _header(path)
-    v = pool.verify(task_dir, path.read_text(), timeout_s=h["timeout_s"])
+    v = pool.verify(task_dir, path.read_text(), timeout_s=h["timeout_s"], **h["options"])
     assert not v.passed and v.utility == 0.0
     assert v.failure_class in h["expect"], f"{path.stem}: got {v.failure_class}: {v.message[-800:]}"
     assert v.gates and not v.gates[-1].passed and v.gates[-1].detail == v.message

@@ -14,6 +14,9 @@ How each cheat is caught:
 - side streams: on CUDA the candidate runs under a non-default stream and each Triton launch records the stream
   current at launch time; a launch on any other stream fails the gate.
 - cached results: every draw has different inputs; a wrong output bit-identical to an earlier one is cached_output.
+- timing-only shortcuts (correct on the judged calls, wrong or skipped while timed): every timed call runs on fresh
+  inputs (timing.fill_fresh), and a random sample of timed calls, chosen after each call returned
+  (timing.TimedSample), is compared with the reference like the draws (`check_timed_samples`): timed_output_mismatch.
 """
 from __future__ import annotations
 
@@ -33,11 +36,11 @@ from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, com
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
+from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
 from llm4llm.verify.verdict import NO_GPU, GateResult, Verdict, source_hash
 
 CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "canaries", "inputs_unmodified",
                "poisoned_outputs", "no_cached_output", "correctness")
-KEEP_AS_CAPTURED = ("mask", "position_ids", "cache_position")  # name fragments of inputs that are not random data
 CANARY_MIN = 256  # canary margin in elements on each side; a multiple of 64 keeps views 16-byte aligned
 CUDA_FAULTS = ("illegal memory access", "illegal instruction", "misaligned address", "device-side assert",
                "unspecified launch failure", "an illegal", "cuda error", "cudaerror", "hardware exception")
@@ -377,14 +380,9 @@ class Judge:
 
     def judge(self, draw: Draw) -> None:
         outs, _ = self.run_once(draw, float("nan"))
-        tdt = {n: tolerance_dtype(self.task.spec.dtype, r.dtype) for n, r in draw.ref.items()}
-        reports = {n: compare(outs[n], draw.ref[n], tdt[n]) for n in draw.ref}
-        if draw.ref32 is not None:  # 16-bit task: an output the table rejects may still sit within the rounding floor
-            for n, r in reports.items():
-                if not r.ok:
-                    reports[n] = compare_floor(outs[n], draw.ref[n], draw.ref32[n], tdt[n])
-                    if reports[n].ok:
-                        self._note_floor(n, draw, outs[n])
+        reports, floored = compare_outputs(self.task, outs, draw.ref, draw.ref32)
+        for n in floored:
+            self._note_floor(n, draw, outs[n])
         if self.lossy is not None:  # opted in: judged by the lossy bound (acceptance enforces the budget in-model)
             for n, r in reports.items():
                 if not r.ok:
@@ -432,6 +430,23 @@ class Judge:
         finite = [r for r in reports.values() if math.isfinite(r.max_abs)]
         self.max_abs = max([self.max_abs, *(r.max_abs for r in finite)])
         self.max_rel = max([self.max_rel, *(r.max_rel for r in finite)])
+
+
+def compare_outputs(task: Task, outs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                    ref32: dict[str, torch.Tensor] | None) -> tuple[dict[str, Any], list[str]]:
+    """The correctness comparison of one call: each output against TOLERANCES (the task's compute dtype where
+    coarser), and on 16-bit tasks, where the table rejects it, against the rounding floor (`ref32`, the fp32
+    anchor). Returns the reports by name and the names that passed by the floor."""
+    tdt = {n: tolerance_dtype(task.spec.dtype, r.dtype) for n, r in ref.items()}
+    reports = {n: compare(outs[n], ref[n], tdt[n]) for n in ref}
+    floored = []
+    if ref32 is not None:  # 16-bit task: an output the table rejects may still sit within the rounding floor
+        for n, r in reports.items():
+            if not r.ok and n in ref32:
+                reports[n] = compare_floor(outs[n], ref[n], ref32[n], tdt[n])
+                if reports[n].ok:
+                    floored.append(n)
+    return reports, floored
 
 
 # ------------------------------------------------------------------------------------------------------ the run
@@ -519,9 +534,14 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         return v.finish(), False
     from llm4llm.verify.timing import time_task
 
+    samples: list = []
     try:
         time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing != "launch",
-                  prefill_graph=decode_timing == "graph_prefill")
+                  prefill_graph=decode_timing == "graph_prefill", samples=samples)
+        meta, tensors = samples_payload(samples)
+        v.gates.append(GateResult(name="timed_outputs", passed=True,
+                                  detail=check_timed_samples(task, dev, meta, {n: t.to(dev) for n, t in
+                                                                               tensors.items()})))
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     return v.finish(), False
@@ -549,6 +569,94 @@ def tolerance_dtype(task_dtype: str, tensor_dtype: torch.dtype) -> torch.dtype |
     if tensor_dtype == torch.float32 and compute in (torch.bfloat16, torch.float16):
         return compute
     return None
+
+
+# ------------------------------------------------------------------------------------------ timed-call samples
+
+def samples_payload(samples: list) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The worker's `TimedSample`s as JSON metadata and host tensors (`s<j>.<output name>`) for the parent."""
+    meta, tensors = [], {}
+    for sampler in samples:
+        for call, seed, outs in sampler.kept:
+            j = len(meta)
+            meta.append({"case": sampler.case, "mode": sampler.mode, "via": sampler.via, "seed": int(seed),
+                         "call": call, "of": sampler.seen, "names": sorted(outs)})
+            for n, t in outs.items():
+                tensors[f"s{j}.{n}"] = t.detach().to("cpu", copy=True).contiguous()
+    return meta, tensors
+
+
+@torch.no_grad()
+def _module_outputs(task: Task, dev: torch.device, inputs: dict, state: dict, upcast: bool,
+                    cache: dict) -> dict[str, torch.Tensor]:
+    """The task's module called as the timing calls it (timing.module_call, its own weights), its output tensors
+    by `timing.flat_outputs` name; upcast: module and floats in fp32 (the rounding floor's anchor)."""
+    from llm4llm.verify.timing import _module_runner, flat_outputs
+
+    if upcast not in cache:
+        module = task.load_module(dev).eval()
+        cache[upcast] = _module_runner(task, module.float() if upcast else module)
+    run, prepare = cache[upcast]
+    up = _upcast if upcast else (lambda d: d)
+    call, cleanup = prepare({n: t.clone() for n, t in up(inputs).items()}, {},
+                            {n: t.clone() for n, t in up(state).items()}, copy.deepcopy(task.spec.static))
+    try:
+        out = run(call)
+        return {n: t.detach().clone() for n, t in flat_outputs(out, "module").items()}
+    finally:
+        cleanup()
+
+
+def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors: dict[str, torch.Tensor]) -> str:
+    """Judge the sampled timed calls (`timing.TimedSample`) like the draws (`compare_outputs`, NaN/Inf where the
+    reference is finite): each call's fresh inputs are rebuilt here from its seed (`timing.fresh_draw`), its
+    reference computed here; the worker sent only the seed and the outputs. A bare-entry call is compared with the
+    task's reference (all outputs, state_out.* included), a call through kernels_runtime's dispatch with the
+    module's own forward (its returned tensors). Raises GateFailure(timed_output_mismatch); returns the detail."""
+    from llm4llm.verify.timing import fresh_draw
+
+    if not meta:  # cold timing always runs back to back, so every timing offers calls to a sample
+        raise GateFailure("timed_outputs", "timed_output_mismatch", "no sampled timed call came back from the worker")
+    ref_fn = reference_fn(task, dev)
+    ref32_fn = reference_fn(task, dev, upcast=True) if is_16bit(task) else None
+    modules: dict = {}
+    for j, m in enumerate(meta):
+        k = int(m["case"])
+        case = task.cases[k]
+        t_in = {n: t.to(dev) for n, t in case.inputs.items()}
+        t_state = {n: t.to(dev) for n, t in case.state.items()}
+        inputs, state = fresh_draw(t_in, t_state, int(m["seed"]))
+        where = f"{m['mode']} timing of case {k}, timed call {m['call']} of {m['of']} ({m['via']})"
+        if m["via"] == "module":
+            ref = _module_outputs(task, dev, inputs, state, False, modules)
+            ref32 = None
+            if is_16bit(task):
+                try:
+                    wide = _module_outputs(task, dev, inputs, state, True, modules)
+                    ref32 = wide if all(n in wide and wide[n].shape == r.shape for n, r in ref.items()) else None
+                except Exception:  # noqa: BLE001 - as fill_reference: the floor is then not applied
+                    ref32 = None
+        else:
+            d = Draw((k, -1), inputs, {n: t.to(dev) for n, t in case.weights.items()}, state)
+            fill_reference(task, [d], ref_fn, ref32_fn)
+            ref, ref32 = d.ref, d.ref32
+        outs = {n: tensors[f"s{j}.{n}"].to(dev) for n in ref if f"s{j}.{n}" in tensors}
+        missing = [n for n in ref if n not in outs]
+        if missing:
+            raise GateFailure("timed_outputs", "timed_output_mismatch",
+                              f"{where}: outputs {missing} missing from the sampled call's answer")
+        reports, _ = compare_outputs(task, outs, ref, ref32)
+        nonfinite = _nonfinite_where_ref_finite(outs, ref)
+        bad = {n: r.reason for n, r in reports.items() if not r.ok}
+        if nonfinite or bad:
+            why = "; ".join([*(f"{n}: {r}" for n, r in bad.items()),
+                             *([f"NaN/Inf where the reference is finite: {nonfinite}"] if nonfinite else [])])
+            raise GateFailure("timed_outputs", "timed_output_mismatch",
+                              f"{where}: a timed call's outputs differ from the reference on its fresh inputs "
+                              f"(the calls judged before timing were right): {why}")
+    runs = {(m["case"], m["mode"], m["via"]): m["of"] for m in meta}
+    return (f"{len(meta)} timed calls, chosen at random after each returned, of {sum(runs.values())} timed on "
+            f"fresh inputs, match the reference")
 
 
 # ------------------------------------------------------------------------------------------- the split judge
@@ -728,16 +836,28 @@ class CandidateSession:
                 return {"fail": [f.gate, f.failure_class, f.message]}
         return {"ok": True, "launches": LAUNCHES.count, "dispatch": counter.report() if counter else None}
 
-    def time(self) -> dict:
+    def time(self, fresh_seed: int | None = None, path: str | None = None) -> dict:
+        """Time the candidate (on the CPU: rehearse the timed calls, for their outputs only); with `path`, write
+        the sampled timed calls' outputs there for the parent (`check_timed_samples`)."""
         from llm4llm.verify.timing import time_task
 
         v = Verdict(source_hash=source_hash(self.source), task_id=self.task.spec.task_id)
+        samples: list = []
         try:
+            cuda = self.dev.type == "cuda"  # a CPU rehearsal has no graphs
             time_task(v, self.task, self.entry, self.draws, self.dev, source=self.source,
-                      decode_graph=self.decode_timing != "launch", prefill_graph=self.decode_timing == "graph_prefill")
+                      decode_graph=cuda and self.decode_timing != "launch",
+                      prefill_graph=cuda and self.decode_timing == "graph_prefill", fresh_seed=fresh_seed,
+                      samples=samples)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
-        return {"ok": v.model_dump(mode="json")}
+        meta: list[dict] = []
+        if path is not None:
+            from safetensors.torch import save_file
+
+            meta, tensors = samples_payload(samples)
+            save_file(tensors, path)
+        return {"ok": v.model_dump(mode="json"), "samples": meta}
 
 
 @dataclass
@@ -810,9 +930,13 @@ class RemoteJudge(Judge):
 
 
 def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict], dict], work: Path, draws: int,
-                 seed: int, canary: Canary, timing: bool = True, **_: Any) -> tuple[Verdict, bool]:
+                 seed: int, canary: Canary, timing: bool = True, rehearse: bool = False,
+                 **_: Any) -> tuple[Verdict, bool]:
     """The parent's half of a verification: references and every comparison here, the candidate's calls in the
-    worker behind `rpc`. Returns the verdict and whether the worker's CUDA context is poisoned."""
+    worker behind `rpc`. Returns the verdict and whether the worker's CUDA context is poisoned.
+
+    rehearse (CPU only; tests, or to screen candidates for timing-only shortcuts): run the timed calls anyway,
+    on host clocks whose numbers are discarded, so that the sampled timed outputs are checked there too."""
     all_draws = make_draws(task, dev, draws, seed)
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
                    else None)
@@ -839,23 +963,48 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
                           floor=judge.floor_detail())
     v.gates.append(GateResult(name="does_the_work", passed=True, detail=judge.dispatch_note))
-    if dev.type != "cuda" or not timing:
+    if not timing or (dev.type != "cuda" and not rehearse):
         why = NO_GPU if dev.type != "cuda" else "skipped: timing off"
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
                     GateResult(name="timing_in_context", passed=True, detail=why)]
         return v.finish(), False
-    r = rpc({"op": "time"})
+    import secrets
+
+    from safetensors.torch import load_file
+
+    name = f"timed-{secrets.token_hex(4)}.safetensors"
+    r = rpc({"op": "time", "fresh_seed": secrets.randbits(31), "path": name})
     if "fail" in r:
         gate, cls, msg = r["fail"][:3]
         return v.fail(gate, cls, msg), bool(r.get("poisoned"))
     timed = Verdict.model_validate(r["ok"])
-    for k in ("candidate_cold", "reference_cold", "candidate_in_context", "reference_in_context", "speedup_cold",
-              "speedup_in_context"):
-        setattr(v, k, getattr(timed, k))
-    v.gates += [g for g in timed.gates]
+    if dev.type == "cuda":
+        for k in ("candidate_cold", "reference_cold", "candidate_in_context", "reference_in_context", "speedup_cold",
+                  "speedup_in_context"):
+            setattr(v, k, getattr(timed, k))
+        v.gates += [g for g in timed.gates]
+    else:  # a rehearsal: host-clock numbers say nothing about the GPU and never count
+        v.gates += [GateResult(name=f"timing_{m}", passed=True, detail=f"{NO_GPU} (timed calls rehearsed on the CPU "
+                                                                       f"for their outputs; no latency)")
+                    for m in ("cold", "in_context")]
     bad = next((g for g in timed.gates if not g.passed), None)
     if bad is not None:
         return v.fail(bad.name, "timeout" if "time" in bad.name else "runtime_error", bad.detail), False
+    path = work / name
+    try:
+        tensors = load_file(str(path)) if r.get("samples") else {}
+    except Exception as e:  # noqa: BLE001 - a missing or mangled answer is the candidate process's doing
+        return v.fail("timed_outputs", "timed_output_mismatch", f"the sampled timed outputs could not be read: {e}"), \
+            False
+    finally:
+        path.unlink(missing_ok=True)
+    try:
+        detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors)
+    except GateFailure as f:
+        return v.fail(f.gate, f.failure_class, f.message), False
+    v.gates.append(GateResult(name="timed_outputs", passed=True, detail=detail))
+    if dev.type != "cuda":
+        return v.finish(), False
     floor = physical_floor_failure(v, task, all_draws, dev)
     if floor:
         return v.fail("physical_floor", "impossible_time", floor), False

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from typing import Callable
 
 import torch
@@ -224,11 +225,30 @@ def _clone_args(a: Args) -> Args:
 
 
 def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device,
-              prepare: Prepare | None = None) -> Latency:
-    """Time `fn(*args)` on the current stream; `args` are the draws to use (cold mode rotates over fresh copies).
-    With `prepare`, each call is `fn(call)` where `call, cleanup = prepare(*args)` ran before the timed region
-    (cleanup after it)."""
+              prepare: Prepare | None = None, fresh_seed: int | None = None,
+              sampler: "TimedSample | None" = None) -> Latency:
+    """Time `fn(*args)` on the current stream; `args` are the case's draws, the captured one first (cold mode
+    rotates over ROTATION buffers). With `prepare`, each call is `fn(call)` where `call, cleanup = prepare(*args)`
+    ran before the timed region (cleanup after it).
+
+    With `fresh_seed`, every call (warm-up included) gets fresh inputs and state, written into its buffers before
+    the timed region by `fill_fresh` from seed `fresh_seed + i` (in_context: this is the producer op that warms
+    them; cold: written before the L2 flush): no two calls see the same data, so a result cached from an earlier
+    call is wrong. With `sampler`, each timed call's outputs are offered to it after its end event
+    (`TimedSample.offer`), with the seed that reproduces its inputs. Off the GPU (a rehearsal of the timed calls
+    for their outputs, `CandidateSession.time`) host clocks stand in for CUDA events: that latency means nothing."""
     pending: list = []  # with `prepare`: the prepared call of the next timed call, and its cleanup
+    cuda = device.type == "cuda"
+    template = args[0]
+    stds = fresh_stds(template[0], template[2]) if fresh_seed is not None else None
+    seeds = iter(range(fresh_seed or 0, (fresh_seed or 0) + MAX_REPS + WARMUP + 1))
+
+    def refill(a: Args) -> int | None:
+        if stds is None:
+            return None
+        seed = next(seeds)
+        fill_fresh(a[0], a[2], template[0], template[2], stds, seed)
+        return seed
 
     def before(a: Args) -> None:
         if prepare is not None:
@@ -241,32 +261,37 @@ def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device,
         if prepare is not None:
             pending.pop()[1]()
 
-    stream = torch.cuda.current_stream(device)
+    stream = torch.cuda.current_stream(device) if cuda else None
     if mode == "cold":
         sets = [_clone_args(args[i % len(args)]) for i in range(ROTATION)]
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        flush = torch.empty(FLUSH_BYTES if cuda else 1 << 20, dtype=torch.uint8, device=device)
     else:
         sets = [_clone_args(args[0])]
         sources = _clone_args(args[0])
     with torch.no_grad():
         for i in range(WARMUP):
+            refill(sets[i % len(sets)])
             before(sets[i % len(sets)])
             call(sets[i % len(sets)])
             after()
-        torch.cuda.synchronize(device)
+        _sync(device)
         times, events, spent, i = [], [], 0.0, 0
         while (i < MIN_REPS or spent < MIN_TIME_MS) and i < MAX_REPS:
             a = sets[i % len(sets)]
+            seed = refill(a)  # in_context: the producer op; cold: before the flush evicts it
             if mode == "cold":
                 flush.zero_()
-            else:
+            elif seed is None:
                 for n, t in a[0].items():
                     t.copy_(sources[0][n])
             before(a)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = _event(cuda), _event(cuda)
             start.record(stream)
-            call(a)
+            out = call(a)
             end.record(stream)
+            if sampler is not None:
+                sampler.offer(seed, out)  # decided now, after the call returned
+            del out
             after()
             events.append((start, end))
             i += 1
@@ -274,9 +299,151 @@ def time_call(fn: Callable, args: list[Args], mode: str, device: torch.device,
                 end.synchronize()
                 times += [s.elapsed_time(e) for s, e in events]
                 spent, events = sum(times), []
-        torch.cuda.synchronize(device)
+        _sync(device)
         times += [s.elapsed_time(e) for s, e in events]
     return latency(times)
+
+
+class _HostEvent:
+    """torch.cuda.Event's interface on the host clock (the CPU rehearsal of the timed calls)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _event(cuda: bool):
+    return torch.cuda.Event(enable_timing=True) if cuda else _HostEvent()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------- fresh inputs, sampled outputs
+
+SAMPLES_PER_RUN = 6  # timed calls whose outputs the parent checks, per timed (mode, case) of the candidate
+RUN_SEEDS = 1 << 20  # seeds set aside per timing run (time_task); below 2**64 with a 31-bit fresh_seed << 32
+SAMPLE_BYTES = 64 << 20  # at most this much output kept per run (at least one call): large prefill outputs
+KEEP_AS_CAPTURED = ("mask", "position_ids", "cache_position")  # as gates.KEEP_AS_CAPTURED: not random data
+
+
+def fresh_stds(inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """Per tensor of the captured draw, the std of its fresh values (computed on the host, so the worker and the
+    parent get the same float), or None where it is kept as captured (integers, bools, masks, positions,
+    non-finite)."""
+    out: dict[str, float | None] = {}
+    for kind, d in (("inputs", inputs), ("state", state)):
+        for name, t in d.items():
+            if not t.is_floating_point() or any(k in name for k in KEEP_AS_CAPTURED):
+                out[f"{kind}.{name}"] = None
+                continue
+            c = t.detach().float().cpu()
+            if not bool(torch.isfinite(c).all()):
+                out[f"{kind}.{name}"] = None
+                continue
+            std = float(c.std()) if c.numel() > 1 else 1.0
+            out[f"{kind}.{name}"] = std if math.isfinite(std) and std > 0 else 1.0
+    return out
+
+
+def fill_fresh(inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor], t_inputs: dict[str, torch.Tensor],
+               t_state: dict[str, torch.Tensor], stds: dict[str, float | None], seed: int) -> None:
+    """Write one timed call's fresh inputs and state into `inputs`/`state` in place: floats are randn(seed) x the
+    captured std, the rest copied from the captured draw (`t_inputs`/`t_state`). Deterministic in `seed` on a given
+    device, so the parent rebuilds the very inputs of a sampled call (`fresh_draw`) without asking the worker."""
+    tensors = [*t_inputs.values(), *t_state.values()]
+    if not tensors:
+        return
+    gen = torch.Generator(device=tensors[0].device)
+    gen.manual_seed(seed)
+    for kind, dst, src in (("inputs", inputs, t_inputs), ("state", state, t_state)):
+        for name in sorted(src):
+            std, t = stds[f"{kind}.{name}"], src[name]
+            if std is None:
+                dst[name].copy_(t)
+            else:
+                dst[name].copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).mul_(std))
+
+
+def fresh_draw(inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor], seed: int
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The inputs and state `fill_fresh` wrote for `seed` from the captured draw (`inputs`, `state`), as new tensors."""
+    new_in, new_state = {n: t.clone() for n, t in inputs.items()}, {n: t.clone() for n, t in state.items()}
+    fill_fresh(new_in, new_state, inputs, state, fresh_stds(inputs, state), seed)
+    return new_in, new_state
+
+
+def flat_outputs(out, via: str) -> dict[str, torch.Tensor]:
+    """A call's output tensors by name: the bare entry's dict as it named them; a module's forward output by its
+    boundary names (kernels_runtime.boundary.flatten_outputs: the task's output names), or where that refuses the
+    structure (dicts, ModelOutputs) as `module.<path>`."""
+    if via == "entry":
+        return {n: t for n, t in out.items() if isinstance(t, torch.Tensor)} if isinstance(out, dict) else {}
+    from kernels_runtime.boundary import UnsupportedBoundary, flatten_outputs
+
+    try:
+        return flatten_outputs(out)[0]
+    except UnsupportedBoundary:
+        pass
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(v, path: str) -> None:
+        if isinstance(v, torch.Tensor):
+            flat[path] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{path}.{k}")
+        elif isinstance(v, (tuple, list)):
+            for k, x in enumerate(v):
+                walk(x, f"{path}.{k}")
+
+    walk(out, "module")
+    return flat
+
+
+class TimedSample:
+    """A uniform random sample (reservoir, SAMPLES_PER_RUN) of one timing run's calls: each offered call's outputs,
+    copied, with the seed of its fresh inputs. Whether a call is kept, and whether a later one replaces it, is drawn
+    from the OS's randomness (`secrets`) only after the call has returned, so a candidate cannot know while it runs
+    whether this call will be checked; any timed call may be."""
+
+    def __init__(self, case: int, mode: str, via: str, k: int = SAMPLES_PER_RUN):
+        self.case, self.mode, self.via, self.k = case, mode, via, k
+        self.seen = 0
+        self.kept: list[tuple[int, int, dict[str, torch.Tensor]]] = []  # (call index, seed, outputs)
+
+    def offer(self, seed: int | None, out) -> None:
+        import secrets
+
+        self.seen += 1
+        if seed is None:
+            return
+        if len(self.kept) < self.k:
+            slot = len(self.kept)
+            self.kept.append(None)  # type: ignore[arg-type]
+        else:
+            slot = secrets.randbelow(self.seen)
+            if slot >= self.k:
+                return
+        try:
+            outs = {n: t.detach().clone() for n, t in flat_outputs(out, self.via).items()}
+        except Exception:  # noqa: BLE001 - an output that cannot be copied is judged as missing by the parent
+            outs = {}
+        self.kept[slot] = (self.seen - 1, seed, outs)
+        nbytes = sum(t.numel() * t.element_size() for t in outs.values())
+        if nbytes and nbytes * self.k > SAMPLE_BYTES:  # fewer, still uniform over the calls offered from now on
+            self.k = max(1, SAMPLE_BYTES // nbytes)
+            del self.kept[self.k:]
 
 
 def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
@@ -317,7 +484,8 @@ def undo(cleanups: list[Callable[[], None]]) -> None:
 
 
 def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: list[Args],
-                device: torch.device, fresh: bool = False) -> list[Latency]:
+                device: torch.device, fresh: bool = False, fresh_seed: int | None = None,
+                samplers: list | None = None) -> list[Latency]:
     """`time_call_graph` for one or more sides (candidate, reference), each a list of replicas (fn, prepare): a
     side's graph cycles its GRAPH_CALLS calls through its replicas (`weight_replicas`), each replica's call prepared
     from its own copy of the draw. The sides' replays alternate, so a clock or host change during the measurement
@@ -337,21 +505,36 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     `fresh` (prefill tasks): every call of the graph gets its own freshly prepared cache (`side_calls`), prepared
     again after the warm-up, so the capture records a prompt forward on a fresh cache each time, as the model runs
     it. A capture freezes the Python path a call took: HF's Mamba/Mamba2 forwards continue from a cache that holds
-    state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed."""
+    state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed.
+
+    `fresh_seed`: before every replay (outside its events, like the counter resets) each call's inputs (not its
+    state, which decoding advances) are rewritten with fresh values (`fill_fresh`), so no two replays compute the
+    same thing. `samplers` (one per side, or None): after each timed replay one of its GRAPH_CALLS calls, drawn at
+    random then, is offered with its outputs (the tensors the capture returned, which every replay rewrites) and the
+    seed of its inputs; only meaningful for stateless tasks (time_task passes none otherwise)."""
+    import secrets
+
     from kernels_runtime.graphs import CudaGraphBackend
 
-    prepared, cleanups, keep, resets = [], [], [], []
+    prepared, cleanups, keep, resets, side_args, captured = [], [], [], [], [], []
+    template = args[0][0]
+    stds = fresh_stds(template, {}) if fresh_seed is not None else None
+    seeds = iter(range(fresh_seed or 0, (fresh_seed or 0) + (1 << 40), GRAPH_CALLS))
     try:
         for fns, preps in sides:
+            n0 = len(keep)
             calls, side_cleanups = side_calls(fns, preps, args[0], fresh, keep)
             prepared.append(calls)
             cleanups.append(side_cleanups)
+            side_args.append(keep[n0:])
 
         def runner(calls):
             def run():
+                outs = []
                 for i in range(GRAPH_CALLS):
                     fn, a, wrapped = calls[i % len(calls)]
-                    fn(a) if wrapped else fn(*a)
+                    outs.append(fn(a) if wrapped else fn(*a))
+                return outs  # the capture's outputs: each replay rewrites them
             return run
 
         backend = CudaGraphBackend()
@@ -361,19 +544,27 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
                 backend.warmup(runner(prepared[j]))  # GRAPH_CALLS >= WARMUP calls, every replica's among them
                 if fresh:  # the warm-up ran every prompt forward on its cache: capture from fresh ones
                     undo(cleanups[j])
+                    n0 = len(keep)
                     prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
+                    side_args[j] = keep[n0:]
                 calls = prepared[j]
                 reads = capture_keep(calls)  # the cache layers' tensors too: the capture replaces them
                 keep.append(reads)
                 resets.append(counters_of(reads))
-                graphs.append(backend.record(runner(calls))[0])
+                graph, outs = backend.record(runner(calls))
+                graphs.append(graph)
+                captured.append(outs)
             stream = torch.cuda.current_stream(device)
 
-            def replay_all(record: bool):
+            def replay_all(record: bool, sample: bool = False):
                 marks = []
-                for graph, reset in zip(graphs, resets):
+                for j, (graph, reset) in enumerate(zip(graphs, resets)):
                     for t, start_value in reset:  # before the start event: not timed
                         t.copy_(start_value)
+                    base = next(seeds) if stds is not None else None
+                    if base is not None:  # fresh inputs for every call of this replay, not timed either
+                        for n, a in enumerate(side_args[j]):
+                            fill_fresh(a[0], {}, template, {}, stds, base + n)
                     if record:
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record(stream)
@@ -382,6 +573,10 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
                         marks.append((start, end))
                     else:
                         graph.replay()
+                    sampler = samplers[j] if samplers and sample else None
+                    if sampler is not None and base is not None:
+                        i = secrets.randbelow(GRAPH_CALLS)  # which call of this replay: drawn after it ran
+                        sampler.offer(base + i % len(side_args[j]), captured[j][i])
                 return marks
 
             replay_all(False)
@@ -390,7 +585,8 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
             one = max(sum(s.elapsed_time(e) for s, e in first), 1e-3)  # sizes warm-up and timing in time
             for _ in range(min(MAX_REPS, math.ceil(GRAPH_WARM_MS / one))):  # busy the GPU before timing it
                 replay_all(False)
-            rounds = [replay_all(True) for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one))))]
+            rounds = [replay_all(True, sample=True)
+                      for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one))))]
             torch.cuda.synchronize(device)
             lats = [latency([r[j][0].elapsed_time(r[j][1]) / GRAPH_CALLS for r in rounds]) for j in range(len(graphs))]
             graphs.clear()
@@ -398,6 +594,7 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
         for side_cleanups in cleanups:
             undo(side_cleanups)
         keep.clear()
+        captured.clear()
     return lats
 
 
@@ -410,14 +607,32 @@ def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
 
 
 def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.device, source: str | None = None,
-              decode_graph: bool = False, prefill_graph: bool = False) -> None:
+              decode_graph: bool = False, prefill_graph: bool = False, fresh_seed: int | None = None,
+              samples: list | None = None) -> None:
     """Fill `v`'s latencies and speedups: every case timed in both modes, aggregated weighted by its call count.
     The reference is the module's own forward (`module_call`), built and timed once per task in this worker (under
     graph replay: with each candidate, their replays alternating, `time_graphs`). With `source`,
     the candidate is timed as the model would run it, installed in the module through kernels_runtime
     (`patched_call`); where it cannot be installed, or every call fell back, its bare `entry` is timed and the gate
-    detail says why."""
+    detail says why.
+
+    Back to back, every call (candidate's and reference's) runs on fresh inputs and state (`time_call`, seeds from
+    `fresh_seed`, else from the OS); with `samples`, each candidate timing run appends its `TimedSample`, which the
+    parent checks against the reference (`gates.check_timed_samples`). Under graph replay every replay's calls get
+    fresh inputs, and on stateless tasks one call of each timed replay may be sampled the same way (`time_graphs`).
+    """
+    import secrets
+
     from llm4llm.verify.gates import _classify_exception
+
+    # each timing run (candidate or reference, mode, case) its own range of seeds: a graph run takes up to
+    # (2 MAX_REPS + 2) replays x sides x GRAPH_CALLS of them, far below RUN_SEEDS, so no two calls share inputs
+    base = (fresh_seed if fresh_seed is not None else secrets.randbits(31)) << 32
+    runs = [0]
+
+    def next_seed() -> int:
+        runs[0] += 1
+        return base + runs[0] * RUN_SEEDS
 
     ref, ref_prepare = None, None
     cand_fn, cand_prepare, kernel_calls, how = entry, None, None, "bare entry"
@@ -433,11 +648,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
         timed: the bare entry is timed instead, from then on, and the gate says so."""
         nonlocal cand_fn, cand_prepare, kernel_calls, how
         ran = kernel_calls() if kernel_calls is not None else 0
-        lat = timer(cand_fn, cand_prepare)
+        lat = timer(cand_fn, cand_prepare, True)
         if kernel_calls is not None and kernel_calls() == ran:
             cand_fn, cand_prepare, kernel_calls = entry, None, None
             how = "bare entry (every patched call fell back to the original forward)"
-            lat = timer(entry, None)
+            lat = timer(entry, None, True)
         return lat
 
     def reference(k: int, label: str, timer: Callable) -> Latency:
@@ -456,10 +671,20 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
     adapter = ((task.spec.recipe or {}).get("state") or {}).get("adapter")
     fresh = task.spec.phase == "prefill" or adapter in STATIC_KV_ADAPTERS
 
-    def graph_pair(args) -> tuple[Latency, Latency, str]:
+    stateful = bool(((task.spec.recipe or {}).get("state")) or task.spec.state_names)
+
+    def graph_sampler(k: int, via: str) -> TimedSample | None:
+        """Graph replays are sampled on stateless tasks only: a decode step's state advances replay to replay, so
+        the parent could not rebuild a sampled call's inputs from its seed."""
+        if samples is None or stateful or task.cases[k].state:
+            return None
+        return TimedSample(k, "in_context (graph replay)", via)
+
+    def graph_pair(args, k: int) -> tuple[Latency, Latency, str]:
         """Candidate and reference under graph replay, their replays alternating, each cycling through as many
         copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
-        of weights, and the reference then gets one too)."""
+        of weights, and the reference then gets one too). Both on fresh inputs every replay; the candidate's
+        replays sampled (`graph_sampler`)."""
         nonlocal cand_fn, cand_prepare, kernel_calls, how
         if "copies" not in replicas:
             replicas["copies"] = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device))
@@ -472,8 +697,12 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
                 replicas["candidate"] = patched_replicas(task, source, device, copies)
             cand_side, calls = replicas["candidate"]
             ran = calls()
-            c, r = time_graphs([cand_side, ref_side], args, device, fresh=fresh)
+            sampler = graph_sampler(k, "module")
+            c, r = time_graphs([cand_side, ref_side], args, device, fresh=fresh, fresh_seed=next_seed(),
+                               samplers=[sampler, None])
             if calls() > ran:
+                if sampler is not None:
+                    samples.append(sampler)
                 return c, r, f"{copies} weight copies, alternating with the reference"
             cand_fn, cand_prepare, kernel_calls = entry, None, None
             how = "bare entry (every patched call fell back to the original forward)"
@@ -481,7 +710,11 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
             if 1 not in replicas:
                 replicas[1] = module_replicas(task, device, 1)
             ref_side = replicas[1]
-        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device, fresh=fresh)
+        sampler = graph_sampler(k, "entry" if cand_prepare is None else "module")
+        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device, fresh=fresh, fresh_seed=next_seed(),
+                           samplers=[sampler, None])
+        if sampler is not None:
+            samples.append(sampler)
         return c, r, f"{copies} weight copy, alternating with the reference"
 
     # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
@@ -499,7 +732,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
             args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
             if graph and mode == "in_context":
                 try:
-                    c, r, detail = graph_pair(args)
+                    c, r, detail = graph_pair(args, k)
                     cand.append(c)
                     refs.append(r)
                     how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
@@ -512,8 +745,13 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
                         raise failure from None
                     how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
 
-            def back_to_back(fn, prep, args=args, mode=mode):
-                return time_call(fn, args, mode, device, prepare=prep)
+            def back_to_back(fn, prep, sample=False, args=args, mode=mode, k=k):
+                sampler = TimedSample(k, mode, "module" if prep is not None else "entry") \
+                    if sample and samples is not None else None
+                lat = time_call(fn, args, mode, device, prepare=prep, fresh_seed=next_seed(), sampler=sampler)
+                if sampler is not None:
+                    samples.append(sampler)
+                return lat
 
             try:
                 cand.append(candidate(back_to_back))

@@ -13,6 +13,7 @@ FailureClass = Literal[
     "precision_changed",  # the candidate changed TF32 / reduced-precision settings (KernelBench tasks, fp32)
     "torch_compute",  # torch ops, not the candidate's Triton kernels, did the work (the does_the_work gate)
     "impossible_time",  # a timed latency below the physical floor (bytes / HBM bandwidth)
+    "timed_output_mismatch",  # a randomly sampled timed call's outputs differ from the reference (timed_outputs)
 ]
 
 NO_GPU = "skipped: no GPU"

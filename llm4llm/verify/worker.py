@@ -90,7 +90,7 @@ def _serve(conn) -> None:
             elif op == "call":
                 reply = session.call(**msg)
             elif op == "time":
-                reply = session.time()
+                reply = session.time(**msg)
             elif op == "gates":  # KernelBench tasks: the benchmark's own protocol, judged in this process
                 from llm4llm.verify.gates import run_gates
 
@@ -148,15 +148,18 @@ class VerifierPool:
 
     def __init__(self, device: str = "cpu", timeout_s: float = 120.0, draws: int = 5, seed: int = 0,
                  timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S,
-                 decode_timing: str = "launch", mem_limit_bytes: int | None = None, spare: bool = True):
+                 decode_timing: str = "launch", mem_limit_bytes: int | None = None, spare: bool = True,
+                 rehearse_timing: bool = False):
         from llm4llm.verify.sandbox import default_mem_limit
 
         self.device = "cuda:0" if device == "cuda" else device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         if decode_timing not in DECODE_TIMINGS:
             raise ValueError(f"decode_timing: expected one of {DECODE_TIMINGS}, got {decode_timing!r}")
+        # rehearse_timing: on the CPU, run the timed calls anyway (host clocks, numbers discarded) so that their
+        # sampled outputs are checked (gates.judge_remote); on the GPU timing always runs them
         self.options = {"draws": draws, "seed": seed, "timing": timing, "memcheck": memcheck,
-                        "decode_timing": decode_timing}
+                        "decode_timing": decode_timing, "rehearse_timing": rehearse_timing}
         self.mem_limit = mem_limit_bytes or default_mem_limit()
         self.spare = spare
         self._w: _Worker | None = None
@@ -281,7 +284,8 @@ class VerifierPool:
                 got.worker_pid, got.sandbox, got.judge_seed = v.worker_pid, v.sandbox, seed
             else:
                 got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
-                                              Canary(seed), timing=bool(opts["timing"]))
+                                              Canary(seed), timing=bool(opts["timing"]),
+                                              rehearse=bool(opts.get("rehearse_timing")))
             if opts.get("memcheck") and got.passed:
                 from llm4llm.verify.sanitizer import memcheck_gate
 
