@@ -134,6 +134,18 @@ def test_rehearsal_on_the_cpu_checks_timed_outputs_and_never_times(task_dir):
     assert all("rehearsed" in g.detail for g in v.gates if g.name.startswith("timing_"))
 
 
+def test_the_operators_switch_turns_the_check_off_loudly(task_dir, monkeypatch):
+    """LLM4LLM_TIMED_CHECK=off (read in the parent, for debugging the check on a new GPU): a timing-only cheat is
+    then not caught by it, and the gate says in the verdict that it was off."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU rehearsal only")
+    monkeypatch.setenv("LLM4LLM_TIMED_CHECK", "off")
+    v = shared_pool().verify(task_dir, cheat_source("timed_call_count"), rehearse_timing=True)
+    gate = next(g for g in v.gates if g.name == "timed_outputs")
+    assert gate.detail.startswith("off (LLM4LLM_TIMED_CHECK=off)"), gate.detail
+    assert v.failure_class != "timed_output_mismatch"
+
+
 def test_graph_replays_on_the_cpu_get_fresh_inputs_and_a_capture_only_shortcut_is_caught(monkeypatch):
     """time_graphs with kernels_runtime's CPU graph emulation (ATen ops recorded at capture, re-executed on replay
     into the captured outputs): each replay's inputs are rewritten, the sampled call's outputs are those of its

@@ -21,6 +21,7 @@ How each cheat is caught:
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import tempfile
@@ -41,6 +42,10 @@ from llm4llm.verify.verdict import NO_GPU, GateResult, Verdict, source_hash
 
 CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "canaries", "inputs_unmodified",
                "poisoned_outputs", "no_cached_output", "correctness")
+log = logging.getLogger(__name__)
+# LLM4LLM_TIMED_CHECK=off: the sampled timed outputs are not judged (the gate says so in every verdict); for
+# debugging the check itself on a new GPU, like LLM4LLM_SANDBOX_OFF for the sandbox
+TIMED_CHECK_ENV = "LLM4LLM_TIMED_CHECK"
 CANARY_MIN = 256  # canary margin in elements on each side; a multiple of 64 keeps views 16-byte aligned
 CUDA_FAULTS = ("illegal memory access", "illegal instruction", "misaligned address", "device-side assert",
                "unspecified launch failure", "an illegal", "cuda error", "cudaerror", "hardware exception")
@@ -998,10 +1003,14 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
             False
     finally:
         path.unlink(missing_ok=True)
-    try:
-        detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors)
-    except GateFailure as f:
-        return v.fail(f.gate, f.failure_class, f.message), False
+    if os.environ.get(TIMED_CHECK_ENV, "").lower() == "off":  # the operator's debugging switch, read in the parent
+        detail = f"off ({TIMED_CHECK_ENV}=off): {len(r.get('samples') or [])} sampled timed calls not judged"
+        log.warning("llm4llm verify: the timed-output check is off (%s=off)", TIMED_CHECK_ENV)
+    else:
+        try:
+            detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors)
+        except GateFailure as f:
+            return v.fail(f.gate, f.failure_class, f.message), False
     v.gates.append(GateResult(name="timed_outputs", passed=True, detail=detail))
     if dev.type != "cuda":
         return v.finish(), False
