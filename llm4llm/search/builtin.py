@@ -156,36 +156,36 @@ def _repair(pool, last: Feedback, t: Template, spec: TaskSpec, rng) -> tuple[str
                                      _distance(t, spec, p[1], default) if p[0] == t.name else 99, rng.random()))
 
 
-def _untried_template(pool, templates, spec, evidence: list[Point], picks) -> tuple[str, dict] | None:
-    """Known-safe starting points before any exploitation: the default and seeds of the templates written for
-    the fewest phases (the task's own specialists), then the default of every other template no trial has used.
-    On qwen3-4b's decode MLP a budget of 3 went to three points of the generic SwiGLU fusion (0.56x cuBLAS) and
-    never reached the weight-streaming GEMV, because the first pass was exploited at once (H200, 2026-12-02)."""
+def _starting_points(templates, spec) -> list[tuple[str, dict, bool]]:
+    """The known-safe starting points in the order they are tried: the default, then the seeds, of the templates
+    written for the fewest phases (the task's own specialists), then every other template's default, then their
+    seeds. Each with whether it starts a search only while its template has no trial (all but the specialists'
+    seeds). `_untried_template` takes them before any exploitation, `_explore` before its diversity pick."""
     if not templates:
-        return None
-    used = {p.template for p in evidence} | {t for t, _, _ in picks}
+        return []
     rank = min(len(t.phases) for t in templates.values())
     special = [(n, t) for n, t in templates.items() if len(t.phases) == rank]  # library order
-    others = [(n, t) for n, t in templates.items() if len(t.phases) > rank and n not in used]
-    for points in ([(n, t.default(spec)) for n, t in special if n not in used],
-                   [(n, c) for n, t in special for c in t.seeds(spec)],
-                   [(n, c) for n, t in others for c in (t.default(spec), *t.seeds(spec))]):
-        for p in points:
-            if p in pool:
-                return p
+    others = [(n, t) for n, t in templates.items() if len(t.phases) > rank]
+    return ([(n, t.default(spec), True) for n, t in special] + [(n, c, False) for n, t in special for c in t.seeds(spec)]
+            + [(n, t.default(spec), True) for n, t in others] + [(n, c, True) for n, t in others for c in t.seeds(spec)])
+
+
+def _untried_template(pool, templates, spec, evidence: list[Point], picks) -> tuple[str, dict] | None:
+    """The first starting point still in the pool, before any exploitation; another template's points only while
+    no trial has used that template. On qwen3-4b's decode MLP a budget of 3 went to three points of the generic
+    SwiGLU fusion (0.56x cuBLAS) and never reached the weight-streaming GEMV, because the first pass was exploited
+    at once (H200, 2026-12-02)."""
+    used = {p.template for p in evidence} | {t for t, _, _ in picks}
+    for name, config, only_unused in _starting_points(templates, spec):
+        if (name, config) in pool and not (only_unused and name in used):
+            return name, config
     return None
 
 
 def _explore(pool, templates, spec, evidence: list[Point], picks, rng) -> tuple[str, dict]:
-    chosen = {config_key(t, c) for t, c, _ in picks}
-    for name, t in templates.items():  # each template's default first: the known-safe starting points
-        d = t.default(spec)
-        if (name, d) in pool and config_key(name, d) not in chosen:
-            return (name, d)
-    for name, t in templates.items():  # then its seeds (points derived from the task's shapes and GPU)
-        for s in t.seeds(spec):
-            if (name, s) in pool and config_key(name, s) not in chosen:
-                return (name, s)
+    for name, config, _ in _starting_points(templates, spec):  # the known-safe starting points first
+        if (name, config) in pool:
+            return name, config
     used_t = [p.template for p in evidence] + [t for t, _, _ in picks]
     fresh_t = [name for name in templates if name not in used_t]
     cands = [p for p in pool if p[0] in fresh_t] or pool
