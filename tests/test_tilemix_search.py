@@ -17,7 +17,7 @@ from llm4llm.accept import AcceptConfig, Proposal, budget_check, lossy_descent, 
 from llm4llm.search.builtin import LibraryProposer
 from llm4llm.search.templates import TEMPLATES
 from llm4llm.search.templates.tilemix import NAME
-from llm4llm.taskspec import load_spec
+from llm4llm.taskspec import load_spec, seal_artifacts
 from llm4llm.verify.gates import run_gates
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,7 @@ def _with_budget(task_dir: Path, tmp_path: Path, budget: dict | None) -> Path:
     spec = load_spec(dst)
     spec.accuracy_budget = budget
     (dst / "spec.json").write_text(spec.model_dump_json())
+    seal_artifacts(dst)  # as an extraction with the budget would have written it
     return dst
 
 
@@ -78,6 +79,27 @@ def test_verifier_judges_an_opted_in_candidate_by_the_lossy_bound_only(prefill_t
     broken = src.replace("o = tilemix_attention(q, k_all, v_all,", "o = tilemix_attention(q, k_all, k_all,")
     v, _ = run_gates(str(opted), broken, device="cpu", draws=1, timing=False)  # V replaced by K: far outside
     assert not v.passed and v.failure_class == "wrong_output" and "lossy: rel-L2" in v.message
+
+
+def test_the_sandboxed_verifier_judges_an_opted_in_candidate_by_the_lossy_bound(prefill_task, tmp_path):
+    """The search verifies through the sandboxed worker, whose parent never imports the candidate: it reads the
+    declared LOSSY routing from the source, and judges the draws (and, rehearsed here, the sampled timed calls)
+    by the lossy bound, as the in-process path does. Before, the parent judged them by the table: every TileMix
+    candidate of an opted-in workload failed wrong_output in `optimize`."""
+    from llm4llm.verify import VerifierPool
+    from llm4llm.verify.gates import lossy_of_source
+    from llm4llm.taskspec import load_task
+
+    spec = load_spec(prefill_task)
+    src = TILEMIX.render(spec, _config(spec, tm_coverage=1.0))
+    opted = _with_budget(prefill_task, tmp_path, BUDGET)
+    assert lossy_of_source(src, load_task(opted)) == {"kind": "tilemix", "template": "sink_local", "coverage": 1.0}
+    assert lossy_of_source(src, load_task(prefill_task)) is None  # not opted in: judged by the table
+    with VerifierPool("cpu", timeout_s=300.0, draws=1) as pool:
+        v = pool.verify(opted, src, rehearse_timing=True)
+    assert v.passed, v.message
+    assert any("lossy: rel-L2 vs" in g.detail for g in v.gates), [g.detail for g in v.gates]
+    assert any(g.name == "timed_outputs" and "match the reference" in g.detail for g in v.gates)
 
 
 def test_lossy_of_and_the_coverage_descent(prefill_task):

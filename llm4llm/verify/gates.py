@@ -546,7 +546,7 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         meta, tensors = samples_payload(samples)
         v.gates.append(GateResult(name="timed_outputs", passed=True,
                                   detail=check_timed_samples(task, dev, meta, {n: t.to(dev) for n, t in
-                                                                               tensors.items()})))
+                                                                               tensors.items()}, lossy=lossy)))
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     return v.finish(), False
@@ -612,7 +612,8 @@ def _module_outputs(task: Task, dev: torch.device, inputs: dict, state: dict, up
         cleanup()
 
 
-def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors: dict[str, torch.Tensor]) -> str:
+def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors: dict[str, torch.Tensor],
+                        lossy: dict | None = None) -> str:
     """Judge the sampled timed calls (`timing.TimedSample`) like the draws (`compare_outputs`, NaN/Inf where the
     reference is finite): each call's fresh inputs are rebuilt here from its seed (`timing.fresh_draw`), its
     reference computed here; the worker sent only the seed and the outputs. A bare-entry call is compared with the
@@ -651,6 +652,8 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
             raise GateFailure("timed_outputs", "timed_output_mismatch",
                               f"{where}: outputs {missing} missing from the sampled call's answer")
         reports, _ = compare_outputs(task, outs, ref, ref32)
+        if lossy is not None:  # an opted-in lossy candidate: the lossy bound, as its draws were judged
+            reports = {n: r if r.ok else compare_lossy(outs[n], ref[n], (ref32 or {}).get(n)) for n, r in reports.items()}
         nonfinite = _nonfinite_where_ref_finite(outs, ref)
         bad = {n: r.reason for n, r in reports.items() if not r.ok}
         if nonfinite or bad:
@@ -934,8 +937,43 @@ class RemoteJudge(Judge):
         return Guarded(views["inputs"], views["weights"], views["state"], buffers, originals)
 
 
+def lossy_of_source(source: str, task: Task) -> dict | None:
+    """A lossy candidate's declared routing, its module-level `LOSSY = {...}`, read from the source without running
+    it, where the task's workload opted in (an accuracy budget); None otherwise. The in-process path reads the loaded
+    module's attribute; the parent of a sandboxed worker never imports candidate code. The dict's values may be
+    literals or items of an earlier module-level literal (`CONFIG["tm_coverage"]`, as the templates render it)."""
+    import ast
+
+    if not task.spec.accuracy_budget:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    known: dict[str, Any] = {}
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in known:
+            return known[node.value.id][ast.literal_eval(node.slice)]
+        if isinstance(node, ast.Dict):
+            return {ast.literal_eval(k): value(v) for k, v in zip(node.keys, node.values)}
+        return ast.literal_eval(node)
+
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        try:
+            v = value(node.value)
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue
+        if node.targets[0].id == "LOSSY":
+            return dict(v) if isinstance(v, dict) else None
+        known[node.targets[0].id] = v
+    return None
+
+
 def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict], dict], work: Path, draws: int,
-                 seed: int, canary: Canary, timing: bool = True, rehearse: bool = False,
+                 seed: int, canary: Canary, timing: bool = True, rehearse: bool = False, lossy: dict | None = None,
                  **_: Any) -> tuple[Verdict, bool]:
     """The parent's half of a verification: references and every comparison here, the candidate's calls in the
     worker behind `rpc`. Returns the verdict and whether the worker's CUDA context is poisoned.
@@ -950,7 +988,7 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         gate, cls, msg = r["fail"][:3]
         return v.fail(gate, cls, msg), bool(r.get("poisoned"))
     v.gates.append(GateResult(name="compile", passed=True, detail=r["ok"]))
-    judge = RemoteJudge(None, task, dev, rpc=rpc, work=work, canary=canary)
+    judge = RemoteJudge(None, task, dev, rpc=rpc, work=work, canary=canary, lossy=lossy)
     try:
         for d in all_draws:
             try:
@@ -1008,7 +1046,7 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         log.warning("llm4llm verify: the timed-output check is off (%s=off)", TIMED_CHECK_ENV)
     else:
         try:
-            detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors)
+            detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors, lossy=lossy)
         except GateFailure as f:
             return v.fail(f.gate, f.failure_class, f.message), False
     v.gates.append(GateResult(name="timed_outputs", passed=True, detail=detail))

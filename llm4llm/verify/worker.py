@@ -271,7 +271,7 @@ class VerifierPool:
             import torch
 
             from llm4llm.taskspec import load_task
-            from llm4llm.verify.gates import Canary, judge_remote
+            from llm4llm.verify.gates import Canary, judge_remote, lossy_of_source
 
             v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
             task = load_task(Path(task_dir))
@@ -285,7 +285,8 @@ class VerifierPool:
             else:
                 got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
                                               Canary(seed), timing=bool(opts["timing"]),
-                                              rehearse=bool(opts.get("rehearse_timing")))
+                                              rehearse=bool(opts.get("rehearse_timing")),
+                                              lossy=lossy_of_source(source, task))
             if opts.get("memcheck") and got.passed:
                 from llm4llm.verify.sanitizer import memcheck_gate
 
