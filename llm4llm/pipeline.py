@@ -14,6 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
+from storage.rows import (candidate_row, episode_rows, llm_call_row, patch_row, profile_row, rejection_episode_row,
+                          run_row, search_end, task_row)
 
 PACKAGES = ("llm4llm", "kernels_runtime")
 
@@ -159,34 +161,8 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None, new_r
                 return run_id
             run_id, profile_of = new_run_id(payload["workload_name"]), run_id
             started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
-        hw = result.hardware
-        run = {
-            "run_id": run_id,
-            "workload_hash": payload["workload_hash"],
-            "workload_name": payload["workload_name"],
-            "kind": "profile",
-            "status": "ok",
-            "started_at": started,
-            "profile_of": profile_of,
-            "device": hw.get("device"),
-            "gpu_name": hw.get("gpu_name"),
-            "capability": hw.get("capability"),
-            "torch_version": hw.get("torch"),
-            "triton_version": hw.get("triton"),
-            "transformers_version": hw.get("transformers"),
-            "timer": result.timer,
-            "prefill_ms": result.phases["prefill"].time_ms if "prefill" in result.phases else None,
-            "decode_ms": result.phases["decode"].time_ms if "decode" in result.phases else None,
-            "prefill_forwards": result.phases["prefill"].forwards if "prefill" in result.phases else 0,
-            "decode_forwards": result.phases["decode"].forwards if "decode" in result.phases else 0,
-            "artifact_dir": str(Path(profile_path).parent),
-        }
-        rows = [
-            {k: getattr(r, k) for k in ("phase", "module_path", "class_name", "family", "depth", "calls", "time_ms",
-                                        "share", "hotspot_score", "in_shapes", "out_shapes")}
-            for r in result.records
-        ]
-        repo.record_profile_run(db, run, workload, rows)
+        run = run_row(payload, result, run_id, started, profile_of, str(Path(profile_path).parent))
+        repo.record_profile_run(db, run, workload, [profile_row(r) for r in result.records])
     return run_id
 
 
@@ -237,25 +213,8 @@ def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
     from storage.db import Database
 
     index = json.loads(Path(index_path).read_text())
-    rows = [
-        {
-            "task_id": t["task_id"],
-            "family": t["family"],
-            "module_class": t["module_class"],
-            "phase": t["phase"],
-            "instances": len(t["instances"]),
-            "shapes": [c for c in t.get("cases", [])],
-            "dtype": t["dtype"],
-            "artifact_path": t.get("artifact_path"),
-            "score": float(t.get("hotspot_score", 0.0)),
-            "time_ms": float(t.get("time_ms", 0.0)),
-            "deployable": bool(t["deployable"]),
-            "reason": t.get("reason", ""),
-        }
-        for t in index
-    ]
     with Database(db_path) as db:
-        return repo.record_tasks(db, run_id, rows)
+        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
 
 
 def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRecord]:
@@ -392,25 +351,6 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
 
 
-def episode_rows(result, search_id: str) -> list[tuple[dict, dict]]:
-    """(episodes row, experience record) per episode of a SearchResult."""
-    out = []
-    for ep in result.episodes:
-        passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
-        utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
-        out.append(({"search_id": search_id, "episode": ep.index, "trials": len(ep.trials), "passed": passed,
-                     "best_utility": max(utils) if utils else None, "transcript_path": ep.transcript},
-                    json.loads(ep.experience.to_json())))
-    return out
-
-
-def search_end(result) -> dict:
-    best = result.best
-    return {"trials": result.trials_used, "passed": sum(t.feedback.passed for t in result.trials),
-            "best_candidate_id": best.candidate.id if best else None,
-            "best_utility": best.feedback.utility if best else None}
-
-
 def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
     best = result.best
     summary = {"search_id": search_id, "task_id": task_id, "trials": result.trials_used,
@@ -518,65 +458,6 @@ def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
     with Database(db_path) as db:
         repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
     return rows["summary"]
-
-
-def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
-                  source_path: str) -> dict:
-    from llm4llm.search.types import verdict_dict
-
-    v = verdict_dict(verdict)
-
-    def lat(key, q):
-        d = v.get(key) or {}
-        return d.get(q)
-
-    return {
-        "candidate_id": candidate.id, "task_id": task_id, "search_id": search_id, "episode": episode,
-        "iteration": iteration, "proposer": candidate.proposer, "template": candidate.template,
-        "parent_id": candidate.parent, "config_json": candidate.config, "source_path": source_path,
-        "passed": bool(v.get("passed")), "failure_class": v.get("failure_class"),
-        "message": (v.get("message") or "")[:2000], "max_abs_err": v.get("max_abs_err"),
-        "max_rel_err": v.get("max_rel_err"),
-        "cold_p20_ms": lat("candidate_cold", "p20"), "cold_p50_ms": lat("candidate_cold", "p50"),
-        "cold_p80_ms": lat("candidate_cold", "p80"),
-        "ctx_p20_ms": lat("candidate_in_context", "p20"), "ctx_p50_ms": lat("candidate_in_context", "p50"),
-        "ctx_p80_ms": lat("candidate_in_context", "p80"),
-        "ref_cold_p50_ms": lat("reference_cold", "p50"), "ref_ctx_p50_ms": lat("reference_in_context", "p50"),
-        "speedup_cold": v.get("speedup_cold"), "speedup_in_context": v.get("speedup_in_context"),
-        "utility": float(v.get("utility") or 0.0), "gates_json": v.get("gates", []),
-        "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
-        # migration 007: where the candidate came from, and KernelBench's torch.compile baseline and means
-        "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
-        "kb_means_json": v.get("kb_means_ms"),
-    }
-
-
-def candidate_origin(candidate) -> str:
-    """template | rewrite | llm: a built-in template's rendering, one after exact graph rewrites, or an LLM's."""
-    if (candidate.proposer or "").startswith("llm") or not candidate.template:
-        return "llm"
-    return "rewrite" if "rewrite" in candidate.template else "template"
-
-
-def llm_call_row(call, search_id: str | None = None, task_id: str | None = None) -> dict:
-    """An `llm_calls` row (storage/migrations/001_init.sql) from an LLMCall (its `db_row`) or a dict of the same
-    fields; the error text is redacted again (nothing key-like reaches DuckDB)."""
-    from llm4llm.llm.redact import redact
-
-    if hasattr(call, "db_row"):
-        row = call.db_row(search_id)
-    else:
-        d = call if isinstance(call, dict) else vars(call)
-        row = {"call_id": d.get("call_id") or uuid.uuid4().hex, "search_id": search_id or d.get("search_id"),
-               "task_id": d.get("task_id"), "model": d.get("model", ""), "prompt_tokens": d.get("prompt_tokens"),
-               "completion_tokens": d.get("completion_tokens"), "cost_usd": d.get("cost_usd", d.get("cost")),
-               "latency_ms": d.get("latency_ms"), "status": d.get("status", ""), "error": d.get("error"),
-               "attempt": d.get("attempt")}
-    if task_id is not None:
-        row["task_id"] = task_id
-    if row.get("error"):
-        row["error"] = redact(str(row["error"]))
-    return row
 
 
 # ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
@@ -949,15 +830,13 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
         by_id = {p.candidate_id: p for p in proposals}
         for i, d in enumerate(result.decisions):
             if d.decision == "rejected":
-                repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": i, "trials": 1, "passed": 0,
-                                         "best_utility": None, "transcript_path": None},
+                repo.record_episode(db, rejection_episode_row(run_id, i),
                                     json.loads(rejection_experience(d, proposal_of(by_id, d.candidate_id)).to_json()),
                                     d.task_id)
         if result.bundle_dir:
             manifest = (Path(result.bundle_dir) / "manifest.json").read_text()
-            repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
-                                          "workload_hash": wl["workload_hash"], "bundle_path": result.bundle_dir,
-                                          "manifest_json": json.loads(manifest)})
+            repo.record_patch_bundle(db, patch_row(run_id, wl["workload_hash"], result.bundle_dir,
+                                                   json.loads(manifest)))
     retry = sorted({d.task_id for d in result.decisions if d.decision == "rejected"
                     and not d.reason.startswith("latency gate skipped")})
     return {"bundle": result.bundle_dir, "accepted": sum(d.decision == "accepted" for d in result.decisions),
