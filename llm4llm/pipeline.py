@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import tempfile
 import uuid
 from dataclasses import asdict
@@ -13,6 +12,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
+from llm4llm import isolation
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
 from storage.rows import (candidate_row, episode_rows, llm_call_row, patch_row, profile_row, rejection_episode_row,
                           run_row, search_end, task_row)
@@ -225,28 +225,6 @@ def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRe
 
 # ---- search -----------------------------------------------------------------------------------------------------
 
-_POOLS: dict = {}
-
-
-def verifier_pool(device: str, timeout_s: float = 120.0, decode_timing: str = "launch"):
-    """One verifier worker per device (and timing mode) in this (flow) process; its lock makes timing jobs on a GPU
-    one at a time."""
-    import threading
-
-    from llm4llm.verify.worker import VerifierPool
-
-    key = (device, timeout_s, decode_timing)
-    if key not in _POOLS:
-        _POOLS[key] = (VerifierPool(device, timeout_s, decode_timing=decode_timing), threading.Lock())
-    return _POOLS[key]
-
-
-def close_pools() -> None:
-    for pool, _ in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
-
-
 def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
     """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget).
 
@@ -298,7 +276,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         if not templates:  # hybrid: the LLM writes for it alone
             proposer = "llm"
     prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm, templates)
-    pool, lock = verifier_pool(device, timeout_s, decode_timing)
+    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id
@@ -460,121 +438,6 @@ def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
     return rows["summary"]
 
 
-# ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
-
-def _run_child(fn, args, kwargs):
-    from kernels_runtime.ops._common import interpret_without_gpu
-
-    interpret_without_gpu()
-    return fn(*args, **kwargs)
-
-
-def _workload_paths(workload_path: str) -> list[str]:
-    """What a sandboxed run of the workload must read: its TOML's dir, its script's dir, its checkpoint."""
-    paths = [str(Path(workload_path).resolve().parent)]
-    try:
-        from llm4llm.workload import load_workload
-
-        wl = load_workload(workload_path)
-        for attr in ("script", "checkpoint"):
-            p = getattr(wl, attr, None) or getattr(getattr(wl, "model", None), attr, None)
-            if p:
-                paths.append(str(Path(p).resolve().parent if Path(p).is_file() else Path(p).resolve()))
-    except Exception:  # noqa: BLE001 - an unusable workload fails in the child with its own message
-        pass
-    return paths
-
-
-def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0,
-                  outputs: dict[str, str] | None = None, readable: list[str] | None = None,
-                  extra_env: dict[str, str] | None = None, box=None, **kwargs):
-    """Run fn(*args, **kwargs) in a fresh sandboxed process (llm4llm/verify/sandbox.py: candidates' kernels run in
-    it) and return its result. Exceptions raised there come back as themselves; a process that dies (GPU fault,
-    OOM kill) or overstays `timeout_s` raises RuntimeError, and nothing it started is left behind.
-
-    outputs: {kwarg name: real path} of files or dirs the child writes: it writes them inside its private dir and
-    the parent copies them to the real path before every poll and at the end (the child can write nothing else).
-    readable: paths outside the usual trees the child must read. poll: called every poll_every_s while the child
-    runs (a failing poll is retried by the next), and once after it ends however it ends (to pick up what it
-    streams; its failure is raised only when the child succeeded). The result is unpickled with an allowlist of
-    classes (llm4llm.verify.sandbox.SafeUnpickler), never as arbitrary pickle. box: a private dir from
-    sandbox.make_box the caller already filled (read-only copies under box/ro)."""
-    import pickle
-    import shutil
-    import time
-
-    from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
-                                        sandboxed_popen)
-
-    box = box or make_box("llm4llm-call-")
-    work = box / "work"
-    mapped = {}
-    for name, real in (outputs or {}).items():
-        child = work / "out" / name / Path(real).name
-        child.parent.mkdir(parents=True, exist_ok=True)
-        os.chown(child.parent, 65534, 65534) if os.geteuid() == 0 else None
-        os.chown(work / "out", 65534, 65534) if os.geteuid() == 0 else None
-        kwargs[name] = str(child)
-        mapped[name] = (child, Path(real))
-
-    def sync() -> None:
-        for child, real in mapped.values():
-            if child.is_dir():
-                shutil.copytree(child, real, dirs_exist_ok=True, symlinks=False)
-            elif child.is_file():
-                real.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(child, real)
-
-    def polled() -> None:
-        sync()
-        if poll:
-            poll()
-
-    ok = False
-    (box / "ro" / "call.pkl").write_bytes(pickle.dumps((_run_child, (fn, args, kwargs), {})))
-    proc = sandboxed_popen("llm4llm.verify.sandbox:call_main", box=box, extra_env={
-        "TORCHINDUCTOR_COMPILE_THREADS": "1", **(extra_env or {})}, extra_needed=readable or [])
-    dog = RssWatchdog(proc.pid, default_mem_limit())
-    dog.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"{fn.__name__}: no result within {timeout_s:.0f}s: the isolated process was "
-                                   f"killed")
-            try:
-                proc.wait(poll_every_s)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: poll and wait on
-                try:
-                    polled()
-                except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
-                    pass
-        result_file = work / "result.pkl"
-        if not result_file.exists():
-            why = f"RSS over {dog.limit / 2**30:.1f} GiB" if dog.tripped else f"exit code {proc.returncode}"
-            raise RuntimeError(f"{fn.__name__}: the isolated process died ({why})")
-        from llm4llm.verify.sandbox import SafeUnpickler
-
-        out = SafeUnpickler.loads(result_file.read_bytes())
-        if out[0] == "err":
-            exc = out[1]
-            if len(out) > 2 and out[2] and hasattr(exc, "add_note"):
-                exc.add_note("in the isolated process:\n" + out[2])
-            raise exc
-        ok = True
-        return out[1]
-    finally:
-        dog.stop()
-        kill_group(proc.pid)
-        try:
-            polled() if (poll or mapped) else None
-        except Exception:
-            if ok:  # a failing last poll must not mask why the child failed
-                raise
-        finally:
-            remove_box(box)
-
-
 def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
                          top: int | None, proposer: str = "library", device: str | None = None,
                          timeout_s: float = 120.0, decode_timing: str = "launch",
@@ -640,7 +503,7 @@ def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, 
     if names <= set(df["template"]):
         return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in df.to_dict("records")
                 if r["template"] in names]
-    pool, lock = verifier_pool(device, timeout_s, decode_timing)
+    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
 
     def verify(path, source):
         with lock:
@@ -707,6 +570,8 @@ def coverage_table(run_id: str, db_path: str | None) -> dict:
         phases[phase] = round(sum(t for _, t, _ in outer) / float(items[0][2]), 4) if items[0][2] else 0.0
     return {"tasks": rows, "phases": phases}
 
+
+# ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
     """Each searched task's best passing candidate, ranked against its search's pooled reference
@@ -813,11 +678,11 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
     # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
-    result = in_subprocess(accept, str(Path(workload_path).resolve()), inside, outputs={"bundle_dir": str(bundle_dir)},
-                           readable=_workload_paths(workload_path), box=box,
+    result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside, outputs={"bundle_dir": str(bundle_dir)},
+                           readable=isolation.workload_paths(workload_path), box=box,
                            cfg=cfg if cfg is not None else AcceptConfig(),
                            run_id=run_id)
-    if result.bundle_dir:  # written in the sandbox's dir, copied here by in_subprocess
+    if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
     for d in getattr(result, "decisions", []):
@@ -916,8 +781,8 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 seen[0] += len(new)
                 latest.update((r["variant"], r) for r in new)
 
-        in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
+        isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
                       bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants, repeats=repeats,
                       outputs={"results_path": str(stream)}, poll=record_new,
-                      readable=_workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
+                      readable=isolation.workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
     return {"run_id": run_id, "rows": list(latest.values())}
