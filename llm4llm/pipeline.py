@@ -14,8 +14,8 @@ from pathlib import Path
 
 from llm4llm import isolation
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
-from storage.rows import (candidate_row, episode_rows, llm_call_row, patch_row, profile_row, rejection_episode_row,
-                          run_row, search_end, task_row)
+from storage.rows import (candidate_row, e2e_row, episode_rows, finished_search_row, llm_call_row, patch_row,
+                          profile_row, rejection_episode_row, run_row, search_end, search_row, task_row)
 
 PACKAGES = ("llm4llm", "kernels_runtime")
 
@@ -294,8 +294,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
             return pool.verify(task_path, source)
 
     with Database(db_path) as db:
-        repo.record_search_start(db, {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id,
-                                      "mode": mode, "proposer": prop.name, "budget": budget})
+        repo.record_search_start(db, search_row(search_id, spec.task_id, run_id, mode, prop.name, budget))
         if llm_backed:  # every request attempt is an llm_calls row, written as it happens (from worker threads)
             prop.on_call = lambda call: repo.record_llm_call(db, llm_call_row(call, search_id, spec.task_id))
         counts = {"trials": 0, "passed": 0}
@@ -401,9 +400,9 @@ def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget:
         episodes.append({"row": row, "experience": experience, "transcript_name": t.name if t else None,
                          "transcript": t.read_text() if t and t.exists() else None})
     files = {f.name: f.read_text() for f in archive_dir.glob("llm-e*.jsonl")}
-    return {"search": {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id, "mode": mode,
-                       "proposer": prop.name, "budget": budget, "started_at": started,
-                       "finished_at": datetime.now(timezone.utc).replace(tzinfo=None), **search_end(result)},
+    finished = datetime.now(timezone.utc).replace(tzinfo=None)
+    return {"search": finished_search_row(search_row(search_id, spec.task_id, run_id, mode, prop.name, budget),
+                                          started, finished, result),
             "candidates": candidates, "episodes": episodes, "llm_calls": calls, "files": files,
             "summary": search_summary(search_id, spec.task_id, result, prop if llm_backed else None)}
 
@@ -678,10 +677,10 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
     # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
-    result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside, outputs={"bundle_dir": str(bundle_dir)},
-                           readable=isolation.workload_paths(workload_path), box=box,
-                           cfg=cfg if cfg is not None else AcceptConfig(),
-                           run_id=run_id)
+    result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
+                                     outputs={"bundle_dir": str(bundle_dir)},
+                                     readable=isolation.workload_paths(workload_path), box=box,
+                                     cfg=cfg if cfg is not None else AcceptConfig(), run_id=run_id)
     if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
@@ -772,7 +771,7 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             new = []
             for line in (stream.read_text().splitlines() if stream.exists() else [])[seen[0]:]:
                 try:
-                    new.append({"run_id": run_id, "workload_hash": wl["workload_hash"], **json.loads(line)})
+                    new.append(e2e_row(run_id, wl["workload_hash"], json.loads(line)))
                 except json.JSONDecodeError:  # the line being written: the next poll reads it whole
                     break
             if new:
@@ -781,8 +780,9 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 seen[0] += len(new)
                 latest.update((r["variant"], r) for r in new)
 
+        readable = isolation.workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else [])
         isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
-                      bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants, repeats=repeats,
-                      outputs={"results_path": str(stream)}, poll=record_new,
-                      readable=isolation.workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
+                                bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants,
+                                repeats=repeats, outputs={"results_path": str(stream)}, poll=record_new,
+                                readable=readable)
     return {"run_id": run_id, "rows": list(latest.values())}

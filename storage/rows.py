@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
@@ -107,6 +108,17 @@ class EpisodeRow(TypedDict):
     transcript_path: str | None
 
 
+class SearchRow(TypedDict):
+    """The `searches` columns a search fills when it starts."""
+
+    search_id: str
+    task_id: str
+    run_id: str | None
+    mode: str
+    proposer: str
+    budget: int
+
+
 class SearchEnd(TypedDict):
     """The `searches` columns a search fills when it ends."""
 
@@ -114,6 +126,13 @@ class SearchEnd(TypedDict):
     passed: int
     best_candidate_id: str | None
     best_utility: float | None
+
+
+class FinishedSearchRow(SearchRow, SearchEnd):
+    """A whole `searches` row, for a search recorded at once (one that ran away from the flow)."""
+
+    started_at: datetime
+    finished_at: datetime
 
 
 class PatchRow(TypedDict):
@@ -241,11 +260,27 @@ def episode_rows(result, search_id: str) -> list[tuple[EpisodeRow, dict]]:
     return out
 
 
+def search_row(search_id: str, task_id: str, run_id: str | None, mode: str, proposer: str,
+               budget: int) -> SearchRow:
+    return {"search_id": search_id, "task_id": task_id, "run_id": run_id, "mode": mode, "proposer": proposer,
+            "budget": budget}
+
+
+def finished_search_row(row: SearchRow, started_at: datetime, finished_at: datetime, result) -> FinishedSearchRow:
+    return {**row, "started_at": started_at, "finished_at": finished_at,  # type: ignore[typeddict-item]
+            **search_end(result)}
+
+
 def search_end(result) -> SearchEnd:
     best = result.best
     return {"trials": result.trials_used, "passed": sum(t.feedback.passed for t in result.trials),
             "best_candidate_id": best.candidate.id if best else None,
             "best_utility": best.feedback.utility if best else None}
+
+
+def e2e_row(run_id: str, workload_hash: str, measured: dict) -> dict:
+    """An `e2e_results` row: one variant's measurements (llm4llm.evaluate's row) under the run and workload."""
+    return {"run_id": run_id, "workload_hash": workload_hash, **measured}
 
 
 def rejection_episode_row(run_id: str, index: int) -> EpisodeRow:
