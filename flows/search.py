@@ -4,7 +4,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.profiling import _defaults
-from llm4llm import pipeline
+from llm4llm import isolation, pipeline
 from llm4llm.config import SearchSettings
 from llm4llm.llm.config import LLMConfig
 from llm4llm.scale import ScaleOut
@@ -37,7 +37,7 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
             futures = [search_task.submit(d, s, db_path, data_dir, device, run_id, llm, decode_timing) for d in dirs]
             results = [f.result() for f in futures]
         finally:
-            pipeline.close_pools()
+            isolation.close_pools()
     if results:
         create_table_artifact(key="search", table=[{k: r.get(k) for k in ("task_id", "trials", "pass_rate",
                                                                       "best_utility", "ended_by")} for r in results],

@@ -11,7 +11,7 @@ from llm4llm.service import Validation, decide
 
 
 def _revalidate(workload_path: str, bundle_path: str, cfg) -> Validation:
-    from llm4llm.pipeline import in_subprocess
+    from llm4llm.isolation import in_subprocess
     from llm4llm.service import revalidate
 
     # the bundle's kernels run inside the model here: a GPU fault costs this check, never the flow process

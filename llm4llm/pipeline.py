@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import tempfile
 import uuid
 from dataclasses import asdict
@@ -13,7 +12,10 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
+from llm4llm import isolation
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
+from storage.rows import (candidate_row, e2e_row, episode_rows, finished_search_row, llm_call_row, patch_row,
+                          profile_row, rejection_episode_row, run_row, search_end, search_row, task_row)
 
 PACKAGES = ("llm4llm", "kernels_runtime")
 
@@ -159,34 +161,8 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None, new_r
                 return run_id
             run_id, profile_of = new_run_id(payload["workload_name"]), run_id
             started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
-        hw = result.hardware
-        run = {
-            "run_id": run_id,
-            "workload_hash": payload["workload_hash"],
-            "workload_name": payload["workload_name"],
-            "kind": "profile",
-            "status": "ok",
-            "started_at": started,
-            "profile_of": profile_of,
-            "device": hw.get("device"),
-            "gpu_name": hw.get("gpu_name"),
-            "capability": hw.get("capability"),
-            "torch_version": hw.get("torch"),
-            "triton_version": hw.get("triton"),
-            "transformers_version": hw.get("transformers"),
-            "timer": result.timer,
-            "prefill_ms": result.phases["prefill"].time_ms if "prefill" in result.phases else None,
-            "decode_ms": result.phases["decode"].time_ms if "decode" in result.phases else None,
-            "prefill_forwards": result.phases["prefill"].forwards if "prefill" in result.phases else 0,
-            "decode_forwards": result.phases["decode"].forwards if "decode" in result.phases else 0,
-            "artifact_dir": str(Path(profile_path).parent),
-        }
-        rows = [
-            {k: getattr(r, k) for k in ("phase", "module_path", "class_name", "family", "depth", "calls", "time_ms",
-                                        "share", "hotspot_score", "in_shapes", "out_shapes")}
-            for r in result.records
-        ]
-        repo.record_profile_run(db, run, workload, rows)
+        run = run_row(payload, result, run_id, started, profile_of, str(Path(profile_path).parent))
+        repo.record_profile_run(db, run, workload, [profile_row(r) for r in result.records])
     return run_id
 
 
@@ -237,25 +213,8 @@ def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
     from storage.db import Database
 
     index = json.loads(Path(index_path).read_text())
-    rows = [
-        {
-            "task_id": t["task_id"],
-            "family": t["family"],
-            "module_class": t["module_class"],
-            "phase": t["phase"],
-            "instances": len(t["instances"]),
-            "shapes": [c for c in t.get("cases", [])],
-            "dtype": t["dtype"],
-            "artifact_path": t.get("artifact_path"),
-            "score": float(t.get("hotspot_score", 0.0)),
-            "time_ms": float(t.get("time_ms", 0.0)),
-            "deployable": bool(t["deployable"]),
-            "reason": t.get("reason", ""),
-        }
-        for t in index
-    ]
     with Database(db_path) as db:
-        return repo.record_tasks(db, run_id, rows)
+        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
 
 
 def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRecord]:
@@ -265,28 +224,6 @@ def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRe
 
 
 # ---- search -----------------------------------------------------------------------------------------------------
-
-_POOLS: dict = {}
-
-
-def verifier_pool(device: str, timeout_s: float = 120.0, decode_timing: str = "launch"):
-    """One verifier worker per device (and timing mode) in this (flow) process; its lock makes timing jobs on a GPU
-    one at a time."""
-    import threading
-
-    from llm4llm.verify.worker import VerifierPool
-
-    key = (device, timeout_s, decode_timing)
-    if key not in _POOLS:
-        _POOLS[key] = (VerifierPool(device, timeout_s, decode_timing=decode_timing), threading.Lock())
-    return _POOLS[key]
-
-
-def close_pools() -> None:
-    for pool, _ in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
-
 
 def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
     """library (built-in kernel families, no API key) | llm (litellm) | hybrid (both share the budget).
@@ -339,7 +276,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         if not templates:  # hybrid: the LLM writes for it alone
             proposer = "llm"
     prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm, templates)
-    pool, lock = verifier_pool(device, timeout_s, decode_timing)
+    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id
@@ -357,8 +294,7 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
             return pool.verify(task_path, source)
 
     with Database(db_path) as db:
-        repo.record_search_start(db, {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id,
-                                      "mode": mode, "proposer": prop.name, "budget": budget})
+        repo.record_search_start(db, search_row(search_id, spec.task_id, run_id, mode, prop.name, budget))
         if llm_backed:  # every request attempt is an llm_calls row, written as it happens (from worker threads)
             prop.on_call = lambda call: repo.record_llm_call(db, llm_call_row(call, search_id, spec.task_id))
         counts = {"trials": 0, "passed": 0}
@@ -390,25 +326,6 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         repo.record_search_end(db, search_id, end["trials"], end["passed"], end["best_candidate_id"],
                                end["best_utility"])
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
-
-
-def episode_rows(result, search_id: str) -> list[tuple[dict, dict]]:
-    """(episodes row, experience record) per episode of a SearchResult."""
-    out = []
-    for ep in result.episodes:
-        passed = sum(1 for t in result.trials if t.episode == ep.index and t.feedback.passed)
-        utils = [t.feedback.utility for t in result.trials if t.episode == ep.index]
-        out.append(({"search_id": search_id, "episode": ep.index, "trials": len(ep.trials), "passed": passed,
-                     "best_utility": max(utils) if utils else None, "transcript_path": ep.transcript},
-                    json.loads(ep.experience.to_json())))
-    return out
-
-
-def search_end(result) -> dict:
-    best = result.best
-    return {"trials": result.trials_used, "passed": sum(t.feedback.passed for t in result.trials),
-            "best_candidate_id": best.candidate.id if best else None,
-            "best_utility": best.feedback.utility if best else None}
 
 
 def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
@@ -483,9 +400,9 @@ def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget:
         episodes.append({"row": row, "experience": experience, "transcript_name": t.name if t else None,
                          "transcript": t.read_text() if t and t.exists() else None})
     files = {f.name: f.read_text() for f in archive_dir.glob("llm-e*.jsonl")}
-    return {"search": {"search_id": search_id, "task_id": spec.task_id, "run_id": run_id, "mode": mode,
-                       "proposer": prop.name, "budget": budget, "started_at": started,
-                       "finished_at": datetime.now(timezone.utc).replace(tzinfo=None), **search_end(result)},
+    finished = datetime.now(timezone.utc).replace(tzinfo=None)
+    return {"search": finished_search_row(search_row(search_id, spec.task_id, run_id, mode, prop.name, budget),
+                                          started, finished, result),
             "candidates": candidates, "episodes": episodes, "llm_calls": calls, "files": files,
             "summary": search_summary(search_id, spec.task_id, result, prop if llm_backed else None)}
 
@@ -518,180 +435,6 @@ def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
     with Database(db_path) as db:
         repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
     return rows["summary"]
-
-
-def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
-                  source_path: str) -> dict:
-    from llm4llm.search.types import verdict_dict
-
-    v = verdict_dict(verdict)
-
-    def lat(key, q):
-        d = v.get(key) or {}
-        return d.get(q)
-
-    return {
-        "candidate_id": candidate.id, "task_id": task_id, "search_id": search_id, "episode": episode,
-        "iteration": iteration, "proposer": candidate.proposer, "template": candidate.template,
-        "parent_id": candidate.parent, "config_json": candidate.config, "source_path": source_path,
-        "passed": bool(v.get("passed")), "failure_class": v.get("failure_class"),
-        "message": (v.get("message") or "")[:2000], "max_abs_err": v.get("max_abs_err"),
-        "max_rel_err": v.get("max_rel_err"),
-        "cold_p20_ms": lat("candidate_cold", "p20"), "cold_p50_ms": lat("candidate_cold", "p50"),
-        "cold_p80_ms": lat("candidate_cold", "p80"),
-        "ctx_p20_ms": lat("candidate_in_context", "p20"), "ctx_p50_ms": lat("candidate_in_context", "p50"),
-        "ctx_p80_ms": lat("candidate_in_context", "p80"),
-        "ref_cold_p50_ms": lat("reference_cold", "p50"), "ref_ctx_p50_ms": lat("reference_in_context", "p50"),
-        "speedup_cold": v.get("speedup_cold"), "speedup_in_context": v.get("speedup_in_context"),
-        "utility": float(v.get("utility") or 0.0), "gates_json": v.get("gates", []),
-        "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
-        # migration 007: where the candidate came from, and KernelBench's torch.compile baseline and means
-        "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
-        "kb_means_json": v.get("kb_means_ms"),
-    }
-
-
-def candidate_origin(candidate) -> str:
-    """template | rewrite | llm: a built-in template's rendering, one after exact graph rewrites, or an LLM's."""
-    if (candidate.proposer or "").startswith("llm") or not candidate.template:
-        return "llm"
-    return "rewrite" if "rewrite" in candidate.template else "template"
-
-
-def llm_call_row(call, search_id: str | None = None, task_id: str | None = None) -> dict:
-    """An `llm_calls` row (storage/migrations/001_init.sql) from an LLMCall (its `db_row`) or a dict of the same
-    fields; the error text is redacted again (nothing key-like reaches DuckDB)."""
-    from llm4llm.llm.redact import redact
-
-    if hasattr(call, "db_row"):
-        row = call.db_row(search_id)
-    else:
-        d = call if isinstance(call, dict) else vars(call)
-        row = {"call_id": d.get("call_id") or uuid.uuid4().hex, "search_id": search_id or d.get("search_id"),
-               "task_id": d.get("task_id"), "model": d.get("model", ""), "prompt_tokens": d.get("prompt_tokens"),
-               "completion_tokens": d.get("completion_tokens"), "cost_usd": d.get("cost_usd", d.get("cost")),
-               "latency_ms": d.get("latency_ms"), "status": d.get("status", ""), "error": d.get("error"),
-               "attempt": d.get("attempt")}
-    if task_id is not None:
-        row["task_id"] = task_id
-    if row.get("error"):
-        row["error"] = redact(str(row["error"]))
-    return row
-
-
-# ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
-
-def _run_child(fn, args, kwargs):
-    from kernels_runtime.ops._common import interpret_without_gpu
-
-    interpret_without_gpu()
-    return fn(*args, **kwargs)
-
-
-def _workload_paths(workload_path: str) -> list[str]:
-    """What a sandboxed run of the workload must read: its TOML's dir, its script's dir, its checkpoint."""
-    paths = [str(Path(workload_path).resolve().parent)]
-    try:
-        from llm4llm.workload import load_workload
-
-        wl = load_workload(workload_path)
-        for attr in ("script", "checkpoint"):
-            p = getattr(wl, attr, None) or getattr(getattr(wl, "model", None), attr, None)
-            if p:
-                paths.append(str(Path(p).resolve().parent if Path(p).is_file() else Path(p).resolve()))
-    except Exception:  # noqa: BLE001 - an unusable workload fails in the child with its own message
-        pass
-    return paths
-
-
-def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s: float = 1.0,
-                  outputs: dict[str, str] | None = None, readable: list[str] | None = None,
-                  extra_env: dict[str, str] | None = None, box=None, **kwargs):
-    """Run fn(*args, **kwargs) in a fresh sandboxed process (llm4llm/verify/sandbox.py: candidates' kernels run in
-    it) and return its result. Exceptions raised there come back as themselves; a process that dies (GPU fault,
-    OOM kill) or overstays `timeout_s` raises RuntimeError, and nothing it started is left behind.
-
-    outputs: {kwarg name: real path} of files or dirs the child writes: it writes them inside its private dir and
-    the parent copies them to the real path before every poll and at the end (the child can write nothing else).
-    readable: paths outside the usual trees the child must read. poll: called every poll_every_s while the child
-    runs (a failing poll is retried by the next), and once after it ends however it ends (to pick up what it
-    streams; its failure is raised only when the child succeeded). The result is unpickled with an allowlist of
-    classes (llm4llm.verify.sandbox.SafeUnpickler), never as arbitrary pickle. box: a private dir from
-    sandbox.make_box the caller already filled (read-only copies under box/ro)."""
-    import pickle
-    import shutil
-    import time
-
-    from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
-                                        sandboxed_popen)
-
-    box = box or make_box("llm4llm-call-")
-    work = box / "work"
-    mapped = {}
-    for name, real in (outputs or {}).items():
-        child = work / "out" / name / Path(real).name
-        child.parent.mkdir(parents=True, exist_ok=True)
-        os.chown(child.parent, 65534, 65534) if os.geteuid() == 0 else None
-        os.chown(work / "out", 65534, 65534) if os.geteuid() == 0 else None
-        kwargs[name] = str(child)
-        mapped[name] = (child, Path(real))
-
-    def sync() -> None:
-        for child, real in mapped.values():
-            if child.is_dir():
-                shutil.copytree(child, real, dirs_exist_ok=True, symlinks=False)
-            elif child.is_file():
-                real.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(child, real)
-
-    def polled() -> None:
-        sync()
-        if poll:
-            poll()
-
-    ok = False
-    (box / "ro" / "call.pkl").write_bytes(pickle.dumps((_run_child, (fn, args, kwargs), {})))
-    proc = sandboxed_popen("llm4llm.verify.sandbox:call_main", box=box, extra_env={
-        "TORCHINDUCTOR_COMPILE_THREADS": "1", **(extra_env or {})}, extra_needed=readable or [])
-    dog = RssWatchdog(proc.pid, default_mem_limit())
-    dog.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"{fn.__name__}: no result within {timeout_s:.0f}s: the isolated process was "
-                                   f"killed")
-            try:
-                proc.wait(poll_every_s)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: poll and wait on
-                try:
-                    polled()
-                except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
-                    pass
-        result_file = work / "result.pkl"
-        if not result_file.exists():
-            why = f"RSS over {dog.limit / 2**30:.1f} GiB" if dog.tripped else f"exit code {proc.returncode}"
-            raise RuntimeError(f"{fn.__name__}: the isolated process died ({why})")
-        from llm4llm.verify.sandbox import SafeUnpickler
-
-        out = SafeUnpickler.loads(result_file.read_bytes())
-        if out[0] == "err":
-            exc = out[1]
-            if len(out) > 2 and out[2] and hasattr(exc, "add_note"):
-                exc.add_note("in the isolated process:\n" + out[2])
-            raise exc
-        ok = True
-        return out[1]
-    finally:
-        dog.stop()
-        kill_group(proc.pid)
-        try:
-            polled() if (poll or mapped) else None
-        except Exception:
-            if ok:  # a failing last poll must not mask why the child failed
-                raise
-        finally:
-            remove_box(box)
 
 
 def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
@@ -759,7 +502,7 @@ def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, 
     if names <= set(df["template"]):
         return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in df.to_dict("records")
                 if r["template"] in names]
-    pool, lock = verifier_pool(device, timeout_s, decode_timing)
+    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
 
     def verify(path, source):
         with lock:
@@ -826,6 +569,8 @@ def coverage_table(run_id: str, db_path: str | None) -> dict:
         phases[phase] = round(sum(t for _, t, _ in outer) / float(items[0][2]), 4) if items[0][2] else 0.0
     return {"tasks": rows, "phases": phases}
 
+
+# ---- acceptance and end-to-end evaluation ---------------------------------------------------------------------
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
     """Each searched task's best passing candidate, ranked against its search's pooled reference
@@ -932,11 +677,11 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     # Candidates run inside the model here, so this runs in a spawned process: a GPU fault or hang costs the
     # acceptance step (the task retries), never the flow process or its database connection.
     # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
-    result = in_subprocess(accept, str(Path(workload_path).resolve()), inside, outputs={"bundle_dir": str(bundle_dir)},
-                           readable=_workload_paths(workload_path), box=box,
-                           cfg=cfg if cfg is not None else AcceptConfig(),
-                           run_id=run_id)
-    if result.bundle_dir:  # written in the sandbox's dir, copied here by in_subprocess
+    result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
+                                     outputs={"bundle_dir": str(bundle_dir)},
+                                     readable=isolation.workload_paths(workload_path), box=box,
+                                     cfg=cfg if cfg is not None else AcceptConfig(), run_id=run_id)
+    if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
     for d in getattr(result, "decisions", []):
@@ -949,15 +694,13 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
         by_id = {p.candidate_id: p for p in proposals}
         for i, d in enumerate(result.decisions):
             if d.decision == "rejected":
-                repo.record_episode(db, {"search_id": f"accept-{run_id}", "episode": i, "trials": 1, "passed": 0,
-                                         "best_utility": None, "transcript_path": None},
+                repo.record_episode(db, rejection_episode_row(run_id, i),
                                     json.loads(rejection_experience(d, proposal_of(by_id, d.candidate_id)).to_json()),
                                     d.task_id)
         if result.bundle_dir:
             manifest = (Path(result.bundle_dir) / "manifest.json").read_text()
-            repo.record_patch_bundle(db, {"bundle_id": f"{run_id}-bundle", "run_id": run_id,
-                                          "workload_hash": wl["workload_hash"], "bundle_path": result.bundle_dir,
-                                          "manifest_json": json.loads(manifest)})
+            repo.record_patch_bundle(db, patch_row(run_id, wl["workload_hash"], result.bundle_dir,
+                                                   json.loads(manifest)))
     retry = sorted({d.task_id for d in result.decisions if d.decision == "rejected"
                     and not d.reason.startswith("latency gate skipped")})
     return {"bundle": result.bundle_dir, "accepted": sum(d.decision == "accepted" for d in result.decisions),
@@ -1028,7 +771,7 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             new = []
             for line in (stream.read_text().splitlines() if stream.exists() else [])[seen[0]:]:
                 try:
-                    new.append({"run_id": run_id, "workload_hash": wl["workload_hash"], **json.loads(line)})
+                    new.append(e2e_row(run_id, wl["workload_hash"], json.loads(line)))
                 except json.JSONDecodeError:  # the line being written: the next poll reads it whole
                     break
             if new:
@@ -1037,8 +780,9 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 seen[0] += len(new)
                 latest.update((r["variant"], r) for r in new)
 
-        in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
-                      bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants, repeats=repeats,
-                      outputs={"results_path": str(stream)}, poll=record_new,
-                      readable=_workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else []))
+        readable = isolation.workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else [])
+        isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
+                                bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants,
+                                repeats=repeats, outputs={"results_path": str(stream)}, poll=record_new,
+                                readable=readable)
     return {"run_id": run_id, "rows": list(latest.values())}

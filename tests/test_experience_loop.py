@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llm4llm import pipeline
+from llm4llm import isolation, pipeline
 from llm4llm.accept import Decision, Proposal
 from llm4llm.search.builtin import LibraryProposer
 from llm4llm.taskspec import load_spec
@@ -49,4 +49,4 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
     with Database(db_path) as db:
         tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out["search_id"])
     assert first.id not in set(tried["candidate_id"]) and len(tried) == 2
-    pipeline.close_pools()
+    isolation.close_pools()

@@ -249,7 +249,7 @@ def test_cli_family_restricts_the_search_to_that_family(prefect_harness, tmp_pat
 def test_in_subprocess_polls_without_masking_the_childs_own_error():
     """poll (what streams the child's rows into DuckDB) failing: retried while the child runs, raised after a
     child that succeeded, and never in place of the child's own error."""
-    from llm4llm.pipeline import in_subprocess
+    from llm4llm.isolation import in_subprocess
 
     calls = []
 

@@ -180,8 +180,8 @@ def test_run_passes_and_records_origins(kb_run):
 
 
 def test_origin_of_each_template():
-    from llm4llm.pipeline import candidate_origin
     from llm4llm.search.types import Candidate
+    from storage.rows import candidate_origin
 
     def origin(template, proposer="library"):
         return candidate_origin(Candidate(source=template, template=template, proposer=proposer))

@@ -17,7 +17,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-table 
 sys.path.insert(0, str(Path(__file__).parent))
 import llm_server as srv  # noqa: E402
 
-from llm4llm import pipeline  # noqa: E402
+from llm4llm import isolation, pipeline  # noqa: E402
 from storage.db import Database  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "tiny-llama.toml"
@@ -51,7 +51,7 @@ def tiny_run(tmp_path_factory):
     assert "variance_epsilon" in norm["static"]
     yield {"root": root, "data_dir": str(data_dir), "db": db_path, "run_id": run_id, "task_id": norm["task_id"],
            "task_dir": norm["artifact_path"]}
-    pipeline.close_pools()
+    isolation.close_pools()
 
 
 def llm_options(server: srv.ScriptedLLM, **kw) -> dict:

@@ -227,7 +227,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
     from flows.nightly import nightly_workload
-    from llm4llm import pipeline
+    from llm4llm import isolation, pipeline
 
     def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, outputs=None, readable=None,
                         extra_env=None, box=None, **kwargs):
@@ -238,7 +238,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
     # acceptance and e2e run in spawned processes for GPU isolation (tests/test_flows.py covers that path); here
     # the nights' bookkeeping is under test, so they run in this process (a process start costs ~10 s on the CPU)
-    monkeypatch.setattr(pipeline, "in_subprocess", in_this_process)
+    monkeypatch.setattr(isolation, "in_subprocess", in_this_process)
     w = _workloads(tmp_path)
     db, data = str(tmp_path / "db.duckdb"), str(tmp_path / "data")
     cfg = OptimizeConfig(search={"budget": 1, "top": 1}, evaluate={"variants": ["eager"], "repeats": 1})

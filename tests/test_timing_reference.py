@@ -425,17 +425,17 @@ def test_fresh_graph_timing_captures_every_call_on_a_state_prepared_after_the_wa
 def test_decode_timing_is_a_verifier_option(monkeypatch):
     """The optimize flow asks for graph timing through the verifier pool (not the environment): one pool per mode,
     the mode in the options every job carries to the worker; a bad mode is one error before a worker starts."""
-    from llm4llm import pipeline
+    from llm4llm import isolation
     from llm4llm.verify.worker import VerifierPool
 
     with pytest.raises(ValueError, match="decode_timing: expected one of"):
         VerifierPool("cpu", decode_timing="sometimes")
     spawned = []
     monkeypatch.setattr(VerifierPool, "_spawn", lambda self: spawned.append(self.options["decode_timing"]))
-    monkeypatch.setattr(pipeline, "_POOLS", {})
-    a, _ = pipeline.verifier_pool("cpu", 5.0, "graph")
-    b, _ = pipeline.verifier_pool("cpu", 5.0, "launch")
-    assert a is not b and spawned == ["graph", "launch"] and pipeline.verifier_pool("cpu", 5.0, "graph")[0] is a
+    monkeypatch.setattr(isolation, "_POOLS", {})
+    a, _ = isolation.verifier_pool("cpu", 5.0, "graph")
+    b, _ = isolation.verifier_pool("cpu", 5.0, "launch")
+    assert a is not b and spawned == ["graph", "launch"] and isolation.verifier_pool("cpu", 5.0, "graph")[0] is a
 
 
 class _ReadsCheckingBackend:

@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     from flows.optimize import optimize_workload
     from llm4llm.config import OptimizeConfig
-    from llm4llm import pipeline
+    from llm4llm import isolation, pipeline
     from storage import repo
     from storage.db import Database
 
@@ -79,7 +79,7 @@ def main() -> None:
         results.append(r)
         print(f"[{time.time() - T0:6.1f}s] {name} {t.task_id} {mode}: {r['trials']} trials, pass "
               f"{r['pass_rate']:.0%}, best {r['best_utility']}", flush=True)
-    pipeline.close_pools()
+    isolation.close_pools()
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump({"runs": runs, "searches": results}, f, indent=1, default=str)
