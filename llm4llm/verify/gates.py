@@ -1011,6 +1011,14 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
                     GateResult(name="timing_in_context", passed=True, detail=why)]
         return v.finish(), False
+    return _judge_timed(v, task, dev, rpc, work, all_draws, lossy)
+
+
+def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict], dict], work: Path,
+                 all_draws: list[Draw], lossy: dict | None) -> tuple[Verdict, bool]:
+    """judge_remote's timing half: the worker times the candidate (on the CPU: rehearses the timed calls) on fresh
+    inputs from a seed chosen here, and sends back a random sample of the timed calls' outputs, judged here
+    (`check_timed_samples`); then, on a GPU, the physical floor."""
     import secrets
 
     from safetensors.torch import load_file
