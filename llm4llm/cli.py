@@ -197,24 +197,29 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         with progress.rich_progress(console):
             out = optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
                                     data_dir=str(data_dir) if data_dir else None)
-        console.print(f"run [bold]{out['run_id']}[/]")
-        if out.get("decode_graphs"):
-            console.print(f"decode graphs: {out['decode_graphs']}")
-        _print_hotspots(out["profile_path"], 15)
-        if "tasks" in out:
-            _print_tasks(db, out["run_id"])
-        for r in out.get("searches", []):
-            console.print(f"search {r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, "
-                          f"best utility {r['best_utility']}")
-        if "acceptance" in out:
-            a = out["acceptance"]
-            console.print(f"acceptance ({a['timing']}, {a.get('metric', '')}): {a['accepted']} accepted, "
-                          f"{a['rejected']} rejected; bundle {a['bundle']}")
-            if a.get("floor"):
-                console.print(f"  noise {a['floor']}")
-            _print_decisions(db, out["run_id"])
-        if "e2e" in out:
-            _print_e2e(out["e2e"]["rows"])
+        _print_run(out, db)
+
+
+def _print_run(out: dict, db: Optional[Path]) -> None:
+    """What an optimize run did: its id, graphs, hotspots, tasks, searches, acceptance decisions and e2e table."""
+    console.print(f"run [bold]{out['run_id']}[/]")
+    if out.get("decode_graphs"):
+        console.print(f"decode graphs: {out['decode_graphs']}")
+    _print_hotspots(out["profile_path"], 15)
+    if "tasks" in out:
+        _print_tasks(db, out["run_id"])
+    for r in out.get("searches", []):
+        console.print(f"search {r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, "
+                      f"best utility {r['best_utility']}")
+    if "acceptance" in out:
+        a = out["acceptance"]
+        console.print(f"acceptance ({a['timing']}, {a.get('metric', '')}): {a['accepted']} accepted, "
+                      f"{a['rejected']} rejected; bundle {a['bundle']}")
+        if a.get("floor"):
+            console.print(f"  noise {a['floor']}")
+        _print_decisions(db, out["run_id"])
+    if "e2e" in out:
+        _print_e2e(out["e2e"]["rows"])
 
 
 PROPOSERS = ("library", "llm", "hybrid")
