@@ -66,7 +66,6 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     classes (llm4llm.verify.sandbox.SafeUnpickler), never as arbitrary pickle. box: a private dir from
     sandbox.make_box the caller already filled (read-only copies under box/ro)."""
     import pickle
-    import shutil
     import time
 
     from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
@@ -74,25 +73,10 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
 
     box = box or make_box("llm4llm-call-")
     work = box / "work"
-    mapped = {}
-    for name, real in (outputs or {}).items():
-        child = work / "out" / name / Path(real).name
-        child.parent.mkdir(parents=True, exist_ok=True)
-        os.chown(child.parent, 65534, 65534) if os.geteuid() == 0 else None
-        os.chown(work / "out", 65534, 65534) if os.geteuid() == 0 else None
-        kwargs[name] = str(child)
-        mapped[name] = (child, Path(real))
-
-    def sync() -> None:
-        for child, real in mapped.values():
-            if child.is_dir():
-                shutil.copytree(child, real, dirs_exist_ok=True, symlinks=False)
-            elif child.is_file():
-                real.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(child, real)
+    mapped = _map_outputs(work, outputs or {}, kwargs)
 
     def polled() -> None:
-        sync()
+        _sync(mapped)
         if poll:
             poll()
 
@@ -103,32 +87,10 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     dog = RssWatchdog(proc.pid, default_mem_limit())
     dog.start()
     try:
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"{fn.__name__}: no result within {timeout_s:.0f}s: the isolated process was "
-                                   f"killed")
-            try:
-                proc.wait(poll_every_s)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: poll and wait on
-                try:
-                    polled()
-                except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
-                    pass
-        result_file = work / "result.pkl"
-        if not result_file.exists():
-            why = f"RSS over {dog.limit / 2**30:.1f} GiB" if dog.tripped else f"exit code {proc.returncode}"
-            raise RuntimeError(f"{fn.__name__}: the isolated process died ({why})")
-        from llm4llm.verify.sandbox import SafeUnpickler
-
-        out = SafeUnpickler.loads(result_file.read_bytes())
-        if out[0] == "err":
-            exc = out[1]
-            if len(out) > 2 and out[2] and hasattr(exc, "add_note"):
-                exc.add_note("in the isolated process:\n" + out[2])
-            raise exc
+        _wait(proc, fn.__name__, time.monotonic() + timeout_s, timeout_s, polled, poll_every_s)
+        result = _result(work / "result.pkl", fn.__name__, dog, proc.returncode)
         ok = True
-        return out[1]
+        return result
     finally:
         dog.stop()
         kill_group(proc.pid)
@@ -139,3 +101,62 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
                 raise
         finally:
             remove_box(box)
+
+
+def _map_outputs(work: Path, outputs: dict[str, str], kwargs: dict) -> dict[str, tuple[Path, Path]]:
+    """Point each output kwarg at a path inside the child's private dir; {name: (child path, real path)}."""
+    mapped = {}
+    for name, real in outputs.items():
+        child = work / "out" / name / Path(real).name
+        child.parent.mkdir(parents=True, exist_ok=True)
+        os.chown(child.parent, 65534, 65534) if os.geteuid() == 0 else None
+        os.chown(work / "out", 65534, 65534) if os.geteuid() == 0 else None
+        kwargs[name] = str(child)
+        mapped[name] = (child, Path(real))
+    return mapped
+
+
+def _sync(mapped: dict[str, tuple[Path, Path]]) -> None:
+    """Copy what the child wrote so far to the real paths."""
+    import shutil
+
+    for child, real in mapped.values():
+        if child.is_dir():
+            shutil.copytree(child, real, dirs_exist_ok=True, symlinks=False)
+        elif child.is_file():
+            real.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(child, real)
+
+
+def _wait(proc, name: str, deadline: float, timeout_s: float, polled, poll_every_s: float) -> None:
+    """Wait for the child, polling every poll_every_s (a failing poll is retried by the next); past the deadline
+    raise (the caller kills the group)."""
+    import time
+
+    while proc.poll() is None:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{name}: no result within {timeout_s:.0f}s: the isolated process was killed")
+        try:
+            proc.wait(poll_every_s)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: poll and wait on
+            try:
+                polled()
+            except Exception:  # noqa: BLE001 - retried by the next poll and by the last one
+                pass
+
+
+def _result(result_file: Path, name: str, dog, returncode: int | None):
+    """The child's return value, unpickled with the allowlist; its exception re-raised with the child's
+    traceback as a note; a child that left no result died (RSS watchdog or exit code)."""
+    from llm4llm.verify.sandbox import SafeUnpickler
+
+    if not result_file.exists():
+        why = f"RSS over {dog.limit / 2**30:.1f} GiB" if dog.tripped else f"exit code {returncode}"
+        raise RuntimeError(f"{name}: the isolated process died ({why})")
+    out = SafeUnpickler.loads(result_file.read_bytes())
+    if out[0] == "err":
+        exc = out[1]
+        if len(out) > 2 and out[2] and hasattr(exc, "add_note"):
+            exc.add_note("in the isolated process:\n" + out[2])
+        raise exc
+    return out[1]
