@@ -52,7 +52,10 @@ def test_a_bundle_over_a_regime_runs_its_kernels_at_another_in_regime_shape(tmp_
             batches = {c.inputs["hidden_states"].shape[0] for c in spec.cases}
             assert batches == {1, 3}, spec.cases  # the corners were captured as cases of the one task
             t = next(t for t in TEMPLATES if t.why_not(spec) is None)
-            source = t.render(spec, t.default(spec))
+            # any correct config will do: the prefill scan one step at a time over one channel block (d_inner 64)
+            # runs several times faster under the interpreter than the default's chunked tl.associative_scan
+            fast = {"scan_BLOCK_T": 0, "scan_BLOCK_D": 64} if "scan_BLOCK_T" in t.default(spec) else {}
+            source = t.render(spec, {**t.default(spec), **fast})
             v = pool.verify(d, source)  # correctness at the corners (captured) and fresh draws of them
             assert v.passed, v.message
             guard = task_patch_spec(spec, "c", 1.0, "cpu").guard

@@ -47,7 +47,7 @@ def _sync():
 
 
 def back_to_back_us(fn, n: int) -> float:
-    for _ in range(50):
+    for _ in range(min(50, n)):  # never more warm-up than measured calls (a CPU smoke run's --calls is a handful)
         fn()
     _sync()
     t0 = time.perf_counter()
@@ -84,7 +84,7 @@ def main() -> int:
             ("LlamaRMSNorm[4096]", LlamaRMSNorm(4096).to(dev, dt), torch.randn(1, 1, 4096, device=dev, dtype=dt)),
             ("LlamaMLP(qwen3-4b)", LlamaMLP(cfg).to(dev, dt), torch.randn(1, 1, 2560, device=dev, dtype=dt)),
         ):
-            res = [dispatch_overhead_us(mod, (x,), repeats=args.calls, warmup=200) for _ in range(5)]
+            res = [dispatch_overhead_us(mod, (x,), repeats=args.calls, warmup=min(200, args.calls)) for _ in range(5)]
             orig = statistics.median(r.original_us for r in res)
             ident = statistics.median(r.patched_identity_us for r in res)
             bare = statistics.median(r.module_call_us for r in res)
