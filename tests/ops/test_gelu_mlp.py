@@ -78,8 +78,11 @@ def test_round_pre_rounds_the_pre_activation_to_x_dtype(gemv):
     b = (torch.randn(32, generator=g) * 0.01).to(torch.bfloat16)
     out = linear(x, w, b, "gelu", round_pre=True, gemv=gemv, **SMALL)
     rounded, unrounded = linear_ref(x, w, b, "gelu", round_pre=True), linear_ref(x, w, b, "gelu")
-    same_rounded = (out == rounded).float().mean().item()
-    same_unrounded = (out == unrounded).float().mean().item()
+    # Below about -4, GELU = x * (1 + erf(x / sqrt 2)) / 2 cancels in 1 + erf, and erf's last bits differ between
+    # hosts' libm (5 of the 256 elements there, on one CPU host, all below -4.5): bit equality is asked elsewhere
+    body = (w.float().T + b.float()).abs() < 4  # x @ w.T + b = w.T + b for x = identity
+    same_rounded = (out == rounded)[body].float().mean().item()
+    same_unrounded = (out == unrounded)[body].float().mean().item()
     assert same_rounded > 0.99 and same_unrounded < 0.95, (same_rounded, same_unrounded)
     assert torch.equal(linear(x.float(), w.float(), b.float(), "gelu", round_pre=True, gemv=gemv, **SMALL),
                        linear(x.float(), w.float(), b.float(), "gelu", gemv=gemv, **SMALL))  # fp32: a no-op
