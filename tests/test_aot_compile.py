@@ -130,3 +130,33 @@ def test_a_checker_that_cannot_run_skips_the_gate_and_says_why(monkeypatch, tmp_
     Fake.answer = staticmethod(lambda args: ('{"%s": ["_k: CompilationError"]}' % args[-2], ""))
     bad = aot.aot_gate(str(tmp_path), "x = 1\n")
     assert not bad.passed and "_k: CompilationError" in bad.detail
+
+
+def test_pdl_and_prefetch_gemvs_compile_for_sm90():
+    """The programmatic-dependent-launch GEMVs (griddepcontrol, sm_90 only) and the prefetching loop compile for the
+    H200; the interpreter runs them with PDL off, so this is their only CPU check of the PDL path."""
+    script = '''
+import json, torch
+from kernels_runtime.ops import gemv as G
+from llm4llm.verify.aot import capture_launches, compile_launches
+x = torch.randn(1, 256, dtype=torch.bfloat16)
+w, wu, r = torch.randn(96, 256, dtype=torch.bfloat16), torch.randn(96, 256, dtype=torch.bfloat16), torch.randn(1, 96, dtype=torch.bfloat16)
+nw = torch.rand(256, dtype=torch.bfloat16)
+def calls():
+    for pipe in (dict(PDL=True), dict(PREFETCH=True)):
+        G.gemv(x, w, residual=r, BLOCK_N=4, BLOCK_K=128, **pipe)
+        G.gemv(x, w, BLOCK_N=4, BLOCK_K=128, SPLIT_K=2, **pipe)
+        G.gate_up_swiglu(x, w, wu, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
+        G.gemv_residual_rmsnorm(x, w[:, :256], r, nw[:96], BLOCK_N=4, BLOCK_K=128, **pipe)
+        G.qkv_norm_rope(x, w[:64], w[64:80], w[80:96], None, None, 16, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
+launches = capture_launches(calls)
+pdl = [l for l in launches if l.options.get("launch_pdl")]
+print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launches(launches)}))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["pdl"] >= 5, out

@@ -89,6 +89,21 @@ def test_static_layer_template_matches_the_module(layer_task, workload, tmp_path
     assert v.max_abs_err is not None and v.max_abs_err < 1e-4
 
 
+def test_static_layer_fewest_launches_with_pdl_and_prefetch_pass(layer_task):
+    """The seed with the fewest launches (unsplit: q/k/v written by its GEMV, gate/up paired in one launch, the
+    post norm in gate/up's prologue), PDL on (the interpreter runs it as PREFETCH) and the prefetching loop on every
+    stage: the gates pass."""
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = layer_task("tiny-qwen3+static")
+    tpl = _template(NAME)
+    config = {**tpl.default(task.spec), **tpl.seeds(task.spec)[0], "attn_num_splits": 4, "attn_BLOCK_N": 16}
+    config.update({p + "PREFETCH": True for p in ("qkv_", "o_", "gu_", "dn_")})
+    assert config["pdl"] and config["post_norm"] == "gate_up_prologue"
+    v, _ = run_gates(str(task_dir), tpl.render(task.spec, config), device="cpu", draws=1, timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"
+
+
 def test_static_layer_other_fusion_and_splits_pass(layer_task):
     """The other post_attention_layernorm boundary (gate/up's prologue), every GEMV stage split along K, two on the
     tl.dot path, the cache in 4 splits of 16 positions: the gates pass."""
@@ -124,14 +139,16 @@ def test_static_layer_seeds_split_the_cache_to_fill_the_gpu():
     # no seed is the default's GEMVs with only the cache split changed (attention_decode_static's own default
     # already fills the SMs: such a seed timed within 0.3 % of the default on the H200)
     assert not any(all(k.startswith("attn_") for k in s) for s in seeds), seeds
-    first, second, third = seeds
+    fewer, first, fewer3, second, third = seeds
+    # the fewest launches first: the post norm in gate/up's prologue, every kernel launched with PDL
+    assert fewer["post_norm"] == "gate_up_prologue" and fewer["pdl"] and fewer3 == {**fewer, "num_stages": 3}
     assert first["qkv_BLOCK_N"] == 8 and first["qkv_BLOCK_K"] == 512
     assert all(second[p + "SPLIT_K"] == 2 for p in ("qkv_", "o_", "gu_", "dn_"))
     assert third["num_stages"] == 3
-    assert default["attn_num_splits"] is None
-    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split leads
+    assert default["attn_num_splits"] is None and default["pdl"] is False
+    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes second
     wide = spec.model_copy(update={"hardware": {"sm_count": 1024}})
-    assert any(v > 1 for k, v in tpl.seeds(wide)[0].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[0]
+    assert any(v > 1 for k, v in tpl.seeds(wide)[1].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[1]
 
 
 def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):

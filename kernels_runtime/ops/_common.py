@@ -46,6 +46,21 @@ def cast_out(x, DTYPE: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    # A kernel launched with programmatic dependent launch (PDL) that has nothing to load ahead: let the next kernel
+    # launch now, then wait until the previous one has finished and its writes are visible. Every PDL kernel waits
+    # in every program, so a kernel's completion still implies its predecessors' (the chain stays ordered).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+def pdl_launch(PDL: bool) -> dict:
+    """The launch option of a PDL kernel (sm_90+). The interpreter has no PDL: kernels run there with it off."""
+    return {"launch_pdl": True} if PDL and not interpreting() else {}
+
+
+@triton.jit
 def softplus(x):
     # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:
     # log(u) * e / (u - 1) with u = 1 + e is accurate to a few ulps where log(1 + e) loses e's low bits (x << 0;

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import interpreting, rnd
+from kernels_runtime.ops._common import interpreting, pdl_launch, pdl_wait, rnd
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
@@ -72,8 +72,9 @@ def _attention_decode_static_kernel(
     # Meta-parameters
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # q/k/v are the previous kernel's output
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b, hkv = pid_bh // Hkv, pid_bh % Hkv
@@ -160,8 +161,9 @@ def _merge_advance_kernel(
     # Strides
     stride_ob, stride_oh, stride_od,
     # Meta-parameters
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ADVANCE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
@@ -247,10 +249,11 @@ def attention_decode_static(
     cache_len: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     sliding_window: int | None = None, softcap: float | None = None, advance: bool = True,
-    BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
-    PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections)."""
+    PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections).
+    PDL: both kernels launched with programmatic dependent launch (they wait for the previous kernel first)."""
     norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")
@@ -277,10 +280,12 @@ def attention_decode_static(
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PDL=bool(PDL) and not interpreting(), **pdl_launch(PDL),
     )
     _merge_advance_kernel[(B * Hq,)](
         o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
         BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
+        PDL=bool(PDL) and not interpreting(), **pdl_launch(PDL),
     )
     return o
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, rnd
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, pdl_launch, pdl_wait, rnd
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
@@ -50,9 +50,15 @@ def _gemv_kernel(
     ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
+    SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (one segment, no split): y = out (+ residual)
-    # stored in p_ptr's dtype; else fp32 partial sums p[split, m, col].
+    # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
+    # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
+    # the gate): the program also streams the same rows of the up weight (w1_ptr) and stores silu(gate) * up.
+    # PREFETCH: the next weight tile is loaded before the current one is used (two tiles in flight a program).
+    # PDL (programmatic dependent launch, sm_90+): the kernel may start while the previous one drains; it lets the
+    # next kernel start the same way, loads its first weight tile (weights are never written), then waits for the
+    # previous kernel before it reads anything that kernel wrote and before it writes anything.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -68,6 +74,21 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    if SWIGLU:
+        u_rows = w1_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1] the same rows of the up weight
+    k_lo = split * K_PER
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH:  # the first tile, before waiting on the previous kernel
+        if EVEN_K:
+            f_ok = rk < BLOCK_K
+        else:
+            f_ok = ((k_lo + rk) < K) & (rk < K_PER)
+        w_nxt = tl.load(w_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
+        if SWIGLU:
+            u_nxt = tl.load(u_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -75,20 +96,36 @@ def _gemv_kernel(
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
-    k_lo = split * K_PER
     if DOT:  # the tensor cores over a 16-row x tile (rows past M masked): Triton pipelines dot operands' loads
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if SWIGLU:
+            acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if SWIGLU:
+            acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
         kk = k_lo + k0 + rk
         if EVEN_K:  # the split divides K into whole tiles: no mask along K, so the loads stay 16 bytes wide
             k_ok = rk < BLOCK_K
         else:
             k_ok = (kk < K) & ((k0 + rk) < K_PER)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if PREFETCH:  # this tile was loaded one step ago; load the next (a uniform mask past the split's end)
+            w = w_nxt
+            if EVEN_K:
+                n_ok_k = rk < K_PER - k0 - BLOCK_K  # all or none: the split holds whole tiles
+            else:
+                n_ok_k = ((kk + BLOCK_K) < K) & ((k0 + BLOCK_K + rk) < K_PER)
+            w_nxt = tl.load(w_rows + (kk + BLOCK_K)[None, :], mask=n_ok[:, None] & n_ok_k[None, :], other=0.0)
+            if SWIGLU:
+                u = u_nxt
+                u_nxt = tl.load(u_rows + (kk + BLOCK_K)[None, :], mask=n_ok[:, None] & n_ok_k[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if SWIGLU:
+                u = tl.load(u_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
         if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
             nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -102,20 +139,33 @@ def _gemv_kernel(
         elif BLOCK_M == 1:
             w = w.to(tl.float32)
             acc += w * x
+            if SWIGLU:
+                acc_u += u.to(tl.float32) * x
         else:
             acc3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            if SWIGLU:
+                acc3_u += u.to(tl.float32)[None, :, :] * x[:, None, :]
     if DOT:
         out = acc2
     elif BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+        if SWIGLU:
+            out_u = tl.sum(acc_u, axis=1)[None, :]
     else:
         out = tl.sum(acc3, axis=2)  # [BM, BN]
+        if SWIGLU:
+            out_u = tl.sum(acc3_u, axis=2)
     mask = m_ok[:, None] & n_ok[None, :]
-    if DIRECT:
+    if SWIGLU:  # LlamaMLP's roundings: each projection, silu, then the product
+        g = rnd(out, ACT_DTYPE)
+        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+        y = act * rnd(out_u, ACT_DTYPE)
+        tl.store(p_ptr + rm[:, None] * stride_pm + rn[None, :], cast_out(y, p_ptr.dtype.element_ty, RNE), mask=mask)
+    elif DIRECT:
         if HAS_RES:  # nn.Linear's output rounded first, then the residual added in fp32
             out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask,
                                                 other=0.0).to(tl.float32)
-        tl.store(p_ptr + rm[:, None] * stride_pm + rn[None, :], cast_out(out, p_ptr.dtype.element_ty, RNE),
+        tl.store(p_ptr + rm[:, None] * stride_pm + (col0 + rn)[None, :], cast_out(out, p_ptr.dtype.element_ty, RNE),
                  mask=mask)
     else:
         offs = (split * M + rm.to(tl.int64))[:, None] * NTOT + (col0 + rn)[None, :]
@@ -133,7 +183,9 @@ def _split_sum(p_ptr, row, cols, mask, M, NTOT, SPLIT):
 
 @triton.jit
 def _reduce_kernel(p_ptr, r_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_ym,
-                   HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -145,7 +197,8 @@ def _reduce_kernel(p_ptr, r_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_ym,
 
 @triton.jit
 def _swiglu_reduce_kernel(p_ptr, y_ptr, M, N, SPLIT, stride_ym,
-                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
+                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # y = silu(gate) * up, gate = p[:, row, :N], up = p[:, row, N:]; each eager op's rounding (LlamaMLP)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -159,7 +212,8 @@ def _swiglu_reduce_kernel(p_ptr, y_ptr, M, N, SPLIT, stride_ym,
 @triton.jit
 def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, h_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_hm,
                                     stride_ym, eps, ACT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
-                                    RNE: tl.constexpr, BLOCK: tl.constexpr):
+                                    RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # one program per row: h = residual + out (in the residual's dtype, as the eager add), y = RMSNorm(h)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -177,7 +231,8 @@ def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, h_ptr, y_ptr, M, N, SP
 def _qkv_reduce_kernel(p_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, y_ptr, M, HQ, HKV, SPLIT, NTOT, stride_cm,
                        stride_sm, stride_ym, eps, HALF,
                        HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+                       BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # Grid (M, HQ + 2 HKV): one head of q, k or v. q/k: RMSNorm over the head (Qwen3's q_norm / k_norm), then
     # q * cos + rotate_half(q) * sin with rotate_half(q) = [-q2, q1] (HF's apply_rotary_pos_emb, each op rounded).
     row = tl.program_id(0).to(tl.int64)
@@ -297,28 +352,44 @@ def _weights(ws, K, dtype):
             raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
 
 
-def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BLOCK_N, BLOCK_K, SPLIT_K,
-            num_warps, num_stages, DOT=False):
+def _split_of(K: int, BLOCK_K: int, SPLIT_K: int) -> tuple[int, int]:
+    """(programs along K, K a program covers in whole BLOCK_K tiles), no empty split."""
+    split = max(1, min(SPLIT_K, triton.cdiv(K, BLOCK_K)))
+    k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
+    return triton.cdiv(K, k_per), k_per
+
+
+def _dot_path(M: int, DOT: bool) -> bool:
+    return bool(DOT) or M > MAX_M
+
+
+def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
-    `direct_out` (one weight, no split) the output itself. Returns (partials or direct_out, split). DOT: tl.dot
-    over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256: shared-memory stages); the DOT path
-    also takes calls of more than MAX_M rows, in blocks of 16."""
+    `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
+    `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
+    split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
+    shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
+    weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
-    DOT = DOT or M > MAX_M
+    DOT = _dot_path(M, DOT)
     if DOT:
         BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, min(BLOCK_K, 256))  # w tiles of at most 16 KB a stage
     ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
     ntot = sum(ns)
-    split = max(1, min(SPLIT_K, triton.cdiv(K, BLOCK_K)))
-    k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
-    split = triton.cdiv(K, k_per)  # no empty split
+    split, k_per = _split_of(K, BLOCK_K, SPLIT_K)
     direct = direct_out is not None and split == 1
+    swiglu = swiglu_up is not None
+    if swiglu and (not direct or DOT or len(ws) != 1):
+        raise ValueError("gemv: the paired gate/up pass takes one gate weight, no K split and no DOT")
     block_m = MAX_M if DOT else triton.next_power_of_2(M)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
+    if swiglu:
+        w1 = swiglu_up
     launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2,
         M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
@@ -326,8 +397,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, BL
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
-             DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32"), num_warps=num_warps,
-        num_stages=num_stages)
+             DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
+             PREFETCH=bool(PREFETCH or PDL), PDL=bool(PDL) and not interpreting()),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
 
 
@@ -337,9 +409,10 @@ def _reduce_block(n: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-         num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
+         num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
-    residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV."""
+    residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
+    PDL: `_gemv_kernel`'s."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -353,20 +426,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     y = torch.empty((x2.shape[0], N), device=x.device, dtype=out_dtype)
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
-                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
+                              PREFETCH=PREFETCH, PDL=PDL)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
                 part, y if r2 is None else r2, y, x2.shape[0], N, split, 0 if r2 is None else r2.stride(0),
                 y.stride(0)), dict(HAS_RES=r2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
-                                   RNE=interpreting(), BLOCK=blk))
+                                   RNE=interpreting(), BLOCK=blk, PDL=bool(PDL) and not interpreting()), **pdl_launch(PDL))
     return y.reshape(*x.shape[:-1], N)
 
 
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
-                          num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
+                          PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
     down_proj with the next layer's input_layernorm."""
@@ -384,20 +458,24 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
-                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N)), num_warps=reduce_warps)
+                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N), PDL=bool(PDL) and not interpreting()),
+            num_warps=reduce_warps, **pdl_launch(PDL))
     lead = x.shape[:-1]
     return h.reshape(*lead, N), y.reshape(*lead, N)
 
 
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-                   num_stages: int = 1, DOT: bool = False) -> torch.Tensor:
+                   num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
+                   paired: bool = True) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
-    `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm)."""
+    `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
+    path) each program streams the same rows of both weights and writes the product itself (`paired`: one launch);
+    else gate and up are blocks of one pass and a second launch takes the product of the sums."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)
     if w_up.shape != w_gate.shape:
@@ -406,12 +484,16 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     x2 = _rows2(x, K, "x")
     M = x2.shape[0]
     y = torch.empty((M, I), device=x.device, dtype=x.dtype)
-    if M:
-        part, split = _stream(x2, [w_gate, w_up], norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+    kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
+              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
+    if M and paired and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1 and not _dot_path(M, DOT):
+        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **kw)
+    elif M:
+        part, split = _stream(x2, [w_gate, w_up], **kw)
         blk = _reduce_block(I)
         launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
-               dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk))
+               dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk,
+                    PDL=bool(PDL) and not interpreting()), **pdl_launch(PDL))
     return y.reshape(*x.shape[:-1], I)
 
 
@@ -419,12 +501,13 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   sin: torch.Tensor | None, head_dim: int, *, q_norm_w: torch.Tensor | None = None,
                   k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
-                  SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
+                  PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
-    is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm)."""
+    is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm). Without
+    the q/k norms, the rotary embedding and a K split, the pass writes q/k/v itself (one launch)."""
     K = x.shape[-1]
     _weights([wq, wk, wv], K, x.dtype)
     D = head_dim
@@ -444,15 +527,19 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
             raise ValueError(f"qkv_norm_rope: expected cos/sin [{M}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     ntot = (hq + 2 * hkv) * D
     y = torch.empty((M, ntot), device=x.device, dtype=x.dtype)
+    plain = q_norm_w is None and c2 is None  # nothing per head after the projections
     if M:
-        part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-                              num_warps=num_warps, num_stages=num_stages, DOT=DOT)
+        part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
+                              BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
+    if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,
             y if k_norm_w is None else k_norm_w, y, M, hq, hkv, split, ntot,
             0 if c2 is None else c2.stride(0), 0 if s2 is None else s2.stride(0), y.stride(0), float(eps), D // 2),
             dict(HAS_NORM=q_norm_w is not None, HAS_ROPE=c2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
-                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2)), num_warps=1)
+                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2), PDL=bool(PDL) and not interpreting()),
+            num_warps=1, **pdl_launch(PDL))
     q = y[:, : hq * D].view(M, hq, D)
     k = y[:, hq * D: (hq + hkv) * D].view(M, hkv, D)
     v = y[:, (hq + hkv) * D:].view(M, hkv, D)

@@ -157,3 +157,54 @@ def test_dot_path_every_op(dtype, M):
     cos, sin = _rope(M, D, dtype)
     for a, b in zip(qkv_norm_rope(x, wq, wk, wk, cos, sin, D, **cfg), qkv_norm_rope_ref(x, wq, wk, wk, cos, sin, D)):
         assert_close(a, b, name="qkv dot")
+
+
+# One launch where there was two (the paired gate/up pass, q/k/v written by the pass) and the prefetching / PDL
+# loop (under the interpreter PDL runs as PREFETCH: the first tile loaded ahead, then the loop two tiles deep):
+# every variant gives the bits of the two-launch, one-tile path, on even and ragged K, split and unsplit.
+PIPE_CFGS = [dict(BLOCK_N=4, BLOCK_K=16, SPLIT_K=1), dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=3),
+             dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=2)]
+
+
+@pytest.mark.parametrize("pipe", [dict(PREFETCH=True), dict(PDL=True)])
+@pytest.mark.parametrize("cfg", PIPE_CFGS)
+@pytest.mark.parametrize("K", [64, 45])
+def test_prefetch_and_pdl_give_the_same_bits(pipe, cfg, K):
+    torch.manual_seed(K)
+    dt = torch.bfloat16
+    x, w, nw = torch.randn(3, K, dtype=dt), _w(37, K, dt), torch.rand(K, dtype=dt) + 0.5
+    res = torch.randn(3, 37, dtype=dt)
+    assert torch.equal(gemv(x, w, **cfg, **pipe), gemv(x, w, **cfg))
+    assert torch.equal(gemv(x, w, residual=res, norm_w=nw, **cfg, **pipe), gemv(x, w, residual=res, norm_w=nw, **cfg))
+    h0, y0 = gemv_residual_rmsnorm(x, w, res, torch.rand(37, dtype=dt) + 0.5, **cfg)
+    wg, wu = _w(21, K, dt), _w(21, K, dt)
+    assert torch.equal(gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg, **pipe),
+                       gate_up_swiglu(x, wg, wu, norm_w=nw, paired=False, **cfg))
+    wq, wk, wv = _w(16, K, dt), _w(8, K, dt), _w(8, K, dt)
+    for a, b in zip(qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, **cfg, **pipe),
+                    qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, **cfg)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3])
+def test_paired_gate_up_and_direct_qkv_are_one_launch(dtype, M, monkeypatch):
+    from kernels_runtime.ops import gemv as G
+
+    kernels = []
+    real = G.launch
+    monkeypatch.setattr(G, "launch", lambda fn, *a, **k: (kernels.append(fn.__name__), real(fn, *a, **k))[1])
+    x, wg, wu = torch.randn(M, 48, dtype=dtype), _w(19, 48, dtype), _w(19, 48, dtype)
+    out = gate_up_swiglu(x, wg, wu, BLOCK_N=4, BLOCK_K=16)
+    assert kernels == ["_gemv_kernel"]
+    assert_close(out, gate_up_swiglu_ref(x.double(), wg.double(), wu.double()).to(dtype), dtype, name="paired")
+    kernels.clear()
+    wq, wk, wv = _w(24, 48, dtype), _w(8, 48, dtype), _w(8, 48, dtype)
+    q, k, v = qkv_norm_rope(x, wq, wk, wv, None, None, 8, BLOCK_N=4, BLOCK_K=16)
+    assert kernels == ["_gemv_kernel"]
+    for got, want in zip((q, k, v), qkv_norm_rope_ref(x.double(), wq.double(), wk.double(), wv.double(), None,
+                                                      None, 8)):
+        assert_close(got, want.to(dtype), dtype, name="direct qkv")
+    kernels.clear()
+    gate_up_swiglu(x, wg, wu, BLOCK_N=4, BLOCK_K=16, SPLIT_K=2)  # a K split keeps the reduction launch
+    assert kernels == ["_gemv_kernel", "_swiglu_reduce_kernel"]

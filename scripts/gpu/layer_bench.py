@@ -1,0 +1,261 @@
+"""A decode step's decoder layers on the GPU, kernel configurations side by side: what decoder_layer.decode_static
+runs, layer after layer, from one CUDA graph, against the weight-streaming floor.
+
+    python scripts/gpu/layer_bench.py --out layers.jsonl [--models qwen3-4b,llama-3.2-3b] [--max-s 200]
+    python scripts/gpu/layer_bench.py --device cpu --models tiny --out x.jsonl   # smoke run under the interpreter
+
+Per model shape (published configs, seeded random bf16 weights; every layer its own weights, so a step streams all
+of them from HBM as the model's decode step does; a static KV cache of --cache positions per layer, --pos of them
+filled), one CUDA graph a variant of the whole stack of layers (the layer as the template's entry runs it:
+kernels_runtime.ops.gemv's q/k/v with input_layernorm, attention_decode_static, o_proj + residual + the post norm,
+gate/up + SwiGLU, down + residual). The length is not advanced (advance=False), so every replay computes the same
+step. Variants interleave over --rounds rounds (A B C ... A B C ...); p20/p50/p80 of the step's GPU time (CUDA
+events around one replay). floor = the layers' weight bytes over the device-to-device copy bandwidth measured first
+in this process. Checks, per variant: the graph replay's output equals the eager (stream) run's bit for bit, and it
+matches the first variant's within the bf16 tolerance (kernels_runtime.tolerances); a variant whose only change is
+PDL or PREFETCH must equal its base bit for bit. Variants: the template's default and seeds
+(llm4llm.search.templates.decode_fused), then the launch-count and prefetch/PDL points below.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import torch  # noqa: E402
+
+SHAPES = {  # hidden, q heads, kv heads, head_dim, intermediate, layers, Qwen3's q/k norms (published configs)
+    "qwen3-4b": dict(H=2560, hq=32, hkv=8, D=128, I=9728, L=36, qk_norm=True),
+    "llama-2-7b": dict(H=4096, hq=32, hkv=32, D=128, I=11008, L=32, qk_norm=False),
+    "llama-3.2-3b": dict(H=3072, hq=24, hkv=8, D=128, I=8192, L=28, qk_norm=False),
+    "tiny": dict(H=64, hq=4, hkv=2, D=16, I=96, L=2, qk_norm=True),
+}
+EPS = 1e-6
+
+
+def q(vals, p):
+    s = sorted(vals)
+    return s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]
+
+
+def spec_of(s: dict, sms: int):
+    """The static values decoder_layer.decode_static's default and seeds read, as the extraction records them."""
+    static = {"self_attn.q_proj.in_features": s["H"], "self_attn.q_proj.out_features": s["hq"] * s["D"],
+              "self_attn.k_proj.out_features": s["hkv"] * s["D"], "self_attn.head_dim": s["D"],
+              "mlp.hidden_size": s["H"], "mlp.intermediate_size": s["I"]}
+    return SimpleNamespace(static=static, hardware={"sm_count": sms})
+
+
+def variants(s: dict, sms: int) -> dict[str, dict]:
+    """name -> layer config: the template's default, its seeds, then one change at a time on the seeded point."""
+    from llm4llm.search.templates.decode_fused import _layer_static_default, _layer_static_seeds
+
+    spec = spec_of(s, sms)
+    base = {**_layer_static_default(spec), "pdl": False}
+    seeds = _layer_static_seeds(spec)
+    out = {"default": dict(base), "default_unpaired": {**base, "gu_paired": False}}
+    for i, sd in enumerate(seeds):
+        out[f"seed{i}"] = {**base, **sd}
+    sp = {**base, **seeds[0]}  # the cache split of the seeds
+    pro = {**sp, "post_norm": "gate_up_prologue"}
+    out["prologue"] = pro
+    out["prologue_prefetch"] = {**pro, **{p + "PREFETCH": True for p in ("qkv_", "o_", "gu_", "dn_")}}
+    out["prologue_pdl"] = {**pro, "pdl": True}
+    out["prologue_pdl_st3"] = {**pro, "pdl": True, "num_stages": 3}
+    out["prologue_pdl_8x512"] = {**pro, "pdl": True, **{p + k: v for p in ("qkv_", "o_", "gu_", "dn_")
+                                                         for k, v in (("BLOCK_N", 8), ("BLOCK_K", 512))}}
+    out["prologue_pdl_2x1024"] = {**pro, "pdl": True, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}
+    out["prologue_pdl_w8"] = {**pro, "pdl": True, **{p + "num_warps": 8 for p in ("qkv_", "o_", "gu_", "dn_")}}
+    out["o_reduce_pdl"] = {**sp, "pdl": True}
+    return out
+
+
+def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
+    g = torch.Generator(device=device).manual_seed(0)  # on the device: billions of weights
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dt)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dt)
+
+    H, D, hq, hkv, I = s["H"], s["D"], s["hq"], s["hkv"], s["I"]
+    layers = []
+    for _ in range(n_layers):
+        kc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
+        vc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
+        kc[:, :, pos:], vc[:, :, pos:] = 0, 0
+        layers.append(dict(wq=w(hq * D, H), wk=w(hkv * D, H), wv=w(hkv * D, H), wo=w(H, hq * D), wg=w(I, H),
+                           wu=w(I, H), wd=w(H, I), n_in=norm(H), n_post=norm(H),
+                           qn=norm(D) if s["qk_norm"] else None, kn=norm(D) if s["qk_norm"] else None,
+                           kc=kc, vc=vc, n=torch.tensor(pos, dtype=torch.int64, device=device)))
+    ang = torch.rand(1, 1, D // 2, generator=g, device=device) * 6.28
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dt).view(1, 1, D)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dt).view(1, 1, D)
+    return layers, cos, sin
+
+
+def layer(x, lw, cos, sin, cfg, D):
+    """decoder_layer.decode_static's entry (llm4llm/search/templates/decode_fused.py) on one layer's tensors."""
+    from kernels_runtime.ops.attention_decode_static import attention_decode_static
+    from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope
+
+    def stage(p):
+        kw = {k[len(p):]: v for k, v in cfg.items() if k.startswith(p)}
+        kw["num_stages"], kw["PDL"] = cfg["num_stages"], cfg.get("pdl", False)
+        return kw
+
+    B, S, H = x.shape
+    x2 = x.reshape(-1, H)
+    q_, k_, v_ = qkv_norm_rope(x2, lw["wq"], lw["wk"], lw["wv"], None, None, D, norm_w=lw["n_in"], norm_eps=EPS,
+                               **stage("qkv_"))
+    q_, k_, v_ = (t.view(B, S, -1, D).transpose(1, 2) for t in (q_, k_, v_))
+    attn = {k[5:]: v for k, v in cfg.items() if k.startswith("attn_")}
+    o = attention_decode_static(q_, k_, v_, lw["kc"], lw["vc"], lw["n"], cos, sin, D ** -0.5,
+                                q_norm_weight=lw["qn"], k_norm_weight=lw["kn"], eps=EPS, advance=False,
+                                PDL=cfg.get("pdl", False), **attn)
+    o = o.transpose(1, 2).reshape(B * S, -1)
+    gu = stage("gu_")
+    if cfg["post_norm"] == "o_reduce":
+        h, hn = gemv_residual_rmsnorm(o, lw["wo"], x2, lw["n_post"], EPS, **stage("o_"))
+        g_ = gate_up_swiglu(hn, lw["wg"], lw["wu"], **gu)
+    else:
+        h = gemv(o, lw["wo"], residual=x2, **stage("o_"))
+        g_ = gate_up_swiglu(h, lw["wg"], lw["wu"], norm_w=lw["n_post"], eps=EPS, **gu)
+    return gemv(g_, lw["wd"], residual=h, **stage("dn_")).view(B, S, H)
+
+
+def step(x, layers, cos, sin, cfg, D):
+    for lw in layers:
+        x = layer(x, lw, cos, sin, cfg, D)
+    return x
+
+
+def graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    torch.cuda.synchronize()
+    return g, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="qwen3-4b,llama-3.2-3b,llama-2-7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cache", type=int, default=640, help="static cache positions a layer")
+    ap.add_argument("--pos", type=int, default=575, help="the length before the token (the write position)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--max-s", type=float, default=200.0, help="stop starting new models after this many seconds")
+    args = ap.parse_args()
+    t0 = time.time()
+    gpu = args.device.startswith("cuda")
+    dt = torch.bfloat16
+    from kernels_runtime.tolerances import compare
+
+    meta = dict(torch=torch.__version__, device=args.device, cache=args.cache, pos=args.pos)
+    if gpu:
+        import triton
+
+        from llm4llm.evaluate import copy_bandwidth_gbps
+
+        meta.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, copy_GBps=copy_bandwidth_gbps())
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"copy bandwidth {meta['copy_GBps']:.0f} GB/s on {meta['gpu']}, {sms} SMs", flush=True)
+    else:
+        sms = 132
+    rows = []
+    with torch.no_grad(), open(args.out, "w") as f:
+        for model in args.models.split(","):
+            if time.time() - t0 > args.max_s:
+                print(f"time limit: skipped {model}", flush=True)
+                continue
+            s = SHAPES[model]
+            cache, pos = (args.cache, args.pos) if gpu else (16, 9)
+            layers, cos, sin = make_layers(s, s["L"], cache, pos, args.device, dt)
+            wbytes = sum(t.numel() * t.element_size() for lw in layers
+                         for k, t in lw.items() if k.startswith("w"))
+            floor_us = wbytes / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
+            x = (torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1))).to(dt).to(args.device)
+            vs = variants(s, sms)
+            if args.only:
+                vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
+            runs, outs, bad = {}, {}, {}
+            for name, cfg in vs.items():
+                try:
+                    eager = step(x, layers, cos, sin, cfg, s["D"])
+                    if gpu:
+                        torch.cuda.synchronize()
+                        g, out = graph_of(lambda cfg=cfg: step(x, layers, cos, sin, cfg, s["D"]))
+                        g.replay()
+                        torch.cuda.synchronize()
+                        if not torch.equal(out, eager):
+                            bad[name] = "graph replay differs from the eager run"
+                        runs[name] = g
+                    outs[name] = eager.clone()
+                except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others go on
+                    bad[name] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"{model} {name}: FAILED {bad[name]}", flush=True)
+            first = next(iter(outs))
+            for name in outs:
+                c = compare(outs[name].float(), outs[first].float())
+                if not c.ok:
+                    bad.setdefault(name, f"differs from {first}: {c}"[:300])
+            for a, b in (("prologue_prefetch", "prologue"), ("prologue_pdl", "prologue"),
+                         ("o_reduce_pdl", "seed0")):
+                if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
+                    bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
+            times = {k: [] for k in runs}
+            for _ in range(args.rounds if gpu else 0):
+                for k, g in runs.items():
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    g.replay()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times[k].append(e0.elapsed_time(e1) * 1e3)  # us a step
+            for name, cfg in vs.items():
+                ts = times.get(name) or []
+                row = dict(model=model, variant=name, layers=s["L"], weight_bytes=wbytes, floor_us=floor_us,
+                           ok=name not in bad, problem=bad.get(name), config=cfg, **meta)
+                if ts:
+                    p50 = statistics.median(ts)
+                    row.update(p20=q(ts, 0.2), p50=p50, p80=q(ts, 0.8), per_layer_us=p50 / s["L"],
+                               vs_floor=p50 / floor_us, times_us=ts)
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            print(f"\n{model}: {s['L']} layers, {wbytes / 1e9:.2f} GB of weights, floor {floor_us:.0f} us a step",
+                  flush=True)
+            print(f"{'variant':<22} {'step us p50 (p20-p80)':>26} {'us/layer':>9} {'x floor':>8}  ok", flush=True)
+            for r in rows:
+                if r["model"] != model:
+                    continue
+                if "p50" in r:
+                    print(f"{r['variant']:<22} {r['p50']:10.1f} ({r['p20']:.1f}-{r['p80']:.1f}) "
+                          f"{r['per_layer_us']:9.2f} {r['vs_floor']:8.3f}  {r['ok'] or r['problem']}", flush=True)
+                else:
+                    print(f"{r['variant']:<22} {'-':>26} {'-':>9} {'-':>8}  {r['ok'] or r['problem']}", flush=True)
+            del runs, layers
+            if gpu:
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
