@@ -152,6 +152,94 @@ def graph_of(fn):
     return g, out
 
 
+def build_variants(vs, x, layers, cos, sin, D, gpu):
+    """Each variant's step run eagerly and captured in a graph; -> (graphs, eager outputs, problems)."""
+    runs, outs, bad = {}, {}, {}
+    for name, cfg in vs.items():
+        try:
+            eager = step(x, layers, cos, sin, cfg, D)
+            if gpu:
+                torch.cuda.synchronize()
+                g, out = graph_of(lambda cfg=cfg: step(x, layers, cos, sin, cfg, D))
+                g.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(out, eager):
+                    bad[name] = "graph replay differs from the eager run"
+                runs[name] = g
+            outs[name] = eager.clone()
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others go on
+            bad[name] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"{name}: FAILED {bad[name]}", flush=True)
+    return runs, outs, bad
+
+
+def check_outputs(outs, bad):
+    """Every variant within the bf16 tolerance of the first; PDL / PREFETCH points bit-equal to their base."""
+    from kernels_runtime.tolerances import compare
+
+    first = next(iter(outs))
+    for name in outs:
+        c = compare(outs[name].float(), outs[first].float())
+        if not c.ok:
+            bad.setdefault(name, f"differs from {first}: {c}"[:300])
+    for a, b in (("prologue_prefetch", "prologue"), ("prologue_pdl", "prologue"), ("o_reduce_pdl", "seed0")):
+        if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
+            bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
+
+
+def time_interleaved(runs, rounds):
+    """us a step per variant, the variants interleaved round by round (A B C ... A B C ...)."""
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, g in runs.items():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times[k].append(e0.elapsed_time(e1) * 1e3)
+    return times
+
+
+def print_table(model, s, wbytes, floor_us, rows):
+    print(f"\n{model}: {s['L']} layers, {wbytes / 1e9:.2f} GB of weights, floor {floor_us:.0f} us a step", flush=True)
+    print(f"{'variant':<22} {'step us p50 (p20-p80)':>26} {'us/layer':>9} {'x floor':>8}  ok", flush=True)
+    for r in rows:
+        ok = r["ok"] or r["problem"]
+        if "p50" in r:
+            print(f"{r['variant']:<22} {r['p50']:10.1f} ({r['p20']:.1f}-{r['p80']:.1f}) "
+                  f"{r['per_layer_us']:9.2f} {r['vs_floor']:8.3f}  {ok}", flush=True)
+        else:
+            print(f"{r['variant']:<22} {'-':>26} {'-':>9} {'-':>8}  {ok}", flush=True)
+
+
+def bench_model(model, args, meta, sms, gpu, dt):
+    s = SHAPES[model]
+    cache, pos = (args.cache, args.pos) if gpu else (16, 9)
+    layers, cos, sin = make_layers(s, s["L"], cache, pos, args.device, dt)
+    wbytes = sum(t.numel() * t.element_size() for lw in layers for k, t in lw.items() if k.startswith("w"))
+    floor_us = wbytes / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
+    x = torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1)).to(dt).to(args.device)
+    vs = variants(s, sms)
+    if args.only:
+        vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
+    runs, outs, bad = build_variants(vs, x, layers, cos, sin, s["D"], gpu)
+    check_outputs(outs, bad)
+    times = time_interleaved(runs, args.rounds if gpu else 0)
+    rows = []
+    for name, cfg in vs.items():
+        ts = times.get(name) or []
+        row = dict(model=model, variant=name, layers=s["L"], weight_bytes=wbytes, floor_us=floor_us,
+                   ok=name not in bad, problem=bad.get(name), config=cfg, **meta)
+        if ts:
+            p50 = statistics.median(ts)
+            row.update(p20=q(ts, 0.2), p50=p50, p80=q(ts, 0.8), per_layer_us=p50 / s["L"], vs_floor=p50 / floor_us,
+                       times_us=ts)
+        rows.append(row)
+    print_table(model, s, wbytes, floor_us, rows)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -165,10 +253,8 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     gpu = args.device.startswith("cuda")
-    dt = torch.bfloat16
-    from kernels_runtime.tolerances import compare
-
     meta = dict(torch=torch.__version__, device=args.device, cache=args.cache, pos=args.pos)
+    sms = 132
     if gpu:
         import triton
 
@@ -177,81 +263,14 @@ def main() -> int:
         meta.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, copy_GBps=copy_bandwidth_gbps())
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"copy bandwidth {meta['copy_GBps']:.0f} GB/s on {meta['gpu']}, {sms} SMs", flush=True)
-    else:
-        sms = 132
-    rows = []
     with torch.no_grad(), open(args.out, "w") as f:
         for model in args.models.split(","):
             if time.time() - t0 > args.max_s:
                 print(f"time limit: skipped {model}", flush=True)
                 continue
-            s = SHAPES[model]
-            cache, pos = (args.cache, args.pos) if gpu else (16, 9)
-            layers, cos, sin = make_layers(s, s["L"], cache, pos, args.device, dt)
-            wbytes = sum(t.numel() * t.element_size() for lw in layers
-                         for k, t in lw.items() if k.startswith("w"))
-            floor_us = wbytes / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
-            x = (torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1))).to(dt).to(args.device)
-            vs = variants(s, sms)
-            if args.only:
-                vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
-            runs, outs, bad = {}, {}, {}
-            for name, cfg in vs.items():
-                try:
-                    eager = step(x, layers, cos, sin, cfg, s["D"])
-                    if gpu:
-                        torch.cuda.synchronize()
-                        g, out = graph_of(lambda cfg=cfg: step(x, layers, cos, sin, cfg, s["D"]))
-                        g.replay()
-                        torch.cuda.synchronize()
-                        if not torch.equal(out, eager):
-                            bad[name] = "graph replay differs from the eager run"
-                        runs[name] = g
-                    outs[name] = eager.clone()
-                except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others go on
-                    bad[name] = f"{type(exc).__name__}: {exc}"[:300]
-                    print(f"{model} {name}: FAILED {bad[name]}", flush=True)
-            first = next(iter(outs))
-            for name in outs:
-                c = compare(outs[name].float(), outs[first].float())
-                if not c.ok:
-                    bad.setdefault(name, f"differs from {first}: {c}"[:300])
-            for a, b in (("prologue_prefetch", "prologue"), ("prologue_pdl", "prologue"),
-                         ("o_reduce_pdl", "seed0")):
-                if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
-                    bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
-            times = {k: [] for k in runs}
-            for _ in range(args.rounds if gpu else 0):
-                for k, g in runs.items():
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    g.replay()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times[k].append(e0.elapsed_time(e1) * 1e3)  # us a step
-            for name, cfg in vs.items():
-                ts = times.get(name) or []
-                row = dict(model=model, variant=name, layers=s["L"], weight_bytes=wbytes, floor_us=floor_us,
-                           ok=name not in bad, problem=bad.get(name), config=cfg, **meta)
-                if ts:
-                    p50 = statistics.median(ts)
-                    row.update(p20=q(ts, 0.2), p50=p50, p80=q(ts, 0.8), per_layer_us=p50 / s["L"],
-                               vs_floor=p50 / floor_us, times_us=ts)
-                rows.append(row)
+            for row in bench_model(model, args, meta, sms, gpu, torch.bfloat16):
                 f.write(json.dumps(row) + "\n")
-                f.flush()
-            print(f"\n{model}: {s['L']} layers, {wbytes / 1e9:.2f} GB of weights, floor {floor_us:.0f} us a step",
-                  flush=True)
-            print(f"{'variant':<22} {'step us p50 (p20-p80)':>26} {'us/layer':>9} {'x floor':>8}  ok", flush=True)
-            for r in rows:
-                if r["model"] != model:
-                    continue
-                if "p50" in r:
-                    print(f"{r['variant']:<22} {r['p50']:10.1f} ({r['p20']:.1f}-{r['p80']:.1f}) "
-                          f"{r['per_layer_us']:9.2f} {r['vs_floor']:8.3f}  {r['ok'] or r['problem']}", flush=True)
-                else:
-                    print(f"{r['variant']:<22} {'-':>26} {'-':>9} {'-':>8}  {r['ok'] or r['problem']}", flush=True)
-            del runs, layers
+            f.flush()
             if gpu:
                 torch.cuda.empty_cache()
     return 0
