@@ -780,9 +780,13 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                 seen[0] += len(new)
                 latest.update((r["variant"], r) for r in new)
 
-        readable = isolation.workload_paths(workload_path) + ([str(Path(bundle).resolve())] if bundle else [])
-        isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()),
-                                bundle=str(Path(bundle).resolve()) if bundle else None, variants=variants,
-                                repeats=repeats, outputs={"results_path": str(stream)}, poll=record_new,
-                                readable=readable)
+        # the bundle (candidate code) as a read-only copy in the child's private dir: the bundle store's own dirs
+        # need not be reachable by the sandbox's uid (a layer the child would otherwise lose)
+        from llm4llm.verify.sandbox import copy_readonly, make_box
+
+        box = make_box("llm4llm-e2e-")
+        inside = str(copy_readonly(Path(bundle).resolve(), box / "ro" / "bundle")) if bundle else None
+        isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()), bundle=inside,
+                                variants=variants, repeats=repeats, outputs={"results_path": str(stream)},
+                                poll=record_new, readable=isolation.workload_paths(workload_path), box=box)
     return {"run_id": run_id, "rows": list(latest.values())}

@@ -167,3 +167,19 @@ def test_a_compiler_wrapper_script_is_passed_over_for_the_binary(monkeypatch, tm
     r = json.loads(out.strip().splitlines()[-1])
     assert r["cc_rc"] == 0 and r.get("answer") == 42, (r, err[-2000:])
     assert f"CC {cc}" in out and r["shell"].startswith("denied"), (out, r)
+
+
+def test_cuda_compiler_and_its_tools_may_run_in_the_child(monkeypatch, tmp_path):
+    """torch.compile's inductor runs nvcc in the evaluate step's sandboxed child (the H200: "Permission denied:
+    'nvcc'", so the torch.compile baseline failed): the toolkit's bin and nvvm/bin are on the exec allowlist."""
+    cuda = tmp_path / "cuda"
+    for d in ("bin", "nvvm/bin"):
+        (cuda / d).mkdir(parents=True)
+    nvcc = cuda / "bin" / "nvcc"
+    nvcc.write_bytes(b"\x7fELF")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{cuda / 'bin'}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)
+    allowed = sandbox.exec_allowlist()
+    assert str(cuda.resolve() / "bin") in allowed and str(cuda.resolve() / "nvvm" / "bin") in allowed
+    monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)

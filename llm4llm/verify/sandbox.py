@@ -397,7 +397,8 @@ _EXEC_CACHE: list[str] | None = None
 
 def exec_allowlist() -> list[str]:
     """Programs the child may exec: the C toolchain Triton's launcher build uses, ldconfig (Triton looks for
-    libcuda with it), Triton's bundled CUDA tools and the dynamic loader. Never a shell, never Python."""
+    libcuda with it), Triton's bundled CUDA tools, the CUDA toolkit's compiler (nvcc and its tools) and the dynamic
+    loader. Never a shell, never Python."""
     global _EXEC_CACHE
     if _EXEC_CACHE is not None:
         return _EXEC_CACHE
@@ -432,6 +433,14 @@ def exec_allowlist() -> list[str]:
                 progs.add(str(b.resolve()))
     except (ImportError, ValueError):
         pass
+    # CUDA's compiler driver and the tools it runs (torch.compile's inductor runs nvcc in the evaluate step's child,
+    # beside the bundle's kernels): the toolkit's bin and nvvm/bin, like the C toolchain above
+    nvcc = _which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    if nvcc:
+        progs.add(os.path.dirname(os.path.realpath(nvcc)))
+        nvvm = Path(os.path.realpath(nvcc)).parent.parent / "nvvm" / "bin"
+        if nvvm.is_dir():
+            progs.add(str(nvvm.resolve()))
     for env_tool in ("TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH", "TRITON_NVDISASM_PATH"):
         if os.environ.get(env_tool):
             progs.add(os.path.realpath(os.environ[env_tool]))

@@ -195,9 +195,11 @@ def test_paired_gate_up_and_direct_qkv_are_one_launch(dtype, M, monkeypatch):
     real = G.launch
     monkeypatch.setattr(G, "launch", lambda fn, *a, **k: (kernels.append(fn.__name__), real(fn, *a, **k))[1])
     x, wg, wu = torch.randn(M, 48, dtype=dtype), _w(19, 48, dtype), _w(19, 48, dtype)
-    out = gate_up_swiglu(x, wg, wu, BLOCK_N=4, BLOCK_K=16)
-    assert kernels == ["_gemv_kernel"]
-    assert_close(out, gate_up_swiglu_ref(x.double(), wg.double(), wu.double()).to(dtype), dtype, name="paired")
+    for bn in (4, 2):  # BLOCK_N / 2 rows of each weight a program: 2, then 1
+        kernels.clear()
+        out = gate_up_swiglu(x, wg, wu, BLOCK_N=bn, BLOCK_K=16)
+        assert kernels == ["_gemv_kernel"]
+        assert_close(out, gate_up_swiglu_ref(x.double(), wg.double(), wu.double()).to(dtype), dtype, name="paired")
     kernels.clear()
     wq, wk, wv = _w(24, 48, dtype), _w(8, 48, dtype), _w(8, 48, dtype)
     q, k, v = qkv_norm_rope(x, wq, wk, wv, None, None, 8, BLOCK_N=4, BLOCK_K=16)
