@@ -149,7 +149,15 @@ def calls():
         G.gate_up_swiglu(x, w, wu, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
         G.gemv_residual_rmsnorm(x, w[:, :256], r, nw[:96], BLOCK_N=4, BLOCK_K=128, **pipe)
         G.qkv_norm_rope(x, w[:64], w[64:80], w[80:96], None, None, 16, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
-launches = capture_launches(calls)
+def attn():
+    from kernels_runtime.ops.attention_decode_static import attention_decode_static
+    bf = torch.bfloat16
+    q, k, v = torch.randn(1, 4, 1, 16, dtype=bf), torch.randn(1, 2, 1, 16, dtype=bf), torch.randn(1, 2, 1, 16, dtype=bf)
+    kc, vc = torch.randn(1, 2, 64, 16, dtype=bf), torch.randn(1, 2, 64, 16, dtype=bf)
+    cs = torch.randn(1, 1, 16, dtype=bf)
+    attention_decode_static(q, k, v, kc, vc, torch.tensor(9), cs, cs, 0.25, q_norm_weight=torch.ones(16, dtype=bf),
+                            k_norm_weight=torch.ones(16, dtype=bf), BLOCK_N=16, num_splits=2, PDL=True)
+launches = capture_launches(calls) + capture_launches(attn)
 pdl = [l for l in launches if l.options.get("launch_pdl")]
 print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launches(launches)}))
 '''
@@ -159,4 +167,4 @@ print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launche
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["errors"] == [] and out["pdl"] >= 5, out
+    assert out["errors"] == [] and out["pdl"] >= 7, out

@@ -182,4 +182,22 @@ def test_cuda_compiler_and_its_tools_may_run_in_the_child(monkeypatch, tmp_path)
     monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)
     allowed = sandbox.exec_allowlist()
     assert str(cuda.resolve() / "bin") in allowed and str(cuda.resolve() / "nvvm" / "bin") in allowed
+    # inductor's ptxas (torch/bin/ptxas, where the wheel ships one: the H200's said "Permission denied"); the rest of
+    # torch/bin (test binaries, torch_shm_manager) stays out
+    import importlib.util
+    from types import SimpleNamespace
+
+    fake = tmp_path / "torch"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    for name in ("ptxas", "torch_shm_manager"):
+        (fake / "bin" / name).write_bytes(b"\x7fELF")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(origin=str(fake / "__init__.py"))
+                        if name == "torch" else real(name, *a))
+    monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)
+    allowed = sandbox.exec_allowlist()
+    assert str((fake / "bin" / "ptxas").resolve()) in allowed
+    assert not any(a.startswith(str(fake.resolve() / "bin" / "torch_shm")) or a == str(fake.resolve() / "bin")
+                   for a in allowed)
     monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)

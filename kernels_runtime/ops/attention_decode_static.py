@@ -74,12 +74,34 @@ def _attention_decode_static_kernel(
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)  # q/k/v are the previous kernel's output
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b, hkv = pid_bh // Hkv, pid_bh % Hkv
     offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     mask_g, mask_d = offs_g < GROUP, offs_d < D
+    # What no kernel of this step writes before this one: the length (advanced by the last step's merge) and the
+    # cache below it. The first K/V tile is loaded before waiting on the previous kernel (PDL), the rest one tile
+    # ahead; the slot at `pos` is read stale and replaced by the new token's k/v below.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    k_base = K + b * stride_kb + hkv * stride_kh
+    v_base = V + b * stride_vb + hkv * stride_vh
+    pos = tl.load(LEN).to(tl.int32)  # the write position: the length before this token
+    kv_end = tl.minimum(pos + 1, S_MAX)
+    s_start = split * SPLIT_LEN
+    s_end = tl.minimum(s_start + SPLIT_LEN, kv_end)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    start = tl.maximum(s_start, (lo // BLOCK_N) * BLOCK_N)  # whole tiles below the window are skipped
+    offs_n = start + tl.arange(0, BLOCK_N)
+    kv_ok = (offs_n < s_end) & (offs_n >= lo)
+    kt_nxt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,  # [BLOCK_D, BLOCK_N]
+                     mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
+    v_nxt = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
+                    mask=kv_ok[:, None] & mask_d[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # q/k/v are the previous kernel's output
     # the first ROT columns rotate (partial rotary: ROT < D); the others pass through as x * 1 + x * 0, exact
     half = ROT // 2
     offs_r = tl.where(offs_d < half, offs_d + half, tl.where(offs_d < ROT, offs_d - half, offs_d))  # the partner
@@ -103,19 +125,9 @@ def _attention_decode_static_kernel(
     else:
         q = q.to(DTYPE)
 
-    k_base = K + b * stride_kb + hkv * stride_kh
-    v_base = V + b * stride_vb + hkv * stride_vh
-    pos = tl.load(LEN).to(tl.int32)  # the write position: the length before this token
-    kv_end = tl.minimum(pos + 1, S_MAX)
-    s_start = split * SPLIT_LEN
-    s_end = tl.minimum(s_start + SPLIT_LEN, kv_end)
     if (pos >= s_start) & (pos < s_end):
         tl.store(k_base + pos * stride_ks + offs_d * stride_kd, k_new, mask=mask_d)
         tl.store(v_base + pos * stride_vs + offs_d * stride_vd, v_new, mask=mask_d)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(pos - window + 1, 0)
-    start = tl.maximum(s_start, (lo // BLOCK_N) * BLOCK_N)  # whole tiles below the window are skipped
 
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -123,10 +135,13 @@ def _attention_decode_static_kernel(
     for start_n in range(start, s_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n < s_end) & (offs_n >= lo)
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,  # [BLOCK_D, BLOCK_N]
-                     mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
-                    mask=kv_ok[:, None] & mask_d[None, :], other=0.0)
+        kt, v = kt_nxt, v_nxt
+        offs_nn = offs_n + BLOCK_N  # the next tile (an empty mask past the split)
+        nn_ok = (offs_nn < s_end) & (offs_nn >= lo)
+        kt_nxt = tl.load(k_base + offs_nn[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                         mask=nn_ok[None, :] & mask_d[:, None], other=0.0)
+        v_nxt = tl.load(v_base + offs_nn[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=nn_ok[:, None] & mask_d[None, :], other=0.0)
         is_new = offs_n == pos
         kt = tl.where(is_new[None, :], k_new[:, None], kt)
         v = tl.where(is_new[:, None], v_new[None, :], v)

@@ -51,6 +51,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+    NORM_ROW: tl.constexpr = 0,
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
@@ -90,11 +91,16 @@ def _gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & ((k0 + rk) < K)[None, :],
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, axis=1)
+        if NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
+            rr = tl.arange(0, NORM_ROW)
+            xs = tl.load(x_rows + rr[None, :], mask=m_ok[:, None] & (rr < K)[None, :], other=0.0).to(tl.float32)
+            ss = tl.sum(xs * xs, axis=1)
+        else:
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & ((k0 + rk) < K)[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
     if DOT:  # the tensor cores over a 16-row x tile (rows past M masked): Triton pipelines dot operands' loads
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -363,6 +369,13 @@ def _dot_path(M: int, DOT: bool) -> bool:
     return bool(DOT) or M > MAX_M
 
 
+def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
+    """The norm prologue's one-load width (the row padded to a power of two) for one row up to 8192 wide (32 fp32
+    registers a thread at 4 warps for 4096); 0: the per-tile loop."""
+    width = triton.next_power_of_2(K)
+    return width if pro_norm and block_m == 1 and width <= 8192 else 0
+
+
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
@@ -398,7 +411,8 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
-             PREFETCH=bool(PREFETCH or PDL), PDL=bool(PDL) and not interpreting()),
+             PREFETCH=bool(PREFETCH or PDL), PDL=bool(PDL) and not interpreting(),
+             NORM_ROW=_norm_row(norm_w is not None, block_m, K)),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
 

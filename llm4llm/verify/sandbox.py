@@ -441,6 +441,14 @@ def exec_allowlist() -> list[str]:
         nvvm = Path(os.path.realpath(nvcc)).parent.parent / "nvvm" / "bin"
         if nvvm.is_dir():
             progs.add(str(nvvm.resolve()))
+    try:  # torch's own ptxas (torch/bin): inductor points Triton at it when it compiles a graph
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec and spec.origin and (Path(spec.origin).parent / "bin" / "ptxas").is_file():
+            progs.add(str((Path(spec.origin).parent / "bin" / "ptxas").resolve()))
+    except (ImportError, ValueError):
+        pass
     for env_tool in ("TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH", "TRITON_NVDISASM_PATH"):
         if os.environ.get(env_tool):
             progs.add(os.path.realpath(os.environ[env_tool]))

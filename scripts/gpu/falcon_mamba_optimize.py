@@ -21,9 +21,14 @@ def main() -> int:
 
     workload, db = sys.argv[1], sys.argv[2]
     budget = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    out = optimize_workload(workload, db_path=db, stages=("profile", "extract", "search", "accept"), budget=budget,
-                            top=2, families=["ssm_block"], repeats=2, accept_noisy_rounds=1,
-                            decode_graphs="on" if "cuda" in open(workload).read() else "off")
+    from llm4llm.config import OptimizeConfig
+
+    config = OptimizeConfig.model_validate({
+        "stages": ["profile", "extract", "search", "accept"],
+        "search": {"budget": budget, "top": 2, "families": ["ssm_block"]},
+        "accept": {"repeats": 2, "noisy_rounds": 1},
+        "graphs": {"decode_graphs": "on" if "cuda" in open(workload).read() else "off"}})
+    out = optimize_workload(workload, config, db_path=db)
     print("ACCEPTANCE", out.get("acceptance"))
     return 0
 

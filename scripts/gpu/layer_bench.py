@@ -73,6 +73,7 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["prologue_pdl_2x1024"] = {**pro, "pdl": True, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}
     out["prologue_pdl_w8"] = {**pro, "pdl": True, **{p + "num_warps": 8 for p in ("qkv_", "o_", "gu_", "dn_")}}
     out["o_reduce_pdl"] = {**sp, "pdl": True}
+    out["prologue_nopdl"] = {**pro, "pdl": False}
     out["prologue_unpaired"] = {**pro, "gu_paired": False}
     k512 = {p + "BLOCK_K": 512 for p in ("qkv_", "gu_", "dn_")}  # K = 2560 and 9728 in whole tiles (EVEN_K)
     out["prologue_k512"] = {**pro, **k512}

@@ -210,3 +210,22 @@ def test_paired_gate_up_and_direct_qkv_are_one_launch(dtype, M, monkeypatch):
     kernels.clear()
     gate_up_swiglu(x, wg, wu, BLOCK_N=4, BLOCK_K=16, SPLIT_K=2)  # a K split keeps the reduction launch
     assert kernels == ["_gemv_kernel", "_swiglu_reduce_kernel"]
+
+
+@pytest.mark.parametrize("K", [45, 300])
+def test_one_row_norm_prologue_reads_the_row_in_one_load(K):
+    """Batch 1: the RMSNorm prologue loads the whole row at once (NORM_ROW) instead of tile by tile; same math."""
+    from kernels_runtime.ops.gemv import _norm_row
+
+    assert _norm_row(True, 1, K) == triton_next_pow2(K) and _norm_row(True, 4, K) == 0 and _norm_row(False, 1, K) == 0
+    assert _norm_row(True, 1, 9000) == 0  # wider rows keep the loop (registers)
+    dt = torch.bfloat16
+    x, w, nw = torch.randn(1, K, dtype=dt), _w(23, K, dt), torch.rand(K, dtype=dt) + 0.5
+    assert_close(gemv(x, w, norm_w=nw, BLOCK_N=4, BLOCK_K=32), gemv_ref(x, w, norm_w=nw), dt, name="norm row")
+    wg, wu = _w(13, K, dt), _w(13, K, dt)
+    assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=4, BLOCK_K=32, PDL=True),
+                 gate_up_swiglu_ref(x, wg, wu, norm_w=nw), dt, name="paired norm row")
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
