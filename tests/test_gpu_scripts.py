@@ -119,4 +119,5 @@ def test_layer_bench_smoke_run(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) >= 10 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    assert {"default", "prologue", "prologue_pdl"} <= {r["variant"] for r in rows}
+    assert {"default", "nopdl", "o_reduce_nopdl", "unpaired"} <= {r["variant"] for r in rows}
+    assert next(r for r in rows if r["variant"] == "default")["config"]["pdl"] is True

@@ -97,7 +97,7 @@ def test_static_layer_fewest_launches_with_pdl_and_prefetch_pass(layer_task):
 
     task_dir, task = layer_task("tiny-qwen3+static")
     tpl = _template(NAME)
-    config = {**tpl.default(task.spec), **tpl.seeds(task.spec)[0], "attn_num_splits": 4, "attn_BLOCK_N": 16}
+    config = {**tpl.default(task.spec), "pdl": True, "attn_num_splits": 4, "attn_BLOCK_N": 16}
     config.update({p + "PREFETCH": True for p in ("qkv_", "o_", "gu_", "dn_")})
     assert config["pdl"] and config["post_norm"] == "gate_up_prologue"
     v, _ = run_gates(str(task_dir), tpl.render(task.spec, config), device="cpu", draws=1, timing=False)
@@ -119,10 +119,11 @@ def test_static_layer_other_fusion_and_splits_pass(layer_task):
     assert v.passed, f"{v.failure_class}: {v.message}"
 
 
-def test_static_layer_seeds_split_the_cache_to_fill_the_gpu():
-    """qwen3-4b's layer shape, 132 SMs: every seed splits the cache in 32 (8 KV heads x 32 >= 132, as
-    attention.decode_static's seed). Its GEMV stages already cover the SMs unsplit, so no seed repeats the default's
-    GEMVs with only the cache split changed: decode_fused's seeds come first, then the pipelined default."""
+def test_static_layer_default_and_seeds_on_qwen3_4b_shapes():
+    """qwen3-4b's layer shape, 132 SMs, an sm_90 task: the default is the four-GEMV layer (the post norm in gate/up's
+    prologue) with PDL and the cache in 32 splits (8 KV heads x 32 >= 132, as attention.decode_static's seed); the
+    seeds each change what runs and keep that split. Its GEMV stages already cover the SMs unsplit, so no
+    occupancy seed. On an sm_80 task PDL is neither the default nor in the space."""
     from llm4llm.taskspec import CaseSig, TensorSig
 
     tpl = _template(NAME)
@@ -131,24 +132,22 @@ def test_static_layer_seeds_split_the_cache_to_fill_the_gpu():
     spec = TaskSpec(family="decoder_layer", module_class="x.Qwen3DecoderLayer", instances=["l"], phase="decode",
                     input_names=["hidden_states"], weight_names=["self_attn.q_proj.weight"], output_names=["out"],
                     cases=[CaseSig(inputs={}, outputs={"out": TensorSig(shape=[1, 1, 2560], dtype="bfloat16")})],
-                    dtype="bfloat16", static=static, hardware={"sm_count": 132})
-    seeds = tpl.seeds(spec)
-    assert all(s["attn_num_splits"] == 32 and s["attn_BLOCK_N"] == 32 for s in seeds)
-    default = tpl.default(spec)
+                    dtype="bfloat16", static=static, hardware={"sm_count": 132, "capability": "9.0"})
+    default, seeds = tpl.default(spec), tpl.seeds(spec)
+    assert default["post_norm"] == "gate_up_prologue" and default["pdl"] is True
+    assert all(c["attn_num_splits"] == 32 and c["attn_BLOCK_N"] == 32 for c in [default, *seeds])
     assert all(default[p + "SPLIT_K"] == 1 for p in ("qkv_", "o_", "gu_", "dn_"))
-    # no seed is the default's GEMVs with only the cache split changed (attention_decode_static's own default
-    # already fills the SMs: such a seed timed within 0.3 % of the default on the H200)
-    assert not any(all(k.startswith("attn_") for k in s) for s in seeds), seeds
-    fewer, first, fewer3, second, third = seeds
-    # the fewest launches first: the post norm in gate/up's prologue, every kernel launched with PDL
-    assert fewer["post_norm"] == "gate_up_prologue" and fewer["pdl"] and fewer3 == {**fewer, "num_stages": 3}
+    assert len({tuple(sorted(c.items())) for c in [default, *seeds]}) == 1 + len(seeds)  # each seed runs another point
+    pipelined, o_reduce, first, second = seeds
+    assert pipelined["num_stages"] == 3 and o_reduce["post_norm"] == "o_reduce"
     assert first["qkv_BLOCK_N"] == 8 and first["qkv_BLOCK_K"] == 512
     assert all(second[p + "SPLIT_K"] == 2 for p in ("qkv_", "o_", "gu_", "dn_"))
-    assert third["num_stages"] == 3
-    assert default["attn_num_splits"] is None and default["pdl"] is False
     # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes second
-    wide = spec.model_copy(update={"hardware": {"sm_count": 1024}})
+    wide = spec.model_copy(update={"hardware": {"sm_count": 1024, "capability": "9.0"}})
     assert any(v > 1 for k, v in tpl.seeds(wide)[1].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[1]
+    ampere = spec.model_copy(update={"hardware": {"sm_count": 108, "capability": "8.0"}})
+    assert tpl.default(ampere)["pdl"] is False and tpl.space(ampere)["pdl"] == [False]
+    assert not any(c["pdl"] for c in tpl.seeds(ampere))
 
 
 def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):

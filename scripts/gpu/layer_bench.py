@@ -53,36 +53,27 @@ def spec_of(s: dict, sms: int):
 
 
 def variants(s: dict, sms: int) -> dict[str, dict]:
-    """name -> layer config: the template's default, its seeds, then one change at a time on the seeded point."""
+    """name -> layer config: the template's default (the four-GEMV layer with PDL), its seeds, then one change at a
+    time on the default (the names of docs/results/2026-12-02-h200-c say which)."""
     from llm4llm.search.templates.decode_fused import _layer_static_default, _layer_static_seeds
 
     spec = spec_of(s, sms)
-    base = {**_layer_static_default(spec), "pdl": False}
-    seeds = _layer_static_seeds(spec)
-    out = {"default": dict(base), "default_unpaired": {**base, "gu_paired": False}}
-    for i, sd in enumerate(seeds):
+    base = _layer_static_default(spec)
+    out = {"default": dict(base)}
+    for i, sd in enumerate(_layer_static_seeds(spec)):
         out[f"seed{i}"] = {**base, **sd}
-    sp = {**base, **seeds[0]}  # the cache split of the seeds
-    pro = {**sp, "post_norm": "gate_up_prologue"}
-    out["prologue"] = pro
-    out["prologue_prefetch"] = {**pro, **{p + "PREFETCH": True for p in ("qkv_", "o_", "gu_", "dn_")}}
-    out["prologue_pdl"] = {**pro, "pdl": True}
-    out["prologue_pdl_st3"] = {**pro, "pdl": True, "num_stages": 3}
-    out["prologue_pdl_8x512"] = {**pro, "pdl": True, **{p + k: v for p in ("qkv_", "o_", "gu_", "dn_")
-                                                         for k, v in (("BLOCK_N", 8), ("BLOCK_K", 512))}}
-    out["prologue_pdl_2x1024"] = {**pro, "pdl": True, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}
-    out["prologue_pdl_w8"] = {**pro, "pdl": True, **{p + "num_warps": 8 for p in ("qkv_", "o_", "gu_", "dn_")}}
-    out["o_reduce_pdl"] = {**sp, "pdl": True}
-    out["prologue_nopdl"] = {**pro, "pdl": False}
-    out["prologue_unpaired"] = {**pro, "gu_paired": False}
-    k512 = {p + "BLOCK_K": 512 for p in ("qkv_", "gu_", "dn_")}  # K = 2560 and 9728 in whole tiles (EVEN_K)
-    out["prologue_k512"] = {**pro, **k512}
-    out["prologue_k512_unpaired"] = {**pro, **k512, "gu_paired": False}
-    out["prologue_dn512"] = {**pro, "dn_BLOCK_K": 512}
-    out["prologue_gu8x512"] = {**pro, "gu_BLOCK_N": 8, "gu_BLOCK_K": 512}
-    out["prologue_qkv8x512"] = {**pro, "qkv_BLOCK_N": 8, "qkv_BLOCK_K": 512}
-    out["prologue_attn16"] = {**pro, "attn_num_splits": 16}
-    out["prologue_attn64"] = {**pro, "attn_num_splits": 64}
+    stages = ("qkv_", "o_", "gu_", "dn_")
+    out["nopdl"] = {**base, "pdl": False}
+    out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # the thirteenth session's layer
+    out["unpaired"] = {**base, "gu_paired": False}
+    out["prefetch"] = {**base, **{p + "PREFETCH": True for p in stages}}
+    out["w8"] = {**base, **{p + "num_warps": 8 for p in stages}}
+    out["2x1024"] = {**base, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}
+    out["k512"] = {**base, **{p + "BLOCK_K": 512 for p in ("qkv_", "gu_", "dn_")}}  # K = 2560 / 9728 in whole tiles
+    out["gu8x512"] = {**base, "gu_BLOCK_N": 8, "gu_BLOCK_K": 512}
+    out["qkv8x512"] = {**base, "qkv_BLOCK_N": 8, "qkv_BLOCK_K": 512}
+    out["attn16"] = {**base, "attn_num_splits": 16}
+    out["attn64"] = {**base, "attn_num_splits": 64}
     return out
 
 
@@ -216,7 +207,7 @@ def check_outputs(outs, bad):
         c = compare(outs[name], outs[first])  # bf16's tolerance: after many layers, roundings grow
         if not c.ok:
             bad.setdefault(name, f"differs from {first}: {c}"[:300])
-    for a, b in (("prologue_prefetch", "prologue"), ("prologue_pdl", "prologue")):
+    for a, b in (("prefetch", "default"), ("nopdl", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
             bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
 

@@ -310,20 +310,37 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
     return _bias_free(spec, ATTN_P)
 
 
+def pdl_capable(spec: TaskSpec) -> bool:
+    """Programmatic dependent launch needs sm_90+ (griddepcontrol): on a task profiled on an older GPU the search
+    never tries it. A CPU task may (the interpreter runs PDL kernels with it off, the sm_90 compile check builds
+    them)."""
+    cap = spec.hardware.get("capability")
+    try:
+        return cap is None or int(str(cap).split(".")[0]) >= 9
+    except ValueError:
+        return False
+
+
 def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
-            "pdl": [False, True]}
+            "pdl": [False, True] if pdl_capable(spec) else [False]}
 
 
 def _layer_static_default(spec):
+    """Four launches of weight-streaming GEMVs plus the attention's two: input_layernorm in the q/k/v pass,
+    o_proj + residual, the post norm in the paired gate/up pass, down + residual; each kernel launched with PDL
+    (it loads its first weight or K/V tile while the one before drains); the cache split that fills the SMs. On
+    the H200 this was the fastest layer of every point tried (qwen3-4b 73.0 us against 89.5 for the o_reduce layer
+    without PDL; docs/results/2026-12-02-h200-c)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms = sm_count(spec)
     attn = {k: v for k, v in _STATIC_DEFAULT.items() if k.startswith("attn_")}
-    return {"post_norm": "o_reduce", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
-            **_stage_default("o_", h, nq, sms), **attn, **_stage_default("gu_", 2 * i, h, sms),
-            **_stage_default("dn_", h, i, sms), "num_stages": 1, "pdl": False}
+    return {"post_norm": "gate_up_prologue", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
+            **_stage_default("o_", h, nq, sms), **attn, **cache_splits(spec, ATTN_P),
+            **_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1,
+            "pdl": pdl_capable(spec)}
 
 
 def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
@@ -332,25 +349,20 @@ def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, bl
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
-    """Points that differ from the default in what they run, each with the cache split so that KV heads x splits
-    fill the SMs (cache_splits: attention.decode_static's lesson, 319 -> 52 us on qwen3-4b): decode_fused's seeds
-    (8 rows x 512, then a K split of 2 everywhere), then the default's GEMVs software-pipelined (num_stages 3). The
-    GEMV occupancy split comes first only where it changes a stage: on qwen3-4b's layer every stage already covers
-    the SMs unsplit, and that seed timed within 0.3 % of the default (docs/results/2026-12-02-h200-b), a spent trial."""
+    """Points that differ from the default in what they run: its GEMVs software-pipelined (num_stages 3), the
+    post norm in o_proj's reduction (one more launch), decode_fused's seeds (8 rows x 512, a K split of 2
+    everywhere); the GEMV occupancy split second, only where it changes a stage (on qwen3-4b's layer every stage
+    already covers the SMs unsplit)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms, base = sm_count(spec), _layer_static_default(spec)
-    splits = cache_splits(spec, ATTN_P)
     occupancy = {}
     for p, n, k in (("qkv_", nq + 2 * nkv, h), ("o_", h, nq), ("gu_", 2 * i, h), ("dn_", h, i)):
         occupancy.update(_occupancy_split(p, n, k, sms, base[p + "BLOCK_N"], base[p + "BLOCK_K"]))
     a, b = _seeds("qkv_", "o_", "gu_", "dn_")(spec)
-    # four launches where o_reduce has five (the post norm in gate/up's prologue), each launched with PDL: a GEMV
-    # loads its first weight tiles while the kernel before it drains
-    fewer = {"post_norm": "gate_up_prologue", "pdl": True, **splits}
-    seeds = [fewer, {**a, **splits}, {**fewer, "num_stages": 3}, {**b, **splits}, {"num_stages": 3, **splits}]
+    seeds = [{"num_stages": 3}, {"post_norm": "o_reduce"}, a, b]
     if any(v > 1 for v in occupancy.values()):
-        seeds.insert(1, {**occupancy, **splits})
+        seeds.insert(1, occupancy)
     return seeds
 
 
