@@ -48,6 +48,7 @@ values recomputed). Only a GPU shows the gain.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import traceback
 import weakref
@@ -470,6 +471,46 @@ class _PrefillEntry:
 
 
 @dataclass
+class _EagerSteps:
+    """What `_capture` learns from the two eager steps: outputs, and each state's value before, after the first and
+    after the second step (cache slots, then module slots)."""
+
+    out: Any  # the first step's result, the one returned to the caller
+    logits: list[torch.Tensor]
+    second: list[torch.Tensor]  # the second step's output tensors
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+    after2: list[torch.Tensor]
+    counters: list  # the host layers' counters before the step
+    module_slots: list
+    why: str  # why module-held state cannot be graphed, or ''
+
+
+def _graph_step(original: Callable, call: dict, module_slots: list, module_states: list) -> Callable[[], Any]:
+    """The function a decode graph records: the forward on the private cache, module-held state kept in its
+    buffers."""
+    def fn():
+        out = original(**call)
+        for s, t in zip(module_slots, module_states):  # a module that assigned new state: into the buffer
+            cur = s.get()
+            if cur is not t:
+                t.copy_(cur)
+                s.set(t)
+        return out
+    return fn
+
+
+def _restore_state(slots: list, states: list, private: Any, counters: list, values: list) -> None:
+    """The graph's state buffers back to `values`, each slot pointed at its buffer, the private cache's host
+    counters back to the step's start."""
+    for s, t, v in zip(slots, states, values):
+        t.copy_(v)
+        s.set(t)
+    for (layer, c), v in zip(_host_layers(private), counters):
+        setattr(layer, c, v)
+
+
+@dataclass
 class DecodeGraphs:
     """The wrapper around one model's forward (see the module docstring). `stats()` says what it did."""
 
@@ -628,6 +669,48 @@ class DecodeGraphs:
         Two, not one: a value the host computed at capture (a position counter kept in a Python int) replays as a
         constant, which only the second step shows. The eager steps run the caller's own arguments (`kwargs`), the
         graph the wrapper's (`call_in`: plus host-counted positions), so the check covers that difference too."""
+        steps = self._eager_steps(kwargs, slots, hosts)
+        if steps.why:
+            return self._refuse(key, steps.why, steps.out)
+        module_slots = steps.module_slots
+        slots = slots + module_slots
+        states = [b.clone() for b in steps.before]
+        statics = {k: _static_copy(v) for k, v in call_in.items() if k != cache_name and _has_tensor(v)}
+        for s, t in zip(slots, states):
+            s.set(t)
+        # The graph runs on a private copy of the cache whose layers always point at `states` (the caller's cache
+        # is re-pointed at them too, and may be given back its own copies later); tensors are shared, not copied.
+        private = copy.deepcopy(cache, memo={id(t): t for t in states})
+        for (layer, c), v in zip(_host_layers(private), steps.counters):
+            setattr(layer, c, v)  # the private copy starts where the step started
+        call = dict(call_in)
+        call.update(statics)
+        call[cache_name] = private
+        fn = _graph_step(self.original, call, module_slots, states[len(states) - len(module_slots):])
+        restore = functools.partial(_restore_state, slots, states, private, steps.counters)
+        try:
+            graph, out, bad, notes = self._record_and_check(fn, restore, steps, states, statics, private, positions,
+                                                            kwargs["input_ids"].shape[1])
+        except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
+            self.errors[key] = traceback.format_exc()
+            restore(steps.after)
+            return self._refuse(key, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                                steps.out)
+        restore(steps.after)  # the eager step is the one returned: continue from its state exactly
+        if bad:
+            return self._refuse(key, f"replay differs from the eager step: {bad}", steps.out)
+        items = out.items() if hasattr(out, "keys") else enumerate(out) if isinstance(out, tuple) else ()
+        cache_keys = tuple(k for k, v in items if v is private)
+        entry = _Entry(graph, fn, out, statics, states, cache_keys, cache_name, weakref.ref(cache),
+                       module_slots=module_slots, positions=positions, private=private)
+        self.entries[key] = entry
+        self.notes.extend(notes)
+        self.counts["captured"] += 1
+        return steps.out
+
+    def _eager_steps(self, kwargs, slots, hosts) -> _EagerSteps:
+        """The caller's step run eagerly, then once more for the check; the cache, its host counters and the
+        modules' own state are left as after the first step."""
         n = kwargs["input_ids"].shape[1]
         before = [s.get().clone() for s in slots]
         mods_before = _module_tensors(self.model, snapshot=True)
@@ -650,76 +733,32 @@ class DecodeGraphs:
             after.append(mods_after[k][3])
             before.append(mods_before[k][3])
             s.set(mods_after[k][3].clone())
-        if why:
-            return self._refuse(key, why, out_eager)
-        slots = slots + module_slots
-        states = [b.clone() for b in before]
-        statics = {k: _static_copy(v) for k, v in call_in.items() if k != cache_name and _has_tensor(v)}
-        for s, t in zip(slots, states):
-            s.set(t)
-        # The graph runs on a private copy of the cache whose layers always point at `states` (the caller's cache
-        # is re-pointed at them too, and may be given back its own copies later); tensors are shared, not copied.
-        private = copy.deepcopy(cache, memo={id(t): t for t in states})
-        for (layer, c), v in zip(_host_layers(private), counters):
-            setattr(layer, c, v)  # the private copy starts where the step started
-        call = dict(call_in)
-        call.update(statics)
-        call[cache_name] = private
-        module_states = states[len(states) - len(module_slots):]
+        return _EagerSteps(out_eager, logits_eager, second, before, after, after2, counters, module_slots, why)
 
-        def fn():
-            out = self.original(**call)
-            for s, t in zip(module_slots, module_states):  # a module that assigned new state: into the buffer
-                cur = s.get()
-                if cur is not t:
-                    t.copy_(cur)
-                    s.set(t)
-            return out
-
-        def restore(values):
-            for s, t, v in zip(slots, states, values):
-                t.copy_(v)
-                s.set(t)
-            for (layer, c), v in zip(_host_layers(private), counters):
-                setattr(layer, c, v)
-
-        try:
-            self.backend.warmup(fn)
-            restore(before)
-            graph, out = self.backend.record(fn)
-            restore(before)
+    def _record_and_check(self, fn, restore, steps: _EagerSteps, states, statics, private, positions: bool, n: int):
+        """(graph, its outputs, the first difference or '', notes): the step recorded from the state before it,
+        then replayed twice against the two eager steps."""
+        self.backend.warmup(fn)
+        restore(steps.before)
+        graph, out = self.backend.record(fn)
+        restore(steps.before)
+        self.backend.replay(graph, fn, out)
+        if type(self.backend) is CudaGraphBackend:
+            torch.cuda.synchronize()
+        notes: list[str] = []
+        bad = (_mismatch(_tensors(out), steps.logits, "output", notes)
+               or _mismatch(states, steps.after, "state", notes, base=steps.before))
+        if not bad:
+            if positions:
+                statics["position_ids"].add_(n)
+            for (layer, c), v in zip(_host_layers(private), steps.counters):
+                setattr(layer, c, v + n)  # what the emulation's Python sees; a graph has frozen its branch
             self.backend.replay(graph, fn, out)
             if type(self.backend) is CudaGraphBackend:
                 torch.cuda.synchronize()
-            notes: list[str] = []
-            bad = (_mismatch(_tensors(out), logits_eager, "output", notes)
-                   or _mismatch(states, after, "state", notes, base=before))
-            if not bad:
-                if positions:
-                    statics["position_ids"].add_(n)
-                for (layer, c), v in zip(_host_layers(private), counters):
-                    setattr(layer, c, v + n)  # what the emulation's Python sees; a graph has frozen its branch
-                self.backend.replay(graph, fn, out)
-                if type(self.backend) is CudaGraphBackend:
-                    torch.cuda.synchronize()
-                bad = (_mismatch(_tensors(out), second, "second step's output", notes)
-                       or _mismatch(states, after2, "second step's state", notes, base=after))
-        except Exception as e:  # a sync inside the step, an unsupported op: this signature runs eagerly
-            self.errors[key] = traceback.format_exc()
-            restore(after)
-            return self._refuse(key, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                                out_eager)
-        restore(after)  # the eager step is the one returned: continue from its state exactly
-        if bad:
-            return self._refuse(key, f"replay differs from the eager step: {bad}", out_eager)
-        items = out.items() if hasattr(out, "keys") else enumerate(out) if isinstance(out, tuple) else ()
-        cache_keys = tuple(k for k, v in items if v is private)
-        entry = _Entry(graph, fn, out, statics, states, cache_keys, cache_name, weakref.ref(cache),
-                       module_slots=module_slots, positions=positions, private=private)
-        self.entries[key] = entry
-        self.notes.extend(notes)
-        self.counts["captured"] += 1
-        return out_eager
+            bad = (_mismatch(_tensors(out), steps.second, "second step's output", notes)
+                   or _mismatch(states, steps.after2, "second step's state", notes, base=steps.after))
+        return graph, out, bad, notes
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_call(self, kwargs: dict):

@@ -129,7 +129,7 @@ def main() -> int:
 
 
 def _count(ap, args) -> int:
-    import kernels_runtime
+    import kernels_runtime  # noqa: F401 - imported before the model is built, as when templates are applied
     from llm4llm.workload import call_script, load_script, load_workload
 
     wl = load_workload(args.workload)
@@ -137,26 +137,52 @@ def _count(ap, args) -> int:
     model = call_script(script.build, wl)
     batch = call_script(script.inputs, wl)
     if args.template:
-        from kernels_runtime.bundle import PatchBundle
-        from llm4llm.patchspec import task_patch_spec
-        from llm4llm.pipeline import extract_to_temp
-        from llm4llm.search.templates import TEMPLATES
-
-        tasks = extract_to_temp(args.workload, "decode_step_ops-")
-        bundle = PatchBundle(name="decode-step-ops")
-        for name in args.template:
-            t = next(t for t in TEMPLATES if t.name == name)
-            # the decode task of the family with the most instances (a model's norms: the per-layer ones)
-            cands = [k for k in tasks if k.spec.phase == "decode" and t.why_not(k.spec) is None]
-            if not cands:
-                raise SystemExit(f"no decode task that {name} applies to in {args.workload}")
-            for task in cands if args.all_tasks else [max(cands, key=lambda k: len(k.spec.instances))]:
-                bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cpu"),
-                                 source=t.render(task.spec, t.default(task.spec)))
-        report = kernels_runtime.apply(model, bundle, strict=True)
-        print(str(report).splitlines()[0])
-
+        _apply_templates(model, args)
     layers = _layers(model)
+    counter, triton = _count_step(model, layers, script, wl, batch)
+    if args.template:
+        from kernels_runtime.patch import report_of
+
+        print("  patched calls:", {p: c for p, c in report_of(model).items() if c["fallback"] or c["kernel"]})
+    out = _summary(wl, args, layers, counter, triton)
+    if args.real:
+        name, n_real, est = _extrapolate(args.real, out["per_layer"], out["outside"], layers)
+        print(f"  extrapolated to {name} ({n_real} layers): about {est} kernels per decode step")
+        out.update(extrapolated_to=name, layers=n_real, estimate=est)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def _apply_templates(model, args) -> None:
+    """Install each --template's default candidate on the model's decode task(s) it applies to."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.search.templates import TEMPLATES
+
+    tasks = extract_to_temp(args.workload, "decode_step_ops-")
+    bundle = PatchBundle(name="decode-step-ops")
+    for name in args.template:
+        t = next(t for t in TEMPLATES if t.name == name)
+        # the decode task of the family with the most instances (a model's norms: the per-layer ones)
+        cands = [k for k in tasks if k.spec.phase == "decode" and t.why_not(k.spec) is None]
+        if not cands:
+            raise SystemExit(f"no decode task that {name} applies to in {args.workload}")
+        for task in cands if args.all_tasks else [max(cands, key=lambda k: len(k.spec.instances))]:
+            bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cpu"),
+                             source=t.render(task.spec, t.default(task.spec)))
+    report = kernels_runtime.apply(model, bundle, strict=True)
+    print(str(report).splitlines()[0])
+
+
+def _count_step(model, layers, script, wl, batch) -> tuple[_Counter, Counter]:
+    """(aten ops, Triton launches) of the run's second one-token decode step, each keyed by (layer index or -1,
+    name); the second because every lazy init is behind it."""
+    from llm4llm.workload import call_script
+
     current: list[int] = []
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda m, a, i=i: current.append(i))
@@ -201,11 +227,11 @@ def _count(ap, args) -> int:
         InterpretedFunction.run = run
     if decode_calls["n"] < 2:
         raise SystemExit("the run made fewer than two one-token decode calls")
+    return counter, triton
 
-    if args.template:
-        from kernels_runtime.patch import report_of
 
-        print("  patched calls:", {p: c for p, c in report_of(model).items() if c["fallback"] or c["kernel"]})
+def _summary(wl, args, layers, counter: _Counter, triton: Counter) -> dict:
+    """Print and return the step's kernels: in total, per layer kind, outside the layers, layer 0's ops."""
     per_layer: dict[str, list[int]] = {}
     for i, layer in enumerate(layers):
         n = sum(v for (w, _), v in counter.ops.items() if w == i) + sum(v for (w, _), v in triton.items() if w == i)
@@ -223,30 +249,28 @@ def _count(ap, args) -> int:
         if w == 0:
             ops[name] += v
     print("  layer 0's ops:", ", ".join(f"{k} {v}" for k, v in ops.most_common()))
-    out = {"workload": wl.name, "template": args.template, "total": total, "outside": outside, "per_layer": kinds,
-           "layer0_ops": dict(ops), "triton": sum(triton.values())}
-    if args.real:
-        name, real_cfg = args.real
-        n_real = real_cfg.num_hidden_layers
-        # the real model repeats the tiny one's layers; where they differ by kind (RecurrentGemma's recurrent and
-        # attention blocks), in the real config's proportion
-        pattern = getattr(real_cfg, "layers_block_type", None)
-        mean_of = {k: sum(ns) / len(ns) for k, ns in kinds.items()}
-        if pattern and len(mean_of) > 1:
-            by_block = {k.split("[")[1].rstrip("]"): v for k, v in mean_of.items()}
-            block_of = {"recurrent": "RecurrentGemmaRecurrentBlock", "attention": "RecurrentGemmaAttention"}
-            est = round(outside + sum(by_block[block_of[b]] for b in list(pattern)[:n_real]))
-        elif len(kinds) == 1 and len(layers) > 1:  # the first layer once (the bf16 embeddings' casts), the rest after
-            ns = next(iter(kinds.values()))
-            est = round(outside + ns[0] + sum(ns[1:]) / len(ns[1:]) * (n_real - 1))
-        else:
-            est = round(outside + sum(sum(ns) for ns in kinds.values()) / len(layers) * n_real)
-        print(f"  extrapolated to {name} ({n_real} layers): about {est} kernels per decode step")
-        out.update(extrapolated_to=name, layers=n_real, estimate=est)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return {"workload": wl.name, "template": args.template, "total": total, "outside": outside, "per_layer": kinds,
+            "layer0_ops": dict(ops), "triton": sum(triton.values())}
+
+
+def _extrapolate(real, kinds: dict[str, list[int]], outside: int, layers) -> tuple[str, int, int]:
+    """(name, layers, kernels per decode step) of the real model `--real` names."""
+    name, real_cfg = real
+    n_real = real_cfg.num_hidden_layers
+    # the real model repeats the tiny one's layers; where they differ by kind (RecurrentGemma's recurrent and
+    # attention blocks), in the real config's proportion
+    pattern = getattr(real_cfg, "layers_block_type", None)
+    mean_of = {k: sum(ns) / len(ns) for k, ns in kinds.items()}
+    if pattern and len(mean_of) > 1:
+        by_block = {k.split("[")[1].rstrip("]"): v for k, v in mean_of.items()}
+        block_of = {"recurrent": "RecurrentGemmaRecurrentBlock", "attention": "RecurrentGemmaAttention"}
+        est = round(outside + sum(by_block[block_of[b]] for b in list(pattern)[:n_real]))
+    elif len(kinds) == 1 and len(layers) > 1:  # the first layer once (the bf16 embeddings' casts), the rest after
+        ns = next(iter(kinds.values()))
+        est = round(outside + ns[0] + sum(ns[1:]) / len(ns[1:]) * (n_real - 1))
+    else:
+        est = round(outside + sum(sum(ns) for ns in kinds.values()) / len(layers) * n_real)
+    return name, n_real, est
 
 
 def _kind(layer) -> str:

@@ -132,6 +132,33 @@ class Plan:
     kinds: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _ReduceSpec:
+    """What a reduction node computes: the op, the reduced dims (None for group norm) and a norm's parameters."""
+
+    op: str
+    dims: list[int] | None
+    full_out: bool = False  # output has the input's shape (softmax, norms) vs the reduced shape
+    weight: Any = None
+    bias: Any = None
+    eps: float = 0.0
+    groups: int = 0
+
+
+@dataclass
+class _RowSpace:
+    """A reduction's iteration space: `nrows` rows of `R` reduced elements; `idx` indexes the input at loop element
+    `kk` once the `ilines` ran."""
+
+    nrows: int
+    R: int
+    idx: list[str]
+    ilines: list[str]
+    chan: str | None = None  # group norm's channel index (its affine parameters are per channel)
+    kidx: list[str] = field(default_factory=list)  # the kept dims' indices of a row
+    dims: list[int] = field(default_factory=list)  # the reduced dims
+
+
 class Gen:
     """One pass over the graph in topological order, emitting forward lines and kernels."""
 
@@ -473,181 +500,27 @@ class Gen:
         t = n.target
         x = n.args[0]
         L = _shape(x)
-        nd = len(L)
-        weight = bias = None
-        eps = 0.0
-        full_out = False  # output has the input's shape (softmax, norms) vs the reduced shape
-        if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default):
-            dims = n.args[1] if len(n.args) > 1 else list(range(nd))
-            dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
-            op = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
-                  aten.amin.default: "min"}[t]
-        elif t in (aten.max.dim, aten.min.dim):
-            dims = [n.args[1]]
-            op = "max" if t == aten.max.dim else "min"
-            gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
-            if any(u.args[1] != 0 for u in gi):
-                raise Unsupported("argmax/argmin used")
-        elif t == aten._softmax.default:
-            dims, op, full_out = [n.args[1]], "softmax", True
-        elif t == aten.native_group_norm.default:
-            op, full_out = "group_norm", True
-            weight, bias = n.args[1], n.args[2]
-            G, eps = int(n.args[6]), float(n.args[7])
-            dims = None
-        elif t == aten.native_layer_norm.default:
-            op, full_out = "layer_norm", True
-            k = len(n.args[1])
-            dims = list(range(nd - k, nd))
-            weight, bias, eps = n.args[2], n.args[3], float(n.args[4])
-        elif t == aten.native_batch_norm.default:
-            weight, bias = n.args[1], n.args[2]
-            training, eps = bool(n.args[5]), float(n.args[7])
-            if not training:
-                raise Unsupported("eval-mode batch norm")
-            op, full_out = "batch_norm", True
-            dims = [d for d in range(nd) if d != 1]
-        else:
-            raise Unsupported(f"reduction {t}")
+        spec = self._reduce_spec(n, len(L))
         pre: list[str] = []
-        if op == "group_norm":
-            C = L[1]
-            S = math.prod(L[2:])
-            cpg = C // G
-            nrows, R = L[0] * G, cpg * S
-            pre += [f"rn = rows // {G}", f"rg = rows % {G}"]
-
-            def idx_of(k):
-                lines = [f"kc = {k} // {S}", f"ks = {k} % {S}", f"cc = rg * {cpg} + kc"]
-                sp = self._decompose("ks", L[2:], lines, "s") if len(L) > 2 else []
-                return ["rn", "cc", *sp], lines
-            chan = "cc"
-        else:
-            dims = sorted({d % nd for d in dims})
-            kept = [d for d in range(nd) if d not in dims]
-            nrows = math.prod(L[d] for d in kept) if kept else 1
-            R = math.prod(L[d] for d in dims)
-            kidx = self._decompose("rows", tuple(L[d] for d in kept), pre, "r") if kept else []
-
-            def idx_of(k):
-                lines: list[str] = []
-                ridx = self._decompose(k, tuple(L[d] for d in dims), lines, "q")
-                full, ki, ri = [], iter(kidx), iter(ridx)
-                for d in range(nd):
-                    full.append(next(ri) if d in dims else next(ki))
-                return full, lines
-            chan = None
+        space = self._reduce_space(spec, L, pre)
+        R, nrows = space.R, space.nrows
         ROWS = self.cfg.get("ROWS", 1)
         BR = min(self.cfg.get("BLOCK_R", 1024), triton_next_pow2(R))
         if R <= self.cfg.get("BLOCK_R", 1024) and nrows >= 4096:
             ROWS = max(ROWS, max(1, min(64, 4096 // triton_next_pow2(R))))
-        body: list[str] = []
-        idx, ilines = idx_of("kk")
-        memo: dict = {}
         leaves = self._leaves(x, set(), {})
-
-        def val(extra_pre):
-            return self.expr(x, idx, L, extra_pre, {}, {})
-
-        def loop(lines_fn):
-            out = [f"for k0 in range(0, {R}, BR):",
-                   "    kk = k0 + tl.arange(0, BR)[None, :]",
-                   f"    MASK = ROWMASK & (kk < {R})"]
-            inner = list(ilines)
-            inner += lines_fn()
-            out += [f"    {l}" for l in inner]
-            return out
-
-        red_axis = "1"
-        acc_t = "tl.float64" if self.cfg.get("acc64", True) else "tl.float32"
-        if op in ("sum", "mean"):
-            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
-            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
-                _val_lines(val)))
-            body.append(f"res = tl.sum(acc, axis={red_axis})[:, None].to(tl.float32)")
-            if op == "mean":
-                body.append(f"res = res / {float(R)}")
-        elif op in ("max", "min"):
-            fill = "float('-inf')" if op == "max" else "float('inf')"
-            fn = "tl.maximum" if op == "max" else "tl.minimum"
-            body.append(f"acc = tl.full([ROWS, BR], {fill}, tl.float32)")
-            body += loop(lambda: (lambda p: p + [f"acc = {fn}(acc, tl.where(MASK, {p.pop()}, {fill}))"])(
-                _val_lines(val)))
-            body.append(f"res = {'tl.max' if op == 'max' else 'tl.min'}(acc, axis={red_axis})[:, None]")
-        elif op == "softmax":
-            body += ["m_acc = tl.full([ROWS, BR], float('-inf'), tl.float32)", "s_acc = tl.zeros([ROWS, BR], tl.float32)"]
-            body += loop(lambda: (lambda p: p + [
-                f"xv = tl.where(MASK, {p.pop()}, float('-inf'))",
-                "m_new = tl.maximum(m_acc, xv)",
-                "s_acc = s_acc * tl.exp(m_acc - tl.where(m_new == float('-inf'), 0.0, m_new)) + "
-                "tl.where(MASK, tl.exp(xv - tl.where(m_new == float('-inf'), 0.0, m_new)), 0.0)",
-                "m_acc = m_new"])(_val_lines(val)))
-            body += ["m_row = tl.max(m_acc, axis=1)[:, None]",
-                     "s_row = tl.sum(s_acc * tl.exp(m_acc - m_row), axis=1)[:, None]"]
-        else:  # norms: mean, then variance about it (two passes, as torch computes them)
-            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
-            body += loop(lambda: (lambda p: p + [f"acc += tl.where(MASK, {p.pop()}, 0.0).to({acc_t})"])(
-                _val_lines(val)))
-            body.append(f"mean = (tl.sum(acc, axis=1)[:, None] / {float(R)}).to(tl.float32)")
-            body.append(f"acc2 = tl.zeros([ROWS, BR], {acc_t})")
-            body += loop(lambda: (lambda p: p + [f"dv = tl.where(MASK, {p.pop()} - mean, 0.0).to({acc_t})",
-                                                 "acc2 += dv * dv"])(_val_lines(val)))
-            body.append(f"rstd = (1.0 / tl.sqrt(tl.sum(acc2, axis=1)[:, None] / {float(R)} + {eps!r}))"
-                        f".to(tl.float32)")
+        body = self._reduce_statistics(spec, x, L, space)
         name = self._new()
         res_node = n
         if t in (aten.max.dim, aten.min.dim, aten.native_group_norm.default, aten.native_layer_norm.default,
                  aten.native_batch_norm.default):
-            gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
-            if any(u.args[1] != 0 for u in gi):
-                raise Unsupported(f"{t} statistics used")
-            res_node = gi[0] if gi else n
-        out_shape = _shape(res_node)
-        extra_leaves: set = set()
-        if full_out:
-            # final pass: the normalised value (and the epilogue) at every element
-            def final_lines():
-                p = _val_lines(val)
-                xv = p.pop()
-                if op == "softmax":
-                    p.append(f"y = tl.exp({xv} - m_row) / s_row")
-                else:
-                    p.append(f"y = ({xv} - mean) * rstd")
-                    c = chan if op == "group_norm" else None
-                    if weight is not None:
-                        wexp = self._param(weight, idx, L, c, p, op)
-                        p.append(f"y = y * {wexp}")
-                    if bias is not None:
-                        bexp = self._param(bias, idx, L, c, p, op)
-                        p.append(f"y = y + {bexp}")
-                bind = {res_node: "y"}
-                stored, v = self._store_value(res_node, idx, L, p, bind, {})
-                extra_leaves.update(self._leaves(stored, set(), bind))
-                p.append(f"tl.store(OUT_ptr + {self._offset(_strides(L), L, idx)}, {v}, mask=MASK)")
-                final_lines.stored = stored
-                return p
-            body += loop(final_lines)
-            stored = final_lines.stored
+            res_node = self._values_output(n, f"{t} statistics used")
+        if spec.full_out:
+            lines, stored, extra_leaves = self._reduce_final_pass(spec, res_node, x, L, space)
         else:
-            # store per row at the reduced tensor's layout
-            oidx = []
-            ki = iter(kidx)
-            keep_dim = len(out_shape) == nd
-            for d in range(nd):
-                if d in dims:
-                    if keep_dim:
-                        oidx.append("0")
-                else:
-                    oidx.append(next(ki))
-            bind = {res_node: "res"}
-            p: list[str] = []
-            stored, v = self._store_value(res_node, oidx, out_shape, p, bind, {})
-            extra_leaves.update(self._leaves(stored, set(), bind))
-            body.append("MASK = ROWMASK")
-            body += p
-            off = self._offset(_strides(out_shape), out_shape, oidx)
-            body.append(f"tl.store(OUT_ptr + {'0 * rows' if off == '0' else off}, {v}, mask=ROWMASK)")
-        for w in (weight, bias):
+            lines, stored, extra_leaves = self._reduce_row_store(res_node, len(L), space)
+        body += lines
+        for w in (spec.weight, spec.bias):
             if isinstance(w, torch.fx.Node):
                 leaves |= self._leaves(w, set(), {})
         leaves |= extra_leaves
@@ -663,7 +536,164 @@ class Gen:
         self.plan.kernels.append("\n".join(src))
         self.plan.lines.append(f"{name}[(triton.cdiv({nrows}, {ROWS}),)]({call}, {out.var}, ROWS={ROWS}, BR={BR}, "
                                f"num_warps={self.cfg.get('num_warps', 4)})")
-        self.plan.kinds.append(op)
+        self.plan.kinds.append(spec.op)
+
+    def _values_output(self, n, what: str):
+        """The node later ops read for a multi-output op (its getitem 0), refusing graphs that read other outputs."""
+        gi = [u for u in self.users[n] if u.target is operator.getitem and self.users[u]]
+        if any(u.args[1] != 0 for u in gi):
+            raise Unsupported(what)
+        return gi[0] if gi else n
+
+    def _reduce_spec(self, n, nd: int) -> _ReduceSpec:
+        """What reduction node `n` computes: its op, the dims it reduces and a norm's affine parameters."""
+        t = n.target
+        if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default):
+            dims = n.args[1] if len(n.args) > 1 else list(range(nd))
+            dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
+            op = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
+                  aten.amin.default: "min"}[t]
+            return _ReduceSpec(op, dims)
+        if t in (aten.max.dim, aten.min.dim):
+            self._values_output(n, "argmax/argmin used")
+            return _ReduceSpec("max" if t == aten.max.dim else "min", [n.args[1]])
+        if t == aten._softmax.default:
+            return _ReduceSpec("softmax", [n.args[1]], full_out=True)
+        if t == aten.native_group_norm.default:
+            return _ReduceSpec("group_norm", None, full_out=True, weight=n.args[1], bias=n.args[2],
+                               eps=float(n.args[7]), groups=int(n.args[6]))
+        if t == aten.native_layer_norm.default:
+            k = len(n.args[1])
+            return _ReduceSpec("layer_norm", list(range(nd - k, nd)), full_out=True, weight=n.args[2],
+                               bias=n.args[3], eps=float(n.args[4]))
+        if t == aten.native_batch_norm.default:
+            if not bool(n.args[5]):
+                raise Unsupported("eval-mode batch norm")
+            return _ReduceSpec("batch_norm", [d for d in range(nd) if d != 1], full_out=True, weight=n.args[1],
+                               bias=n.args[2], eps=float(n.args[7]))
+        raise Unsupported(f"reduction {t}")
+
+    def _reduce_space(self, spec: _ReduceSpec, L: tuple[int, ...], pre: list[str]) -> _RowSpace:
+        """Rows and reduced elements of a reduction over input shape `L`; the row index lines go to `pre`."""
+        nd = len(L)
+        if spec.op == "group_norm":
+            G = spec.groups
+            C = L[1]
+            S = math.prod(L[2:])
+            cpg = C // G
+            pre += [f"rn = rows // {G}", f"rg = rows % {G}"]
+            lines = [f"kc = kk // {S}", f"ks = kk % {S}", f"cc = rg * {cpg} + kc"]
+            sp = self._decompose("ks", L[2:], lines, "s") if len(L) > 2 else []
+            return _RowSpace(L[0] * G, cpg * S, ["rn", "cc", *sp], lines, chan="cc")
+        dims = sorted({d % nd for d in spec.dims})
+        kept = [d for d in range(nd) if d not in dims]
+        nrows = math.prod(L[d] for d in kept) if kept else 1
+        R = math.prod(L[d] for d in dims)
+        kidx = self._decompose("rows", tuple(L[d] for d in kept), pre, "r") if kept else []
+        lines: list[str] = []
+        ridx = self._decompose("kk", tuple(L[d] for d in dims), lines, "q")
+        full, ki, ri = [], iter(kidx), iter(ridx)
+        for d in range(nd):
+            full.append(next(ri) if d in dims else next(ki))
+        return _RowSpace(nrows, R, full, lines, kidx=kidx, dims=dims)
+
+    def _reduce_input(self, x, L, space: _RowSpace) -> tuple[list[str], str]:
+        """(lines, name): the reduction's input at the loop's element, inlined afresh in each pass."""
+        p: list[str] = []
+        v = self.expr(x, space.idx, L, p, {}, {})
+        return p, v
+
+    @staticmethod
+    def _reduce_loop(space: _RowSpace, inner: list[str]) -> list[str]:
+        """One pass over the reduced elements, BR at a time, running `inner` on each block."""
+        out = [f"for k0 in range(0, {space.R}, BR):",
+               "    kk = k0 + tl.arange(0, BR)[None, :]",
+               f"    MASK = ROWMASK & (kk < {space.R})"]
+        out += [f"    {l}" for l in list(space.ilines) + inner]
+        return out
+
+    def _reduce_statistics(self, spec: _ReduceSpec, x, L, space: _RowSpace) -> list[str]:
+        """The statistics passes: `res` for sum/mean/max/min, the row max and sum for softmax, `mean` and `rstd`
+        for the norms."""
+        op, R = spec.op, space.R
+
+        def loop(update):
+            p, v = self._reduce_input(x, L, space)
+            return self._reduce_loop(space, p + update(v))
+
+        acc_t = "tl.float64" if self.cfg.get("acc64", True) else "tl.float32"
+        body: list[str] = []
+        if op in ("sum", "mean"):
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda v: [f"acc += tl.where(MASK, {v}, 0.0).to({acc_t})"])
+            body.append(f"res = tl.sum(acc, axis=1)[:, None].to(tl.float32)")
+            if op == "mean":
+                body.append(f"res = res / {float(R)}")
+        elif op in ("max", "min"):
+            fill = "float('-inf')" if op == "max" else "float('inf')"
+            fn = "tl.maximum" if op == "max" else "tl.minimum"
+            body.append(f"acc = tl.full([ROWS, BR], {fill}, tl.float32)")
+            body += loop(lambda v: [f"acc = {fn}(acc, tl.where(MASK, {v}, {fill}))"])
+            body.append(f"res = {'tl.max' if op == 'max' else 'tl.min'}(acc, axis=1)[:, None]")
+        elif op == "softmax":
+            body += ["m_acc = tl.full([ROWS, BR], float('-inf'), tl.float32)", "s_acc = tl.zeros([ROWS, BR], tl.float32)"]
+            body += loop(lambda v: [
+                f"xv = tl.where(MASK, {v}, float('-inf'))",
+                "m_new = tl.maximum(m_acc, xv)",
+                "s_acc = s_acc * tl.exp(m_acc - tl.where(m_new == float('-inf'), 0.0, m_new)) + "
+                "tl.where(MASK, tl.exp(xv - tl.where(m_new == float('-inf'), 0.0, m_new)), 0.0)",
+                "m_acc = m_new"])
+            body += ["m_row = tl.max(m_acc, axis=1)[:, None]",
+                     "s_row = tl.sum(s_acc * tl.exp(m_acc - m_row), axis=1)[:, None]"]
+        else:  # norms: mean, then variance about it (two passes, as torch computes them)
+            body.append(f"acc = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda v: [f"acc += tl.where(MASK, {v}, 0.0).to({acc_t})"])
+            body.append(f"mean = (tl.sum(acc, axis=1)[:, None] / {float(R)}).to(tl.float32)")
+            body.append(f"acc2 = tl.zeros([ROWS, BR], {acc_t})")
+            body += loop(lambda v: [f"dv = tl.where(MASK, {v} - mean, 0.0).to({acc_t})", "acc2 += dv * dv"])
+            body.append(f"rstd = (1.0 / tl.sqrt(tl.sum(acc2, axis=1)[:, None] / {float(R)} + {spec.eps!r}))"
+                        f".to(tl.float32)")
+        return body
+
+    def _reduce_final_pass(self, spec: _ReduceSpec, res_node, x, L, space: _RowSpace) -> tuple[list[str], Any, set]:
+        """(lines, node stored, leaves it reads): the pass storing the normalised value (and the epilogue) at every
+        element, for softmax and the norms."""
+        p, xv = self._reduce_input(x, L, space)
+        idx = space.idx
+        if spec.op == "softmax":
+            p.append(f"y = tl.exp({xv} - m_row) / s_row")
+        else:
+            p.append(f"y = ({xv} - mean) * rstd")
+            if spec.weight is not None:
+                p.append(f"y = y * {self._param(spec.weight, idx, L, space.chan, p, spec.op)}")
+            if spec.bias is not None:
+                p.append(f"y = y + {self._param(spec.bias, idx, L, space.chan, p, spec.op)}")
+        bind = {res_node: "y"}
+        stored, v = self._store_value(res_node, idx, L, p, bind, {})
+        leaves = self._leaves(stored, set(), bind)
+        p.append(f"tl.store(OUT_ptr + {self._offset(_strides(L), L, idx)}, {v}, mask=MASK)")
+        return self._reduce_loop(space, p), stored, leaves
+
+    def _reduce_row_store(self, res_node, nd: int, space: _RowSpace) -> tuple[list[str], Any, set]:
+        """(lines, node stored, leaves it reads): the per-row store of `res` at the reduced tensor's layout."""
+        out_shape = _shape(res_node)
+        oidx = []
+        ki = iter(space.kidx)
+        keep_dim = len(out_shape) == nd
+        for d in range(nd):
+            if d in space.dims:
+                if keep_dim:
+                    oidx.append("0")
+            else:
+                oidx.append(next(ki))
+        bind = {res_node: "res"}
+        p: list[str] = []
+        stored, v = self._store_value(res_node, oidx, out_shape, p, bind, {})
+        leaves = self._leaves(stored, set(), bind)
+        off = self._offset(_strides(out_shape), out_shape, oidx)
+        lines = ["MASK = ROWMASK", *p,
+                 f"tl.store(OUT_ptr + {'0 * rows' if off == '0' else off}, {v}, mask=ROWMASK)"]
+        return lines, stored, leaves
 
     def gemm_kernel(self, n, x: Buf, w: Buf, b: Buf | None) -> None:
         """out = epilogue(x @ w + b) in one Triton kernel: an fp32 GEMM with IEEE-precision dots (TF32 would miss
@@ -752,13 +782,6 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _val_lines(val) -> list[str]:
-    """The lines computing the reduction's input inside a loop; the last element is the value's name."""
-    p: list[str] = []
-    v = val(p)
-    return p + [v]
-
-
 # -------------------------------------------------------------------------------------------------------- driver
 
 def _dropouts(gm) -> tuple[dict, set]:
@@ -783,28 +806,7 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
     g = Gen(gm, {}, cfg)
     lines = g.plan.lines
     drop, skip = _dropouts(gm)
-    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(ph) != len(param_names) + n_inputs:
-        raise Unsupported(f"expected {len(param_names) + n_inputs} placeholders, got {len(ph)}")
-    for i, n in enumerate(ph):
-        shape = _shape(n)
-        if i < len(param_names):
-            var = f"p{i}"
-            lines.append(f"{var} = self.{param_names[i]}")
-        else:
-            var = f"x{i - len(param_names)}"
-        g.bufs[n] = Buf(var, shape, _strides(shape))
-
-    def stored(a):
-        """Make sure node a is a stored tensor (a pointwise chain gets a kernel of its own)."""
-        if a in g.bufs:
-            return g.bufs[a]
-        k = g.kind(a)
-        if k in ("pointwise", "identity"):
-            g.pointwise_kernel(a)
-            return g.bufs[a]
-        raise Unsupported(f"{a.name} ({k}) is not stored")
-
+    _bind_placeholders(g, param_names, n_inputs)
     for n in gm.graph.nodes:
         if n.op in ("placeholder",) or n in skip:
             continue
@@ -815,91 +817,123 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
             outs = outs if isinstance(outs, (list, tuple)) else [outs]
             if len(outs) != 1:
                 raise Unsupported("several outputs")
-            b = stored(outs[0])
+            b = _stored(g, outs[0])
             lines.append(f"return {b.var}")
             break
         if not g.users[n]:
             continue  # running-statistics updates and other values nothing reads
         if n in drop:
-            x, p = drop[n]
-            b = stored(x)
-            var = g.var()
-            lines.append(f"{var} = torch.nn.functional.dropout({b.var}, {p!r}, True)")
-            g.bufs[n] = Buf(var, b.shape, b.strides)
-            g.plan.kinds.append("dropout (torch, same RNG stream)")
+            _dropout(g, n, *drop[n])
             continue
         k = g.kind(n)
-        if k in ("pointwise", "identity"):
-            if n in g.fused_into or n in g.bufs:
-                continue
-            continue
-        if k == "getitem":
-            continue
+        if k in ("pointwise", "identity", "getitem"):
+            continue  # inlined into the kernels that read them (or stored on demand by `_stored`)
         if k == "heavy":
-            args = [stored(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
-            var = g.var()
-            if n.target == aten.convolution.default:
-                x, w, b, stride, pad, dil, transposed, opad, groups = args
-                nd = len(stride)
-                bvar = b.var if b is not None else "None"
-                if transposed:
-                    lines.append(f"{var} = torch.nn.functional.conv_transpose{nd}d({x.var}, {w.var}, {bvar}, "
-                                 f"{tuple(stride)}, {tuple(pad)}, {tuple(opad)}, {groups}, {tuple(dil)})")
-                else:
-                    lines.append(f"{var} = torch.nn.functional.conv{nd}d({x.var}, {w.var}, {bvar}, {tuple(stride)}, "
-                                 f"{tuple(pad)}, {tuple(dil)}, {groups})")
-                g.plan.heavy.append(f"conv{'_transpose' if transposed else ''}{nd}d")
-            elif n.target in (aten.addmm.default, aten.mm.default) and cfg.get("gemm") == "triton":
-                if n.target == aten.addmm.default:
-                    if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
-                        raise Unsupported("addmm alpha/beta")
-                    b, x, w = args[:3]
-                else:
-                    b, (x, w) = None, args[:2]
-                g.gemm_kernel(n, x, w, b)
-                continue
-            elif n.target == aten.addmm.default:
-                b, x, w = args[:3]
-                if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
-                    raise Unsupported("addmm alpha/beta")
-                lines.append(f"{var} = torch.addmm({b.var}, {x.var}, {w.var})")
-                g.plan.heavy.append("addmm")
-            elif n.target == aten.mm.default:
-                lines.append(f"{var} = torch.mm({args[0].var}, {args[1].var})")
-                g.plan.heavy.append("mm")
-            else:
-                lines.append(f"{var} = torch.bmm({args[0].var}, {args[1].var})")
-                g.plan.heavy.append("bmm")
-            shape = _shape(n)
-            g.bufs[n] = Buf(var, shape, _strides(shape))
-            continue
-        if k == "view":
-            b = stored(n.args[0])
-            var = g.var()
-            shape = _shape(n)
-            if n.target in (aten.permute.default, aten.t.default):
-                perm = list(n.args[1]) if n.target == aten.permute.default else [1, 0]
-                lines.append(f"{var} = {b.var}.permute({tuple(perm)})")
-                g.bufs[n] = Buf(var, shape, tuple(b.strides[p] for p in perm))
-            elif n.target == aten.expand.default:
-                raise Unsupported("expand")
-            else:
-                if b.strides != _strides(b.shape):
-                    raise Unsupported("view of a strided tensor")
-                lines.append(f"{var} = {b.var}.view({tuple(shape)})")
-                g.bufs[n] = Buf(var, shape, _strides(shape))
-            continue
-        if k == "reduce":
-            # a reduction over size-1 dims only is the identity (KernelBench chains keep such ops)
+            _heavy(g, n)
+        elif k == "view":
+            _view(g, n)
+        elif k == "reduce":
             g.reduce_kernel(n)
-            continue
-        if k == "pool":
+        elif k == "pool":
             g.pool_kernel(n)
-            continue
-        if k == "rng":
+        elif k == "rng":
             raise Unsupported("random op outside dropout")
-        raise Unsupported(f"node {n.name} ({k})")
+        else:
+            raise Unsupported(f"node {n.name} ({k})")
     return g.plan
+
+
+def _bind_placeholders(g: Gen, param_names: list[str], n_inputs: int) -> None:
+    """Parameters become `p{i} = self.<name>` lines, inputs the forward's arguments `x{i}`."""
+    ph = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
+    if len(ph) != len(param_names) + n_inputs:
+        raise Unsupported(f"expected {len(param_names) + n_inputs} placeholders, got {len(ph)}")
+    for i, n in enumerate(ph):
+        shape = _shape(n)
+        if i < len(param_names):
+            var = f"p{i}"
+            g.plan.lines.append(f"{var} = self.{param_names[i]}")
+        else:
+            var = f"x{i - len(param_names)}"
+        g.bufs[n] = Buf(var, shape, _strides(shape))
+
+
+def _stored(g: Gen, a) -> Buf:
+    """Make sure node a is a stored tensor (a pointwise chain gets a kernel of its own)."""
+    if a in g.bufs:
+        return g.bufs[a]
+    k = g.kind(a)
+    if k in ("pointwise", "identity"):
+        g.pointwise_kernel(a)
+        return g.bufs[a]
+    raise Unsupported(f"{a.name} ({k}) is not stored")
+
+
+def _dropout(g: Gen, n, x, p: float) -> None:
+    b = _stored(g, x)
+    var = g.var()
+    g.plan.lines.append(f"{var} = torch.nn.functional.dropout({b.var}, {p!r}, True)")
+    g.bufs[n] = Buf(var, b.shape, b.strides)
+    g.plan.kinds.append("dropout (torch, same RNG stream)")
+
+
+def _heavy(g: Gen, n) -> None:
+    """A convolution or matmul: a torch call (cuDNN/cuBLAS), or the Triton GEMM when the config asks for it."""
+    lines = g.plan.lines
+    args = [_stored(g, a) if isinstance(a, torch.fx.Node) else a for a in n.args]
+    var = g.var()
+    if n.target == aten.convolution.default:
+        x, w, b, stride, pad, dil, transposed, opad, groups = args
+        nd = len(stride)
+        bvar = b.var if b is not None else "None"
+        if transposed:
+            lines.append(f"{var} = torch.nn.functional.conv_transpose{nd}d({x.var}, {w.var}, {bvar}, "
+                         f"{tuple(stride)}, {tuple(pad)}, {tuple(opad)}, {groups}, {tuple(dil)})")
+        else:
+            lines.append(f"{var} = torch.nn.functional.conv{nd}d({x.var}, {w.var}, {bvar}, {tuple(stride)}, "
+                         f"{tuple(pad)}, {tuple(dil)}, {groups})")
+        g.plan.heavy.append(f"conv{'_transpose' if transposed else ''}{nd}d")
+    elif n.target in (aten.addmm.default, aten.mm.default) and g.cfg.get("gemm") == "triton":
+        if n.target == aten.addmm.default:
+            if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                raise Unsupported("addmm alpha/beta")
+            b, x, w = args[:3]
+        else:
+            b, (x, w) = None, args[:2]
+        g.gemm_kernel(n, x, w, b)
+        return
+    elif n.target == aten.addmm.default:
+        b, x, w = args[:3]
+        if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            raise Unsupported("addmm alpha/beta")
+        lines.append(f"{var} = torch.addmm({b.var}, {x.var}, {w.var})")
+        g.plan.heavy.append("addmm")
+    elif n.target == aten.mm.default:
+        lines.append(f"{var} = torch.mm({args[0].var}, {args[1].var})")
+        g.plan.heavy.append("mm")
+    else:
+        lines.append(f"{var} = torch.bmm({args[0].var}, {args[1].var})")
+        g.plan.heavy.append("bmm")
+    shape = _shape(n)
+    g.bufs[n] = Buf(var, shape, _strides(shape))
+
+
+def _view(g: Gen, n) -> None:
+    """A permute (strides permuted, no copy) or a view of a contiguous tensor."""
+    b = _stored(g, n.args[0])
+    var = g.var()
+    shape = _shape(n)
+    if n.target in (aten.permute.default, aten.t.default):
+        perm = list(n.args[1]) if n.target == aten.permute.default else [1, 0]
+        g.plan.lines.append(f"{var} = {b.var}.permute({tuple(perm)})")
+        g.bufs[n] = Buf(var, shape, tuple(b.strides[p] for p in perm))
+    elif n.target == aten.expand.default:
+        raise Unsupported("expand")
+    else:
+        if b.strides != _strides(b.shape):
+            raise Unsupported("view of a strided tensor")
+        g.plan.lines.append(f"{var} = {b.var}.view({tuple(shape)})")
+        g.bufs[n] = Buf(var, shape, _strides(shape))
 
 
 # -------------------------------------------------------------------------------------------------------- rewrites

@@ -158,36 +158,18 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
         return v.fail("compile", "compile", "the module defines no class `ModelNew`"), False
     t0 = time.perf_counter()
     try:
-        ref_model = build_model(problem, dev)
-        new_model = build_model(problem, dev, cls=module.ModelNew)
-    except BaseException as e:  # noqa: BLE001
-        f = _classify_exception(e, first_call=True)
-        return v.fail(f.gate, f.failure_class, f"building ModelNew(*get_init_inputs()) failed: {f.message}"), \
-            f.poisoned
-    if precision_flags() != flags:
-        return v.fail("precision", "precision_changed", f"importing or building the candidate changed the fp32 "
-                      f"precision settings {flags} -> {precision_flags()} (TF32 or reduced-precision matmul)"), False
+        ref_model, new_model = _build_models(problem, module, dev, flags)
+    except GateFailure as f:
+        return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     weights = {k: t.detach().clone() for k, t in ref_model.state_dict().items()}
     functional = _same_layout(ref_model, new_model)
     if functional:  # identical weights by construction: the reference's, as the verifier guards them
         new_model.load_state_dict(weights)
     entry = make_entry(new_model, spec.input_names, functional)
-    seeds = [SEED, *trial_seeds(TRIALS)]
-
-    def draw(i: int) -> Draw:
-        """Trial i's inputs (drawn on the device: KernelBench draws them on the CPU, other values of the same law)
-        and the reference's output for them, made when judged (Level 2 tensors reach GBs: one trial at a time)."""
-        with torch.device(dev):
-            inputs = inputs_for(problem, seeds[i], dev)
-        d = Draw((0, i), dict(zip(spec.input_names, inputs)), weights, {})
-        with torch.no_grad():
-            set_seed(seeds[i])
-            d.ref = {"out": ref_model(*inputs).detach()}
-        return d
-
+    trials = _Trials(problem, spec.input_names, ref_model, weights, dev)
     try:
-        _Seed.value = seeds[0]
-        first = draw(0)
+        _Seed.value = trials.seeds[0]
+        first = trials.draw(0)
         call_candidate(entry, guard(first), spec.static, dev, first_call=True)  # compiles: outside the GPU lock
         del first
     except GateFailure as f:
@@ -197,19 +179,7 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
                                                                   f"{'bound by name' if functional else 'seeded'}"))
     judge = KBJudge(entry, task, dev)
     try:
-        for i, s in enumerate(seeds):
-            _Seed.value = s
-            try:
-                with gpu_lock():
-                    judge.judge(draw(i))
-            except RuntimeError as e:
-                failure = _classify_exception(e, first_call=False)
-                if failure.failure_class not in ("gpu_fault", "oom"):
-                    raise
-                raise failure from None
-            if precision_flags() != flags:
-                raise GateFailure("precision", "precision_changed",
-                                  f"the forward changed the fp32 precision settings {flags} -> {precision_flags()}")
+        _judge_trials(judge, trials, flags)
     except GateFailure as f:
         _append_passed_before(v, f.gate if f.gate in CHECK_GATES else None)
         v.max_abs_err = judge.max_abs
@@ -221,6 +191,67 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
                                     f"allclose atol=rtol={ATOL}, fp32, TF32 off; {judge.runs} calls")
     v.gates.append(GateResult(name="precision", passed=True, detail="TF32 and reduced-precision settings unchanged"))
     del judge
+    return _timing_gates(v, spec, problem, ref_model, new_model, dev, timing, perf_trials)
+
+
+def _build_models(problem, module, dev: torch.device, flags: tuple):
+    """(reference, ModelNew), both built as KernelBench builds them; a GateFailure when ModelNew cannot be built
+    or building it changed the fp32 precision settings."""
+    try:
+        ref_model = build_model(problem, dev)
+        new_model = build_model(problem, dev, cls=module.ModelNew)
+    except BaseException as e:  # noqa: BLE001
+        f = _classify_exception(e, first_call=True)
+        raise GateFailure(f.gate, f.failure_class, f"building ModelNew(*get_init_inputs()) failed: {f.message}",
+                          f.poisoned) from None
+    if precision_flags() != flags:
+        raise GateFailure("precision", "precision_changed", f"importing or building the candidate changed the fp32 "
+                          f"precision settings {flags} -> {precision_flags()} (TF32 or reduced-precision matmul)")
+    return ref_model, new_model
+
+
+class _Trials:
+    """KernelBench's trials: the seed-42 inputs, then TRIALS seeded draws, each made when judged (Level 2 tensors
+    reach GBs: one trial at a time)."""
+
+    def __init__(self, problem, input_names: list[str], ref_model, weights: dict, dev: torch.device):
+        self.problem, self.input_names, self.ref_model, self.weights, self.dev = (problem, input_names, ref_model,
+                                                                                   weights, dev)
+        self.seeds = [SEED, *trial_seeds(TRIALS)]
+
+    def draw(self, i: int) -> Draw:
+        """Trial i's inputs (drawn on the device: KernelBench draws them on the CPU, other values of the same law)
+        and the reference's output for them."""
+        with torch.device(self.dev):
+            inputs = inputs_for(self.problem, self.seeds[i], self.dev)
+        d = Draw((0, i), dict(zip(self.input_names, inputs)), self.weights, {})
+        with torch.no_grad():
+            set_seed(self.seeds[i])
+            d.ref = {"out": self.ref_model(*inputs).detach()}
+        return d
+
+
+def _judge_trials(judge: KBJudge, trials: _Trials, flags: tuple) -> None:
+    """Every trial judged under the GPU lock; a GateFailure on the first wrong one, a device fault, or a change of
+    the precision settings."""
+    for i, s in enumerate(trials.seeds):
+        _Seed.value = s
+        try:
+            with gpu_lock():
+                judge.judge(trials.draw(i))
+        except RuntimeError as e:
+            failure = _classify_exception(e, first_call=False)
+            if failure.failure_class not in ("gpu_fault", "oom"):
+                raise
+            raise failure from None
+        if precision_flags() != flags:
+            raise GateFailure("precision", "precision_changed",
+                              f"the forward changed the fp32 precision settings {flags} -> {precision_flags()}")
+
+
+def _timing_gates(v: Verdict, spec, problem, ref_model, new_model, dev: torch.device, timing: bool,
+                  perf_trials: int | None) -> tuple[Verdict, bool]:
+    """The timing gates of a correct candidate: KernelBench's timing on a GPU, passed with the reason elsewhere."""
     if dev.type != "cuda" or not timing:
         # (the CPU verifier's sm_90 compile gate, llm4llm/verify/aot.py, records `entry` launches; it does not
         # drive a ModelNew yet, so a CPU verdict here says nothing about the GPU compiler)

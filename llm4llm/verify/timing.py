@@ -31,6 +31,7 @@ There is no CPU timing: a CPU time would say nothing about the GPU and must neve
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import time
@@ -512,90 +513,116 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     same thing. `samplers` (one per side, or None): after each timed replay one of its GRAPH_CALLS calls, drawn at
     random then, is offered with its outputs (the tensors the capture returned, which every replay rewrites) and the
     seed of its inputs; only meaningful for stateless tasks (time_task passes none otherwise)."""
-    import secrets
-
     from kernels_runtime.graphs import CudaGraphBackend
 
-    prepared, cleanups, keep, resets, side_args, captured = [], [], [], [], [], []
-    template = args[0][0]
-    stds = fresh_stds(template, {}) if fresh_seed is not None else None
-    seeds = iter(range(fresh_seed or 0, (fresh_seed or 0) + (1 << 40), GRAPH_CALLS))
+    g = _SideGraphs(args, fresh, fresh_seed, samplers)
     try:
         for fns, preps in sides:
-            n0 = len(keep)
-            calls, side_cleanups = side_calls(fns, preps, args[0], fresh, keep)
-            prepared.append(calls)
-            cleanups.append(side_cleanups)
-            side_args.append(keep[n0:])
-
-        def runner(calls):
-            def run():
-                outs = []
-                for i in range(GRAPH_CALLS):
-                    fn, a, wrapped = calls[i % len(calls)]
-                    outs.append(fn(a) if wrapped else fn(*a))
-                return outs  # the capture's outputs: each replay rewrites them
-            return run
-
+            g.add_side(fns, preps)
         backend = CudaGraphBackend()
         with torch.no_grad(), torch.cuda.device(device):
-            graphs = []
             for j, (fns, preps) in enumerate(sides):
-                backend.warmup(runner(prepared[j]))  # GRAPH_CALLS >= WARMUP calls, every replica's among them
-                if fresh:  # the warm-up ran every prompt forward on its cache: capture from fresh ones
-                    undo(cleanups[j])
-                    n0 = len(keep)
-                    prepared[j], cleanups[j] = side_calls(fns, preps, args[0], fresh, keep)
-                    side_args[j] = keep[n0:]
-                calls = prepared[j]
-                reads = capture_keep(calls)  # the cache layers' tensors too: the capture replaces them
-                keep.append(reads)
-                resets.append(counters_of(reads))
-                graph, outs = backend.record(runner(calls))
-                graphs.append(graph)
-                captured.append(outs)
-            stream = torch.cuda.current_stream(device)
-
-            def replay_all(record: bool, sample: bool = False):
-                marks = []
-                for j, (graph, reset) in enumerate(zip(graphs, resets)):
-                    for t, start_value in reset:  # before the start event: not timed
-                        t.copy_(start_value)
-                    base = next(seeds) if stds is not None else None
-                    if base is not None:  # fresh inputs for every call of this replay, not timed either
-                        for n, a in enumerate(side_args[j]):
-                            fill_fresh(a[0], {}, template, {}, stds, base + n)
-                    if record:
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record(stream)
-                        graph.replay()
-                        end.record(stream)
-                        marks.append((start, end))
-                    else:
-                        graph.replay()
-                    sampler = samplers[j] if samplers and sample else None
-                    if sampler is not None and base is not None:
-                        i = secrets.randbelow(GRAPH_CALLS)  # which call of this replay: drawn after it ran
-                        sampler.offer(base + i % len(side_args[j]), captured[j][i])
-                return marks
-
-            replay_all(False)
-            first = replay_all(True)
-            torch.cuda.synchronize(device)
-            one = max(sum(s.elapsed_time(e) for s, e in first), 1e-3)  # sizes warm-up and timing in time
-            for _ in range(min(MAX_REPS, math.ceil(GRAPH_WARM_MS / one))):  # busy the GPU before timing it
-                replay_all(False)
-            rounds = [replay_all(True, sample=True)
-                      for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one))))]
-            torch.cuda.synchronize(device)
-            lats = [latency([r[j][0].elapsed_time(r[j][1]) / GRAPH_CALLS for r in rounds]) for j in range(len(graphs))]
-            graphs.clear()
+                g.capture(backend, j, fns, preps)
+            g.stream = torch.cuda.current_stream(device)
+            lats = _time_replays(g, device)
+            g.graphs.clear()
     finally:
-        for side_cleanups in cleanups:
-            undo(side_cleanups)
-        keep.clear()
-        captured.clear()
+        g.release()
     return lats
+
+
+def _graph_runner(calls: list[tuple[Callable, object, bool]]) -> Callable[[], list]:
+    """The function a side's graph captures: GRAPH_CALLS calls cycling through its prepared calls."""
+    def run():
+        outs = []
+        for i in range(GRAPH_CALLS):
+            fn, a, wrapped = calls[i % len(calls)]
+            outs.append(fn(a) if wrapped else fn(*a))
+        return outs  # the capture's outputs: each replay rewrites them
+    return run
+
+
+class _SideGraphs:
+    """time_graphs' sides, from their prepared calls to their captured graphs, and one replay of them all: what
+    each replay resets (counters), refills (fresh inputs) and samples, and everything kept alive until the end."""
+
+    def __init__(self, args: list[Args], fresh: bool, fresh_seed: int | None, samplers: list | None):
+        self.draw, self.fresh, self.samplers = args[0], fresh, samplers
+        self.prepared, self.cleanups, self.keep, self.resets, self.side_args, self.captured = [], [], [], [], [], []
+        self.graphs: list = []
+        self.stream = None
+        self.template = args[0][0]
+        self.stds = fresh_stds(self.template, {}) if fresh_seed is not None else None
+        self.seeds = iter(range(fresh_seed or 0, (fresh_seed or 0) + (1 << 40), GRAPH_CALLS))
+
+    def add_side(self, fns: list[Callable], preps: list[Prepare | None]) -> None:
+        n0 = len(self.keep)
+        calls, side_cleanups = side_calls(fns, preps, self.draw, self.fresh, self.keep)
+        self.prepared.append(calls)
+        self.cleanups.append(side_cleanups)
+        self.side_args.append(self.keep[n0:])
+
+    def capture(self, backend, j: int, fns: list[Callable], preps: list[Prepare | None]) -> None:
+        backend.warmup(_graph_runner(self.prepared[j]))  # GRAPH_CALLS >= WARMUP calls, every replica's among them
+        if self.fresh:  # the warm-up ran every prompt forward on its cache: capture from fresh ones
+            undo(self.cleanups[j])
+            n0 = len(self.keep)
+            self.prepared[j], self.cleanups[j] = side_calls(fns, preps, self.draw, self.fresh, self.keep)
+            self.side_args[j] = self.keep[n0:]
+        calls = self.prepared[j]
+        reads = capture_keep(calls)  # the cache layers' tensors too: the capture replaces them
+        self.keep.append(reads)
+        self.resets.append(counters_of(reads))
+        graph, outs = backend.record(_graph_runner(calls))
+        self.graphs.append(graph)
+        self.captured.append(outs)
+
+    def replay_all(self, record: bool, sample: bool = False) -> list:
+        """Every side's graph replayed once, in turn; with `record`, the (start, end) events around each replay."""
+        import secrets
+
+        marks = []
+        for j, (graph, reset) in enumerate(zip(self.graphs, self.resets)):
+            for t, start_value in reset:  # before the start event: not timed
+                t.copy_(start_value)
+            base = next(self.seeds) if self.stds is not None else None
+            if base is not None:  # fresh inputs for every call of this replay, not timed either
+                for n, a in enumerate(self.side_args[j]):
+                    fill_fresh(a[0], {}, self.template, {}, self.stds, base + n)
+            if record:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                graph.replay()
+                end.record(self.stream)
+                marks.append((start, end))
+            else:
+                graph.replay()
+            sampler = self.samplers[j] if self.samplers and sample else None
+            if sampler is not None and base is not None:
+                i = secrets.randbelow(GRAPH_CALLS)  # which call of this replay: drawn after it ran
+                sampler.offer(base + i % len(self.side_args[j]), self.captured[j][i])
+        return marks
+
+    def release(self) -> None:
+        for side_cleanups in self.cleanups:
+            undo(side_cleanups)
+        self.keep.clear()
+        self.captured.clear()
+
+
+def _time_replays(g: _SideGraphs, device: torch.device) -> list[Latency]:
+    """Per-call latency of each side: replays warm the GPU for GRAPH_WARM_MS, then timed rounds for MIN_TIME_MS (at
+    least GRAPH_REPLAYS), both sized by one timed round."""
+    g.replay_all(False)
+    first = g.replay_all(True)
+    torch.cuda.synchronize(device)
+    one = max(sum(s.elapsed_time(e) for s, e in first), 1e-3)  # sizes warm-up and timing in time
+    for _ in range(min(MAX_REPS, math.ceil(GRAPH_WARM_MS / one))):  # busy the GPU before timing it
+        g.replay_all(False)
+    rounds = [g.replay_all(True, sample=True)
+              for _ in range(min(MAX_REPS, max(GRAPH_REPLAYS, math.ceil(MIN_TIME_MS / one))))]
+    torch.cuda.synchronize(device)
+    return [latency([r[j][0].elapsed_time(r[j][1]) / GRAPH_CALLS for r in rounds]) for j in range(len(g.graphs))]
 
 
 def _weighted(lats: list[Latency], weights: list[float]) -> Latency:
@@ -623,100 +650,10 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
     """
     import secrets
 
-    from llm4llm.verify.gates import _classify_exception
-
     # each timing run (candidate or reference, mode, case) its own range of seeds: a graph run takes up to
     # (2 MAX_REPS + 2) replays x sides x GRAPH_CALLS of them, far below RUN_SEEDS, so no two calls share inputs
     base = (fresh_seed if fresh_seed is not None else secrets.randbits(31)) << 32
-    runs = [0]
-
-    def next_seed() -> int:
-        runs[0] += 1
-        return base + runs[0] * RUN_SEEDS
-
-    ref, ref_prepare = None, None
-    cand_fn, cand_prepare, kernel_calls, how = entry, None, None, "bare entry"
-    if source is not None:
-        try:
-            cand_fn, cand_prepare, kernel_calls = patched_call(task, source, device)
-            how = "through kernels_runtime's dispatch"
-        except Exception as e:  # noqa: BLE001 - the bare entry is still timed
-            how = f"bare entry (not installable in the module: {type(e).__name__}: {str(e)[:200]})"
-
-    def candidate(timer: Callable) -> Latency:
-        """The candidate timed by `timer(fn, prepare)`; if every patched call fell back, the original forward was
-        timed: the bare entry is timed instead, from then on, and the gate says so."""
-        nonlocal cand_fn, cand_prepare, kernel_calls, how
-        ran = kernel_calls() if kernel_calls is not None else 0
-        lat = timer(cand_fn, cand_prepare, True)
-        if kernel_calls is not None and kernel_calls() == ran:
-            cand_fn, cand_prepare, kernel_calls = entry, None, None
-            how = "bare entry (every patched call fell back to the original forward)"
-            lat = timer(entry, None, True)
-        return lat
-
-    def reference(k: int, label: str, timer: Callable) -> Latency:
-        nonlocal ref, ref_prepare
-        key = (str(task.path), task.spec.task_id, k, label)
-        if key not in _REFERENCE_CACHE:
-            if ref is None:
-                ref, ref_prepare = module_call(task, device)
-            _REFERENCE_CACHE[key] = timer(ref, ref_prepare)
-        return _REFERENCE_CACHE[key]
-
-    replicas: dict = {}
-    # under graphs only with prefill_graph: each prompt forward on a fresh cache. Decode on a static KV cache too:
-    # a call advances its cache's length, and GRAPH_CALLS calls on one cache would write past a cache sized for the
-    # workload's decode steps; each call on its own copy writes the captured position, as the model's step does
-    adapter = ((task.spec.recipe or {}).get("state") or {}).get("adapter")
-    fresh = task.spec.phase == "prefill" or adapter in STATIC_KV_ADAPTERS
-
-    stateful = bool(((task.spec.recipe or {}).get("state")) or task.spec.state_names)
-
-    def graph_sampler(k: int, via: str) -> TimedSample | None:
-        """Graph replays are sampled on stateless tasks only: a decode step's state advances replay to replay, so
-        the parent could not rebuild a sampled call's inputs from its seed."""
-        if samples is None or stateful or task.cases[k].state:
-            return None
-        return TimedSample(k, "in_context (graph replay)", via)
-
-    def graph_pair(args, k: int) -> tuple[Latency, Latency, str]:
-        """Candidate and reference under graph replay, their replays alternating, each cycling through as many
-        copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
-        of weights, and the reference then gets one too). Both on fresh inputs every replay; the candidate's
-        replays sampled (`graph_sampler`)."""
-        nonlocal cand_fn, cand_prepare, kernel_calls, how
-        if "copies" not in replicas:
-            replicas["copies"] = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device))
-        copies = replicas["copies"] if kernel_calls is not None else 1
-        if copies not in replicas:  # built once per task and copy count, for every timed case
-            replicas[copies] = module_replicas(task, device, copies)
-        ref_side = replicas[copies]
-        if kernel_calls is not None:
-            if "candidate" not in replicas:
-                replicas["candidate"] = patched_replicas(task, source, device, copies)
-            cand_side, calls = replicas["candidate"]
-            ran = calls()
-            sampler = graph_sampler(k, "module")
-            c, r = time_graphs([cand_side, ref_side], args, device, fresh=fresh, fresh_seed=next_seed(),
-                               samplers=[sampler, None])
-            if calls() > ran:
-                if sampler is not None:
-                    samples.append(sampler)
-                return c, r, f"{copies} weight copies, alternating with the reference"
-            cand_fn, cand_prepare, kernel_calls = entry, None, None
-            how = "bare entry (every patched call fell back to the original forward)"
-            copies = 1
-            if 1 not in replicas:
-                replicas[1] = module_replicas(task, device, 1)
-            ref_side = replicas[1]
-        sampler = graph_sampler(k, "entry" if cand_prepare is None else "module")
-        c, r = time_graphs([([cand_fn], [cand_prepare]), ref_side], args, device, fresh=fresh, fresh_seed=next_seed(),
-                           samplers=[sampler, None])
-        if sampler is not None:
-            samples.append(sampler)
-        return c, r, f"{copies} weight copy, alternating with the reference"
-
+    timer = _TaskTimer(task, CandidateTimer(task, entry, source, device), draws, device, samples, base)
     # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
     # timed 956 us back to back, where a layer's prefill kernels took about 350 us in the model's trace (Triton
     # launches at ~75 us of host each on that machine): the search ranked prefill configs by host time, while the
@@ -727,51 +664,172 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
     weights = [all_weights[k] for k in timed]
     how_mode: dict[str, str] = {}
     for mode in ("cold", "in_context"):
-        cand, refs = [], []
-        for k in timed:
-            args = [(d.inputs, d.weights, d.state, task.spec.static) for d in draws if d.key[0] == k]
-            if graph and mode == "in_context":
-                try:
-                    c, r, detail = graph_pair(args, k)
-                    cand.append(c)
-                    refs.append(r)
-                    how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
-                    continue
-                except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
-                    failure = _classify_exception(e, first_call=False)
-                    if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
-                        failure.gate = f"timing_{mode}"
-                        failure.message = f"under CUDA-graph timing: {failure.message}"
-                        raise failure from None
-                    how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
+        pairs = [timer.time_case(k, mode, graph and mode == "in_context", how_mode) for k in timed]
+        _record_mode(v, mode, _weighted([c for c, _ in pairs], weights), _weighted([r for _, r in pairs], weights),
+                     timer.candidate.how, how_mode.get(mode))
 
-            def back_to_back(fn, prep, sample=False, args=args, mode=mode, k=k):
-                sampler = TimedSample(k, mode, "module" if prep is not None else "entry") \
-                    if sample and samples is not None else None
-                lat = time_call(fn, args, mode, device, prepare=prep, fresh_seed=next_seed(), sampler=sampler)
-                if sampler is not None:
-                    samples.append(sampler)
-                return lat
 
+class CandidateTimer:
+    """The candidate as time_task times it: installed in the module through kernels_runtime (`patched_call`), as
+    the model would run it, or bare (its `entry`) where it cannot be installed or every patched call fell back to
+    the original forward, from then on; `how` says which for the gate detail."""
+
+    def __init__(self, task, entry: Callable, source: str | None, device: torch.device):
+        self.entry, self.source = entry, source
+        self.fn, self.prepare, self.kernel_calls, self.how = entry, None, None, "bare entry"
+        if source is not None:
             try:
-                cand.append(candidate(back_to_back))
-            except Exception as e:  # noqa: BLE001
+                self.fn, self.prepare, self.kernel_calls = patched_call(task, source, device)
+                self.how = "through kernels_runtime's dispatch"
+            except Exception as e:  # noqa: BLE001 - the bare entry is still timed
+                self.how = f"bare entry (not installable in the module: {type(e).__name__}: {str(e)[:200]})"
+
+    @property
+    def installed(self) -> bool:
+        return self.kernel_calls is not None
+
+    def fall_back(self) -> None:
+        """Every patched call fell back to the original forward: the bare entry is timed from now on."""
+        self.fn, self.prepare, self.kernel_calls = self.entry, None, None
+        self.how = "bare entry (every patched call fell back to the original forward)"
+
+    def time(self, timer: Callable) -> Latency:
+        """The candidate timed by `timer(fn, prepare, sample)`; if every patched call fell back, the original
+        forward was timed: the bare entry is timed instead."""
+        ran = self.kernel_calls() if self.installed else 0
+        lat = timer(self.fn, self.prepare, True)
+        if self.installed and self.kernel_calls() == ran:
+            self.fall_back()
+            lat = timer(self.entry, None, True)
+        return lat
+
+
+class _TaskTimer:
+    """time_task's timing runs of one task: the candidate and the reference per case and mode, back to back or
+    under graph replay, each run with its own range of seeds; module replicas and the reference built once."""
+
+    def __init__(self, task, candidate: CandidateTimer, draws: list, device: torch.device, samples: list | None,
+                 base: int):
+        self.task, self.candidate, self.draws, self.device, self.samples = task, candidate, draws, device, samples
+        self.base, self.runs = base, 0
+        self.ref, self.ref_prepare = None, None
+        self.replicas: dict = {}
+        # under graphs only with prefill_graph: each prompt forward on a fresh cache. Decode on a static KV cache too:
+        # a call advances its cache's length, and GRAPH_CALLS calls on one cache would write past a cache sized for
+        # the workload's decode steps; each call on its own copy writes the captured position, as the model's step does
+        adapter = ((task.spec.recipe or {}).get("state") or {}).get("adapter")
+        self.fresh = task.spec.phase == "prefill" or adapter in STATIC_KV_ADAPTERS
+        self.stateful = bool(((task.spec.recipe or {}).get("state")) or task.spec.state_names)
+
+    def next_seed(self) -> int:
+        self.runs += 1
+        return self.base + self.runs * RUN_SEEDS
+
+    def _keep(self, sampler: TimedSample | None) -> None:
+        if sampler is not None:
+            self.samples.append(sampler)
+
+    def time_case(self, k: int, mode: str, graph: bool, how_mode: dict) -> tuple[Latency, Latency]:
+        """(candidate, reference) latencies of case k in `mode`: under graph replay where asked and capturable
+        (`how_mode` records how), else back to back."""
+        from llm4llm.verify.gates import _classify_exception
+
+        args = [(d.inputs, d.weights, d.state, self.task.spec.static) for d in self.draws if d.key[0] == k]
+        if graph:
+            try:
+                c, r, detail = self.graph_pair(args, k)
+                how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
+                return c, r
+            except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
                 failure = _classify_exception(e, first_call=False)
-                failure.gate = f"timing_{mode}"
-                raise failure from None
-            refs.append(reference(k, mode, back_to_back))
-        c, r = _weighted(cand, weights), _weighted(refs, weights)
-        speedup = r.p50 / c.p50 if c.p50 > 0 else None
-        setattr(v, f"candidate_{mode}", c)
-        setattr(v, f"reference_{mode}", r)
-        setattr(v, f"speedup_{mode}", speedup)
-        ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
-        suspect = ""
-        cold = v.candidate_cold
-        if how_mode.get(mode, "").startswith("GPU time") and cold is not None and c.p50 > SUSPECT_RATIO * cold.p50:
-            # a call back to back (host gaps, L2 flushed) bounds its GPU time from above: replay should not exceed it
-            suspect = f"; suspect: above the candidate's back-to-back cold p50 {cold.p50:.4f} ms"
-        v.gates.append(GateResult(name=f"timing_{mode}", passed=True,
-                                  detail=f"p50 {c.p50:.4f} ms ({how}"
-                                         + (f"; {how_mode[mode]}" if mode in how_mode else "")
-                                         + f") vs reference {r.p50:.4f} ms: {ratio}{suspect}"))
+                if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
+                    failure.gate = f"timing_{mode}"
+                    failure.message = f"under CUDA-graph timing: {failure.message}"
+                    raise failure from None
+                how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
+        timer = functools.partial(self.back_to_back, args, mode, k)
+        try:
+            c = self.candidate.time(timer)
+        except Exception as e:  # noqa: BLE001
+            failure = _classify_exception(e, first_call=False)
+            failure.gate = f"timing_{mode}"
+            raise failure from None
+        return c, self.reference(k, mode, timer)
+
+    def back_to_back(self, args: list[Args], mode: str, k: int, fn: Callable, prep: Prepare | None,
+                     sample: bool = False) -> Latency:
+        sampler = TimedSample(k, mode, "module" if prep is not None else "entry") \
+            if sample and self.samples is not None else None
+        lat = time_call(fn, args, mode, self.device, prepare=prep, fresh_seed=self.next_seed(), sampler=sampler)
+        self._keep(sampler)
+        return lat
+
+    def reference(self, k: int, label: str, timer: Callable) -> Latency:
+        """The module's own forward, built once per task and timed once per (case, mode) in this worker."""
+        key = (str(self.task.path), self.task.spec.task_id, k, label)
+        if key not in _REFERENCE_CACHE:
+            if self.ref is None:
+                self.ref, self.ref_prepare = module_call(self.task, self.device)
+            _REFERENCE_CACHE[key] = timer(self.ref, self.ref_prepare)
+        return _REFERENCE_CACHE[key]
+
+    def graph_sampler(self, k: int, via: str) -> TimedSample | None:
+        """Graph replays are sampled on stateless tasks only: a decode step's state advances replay to replay, so
+        the parent could not rebuild a sampled call's inputs from its seed."""
+        if self.samples is None or self.stateful or self.task.cases[k].state:
+            return None
+        return TimedSample(k, "in_context (graph replay)", via)
+
+    def _module_replicas(self, copies: int) -> tuple[list[Callable], list[Prepare]]:
+        if copies not in self.replicas:  # built once per task and copy count, for every timed case
+            self.replicas[copies] = module_replicas(self.task, self.device, copies)
+        return self.replicas[copies]
+
+    def graph_pair(self, args: list[Args], k: int) -> tuple[Latency, Latency, str]:
+        """Candidate and reference under graph replay, their replays alternating, each cycling through as many
+        copies of the module as `weight_replicas` asks (one when the bare entry is timed: it has its draw's one set
+        of weights, and the reference then gets one too). Both on fresh inputs every replay; the candidate's
+        replays sampled (`graph_sampler`)."""
+        cand, task, device = self.candidate, self.task, self.device
+        if "copies" not in self.replicas:
+            self.replicas["copies"] = weight_replicas(weight_bytes(task.load_module("cpu")), l2_bytes(device))
+        copies = self.replicas["copies"] if cand.installed else 1
+        ref_side = self._module_replicas(copies)
+        if cand.installed:
+            if "candidate" not in self.replicas:
+                self.replicas["candidate"] = patched_replicas(task, cand.source, device, copies)
+            cand_side, calls = self.replicas["candidate"]
+            ran = calls()
+            sampler = self.graph_sampler(k, "module")
+            c, r = time_graphs([cand_side, ref_side], args, device, fresh=self.fresh, fresh_seed=self.next_seed(),
+                               samplers=[sampler, None])
+            if calls() > ran:
+                self._keep(sampler)
+                return c, r, f"{copies} weight copies, alternating with the reference"
+            cand.fall_back()
+            copies = 1
+            ref_side = self._module_replicas(1)
+        sampler = self.graph_sampler(k, "entry" if cand.prepare is None else "module")
+        c, r = time_graphs([([cand.fn], [cand.prepare]), ref_side], args, device, fresh=self.fresh,
+                           fresh_seed=self.next_seed(), samplers=[sampler, None])
+        self._keep(sampler)
+        return c, r, f"{copies} weight copy, alternating with the reference"
+
+
+def _record_mode(v: Verdict, mode: str, c: Latency, r: Latency, how: str, how_mode: str | None) -> None:
+    """One mode's weighted latencies and speedup on `v`, and its gate; graph replay slower than the candidate's
+    cold back-to-back time is flagged as suspect."""
+    speedup = r.p50 / c.p50 if c.p50 > 0 else None
+    setattr(v, f"candidate_{mode}", c)
+    setattr(v, f"reference_{mode}", r)
+    setattr(v, f"speedup_{mode}", speedup)
+    ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
+    suspect = ""
+    cold = v.candidate_cold
+    if (how_mode or "").startswith("GPU time") and cold is not None and c.p50 > SUSPECT_RATIO * cold.p50:
+        # a call back to back (host gaps, L2 flushed) bounds its GPU time from above: replay should not exceed it
+        suspect = f"; suspect: above the candidate's back-to-back cold p50 {cold.p50:.4f} ms"
+    v.gates.append(GateResult(name=f"timing_{mode}", passed=True,
+                              detail=f"p50 {c.p50:.4f} ms ({how}"
+                                     + (f"; {how_mode}" if how_mode is not None else "")
+                                     + f") vs reference {r.p50:.4f} ms: {ratio}{suspect}"))

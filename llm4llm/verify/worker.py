@@ -137,6 +137,26 @@ class _Worker:
 DECODE_TIMINGS = ("launch", "graph", "graph_prefill")
 
 
+class _Rpc:
+    """One request to the worker and its reply, within the candidate's deadline; a "load" request sends the
+    candidate's load job."""
+
+    def __init__(self, conn: Connection, job: dict, deadline: float):
+        self.conn, self.job, self.deadline = conn, job, deadline
+
+    def __call__(self, msg: dict) -> dict:
+        send_json(self.conn, self.job if msg.get("op") == "load" else msg)
+        if not self.conn.poll(max(0.0, self.deadline - time.monotonic())):
+            raise _WorkerTimeout()
+        try:
+            reply = recv_json(self.conn)
+        except (EOFError, OSError, ValueError):
+            raise _WorkerDied() from None
+        if "error" in reply:
+            raise _HarnessError(reply["error"])
+        return reply
+
+
 class VerifierPool:
     """Sandboxed workers for `device`, one per candidate (a fresh one after every job, timeout, crash or poisoned
     CUDA context).
@@ -241,59 +261,16 @@ class VerifierPool:
             print(f"WARNING: llm4llm verifier: sandbox incomplete: {layer_summary(v.sandbox)}", file=sys.stderr)
         local = copy_readonly(Path(task_dir), w.box / "ro" / spec.task_id)
         opts = {**self.options, **options}
-        # per candidate: the draws' seed, how many fresh draws, the canary layout (a fixed call count or canary
-        # offset is something a kernel can count on)
-        nonce = secrets.randbits(31) | 1
-        seed = int(opts.get("seed") or 0) * 1_000_003 + nonce if opts.get("randomise", True) else int(opts["seed"])
-        draws = int(opts["draws"]) + (secrets.randbelow(4) if opts.get("randomise", True) else 0)
-        v.judge_seed = seed
-        job = {"op": "load", "task_dir": str(local), "source": source, "device": self.device, "draws": draws,
-               "seed": seed, "canary_seed": seed, "timing": opts["timing"], "decode_timing": opts["decode_timing"]}
+        job = self._load_job(local, source, opts)
+        v.judge_seed = job["seed"]
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        deadline = t0 + limit
-
-        def rpc(msg: dict) -> dict:
-            send_json(w.conn, job if msg.get("op") == "load" else msg)
-            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
-                raise _WorkerTimeout()
-            try:
-                reply = recv_json(w.conn)
-            except (EOFError, OSError, ValueError):
-                raise _WorkerDied() from None
-            if "error" in reply:
-                raise _HarnessError(reply["error"])
-            return reply
-
+        rpc = _Rpc(w.conn, job, t0 + limit)
         dog = RssWatchdog(w.proc.pid, self.mem_limit)
         dog.start()
         try:
-            import torch
-
-            from llm4llm.taskspec import load_task
-            from llm4llm.verify.gates import Canary, judge_remote, lossy_of_source
-
             v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
-            task = load_task(Path(task_dir))
-            if spec.reference == "kernelbench":
-                # KernelBench's protocol compares ModelNew with Model in one process, as the benchmark does: the
-                # judge runs in the sandboxed worker, not here (docs/threat-model.md)
-                r = rpc({"op": "gates", "task_dir": str(local), "source": source, "device": self.device,
-                         "draws": draws, "seed": seed, "timing": bool(opts["timing"])})
-                got = Verdict.model_validate(r["verdict"])
-                got.worker_pid, got.sandbox, got.judge_seed = v.worker_pid, v.sandbox, seed
-            else:
-                got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
-                                              Canary(seed), timing=bool(opts["timing"]),
-                                              rehearse=bool(opts.get("rehearse_timing")),
-                                              lossy=lossy_of_source(source, task))
-            if opts.get("memcheck") and got.passed:
-                from llm4llm.verify.sanitizer import memcheck_gate
-
-                g = memcheck_gate(str(local), source, self.device)
-                got = got.fail("memcheck", "out_of_bounds", g.detail) if not g.passed else got
-                if g.passed:
-                    got.gates.append(g)
+            got = self._judge(v, spec, Path(task_dir), local, source, opts, rpc, w)
         except _WorkerTimeout:
             self._next()
             return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
@@ -309,6 +286,47 @@ class VerifierPool:
             dog.stop()
         self._next()
         return self._aot(got, Path(task_dir), source)
+
+    def _load_job(self, local: Path, source: str, opts: dict) -> dict:
+        """The worker's load message. Per candidate: the draws' seed, how many fresh draws, the canary layout (a
+        fixed call count or canary offset is something a kernel can count on)."""
+        nonce = secrets.randbits(31) | 1
+        seed = int(opts.get("seed") or 0) * 1_000_003 + nonce if opts.get("randomise", True) else int(opts["seed"])
+        draws = int(opts["draws"]) + (secrets.randbelow(4) if opts.get("randomise", True) else 0)
+        return {"op": "load", "task_dir": str(local), "source": source, "device": self.device, "draws": draws,
+                "seed": seed, "canary_seed": seed, "timing": opts["timing"], "decode_timing": opts["decode_timing"]}
+
+    def _judge(self, v: Verdict, spec, task_dir: Path, local: Path, source: str, opts: dict, rpc: "_Rpc",
+               w: _Worker) -> Verdict:
+        """The gates, run through the worker: KernelBench's protocol inside it, else judged from here on what it
+        returns; then the optional memcheck."""
+        import torch
+
+        from llm4llm.taskspec import load_task
+        from llm4llm.verify.gates import Canary, judge_remote, lossy_of_source
+
+        draws, seed = rpc.job["draws"], rpc.job["seed"]
+        task = load_task(task_dir)
+        if spec.reference == "kernelbench":
+            # KernelBench's protocol compares ModelNew with Model in one process, as the benchmark does: the
+            # judge runs in the sandboxed worker, not here (docs/threat-model.md)
+            r = rpc({"op": "gates", "task_dir": str(local), "source": source, "device": self.device,
+                     "draws": draws, "seed": seed, "timing": bool(opts["timing"])})
+            got = Verdict.model_validate(r["verdict"])
+            got.worker_pid, got.sandbox, got.judge_seed = v.worker_pid, v.sandbox, seed
+        else:
+            got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
+                                          Canary(seed), timing=bool(opts["timing"]),
+                                          rehearse=bool(opts.get("rehearse_timing")),
+                                          lossy=lossy_of_source(source, task))
+        if opts.get("memcheck") and got.passed:
+            from llm4llm.verify.sanitizer import memcheck_gate
+
+            g = memcheck_gate(str(local), source, self.device)
+            got = got.fail("memcheck", "out_of_bounds", g.detail) if not g.passed else got
+            if g.passed:
+                got.gates.append(g)
+        return got
 
     def _aot(self, v: Verdict, task_dir: Path, source: str) -> Verdict:
         """On the CPU, after the interpreter passed it: would the GPU compiler take it? (its own sandboxed process,

@@ -12,6 +12,7 @@ docs/results/2026-11-30-h200-c were taken with). Prints the graph stats and, for
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -21,6 +22,49 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main() -> int:
+    args = _parse_args()
+    import kernels_runtime
+    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    t0 = time.perf_counter()
+    tasks = extract_to_temp(args.workload, "graph_diag-")
+    print(f"profile + extract {time.perf_counter() - t0:.1f}s", flush=True)
+    wl = load_workload(args.workload)
+    script = load_script(wl)
+    model = call_script(script.build, wl)
+    batch = call_script(script.inputs, wl)
+
+    cuda = wl.device.startswith("cuda")
+    backend = "rerun" if args.emulate else "cuda"
+    timed = functools.partial(_timed, model, wl, batch, script, args.repeats)
+    rows = [{"variant": "eager", **timed()}]
+    g = kernels_runtime.enable_decode_graphs(model, backend=backend)
+    try:
+        rows.append({"variant": "eager_graphs", **timed(), "graphs": g.stats()})
+    finally:
+        kernels_runtime.disable_decode_graphs(model)
+    prefill = _prefill_patch(args, tasks, cuda)
+    bundle = label = None
+    for name in args.template:
+        for ci, cfg in enumerate(args.config or [None]):
+            bundle, label, config = _bundle(args, tasks, name, ci, cfg, prefill, cuda)
+            for graphs in (True,) if args.graphs_only else (False, True):
+                rows.append(_variant_row(model, bundle, f"{label}{'+graphs' if graphs else ''}", config, graphs,
+                                         cuda, backend, timed))
+    with open(args.out, "w") as f:  # the measurements first: a bundle that cannot be written loses none of them
+        json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
+    if args.save_bundle:
+        from kernels_runtime.bundle import save_bundle
+
+        bundle.decode_graphs = True
+        print(f"bundle of {label}: {save_bundle(bundle, args.save_bundle)}")
+    _print_rows(rows)
+    return 0
+
+
+def _parse_args() -> argparse.Namespace:
+    """The arguments, templates and configs checked: a usage error before anything runs."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload")
     ap.add_argument("--template", action="append", required=True, help="decode template name (repeatable)")
@@ -50,79 +94,73 @@ def main() -> int:
                 raise ValueError("not an object")
         except ValueError as e:
             ap.error(f"--config: expected a JSON object, got {cfg!r} ({e})")
+    return args
 
-    import kernels_runtime
+
+def _timed(model, wl, batch, script, repeats: int) -> dict:
+    """The script's generate as `llm4llm evaluate` times it (llm4llm.evaluate.measure: one warm-up, then the median
+    of --repeats full runs and of --repeats one-token runs): total, prefill and decode per token."""
+    from llm4llm.evaluate import measure
+
+    r = measure(model, wl, batch, script.run, repeats=repeats)
+    return {"ms": r.total_ms, "prefill_ms": r.prefill_ms, "decode_ms_per_token": r.decode_ms_per_token}
+
+
+def _prefill_patch(args, tasks, cuda: bool):
+    """(patch spec, source) of --prefill-template at its default config, or None."""
+    if not args.prefill_template:
+        return None
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.search.templates import TEMPLATES
+
+    pt = next(t for t in TEMPLATES if t.name == args.prefill_template)
+    ptask = next(k for k in tasks if k.spec.phase == "prefill" and k.spec.family == pt.family)
+    psrc = pt.render(ptask.spec, pt.default(ptask.spec))
+    return (task_patch_spec(ptask.spec, "prefill", 1.0, "cuda" if cuda else "cpu"), psrc)
+
+
+def _bundle(args, tasks, name: str, ci: int, cfg: str | None, prefill, cuda: bool):
+    """(bundle, row label, config) of decode template `name` at config `cfg` (its default when None), with the
+    prefill patch when there is one."""
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
-    from llm4llm.evaluate import measure
-    from llm4llm.pipeline import extract_to_temp
-    from llm4llm.workload import call_script, load_script, load_workload
+    from llm4llm.search.templates import TEMPLATES
 
-    t0 = time.perf_counter()
-    tasks = extract_to_temp(args.workload, "graph_diag-")
-    print(f"profile + extract {time.perf_counter() - t0:.1f}s", flush=True)
-    wl = load_workload(args.workload)
-    script = load_script(wl)
-    model = call_script(script.build, wl)
-    batch = call_script(script.inputs, wl)
+    t = next(t for t in TEMPLATES if t.name == name)
+    fam = args.family or t.family
+    task = next(k for k in tasks if k.spec.phase == "decode" and k.spec.family == fam)
+    config = {**t.default(task.spec), **json.loads(cfg)} if cfg else t.default(task.spec)
+    source = t.render(task.spec, config)
+    bundle = PatchBundle(name="graph-diag")
+    if prefill is not None:
+        bundle.add_patch(prefill[0], source=prefill[1])
+    bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cuda" if cuda else "cpu"), source=source)
+    return bundle, f"{name}#{ci}" + ("+prefill" if prefill is not None else ""), config
 
-    cuda = wl.device.startswith("cuda")
-    backend = "rerun" if args.emulate else "cuda"
 
-    def timed() -> dict:
-        """The script's generate as `llm4llm evaluate` times it (llm4llm.evaluate.measure: one warm-up, then the median
-        of --repeats full runs and of --repeats one-token runs): total, prefill and decode per token."""
-        r = measure(model, wl, batch, script.run, repeats=args.repeats)
-        return {"ms": r.total_ms, "prefill_ms": r.prefill_ms, "decode_ms_per_token": r.decode_ms_per_token}
+def _variant_row(model, bundle, variant: str, config: dict, graphs: bool, cuda: bool, backend: str, timed) -> dict:
+    """One row: the model timed with `bundle` applied (and decode graphs with `graphs`), then reverted; a failure
+    is a row too."""
+    import kernels_runtime
 
-    rows = [{"variant": "eager", **timed()}]
-    g = kernels_runtime.enable_decode_graphs(model, backend=backend)
+    report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
+    if graphs and not cuda:
+        kernels_runtime.enable_decode_graphs(model, backend=backend)
     try:
-        rows.append({"variant": "eager_graphs", **timed(), "graphs": g.stats()})
+        row = {"variant": variant, **timed(), "calls": report.totals(), "config": config}
+        gg = kernels_runtime.decode_graphs_of(model)
+        if gg is not None:
+            row["graphs"] = gg.stats()
+            row["errors"] = list(gg.errors.values())
+    except Exception as e:  # one template failing is a row
+        row = {"variant": variant, "ms": None, "error": repr(e)[:2000]}
     finally:
         kernels_runtime.disable_decode_graphs(model)
-    prefill = None
-    if args.prefill_template:
-        pt = next(t for t in TEMPLATES if t.name == args.prefill_template)
-        ptask = next(k for k in tasks if k.spec.phase == "prefill" and k.spec.family == pt.family)
-        psrc = pt.render(ptask.spec, pt.default(ptask.spec))
-        prefill = (task_patch_spec(ptask.spec, "prefill", 1.0, "cuda" if cuda else "cpu"), psrc)
-    for name in args.template:
-        t = next(t for t in TEMPLATES if t.name == name)
-        fam = args.family or t.family
-        task = next(k for k in tasks if k.spec.phase == "decode" and k.spec.family == fam)
-        for ci, cfg in enumerate(args.config or [None]):
-            config = {**t.default(task.spec), **json.loads(cfg)} if cfg else t.default(task.spec)
-            source = t.render(task.spec, config)
-            bundle = PatchBundle(name="graph-diag")
-            if prefill is not None:
-                bundle.add_patch(prefill[0], source=prefill[1])
-            bundle.add_patch(task_patch_spec(task.spec, name, 1.0, "cuda" if cuda else "cpu"), source=source)
-            label = f"{name}#{ci}" + ("+prefill" if prefill is not None else "")
-            for graphs in (True,) if args.graphs_only else (False, True):
-                report = kernels_runtime.apply(model, bundle, strict=True, decode_graphs=graphs and cuda)
-                if graphs and not cuda:
-                    kernels_runtime.enable_decode_graphs(model, backend=backend)
-                try:
-                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", **timed(),
-                           "calls": report.totals(), "config": config}
-                    gg = kernels_runtime.decode_graphs_of(model)
-                    if gg is not None:
-                        row["graphs"] = gg.stats()
-                        row["errors"] = list(gg.errors.values())
-                except Exception as e:  # one template failing is a row
-                    row = {"variant": f"{label}{'+graphs' if graphs else ''}", "ms": None, "error": repr(e)[:2000]}
-                finally:
-                    kernels_runtime.disable_decode_graphs(model)
-                    kernels_runtime.revert(model)
-                rows.append(row)
-    with open(args.out, "w") as f:  # the measurements first: a bundle that cannot be written loses none of them
-        json.dump({"workload": wl.name, "rows": rows}, f, indent=1, default=str)
-    if args.save_bundle:
-        from kernels_runtime.bundle import save_bundle
+        kernels_runtime.revert(model)
+    return row
 
-        bundle.decode_graphs = True
-        print(f"bundle of {label}: {save_bundle(bundle, args.save_bundle)}")
+
+def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "errors"}, default=str)[:600])
         for e in r.get("errors", []):
@@ -130,7 +168,6 @@ def main() -> int:
     print(f"{'variant':<40}{'ms':>10}")
     for r in rows:
         print(f"{r['variant']:<40}{r['ms'] if r['ms'] is None else round(r['ms'], 1):>10}")
-    return 0
 
 
 if __name__ == "__main__":

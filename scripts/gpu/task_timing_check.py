@@ -47,26 +47,7 @@ def kernel_time_us(fn, call, calls: int) -> tuple[float, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload")
-    ap.add_argument("--template", required=True, help="decode template name")
-    ap.add_argument("--config", default=None, help="JSON object over the template's default config")
-    ap.add_argument("--calls", type=int, default=50, help="eager calls under the profiler")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    from llm4llm.search.templates import TEMPLATES
-
-    t = next((t for t in TEMPLATES if t.name == args.template), None)
-    if t is None or "decode" not in t.phases:
-        ap.error(f"template: expected a decode template of {sorted(t.name for t in TEMPLATES if 'decode' in t.phases)}"
-                 f", got {args.template!r}")
-    try:
-        override = json.loads(args.config) if args.config else {}
-        if not isinstance(override, dict):
-            raise ValueError("not an object")
-    except ValueError as e:
-        ap.error(f"--config: expected a JSON object, got {args.config!r} ({e})")
-
+    args, t, override = _parse_args()
     from llm4llm.pipeline import extract_to_temp
     from llm4llm.taskspec import load_task
     from llm4llm.verify import timing
@@ -89,34 +70,70 @@ def main() -> int:
                  if d.key[0] == k]
     cand_fn, cand_prep, kernel_calls = timing.patched_call(task, source, dev)
     ref_fn, ref_prep = timing.module_call(task, dev)
-    rows = []
-    for who, fn, prep in (("candidate", cand_fn, cand_prep), ("reference", ref_fn, ref_prep)):
-        row = {"who": who}
-        if cuda:
-            row["cold_p50_ms"] = timing.time_call(fn, call_args, "cold", dev, prepare=prep).p50
-            row["in_context_p50_ms"] = timing.time_call(fn, call_args, "in_context", dev, prepare=prep).p50
-            row["graph_p50_ms"] = [timing.time_call_graph(fn, call_args, dev, prepare=prep).p50 for _ in range(3)]
-            call, cleanup = prep(*timing._clone_args(call_args[0]))
-            try:
-                for _ in range(5):
-                    fn(call)
-                us, kernels = kernel_time_us(fn, call, args.calls)
-            finally:
-                cleanup()
-            row["kernel_device_ms"], row["kernels_per_call"] = us / 1e3, kernels
-        else:
-            call, cleanup = prep(*timing._clone_args(call_args[0]))
-            try:
-                fn(call)
-            finally:
-                cleanup()
-            row["timing"] = "skipped: no CUDA device"
-        rows.append(row)
+    rows = [_time_side(who, fn, prep, call_args, dev, args.calls)
+            for who, fn, prep in (("candidate", cand_fn, cand_prep), ("reference", ref_fn, ref_prep))]
     rows[0]["kernel_calls"] = kernel_calls()  # 0: every patched call fell back (the numbers are the module's)
     out = {"workload": args.workload, "task": task.spec.task_id, "template": t.name, "config": config,
            "case": k, "device": str(dev), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, default=str)
+    _print_rows(rows, cuda)
+    return 0
+
+
+def _parse_args():
+    """(arguments, the decode template, its config override); a usage error before anything runs."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload")
+    ap.add_argument("--template", required=True, help="decode template name")
+    ap.add_argument("--config", default=None, help="JSON object over the template's default config")
+    ap.add_argument("--calls", type=int, default=50, help="eager calls under the profiler")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from llm4llm.search.templates import TEMPLATES
+
+    t = next((t for t in TEMPLATES if t.name == args.template), None)
+    if t is None or "decode" not in t.phases:
+        ap.error(f"template: expected a decode template of {sorted(t.name for t in TEMPLATES if 'decode' in t.phases)}"
+                 f", got {args.template!r}")
+    try:
+        override = json.loads(args.config) if args.config else {}
+        if not isinstance(override, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        ap.error(f"--config: expected a JSON object, got {args.config!r} ({e})")
+    return args, t, override
+
+
+def _time_side(who: str, fn, prep, call_args, dev: torch.device, calls: int) -> dict:
+    """One side's row: on CUDA its cold, in-context and graph p50s and its kernels' device time per call; else one
+    call, to show it runs."""
+    from llm4llm.verify import timing
+
+    row = {"who": who}
+    if dev.type == "cuda":
+        row["cold_p50_ms"] = timing.time_call(fn, call_args, "cold", dev, prepare=prep).p50
+        row["in_context_p50_ms"] = timing.time_call(fn, call_args, "in_context", dev, prepare=prep).p50
+        row["graph_p50_ms"] = [timing.time_call_graph(fn, call_args, dev, prepare=prep).p50 for _ in range(3)]
+        call, cleanup = prep(*timing._clone_args(call_args[0]))
+        try:
+            for _ in range(5):
+                fn(call)
+            us, kernels = kernel_time_us(fn, call, calls)
+        finally:
+            cleanup()
+        row["kernel_device_ms"], row["kernels_per_call"] = us / 1e3, kernels
+    else:
+        call, cleanup = prep(*timing._clone_args(call_args[0]))
+        try:
+            fn(call)
+        finally:
+            cleanup()
+        row["timing"] = "skipped: no CUDA device"
+    return row
+
+
+def _print_rows(rows: list[dict], cuda: bool) -> None:
     for r in rows:
         if cuda:
             print(f"{r['who']:9s} cold {r['cold_p50_ms']:.4f}  in_context {r['in_context_p50_ms']:.4f}  graph "
@@ -129,7 +146,6 @@ def main() -> int:
         by_graph = statistics.median(ref["graph_p50_ms"]) / statistics.median(c["graph_p50_ms"])
         print(f"speedup by graph replay {by_graph:.3f}x, "
               f"by kernel device time {ref['kernel_device_ms'] / c['kernel_device_ms']:.3f}x")
-    return 0
 
 
 if __name__ == "__main__":
