@@ -139,8 +139,8 @@ def _count(ap, args) -> int:
     if args.template:
         from kernels_runtime.bundle import PatchBundle
         from llm4llm.patchspec import task_patch_spec
-        from llm4llm.pipeline import extract_to_temp
         from llm4llm.search.templates import TEMPLATES
+        from llm4llm.stages.extract import extract_to_temp
 
         tasks = extract_to_temp(args.workload, "decode_step_ops-")
         bundle = PatchBundle(name="decode-step-ops")

@@ -55,7 +55,7 @@ def main() -> int:
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
     from llm4llm.evaluate import measure
-    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.stages.extract import extract_to_temp
     from llm4llm.workload import call_script, load_script, load_workload
 
     t0 = time.perf_counter()

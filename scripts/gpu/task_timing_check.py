@@ -67,7 +67,7 @@ def main() -> int:
     except ValueError as e:
         ap.error(f"--config: expected a JSON object, got {args.config!r} ({e})")
 
-    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.stages.extract import extract_to_temp
     from llm4llm.taskspec import load_task
     from llm4llm.verify import timing
     from llm4llm.verify.gates import make_draws
