@@ -6,11 +6,11 @@ from prefect import flow
 from flows.gpu import gpu_slot
 from flows.profiling import _defaults, extract_tasks, profile_workload
 from flows.search import search_flow
-from llm4llm import pipeline
 from llm4llm.config import OptimizeConfig
 from tasks.acceptance import accept_patches, evaluate_e2e
+from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from tasks.profiling import describe_workload
-from tasks.reporting import publish_markdown
+from tasks.reporting import coverage_table, publish_markdown
 
 
 def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) -> None:
@@ -21,10 +21,10 @@ def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) ->
 
 
 def _coverage_artifact(run_id: str, db_path: str | None) -> None:
-    """The run's template coverage (pipeline.coverage_table) as a Prefect table artifact."""
+    """The run's template coverage (llm4llm.stages.search.coverage_table) as a Prefect table artifact."""
     from prefect.artifacts import create_table_artifact
 
-    cov = pipeline.coverage_table(run_id, db_path)
+    cov = coverage_table(run_id, db_path)
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]
     if rows:
         shares = ", ".join(f"{p} {100 * s:.1f}%" for p, s in cov["phases"].items()) or "none"
@@ -45,11 +45,11 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     Decode graphs (config.graphs.decode_graphs: auto | on | off). On the GPU the model's one-token decode steps
     replay from CUDA graphs (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay
     (the verifier's decode_timing="graph"; "graph_prefill", prefill candidates too, where the prompt forward on a
-    Mamba/Mamba2 cache replays from a graph as well: pipeline.prefill_graphed), acceptance's baseline and trials run
-    with graphs, and the bundle ships with them. auto: on when every module's decode state sits in a static-address
+    Mamba/Mamba2 cache replays from a graph as well: stages.graphs.prefill_graphed), acceptance's baseline and
+    trials run with graphs, and the bundle ships with them. auto: on when every module's decode state sits in a static-address
     cache (Mamba, Mamba2), a KV cache that the run swaps for transformers' static cache (Llama, Qwen3,
     RecurrentGemma's attention) or on modules with a state adapter (RecurrentGemma's recurrent blocks), decided from
-    the extracted tasks (pipeline.decode_graphs_plan); acceptance gates the graphs like a patch.
+    the extracted tasks (stages.graphs.decode_graphs_plan); acceptance gates the graphs like a patch.
     config.evaluate.variants: None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs,
     patched, torch_compile (rows are written as each is measured: the compiled baseline, slowest to build, last).
     config.search.rounds: search + acceptance rounds; a task rejected at deployment is searched again from its
@@ -73,18 +73,16 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
     # where decode graphs may run, KV-cache decode tasks are captured on the static cache they generate with
     ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
                         min_score=cfg.search.min_score, refresh=cfg.refresh,
-                        static_cache=pipeline.extract_on_static_cache(prof["workload"]["device"],
-                                                                      cfg.graphs.decode_graphs))
+                        static_cache=extract_on_static_cache(prof["workload"]["device"], cfg.graphs.decode_graphs))
     out.update(index_path=ext["index_path"], tasks=ext["tasks"])
     if "search" not in stages:
         return out
     device = prof["workload"]["device"]
-    graphs, static_cache, why = pipeline.decode_graphs_plan(ext["index_path"], device, cfg.graphs.decode_graphs)
+    graphs, static_cache, why = decode_graphs_plan(ext["index_path"], device, cfg.graphs.decode_graphs)
     print(f"decode graphs: {why}")
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
-    decode_timing = ("graph_prefill" if pipeline.prefill_graphed(ext["index_path"]) else "graph") if graphs \
-        else "launch"
+    decode_timing = ("graph_prefill" if prefill_graphed(ext["index_path"]) else "graph") if graphs else "launch"
     variants = cfg.evaluate.variants
     if variants is None:
         # what this run produced first (each row lands as it is measured), the compiled baseline last: its compile

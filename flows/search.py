@@ -4,11 +4,11 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.profiling import _defaults
-from llm4llm import isolation, pipeline
 from llm4llm.config import SearchSettings
 from llm4llm.llm.config import LLMConfig
 from llm4llm.scale import ScaleOut
-from tasks.search import record_search, search_task, search_task_remote, searchable_tasks
+from tasks.search import (close_pools, record_search, remote_search_input, search_task, search_task_remote,
+                          searchable_tasks)
 
 
 @flow(name="search-tasks", log_prints=True)
@@ -37,7 +37,7 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
             futures = [search_task.submit(d, s, db_path, data_dir, device, run_id, llm, decode_timing) for d in dirs]
             results = [f.result() for f in futures]
         finally:
-            isolation.close_pools()
+            close_pools()
     if results:
         create_table_artifact(key="search", table=[{k: r.get(k) for k in ("task_id", "trials", "pass_rate",
                                                                       "best_utility", "ended_by")} for r in results],
@@ -51,7 +51,7 @@ def _search_remote(dirs: list[str], scale: ScaleOut, db_path: str | None, data_d
 
     _check_cluster(scale)
     with remote_options(num_gpus=scale.gpus_per_eval, num_cpus=scale.cpus_per_eval):
-        futures = [search_task_remote.submit(**pipeline.remote_search_input(d, db_path), **kw) for d in dirs]
+        futures = [search_task_remote.submit(**remote_search_input(d, db_path), **kw) for d in dirs]
     return [record_search(f.result(), db_path, data_dir) for f in futures]
 
 

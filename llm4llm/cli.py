@@ -101,8 +101,8 @@ def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3)
 
 
 def _print_hotspots(profile_path: str, top: int) -> None:
-    from llm4llm.pipeline import load_profile
     from llm4llm.profiler import format_hotspots
+    from llm4llm.stages.profile import load_profile
 
     payload, result = load_profile(profile_path)
     console.print(format_hotspots(result, top=top))
@@ -261,7 +261,7 @@ def _print_decisions(db: Optional[Path], run_id: str) -> None:
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
     """--decode-graphs and --e2e-variants: one error line (exit 2) that lists the choices, before any flow starts."""
     from llm4llm.errors import Llm4llmError
-    from llm4llm.pipeline import GRAPH_CHOICES
+    from llm4llm.stages.graphs import GRAPH_CHOICES
 
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
@@ -381,7 +381,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
-        from llm4llm.pipeline import run_evaluate
+        from llm4llm.stages.evaluate import run_evaluate
 
         _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
@@ -439,7 +439,7 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
     import pandas as pd
 
-    from llm4llm.pipeline import coverage_table
+    from llm4llm.stages.search import coverage_table
 
     cov = coverage_table(run_id, str(db) if db else None)
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed

@@ -21,7 +21,7 @@ def _revalidate(workload_path: str, bundle_path: str, cfg) -> Validation:
 
 def current_validation(workload_path: str, db_path: str | None, cfg=None) -> dict | None:
     """The bundle in service re-validated tonight (Validation.to_dict() with its version), or None if none is."""
-    from llm4llm.pipeline import describe_workload
+    from llm4llm.stages.common import describe_workload
     from storage import repo
     from storage.db import Database
 
@@ -57,7 +57,7 @@ def service_decision(workload_path: str, run_id: str, candidate_bundle: str | No
     validation and the pointer go to DuckDB; a bundle that enters service is copied to its own version dir."""
     from kernels_runtime.bundle import load_bundle
     from llm4llm.accept import AcceptConfig
-    from llm4llm.pipeline import describe_workload
+    from llm4llm.stages.common import describe_workload
     from storage import repo
     from storage.db import Database
 

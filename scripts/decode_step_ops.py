@@ -160,7 +160,7 @@ def _apply_templates(model, args) -> None:
     import kernels_runtime
     from kernels_runtime.bundle import PatchBundle
     from llm4llm.patchspec import task_patch_spec
-    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.stages.extract import extract_to_temp
     from llm4llm.search.templates import TEMPLATES
 
     tasks = extract_to_temp(args.workload, "decode_step_ops-")

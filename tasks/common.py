@@ -19,7 +19,7 @@ def infrastructure_only(task: Any, task_run: Any, state: Any) -> bool:
 
 def stage_cache_key(stage: str, parameters: dict, *keys: str) -> str:
     """Cache key = stage + workload hash + code version + hardware + the named parameters (paths, options)."""
-    from llm4llm.pipeline import code_version, hardware_fingerprint
+    from llm4llm.stages.common import code_version, hardware_fingerprint
 
     wl = parameters["workload"]
     parts = [stage, wl["workload_hash"], code_version(), hardware_fingerprint(wl["device"])]

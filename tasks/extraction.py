@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from llm4llm import pipeline
+from llm4llm.stages import extract as extract_stage
 from tasks.common import infrastructure_only, stage_cache_key
 
 
@@ -21,12 +21,12 @@ from tasks.common import infrastructure_only, stage_cache_key
 )
 def extract(workload: dict, profile_path: str, data_dir: str, min_score: float = 0.0,
             static_cache: bool = False) -> str:
-    return pipeline.run_extract(workload["path"], profile_path, data_dir, min_score, static_cache=static_cache)
+    return extract_stage.run_extract(workload["path"], profile_path, data_dir, min_score, static_cache=static_cache)
 
 
 @task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
 def record_tasks(index_path: str, run_id: str, db_path: str | None) -> int:
-    return pipeline.record_task_index(index_path, run_id, db_path)
+    return extract_stage.record_task_index(index_path, run_id, db_path)
 
 
 @task(name="publish-tasks")

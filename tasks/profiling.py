@@ -3,13 +3,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from llm4llm import pipeline
+from llm4llm.stages import common as common_stage, profile as profile_stage
 from tasks.common import infrastructure_only, stage_cache_key
 
 
 @task(name="describe-workload", retries=0)
 def describe_workload(workload_path: str) -> dict:
-    return pipeline.describe_workload(workload_path)
+    return common_stage.describe_workload(workload_path)
 
 
 @task(
@@ -21,22 +21,22 @@ def describe_workload(workload_path: str) -> dict:
     persist_result=True,
 )
 def profile(workload: dict, data_dir: str) -> str:
-    return pipeline.run_profile(workload["path"], data_dir)
+    return profile_stage.run_profile(workload["path"], data_dir)
 
 
 @task(name="record-profile", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
 def record_profile(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
-    return pipeline.record_profile(profile_path, workload, db_path, new_run=new_run)
+    return profile_stage.record_profile(profile_path, workload, db_path, new_run=new_run)
 
 
 @task(name="publish-hotspots")
 def publish_hotspots(profile_path: str, top: int = 25) -> None:
-    payload, result = pipeline.load_profile(profile_path)
+    payload, result = profile_stage.load_profile(profile_path)
     rows = [
         {"rank": i + 1, "module": r.module_path or "<model>", "class": r.class_name, "family": r.family,
          "phase": r.phase, "calls": r.calls, "time_ms": round(r.time_ms, 3), "share": round(r.share, 4),
          "hotspot_score": round(r.hotspot_score, 4)}
-        for i, r in enumerate(pipeline.hotspot_rows(result, top))
+        for i, r in enumerate(profile_stage.hotspot_rows(result, top))
     ]
     create_table_artifact(key="hotspots", table=rows,
                           description=f"Hotspots of {payload['workload_name']} (run {payload['run_id']})")

@@ -20,3 +20,11 @@ def publish_markdown(kind: str, workload_name: str, run_id: str, db_path: str | 
     key = artifact_key(workload_name, kind)
     create_markdown_artifact(key=key, markdown=text, description=f"{kind} of {workload_name}, run {run_id}")
     return key
+
+
+def coverage_table(run_id: str, db_path: str | None) -> dict:
+    """The run's template coverage (llm4llm.stages.search.coverage_table). A plain function, not a Prefect task: the
+    optimize flow builds its `coverage` table artifact from it in its own process."""
+    from llm4llm.stages.search import coverage_table as table
+
+    return table(run_id, db_path)

@@ -5,8 +5,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from llm4llm import pipeline
+from llm4llm import isolation
 from llm4llm.config import SearchSettings
+from llm4llm.stages import search as search_stage
 from tasks.common import infrastructure_only
 
 
@@ -16,10 +17,10 @@ def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, da
                 run_id: str | None, llm: dict | None = None, decode_timing: str = "launch") -> dict:
     """One task's search. A failing candidate is data (a row), not a task failure: only infrastructure errors
     (the worker pool cannot start, the database is unavailable) fail and retry this task."""
-    return pipeline.run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
-                                    proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
-                                    seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
-                                    decode_timing=decode_timing)
+    return search_stage.run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
+                                        proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
+                                        seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
+                                        decode_timing=decode_timing)
 
 
 @task(name="searchable-tasks")
@@ -29,8 +30,8 @@ def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | Non
                      phases: list[str] | None = None) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
-    return pipeline.searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
-                                         decode_timing, phases=phases)
+    return search_stage.searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
+                                             decode_timing, phases=phases)
 
 
 def _placement() -> dict:
@@ -68,9 +69,10 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
         task_dir = unpack_dir(task, Path(tmp) / "task")
-        rows = pipeline.search_rows(str(task_dir), tmp, mode=mode, budget=budget, proposer=proposer,
-                                    device="cuda" if device.startswith("cuda") else device, timeout_s=timeout_s,
-                                    seed=seed, run_id=run_id, llm=llm, decode_timing=decode_timing, prior=prior)
+        rows = search_stage.search_rows(str(task_dir), tmp, mode=mode, budget=budget, proposer=proposer,
+                                        device="cuda" if device.startswith("cuda") else device,
+                                        timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm,
+                                        decode_timing=decode_timing, prior=prior)
     rows["placement"] = {**where, "started": started, "finished": time.time()}
     return rows
 
@@ -79,4 +81,16 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, 
       cache_policy=NO_CACHE)
 def record_search(rows: dict, db_path: str | None, data_dir: str) -> dict:
     """Write a remote search's rows, in the flow's process (DuckDB's one writer)."""
-    return pipeline.record_search_rows(rows, db_path, data_dir) | {"placement": rows.get("placement")}
+    return search_stage.record_search_rows(rows, db_path, data_dir) | {"placement": rows.get("placement")}
+
+
+# ---- plain helpers the search flow calls in its process (not Prefect tasks: no run, retry or cache of their own)
+
+def remote_search_input(task_dir: str, db_path: str | None) -> dict:
+    """What search_task_remote takes for one task, read in the flow (llm4llm.stages.search.remote_search_input)."""
+    return search_stage.remote_search_input(task_dir, db_path)
+
+
+def close_pools() -> None:
+    """Close the verifier workers the flow's local searches started (llm4llm.isolation.close_pools)."""
+    isolation.close_pools()

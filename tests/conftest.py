@@ -29,7 +29,8 @@ def tiny_extracted(tmp_path_factory):
     decode tasks on transformers' static cache, as runs with decode graphs extract them)."""
     from pathlib import Path
 
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
 
     workloads = Path(__file__).resolve().parents[1] / "examples" / "workloads"
     done: dict[str, list] = {}

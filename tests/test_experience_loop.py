@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from llm4llm import isolation, pipeline
+from llm4llm import isolation
 from llm4llm.accept import Decision, Proposal
 from llm4llm.search.builtin import LibraryProposer
+from llm4llm.stages.experience import prior_experience, rejection_experience
+from llm4llm.stages.extract import run_extract
+from llm4llm.stages.profile import run_profile
+from llm4llm.stages.search import run_task_search
 from llm4llm.taskspec import load_spec
 from storage import repo
 from storage.db import Database
@@ -21,8 +25,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 def norm_task(tmp_path_factory):
     root = tmp_path_factory.mktemp("exp")
     wl = str(EXAMPLES / "tiny-llama.toml")
-    prof = pipeline.run_profile(wl, str(root))
-    index = json.loads(Path(pipeline.run_extract(wl, prof, str(root))).read_text())
+    prof = run_profile(wl, str(root))
+    index = json.loads(Path(run_extract(wl, prof, str(root))).read_text())
     task = next(t for t in index if t["family"] == "norm" and t["deployable"])
     return root, task["artifact_path"]
 
@@ -33,19 +37,19 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
     first = LibraryProposer(seed=0).propose(spec, [], [], 1)[0]
     decision = Decision(spec.task_id, first.id, "rejected", "in-model correctness: logits_rel_l2_floor 0.2 (limit 0.03)",
                         "logits_rel_l2_floor", 0.2, None, None, None, 0.1)
-    exp = pipeline.rejection_experience(decision, Proposal(task_dir, first.id, first.source, 1.5, dict(first.config),
-                                                          first.template))
+    exp = rejection_experience(decision, Proposal(task_dir, first.id, first.source, 1.5, dict(first.config),
+                                                 first.template))
     assert exp.failing and exp.failing[0].template == first.template and "rejected at deployment" in exp.notes[0]
     db_path = str(root / "db.duckdb")
     with Database(db_path) as db:
         repo.record_episode(db, {"search_id": "accept-r1", "episode": 0, "trials": 1, "passed": 0,
                                  "best_utility": None, "transcript_path": None}, json.loads(exp.to_json()),
                             spec.task_id)
-        prior = pipeline.prior_experience(db, spec.task_id)
+        prior = prior_experience(db, spec.task_id)
     assert len(prior) == 1 and prior[0].failure_for(first.template, first.config)
     again = LibraryProposer(seed=0).propose(spec, prior, [], 1)[0]
     assert (again.template, again.config) != (first.template, first.config)
-    out = pipeline.run_task_search(task_dir, db_path, str(root), mode="sample", budget=2, device="cpu", seed=0)
+    out = run_task_search(task_dir, db_path, str(root), mode="sample", budget=2, device="cpu", seed=0)
     with Database(db_path) as db:
         tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out["search_id"])
     assert first.id not in set(tried["candidate_id"]) and len(tried) == 2

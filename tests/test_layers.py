@@ -23,17 +23,21 @@ def test_the_import_contracts_hold():
 
 
 def test_a_wrong_import_breaks_the_contract(tmp_path):
-    """The same contracts over a tree of the project's package names where kernels_runtime imports storage."""
+    """The same contracts over a tree of the project's package names (and the modules a contract names) where
+    kernels_runtime imports storage and a flow imports a stage directly."""
     pytest.importorskip("importlinter")
-    for pkg in ("llm4llm", "kernels_runtime", "storage", "tasks", "flows", "deployments"):
+    for pkg in ("llm4llm", "llm4llm/stages", "kernels_runtime", "storage", "tasks", "flows", "deployments"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / "llm4llm" / "cli.py").write_text("")
+    (tmp_path / "llm4llm" / "isolation.py").write_text("")
     (tmp_path / "kernels_runtime" / "patch.py").write_text("import storage\n")
+    (tmp_path / "flows" / "optimize.py").write_text("import llm4llm.stages\n")
     (tmp_path / ".importlinter").write_text((ROOT / ".importlinter").read_text())
     res = _lint(tmp_path)
     assert res.returncode != 0 and "BROKEN" in res.stdout, res.stdout[-3000:]
     assert "kernels_runtime.patch -> storage" in res.stdout
+    assert "flows.optimize -> llm4llm.stages" in res.stdout, res.stdout[-3000:]
 
 
 SQL = re.compile(r"""["'](SELECT|INSERT INTO|CREATE TABLE|ALTER TABLE|DELETE FROM|UPDATE \w+ SET)\s""")

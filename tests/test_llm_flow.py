@@ -1,4 +1,4 @@
-"""The LLM proposer through the product's real entry points: `pipeline.run_task_search` and the `llm4llm search`
+"""The LLM proposer through the product's real entry points: `stages.search.run_task_search` and the `llm4llm search`
 CLI (through the Prefect flow) on a real task extracted from examples/workloads/tiny-llama.toml, against a scripted
 local OpenAI-compatible server (tests/llm_server.py). Every trial is a `candidates` row, every request attempt an
 `llm_calls` row, the LLM's transcripts sit under the search's archive dir, budgets end the search cleanly, and the
@@ -17,7 +17,11 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-table 
 sys.path.insert(0, str(Path(__file__).parent))
 import llm_server as srv  # noqa: E402
 
-from llm4llm import isolation, pipeline  # noqa: E402
+from llm4llm import isolation  # noqa: E402
+from llm4llm.stages.common import describe_workload  # noqa: E402
+from llm4llm.stages.extract import record_task_index, run_extract  # noqa: E402
+from llm4llm.stages.profile import record_profile, run_profile  # noqa: E402
+from llm4llm.stages.search import make_proposer, run_task_search  # noqa: E402
 from storage.db import Database  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "tiny-llama.toml"
@@ -36,13 +40,13 @@ def _env(monkeypatch, tiny_run):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """tiny-llama profiled and extracted (plain pipeline stages, ~4 s on a CPU) into a tmp data dir and DuckDB."""
+    """tiny-llama profiled and extracted (plain stage functions, ~4 s on a CPU) into a tmp data dir and DuckDB."""
     root = tmp_path_factory.mktemp("llmflow")
     data_dir, db_path = root / "data", str(root / "l4l.duckdb")
-    profile_path = pipeline.run_profile(str(WORKLOAD), str(data_dir))
-    index_path = pipeline.run_extract(str(WORKLOAD), profile_path, str(data_dir))
-    run_id = pipeline.record_profile(profile_path, pipeline.describe_workload(str(WORKLOAD)), db_path)
-    assert pipeline.record_task_index(index_path, run_id, db_path) > 0
+    profile_path = run_profile(str(WORKLOAD), str(data_dir))
+    index_path = run_extract(str(WORKLOAD), profile_path, str(data_dir))
+    run_id = record_profile(profile_path, describe_workload(str(WORKLOAD)), db_path)
+    assert record_task_index(index_path, run_id, db_path) > 0
     index = json.loads(Path(index_path).read_text())
     [norm] = [t for t in index if t["family"] == "norm" and t["phase"] == "prefill" and t["deployable"]]
     # The boundary the scripted kernel is written against (tests/llm_server.py RMSNORM_KERNEL).
@@ -95,21 +99,21 @@ def test_make_proposer_builds_and_the_hybrid_forwards_the_call_hook():
     from llm4llm.llm import HybridProposer, LLMConfig, LLMConfigError, LLMProposer
     from llm4llm.search.builtin import LibraryProposer
 
-    p = pipeline.make_proposer("llm", 0, {"model": MODEL, "api_base": "http://127.0.0.1:9/v1", "concurrency": 2})
+    p = make_proposer("llm", 0, {"model": MODEL, "api_base": "http://127.0.0.1:9/v1", "concurrency": 2})
     assert isinstance(p, LLMProposer) and p.config.concurrency == 2 and p.config.api_base.endswith(":9/v1")
-    assert isinstance(pipeline.make_proposer("llm", 0, LLMConfig(model=MODEL)), LLMProposer)
-    h = pipeline.make_proposer("hybrid", 3, {"model": MODEL, "hybrid_share": 0.25})
+    assert isinstance(make_proposer("llm", 0, LLMConfig(model=MODEL)), LLMProposer)
+    h = make_proposer("hybrid", 3, {"model": MODEL, "hybrid_share": 0.25})
     assert isinstance(h, HybridProposer) and isinstance(h.builtin, LibraryProposer) and h.share == 0.25
     hook = object()
     h.on_call = hook
     assert h.llm.on_call is hook and h.on_call is hook
     h.transcript_path = "/tmp/x-e{episode}.jsonl"
     assert h.llm.transcript_path == "/tmp/x-e{episode}.jsonl"
-    assert isinstance(pipeline.make_proposer("library"), LibraryProposer)
+    assert isinstance(make_proposer("library"), LibraryProposer)
     with pytest.raises(LLMConfigError, match="litellm model string"):
-        pipeline.make_proposer("llm", 0, {})
+        make_proposer("llm", 0, {})
     with pytest.raises(ValueError, match="library, llm or hybrid"):
-        pipeline.make_proposer("llama", 0, {"model": MODEL})
+        make_proposer("llama", 0, {"model": MODEL})
 
 
 # ------------------------------------------------------------------------------------- run_task_search (llm)
@@ -118,9 +122,9 @@ def test_make_proposer_builds_and_the_hybrid_forwards_the_call_hook():
 def test_llm_search_through_run_task_search(tiny_run):
     script = [srv.compile_error(), srv.rate_limited(), srv.good()]  # then the default: prose without code
     with srv.ScriptedLLM(script) as server:
-        out = pipeline.run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=6,
-                                       proposer="llm", run_id=tiny_run["run_id"],
-                                       llm=llm_options(server, max_total_tokens=400))
+        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=6,
+                              proposer="llm", run_id=tiny_run["run_id"],
+                              llm=llm_options(server, max_total_tokens=400))
     # 150 tokens per answer: compile error, (429) good, no code = 450 >= 400, so the fourth request is never sent
     # and the search ends short of its budget of 6, cleanly.
     assert len(server.requests) == 4
@@ -174,8 +178,8 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
     reply = srv.Reply(status=401, error={"message": f"Incorrect API key provided: {KEY}", "type": "invalid_request"})
     with srv.ScriptedLLM([reply]) as server:
         with pytest.raises(LLMConfigError, match="AuthenticationError"):
-            pipeline.run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=2,
-                                     proposer="llm", llm=llm_options(server))
+            run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=2,
+                            proposer="llm", llm=llm_options(server))
     [search] = rows(tiny_run["db"], "SELECT * FROM searches WHERE proposer = 'llm' AND trials = 0")
     assert search["finished_at"] is not None
     [call] = rows(tiny_run["db"], "SELECT * FROM llm_calls WHERE search_id = ?", [search["search_id"]])
@@ -188,9 +192,9 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
 @pytest.mark.timeout(120)
 def test_hybrid_search_shares_the_budget(tiny_run):
     with srv.ScriptedLLM([srv.good(), srv.wrong_numerics()]) as server:
-        out = pipeline.run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=4,
-                                       proposer="hybrid", run_id=tiny_run["run_id"],
-                                       llm=llm_options(server, hybrid_share=0.5))
+        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=4,
+                              proposer="hybrid", run_id=tiny_run["run_id"],
+                              llm=llm_options(server, hybrid_share=0.5))
     sid = out["search_id"]
     assert out["trials"] == 4 and len(server.requests) == 2 and out["llm_calls"] == 2
     [search] = rows(tiny_run["db"], "SELECT proposer, trials FROM searches WHERE search_id = ?", [sid])

@@ -37,7 +37,8 @@ def test_the_representative_point_must_lie_inside_the_regime(tmp_path):
 
 
 def test_a_bundle_over_a_regime_runs_its_kernels_at_another_in_regime_shape(tmp_path):
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
     from llm4llm.verify import VerifierPool
     from llm4llm.workload import call_script, load_script
 

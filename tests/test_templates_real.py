@@ -107,7 +107,8 @@ def test_mamba_bf16_past_tiny_dims(tmp_path, pool):
     x_proj/dt_proj -> scan -> out_proj) amplifies 1-ulp bf16 differences of its intermediates past the tolerance, so
     the ops must round where HF rounds: the conv result in the weight dtype before the SiLU, softplus via log1p, and
     round-to-nearest bf16 stores under the interpreter (it truncates). Before the fix both phases failed here."""
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
 
     script = WORKLOADS.parent / "scripts" / "hf_generate.py"
     wl = tmp_path / "mamba-bf16.toml"
@@ -138,7 +139,8 @@ def test_mamba_block_bf16_with_the_fp32_residual_stream(tmp_path, pool, model_ty
     embeddings, the second the fp32 residual stream (residual_in_fp32). Same shapes, another dtype: one task per
     phase whose cases hold both streams, computing in bf16 (the weights' dtype); the kernels pass both cases, their
     output fp32 as HF's."""
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
 
     script = WORKLOADS.parent / "scripts" / "hf_generate.py"
     wl = tmp_path / "mamba-block-bf16.toml"

@@ -116,7 +116,7 @@ def test_lossy_of_and_the_coverage_descent(prefill_task):
 
 
 def test_a_rejected_coverage_step_is_remembered_at_its_coverage():
-    from llm4llm.pipeline import proposal_of, rejection_experience
+    from llm4llm.stages.experience import proposal_of, rejection_experience
 
     p = Proposal("t", "c1", "src", 1.2, {"tm_template": "bigbird", "tm_coverage": 0.9, "attn_BLOCK_M": 128}, NAME)
     step = proposal_of({"c1": p}, "c1@0.5")

@@ -45,7 +45,8 @@ rope_type = "llama3"
 
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory):
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
 
     d = tmp_path_factory.mktemp("llama32")
     wl = d / "tiny-llama-3.2.toml"

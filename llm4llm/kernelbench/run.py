@@ -31,7 +31,7 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
                     proposer: str = "library", device: str = "cpu", db_path: str | None = None,
                     data_dir: str | None = None, timeout_s: float = 600.0, seed: int = 0, llm=None,
                     kb_run_id: str | None = None, on_problem=None) -> tuple[str, list[dict]]:
-    from llm4llm.pipeline import run_task_search
+    from llm4llm.stages.search import run_task_search
     from storage import repo
     from storage.db import Database, data_home
 

@@ -116,7 +116,8 @@ def reduced_workload(tmp: Path) -> Path:
 
 
 def extract(wl: Path, static_cache: bool):
-    from llm4llm.pipeline import run_extract, run_profile
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
     from llm4llm.taskspec import load_task
 
     data = tempfile.mkdtemp(prefix="decode-attn-")

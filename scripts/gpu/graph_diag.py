@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main() -> int:
     args = _parse_args()
     import kernels_runtime
-    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.stages.extract import extract_to_temp
     from llm4llm.workload import call_script, load_script, load_workload
 
     t0 = time.perf_counter()

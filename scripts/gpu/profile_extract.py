@@ -29,7 +29,7 @@ def main() -> None:
     from flows.optimize import optimize_workload
     from flows.search import search_tasks
     from llm4llm.config import OptimizeConfig, SearchSettings
-    from llm4llm.pipeline import load_profile
+    from llm4llm.stages.profile import load_profile
     from llm4llm.profiler import format_hotspots
     from storage import repo
     from storage.db import Database

@@ -40,7 +40,8 @@ def main() -> None:
     args = ap.parse_args()
     from flows.optimize import optimize_workload
     from llm4llm.config import OptimizeConfig
-    from llm4llm import isolation, pipeline
+    from llm4llm import isolation
+    from llm4llm.stages.search import run_task_search
     from storage import repo
     from storage.db import Database
 
@@ -72,9 +73,9 @@ def main() -> None:
             print(f"deadline: skipped {name} {t.task_id} {mode}", flush=True)
             continue
         s = time.time()
-        r = pipeline.run_task_search(t.artifact_path, args.db, data_dir, mode=mode, budget=args.budget,
-                                     device=args.device, timeout_s=180, run_id=runs[name],
-                                     use_prior=False)  # modes compared from the same starting point
+        r = run_task_search(t.artifact_path, args.db, data_dir, mode=mode, budget=args.budget,
+                            device=args.device, timeout_s=180, run_id=runs[name],
+                            use_prior=False)  # modes compared from the same starting point
         r.update(workload=name, mode=mode, family=t.family, phase=t.phase, seconds=round(time.time() - s, 1))
         results.append(r)
         print(f"[{time.time() - T0:6.1f}s] {name} {t.task_id} {mode}: {r['trials']} trials, pass "

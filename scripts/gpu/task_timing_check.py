@@ -48,7 +48,7 @@ def kernel_time_us(fn, call, calls: int) -> tuple[float, float]:
 
 def main() -> int:
     args, t, override = _parse_args()
-    from llm4llm.pipeline import extract_to_temp
+    from llm4llm.stages.extract import extract_to_temp
     from llm4llm.taskspec import load_task
     from llm4llm.verify import timing
     from llm4llm.verify.gates import make_draws

@@ -1,0 +1,62 @@
+"""The extract stage: capture the profiled hotspots as task artifacts and the run's task index (`tasks.json`), and
+record the index in DuckDB."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llm4llm.stages.common import _build, _free, _write_json
+from llm4llm.stages.profile import load_profile, run_profile
+from storage.rows import task_row
+
+
+def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0,
+                static_cache: bool = False) -> str:
+    """Re-run the workload with capture hooks on the profiled hotspots and write task artifacts; returns the path
+    of `tasks.json` (the run's task index). static_cache: KV-cache decode tasks captured on transformers' static
+    cache, as decode graphs will run them (extract_tasks)."""
+    from llm4llm import progress
+    from llm4llm.extract import extract_tasks
+
+    progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
+    payload, profile = load_profile(profile_path)
+    wl, model, run_fn = _build(workload_path, corners=True)
+    # a regime's corners are captured as cases of the same tasks (each corner adds a prefill and a decode shape)
+    corners = len(wl.regime.corners(wl.decode_len)) if wl.regime is not None else 0
+    specs = extract_tasks(
+        model, run_fn, profile, Path(data_dir) / "tasks",
+        workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,
+        max_cases=4 + 2 * corners,
+        static_cache=static_cache,
+        accuracy_budget=wl.lossy_budget(),
+        regime=wl.regime is not None,
+    )
+    index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
+                                                if s.deployable else None} for s in specs]
+    path = _write_json(Path(profile_path).parent / "tasks.json", index)
+    _free(model, run_fn)
+    progress.done(f"extract:{profile_path}")
+    return str(path)
+
+
+def extract_to_temp(workload_path: str, prefix: str = "llm4llm-") -> list:
+    """Profile and extract a workload into a fresh temporary directory, without a database: its tasks (specs only,
+    cases left on disk), in directory order. For the device scripts that need a workload's tasks outside a run."""
+    import tempfile
+
+    from llm4llm.taskspec import load_task
+
+    data = tempfile.mkdtemp(prefix=prefix)
+    run_extract(workload_path, run_profile(workload_path, data), data)
+    root = Path(data) / "tasks"
+    return [load_task(d, with_cases=False) for d in sorted(root.iterdir()) if (d / "spec.json").exists()]
+
+
+def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
+    from storage import repo
+    from storage.db import Database
+
+    index = json.loads(Path(index_path).read_text())
+    with Database(db_path) as db:
+        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
+
