@@ -1,6 +1,6 @@
 """Architectures nobody tuned for: templates decided applicable by running them (llm4llm/search/applicability.py),
 Falcon-Mamba's dt/B/C norms as a Mamba template option, LayerNorm and fused gate_up MLPs, and tiny transformers
-models of six architectures beyond the examples through optimize (search, and acceptance for three of them)."""
+models of six architectures beyond the examples through optimize (search and acceptance)."""
 from __future__ import annotations
 
 import json
@@ -117,13 +117,13 @@ ARCHS = {
                  {"norm.layernorm"}, set()),
     "stablelm": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=128, partial_rotary_factor=0.25, max_position_embeddings=64),
-                 ["mlp"], 1, "search", {"mlp.swiglu"}, set()),  # attention: tests/test_attention_generality.py
+                 ["mlp"], 1, "accept", {"mlp.swiglu"}, set()),  # attention: tests/test_attention_generality.py
     "mistral": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                      intermediate_size=64, vocab_size=128, sliding_window=8, max_position_embeddings=64),
-                ["norm"], 1, "search", {"norm.rmsnorm_op"}, set()),  # attention: tests/test_attention_generality.py
+                ["norm"], 1, "accept", {"norm.rmsnorm_op"}, set()),  # attention: tests/test_attention_generality.py
     "gemma2": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                     intermediate_size=64, vocab_size=128, sliding_window=8, max_position_embeddings=64),
-               ["norm"], 1, "search", {"norm.rmsnorm_gemma"}, set()),
+               ["norm"], 1, "accept", {"norm.rmsnorm_gemma"}, set()),
 }
 
 
