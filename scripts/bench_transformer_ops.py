@@ -74,110 +74,137 @@ class Row:
     triton: str
 
 
-def _cases(models: dict, prompt_len: int, decode_len: int, dtype, device) -> list[Case]:
+class _Inputs:
+    """Random inputs of one dtype on one device, laid out as HF builds them."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device = dtype, device
+
+    def randn(self, *shape, scale=1.0):
+        import torch
+
+        return torch.randn(*shape, dtype=self.dtype, device=self.device) * scale
+
+    def heads(self, S, H, D):  # [B, H, S, D] as HF builds it: a transposed view of the [B, S, H, D] projection
+        return self.randn(1, S, H, D).transpose(1, 2)
+
+    def cos_sin(self, S, D, start):
+        import torch
+
+        device = self.device
+        pos = torch.arange(start, start + S, device=device, dtype=torch.float32)[None, :, None]
+        inv_freq = 1e6 ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+        emb = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)  # [1, S, D]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def _static_update_ref(q, k_new, v_new, k_cache, v_cache, cache_len):
+    # What a static cache does per step (index_copy_, then attention over the prefix), without the clones the
+    # correctness reference makes to stay side-effect free.
     import torch
 
     from kernels_runtime.ops import attention_decode as AD
-    from kernels_runtime.ops import attention_prefill as AP
+
+    pos = torch.tensor([cache_len], device=q.device)
+    k_cache.index_copy_(2, pos, k_new)
+    v_cache.index_copy_(2, pos, v_new)
+    return AD.attention_decode_ref(q, k_cache, v_cache, kv_len=cache_len + 1)
+
+
+def _phase_cases(name: str, m: dict, phase: str, S: int, start: int, inp: _Inputs, es: int) -> list[Case]:
+    """The norm, rotary and MLP ops of one model at one phase (S tokens, positions from `start`)."""
     from kernels_runtime.ops import rmsnorm as RN
     from kernels_runtime.ops import rotary as RO
     from kernels_runtime.ops import swiglu as SW
 
-    es = torch.empty((), dtype=dtype).element_size()
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, dtype=dtype, device=device) * scale
-
-    def heads(S, H, D):  # [B, H, S, D] as HF builds it: a transposed view of the [B, S, H, D] projection
-        return randn(1, S, H, D).transpose(1, 2)
-
-    def cos_sin(S, D, start):
-        pos = torch.arange(start, start + S, device=device, dtype=torch.float32)[None, :, None]
-        inv_freq = 1e6 ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
-        emb = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)  # [1, S, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def static_update_ref(q, k_new, v_new, k_cache, v_cache, cache_len):
-        # What a static cache does per step (index_copy_, then attention over the prefix), without the clones the
-        # correctness reference makes to stay side-effect free.
-        pos = torch.tensor([cache_len], device=q.device)
-        k_cache.index_copy_(2, pos, k_new)
-        v_cache.index_copy_(2, pos, v_new)
-        return AD.attention_decode_ref(q, k_cache, v_cache, kv_len=cache_len + 1)
-
+    H, I, Hq, Hkv, D, eps = m["hidden"], m["intermediate"], m["heads"], m["kv_heads"], m["head_dim"], m["eps"]
+    randn, heads, cos_sin = inp.randn, inp.heads, inp.cos_sin
     out: list[Case] = []
-
-    def add_model(name: str, m: dict) -> None:  # a scope per model, so the lambdas bind this model's sizes
-        H, I, Hq, Hkv, D, eps = m["hidden"], m["intermediate"], m["heads"], m["kv_heads"], m["head_dim"], m["eps"]
-        for phase, S in (("prefill", prompt_len), ("decode", 1)):
-            w = randn(H, scale=0.1) + 1
-            out.append(Case(
-                "rmsnorm", name, phase, f"x[1,{S},{H}]",
-                lambda S=S, w=w: dict(x=randn(1, S, H), weight=w, eps=eps),
-                RN.rmsnorm, RN.rmsnorm_ref, (2 * S * H + H) * es, 4 * S * H,
-            ))
-            out.append(Case(
-                "rmsnorm_residual", name, phase, f"x,residual[1,{S},{H}]",
-                lambda S=S, w=w: dict(x=randn(1, S, H), residual=randn(1, S, H), weight=w, eps=eps),
-                RN.rmsnorm_residual, RN.rmsnorm_residual_ref, (4 * S * H + H) * es, 5 * S * H,
-            ))
-            start = 0 if phase == "prefill" else prompt_len
-            qk_bytes = (2 * S * (Hq + Hkv) * D + 2 * S * D) * es
-            out.append(Case(
-                "rotary", name, phase, f"q[1,{Hq},{S},{D}] k[1,{Hkv},{S},{D}]",
-                lambda S=S, start=start: dict(
-                    q=heads(S, Hq, D), k=heads(S, Hkv, D), **dict(zip(("cos", "sin"), cos_sin(S, D, start)))),
-                RO.rotary, RO.rotary_ref, qk_bytes, 3 * S * (Hq + Hkv) * D,
-            ))
-            if m["qk_norm"]:
-                out.append(Case(
-                    "qk_norm_rotary", name, phase, f"q[1,{Hq},{S},{D}] k[1,{Hkv},{S},{D}]",
-                    lambda S=S, start=start: dict(
-                        q=heads(S, Hq, D), k=heads(S, Hkv, D), **dict(zip(("cos", "sin"), cos_sin(S, D, start))),
-                        q_weight=randn(D, scale=0.1) + 1, k_weight=randn(D, scale=0.1) + 1, eps=eps),
-                    RO.qk_norm_rotary, RO.qk_norm_rotary_ref, qk_bytes + 2 * D * es, 7 * S * (Hq + Hkv) * D,
-                ))
-            out.append(Case(
-                "silu_and_mul", name, phase, f"gate,up[1,{S},{I}]",
-                lambda S=S: dict(gate=randn(1, S, I, scale=2), up=randn(1, S, I)),
-                SW.silu_and_mul, SW.silu_and_mul_ref, 3 * S * I * es, 6 * S * I,
-            ))
-            wg, wu = randn(I, H, scale=H**-0.5), randn(I, H, scale=H**-0.5)
-            out.append(Case(
-                "swiglu_fused", name, phase, f"x[1,{S},{H}] w[{I},{H}]x2",
-                lambda S=S, wg=wg, wu=wu: dict(x=randn(1, S, H), w_gate=wg, w_up=wu),
-                SW.swiglu_fused, SW.swiglu_fused_ref, (S * H + 2 * I * H + S * I) * es, 4 * S * H * I,
-            ))
-        S = prompt_len
+    w = randn(H, scale=0.1) + 1
+    out.append(Case(
+        "rmsnorm", name, phase, f"x[1,{S},{H}]",
+        lambda: dict(x=randn(1, S, H), weight=w, eps=eps),
+        RN.rmsnorm, RN.rmsnorm_ref, (2 * S * H + H) * es, 4 * S * H,
+    ))
+    out.append(Case(
+        "rmsnorm_residual", name, phase, f"x,residual[1,{S},{H}]",
+        lambda: dict(x=randn(1, S, H), residual=randn(1, S, H), weight=w, eps=eps),
+        RN.rmsnorm_residual, RN.rmsnorm_residual_ref, (4 * S * H + H) * es, 5 * S * H,
+    ))
+    qk_bytes = (2 * S * (Hq + Hkv) * D + 2 * S * D) * es
+    out.append(Case(
+        "rotary", name, phase, f"q[1,{Hq},{S},{D}] k[1,{Hkv},{S},{D}]",
+        lambda: dict(q=heads(S, Hq, D), k=heads(S, Hkv, D), **dict(zip(("cos", "sin"), cos_sin(S, D, start)))),
+        RO.rotary, RO.rotary_ref, qk_bytes, 3 * S * (Hq + Hkv) * D,
+    ))
+    if m["qk_norm"]:
         out.append(Case(
-            "attention_prefill", name, "prefill", f"q[1,{Hq},{S},{D}] kv[1,{Hkv},{S},{D}]",
-            lambda: dict(q=heads(S, Hq, D), k=heads(S, Hkv, D), v=heads(S, Hkv, D), scale=D**-0.5),
-            AP.attention_prefill, AP.attention_prefill_ref,
-            (2 * Hq + 2 * Hkv) * S * D * es, 2 * Hq * S * S * D,  # causal: half of 4 * S^2 * D per head
+            "qk_norm_rotary", name, phase, f"q[1,{Hq},{S},{D}] k[1,{Hkv},{S},{D}]",
+            lambda: dict(
+                q=heads(S, Hq, D), k=heads(S, Hkv, D), **dict(zip(("cos", "sin"), cos_sin(S, D, start))),
+                q_weight=randn(D, scale=0.1) + 1, k_weight=randn(D, scale=0.1) + 1, eps=eps),
+            RO.qk_norm_rotary, RO.qk_norm_rotary_ref, qk_bytes + 2 * D * es, 7 * S * (Hq + Hkv) * D,
         ))
-        for kv_len in (prompt_len + 1, prompt_len + decode_len):
-            out.append(Case(
-                "attention_decode", name, "decode", f"q[1,{Hq},1,{D}] cache[1,{Hkv},{kv_len},{D}]",
-                lambda kv_len=kv_len: dict(
-                    q=randn(1, Hq, 1, D), k_cache=randn(1, Hkv, kv_len, D), v_cache=randn(1, Hkv, kv_len, D)),
-                AD.attention_decode, AD.attention_decode_ref,
-                (2 * Hkv * kv_len * D + 2 * Hq * D) * es, 4 * Hq * kv_len * D,
-            ))
-        s_max = prompt_len + decode_len
-        for cache_len in (prompt_len, s_max - 1):
-            out.append(Case(
-                "attention_decode_update", name, "decode",
-                f"q[1,{Hq},1,{D}] cache[1,{Hkv},{s_max},{D}] len {cache_len}",
-                lambda cache_len=cache_len: dict(
-                    q=randn(1, Hq, 1, D), k_new=randn(1, Hkv, 1, D), v_new=randn(1, Hkv, 1, D),
-                    k_cache=randn(1, Hkv, s_max, D), v_cache=randn(1, Hkv, s_max, D), cache_len=cache_len),
-                AD.attention_decode_update, AD.attention_decode_update_ref,
-                (2 * Hkv * (cache_len + 2) * D + 2 * Hq * D) * es, 4 * Hq * (cache_len + 1) * D,
-                timed_ref=static_update_ref, inplace=("k_cache", "v_cache"),
-            ))
+    out.append(Case(
+        "silu_and_mul", name, phase, f"gate,up[1,{S},{I}]",
+        lambda: dict(gate=randn(1, S, I, scale=2), up=randn(1, S, I)),
+        SW.silu_and_mul, SW.silu_and_mul_ref, 3 * S * I * es, 6 * S * I,
+    ))
+    wg, wu = randn(I, H, scale=H**-0.5), randn(I, H, scale=H**-0.5)
+    out.append(Case(
+        "swiglu_fused", name, phase, f"x[1,{S},{H}] w[{I},{H}]x2",
+        lambda: dict(x=randn(1, S, H), w_gate=wg, w_up=wu),
+        SW.swiglu_fused, SW.swiglu_fused_ref, (S * H + 2 * I * H + S * I) * es, 4 * S * H * I,
+    ))
+    return out
 
+
+def _attention_cases(name: str, m: dict, prompt_len: int, decode_len: int, inp: _Inputs, es: int) -> list[Case]:
+    """Prefill attention over the prompt; decode attention over a cache, plain and with the static-cache update."""
+    from kernels_runtime.ops import attention_decode as AD
+    from kernels_runtime.ops import attention_prefill as AP
+
+    Hq, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
+    randn, heads = inp.randn, inp.heads
+    S = prompt_len
+    out = [Case(
+        "attention_prefill", name, "prefill", f"q[1,{Hq},{S},{D}] kv[1,{Hkv},{S},{D}]",
+        lambda: dict(q=heads(S, Hq, D), k=heads(S, Hkv, D), v=heads(S, Hkv, D), scale=D**-0.5),
+        AP.attention_prefill, AP.attention_prefill_ref,
+        (2 * Hq + 2 * Hkv) * S * D * es, 2 * Hq * S * S * D,  # causal: half of 4 * S^2 * D per head
+    )]
+    for kv_len in (prompt_len + 1, prompt_len + decode_len):
+        out.append(Case(
+            "attention_decode", name, "decode", f"q[1,{Hq},1,{D}] cache[1,{Hkv},{kv_len},{D}]",
+            lambda kv_len=kv_len: dict(
+                q=randn(1, Hq, 1, D), k_cache=randn(1, Hkv, kv_len, D), v_cache=randn(1, Hkv, kv_len, D)),
+            AD.attention_decode, AD.attention_decode_ref,
+            (2 * Hkv * kv_len * D + 2 * Hq * D) * es, 4 * Hq * kv_len * D,
+        ))
+    s_max = prompt_len + decode_len
+    for cache_len in (prompt_len, s_max - 1):
+        out.append(Case(
+            "attention_decode_update", name, "decode",
+            f"q[1,{Hq},1,{D}] cache[1,{Hkv},{s_max},{D}] len {cache_len}",
+            lambda cache_len=cache_len: dict(
+                q=randn(1, Hq, 1, D), k_new=randn(1, Hkv, 1, D), v_new=randn(1, Hkv, 1, D),
+                k_cache=randn(1, Hkv, s_max, D), v_cache=randn(1, Hkv, s_max, D), cache_len=cache_len),
+            AD.attention_decode_update, AD.attention_decode_update_ref,
+            (2 * Hkv * (cache_len + 2) * D + 2 * Hq * D) * es, 4 * Hq * (cache_len + 1) * D,
+            timed_ref=_static_update_ref, inplace=("k_cache", "v_cache"),
+        ))
+    return out
+
+
+def _cases(models: dict, prompt_len: int, decode_len: int, dtype, device) -> list[Case]:
+    import torch
+
+    inp, es = _Inputs(dtype, device), torch.empty((), dtype=dtype).element_size()
+    out: list[Case] = []
     for name, m in models.items():
-        add_model(name, m)
+        for phase, S in (("prefill", prompt_len), ("decode", 1)):
+            out += _phase_cases(name, m, phase, S, 0 if phase == "prefill" else prompt_len, inp, es)
+        out += _attention_cases(name, m, prompt_len, decode_len, inp, es)
     return out
 
 

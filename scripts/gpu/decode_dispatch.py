@@ -83,7 +83,7 @@ def patched(module, source, cls):
     return holder, apply(holder, bundle, strict=True)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=300)
@@ -94,102 +94,126 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         sys.exit("decode_dispatch: expected a CUDA device (or --device cpu)")
-    from transformers import Qwen3Config
-    from transformers.cache_utils import DynamicCache
-    from transformers.models.qwen3 import modeling_qwen3 as mq
+    return args
 
+
+def measure_ops(x, mlp, calls: int) -> dict:
+    """1. the MLP's 4 launches (gate_up_swiglu + gemv), cached launcher on and off, outputs compared."""
     from kernels_runtime.ops.gemv import gate_up_swiglu, gemv
+
+    wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+    def ops():
+        return gemv(gate_up_swiglu(x, wg, wu, SPLIT_K=1), wd, SPLIT_K=2)
+
+    _common._CACHED_LAUNCH["on"] = False
+    a = ops()
+    _common._CACHED_LAUNCH["on"] = True
+    ops()
+    b = ops()
+    same = bool(torch.equal(a, b))
+    r = rounds({"ops_jit": (ops, False), "ops_cached": (ops, True)}, calls)
+    return {"measure": "mlp_ops_4_launches", "cached_equals_jit": same, **r}
+
+
+def measure_mlp(x, mlp, mq, dims, calls: int) -> dict:
+    """2. Qwen3MLP: HF eager, the rendered mlp.decode_gemv entry called directly, the module patched with it."""
     from kernels_runtime.patch import revert
     from kernels_runtime.tolerances import compare
+
+    H, I = dims[0], dims[1]
+    src, _ = render("mlp.decode_gemv", "mlp", f"{mq.__name__}.Qwen3MLP", dims)
+    ns: dict = {}
+    exec(compile(src, "<mlp.decode_gemv>", "exec"), ns)
+    weights = dict(mlp.named_parameters())
+    static = {"hidden_size": H, "intermediate_size": I}
+    ref = mlp(x)
+    direct = lambda: ns["entry"]({"x": x}, weights, {}, static)  # noqa: E731
+    ok_direct = compare(direct()["out"], ref).ok
+    holder, report = patched(mlp, src, f"{mq.__name__}.Qwen3MLP")
+    # eager: the class's forward (the instance's is the dispatcher now; skips nn.Module.__call__, ~1 us)
+    variants = {"eager": (lambda: mq.Qwen3MLP.forward(mlp, x), True), "direct_jit": (direct, False),
+                "direct_cached": (direct, True)}
+    ok_patched = compare(mlp(x), ref).ok
+    variants.update({"patched_jit": (lambda: mlp(x), False), "patched_cached": (lambda: mlp(x), True)})
+    r = rounds(variants, calls)
+    row = {"measure": "Qwen3MLP", "correct_direct": ok_direct, "correct_patched": ok_patched,
+           "counters": report.counters(), **r}
+    revert(holder)
+    return row
+
+
+def measure_layer(x, cfg, mq, dims, dev: str, calls: int) -> dict:
+    """3. Qwen3DecoderLayer over a growing DynamicCache: HF eager vs patched with decoder_layer.decode_fused."""
+    from transformers.cache_utils import DynamicCache
+
+    from kernels_runtime.patch import revert
+    from kernels_runtime.tolerances import compare
+
+    dt, H = x.dtype, dims[0]
+    layer = mq.Qwen3DecoderLayer(cfg, 0).to(dev, dt)
+    rope = mq.Qwen3RotaryEmbedding(cfg).to(dev)
+    src, _ = render("decoder_layer.decode_fused", "decoder_layer", f"{mq.__name__}.Qwen3DecoderLayer", dims)
+
+    def make_cache():
+        cache = DynamicCache()
+        g = torch.Generator(device=dev).manual_seed(1)  # the same past every time: reference and kernel agree
+        h = torch.randn(1, 64, H, device=dev, dtype=dt, generator=g)
+        pos = torch.arange(64, device=dev)[None]
+        layer(h, position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=rope(h, pos))
+        return cache
+
+    state = {"cache": make_cache(), "pos": 64}
+
+    def step(fwd=None):
+        pos = torch.tensor([[state["pos"]]], device=dev)
+        out = (fwd or layer)(x, position_ids=pos, past_key_values=state["cache"], use_cache=True,
+                             position_embeddings=rope(x, pos))
+        state["pos"] += 1
+        if state["pos"] > 64 + 4 * calls:  # keep the attended length in one range for every variant
+            state["cache"], state["pos"] = make_cache(), 64
+        return out
+
+    ref_cache = make_cache()
+    pos = torch.tensor([[64]], device=dev)
+    pe = rope(x, pos)
+    ref = layer(x, position_ids=pos, past_key_values=ref_cache, use_cache=True, position_embeddings=pe)
+    holder, report = patched(layer, src, f"{mq.__name__}.Qwen3DecoderLayer")
+    cache2 = make_cache()
+    got = layer(x, position_ids=pos, past_key_values=cache2, use_cache=True, position_embeddings=pe)
+    ok = compare(got, ref).ok and compare(cache2.layers[0].keys, ref_cache.layers[0].keys).ok
+    eager = lambda: step(lambda *a, **k: mq.Qwen3DecoderLayer.forward(layer, *a, **k))  # noqa: E731
+    r = rounds({"eager": (eager, True), "patched_jit": (step, False), "patched_cached": (step, True)},
+               max(1, calls // 3))
+    row = {"measure": "Qwen3DecoderLayer_dynamic_cache", "correct_patched": ok, "counters": report.counters(), **r}
+    revert(holder)
+    return row
+
+
+def main() -> int:
+    args = _parse_args()
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as mq
 
     dev = args.device
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
     meta = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke run, not a result)",
             "torch": torch.__version__, "calls": args.calls}
-    rows = []
     dims = (2560, 9728, 32, 8, 128) if dev == "cuda" else (64, 128, 4, 2, 16)  # qwen3-4b, or tiny
-    H, I = dims[0], dims[1]
-    cfg = Qwen3Config(hidden_size=H, intermediate_size=I, num_attention_heads=dims[2], num_key_value_heads=dims[3],
-                      head_dim=dims[4], num_hidden_layers=1, vocab_size=1024)
+    cfg = Qwen3Config(hidden_size=dims[0], intermediate_size=dims[1], num_attention_heads=dims[2],
+                      num_key_value_heads=dims[3], head_dim=dims[4], num_hidden_layers=1, vocab_size=1024)
     cfg._attn_implementation = "sdpa"
+    rows = []
     with torch.no_grad():
-        # 1. ops, cached launcher on/off
-        x = torch.randn(1, 1, H, device=dev, dtype=dt)
+        x = torch.randn(1, 1, dims[0], device=dev, dtype=dt)
         mlp = mq.Qwen3MLP(cfg).to(dev, dt)
-        wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-
-        def ops():
-            return gemv(gate_up_swiglu(x, wg, wu, SPLIT_K=1), wd, SPLIT_K=2)
-
-        _common._CACHED_LAUNCH["on"] = False
-        a = ops()
-        _common._CACHED_LAUNCH["on"] = True
-        ops()
-        b = ops()
-        same = bool(torch.equal(a, b))
-        r = rounds({"ops_jit": (ops, False), "ops_cached": (ops, True)}, args.calls)
-        rows.append({"measure": "mlp_ops_4_launches", "cached_equals_jit": same, **r})
+        rows.append(measure_ops(x, mlp, args.calls))
         show(rows[-1])
-        # 2. Qwen3MLP: eager, direct entry, patched
-        src, _ = render("mlp.decode_gemv", "mlp", f"{mq.__name__}.Qwen3MLP", dims)
-        ns: dict = {}
-        exec(compile(src, "<mlp.decode_gemv>", "exec"), ns)
-        weights = dict(mlp.named_parameters())
-        static = {"hidden_size": H, "intermediate_size": I}
-        ref = mlp(x)
-        direct = lambda: ns["entry"]({"x": x}, weights, {}, static)  # noqa: E731
-        ok_direct = compare(direct()["out"], ref).ok
-        holder, report = patched(mlp, src, f"{mq.__name__}.Qwen3MLP")
-        # eager: the class's forward (the instance's is the dispatcher now; skips nn.Module.__call__, ~1 us)
-        variants = {"eager": (lambda: mq.Qwen3MLP.forward(mlp, x), True), "direct_jit": (direct, False),
-                    "direct_cached": (direct, True)}
-        ok_patched = compare(mlp(x), ref).ok
-        variants.update({"patched_jit": (lambda: mlp(x), False), "patched_cached": (lambda: mlp(x), True)})
-        r = rounds(variants, args.calls)
-        rows.append({"measure": "Qwen3MLP", "correct_direct": ok_direct, "correct_patched": ok_patched,
-                     "counters": report.counters(), **r})
+        rows.append(measure_mlp(x, mlp, mq, dims, args.calls))
         show(rows[-1])
-        revert(holder)
-        # 3. Qwen3DecoderLayer over a growing DynamicCache
-        layer = mq.Qwen3DecoderLayer(cfg, 0).to(dev, dt)
-        rope = mq.Qwen3RotaryEmbedding(cfg).to(dev)
-        src, _ = render("decoder_layer.decode_fused", "decoder_layer", f"{mq.__name__}.Qwen3DecoderLayer", dims)
-
-        def make_cache():
-            cache = DynamicCache()
-            g = torch.Generator(device=dev).manual_seed(1)  # the same past every time: reference and kernel agree
-            h = torch.randn(1, 64, H, device=dev, dtype=dt, generator=g)
-            pos = torch.arange(64, device=dev)[None]
-            layer(h, position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=rope(h, pos))
-            return cache
-
-        state = {"cache": make_cache(), "pos": 64}
-
-        def step(fwd=None):
-            pos = torch.tensor([[state["pos"]]], device=dev)
-            out = (fwd or layer)(x, position_ids=pos, past_key_values=state["cache"], use_cache=True,
-                                 position_embeddings=rope(x, pos))
-            state["pos"] += 1
-            if state["pos"] > 64 + 4 * args.calls:  # keep the attended length in one range for every variant
-                state["cache"], state["pos"] = make_cache(), 64
-            return out
-
-        ref_cache = make_cache()
-        pos = torch.tensor([[64]], device=dev)
-        pe = rope(x, pos)
-        ref = layer(x, position_ids=pos, past_key_values=ref_cache, use_cache=True, position_embeddings=pe)
-        holder, report = patched(layer, src, f"{mq.__name__}.Qwen3DecoderLayer")
-        cache2 = make_cache()
-        got = layer(x, position_ids=pos, past_key_values=cache2, use_cache=True, position_embeddings=pe)
-        ok = compare(got, ref).ok and compare(cache2.layers[0].keys, ref_cache.layers[0].keys).ok
-        eager = lambda: step(lambda *a, **k: mq.Qwen3DecoderLayer.forward(layer, *a, **k))  # noqa: E731
-        r = rounds({"eager": (eager, True), "patched_jit": (step, False), "patched_cached": (step, True)},
-                   max(1, args.calls // 3))
-        rows.append({"measure": "Qwen3DecoderLayer_dynamic_cache", "correct_patched": ok,
-                     "counters": report.counters(), **r})
+        rows.append(measure_layer(x, cfg, mq, dims, dev, args.calls))
         show(rows[-1])
-        revert(holder)
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps({**row, **meta}, default=str) + "\n")

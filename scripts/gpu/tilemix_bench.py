@@ -300,18 +300,10 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
                 rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
-def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, device: str = "cuda",
-                variants=None, prefill_timing: bool = True) -> None:
-    """qwen3-4b architecture (random weights) with TileMix as its prefill attention vs its own bf16 SDPA run:
-    teacher-forced logits rel-L2 (max over steps) and free-running greedy agreement."""
-    from transformers import AttentionInterface, AutoModelForCausalLM, Qwen3Config
+def _register_tilemix(state: dict, device: str) -> None:
+    """HF attention "tilemix": TileMix with state["mask"] for a prefill, SDPA otherwise (no mask, or decode)."""
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    cfg = Qwen3Config(**arch)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    state = {"mask": None}
 
     def tilemix_fwd(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         if state["mask"] is None or query.shape[2] != key.shape[2] or query.shape[2] == 1:
@@ -327,49 +319,33 @@ def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, devi
         AttentionMaskInterface.register("tilemix", sdpa_mask)
     except ImportError:
         pass
-    ids = torch.randint(0, cfg.vocab_size, (1, S), device=device, generator=torch.Generator(device).manual_seed(1))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _reference_tokens(model, batch, n):  # as llm4llm.accept (which needs pydantic, absent on the GPU image)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, batch["input_ids"].shape[1]:], [x.float() for x in out.logits]
+
+
+def _teacher_forced_logits(model, batch, tokens, n):
     from transformers import LogitsProcessorList
 
-    def reference_tokens(model, batch, n):  # as llm4llm.accept (which needs pydantic, absent on the GPU image)
-        with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-        return out.sequences[:, batch["input_ids"].shape[1]:], [x.float() for x in out.logits]
+    plen = batch["input_ids"].shape[1]
 
-    def teacher_forced_logits(model, batch, tokens, n):
-        plen = batch["input_ids"].shape[1]
+    def force(input_ids, scores):
+        out = torch.full_like(scores, -math.inf)
+        return out.scatter_(1, tokens[:, input_ids.shape[1] - plen][:, None], 0.0)
 
-        def force(input_ids, scores):
-            out = torch.full_like(scores, -math.inf)
-            return out.scatter_(1, tokens[:, input_ids.shape[1] - plen][:, None], 0.0)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([force]), output_logits=True,
+                             return_dict_in_generate=True)
+    return [x.float() for x in out.logits]
 
-        with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 logits_processor=LogitsProcessorList([force]), output_logits=True,
-                                 return_dict_in_generate=True)
-        return [x.float() for x in out.logits]
 
-    model.config._attn_implementation = "sdpa"
-    tokens, base_logits = reference_tokens(model, batch, decode)
-    model.config._attn_implementation = "tilemix"
-    variants = variants or [("all_16bit", 0.0)] + [("sink_local", c) for c in COVERAGES[1:]] + [
-        ("bigbird", 0.75), ("row_random", 0.75)]
-    for tpl, cov in variants:
-        state["mask"] = uniform_mask(False, S, device=device) if cov == 0 else build_tile_mask(tpl, cov, S,
-                                                                                             device=device)
-        logits = teacher_forced_logits(model, batch, tokens, decode)
-        dev = max(float((a - b).norm() / b.norm()) for a, b in zip(logits, base_logits))
-        free, _ = reference_tokens(model, batch, decode)
-        agree = float((free == tokens).float().mean())
-        top1 = float(torch.stack([(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in
-                                  zip(logits, base_logits)]).mean())
-        rows.add(kind="model", S=S, template=tpl, coverage=cov, max_logits_rel_l2=dev, greedy_agreement=agree,
-                 teacher_forced_top1_agreement=top1, decode=decode)
-        print(f"model {tpl}@{cov}: logits rel-L2 {dev:.4f}, greedy agreement {agree:.3f}")
-    if not prefill_timing:
-        return
-    # the model's prefill, eager SDPA vs TileMix (sink_local at 75 %), one forward of the prompt
+def _model_prefill_timing(rows: Rows, model, batch, state: dict, S: int, device: str) -> None:
+    """The model's prefill, eager SDPA vs TileMix (sink_local at 75 %), one forward of the prompt."""
     for tpl, cov in (("sdpa", None), ("sink_local", 0.75), ("sdpa", None), ("sink_local", 0.75)):
         model.config._attn_implementation = "sdpa" if cov is None else "tilemix"
         state["mask"] = None if cov is None else build_tile_mask(tpl, cov, S, device=device)
@@ -383,6 +359,41 @@ def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, devi
                 ts.append((time.perf_counter() - t) * 1e3)
         rows.add(kind="model_prefill", S=S, template=tpl, coverage=cov, ms=sorted(ts)[1], samples=ts)
         print(f"prefill {tpl}@{cov}: {sorted(ts)[1]:.1f} ms")
+
+
+def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, device: str = "cuda",
+                variants=None, prefill_timing: bool = True) -> None:
+    """qwen3-4b architecture (random weights) with TileMix as its prefill attention vs its own bf16 SDPA run:
+    teacher-forced logits rel-L2 (max over steps) and free-running greedy agreement."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(**arch)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    state = {"mask": None}
+    _register_tilemix(state, device)
+    ids = torch.randint(0, cfg.vocab_size, (1, S), device=device, generator=torch.Generator(device).manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    model.config._attn_implementation = "sdpa"
+    tokens, base_logits = _reference_tokens(model, batch, decode)
+    model.config._attn_implementation = "tilemix"
+    variants = variants or [("all_16bit", 0.0)] + [("sink_local", c) for c in COVERAGES[1:]] + [
+        ("bigbird", 0.75), ("row_random", 0.75)]
+    for tpl, cov in variants:
+        state["mask"] = uniform_mask(False, S, device=device) if cov == 0 else build_tile_mask(tpl, cov, S,
+                                                                                             device=device)
+        logits = _teacher_forced_logits(model, batch, tokens, decode)
+        dev = max(float((a - b).norm() / b.norm()) for a, b in zip(logits, base_logits))
+        free, _ = _reference_tokens(model, batch, decode)
+        agree = float((free == tokens).float().mean())
+        top1 = float(torch.stack([(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in
+                                  zip(logits, base_logits)]).mean())
+        rows.add(kind="model", S=S, template=tpl, coverage=cov, max_logits_rel_l2=dev, greedy_agreement=agree,
+                 teacher_forced_top1_agreement=top1, decode=decode)
+        print(f"model {tpl}@{cov}: logits rel-L2 {dev:.4f}, greedy agreement {agree:.3f}")
+    if prefill_timing:
+        _model_prefill_timing(rows, model, batch, state, S, device)
 
 
 def summarize(path: Path) -> None:
