@@ -855,15 +855,3 @@ def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: flo
         return t.decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check, after,
                         gain, counters)
     return t.decide("accepted", f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain, counters)
-
-
-def decision_rows(result: AcceptanceResult, run_id: str) -> list[dict[str, Any]]:
-    """One acceptances row per decision, the decode-graphs gate first (task_id GRAPHS_TASK) where it ran."""
-    head = [result.graph_decision] if result.graph_decision is not None else []
-    return [
-        {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,
-         "candidate_id": d.candidate_id, "decision": d.decision, "reason": d.reason, "metric": d.metric,
-         "in_model_max_abs_err": d.in_model_err, "e2e_before_ms": d.e2e_before_ms, "e2e_after_ms": d.e2e_after_ms,
-         "gain": d.gain}
-        for d in head + result.decisions
-    ]

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
+    from llm4llm.accept import AcceptanceResult
     from llm4llm.records import ModuleRecord, ProfileResult
 
 
@@ -314,3 +315,29 @@ def llm_call_row(call, search_id: str | None = None, task_id: str | None = None)
     if row.get("error"):
         row["error"] = redact(str(row["error"]))
     return row
+
+
+class AcceptanceRow(TypedDict):
+    acceptance_id: str
+    run_id: str
+    task_id: str
+    candidate_id: str | None
+    decision: str
+    reason: str
+    metric: str | None
+    in_model_max_abs_err: float | None
+    e2e_before_ms: float | None
+    e2e_after_ms: float | None
+    gain: float | None
+
+
+def decision_rows(result: AcceptanceResult, run_id: str) -> list[AcceptanceRow]:
+    """One acceptances row per decision, the decode-graphs gate first (task_id GRAPHS_TASK) where it ran."""
+    head = [result.graph_decision] if result.graph_decision is not None else []
+    return [
+        {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,
+         "candidate_id": d.candidate_id, "decision": d.decision, "reason": d.reason, "metric": d.metric,
+         "in_model_max_abs_err": d.in_model_err, "e2e_before_ms": d.e2e_before_ms, "e2e_after_ms": d.e2e_after_ms,
+         "gain": d.gain}
+        for d in head + result.decisions
+    ]

@@ -15,7 +15,7 @@ import kernels_runtime
 from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, load_bundle, save_bundle
 from llm4llm import accept as acc
 from llm4llm.accept import (
-    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, decision_rows, noise_floor, rank,
+    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, noise_floor, rank,
     reference_tokens, teacher_forced_logits,
 )
 from llm4llm.patchspec import guard_for
@@ -196,6 +196,8 @@ def test_cpu_latency_gate_never_accepts_a_correct_patch(ref):
     assert d.metric.startswith("logits_rel_l2_floor: rel-L2 ") and " vs floor " in d.metric  # both numbers
     assert d.in_model_err is not None and d.in_model_floor is not None and d.in_model_limit >= d.in_model_err
     assert d.counters.get("kernel", 0) > 0 and d.e2e_after_ms is None and d.gain is None
+    from storage.rows import decision_rows
+
     row = decision_rows(AcceptanceResult([d], None, None, None, "logits_rel_l2_floor", "skipped: cpu"), "run-1")[0]
     assert row["metric"] == d.metric and row["decision"] == "rejected"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from llm4llm import isolation
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
-from storage.rows import patch_row, rejection_episode_row
+from storage.rows import decision_rows, patch_row, rejection_episode_row
 
 
 def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
@@ -30,7 +30,7 @@ def run_accept(workload_path: str, run_id: str, db_path: str | None, data_dir: s
     """Deployment-time acceptance of the run's best candidates under `cfg` (an llm4llm.accept.AcceptConfig;
     OptimizeConfig.accept.build() makes one with the run's graph plan); decisions, the bundle and rejected reasons
     (as experience for the next search round) go to DuckDB."""
-    from llm4llm.accept import AcceptConfig, accept, decision_rows
+    from llm4llm.accept import AcceptConfig, accept
     from storage import repo
     from storage.db import Database
 
