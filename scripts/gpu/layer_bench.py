@@ -72,6 +72,11 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["k512"] = {**base, **{p + "BLOCK_K": 512 for p in ("qkv_", "gu_", "dn_")}}  # K = 2560 / 9728 in whole tiles
     out["gu8x512"] = {**base, "gu_BLOCK_N": 8, "gu_BLOCK_K": 512}
     out["qkv8x512"] = {**base, "qkv_BLOCK_N": 8, "qkv_BLOCK_K": 512}
+    out["gu512"] = {**base, "gu_BLOCK_K": 512}  # one stage at a time: gate/up and q/k/v are the gap on qwen3-4b
+    out["gu2"] = {**base, "gu_BLOCK_N": 2}
+    out["gu_st3"] = {**base, "num_stages": 3}
+    out["qkv512"] = {**base, "qkv_BLOCK_K": 512}
+    out["qkv8"] = {**base, "qkv_BLOCK_N": 8}
     out["attn16"] = {**base, "attn_num_splits": 16}
     out["attn64"] = {**base, "attn_num_splits": 64}
     return out
