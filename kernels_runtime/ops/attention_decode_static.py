@@ -268,7 +268,8 @@ def attention_decode_static(
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
     PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections).
-    PDL: both kernels launched with programmatic dependent launch (they wait for the previous kernel first)."""
+    PDL: both kernels launched with programmatic dependent launch: stage 1 reads the length and its first K/V tile,
+    then waits for the previous kernel (the q/k/v projections); stage 2 waits first."""
     norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")

@@ -489,8 +489,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
     path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
-    (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program:
-    with BLOCK_N rows of each, the two fp32 accumulators cut occupancy and the layer ran 4 us slower on the H200);
+    (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
+    BLOCK_N rows of each would double the fp32 accumulators and cut occupancy: docs/results/2026-12-02-h200-c);
     else gate and up are blocks of one pass and a second launch takes the product of the sums."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)

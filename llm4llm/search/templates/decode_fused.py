@@ -330,9 +330,8 @@ def _layer_static_space(spec):
 def _layer_static_default(spec):
     """Four launches of weight-streaming GEMVs plus the attention's two: input_layernorm in the q/k/v pass,
     o_proj + residual, the post norm in the paired gate/up pass, down + residual; each kernel launched with PDL
-    (it loads its first weight or K/V tile while the one before drains); the cache split that fills the SMs. On
-    the H200 this was the fastest layer of every point tried (qwen3-4b 73.0 us against 89.5 for the o_reduce layer
-    without PDL; docs/results/2026-12-02-h200-c)."""
+    (it loads its first weight or K/V tile while the one before drains); the cache split that fills the SMs.
+    The fastest point measured (docs/results/2026-12-02-h200-c)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms = sm_count(spec)
