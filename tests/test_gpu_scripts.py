@@ -112,12 +112,14 @@ def test_task_timing_check_smoke_run_and_bad_arguments(tmp_path):
 
 def test_layer_bench_smoke_run(tmp_path):
     """scripts/gpu/layer_bench.py on a two-layer toy shape: every variant (the template's default and seeds, the
-    paired / PDL / prefetch points) runs the layer stack and matches the first variant; the PDL and PREFETCH points
-    give their base's bits (under the interpreter PDL runs as PREFETCH)."""
+    PDL / prefetch / tile points), each the template's own rendered entry, runs the layer stack and matches the
+    first variant; the PDL and PREFETCH points give their base's bits (under the interpreter PDL runs as
+    PREFETCH)."""
     out = tmp_path / "layers.jsonl"
     res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) >= 10 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    assert {"default", "nopdl", "o_reduce_nopdl", "unpaired"} <= {r["variant"] for r in rows}
+    assert {"default", "nopdl", "o_reduce_nopdl", "seed1"} <= {r["variant"] for r in rows}
+    assert next(r for r in rows if r["variant"] == "seed1")["config"]["post_norm"] == "o_reduce"
     assert next(r for r in rows if r["variant"] == "default")["config"]["pdl"] is True

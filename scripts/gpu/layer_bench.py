@@ -6,10 +6,9 @@ runs, layer after layer, from one CUDA graph, against the weight-streaming floor
 
 Per model shape (published configs, seeded random bf16 weights; every layer its own weights, so a step streams all
 of them from HBM as the model's decode step does; a static KV cache of --cache positions per layer, --pos of them
-filled), one CUDA graph a variant of the whole stack of layers (the layer as the template's entry runs it:
-kernels_runtime.ops.gemv's q/k/v with input_layernorm, attention_decode_static, o_proj + residual + the post norm,
-gate/up + SwiGLU, down + residual). The length is not advanced (advance=False), so every replay computes the same
-step. Variants interleave over --rounds rounds (A B C ... A B C ...); p20/p50/p80 of the step's GPU time (CUDA
+filled), one CUDA graph a variant of the whole stack of layers, each layer the `entry` of the template's rendered
+source at that config (what a bundle ships). Every layer's length is set back to --pos before each run and replay
+(outside the timed span), so every replay computes the same step. Variants interleave over --rounds rounds (A B C ... A B C ...); p20/p50/p80 of the step's GPU time (CUDA
 events around one replay). floor = the layers' weight bytes over the device-to-device copy bandwidth measured first
 in this process. Checks, per variant: the graph replay's output equals the eager (stream) run's bit for bit, and it
 matches the first variant's within the bf16 tolerance (kernels_runtime.tolerances); a variant whose only change is
@@ -49,7 +48,8 @@ def spec_of(s: dict, sms: int):
     static = {"self_attn.q_proj.in_features": s["H"], "self_attn.q_proj.out_features": s["hq"] * s["D"],
               "self_attn.k_proj.out_features": s["hkv"] * s["D"], "self_attn.head_dim": s["D"],
               "mlp.hidden_size": s["H"], "mlp.intermediate_size": s["I"]}
-    return SimpleNamespace(static=static, hardware={"sm_count": sms})
+    return SimpleNamespace(static=static, hardware={"sm_count": sms, "capability": "9.0"}, family="decoder_layer",
+                           phase="decode", dtype="bfloat16")
 
 
 def variants(s: dict, sms: int) -> dict[str, dict]:
@@ -65,7 +65,6 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     stages = ("qkv_", "o_", "gu_", "dn_")
     out["nopdl"] = {**base, "pdl": False}
     out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # the thirteenth session's layer
-    out["unpaired"] = {**base, "gu_paired": False}
     out["prefetch"] = {**base, **{p + "PREFETCH": True for p in stages}}
     out["w8"] = {**base, **{p + "num_warps": 8 for p in stages}}
     out["2x1024"] = {**base, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}
@@ -82,13 +81,15 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     return out
 
 
-def kernel_profile(g, n_layers: int) -> list[dict] | str:
+def kernel_profile(g, n_layers: int, before) -> list[dict] | str:
     """One replay under torch.profiler: the layer's kernels in order (the same sequence every layer), each
     position's median duration over the layers and the median gap since the previous kernel ended (negative:
     overlapped, as PDL allows). A string when the trace does not split into equal layers."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    before()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
@@ -107,6 +108,7 @@ def kernel_profile(g, n_layers: int) -> list[dict] | str:
 
 
 def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
+    """Per layer the (weights, state, static) the template's entry takes, named as the extraction names them."""
     g = torch.Generator(device=device).manual_seed(0)  # on the device: billions of weights
 
     def w(n, k):
@@ -116,63 +118,60 @@ def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
         return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dt)
 
     H, D, hq, hkv, I = s["H"], s["D"], s["hq"], s["hkv"], s["I"]
+    static = {"self_attn.head_dim": D, "self_attn.scaling": D ** -0.5, "input_layernorm.variance_epsilon": EPS,
+              "post_attention_layernorm.variance_epsilon": EPS, "self_attn.q_norm.variance_epsilon": EPS}
     layers = []
     for _ in range(n_layers):
         kc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
         vc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
         kc[:, :, pos:], vc[:, :, pos:] = 0, 0
-        layers.append(dict(wq=w(hq * D, H), wk=w(hkv * D, H), wv=w(hkv * D, H), wo=w(H, hq * D), wg=w(I, H),
-                           wu=w(I, H), wd=w(H, I), n_in=norm(H), n_post=norm(H),
-                           qn=norm(D) if s["qk_norm"] else None, kn=norm(D) if s["qk_norm"] else None,
-                           kc=kc, vc=vc, n=torch.tensor(pos, dtype=torch.int64, device=device)))
+        weights = {"self_attn.q_proj.weight": w(hq * D, H), "self_attn.k_proj.weight": w(hkv * D, H),
+                   "self_attn.v_proj.weight": w(hkv * D, H), "self_attn.o_proj.weight": w(H, hq * D),
+                   "mlp.gate_proj.weight": w(I, H), "mlp.up_proj.weight": w(I, H), "mlp.down_proj.weight": w(H, I),
+                   "input_layernorm.weight": norm(H), "post_attention_layernorm.weight": norm(H)}
+        if s["qk_norm"]:
+            weights.update({"self_attn.q_norm.weight": norm(D), "self_attn.k_norm.weight": norm(D)})
+        n = torch.tensor(pos, dtype=torch.int64, device=device)
+        state = {"key_cache": kc, "value_cache": vc, "cache_len": n}
+        layers.append((weights, state, static))
     ang = torch.rand(1, 1, D // 2, generator=g, device=device) * 6.28
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(dt).view(1, 1, D)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(dt).view(1, 1, D)
     return layers, cos, sin
 
 
-def layer(x, lw, cos, sin, cfg, D):
-    """decoder_layer.decode_static's entry (llm4llm/search/templates/decode_fused.py) on one layer's tensors."""
-    from kernels_runtime.ops.attention_decode_static import attention_decode_static
-    from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope
+def template_entry(spec, cfg):
+    """The `entry` of decoder_layer.decode_static's rendered source at `cfg` (the template's own check of the
+    config, then the source exactly as a bundle ships it)."""
+    from llm4llm.search.templates import TEMPLATES
 
-    def stage(p):
-        kw = {k[len(p):]: v for k, v in cfg.items() if k.startswith(p)}
-        kw["num_stages"], kw["PDL"] = cfg["num_stages"], cfg.get("pdl", False)
-        return kw
-
-    B, S, H = x.shape
-    x2 = x.reshape(-1, H)
-    q_, k_, v_ = qkv_norm_rope(x2, lw["wq"], lw["wk"], lw["wv"], None, None, D, norm_w=lw["n_in"], norm_eps=EPS,
-                               **stage("qkv_"))
-    q_, k_, v_ = (t.view(B, S, -1, D).transpose(1, 2) for t in (q_, k_, v_))
-    attn = {k[5:]: v for k, v in cfg.items() if k.startswith("attn_")}
-    o = attention_decode_static(q_, k_, v_, lw["kc"], lw["vc"], lw["n"], cos, sin, D ** -0.5,
-                                q_norm_weight=lw["qn"], k_norm_weight=lw["kn"], eps=EPS, advance=False,
-                                PDL=cfg.get("pdl", False), **attn)
-    o = o.transpose(1, 2).reshape(B * S, -1)
-    gu = stage("gu_")
-    if cfg["post_norm"] == "o_reduce":
-        h, hn = gemv_residual_rmsnorm(o, lw["wo"], x2, lw["n_post"], EPS, **stage("o_"))
-        g_ = gate_up_swiglu(hn, lw["wg"], lw["wu"], **gu)
-    else:
-        h = gemv(o, lw["wo"], residual=x2, **stage("o_"))
-        g_ = gate_up_swiglu(h, lw["wg"], lw["wu"], norm_w=lw["n_post"], eps=EPS, **gu)
-    return gemv(g_, lw["wd"], residual=h, **stage("dn_")).view(B, S, H)
+    tpl = next(t for t in TEMPLATES if t.name == "decoder_layer.decode_static")
+    ns: dict = {"__name__": "layer_bench_candidate"}
+    exec(compile(tpl.render(spec, cfg), "<decoder_layer.decode_static>", "exec"), ns)  # noqa: S102 - our template
+    return ns["entry"]
 
 
-def step(x, layers, cos, sin, cfg, D):
-    for lw in layers:
-        x = layer(x, lw, cos, sin, cfg, D)
+def reset(layers, pos: int) -> None:
+    """Each layer's length back to `pos`: the entry advances it, and every run and replay times the same step."""
+    for _, state, _ in layers:
+        state["cache_len"].fill_(pos)
+
+
+def step(x, layers, cos, sin, entry):
+    for weights, state, static in layers:
+        inputs = {"hidden_states": x, "position_embeddings.0": cos, "position_embeddings.1": sin}
+        x = entry(inputs, weights, state, static)["out"]
     return x
 
 
-def graph_of(fn):
+def graph_of(fn, before):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
+            before()
             fn()
+        before()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -182,15 +181,18 @@ def graph_of(fn):
     return g, out
 
 
-def build_variants(vs, x, layers, cos, sin, D, gpu):
+def build_variants(vs, spec, x, layers, cos, sin, pos, gpu):
     """Each variant's step run eagerly and captured in a graph; -> (graphs, eager outputs, problems)."""
     runs, outs, bad = {}, {}, {}
     for name, cfg in vs.items():
         try:
-            eager = step(x, layers, cos, sin, cfg, D)
+            entry = template_entry(spec, cfg)
+            reset(layers, pos)
+            eager = step(x, layers, cos, sin, entry)
             if gpu:
                 torch.cuda.synchronize()
-                g, out = graph_of(lambda cfg=cfg: step(x, layers, cos, sin, cfg, D))
+                g, out = graph_of(lambda entry=entry: step(x, layers, cos, sin, entry), lambda: reset(layers, pos))
+                reset(layers, pos)
                 g.replay()
                 torch.cuda.synchronize()
                 if not torch.equal(out, eager):
@@ -217,11 +219,13 @@ def check_outputs(outs, bad):
             bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
 
 
-def time_interleaved(runs, rounds):
-    """us a step per variant, the variants interleaved round by round (A B C ... A B C ...)."""
+def time_interleaved(runs, rounds, before):
+    """us a step per variant, the variants interleaved round by round (A B C ... A B C ...); `before` runs ahead
+    of each replay, outside the timed span."""
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for k, g in runs.items():
+            before()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             g.replay()
@@ -247,20 +251,21 @@ def bench_model(model, args, meta, sms, gpu, dt):
     s = SHAPES[model]
     cache, pos = (args.cache, args.pos) if gpu else (16, 9)
     layers, cos, sin = make_layers(s, s["L"], cache, pos, args.device, dt)
-    wbytes = sum(t.numel() * t.element_size() for lw in layers for k, t in lw.items() if k.startswith("w"))
+    wbytes = sum(t.numel() * t.element_size() for weights, _, _ in layers for k, t in weights.items()
+                 if k.endswith("proj.weight"))
     floor_us = wbytes / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
     x = torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1)).to(dt).to(args.device)
-    vs = variants(s, sms)
+    vs, spec = variants(s, sms), spec_of(s, sms)
     if args.only:
         vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
-    runs, outs, bad = build_variants(vs, x, layers, cos, sin, s["D"], gpu)
+    runs, outs, bad = build_variants(vs, spec, x, layers, cos, sin, pos, gpu)
     check_outputs(outs, bad)
-    times = time_interleaved(runs, args.rounds if gpu else 0)
+    times = time_interleaved(runs, args.rounds if gpu else 0, lambda: reset(layers, pos))
     profiles = {}
     for name in (args.profile.split(",") if gpu and args.profile else []):
         if name in runs:
             try:
-                profiles[name] = kernel_profile(runs[name], s["L"])
+                profiles[name] = kernel_profile(runs[name], s["L"], lambda: reset(layers, pos))
             except Exception as exc:  # noqa: BLE001 - a profiler that does not run costs the breakdown only
                 profiles[name] = f"{type(exc).__name__}: {exc}"[:200]
     rows = []
