@@ -175,13 +175,16 @@ def test_cuda_compiler_and_its_tools_may_run_in_the_child(monkeypatch, tmp_path)
     cuda = tmp_path / "cuda"
     for d in ("bin", "nvvm/bin"):
         (cuda / d).mkdir(parents=True)
-    nvcc = cuda / "bin" / "nvcc"
-    nvcc.write_bytes(b"\x7fELF")
-    nvcc.chmod(0o755)
+    for tool in ("bin/nvcc", "bin/ptxas", "bin/cudafe++", "nvvm/bin/cicc", "bin/cuda-gdb", "bin/nsys"):
+        (cuda / tool).write_bytes(b"\x7fELF")
+        (cuda / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{cuda / 'bin'}:{__import__('os').environ['PATH']}")
     monkeypatch.setattr(sandbox, "_EXEC_CACHE", None)
     allowed = sandbox.exec_allowlist()
-    assert str(cuda.resolve() / "bin") in allowed and str(cuda.resolve() / "nvvm" / "bin") in allowed
+    for tool in ("bin/nvcc", "bin/ptxas", "bin/cudafe++", "nvvm/bin/cicc"):
+        assert str((cuda / tool).resolve()) in allowed, tool
+    # the compile's tools by name, not the toolkit's bin: its debugger and profiler stay out
+    assert not any(a.startswith(str(cuda.resolve())) and a.endswith(("cuda-gdb", "nsys", "/bin")) for a in allowed)
     # inductor's ptxas (torch/bin/ptxas, where the wheel ships one: the H200's said "Permission denied"); the rest of
     # torch/bin (test binaries, torch_shm_manager) stays out
     import importlib.util

@@ -393,6 +393,7 @@ def _which(name: str) -> str | None:
 
 
 _EXEC_CACHE: list[str] | None = None
+NVCC_TOOLS = ("nvcc", "ptxas", "fatbinary", "nvlink", "cudafe++", "bin2c")
 
 
 def exec_allowlist() -> list[str]:
@@ -433,14 +434,15 @@ def exec_allowlist() -> list[str]:
                 progs.add(str(b.resolve()))
     except (ImportError, ValueError):
         pass
-    # CUDA's compiler driver and the tools it runs (torch.compile's inductor runs nvcc in the evaluate step's child,
-    # beside the bundle's kernels): the toolkit's bin and nvvm/bin, like the C toolchain above
+    # CUDA's compiler driver and the tools a compile runs (torch.compile's inductor runs nvcc in the evaluate
+    # step's child, beside the bundle's kernels), each by name like the C toolchain above: not the whole toolkit
+    # bin (profilers, debuggers)
     nvcc = _which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
     if nvcc:
-        progs.add(os.path.dirname(os.path.realpath(nvcc)))
-        nvvm = Path(os.path.realpath(nvcc)).parent.parent / "nvvm" / "bin"
-        if nvvm.is_dir():
-            progs.add(str(nvvm.resolve()))
+        bin_dir = Path(os.path.realpath(nvcc)).parent
+        for tool in [bin_dir / t for t in NVCC_TOOLS] + [bin_dir.parent / "nvvm" / "bin" / "cicc"]:
+            if tool.is_file():
+                progs.add(str(tool.resolve()))
     try:  # torch's own ptxas (torch/bin): inductor points Triton at it when it compiles a graph
         import importlib.util
 
