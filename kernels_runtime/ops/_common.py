@@ -55,9 +55,14 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+def pdl_on(PDL: bool) -> bool:
+    """A kernel's PDL constexpr: the interpreter has no PDL, so kernels run there with it off."""
+    return bool(PDL) and not interpreting()
+
+
 def pdl_launch(PDL: bool) -> dict:
-    """The launch option of a PDL kernel (sm_90+). The interpreter has no PDL: kernels run there with it off."""
-    return {"launch_pdl": True} if PDL and not interpreting() else {}
+    """The launch option of a PDL kernel (sm_90+), paired with its `pdl_on(PDL)` constexpr."""
+    return {"launch_pdl": True} if pdl_on(PDL) else {}
 
 
 @triton.jit

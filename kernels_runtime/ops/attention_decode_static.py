@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import interpreting, pdl_launch, pdl_wait, rnd
+from kernels_runtime.ops._common import interpreting, pdl_launch, pdl_on, pdl_wait, rnd
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
@@ -296,12 +296,12 @@ def attention_decode_static(
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PDL=bool(PDL) and not interpreting(), **pdl_launch(PDL),
+        PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
     _merge_advance_kernel[(B * Hq,)](
         o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
         BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
-        PDL=bool(PDL) and not interpreting(), **pdl_launch(PDL),
+        PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
     return o
 

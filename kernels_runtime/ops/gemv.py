@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, pdl_launch, pdl_wait, rnd
+from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, pdl_launch, pdl_on, pdl_wait, rnd
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
@@ -411,7 +411,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
-             PREFETCH=bool(PREFETCH or PDL), PDL=bool(PDL) and not interpreting(),
+             PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
              NORM_ROW=_norm_row(norm_w is not None, block_m, K)),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
@@ -447,7 +447,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
                 part, y if r2 is None else r2, y, x2.shape[0], N, split, 0 if r2 is None else r2.stride(0),
                 y.stride(0)), dict(HAS_RES=r2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
-                                   RNE=interpreting(), BLOCK=blk, PDL=bool(PDL) and not interpreting()), **pdl_launch(PDL))
+                                   RNE=interpreting(), BLOCK=blk, PDL=pdl_on(PDL)), **pdl_launch(PDL))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -476,7 +476,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
-                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N), PDL=bool(PDL) and not interpreting()),
+                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N), PDL=pdl_on(PDL)),
             num_warps=reduce_warps, **pdl_launch(PDL))
     lead = x.shape[:-1]
     return h.reshape(*lead, N), y.reshape(*lead, N)
@@ -510,7 +510,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
         blk = _reduce_block(I)
         launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
                dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk,
-                    PDL=bool(PDL) and not interpreting()), **pdl_launch(PDL))
+                    PDL=pdl_on(PDL)), **pdl_launch(PDL))
     return y.reshape(*x.shape[:-1], I)
 
 
@@ -555,7 +555,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
             y if k_norm_w is None else k_norm_w, y, M, hq, hkv, split, ntot,
             0 if c2 is None else c2.stride(0), 0 if s2 is None else s2.stride(0), y.stride(0), float(eps), D // 2),
             dict(HAS_NORM=q_norm_w is not None, HAS_ROPE=c2 is not None, ACT_DTYPE=_TL.get(x.dtype, tl.float32),
-                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2), PDL=bool(PDL) and not interpreting()),
+                 RNE=interpreting(), BLOCK_H=triton.next_power_of_2(D // 2), PDL=pdl_on(PDL)),
             num_warps=1, **pdl_launch(PDL))
     q = y[:, : hq * D].view(M, hq, D)
     k = y[:, hq * D: (hq + hkv) * D].view(M, hkv, D)
