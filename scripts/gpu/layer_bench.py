@@ -55,13 +55,11 @@ def spec_of(s: dict, sms: int):
 def variants(s: dict, sms: int) -> dict[str, dict]:
     """name -> layer config: the template's default (the four-GEMV layer with PDL), its seeds, then one change at a
     time on the default (the names of docs/results/2026-12-02-h200-c say which)."""
-    from llm4llm.search.templates.decode_fused import _layer_static_default, _layer_static_seeds
-
-    spec = spec_of(s, sms)
-    base = _layer_static_default(spec)
+    tpl, spec = layer_template(), spec_of(s, sms)
+    base = tpl.default(spec)
     out = {"default": dict(base)}
-    for i, sd in enumerate(_layer_static_seeds(spec)):
-        out[f"seed{i}"] = {**base, **sd}
+    for i, sd in enumerate(tpl.seeds(spec)):
+        out[f"seed{i}"] = sd
     stages = ("qkv_", "o_", "gu_", "dn_")
     out["nopdl"] = {**base, "pdl": False}
     out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # the thirteenth session's layer
@@ -140,14 +138,17 @@ def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
     return layers, cos, sin
 
 
+def layer_template():
+    from llm4llm.search.templates import TEMPLATES
+
+    return next(t for t in TEMPLATES if t.name == "decoder_layer.decode_static")
+
+
 def template_entry(spec, cfg):
     """The `entry` of decoder_layer.decode_static's rendered source at `cfg` (the template's own check of the
     config, then the source exactly as a bundle ships it)."""
-    from llm4llm.search.templates import TEMPLATES
-
-    tpl = next(t for t in TEMPLATES if t.name == "decoder_layer.decode_static")
     ns: dict = {"__name__": "layer_bench_candidate"}
-    exec(compile(tpl.render(spec, cfg), "<decoder_layer.decode_static>", "exec"), ns)  # noqa: S102 - our template
+    exec(compile(layer_template().render(spec, cfg), "<decoder_layer.decode_static>", "exec"), ns)  # noqa: S102
     return ns["entry"]
 
 
