@@ -221,7 +221,15 @@ def test_one_row_norm_prologue_reads_the_row_in_one_load(K):
     assert _norm_row(True, 1, 9000) == 0  # wider rows keep the loop (registers)
     dt = torch.bfloat16
     x, w, nw = torch.randn(1, K, dtype=dt), _w(23, K, dt), torch.rand(K, dtype=dt) + 0.5
-    assert_close(gemv(x, w, norm_w=nw, BLOCK_N=4, BLOCK_K=32), gemv_ref(x, w, norm_w=nw), dt, name="norm row")
+    from kernels_runtime.ops import gemv as G
+
+    seen, real = [], G.launch
+    G.launch = lambda fn, grid, args, cx, **o: (seen.append(cx.get("NORM_ROW")), real(fn, grid, args, cx, **o))[1]
+    try:
+        assert_close(gemv(x, w, norm_w=nw, BLOCK_N=4, BLOCK_K=32), gemv_ref(x, w, norm_w=nw), dt, name="norm row")
+    finally:
+        G.launch = real
+    assert seen == [triton_next_pow2(K)]  # the kernel took the one-load path
     wg, wu = _w(13, K, dt), _w(13, K, dt)
     assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=4, BLOCK_K=32, PDL=True),
                  gate_up_swiglu_ref(x, wg, wu, norm_w=nw), dt, name="paired norm row")
