@@ -39,6 +39,9 @@ L2_BYTES = 60 * 2**20
 ROUNDS = 7
 
 
+DIRECT = ("qkv_plain", "o_res", "gate_up_swiglu", "down_res", "lm_head")  # batch 1: written by the pass itself
+
+
 def q(vals, p):
     s = sorted(vals)
     return s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]
@@ -116,6 +119,15 @@ def make_ops(s, M, dt):
                              lambda a, ws: F.silu(F.linear(a["x"], ws[0])) * F.linear(a["x"], ws[1]),
                              2 * I * H * e + M * (H + I) * e, gu_extra)
 
+    # the decode layer's own passes (decoder_layer.decode_static): q/k/v written directly (its q/k norms and rotary
+    # run in the attention kernel), o_proj + residual (the post norm in gate/up's prologue)
+    ops["qkv_plain"] = (lambda: qkv_w()[:3], lambda a, ws, cfg: G.qkv_norm_rope(a["x"], *ws, None, None, D, **cfg),
+                        lambda a, ws: [F.linear(a["x"], w) for w in ws], lambda a, ws: [F.linear(a["x"], w) for w in ws],
+                        nqkv * H * e + M * (H + nqkv) * e, qkv_extra)
+    ops["o_res"] = (lambda: o_w()[:1], lambda a, ws, cfg: G.gemv(a["x"], ws[0], residual=a["res"], **cfg),
+                    lambda a, ws: F.linear(a["x"], ws[0]), lambda a, ws: a["res"] + F.linear(a["x"], ws[0]),
+                    H * hq * D * e + M * (hq * D + 2 * H) * e, o_extra)
+
     def dn_extra():
         return dict(x=torch.randn(M, I, device=dev, dtype=dt), res=torch.randn(M, H, device=dev, dtype=dt))
 
@@ -129,7 +141,7 @@ def make_ops(s, M, dt):
     return ops
 
 
-def configs(n_out, K, sms, M=1):
+def configs(n_out, K, sms, M=1, direct=False):
     # a few points: 16-byte K tiles, 4-32 rows a program (fewer K columns per row block with M rows: the fp32
     # accumulator is M x BLOCK_N x BLOCK_K), split-K until there are >= 2 programs an SM
     out = []
@@ -143,6 +155,9 @@ def configs(n_out, K, sms, M=1):
     # the tl.dot path (x padded to 16 rows, pipelined weight tiles): the candidate for small batch
     for bn, bk, w, st in ((16, 256, 4, 3), (32, 128, 4, 4), (16, 256, 8, 3)) if M > 1 else ((16, 256, 4, 3),):
         out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=st, DOT=True))
+    if M == 1 and direct:  # the layer's PDL passes, one block a program and persistent (PERSIST programs an SM)
+        for bn, bk, pe in ((4, 1024, 0), (4, 512, 0), (4, 512, 2), (4, 512, 4), (8, 512, 4), (4, 512, 8)):
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=1, PDL=True, PERSIST=pe))
     return out
 
 
@@ -176,6 +191,8 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-4b,llama-2-7b")
     ap.add_argument("--max-s", type=float, default=150.0, help="stop starting new rows after this many seconds")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--ops", default="", help="only these ops (comma-separated names), default all")
+    ap.add_argument("--no-batch4", action="store_true", help="skip qwen3-4b's batch-4 rows")
     args = ap.parse_args()
     t_start = time.time()
     torch.manual_seed(0)
@@ -187,10 +204,13 @@ def main() -> int:
     meta["triton"] = triton.__version__
     rows = []
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']}, {sms} SMs", flush=True)
-    work = [(m, 1) for m in args.models.split(",")] + [("qwen3-4b", 4)]
+    work = [(m, 1) for m in args.models.split(",")] + ([] if args.no_batch4 else [("qwen3-4b", 4)])
+    only = set(filter(None, args.ops.split(",")))
     with torch.no_grad():
         for model, M in work:
             for name, (mk_w, ours, cublas, eager, nbytes, mk_in) in make_ops(SHAPES[model], M, dt).items():
+                if only and name not in only:
+                    continue
                 if time.time() - t_start > args.max_s:
                     print(f"time limit: skipped {model} M={M} {name}", flush=True)
                     continue
@@ -202,8 +222,9 @@ def main() -> int:
                 a0, ws0 = sets[0]
                 # correctness of ours against eager at the default config (tolerance table)
                 from kernels_runtime.tolerances import compare
-                n_out = ws0[0].shape[0] if name != "qkv_norm_rope" else sum(w.shape[0] for w in ws0[:3])
-                cfgs = configs(n_out if name != "gate_up_swiglu" else 2 * ws0[0].shape[0], ws0[0].shape[1], sms, M)
+                n_out = sum(w.shape[0] for w in ws0[:3]) if name.startswith("qkv") else ws0[0].shape[0]
+                cfgs = configs(n_out if name != "gate_up_swiglu" else 2 * ws0[0].shape[0], ws0[0].shape[1], sms, M,
+                               direct=name in DIRECT)
                 ok = []
                 for cfg in cfgs[:2]:
                     o, ref = ours(a0, ws0, cfg), eager(a0, ws0)

@@ -276,3 +276,37 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+# The persistent pass (a few programs an SM walking the row blocks, the next tile always in flight): the bits of the
+# one-block-a-program pass for every batch-1 direct path, on even and ragged K and N, with several blocks a program
+# (4 "SMs" under the interpreter) and with more programs than blocks.
+@pytest.mark.parametrize("persist", [1, 64])
+@pytest.mark.parametrize("cfg,K", [(dict(BLOCK_N=4, BLOCK_K=16), 64), (dict(BLOCK_N=2, BLOCK_K=32), 45)])
+def test_persistent_pass_gives_the_bits_of_the_block_pass(persist, cfg, K, monkeypatch):
+    from kernels_runtime.ops import gemv as G
+
+    torch.manual_seed(K + persist)
+    dt = torch.bfloat16
+    x, w, nw = torch.randn(1, K, dtype=dt), _w(37, K, dt), torch.rand(K, dtype=dt) + 0.5
+    res = torch.randn(1, 37, dtype=dt)
+    kernels, real = [], G.launch
+    monkeypatch.setattr(G, "launch", lambda fn, *a, **k: (kernels.append(fn.__name__), real(fn, *a, **k))[1])
+    for pipe in (dict(), dict(PDL=True)):
+        assert torch.equal(gemv(x, w, PERSIST=persist, **cfg, **pipe), gemv(x, w, **cfg))
+        assert torch.equal(gemv(x, w, residual=res, norm_w=nw, PERSIST=persist, **cfg, **pipe),
+                           gemv(x, w, residual=res, norm_w=nw, **cfg))
+        wg, wu = _w(21, K, dt), _w(21, K, dt)
+        assert torch.equal(gate_up_swiglu(x, wg, wu, norm_w=nw, PERSIST=persist, **cfg, **pipe),
+                           gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg))
+        wq, wk, wv = _w(16, K, dt), _w(8, K, dt), _w(8, K, dt)
+        for a, b in zip(qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, PERSIST=persist, **cfg, **pipe),
+                        qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, **cfg)):
+            assert torch.equal(a, b)
+    assert kernels.count("_gemv_persistent_kernel") == 8 and kernels.count("_gemv_kernel") == 8
+    kernels.clear()  # more rows, a K split or the DOT path: the block pass
+    gemv(torch.randn(3, K, dtype=dt), w, PERSIST=persist, **cfg)
+    gemv(x, w, PERSIST=persist, SPLIT_K=2, **cfg)
+    gemv(x, w, PERSIST=persist, DOT=True, **cfg)
+    assert "_gemv_persistent_kernel" not in kernels
+    assert_close(gemv(x.double().to(dt), w, PERSIST=persist, **cfg), gemv_ref(x, w), dt, name="persistent")
