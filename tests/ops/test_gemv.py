@@ -242,20 +242,22 @@ def triton_next_pow2(n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
-def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain():
+@pytest.mark.parametrize("bk,persist", [(1024, 0), (512, 4)])
+def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(bk, persist):
     """A decode layer's GEMV chain (norm + q/k/v, o_proj + residual, the norm in gate/up's prologue, down +
     residual) with every kernel launched with PDL, replayed from a CUDA graph, against the same chain without PDL
-    run eagerly: bit for bit (each kernel waits for the one before before it reads what that one wrote)."""
+    run eagerly: bit for bit (each kernel waits for the one before before it reads what that one wrote). With
+    `persist`, the PDL chain runs the persistent pass and the plain chain one block a program."""
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     x = torch.randn(1, 2560, dtype=dt, device=dev)
     wq, wk, wv, wo = (_w(n, k, dt).to(dev) for n, k in ((4096, 2560), (1024, 2560), (1024, 2560), (2560, 4096)))
     wg, wu, wd = _w(9728, 2560, dt).to(dev), _w(9728, 2560, dt).to(dev), _w(2560, 9728, dt).to(dev)
     n1, n2 = ((1 + 0.1 * torch.randn(2560, device=dev)).to(dt) for _ in range(2))
-    cfg = dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1)
+    base = dict(BLOCK_N=4, BLOCK_K=bk, SPLIT_K=1)
 
     def chain(pdl):
-        h = x
+        h, cfg = x, {**base, "PERSIST": persist if pdl else 0}
         for _ in range(3):
             q, _, _ = qkv_norm_rope(h, wq, wk, wv, None, None, 128, norm_w=n1, PDL=pdl, **cfg)
             o = gemv(q.reshape(1, -1), wo, residual=h, PDL=pdl, **cfg)
