@@ -202,9 +202,11 @@ def _gemv_persistent_kernel(
     # kernel. NPROG programs (a few per SM) walk the row blocks pid, pid + NPROG, ... as one flat sequence of
     # (block, K tile) steps and always hold the next step's weight tile in flight, across block boundaries too, so
     # a block's reduction and store overlap the next block's loads and no program pays a launch, a norm prologue
-    # or a first-load latency per block. Per row, the same tiles in the same order as `_gemv_kernel`: the same bits.
+    # or a first-load latency per block. x and the norm row are [1, K] tiles as in `_gemv_kernel` (the same
+    # layouts, so the same reduction orders).
     pid = tl.program_id(0)
     rk = tl.arange(0, BLOCK_K)
+    z1 = tl.arange(0, 1)  # the one row, as a [1, ...] axis
     NKT = tl.cdiv(K, BLOCK_K)
     total = tl.cdiv(NBT - pid, NPROG) * NKT  # this program's steps
     if PDL:
@@ -213,21 +215,22 @@ def _gemv_persistent_kernel(
     f_ok = rk < tl.where(total > 0, K, 0)  # (a bool vector & a bool scalar breaks the interpreter)
     w_nxt = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
     if SWIGLU:
-        u_rows = w1_ptr + rn.to(tl.int64)[:, None] * K
-        u_nxt = tl.load(u_rows + rk[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
+        u_nxt = tl.load(w1_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=n_ok[:, None] & f_ok[None, :],
+                        other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PRO_NORM:  # rstd once a program (every block reads the same row)
         if NORM_ROW > 0:
             rr = tl.arange(0, NORM_ROW)
-            xs = tl.load(x_ptr + rr, mask=rr < K, other=0.0).to(tl.float32)
-            ss = tl.sum(xs * xs, axis=0)
+            xs = tl.load(x_ptr + z1[:, None] * 0 + rr[None, :], mask=(rr < K)[None, :], other=0.0).to(tl.float32)
+            ss = tl.sum(xs * xs, axis=1)
         else:
-            ss = 0.0
+            ss = tl.zeros((1,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-                ss += tl.sum(xs * xs, axis=0)
-        rstd = tl.rsqrt(ss / K + eps)
+                xs = tl.load(x_ptr + z1[:, None] * 0 + (k0 + rk)[None, :], mask=((k0 + rk) < K)[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)  # [1]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SWIGLU:
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -249,25 +252,27 @@ def _gemv_persistent_kernel(
         w_nxt = tl.load(w_rows1 + kk1[None, :], mask=ok1, other=0.0)
         if SWIGLU:
             u_nxt = tl.load(w1_ptr + rn1.to(tl.int64)[:, None] * K + kk1[None, :], mask=ok1, other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + z1[:, None] * 0 + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)  # [1, BK]
         if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
             nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = rnd(nw * rnd(x * rstd, ACT_DTYPE), ACT_DTYPE)
-        acc += w.to(tl.float32) * x[None, :]
+            x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
+        acc += w.to(tl.float32) * x
         if SWIGLU:
-            acc_u += u.to(tl.float32) * x[None, :]
+            acc_u += u.to(tl.float32) * x
         if kt == NKT - 1:  # the block's last tile: reduce, epilogue, store, start the next block
             b = pid + (t // NKT) * NPROG
             _r, rn, n_ok, cols = _rows_of(b, w0_ptr, w1_ptr, w2_ptr, N0, N1, N2, NB1, NB2, K, BLOCK_N)
-            out = tl.sum(acc, axis=1)
+            out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
             if SWIGLU:  # LlamaMLP's roundings: each projection, silu, then the product
                 g = rnd(out, ACT_DTYPE)
                 act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
-                out = act * rnd(tl.sum(acc_u, axis=1), ACT_DTYPE)
+                out = act * rnd(tl.sum(acc_u, axis=1)[None, :], ACT_DTYPE)
                 acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             elif HAS_RES:  # nn.Linear's output rounded first, then the residual added in fp32
-                out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + cols, cast_out(out, y_ptr.dtype.element_ty, RNE), mask=n_ok)
+                out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + z1[:, None] * 0 + rn[None, :], mask=n_ok[None, :],
+                                                    other=0.0).to(tl.float32)
+            tl.store(y_ptr + z1[:, None] * 0 + cols[None, :], cast_out(out, y_ptr.dtype.element_ty, RNE),
+                     mask=n_ok[None, :])
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 

@@ -122,7 +122,8 @@ def make_ops(s, M, dt):
     # the decode layer's own passes (decoder_layer.decode_static): q/k/v written directly (its q/k norms and rotary
     # run in the attention kernel), o_proj + residual (the post norm in gate/up's prologue)
     ops["qkv_plain"] = (lambda: qkv_w()[:3], lambda a, ws, cfg: G.qkv_norm_rope(a["x"], *ws, None, None, D, **cfg),
-                        lambda a, ws: [F.linear(a["x"], w) for w in ws], lambda a, ws: [F.linear(a["x"], w) for w in ws],
+                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
+                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
                         nqkv * H * e + M * (H + nqkv) * e, qkv_extra)
     ops["o_res"] = (lambda: o_w()[:1], lambda a, ws, cfg: G.gemv(a["x"], ws[0], residual=a["res"], **cfg),
                     lambda a, ws: F.linear(a["x"], ws[0]), lambda a, ws: a["res"] + F.linear(a["x"], ws[0]),
@@ -156,7 +157,7 @@ def configs(n_out, K, sms, M=1, direct=False):
     for bn, bk, w, st in ((16, 256, 4, 3), (32, 128, 4, 4), (16, 256, 8, 3)) if M > 1 else ((16, 256, 4, 3),):
         out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=st, DOT=True))
     if M == 1 and direct:  # the layer's PDL passes, one block a program and persistent (PERSIST programs an SM)
-        for bn, bk, pe in ((4, 1024, 0), (4, 512, 0), (4, 512, 2), (4, 512, 4), (8, 512, 4), (4, 512, 8)):
+        for bn, bk, pe in ((4, 1024, 0), (4, 512, 0), (8, 512, 8), (16, 512, 4), (16, 512, 8), (8, 512, 16)):
             out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=1, PDL=True, PERSIST=pe))
     return out
 
