@@ -123,3 +123,26 @@ def test_layer_bench_smoke_run(tmp_path):
     assert {"default", "nopdl", "o_reduce_nopdl", "seed1"} <= {r["variant"] for r in rows}
     assert next(r for r in rows if r["variant"] == "seed1")["config"]["post_norm"] == "o_reduce"
     assert next(r for r in rows if r["variant"] == "default")["config"]["pdl"] is True
+
+
+def test_tilemix_bench_records_the_committed_frontier_into_duckdb(tmp_path):
+    """`tilemix_bench.py record` (what `frontier --db` runs after its rows are written) on the committed H200
+    rows: every frontier row lands in `tilemix_frontier` under the bench id and workload, once even if recorded
+    twice; without --db it is a usage error."""
+    rows = ROOT / "docs/results/2026-12-01-h200-tilemix/frontier.jsonl"
+    db = tmp_path / "t.duckdb"
+    args = ["scripts/gpu/tilemix_bench.py", "record", "--rows", str(rows), "--db", str(db), "--bench-id", "h200-1201",
+            "--workload", "qwen3-4b-long", "--gpu", "NVIDIA H200"]
+    for _ in range(2):
+        res = _run(args)
+        assert res.returncode == 0, res.stderr[-2000:]
+    from storage import report_queries as q
+    from storage.db import Database
+
+    with Database(db, read_only=True) as con:
+        got = q.tilemix_frontier(con, "some-run", "qwen3-4b-long")
+    want = [json.loads(line) for line in rows.read_text().splitlines() if '"kind": "frontier"' in line]
+    assert len(got) == len(want) == 60 and set(got["bench_id"]) == {"h200-1201"}
+    assert set(got["gpu_name"]) == {"NVIDIA H200"} and set(got["heads_q"]) == {32}
+    res = _run(["scripts/gpu/tilemix_bench.py", "record", "--rows", str(rows)])
+    assert res.returncode == 2 and "expected --rows FILE and --db FILE" in res.stderr

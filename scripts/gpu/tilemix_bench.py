@@ -3,8 +3,11 @@
 python scripts/gpu/tilemix_bench.py check --out DIR      # correctness vs the references, PTX/SASS, a config sweep
 python scripts/gpu/tilemix_bench.py frontier --out DIR   # prompts x templates x coverages, vs SDPA flash; a model
 python scripts/gpu/tilemix_bench.py plot --rows DIR/frontier.jsonl --out DIR   # the frontier PNG (no GPU)
+python scripts/gpu/tilemix_bench.py record --rows DIR/frontier.jsonl --db FILE --bench-id ID   # into DuckDB (no GPU)
 
-Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. Timing: triton.testing.do_bench
+Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. `frontier --db FILE` (or `record`
+afterwards) also writes the frontier rows into DuckDB's `tilemix_frontier` through storage/, tied to `--run-id` /
+`--workload` where given, which is what `llm4llm report` draws. Timing: triton.testing.do_bench
 (L2 flushed before every call), the variants of one shape interleaved over rounds, every sample pooled; p20/p50/p80.
 """
 from __future__ import annotations
@@ -250,7 +253,24 @@ def dequant_check(rows: Rows) -> None:
     print("dequant:", tm.INT8_DEQUANT, "(magic path checked)" if ok else "(MAGIC PATH FAILED its check)")
 
 
-def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
+def record_frontier(rows_path: Path, db_path: str, bench_id: str, run_id: str | None = None,
+                    workload: str | None = None, gpu: str | None = None, versions_: dict | None = None) -> int:
+    """The `frontier` rows of a frontier.jsonl into DuckDB's `tilemix_frontier` (a bench id recorded again is
+    replaced); storage is imported here so that the GPU modes run without DuckDB."""
+    from storage import repo
+    from storage.db import Database
+    from storage.rows import tilemix_frontier_rows
+
+    records = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    rows = tilemix_frontier_rows(records, bench_id, run_id=run_id, workload_name=workload, gpu_name=gpu,
+                                 versions=versions_, heads=(HQ, HKV, D))
+    with Database(db_path) as db:
+        n = repo.record_tilemix_frontier(db, rows)
+    print(f"{n} tilemix_frontier rows into {db_path} (bench {bench_id})")
+    return n
+
+
+def frontier(out: Path, lengths, batch: int, model_len: int, db: dict | None = None) -> None:
     rows = Rows(out / "frontier.jsonl")
     print("versions", versions())
     t0 = time.time()
@@ -286,6 +306,9 @@ def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
         rows.add(kind="tuned", key=str(kk), config=cfg)
     print(f"frontier done at {time.time() - t0:.1f} s")
     summarize(out / "frontier.jsonl")
+    if db:
+        v = versions()
+        record_frontier(out / "frontier.jsonl", gpu=v["gpu"], versions_=v, **db)
     if model_len:
         try:
             model_check(rows, model_len)
@@ -453,13 +476,27 @@ def plot(rows_path: Path, png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "frontier", "plot"])
-    ap.add_argument("--rows", help="plot: the frontier.jsonl to draw")
+    ap.add_argument("mode", choices=["check", "frontier", "plot", "record"])
+    ap.add_argument("--rows", help="plot, record: the frontier.jsonl to read")
+    ap.add_argument("--db", help="frontier, record: the DuckDB file the frontier rows go to")
+    ap.add_argument("--bench-id", help="frontier, record: the bench's id in DuckDB (default: tilemix-<UTC time>)")
+    ap.add_argument("--run-id", help="frontier, record: the run the bench belongs to (its report shows it)")
+    ap.add_argument("--workload", help="frontier, record: the workload the bench belongs to (its reports show it)")
+    ap.add_argument("--gpu", help="record: the GPU name (frontier mode records its own)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--model-len", type=int, default=0)
     a = ap.parse_args()
+    db = None
+    if a.db:
+        db = {"db_path": a.db, "bench_id": a.bench_id or time.strftime("tilemix-%Y%m%dT%H%M%SZ", time.gmtime()),
+              "run_id": a.run_id, "workload": a.workload}
+    if a.mode == "record":
+        if not (a.rows and db):
+            ap.error("record: expected --rows FILE and --db FILE")
+        record_frontier(Path(a.rows), gpu=a.gpu, **db)
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.mode == "plot":
@@ -469,7 +506,7 @@ def main() -> None:
     if a.mode == "check":
         check(out)
     else:
-        frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len)
+        frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len, db)
 
 
 if __name__ == "__main__":
