@@ -146,3 +146,22 @@ def test_tilemix_bench_records_the_committed_frontier_into_duckdb(tmp_path):
     assert set(got["gpu_name"]) == {"NVIDIA H200"} and set(got["heads_q"]) == {32}
     res = _run(["scripts/gpu/tilemix_bench.py", "record", "--rows", str(rows)])
     assert res.returncode == 2 and "expected --rows FILE and --db FILE" in res.stderr
+
+
+def test_tilemix_layer_smoke_run(tmp_path):
+    """`tilemix_bench.py layer` at a tiny Qwen3 shape: every variant timed, the HF layer reaches the attention
+    function with q a transposed view and k, v the cache's contiguous copies and no mask, and the kernel gives the
+    same bits on the model's layouts as on contiguous copies (and through the attention function)."""
+    res = _run(["scripts/gpu/tilemix_bench.py", "layer", "--device", "cpu", "--arch", "tiny", "--seq", "128",
+                "--rounds", "1", "--out", str(tmp_path)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "layer.jsonl").read_text().splitlines()]
+    check = next(r for r in rows if r["kind"] == "layer_check")
+    assert check["hf_mask_is_none"] and check["kernel_layouts_equal"] and check["fwd_equals_kernel"]
+    assert check["strides"]["q"] == [128 * 4 * 64, 64, 4 * 64, 1] and check["strides"]["k"] == [2 * 128 * 64,
+                                                                                                128 * 64, 64, 1]
+    assert check["layer_rel_l2_vs_sdpa"] < 0.05 and check["template_rel_l2_vs_sdpa"] < 0.05
+    assert any("scaled_dot_product" in op for op in check["sdpa_ops"])
+    timed = {r["variant"] for r in rows if r["kind"] == "layer"}
+    assert {"hf_layer_sdpa", "hf_layer_tilemix", "template_entry", "sdpa_default", "tilemix_fwd",
+            "kernel_model_layout", "kernel_contiguous", "quantize_q", "quantize_k", "sdpa_flash"} <= timed
