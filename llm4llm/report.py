@@ -59,15 +59,16 @@ class ReportContext:
 class Section:
     key: str
     title: str
-    build: Callable[[ReportContext], Block]
+    build: Callable[[ReportContext], Block | None]  # None: the section has nothing for this run and is left out
 
 
 SECTIONS: list[Section] = []
 
 
 def section(key: str, title: str) -> Callable:
-    """Register a report section (in report order; a key registered again replaces the earlier one in place)."""
-    def register(fn: Callable[[ReportContext], Block]) -> Callable[[ReportContext], Block]:
+    """Register a report section (in report order; a key registered again replaces the earlier one in place). A
+    section whose function returns None is left out of that report."""
+    def register(fn: Callable[[ReportContext], Block | None]) -> Callable[[ReportContext], Block | None]:
         new = Section(key, title, fn)
         for i, s in enumerate(SECTIONS):
             if s.key == key:
@@ -346,6 +347,55 @@ def history(ctx: ReportContext) -> Block:
                  tables=[("end to end per run", table), ("runs", runs)])
 
 
+TILEMIX_ENDS = ("all_16bit", "all_int8")  # 0 % and 100 %: one routing each, shared by every template's line
+
+
+def _tilemix_lines(f: pd.DataFrame) -> list[tuple[str, int, pd.DataFrame]]:
+    """(template, prompt length, its points by coverage: 0 %, the template's coverages, 100 %) per line."""
+    lines = []
+    for S, d in f.groupby("seq_len", sort=True):
+        ends = d[d["template"].isin(TILEMIX_ENDS)]
+        for tpl in [t for t in dict.fromkeys(d["template"]) if t not in TILEMIX_ENDS + ("sdpa_flash",)]:
+            pts = pd.concat([ends, d[d["template"] == tpl]]).sort_values("coverage")
+            lines.append((tpl, int(S), pts))
+    return lines
+
+
+@section("tilemix", "TileMix frontier")
+def tilemix_frontier(ctx: ReportContext) -> Block | None:
+    f = ctx.df("tilemix_frontier", ctx.run_id, ctx.workload)
+    if f.empty:
+        return None
+    fig = _figure(11.0, 4.0)
+    ax_s, ax_e = fig.subplots(1, 2)
+    colours = {t: f"C{i}" for i, t in enumerate(dict.fromkeys(tpl for tpl, _, _ in _tilemix_lines(f)))}
+    styles = {S: ls for S, ls in zip(sorted(f["seq_len"].unique()), ("-", "--", "-.", ":") * 4)}
+    for tpl, S, pts in _tilemix_lines(f):
+        label = f"{tpl}, {S // 1024}k" if S >= 1024 else f"{tpl}, {S}"
+        for ax, col in ((ax_s, "vs_sdpa"), (ax_e, "rel_err_fp32")):
+            ax.plot(pts["coverage"] * 100, pts[col], marker="o", ms=3, color=colours[tpl], ls=styles[S],
+                    label=label)
+    ax_s.axhline(1.0, color="#999", lw=1, ls="--")
+    ax_s.set_ylabel("throughput / SDPA flash (same length and batch)")
+    sdpa = f[f["template"] == "sdpa_flash"]
+    if len(sdpa):
+        ax_e.axhline(float(sdpa["rel_err_fp32"].median()), color="#999", lw=1, ls="--", label="SDPA flash (bf16)")
+    ax_e.set_yscale("log")
+    ax_e.set_ylabel("output rel-L2 error vs fp32")
+    for ax in (ax_s, ax_e):
+        ax.set_xlabel("INT8 coverage, % of the visible tile groups")
+        ax.grid(alpha=0.3)
+    ax_e.legend(fontsize=6, ncol=2)
+    r = f.iloc[0]
+    notes = [f"bench {r['bench_id']} on {r['gpu_name'] or 'an unrecorded GPU'}: "
+             f"{r['heads_q']} query / {r['heads_kv']} KV heads, head_dim {r['head_dim']}, batch "
+             f"{', '.join(str(b) for b in sorted(f['batch'].unique()))}; 0 % is our bf16 kernel and 100 % uniform "
+             "INT8, both shared by every template's line; dashed: SDPA flash."]
+    cols = ["seq_len", "batch", "template", "coverage", "realised_coverage", "p50_ms", "p20_ms", "p80_ms",
+            "tokens_per_s", "tflops", "vs_sdpa", "vs_0pct", "vs_100pct", "rel_err_fp32"]
+    return Block(notes=notes, figures=[fig], tables=[("frontier", f[cols])])
+
+
 # ---- rendering --------------------------------------------------------------------------------------------------
 
 CSS = """
@@ -383,7 +433,12 @@ def html_table(name: str, df: pd.DataFrame) -> str:
 
 
 def render_section(s: Section, ctx: ReportContext) -> str:
+    """The section's HTML, or "" where it has nothing for this run."""
     block = s.build(ctx)
+    return "" if block is None else render_block(s, block)
+
+
+def render_block(s: Section, block: Block) -> str:
     parts = [f'<section id="{s.key}" data-section="{s.key}"><h2>{html.escape(s.title)}</h2>']
     parts += [f'<p class="note">{html.escape(n)}</p>' for n in block.notes]
     parts += [f'<img class="plot" alt="{s.key} plot {i}" src="data:image/png;base64,{_png(f)}">'
@@ -399,8 +454,9 @@ def render_report(db: Database, run_id: str, sections: list[Section] | None = No
         raise ValueError(f"run: expected an existing run id, got {run_id!r}")
     ctx = ReportContext(db, run_id, str(run.iloc[0]["workload_name"]))
     chosen = sections if sections is not None else SECTIONS
-    body = "".join(render_section(s, ctx) for s in chosen)
-    nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in chosen)
+    shown = [(s, b) for s, b in ((s, s.build(ctx)) for s in chosen) if b is not None]
+    body = "".join(render_block(s, b) for s, b in shown)
+    nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s, _ in shown)
     made = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"llm4llm report: {ctx.workload} ({run_id})"
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"

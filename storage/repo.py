@@ -212,6 +212,16 @@ def record_op_benchmarks(db: Database, rows: Iterable[dict]) -> int:
     return n
 
 
+def record_tilemix_frontier(db: Database, rows: Iterable[dict]) -> int:
+    """`tilemix_frontier` rows (storage.rows.tilemix_frontier_rows); a bench recorded again replaces its rows."""
+    n = 0
+    with db.transaction() as con:
+        for row in rows:
+            _insert(con, "tilemix_frontier", row, replace=True)
+            n += 1
+    return n
+
+
 def table_df(db: Database, table: str, where: str = "", params: list | None = None):
     """Read a whole table (CLI `llm4llm sql`-style inspection); `table` is checked against the schema."""
     known = {r[0] for r in db.query("SELECT table_name FROM information_schema.tables")}

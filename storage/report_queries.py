@@ -120,3 +120,14 @@ def run_history(db: Database, workload_name: str):
         "FROM runs r WHERE r.workload_name = ? ORDER BY r.started_at",
         [workload_name],
     )
+
+
+def tilemix_frontier(db: Database, run_id: str, workload_name: str):
+    """The TileMix frontier rows of one bench: the latest tied to the run, else the latest tied to its workload
+    (empty when neither has one), by prompt length, template and coverage."""
+    return db.query_df(
+        "SELECT * FROM tilemix_frontier WHERE bench_id = (SELECT bench_id FROM tilemix_frontier "
+        "WHERE run_id = ? OR workload_name = ? ORDER BY (run_id IS NOT DISTINCT FROM ?) DESC, created_at DESC, "
+        "bench_id DESC LIMIT 1) ORDER BY seq_len, batch, template, coverage NULLS FIRST",
+        [run_id, workload_name, run_id],
+    )

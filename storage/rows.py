@@ -317,6 +317,55 @@ def llm_call_row(call, search_id: str | None = None, task_id: str | None = None)
     return row
 
 
+class TileMixFrontierRow(TypedDict):
+    bench_id: str
+    run_id: str | None
+    workload_name: str | None
+    seq_len: int
+    batch: int
+    variant: str
+    template: str
+    coverage: float | None
+    realised_coverage: float | None
+    heads_q: int | None
+    heads_kv: int | None
+    head_dim: int | None
+    p20_ms: float
+    p50_ms: float
+    p80_ms: float
+    samples: int
+    tokens_per_s: float
+    tflops: float
+    vs_sdpa: float
+    vs_0pct: float
+    vs_100pct: float
+    rel_err_fp32: float
+    gpu_name: str | None
+    versions_json: dict | None
+
+
+def tilemix_frontier_rows(records, bench_id: str, *, run_id: str | None = None, workload_name: str | None = None,
+                          gpu_name: str | None = None, versions: dict | None = None,
+                          heads: tuple[int, int, int] | None = None) -> list[TileMixFrontierRow]:
+    """The `kind: frontier` records of scripts/gpu/tilemix_bench.py (frontier.jsonl, parsed) as `tilemix_frontier`
+    rows; `heads` = (query heads, KV heads, head_dim) of the shapes timed. Other kinds are skipped."""
+    hq, hkv, d = heads or (None, None, None)
+    out: list[TileMixFrontierRow] = []
+    for r in records:
+        if r.get("kind") != "frontier":
+            continue
+        cov = r.get("coverage")
+        out.append({"bench_id": bench_id, "run_id": run_id, "workload_name": workload_name, "seq_len": int(r["S"]),
+                    "batch": int(r["B"]), "variant": r["template"] if cov is None else f"{r['template']}@{cov}",
+                    "template": r["template"], "coverage": cov, "realised_coverage": r.get("realised"),
+                    "heads_q": hq, "heads_kv": hkv, "head_dim": d, "p20_ms": r["p20_ms"], "p50_ms": r["p50_ms"],
+                    "p80_ms": r["p80_ms"], "samples": int(r["samples"]), "tokens_per_s": r["tokens_per_s"],
+                    "tflops": r["tflops"], "vs_sdpa": r["vs_sdpa"], "vs_0pct": r["vs_0pct"],
+                    "vs_100pct": r["vs_100pct"], "rel_err_fp32": r["rel_err_fp32"], "gpu_name": gpu_name,
+                    "versions_json": versions})
+    return out
+
+
 class AcceptanceRow(TypedDict):
     acceptance_id: str
     run_id: str

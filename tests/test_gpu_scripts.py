@@ -123,3 +123,45 @@ def test_layer_bench_smoke_run(tmp_path):
     assert {"default", "nopdl", "o_reduce_nopdl", "seed1"} <= {r["variant"] for r in rows}
     assert next(r for r in rows if r["variant"] == "seed1")["config"]["post_norm"] == "o_reduce"
     assert next(r for r in rows if r["variant"] == "default")["config"]["pdl"] is True
+
+
+def test_tilemix_bench_records_the_committed_frontier_into_duckdb(tmp_path):
+    """`tilemix_bench.py record` (what `frontier --db` runs after its rows are written) on the committed H200
+    rows: every frontier row lands in `tilemix_frontier` under the bench id and workload, once even if recorded
+    twice; without --db it is a usage error."""
+    rows = ROOT / "docs/results/2026-12-01-h200-tilemix/frontier.jsonl"
+    db = tmp_path / "t.duckdb"
+    args = ["scripts/gpu/tilemix_bench.py", "record", "--rows", str(rows), "--db", str(db), "--bench-id", "h200-1201",
+            "--workload", "qwen3-4b-long", "--gpu", "NVIDIA H200"]
+    for _ in range(2):
+        res = _run(args)
+        assert res.returncode == 0, res.stderr[-2000:]
+    from storage import report_queries as q
+    from storage.db import Database
+
+    with Database(db, read_only=True) as con:
+        got = q.tilemix_frontier(con, "some-run", "qwen3-4b-long")
+    want = [json.loads(line) for line in rows.read_text().splitlines() if '"kind": "frontier"' in line]
+    assert len(got) == len(want) == 60 and set(got["bench_id"]) == {"h200-1201"}
+    assert set(got["gpu_name"]) == {"NVIDIA H200"} and set(got["heads_q"]) == {32}
+    res = _run(["scripts/gpu/tilemix_bench.py", "record", "--rows", str(rows)])
+    assert res.returncode == 2 and "expected --rows FILE and --db FILE" in res.stderr
+
+
+def test_tilemix_layer_smoke_run(tmp_path):
+    """`tilemix_bench.py layer` at a tiny Qwen3 shape: every variant timed, the HF layer reaches the attention
+    function with q a transposed view and k, v the cache's contiguous copies and no mask, and the kernel gives the
+    same bits on the model's layouts as on contiguous copies (and through the attention function)."""
+    res = _run(["scripts/gpu/tilemix_bench.py", "layer", "--device", "cpu", "--arch", "tiny", "--seq", "128",
+                "--rounds", "1", "--out", str(tmp_path)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "layer.jsonl").read_text().splitlines()]
+    check = next(r for r in rows if r["kind"] == "layer_check")
+    assert check["hf_mask_is_none"] and check["kernel_layouts_equal"] and check["fwd_equals_kernel"]
+    assert check["strides"]["q"] == [128 * 4 * 64, 64, 4 * 64, 1] and check["strides"]["k"] == [2 * 128 * 64,
+                                                                                                128 * 64, 64, 1]
+    assert check["layer_rel_l2_vs_sdpa"] < 0.05 and check["template_rel_l2_vs_sdpa"] < 0.05
+    assert any("scaled_dot_product" in op for op in check["sdpa_ops"])
+    timed = {r["variant"] for r in rows if r["kind"] == "layer"}
+    assert {"hf_layer_sdpa", "hf_layer_tilemix", "template_entry", "sdpa_default", "tilemix_fwd",
+            "kernel_model_layout", "kernel_contiguous", "quantize_q", "quantize_k", "sdpa_flash"} <= timed

@@ -4,13 +4,17 @@ run), every plot and table present; and the markdown artifacts a run publishes."
 from __future__ import annotations
 
 import base64
+import json
 import random
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
+
+import pandas as pd  # noqa: E402
 
 from storage import repo  # noqa: E402
 from storage.db import Database  # noqa: E402
@@ -150,7 +154,8 @@ def test_report_of_a_workload_has_every_plot_and_table(two_nights, tmp_path):
     page = out.read_text()
     assert "<script" not in page and "http://" not in page and "https://" not in page  # nothing external
     sections = _parse(page)
-    assert list(sections) == [s.key for s in SECTIONS]
+    assert list(sections) == [s.key for s in SECTIONS if s.key != "tilemix"]  # no frontier rows: left out
+    assert "TileMix" not in page
     plots = {k: v["imgs"] for k, v in sections.items() if k != "overview"}
     assert all(len(v) == 1 and _is_png(v[0]) for v in plots.values()), {k: len(v) for k, v in plots.items()}
     tables = {k: v["tables"] for k, v in sections.items()}
@@ -245,3 +250,67 @@ def test_a_run_publishes_its_markdown_artifacts_under_per_workload_keys(prefect_
     assert all(a is not None and a.type == "markdown" for a in arts.values())
     assert "latency +0.6 % < 2 %" in arts["mamba-130m-acceptance"].data
     assert "patched_graphs" in arts["mamba-130m-e2e"].data
+
+
+FRONTIER = Path(__file__).resolve().parents[1] / "docs/results/2026-12-01-h200-tilemix/frontier.jsonl"
+LONG = {"workload_hash": "long01", "name": "qwen3-4b-long", "path": "/w/qwen3-4b-long.toml", "config": {}}
+
+
+@pytest.fixture(scope="module")
+def tilemix_db(tmp_path_factory):
+    """A qwen3-4b-long run and the committed H200 frontier (read from docs/results at test time) tied to its
+    workload through storage's own row builder and writer."""
+    from storage.rows import tilemix_frontier_rows
+
+    path = tmp_path_factory.mktemp("tilemix") / "t.duckdb"
+    records = [json.loads(line) for line in FRONTIER.read_text().splitlines() if line.strip()]
+    with Database(path) as db:
+        repo.record_profile_run(db, {
+            "run_id": "qwen3-4b-long-run1", "workload_hash": LONG["workload_hash"], "workload_name": LONG["name"],
+            "kind": "optimize", "status": "ok", "started_at": datetime(2026, 12, 1, 3), "device": "cuda",
+            "gpu_name": "NVIDIA H200", "timer": "cuda_event", "prefill_forwards": 1, "decode_forwards": 4}, LONG, [])
+        rows = tilemix_frontier_rows(records, "2026-12-01-h200-tilemix", workload_name=LONG["name"],
+                                     gpu_name="NVIDIA H200", heads=(32, 8, 128))
+        assert repo.record_tilemix_frontier(db, rows) == len(rows)
+        assert repo.record_tilemix_frontier(db, rows) == len(rows)  # recorded again: replaced, not doubled
+    return path, [r for r in records if r["kind"] == "frontier"]
+
+
+def test_tilemix_frontier_section_from_the_committed_h200_rows(tilemix_db, two_nights):
+    from llm4llm import report
+
+    path, records = tilemix_db
+    assert len(records) == 60  # 4 lengths x (SDPA, 0 %, 100 %, 3 templates x 4 coverages)
+    with Database(path, read_only=True) as db:
+        page = report.render_report(db, "qwen3-4b-long-run1")
+        block = report.tilemix_frontier(report.ReportContext(db, "qwen3-4b-long-run1", LONG["name"]))
+    sec = _parse(page)["tilemix"]
+    assert len(sec["imgs"]) == 1 and _is_png(sec["imgs"][0]) and sec["tables"] == {"frontier": 1 + 60}
+    assert 'href="#tilemix"' in page and "NVIDIA H200" in page
+    table = block.tables[0][1]
+    for r in records:  # every number of the table is the committed file's
+        got = table[(table["seq_len"] == r["S"]) & (table["template"] == r["template"])
+                    & (table["coverage"].isna() if r["coverage"] is None else table["coverage"] == r["coverage"])]
+        assert len(got) == 1, r
+        for col, key in (("p50_ms", "p50_ms"), ("vs_sdpa", "vs_sdpa"), ("rel_err_fp32", "rel_err_fp32"),
+                         ("realised_coverage", "realised")):
+            assert got.iloc[0][col] == pytest.approx(r[key]) or (r[key] is None and pd.isna(got.iloc[0][col]))
+    ax_speed, ax_err = block.figures[0].axes
+    assert len(ax_speed.get_lines()) == 3 * 4 + 1  # one line per template and length, and SDPA's level
+    with Database(two_nights, read_only=True) as db:  # another workload's run: the section says nothing
+        assert report.tilemix_frontier(report.ReportContext(db, "mamba-130m-night1-aaaa", "mamba-130m")) is None
+
+
+def test_tilemix_frontier_scope_prefers_the_run(tilemix_db):
+    """A bench tied to the run wins over a later one tied only to its workload; an unrelated run sees neither."""
+    from storage import report_queries as q
+    from storage.rows import tilemix_frontier_rows
+
+    path, records = tilemix_db
+    one = [r for r in records if r["S"] == 4096]
+    with Database(path.with_name("scope.duckdb")) as db:
+        repo.record_tilemix_frontier(db, tilemix_frontier_rows(one, "b1-run", run_id="r1", workload_name="w"))
+        repo.record_tilemix_frontier(db, tilemix_frontier_rows(one[:3], "b2-later", workload_name="w"))
+        assert set(q.tilemix_frontier(db, "r1", "w")["bench_id"]) == {"b1-run"}
+        assert set(q.tilemix_frontier(db, "r2", "w")["bench_id"]) == {"b2-later"}
+        assert q.tilemix_frontier(db, "r3", "other").empty

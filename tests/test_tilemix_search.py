@@ -186,3 +186,43 @@ def test_bundle_records_the_routing_and_the_budget():
     bundle.add_patch(ps, source="def entry(inputs, weights, state, static):\n    return {}\n")
     again = PatchBundle.from_json(bundle.to_json())
     assert again.patches[0].lossy == ps.lossy
+
+
+OLD_PAST = '''    k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+    v_all, _ = _with_past(state.get("value_cache"), v)
+'''
+
+
+def test_a_prompt_without_a_past_is_not_copied_and_gives_the_same_bits():
+    """The template's prompt path hands k, v to the kernel and the cache as they are: the same output and state
+    bits as the source that first copied them into fresh buffers (that source rebuilt from the rendering), and the
+    state-out is the rotary's own k and the projection's own v."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(family="attention", phase="prefill", dtype="float32", static={}, hardware={})
+    cfg = {**TILEMIX.default_fn(spec), "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
+           "tm_coverage": 0.5}
+    src = TILEMIX.render_fn(spec, cfg)
+    new_past = src[src.index("    if state.get(\"key_cache\") is None:"):src.index("    if sp == 0:")]
+    old_src = src.replace(new_past, OLD_PAST)
+    assert old_src != src and "_with_past(state.get(\"key_cache\"), k)" in new_past
+    g = torch.Generator().manual_seed(0)
+    B, S, H, hq, hkv, D = 1, 96, 64, 4, 2, 32
+    w = lambda o, i: torch.randn(o, i, generator=g) * i ** -0.5  # noqa: E731
+    weights = {"q_proj.weight": w(hq * D, H), "k_proj.weight": w(hkv * D, H), "v_proj.weight": w(hkv * D, H),
+               "o_proj.weight": w(H, hq * D), "q_norm.weight": torch.rand(D, generator=g) + 0.5,
+               "k_norm.weight": torch.rand(D, generator=g) + 0.5}
+    ang = torch.arange(S)[:, None] * 0.05 * torch.arange(1, D + 1)[None, :] / D
+    inputs = {"hidden_states": torch.randn(B, S, H, generator=g), "position_embeddings.0": ang.cos()[None],
+              "position_embeddings.1": ang.sin()[None]}
+    static = {"head_dim": D, "scaling": D ** -0.5, "q_norm.variance_epsilon": 1e-6}
+    outs = []
+    for source in (src, old_src):
+        ns: dict = {"__name__": "tilemix_candidate"}
+        exec(compile(source, "<attention.prefill_tilemix>", "exec"), ns)  # noqa: S102
+        outs.append(ns["entry"](inputs, weights, {}, static))
+    new, old = outs
+    for key in ("out", "state_out.key_cache", "state_out.value_cache"):
+        assert torch.equal(new[key], old[key]), key
+    assert old["state_out.value_cache"].is_contiguous() and not new["state_out.value_cache"].is_contiguous()
+    assert new["state_out.value_cache"].shape == (B, hkv, S, D)

@@ -20,6 +20,8 @@ the diagonal blocks follow, causally masked, each reading its bit from the packe
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -322,6 +324,25 @@ def _routes(mask: TileMask, bm: int, bn: int, n_m: int, n_n: int, device) -> tup
     return mask._routes[key]
 
 
+@functools.lru_cache(maxsize=64)
+def _padded_lengths(B: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts 0, lengths S), int32 [B], of a padded batch: the kernel only reads them, so one pair per shape and
+    device serves every call (a model calls this once per layer with the same shape)."""
+    return (torch.zeros(B, dtype=torch.int32, device=device),
+            torch.full((B,), S, dtype=torch.int32, device=device))
+
+
+def _device_bits(mask: TileMask, device: torch.device) -> torch.Tensor:
+    """The mask's packed bits on `device`, copied there once per mask (a mask built on the host would otherwise
+    be copied, synchronously, on every call)."""
+    if mask.bits.device == device:
+        return mask.bits
+    key = ("bits", str(device))
+    if key not in mask._routes:
+        mask._routes[key] = mask.bits.to(device)
+    return mask._routes[key]
+
+
 def default_config(head_dim: int) -> dict:
     return dict(CONFIGS[0]) if head_dim > 64 else {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
@@ -380,8 +401,8 @@ def tilemix_attention(
     if packed:
         seq_start, seq_len = cu_seqlens[:-1].to(torch.int32), (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
     else:
-        seq_start = torch.zeros(B, dtype=torch.int32, device=dev)
-        seq_len = (seq_lens if seq_lens is not None else torch.full((B,), q.shape[2], device=dev)).to(torch.int32)
+        seq_start, seq_len = _padded_lengths(B, q.shape[2], dev)
+        seq_len = seq_lens.to(torch.int32) if seq_lens is not None else seq_len
     o = torch.zeros_like(q) if seq_lens is not None else torch.empty_like(q)
     if q.numel() == 0 or s_max == 0:
         return o
@@ -403,7 +424,7 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
                          f"(the mask's tile group), got {bm}, {bn}")
     n_m, n_n = triton.cdiv(s_max, bm), triton.cdiv(s_max, bn)
     idx, cnt, has8 = _routes(mask, bm, bn, n_m, n_n, q.device)
-    bits = mask.bits if mask.bits.device == q.device else mask.bits.to(q.device)
+    bits = _device_bits(mask, q.device)
     hq, hkv, D = q.shape[-2 if q.dim() == 3 else 1], k.shape[-2 if k.dim() == 3 else 1], q.shape[-1]
     if kv_int8:
         k8, ks, vs = k, k_scale, v_scale

@@ -34,7 +34,7 @@ class TileMask:
     n_cols: int
     template: str = "custom"
     coverage: float | None = None  # the requested coverage (None for a hand-built mask)
-    _routes: dict = field(default_factory=dict, repr=False)  # kernel-tile routing lists per tile config (tilemix)
+    _routes: dict = field(default_factory=dict, repr=False)  # tilemix: routing lists per tile config, device bits
 
     @property
     def n_rows(self) -> int:

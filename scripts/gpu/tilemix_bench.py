@@ -3,8 +3,12 @@
 python scripts/gpu/tilemix_bench.py check --out DIR      # correctness vs the references, PTX/SASS, a config sweep
 python scripts/gpu/tilemix_bench.py frontier --out DIR   # prompts x templates x coverages, vs SDPA flash; a model
 python scripts/gpu/tilemix_bench.py plot --rows DIR/frontier.jsonl --out DIR   # the frontier PNG (no GPU)
+python scripts/gpu/tilemix_bench.py record --rows DIR/frontier.jsonl --db FILE --bench-id ID   # into DuckDB (no GPU)
+python scripts/gpu/tilemix_bench.py layer --out DIR      # one qwen3-4b attention layer at 16k: HF SDPA vs TileMix
 
-Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. Timing: triton.testing.do_bench
+Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. `frontier --db FILE` (or `record`
+afterwards) also writes the frontier rows into DuckDB's `tilemix_frontier` through storage/, tied to `--run-id` /
+`--workload` where given, which is what `llm4llm report` draws. Timing: triton.testing.do_bench
 (L2 flushed before every call), the variants of one shape interleaved over rounds, every sample pooled; p20/p50/p80.
 """
 from __future__ import annotations
@@ -76,9 +80,11 @@ def rel_err(out, ref, b=0, heads=8) -> float:
     return float((o - ref).norm() / ref.norm())
 
 
-def bench(fns: dict, rounds: int) -> dict:
+def bench(fns: dict, rounds: int, device: str = "cuda") -> dict:
     """name -> (p20, p50, p80 ms, samples): `rounds` rounds, each calling every variant once in turn (A B C A B C),
-    L2 flushed before each call, timed by CUDA events around the call."""
+    L2 flushed before each call, timed by CUDA events around the call (on the CPU, a smoke run: wall time)."""
+    if device != "cuda":
+        return _bench_cpu(fns, rounds)
     flush = torch.empty(512 * 2**20, dtype=torch.int8, device="cuda")  # > the H200's 60 MiB L2
     samples = {n: [] for n in fns}
     for _ in range(rounds):
@@ -90,6 +96,20 @@ def bench(fns: dict, rounds: int) -> dict:
             end.record()
             torch.cuda.synchronize()
             samples[n].append(start.elapsed_time(end))
+    return _quantiles(samples)
+
+
+def _bench_cpu(fns: dict, rounds: int) -> dict:
+    samples = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[n].append((time.perf_counter() - t) * 1e3)
+    return _quantiles(samples)
+
+
+def _quantiles(samples: dict) -> dict:
     out = {}
     for n, s in samples.items():
         s = sorted(s)
@@ -250,7 +270,24 @@ def dequant_check(rows: Rows) -> None:
     print("dequant:", tm.INT8_DEQUANT, "(magic path checked)" if ok else "(MAGIC PATH FAILED its check)")
 
 
-def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
+def record_frontier(rows_path: Path, db_path: str, bench_id: str, run_id: str | None = None,
+                    workload: str | None = None, gpu: str | None = None, versions_: dict | None = None) -> int:
+    """The `frontier` rows of a frontier.jsonl into DuckDB's `tilemix_frontier` (a bench id recorded again is
+    replaced); storage is imported here so that the GPU modes run without DuckDB."""
+    from storage import repo
+    from storage.db import Database
+    from storage.rows import tilemix_frontier_rows
+
+    records = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    rows = tilemix_frontier_rows(records, bench_id, run_id=run_id, workload_name=workload, gpu_name=gpu,
+                                 versions=versions_, heads=(HQ, HKV, D))
+    with Database(db_path) as db:
+        n = repo.record_tilemix_frontier(db, rows)
+    print(f"{n} tilemix_frontier rows into {db_path} (bench {bench_id})")
+    return n
+
+
+def frontier(out: Path, lengths, batch: int, model_len: int, db: dict | None = None) -> None:
     rows = Rows(out / "frontier.jsonl")
     print("versions", versions())
     t0 = time.time()
@@ -286,6 +323,9 @@ def frontier(out: Path, lengths, batch: int, model_len: int) -> None:
         rows.add(kind="tuned", key=str(kk), config=cfg)
     print(f"frontier done at {time.time() - t0:.1f} s")
     summarize(out / "frontier.jsonl")
+    if db:
+        v = versions()
+        record_frontier(out / "frontier.jsonl", gpu=v["gpu"], versions_=v, **db)
     if model_len:
         try:
             model_check(rows, model_len)
@@ -300,7 +340,7 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
                 rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
-def _register_tilemix(state: dict, device: str) -> None:
+def _register_tilemix(state: dict, device: str):
     """HF attention "tilemix": TileMix with state["mask"] for a prefill, SDPA otherwise (no mask, or decode)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -319,6 +359,7 @@ def _register_tilemix(state: dict, device: str) -> None:
         AttentionMaskInterface.register("tilemix", sdpa_mask)
     except ImportError:
         pass
+    return tilemix_fwd
 
 
 def _reference_tokens(model, batch, n):  # as llm4llm.accept (which needs pydantic, absent on the GPU image)
@@ -394,6 +435,158 @@ def model_check(rows: Rows, S: int, decode: int = 8, arch: dict = QWEN3_4B, devi
         print(f"model {tpl}@{cov}: logits rel-L2 {dev:.4f}, greedy agreement {agree:.3f}")
     if prefill_timing:
         _model_prefill_timing(rows, model, batch, state, S, device)
+    for kk, cfg in tm._TUNED.items():
+        if kk[0] == 1:  # the model's batch of one
+            rows.add(kind="tuned_model", key=str(kk), config=cfg)
+
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=128, rope_theta=1_000_000.0)
+
+
+def _attention_layer(arch: dict, S: int, device: str):
+    """One Qwen3Attention (random weights, bf16) as the model builds it, its input [1, S, hidden] and rotary."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(**arch)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = Qwen3Attention(cfg, 0).to(device=device, dtype=torch.bfloat16).eval()
+    x = torch.randn(1, S, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    pe = Qwen3RotaryEmbedding(cfg).to(device)(x, torch.arange(S, device=device)[None])
+    return cfg, attn, x, pe
+
+
+def _template_call(attn, x, pe, template: str, coverage: float):
+    """The optimize flow's patch for this layer: attention.prefill_tilemix's rendered entry at its default config
+    (the routing from the arguments) on the layer's own weights, as the dispatch calls it for a prompt."""
+    from types import SimpleNamespace
+
+    from llm4llm.search.templates.tilemix import TEMPLATES as TM_TEMPLATES
+
+    tpl = TM_TEMPLATES[0]
+    spec = SimpleNamespace(family="attention", phase="prefill", dtype="bfloat16", static={}, hardware={})
+    cfg = {**tpl.default_fn(spec), "tm_template": template, "tm_coverage": coverage}
+    ns: dict = {"__name__": "tilemix_bench_candidate"}
+    exec(compile(tpl.render_fn(spec, cfg), "<attention.prefill_tilemix>", "exec"), ns)  # noqa: S102
+    weights = {f"{n}.weight": getattr(attn, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    weights |= {"q_norm.weight": attn.q_norm.weight, "k_norm.weight": attn.k_norm.weight}
+    static = {"head_dim": attn.head_dim, "scaling": attn.scaling, "q_norm.variance_epsilon": attn.q_norm.variance_epsilon}
+    inputs = {"hidden_states": x, "position_embeddings.0": pe[0], "position_embeddings.1": pe[1]}
+    return lambda: ns["entry"](inputs, weights, {}, static)["out"]
+
+
+def _layer_call(cfg, attn, x, pe, impl: str):
+    """The layer's prefill as the model makes it: a fresh DynamicCache, no mask (HF's causal skip)."""
+    from transformers import DynamicCache
+
+    cfg._attn_implementation = impl
+    with torch.inference_mode():
+        return attn(x, pe, None, past_key_values=DynamicCache(config=cfg))[0]
+
+
+def _captured_qkv(cfg, attn, x, pe):
+    """q, k, v exactly as they reach the attention function in the model (q a transposed view of [1, S, Hq, D];
+    k, v the DynamicCache's contiguous copies)."""
+    from transformers import AttentionInterface
+
+    seen = {}
+
+    def grab(module, q, k, v, mask, **kw):
+        seen.update(q=q, k=k, v=v, mask=mask)
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device), None
+
+    AttentionInterface.register("tilemix_grab", grab)
+    _layer_call(cfg, attn, x, pe, "tilemix_grab")
+    return seen["q"], seen["k"], seen["v"], seen["mask"]
+
+
+def _sdpa_forced(attn, q, k, v, backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling)[0]
+
+
+def _sdpa_ops(attn, q, k, v) -> list[str]:
+    """The op and kernel names of one default-backend SDPA call (which backend the model's SDPA takes)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
+    with profile(activities=acts) as prof:
+        sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
+    keys = ("scaled_dot_product", "flash", "fmha", "cudnn", "efficient", "attention")
+    return sorted({e.key for e in prof.key_averages() if any(w in e.key.lower() for w in keys)})[:20]
+
+
+def _layer_variants(cfg, attn, x, pe, mask, state: dict, device: str) -> tuple[dict, dict]:
+    """name -> a call, and the outputs compared bit for bit (kernel on the model's layouts vs on contiguous ones)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fwd = _register_tilemix(state, device)
+    q, k, v, hf_mask = _captured_qkv(cfg, attn, x, pe)
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    z32 = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+    full = lambda n: torch.full((n,), q.shape[2], dtype=torch.int32, device=device)  # noqa: E731
+    tune = device == "cuda"
+    fns = {"hf_layer_sdpa": lambda: _layer_call(cfg, attn, x, pe, "sdpa"),
+           "hf_layer_tilemix": lambda: _layer_call(cfg, attn, x, pe, "tilemix"),
+           "template_entry": _template_call(attn, x, pe, mask.template, mask.coverage),
+           "sdpa_default": lambda: sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling)[0],
+           "tilemix_fwd": lambda: fwd(attn, q, k, v, None, scaling=attn.scaling)[0],
+           "kernel_model_layout": lambda: tm.tilemix_attention(q, k, v, mask, attn.scaling, tune=tune),
+           "kernel_contiguous": lambda: tm.tilemix_attention(qc, kc, vc, mask, attn.scaling, tune=tune),
+           "quantize_q": lambda: tm.quantize_int8(q, z32(1), full(1), q.shape[2]),
+           "quantize_k": lambda: tm.quantize_int8(k, z32(1), full(1), k.shape[2])}
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            _sdpa_forced(attn, q, k, v, backend)
+        except Exception as e:  # noqa: BLE001 - a backend this build or device lacks is left out, said why
+            state.setdefault("skipped", {})[backend] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        fns[f"sdpa_{backend.split('_')[0].lower()}"] = lambda b=backend: _sdpa_forced(attn, q, k, v, b)
+    outs = {n: fns[n]() for n in ("kernel_model_layout", "kernel_contiguous", "tilemix_fwd", "hf_layer_sdpa",
+                                  "hf_layer_tilemix")}  # also the warm-up: tunes and compiles
+    checks = {"hf_mask_is_none": hf_mask is None,
+              "kernel_layouts_equal": bool(torch.equal(outs["kernel_model_layout"], outs["kernel_contiguous"])),
+              "fwd_equals_kernel": bool(torch.equal(outs["tilemix_fwd"], outs["kernel_model_layout"].transpose(1, 2))),
+              "layer_rel_l2_vs_sdpa": _rel(outs["hf_layer_tilemix"], outs["hf_layer_sdpa"]),
+              "template_rel_l2_vs_sdpa": _rel(fns["template_entry"](), outs["hf_layer_sdpa"]),
+              "strides": {n: list(t.stride()) for n, t in (("q", q), ("k", k), ("v", v))},
+              "sdpa_ops": _sdpa_ops(attn, q, k, v)}
+    return fns, checks
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def layer(out: Path, S: int, rounds: int, device: str, arch: dict, template: str, coverage: float) -> None:
+    """One qwen3-4b attention layer's prefill at S tokens (batch 1, as the model ran it), interleaved over
+    `rounds`: HF's layer with SDPA and with TileMix (the model measurement's patch), the optimize flow's template
+    entry for the layer, the SDPA call alone (default backend and each forced one), TileMix's attention function,
+    the bare kernel on the model's layouts and on contiguous copies, and the two quantisation kernels; rows to
+    DIR/layer.jsonl."""
+    rows = Rows(out / "layer.jsonl")
+    print("versions", versions() if device == "cuda" else {"torch": torch.__version__})
+    cfg, attn, x, pe = _attention_layer(arch, S, device)
+    mask = build_tile_mask(template, coverage, S, device=device)
+    state = {"mask": mask}
+    fns, checks = _layer_variants(cfg, attn, x, pe, mask, state, device)
+    rows.add(kind="layer_check", S=S, template=template, coverage=coverage, skipped=state.get("skipped", {}),
+             **checks)
+    times = bench(fns, rounds, device)
+    base, sdpa = times["hf_layer_sdpa"][1], times["sdpa_default"][1]
+    for n, (p20, p50, p80, ns) in times.items():
+        rows.add(kind="layer", S=S, variant=n, p20_ms=p20, p50_ms=p50, p80_ms=p80, samples=ns,
+                 vs_hf_layer_sdpa=base / p50, vs_sdpa_default=sdpa / p50)
+        print(f"{n:22s} p50 {p50:9.3f} ms ({p20:.3f}-{p80:.3f})  layer/this x{base / p50:.3f}")
+    for kk, cfg_ in tm._TUNED.items():
+        rows.add(kind="tuned", key=str(kk), config=cfg_)
+    print(checks)
 
 
 def summarize(path: Path) -> None:
@@ -453,23 +646,47 @@ def plot(rows_path: Path, png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "frontier", "plot"])
-    ap.add_argument("--rows", help="plot: the frontier.jsonl to draw")
+    ap.add_argument("mode", choices=["check", "frontier", "plot", "record", "layer"])
+    ap.add_argument("--rows", help="plot, record: the frontier.jsonl to read")
+    ap.add_argument("--db", help="frontier, record: the DuckDB file the frontier rows go to")
+    ap.add_argument("--bench-id", help="frontier, record: the bench's id in DuckDB (default: tilemix-<UTC time>)")
+    ap.add_argument("--run-id", help="frontier, record: the run the bench belongs to (its report shows it)")
+    ap.add_argument("--workload", help="frontier, record: the workload the bench belongs to (its reports show it)")
+    ap.add_argument("--gpu", help="record: the GPU name (frontier mode records its own)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--model-len", type=int, default=0)
+    ap.add_argument("--seq", type=int, default=16384, help="layer: prompt length")
+    ap.add_argument("--rounds", type=int, default=7, help="layer: interleaved rounds")
+    ap.add_argument("--device", default="cuda", help="layer: cpu for a smoke run (TRITON_INTERPRET=1)")
+    ap.add_argument("--arch", choices=["qwen3-4b", "tiny"], default="qwen3-4b", help="layer: the attention's shape")
+    ap.add_argument("--template", default="sink_local", help="layer: TileMix routing template")
+    ap.add_argument("--coverage", type=float, default=0.75, help="layer: INT8 coverage")
     a = ap.parse_args()
+    db = None
+    if a.db:
+        db = {"db_path": a.db, "bench_id": a.bench_id or time.strftime("tilemix-%Y%m%dT%H%M%SZ", time.gmtime()),
+              "run_id": a.run_id, "workload": a.workload}
+    if a.mode == "record":
+        if not (a.rows and db):
+            ap.error("record: expected --rows FILE and --db FILE")
+        record_frontier(Path(a.rows), gpu=a.gpu, **db)
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.mode == "plot":
         plot(Path(a.rows), out / "frontier.png")
         return
+    if a.mode == "layer":
+        (out / "command.txt").write_text(" ".join(sys.argv) + "\n")
+        layer(out, a.seq, a.rounds, a.device, QWEN3_4B if a.arch == "qwen3-4b" else TINY, a.template, a.coverage)
+        return
     (out / "command.txt").write_text(" ".join(sys.argv) + "\n" + json.dumps(versions()) + "\n")
     if a.mode == "check":
         check(out)
     else:
-        frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len)
+        frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len, db)
 
 
 if __name__ == "__main__":

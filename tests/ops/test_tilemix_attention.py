@@ -173,3 +173,23 @@ def test_pack_roundtrip_and_contract_errors():
         tilemix_attention(q, k.to(torch.int8), v.to(torch.int8), uniform_mask(False, 40, group=G))
     with pytest.raises(ValueError, match="coverage in"):
         build_tile_mask("sink_local", 1.5, 40)
+
+
+def test_per_call_setup_is_built_once_and_changes_no_bit():
+    """What a model pays on every layer's call: the padded batch's start/length vectors are one cached pair per
+    shape (bit for bit the explicit seq_lens path, which builds them per call), and a mask built on another device
+    is copied to the kernel's once (bit for bit the mask built there)."""
+    from kernels_runtime.ops import tilemix_attention as tm
+
+    q, k, v = _qkv(2, 4, 2, 45, 32, seed=7)
+    host = build_tile_mask("bigbird", 0.5, 45, group=G)
+    out = tilemix_attention(q, k, v, host, **CFG)
+    assert torch.equal(out, tilemix_attention(q, k, v, host, seq_lens=torch.full((2,), 45), **CFG))
+    assert tm._padded_lengths(2, 45, q.device) is tm._padded_lengths(2, 45, q.device)
+    start, length = tm._padded_lengths(2, 45, q.device)
+    assert start.tolist() == [0, 0] and length.tolist() == [45, 45] and length.dtype == torch.int32
+    # the mask on a second device (meta stands in for the GPU): copied once, then the same tensor
+    meta = torch.device("meta")
+    first = tm._device_bits(host, meta)
+    assert first.device == meta and tm._device_bits(host, meta) is first
+    assert tm._device_bits(host, q.device) is host.bits and torch.equal(tilemix_attention(q, k, v, host, **CFG), out)

@@ -51,8 +51,11 @@ def entry(inputs, weights, state, static):
     scale = float(_static(static, "scaling"))
     q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
     q, k = _rope(q, k, inputs, weights, static)
-    k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
-    v_all, _ = _with_past(state.get("value_cache"), v)
+    if state.get("key_cache") is None:  # a prompt without a past: the kernel takes k, v through their strides
+        k_all, v_all, sp = k, v, 0  # and the cache keeps them as they are (no copy into a fresh buffer)
+    else:
+        k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+        v_all, _ = _with_past(state.get("value_cache"), v)
     if sp == 0:  # self-attention over the prompt: routed per tile group
         o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, **ATTN)  # [B, Hq, S, D]
     else:  # a prefill that extends a cache: TileMix routes one prompt's own score matrix, so the plain kernel
