@@ -127,3 +127,43 @@ def test_a_candidate_passing_the_static_gate_is_contained(tmp_path):
         os.environ.pop("SANDBOXTEST_API_KEY")
     assert v.passed, v.message
     assert not marker.exists() and not Path(f"{marker}.sh").exists()
+
+
+def test_kernelbench_gpu_lock_reaches_a_sandboxed_child_as_an_open_descriptor(tmp_path, monkeypatch):
+    """Shards of a KernelBench run serialise GPU timing on a lock file (LLM4LLM_KB_GPU_LOCK) the sandboxed worker
+    cannot open by path (the H200 run of 2026-12-02 lost every candidate to `PermissionError: '/tmp/kb-gpu.lock'`):
+    the parent opens it and hands the descriptor over, and the child's lock still excludes the other holders."""
+    import fcntl
+    import threading
+    import time
+
+    from llm4llm.kernelbench import protocol
+
+    lock = tmp_path / "kb-gpu.lock"
+    monkeypatch.setattr(protocol, "LOCK_PATH", str(lock))
+    held = open(lock, "a+")
+    fcntl.flock(held, fcntl.LOCK_EX)  # another shard is timing
+    f = protocol.open_gpu_lock()
+    box = sandbox.make_box()
+    try:
+        shutil.copy(PROBES / "gpu_lock.py", box / "ro" / "gpu_lock.py")
+        proc = sandbox.sandboxed_popen("llm4llm.verify.sandbox:run_file", box=box, args=[str(box / "ro" / "gpu_lock.py")],
+                                       pass_fds=(f.fileno(),), extra_env={protocol.LOCK_FD_ENV: str(f.fileno()),
+                                                                         "LLM4LLM_KB_GPU_LOCK": str(lock)},
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        f.close()
+        released = []
+
+        def release():
+            released.append(time.time())
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+        threading.Timer(3.0, release).start()
+        out, err = proc.communicate(timeout=120)
+        sandbox.kill_group(proc.pid)
+        assert proc.returncode == 0, err[-3000:]
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["fd"] is not None and r["at"] >= released[0]  # it waited for the other holder
+    finally:
+        held.close()
+        sandbox.remove_box(box)

@@ -39,27 +39,48 @@ LOCK_PATH = os.environ.get("LLM4LLM_KB_GPU_LOCK")  # set when several runs share
 _BASELINES: dict[tuple[str, str], dict[str, Any]] = {}  # (task, device) -> eager/compile timings in this worker
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+LOCK_FD_ENV = "LLM4LLM_KB_GPU_LOCK_FD"  # the lock file opened by the parent, inherited by a sandboxed worker
+
+
+def open_gpu_lock():
+    """The lock file opened for a sandboxed child (its own open file description, so its flock excludes the other
+    shards' workers), or None when no lock is set. The sandbox keeps the child away from the lock's path."""
+    return open(LOCK_PATH, "a+") if LOCK_PATH else None
+
+
 class gpu_lock:
     """An exclusive file lock around GPU-timed work when LLM4LLM_KB_GPU_LOCK names a lock file: shards of one
     KernelBench run may share a GPU for their CPU-bound work (imports, compiles, tracing, model init), never for
-    timings or the judged calls, so no measurement overlaps another process's kernels."""
+    timings or the judged calls, so no measurement overlaps another process's kernels. A sandboxed worker locks
+    the descriptor its parent handed over (LLM4LLM_KB_GPU_LOCK_FD); an unsandboxed process opens the path."""
 
     def __enter__(self):
-        self.f = None
-        if LOCK_PATH:
-            import fcntl
+        import fcntl
 
+        self.f, self.fd = None, None
+        inherited = os.environ.get(LOCK_FD_ENV)
+        if inherited:
+            self.fd = int(inherited)
+        elif LOCK_PATH:
             self.f = open(LOCK_PATH, "a+")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-            torch.cuda.synchronize()
+            self.fd = self.f.fileno()
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            _sync()
         return self
 
     def __exit__(self, *exc):
-        if self.f is not None:
+        if self.fd is not None:
             import fcntl
 
-            torch.cuda.synchronize()
-            fcntl.flock(self.f, fcntl.LOCK_UN)
+            _sync()
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if self.f is not None:
             self.f.close()
 
 

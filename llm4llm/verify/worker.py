@@ -192,13 +192,20 @@ class VerifierPool:
     def _spawn(self) -> None:
         from llm4llm.verify.sandbox import make_box, sandboxed_popen
 
+        from llm4llm.kernelbench.protocol import LOCK_FD_ENV, open_gpu_lock
+
         box = make_box()
         ours, theirs = socket.socketpair()
+        lock = open_gpu_lock()  # the GPU lock shards share, handed over open: the child cannot reach its path
+        fds = (theirs.fileno(),) + ((lock.fileno(),) if lock else ())
         try:
-            proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=(theirs.fileno(),),
-                                   args=[str(theirs.fileno()), self.device], readonly=_readonly_paths())
+            proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=fds,
+                                   args=[str(theirs.fileno()), self.device], readonly=_readonly_paths(),
+                                   extra_env={LOCK_FD_ENV: str(lock.fileno())} if lock else None)
         finally:
             theirs.close()
+            if lock:
+                lock.close()
         self._w = _Worker(proc, Connection(ours.detach()), box)
 
     def _ready(self) -> _Worker:
