@@ -201,7 +201,8 @@ class VerifierPool:
         try:
             proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=fds,
                                    args=[str(theirs.fileno()), self.device], readonly=_readonly_paths(),
-                                   extra_env={LOCK_FD_ENV: str(lock.fileno())} if lock else None)
+                                   extra_env={"TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                              **({LOCK_FD_ENV: str(lock.fileno())} if lock else {})})
         finally:
             theirs.close()
             if lock:
