@@ -179,104 +179,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _rows_of(b, w0_ptr, w1_ptr, w2_ptr, N0, N1, N2, NB1, NB2, K, BLOCK_N: tl.constexpr):
-    # Row block b of the weights laid side by side: its weight's row pointers [BN, 1], rows in range, out columns
-    in1 = b >= NB1
-    in2 = b >= NB2
-    w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w0_ptr))
-    n_seg = tl.where(in2, N2, tl.where(in1, N1, N0))
-    col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
-    rn = (b - tl.where(in2, NB2, tl.where(in1, NB1, 0))) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return w_ptr + rn.to(tl.int64)[:, None] * K, rn, rn < n_seg, col0 + rn
-
-
-@triton.jit
-def _gemv_persistent_kernel(
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, y_ptr, r_ptr,
-    K, N0, N1, N2, NB1, NB2, NBT, NPROG, eps,
-    PRO_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False, NORM_ROW: tl.constexpr = 0,
-):
-    # One row (batch 1), no K split, written directly: `_gemv_kernel`'s DIRECT / SWIGLU paths as a persistent
-    # kernel. NPROG programs (a few per SM) walk the row blocks pid, pid + NPROG, ... as one flat sequence of
-    # (block, K tile) steps and always hold the next step's weight tile in flight, across block boundaries too, so
-    # a block's reduction and store overlap the next block's loads and no program pays a launch, a norm prologue
-    # or a first-load latency per block. x and the norm row are [1, K] tiles as in `_gemv_kernel` (the same
-    # layouts, so the same reduction orders).
-    pid = tl.program_id(0)
-    rk = tl.arange(0, BLOCK_K)
-    z1 = tl.arange(0, 1)  # the one row, as a [1, ...] axis
-    NKT = tl.cdiv(K, BLOCK_K)
-    total = tl.cdiv(NBT - pid, NPROG) * NKT  # this program's steps
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    w_rows, rn, n_ok, cols = _rows_of(pid, w0_ptr, w1_ptr, w2_ptr, N0, N1, N2, NB1, NB2, K, BLOCK_N)
-    f_ok = rk < tl.where(total > 0, K, 0)  # (a bool vector & a bool scalar breaks the interpreter)
-    w_nxt = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
-    if SWIGLU:
-        u_nxt = tl.load(w1_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=n_ok[:, None] & f_ok[None, :],
-                        other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PRO_NORM:  # rstd once a program (every block reads the same row)
-        if NORM_ROW > 0:
-            rr = tl.arange(0, NORM_ROW)
-            xs = tl.load(x_ptr + z1[:, None] * 0 + rr[None, :], mask=(rr < K)[None, :], other=0.0).to(tl.float32)
-            ss = tl.sum(xs * xs, axis=1)
-        else:
-            ss = tl.zeros((1,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_ptr + z1[:, None] * 0 + (k0 + rk)[None, :], mask=((k0 + rk) < K)[None, :],
-                             other=0.0).to(tl.float32)
-                ss += tl.sum(xs * xs, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)  # [1]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if SWIGLU:
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t in range(0, total):
-        kt = t % NKT
-        kk = kt * BLOCK_K + rk
-        if EVEN_K:
-            k_ok = rk < BLOCK_K
-        else:
-            k_ok = kk < K
-        w = w_nxt
-        if SWIGLU:
-            u = u_nxt
-        s1 = t + 1  # the next step's tile: the next K tile of this block, or the first of the next block
-        b1 = pid + (s1 // NKT) * NPROG
-        kk1 = (s1 % NKT) * BLOCK_K + rk
-        w_rows1, rn1, n_ok1, _c = _rows_of(b1, w0_ptr, w1_ptr, w2_ptr, N0, N1, N2, NB1, NB2, K, BLOCK_N)
-        ok1 = n_ok1[:, None] & (kk1 < tl.where(s1 < total, K, 0))[None, :]
-        w_nxt = tl.load(w_rows1 + kk1[None, :], mask=ok1, other=0.0)
-        if SWIGLU:
-            u_nxt = tl.load(w1_ptr + rn1.to(tl.int64)[:, None] * K + kk1[None, :], mask=ok1, other=0.0)
-        x = tl.load(x_ptr + z1[:, None] * 0 + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)  # [1, BK]
-        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
-            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
-        acc += w.to(tl.float32) * x
-        if SWIGLU:
-            acc_u += u.to(tl.float32) * x
-        if kt == NKT - 1:  # the block's last tile: reduce, epilogue, store, start the next block
-            b = pid + (t // NKT) * NPROG
-            _r, rn, n_ok, cols = _rows_of(b, w0_ptr, w1_ptr, w2_ptr, N0, N1, N2, NB1, NB2, K, BLOCK_N)
-            out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-            if SWIGLU:  # LlamaMLP's roundings: each projection, silu, then the product
-                g = rnd(out, ACT_DTYPE)
-                act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
-                out = act * rnd(tl.sum(acc_u, axis=1)[None, :], ACT_DTYPE)
-                acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            elif HAS_RES:  # nn.Linear's output rounded first, then the residual added in fp32
-                out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + z1[:, None] * 0 + rn[None, :], mask=n_ok[None, :],
-                                                    other=0.0).to(tl.float32)
-            tl.store(y_ptr + z1[:, None] * 0 + cols[None, :], cast_out(out, y_ptr.dtype.element_ty, RNE),
-                     mask=n_ok[None, :])
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-
-
-@triton.jit
 def _split_sum(p_ptr, row, cols, mask, M, NTOT, SPLIT):
     # sum over the split partials p[s, row, cols] in a fixed order (deterministic)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
@@ -475,21 +377,16 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
-            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, PERSIST=0):
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
     split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
     shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
-    weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. PERSIST > 0: one row
-    written directly (no split, no DOT) by `_gemv_persistent_kernel`, PERSIST programs an SM."""
+    weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
     DOT = _dot_path(M, DOT)
-    if PERSIST and M == 1 and not DOT and direct_out is not None and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1:
-        _stream_persistent(x2, ws, norm_w, eps, direct_out, residual2, swiglu_up, BLOCK_N, BLOCK_K, num_warps,
-                           num_stages, PDL, PERSIST)
-        return direct_out, 0
     if DOT:
         BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, min(BLOCK_K, 256))  # w tiles of at most 16 KB a stage
     ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
@@ -520,51 +417,16 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     return out, (0 if direct else split)
 
 
-def _sm_count(device: torch.device) -> int:
-    """SMs of the device; 4 off the GPU, so that the interpreter walks several blocks a program."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-_SMS: dict[int, int] = {}
-
-
-def _stream_persistent(x2, ws, norm_w, eps, y, residual2, swiglu_up, BLOCK_N, BLOCK_K, num_warps, num_stages, PDL,
-                       PERSIST):
-    if not (isinstance(PERSIST, int) and PERSIST >= 0):
-        raise ValueError(f"gemv: expected PERSIST an int >= 0 (programs an SM), got {PERSIST!r}")
-    K = x2.shape[1]
-    ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
-    nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
-    nbt = sum(nbs)
-    nprog = max(1, min(nbt, _sm_count(x2.device) * PERSIST))
-    w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
-    if swiglu_up is not None:
-        w1 = swiglu_up
-    launch(_gemv_persistent_kernel, (nprog,), (
-        x2, x2 if norm_w is None else norm_w, w0, w1, w2, y, y if residual2 is None else residual2,
-        K, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], nbt, nprog, float(eps)),
-        dict(PRO_NORM=norm_w is not None, HAS_RES=residual2 is not None, SWIGLU=swiglu_up is not None,
-             EVEN_K=K % BLOCK_K == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(), BLOCK_N=BLOCK_N,
-             BLOCK_K=BLOCK_K, PDL=pdl_on(PDL), NORM_ROW=_norm_row(norm_w is not None, 1, K)),
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
-
-
 def _reduce_block(n: int) -> int:
     return min(1024, triton.next_power_of_2(max(n, 16)))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-         num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-         PERSIST: int = 0) -> torch.Tensor:
+         num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
-    PDL: `_gemv_kernel`'s; PERSIST: `_stream`'s."""
+    PDL: `_gemv_kernel`'s."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -579,7 +441,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL, PERSIST=PERSIST)
+                              PREFETCH=PREFETCH, PDL=PDL)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -592,13 +454,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
-                          PREFETCH: bool = False, PDL: bool = False,
-                          PERSIST: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                          PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
-    down_proj with the next layer's input_layernorm. The norm needs whole rows, so the pass always writes split
-    partials for a row-wise reduction: PERSIST (a stage key the templates share) does not apply here."""
-    del PERSIST
+    down_proj with the next layer's input_layernorm."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -626,7 +485,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-                   paired: bool = True, PERSIST: int = 0) -> torch.Tensor:
+                   paired: bool = True) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
     path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
@@ -645,7 +504,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
     if M and paired and BLOCK_N >= 2 and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1 and not _dot_path(M, DOT):
-        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, PERSIST=PERSIST, **{**kw, "BLOCK_N": BLOCK_N // 2})
+        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2})
     elif M:
         part, split = _stream(x2, [w_gate, w_up], **kw)
         blk = _reduce_block(I)
@@ -660,8 +519,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
-                  PREFETCH: bool = False, PDL: bool = False,
-                  PERSIST: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
@@ -690,7 +548,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     if M:
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, PERSIST=PERSIST)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

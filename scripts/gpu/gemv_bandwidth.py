@@ -156,9 +156,9 @@ def configs(n_out, K, sms, M=1, direct=False):
     # the tl.dot path (x padded to 16 rows, pipelined weight tiles): the candidate for small batch
     for bn, bk, w, st in ((16, 256, 4, 3), (32, 128, 4, 4), (16, 256, 8, 3)) if M > 1 else ((16, 256, 4, 3),):
         out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=st, DOT=True))
-    if M == 1 and direct:  # the layer's PDL passes, one block a program and persistent (PERSIST programs an SM)
-        for bn, bk, pe in ((4, 1024, 0), (4, 512, 0), (8, 512, 8), (16, 512, 4), (16, 512, 8), (8, 512, 16)):
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=1, PDL=True, PERSIST=pe))
+    if M == 1 and direct:  # the decode layer's passes: launched with PDL (its own output written directly)
+        for bn, bk in ((4, 1024), (4, 512), (8, 512)):
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=1, PDL=True))
     return out
 
 

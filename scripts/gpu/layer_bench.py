@@ -74,15 +74,6 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["gu_st3"] = {**base, "num_stages": 3}
     out["qkv512"] = {**base, "qkv_BLOCK_K": 512}
     out["qkv8"] = {**base, "qkv_BLOCK_N": 8}
-    for pe in (2, 4, 8):  # the persistent pass on every stage, with whole 512-wide tiles (K = 2560 / 9728 / 4096)
-        out[f"persist{pe}"] = {**base, **{p + "PERSIST": pe for p in stages}, **{p + "BLOCK_K": 512 for p in stages}}
-    out["persist4_1024"] = {**base, **{p + "PERSIST": 4 for p in stages}}
-    out["gu_persist4"] = {**base, "gu_PERSIST": 4, "gu_BLOCK_K": 512}
-    out["persist4_bn8"] = {**out["persist4"], **{p + "BLOCK_N": 8 for p in stages}}
-    for pe in (4, 8, 16):  # more bytes in flight a program: wider row blocks
-        for bn in (8, 16):
-            out[f"p{pe}_bn{bn}"] = {**out["persist4"], **{p + "PERSIST": pe for p in stages},
-                                    **{p + "BLOCK_N": bn for p in stages}}
     out["attn16"] = {**base, "attn_num_splits": 16}
     out["attn64"] = {**base, "attn_num_splits": 64}
     return out

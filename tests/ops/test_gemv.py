@@ -242,22 +242,20 @@ def triton_next_pow2(n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("bk,persist", [(1024, 0), (512, 4)])
-def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(bk, persist):
+def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain():
     """A decode layer's GEMV chain (norm + q/k/v, o_proj + residual, the norm in gate/up's prologue, down +
     residual) with every kernel launched with PDL, replayed from a CUDA graph, against the same chain without PDL
-    run eagerly: bit for bit (each kernel waits for the one before before it reads what that one wrote). With
-    `persist`, the PDL chain runs the persistent pass and the plain chain one block a program."""
+    run eagerly: bit for bit (each kernel waits for the one before before it reads what that one wrote)."""
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     x = torch.randn(1, 2560, dtype=dt, device=dev)
     wq, wk, wv, wo = (_w(n, k, dt).to(dev) for n, k in ((4096, 2560), (1024, 2560), (1024, 2560), (2560, 4096)))
     wg, wu, wd = _w(9728, 2560, dt).to(dev), _w(9728, 2560, dt).to(dev), _w(2560, 9728, dt).to(dev)
     n1, n2 = ((1 + 0.1 * torch.randn(2560, device=dev)).to(dt) for _ in range(2))
-    base = dict(BLOCK_N=4, BLOCK_K=bk, SPLIT_K=1)
+    cfg = dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1)
 
     def chain(pdl):
-        h, cfg = x, {**base, "PERSIST": persist if pdl else 0}
+        h = x
         for _ in range(3):
             q, _, _ = qkv_norm_rope(h, wq, wk, wv, None, None, 128, norm_w=n1, PDL=pdl, **cfg)
             o = gemv(q.reshape(1, -1), wo, residual=h, PDL=pdl, **cfg)
@@ -278,37 +276,3 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(bk, persist
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
-
-
-# The persistent pass (a few programs an SM walking the row blocks, the next tile always in flight): the bits of the
-# one-block-a-program pass for every batch-1 direct path, on even and ragged K and N, with several blocks a program
-# (4 "SMs" under the interpreter) and with more programs than blocks.
-@pytest.mark.parametrize("persist", [1, 64])
-@pytest.mark.parametrize("cfg,K", [(dict(BLOCK_N=4, BLOCK_K=16), 64), (dict(BLOCK_N=2, BLOCK_K=32), 45)])
-def test_persistent_pass_gives_the_bits_of_the_block_pass(persist, cfg, K, monkeypatch):
-    from kernels_runtime.ops import gemv as G
-
-    torch.manual_seed(K + persist)
-    dt = torch.bfloat16
-    x, w, nw = torch.randn(1, K, dtype=dt), _w(37, K, dt), torch.rand(K, dtype=dt) + 0.5
-    res = torch.randn(1, 37, dtype=dt)
-    kernels, real = [], G.launch
-    monkeypatch.setattr(G, "launch", lambda fn, *a, **k: (kernels.append(fn.__name__), real(fn, *a, **k))[1])
-    for pipe in (dict(), dict(PDL=True)):
-        assert torch.equal(gemv(x, w, PERSIST=persist, **cfg, **pipe), gemv(x, w, **cfg))
-        assert torch.equal(gemv(x, w, residual=res, norm_w=nw, PERSIST=persist, **cfg, **pipe),
-                           gemv(x, w, residual=res, norm_w=nw, **cfg))
-        wg, wu = _w(21, K, dt), _w(21, K, dt)
-        assert torch.equal(gate_up_swiglu(x, wg, wu, norm_w=nw, PERSIST=persist, **cfg, **pipe),
-                           gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg))
-        wq, wk, wv = _w(16, K, dt), _w(8, K, dt), _w(8, K, dt)
-        for a, b in zip(qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, PERSIST=persist, **cfg, **pipe),
-                        qkv_norm_rope(x, wq, wk, wv, None, None, 4, norm_w=nw, **cfg)):
-            assert torch.equal(a, b)
-    assert kernels.count("_gemv_persistent_kernel") == 8 and kernels.count("_gemv_kernel") == 8
-    kernels.clear()  # more rows, a K split or the DOT path: the block pass
-    gemv(torch.randn(3, K, dtype=dt), w, PERSIST=persist, **cfg)
-    gemv(x, w, PERSIST=persist, SPLIT_K=2, **cfg)
-    gemv(x, w, PERSIST=persist, DOT=True, **cfg)
-    assert "_gemv_persistent_kernel" not in kernels
-    assert_close(gemv(x.double().to(dt), w, PERSIST=persist, **cfg), gemv_ref(x, w), dt, name="persistent")

@@ -29,9 +29,8 @@ GEMV = "kernels_runtime.ops.gemv"
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
 # DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
 # reduction: not timed yet (batch 4 on the reduction path reached 22-44% of the copy bandwidth); the search tries it.
-# PERSIST: programs an SM of the persistent batch-1 pass (0: one row block a program).
 STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
-         "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True], "PERSIST": [0, 2, 4, 8]}
+         "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True]}
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
