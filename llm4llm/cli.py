@@ -381,7 +381,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
-        from llm4llm.stages.evaluate import run_evaluate
+        from tasks.acceptance import run_evaluate
 
         _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
@@ -439,7 +439,7 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
     import pandas as pd
 
-    from llm4llm.stages.search import coverage_table
+    from tasks.reporting import coverage_table
 
     cov = coverage_table(run_id, str(db) if db else None)
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed

@@ -23,8 +23,14 @@ def publish_markdown(kind: str, workload_name: str, run_id: str, db_path: str | 
 
 
 def coverage_table(run_id: str, db_path: str | None) -> dict:
-    """The run's template coverage (llm4llm.stages.search.coverage_table). A plain function, not a Prefect task: the
-    optimize flow builds its `coverage` table artifact from it in its own process."""
+    """The run's template coverage (llm4llm.stages.search.coverage_table), from its rows in DuckDB. A plain
+    function, not a Prefect task: the optimize flow builds its `coverage` table artifact from it in its own process,
+    and the CLI's `tasks` prints it."""
     from llm4llm.stages.search import coverage_table as table
+    from storage import repo
+    from storage.db import Database
 
-    return table(run_id, db_path)
+    with Database(db_path) as db:
+        cov = repo.coverage_rows(db, run_id)
+        checks = repo.template_check_rows(db, list(cov["task_id"]))
+    return table(cov, checks)

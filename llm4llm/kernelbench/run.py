@@ -34,6 +34,7 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
     from llm4llm.stages.search import run_task_search
     from storage import repo
     from storage.db import Database, data_home
+    from storage.recorders import DuckDBSearchRecorder
 
     modes = modes or ["episodic"]
     for m in modes:
@@ -56,9 +57,10 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
             if not usable:
                 row["skipped_reason"] = "; ".join(f"{k}: {v}" for k, v in reasons.items())[:2000]
             else:
-                summary = run_task_search(str(task_dir), db_path, str(data), mode=mode, budget=budget,
-                                          proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
-                                          run_id=kb_run_id, use_prior=False, proposer_obj=prop)
+                with Database(db_path) as db:  # no prior experience: each problem is searched from scratch
+                    summary = run_task_search(str(task_dir), str(data), DuckDBSearchRecorder(db), mode=mode,
+                                              budget=budget, proposer=proposer, device=device, timeout_s=timeout_s,
+                                              seed=seed, run_id=kb_run_id, proposer_obj=prop)
                 row.update(search_id=summary["search_id"], trials=summary["trials"])
                 _fill_best(row, summary, db_path)
             with Database(db_path) as db:
