@@ -476,7 +476,7 @@ def report(run: Optional[str] = typer.Argument(None, help="run id (default: the 
     """Write a self-contained HTML report of a run: hotspots, speedups, search curves, acceptance, e2e, history."""
     with _user_errors():
         from llm4llm.errors import Llm4llmError
-        from llm4llm.report import write_report
+        from tasks.reporting import write_report
 
         if workload and workload.endswith(".toml") and Path(workload).is_file():
             from llm4llm.workload import load_workload

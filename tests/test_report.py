@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 
 from storage import repo  # noqa: E402
 from storage.db import Database  # noqa: E402
+from storage.report_queries import ReportReader  # noqa: E402
 
 WL = {"workload_hash": "abc123", "name": "mamba-130m", "path": "/w/mamba-130m.toml", "config": {"dtype": "bfloat16"}}
 TASKS = [("mamba-decode-block-1", "ssm_block", "decode", 0.62), ("mamba-prefill-block-2", "ssm_block", "prefill", 0.21),
@@ -169,7 +170,7 @@ def test_report_numbers_come_from_the_rows(two_nights):
     from llm4llm.report import ReportContext, e2e_table, speedups
 
     with Database(two_nights, read_only=True) as db:
-        ctx = ReportContext(db, "mamba-130m-night1-aaaa", "mamba-130m")
+        ctx = ReportContext(ReportReader(db), "mamba-130m-night1-aaaa", "mamba-130m")
         e = e2e_table(ctx.df("e2e")).set_index("variant")
         trials = ctx.df("trials")
         block = speedups(ctx)
@@ -200,7 +201,7 @@ def test_a_section_is_one_decorated_function(two_nights):
             return report.Block(figures=[fig], tables=[("points", t[["candidate_id", "pooled"]].head(3))])
 
         with Database(two_nights, read_only=True) as db:
-            page = report.render_report(db, "mamba-130m-night1-aaaa", [report.SECTIONS[-1]])
+            page = report.render_report(ReportReader(db), "mamba-130m-night1-aaaa", [report.SECTIONS[-1]])
         assert report.SECTIONS[-1].key == "frontier" and len(report.SECTIONS) == len(before) + 1
         sec = _parse(page)["frontier"]
         assert len(sec["imgs"]) == 1 and _is_png(sec["imgs"][0]) and sec["tables"] == {"points": 4}
@@ -215,7 +216,7 @@ def test_markdown_artifacts_and_cli_errors(two_nights):
     from llm4llm.report import ARTIFACTS, artifact_key, markdown
 
     with Database(two_nights, read_only=True) as db:
-        md = {k: markdown(k, db, "mamba-130m-night2-bbbb") for k in ARTIFACTS}
+        md = {k: markdown(k, ReportReader(db), "mamba-130m-night2-bbbb") for k in ARTIFACTS}
     assert md["acceptance"].count("\n| ") == 1 + 4 and "3 accepted, 1 rejected" in md["acceptance"]
     assert "bracketed gains 0.4, 0.6, 0.9 %" in md["acceptance"]
     assert md["leaderboard"].count("\n| ") == 1 + 9  # the best 3 passing candidates of each of 3 tasks
