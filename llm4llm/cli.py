@@ -527,8 +527,8 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
     with _user_errors():
         import pandas as pd
 
-        from llm4llm.kernelbench.run import run_kernelbench
         from storage import repo
+        from tasks.kernelbench import run_kernelbench
 
         _check_proposer(proposer)
 
