@@ -14,7 +14,6 @@ import io
 import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import pandas as pd
