@@ -381,7 +381,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
-        from llm4llm.stages.evaluate import run_evaluate
+        from tasks.acceptance import run_evaluate
 
         _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
@@ -439,7 +439,7 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
     import pandas as pd
 
-    from llm4llm.stages.search import coverage_table
+    from tasks.reporting import coverage_table
 
     cov = coverage_table(run_id, str(db) if db else None)
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed
@@ -476,7 +476,7 @@ def report(run: Optional[str] = typer.Argument(None, help="run id (default: the 
     """Write a self-contained HTML report of a run: hotspots, speedups, search curves, acceptance, e2e, history."""
     with _user_errors():
         from llm4llm.errors import Llm4llmError
-        from llm4llm.report import write_report
+        from tasks.reporting import write_report
 
         if workload and workload.endswith(".toml") and Path(workload).is_file():
             from llm4llm.workload import load_workload
@@ -527,8 +527,8 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
     with _user_errors():
         import pandas as pd
 
-        from llm4llm.kernelbench.run import run_kernelbench
         from storage import repo
+        from tasks.kernelbench import run_kernelbench
 
         _check_proposer(proposer)
 

@@ -1,5 +1,6 @@
 """Run reports: one self-contained HTML file per run (plots embedded as PNG), and the markdown tables a run
-publishes as Prefect artifacts, both from the DuckDB rows (storage.report_queries).
+publishes as Prefect artifacts, both from the DuckDB rows. The queries live in storage/report_queries.py and reach
+a report through a Reader (storage.report_queries.ReportReader on an open database), so this module opens none.
 
 A report is a list of sections. Each is a function of a `ReportContext` returning a `Block` (notes, matplotlib
 figures, tables), registered with `@section(key, title)`; adding one, e.g. a kernel's roofline frontier, is one
@@ -13,13 +14,9 @@ import io
 import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import pandas as pd
-
-from storage import report_queries as q
-from storage.db import Database
 
 # mode -> colour, so one mode reads the same in every plot
 MODE_COLOURS = {"episodic": "#1f77b4", "sample": "#ff7f0e", "iter": "#2ca02c"}
@@ -35,11 +32,20 @@ class Block:
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
 
 
+class Reader(Protocol):
+    """Where a report's rows come from: `frame(name, *args)` runs the query `name` of storage/report_queries.py;
+    `source` names the database (shown on the page)."""
+
+    source: str
+
+    def frame(self, name: str, *args) -> pd.DataFrame: ...
+
+
 @dataclass
 class ReportContext:
-    """The run a report is about; `df(name)` runs a report_queries function once per report."""
+    """The run a report is about; `df(name)` runs a report query once per report."""
 
-    db: Database
+    reader: Reader
     run_id: str
     workload: str
     _cache: dict = field(default_factory=dict)
@@ -47,8 +53,7 @@ class ReportContext:
     def df(self, name: str, *args) -> pd.DataFrame:
         key = (name, args)
         if key not in self._cache:
-            fn = getattr(q, name)
-            self._cache[key] = fn(self.db, *args) if args else fn(self.db, self._arg(name))
+            self._cache[key] = self.reader.frame(name, *(args or (self._arg(name),)))
         return self._cache[key]
 
     def _arg(self, name: str) -> str:
@@ -447,12 +452,12 @@ def render_block(s: Section, block: Block) -> str:
     return "".join(parts) + "</section>"
 
 
-def render_report(db: Database, run_id: str, sections: list[Section] | None = None) -> str:
+def render_report(reader: Reader, run_id: str, sections: list[Section] | None = None) -> str:
     """The whole report of one run as one HTML string (nothing external: plots are inline PNG)."""
-    run = q.run_overview(db, run_id)
+    run = reader.frame("run_overview", run_id)
     if run.empty:
         raise ValueError(f"run: expected an existing run id, got {run_id!r}")
-    ctx = ReportContext(db, run_id, str(run.iloc[0]["workload_name"]))
+    ctx = ReportContext(reader, run_id, str(run.iloc[0]["workload_name"]))
     chosen = sections if sections is not None else SECTIONS
     shown = [(s, b) for s, b in ((s, s.build(ctx)) for s in chosen) if b is not None]
     body = "".join(render_block(s, b) for s, b in shown)
@@ -461,25 +466,7 @@ def render_report(db: Database, run_id: str, sections: list[Section] | None = No
     title = f"llm4llm report: {ctx.workload} ({run_id})"
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
-            f'<p class="meta">made {made} from {html.escape(str(db.path))}</p><nav>{nav}</nav>{body}</body></html>')
-
-
-def write_report(db_path: str | Path | None, run: str | None = None, workload: str | None = None,
-                 out: str | Path | None = None) -> tuple[Path, str]:
-    """Render the report of `run` (or of `workload`'s latest optimized run) to `out` (default
-    `<data home>/reports/<run>.html`); returns (path, run_id). Opens the database read-only."""
-    from storage.db import data_home
-
-    with Database(db_path, read_only=True) as db:
-        run_id = q.resolve_run(db, run, workload)
-        if run_id is None:
-            what = f"run {run!r}" if run else (f"workload {workload!r}" if workload else "any run")
-            raise LookupError(f"{what}: nothing in {db.path} (see `llm4llm runs`)")
-        page = render_report(db, run_id)
-    path = Path(out) if out else data_home() / "reports" / f"{run_id}.html"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page)
-    return path, run_id
+            f'<p class="meta">made {made} from {html.escape(reader.source)}</p><nav>{nav}</nav>{body}</body></html>')
 
 
 # ---- markdown (Prefect artifacts) -------------------------------------------------------------------------------
@@ -505,26 +492,26 @@ def leaderboard(trials: pd.DataFrame, per_task: int = 3) -> pd.DataFrame:
 ARTIFACTS = ("hotspots", "leaderboard", "acceptance", "e2e")
 
 
-def markdown(kind: str, db: Database, run_id: str) -> str:
+def markdown(kind: str, reader: Reader, run_id: str) -> str:
     """One of the run's markdown artifacts (ARTIFACTS)."""
     if kind == "hotspots":
-        df = q.hotspots(db, run_id, 10)
+        df = reader.frame("hotspots", run_id, 10)
         return f"## Hotspots of run `{run_id}`\n\nShare of each phase's time (containers include children).\n\n" \
                + markdown_table(df[["phase", "rank", "module_path", "family", "calls", "time_ms", "share",
                                     "hotspot_score"]])
     if kind == "leaderboard":
-        t = q.trials(db, run_id)
+        t = reader.frame("trials", run_id)
         timed = "" if t.empty or t["pooled"].notna().any() else "\n\nNo trial was timed (CPU): scores are 0."
         return f"## Leaderboard of run `{run_id}`\n\nBest passing candidates per task (score: speedup over the " \
                f"search's pooled reference).{timed}\n\n" + (markdown_table(leaderboard(t)) if not t.empty
                                                              else "_no searches_")
     if kind == "acceptance":
-        a = q.acceptances(db, run_id)
+        a = reader.frame("acceptances", run_id)
         n = int((a["decision"] == "accepted").sum()) if not a.empty else 0
         return f"## Acceptance of run `{run_id}`\n\n{n} accepted, {len(a) - n} rejected.\n\n" + markdown_table(
             a[["task_id", "candidate_id", "decision", "gain", "e2e_before_ms", "e2e_after_ms", "reason"]])
     if kind == "e2e":
-        e = q.e2e(db, run_id)
+        e = reader.frame("e2e", run_id)
         return f"## End to end, run `{run_id}`\n\nMedians; range: min-max of the timed runs.\n\n" + (
             markdown_table(e2e_table(e)) if not e.empty else "_no rows_")
     raise ValueError(f"kind: expected one of {ARTIFACTS}, got {kind!r}")

@@ -1,5 +1,6 @@
 """The SQL behind `llm4llm report` and the per-run Prefect markdown artifacts. Each function returns a DataFrame
-(one query, no logic beyond SQL); llm4llm.report turns them into tables and plots."""
+(one query, no logic beyond SQL); llm4llm.report turns them into tables and plots, reading them through a
+ReportReader."""
 from __future__ import annotations
 
 from storage.db import Database
@@ -131,3 +132,14 @@ def tilemix_frontier(db: Database, run_id: str, workload_name: str):
         "bench_id DESC LIMIT 1) ORDER BY seq_len, batch, template, coverage NULLS FIRST",
         [run_id, workload_name, run_id],
     )
+
+
+class ReportReader:
+    """llm4llm.report's Reader on an open Database: `frame(name, *args)` runs this module's query `name`."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self.source = str(db.path)
+
+    def frame(self, name: str, *args):
+        return globals()[name](self.db, *args)

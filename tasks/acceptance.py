@@ -1,3 +1,5 @@
+"""Prefect tasks of acceptance and end-to-end evaluation: the stages decide and measure, the rows they return are
+written to DuckDB here (the stages write none)."""
 from __future__ import annotations
 
 from prefect import task
@@ -10,7 +12,7 @@ from tasks.common import infrastructure_only
 
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: str | None, data_dir: str) -> dict:
-    return accept_stage.run_accept(workload_path, run_id, db_path, data_dir, cfg)
+    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
@@ -18,8 +20,69 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, re
                  variants: tuple[str, ...], run_id: str | None) -> dict:
     from llm4llm.evaluate import table_rows
 
-    out = evaluate_stage.run_evaluate(workload_path, db_path, bundle=bundle, repeats=repeats, variants=variants,
-                                      run_id=run_id)
+    out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=repeats, variants=variants, run_id=run_id)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
+
+
+def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
+    """Each searched task's best passing candidate, ranked against its search's pooled reference
+    (storage.repo.best_candidates)."""
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = repo.best_candidates(db, run_id, min_utility)
+    return accept_stage.proposals_of(df)
+
+
+def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str, cfg=None) -> dict:
+    """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept); decisions, the
+    bundle and rejected reasons (as experience for the next search round) go to DuckDB. Returns its summary."""
+    proposals = best_proposals(run_id, db_path, min_utility=0.0)
+    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg)
+    record_acceptance(outcome, db_path)
+    return outcome.summary()
+
+
+def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) -> None:
+    """An acceptance step's rows: one per decision, one `episodes` row with its experience per rejection (the
+    run's pseudo-search `accept-<run id>`), and the bundle."""
+    from storage import repo
+    from storage.db import Database
+    from storage.rows import decision_rows, patch_row, rejection_episode_row
+
+    result, run_id = outcome.result, outcome.run_id
+    with Database(db_path) as db:
+        for row in decision_rows(result, run_id):
+            repo.record_acceptance(db, row)
+        for i, task_id, experience in outcome.rejections:
+            repo.record_episode(db, rejection_episode_row(run_id, i), experience, task_id)
+        if result.bundle_dir:
+            repo.record_patch_bundle(db, patch_row(run_id, outcome.workload_hash, result.bundle_dir,
+                                                   outcome.manifest))
+
+
+def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
+                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None) -> dict:
+    """The workload end to end (llm4llm.stages.evaluate.run_evaluate), each variant's `e2e_results` row written as
+    it is measured. Returns {"run_id", "rows"}: each variant's newest row."""
+    from llm4llm.stages.common import describe_workload, new_run_id
+    from storage import repo
+    from storage.db import Database
+    from storage.rows import e2e_row
+
+    wl = describe_workload(workload_path)
+    run_id = run_id or new_run_id(wl["name"] + "-eval")
+
+    def rows_of(measured: list[dict]) -> list[dict]:
+        return [e2e_row(run_id, wl["workload_hash"], m) for m in measured]
+
+    def record(measured: list[dict]) -> None:
+        with Database(db_path) as db:
+            repo.record_e2e(db, rows_of(measured))
+
+    latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
+                                         on_measured=record)
+    return {"run_id": run_id, "rows": rows_of(latest)}

@@ -1,3 +1,4 @@
+"""Prefect tasks of extraction: the extract stage, its task index written to DuckDB here (the stage writes none)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,18 @@ def extract(workload: dict, profile_path: str, data_dir: str, min_score: float =
 
 @task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
 def record_tasks(index_path: str, run_id: str, db_path: str | None) -> int:
-    return extract_stage.record_task_index(index_path, run_id, db_path)
+    return record_task_index(index_path, run_id, db_path)
+
+
+def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
+    """The run's task index (`tasks.json`) as `tasks` rows; returns how many."""
+    from storage import repo
+    from storage.db import Database
+    from storage.rows import task_row
+
+    index = json.loads(Path(index_path).read_text())
+    with Database(db_path) as db:
+        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
 
 
 @task(name="publish-tasks")

@@ -1,5 +1,9 @@
+"""Prefect tasks of the search, and the plain functions they and the flow call: each reads what the search stage
+needs from DuckDB (the task's experience, recorded template checks, the run's tasks) and hands it in, and writes the
+rows the stage produces through storage/ (the stage opens no database)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import task
@@ -17,10 +21,10 @@ def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, da
                 run_id: str | None, llm: dict | None = None, decode_timing: str = "launch") -> dict:
     """One task's search. A failing candidate is data (a row), not a task failure: only infrastructure errors
     (the worker pool cannot start, the database is unavailable) fail and retry this task."""
-    return search_stage.run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
-                                        proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
-                                        seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
-                                        decode_timing=decode_timing)
+    return run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
+                           proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
+                           seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
+                           decode_timing=decode_timing)
 
 
 @task(name="searchable-tasks")
@@ -30,8 +34,8 @@ def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | Non
                      phases: list[str] | None = None) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
-    return search_stage.searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
-                                             decode_timing, phases=phases)
+    return searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
+                                decode_timing, phases=phases)
 
 
 def _placement() -> dict:
@@ -64,15 +68,18 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, 
     import time
 
     from llm4llm.scale import unpack_dir
+    from storage.recorders import SearchRows
 
     where = _placement()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
         task_dir = unpack_dir(task, Path(tmp) / "task")
-        rows = search_stage.search_rows(str(task_dir), tmp, mode=mode, budget=budget, proposer=proposer,
-                                        device="cuda" if device.startswith("cuda") else device,
-                                        timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm,
-                                        decode_timing=decode_timing, prior=prior)
+        rec = SearchRows()
+        summary, files = search_stage.search_away(str(task_dir), tmp, rec, mode=mode, budget=budget, proposer=proposer,
+                                                  device="cuda" if device.startswith("cuda") else device,
+                                                  timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm,
+                                                  decode_timing=decode_timing, prior=prior)
+        rows = rec.rows(summary, files)
     rows["placement"] = {**where, "started": started, "finished": time.time()}
     return rows
 
@@ -81,16 +88,131 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, 
       cache_policy=NO_CACHE)
 def record_search(rows: dict, db_path: str | None, data_dir: str) -> dict:
     """Write a remote search's rows, in the flow's process (DuckDB's one writer)."""
-    return search_stage.record_search_rows(rows, db_path, data_dir) | {"placement": rows.get("placement")}
+    return record_search_rows(rows, db_path, data_dir) | {"placement": rows.get("placement")}
 
 
 # ---- plain helpers the search flow calls in its process (not Prefect tasks: no run, retry or cache of their own)
 
-def remote_search_input(task_dir: str, db_path: str | None) -> dict:
-    """What search_task_remote takes for one task, read in the flow (llm4llm.stages.search.remote_search_input)."""
-    return search_stage.remote_search_input(task_dir, db_path)
-
-
 def close_pools() -> None:
     """Close the verifier workers the flow's local searches started (llm4llm.isolation.close_pools)."""
     isolation.close_pools()
+
+
+def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
+                    proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
+                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
+                    decode_timing: str = "launch", proposer_obj=None) -> dict:
+    """Search one task in this process (llm4llm.stages.search.run_task_search); every trial becomes a `candidates`
+    row as it is verified, every episode an `episodes` row and an `experience` record. use_prior: start from the
+    task's stored experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g.
+    ablations). Returns the search's summary."""
+    from llm4llm.taskspec import load_spec
+    from storage.db import Database
+    from storage.recorders import DuckDBSearchRecorder
+
+    task_id = load_spec(Path(task_dir)).task_id
+
+    def check(d: str) -> list[dict]:
+        return check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+
+    with Database(db_path) as db:
+        prior = prior_experience(db, task_id) if use_prior else []
+        return search_stage.run_task_search(task_dir, data_dir, DuckDBSearchRecorder(db), mode=mode, budget=budget,
+                                            proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
+                                            run_id=run_id, llm=llm, prior=prior, decode_timing=decode_timing,
+                                            proposer_obj=proposer_obj, check=check)
+
+
+def prior_experience(db, task_id: str) -> list:
+    """The task's experience from earlier searches and acceptance rounds, oldest first (invalid records skipped), on
+    an open storage.db.Database."""
+    from llm4llm.stages.experience import experience_of
+    from storage import repo
+
+    return experience_of(repo.experience_records(db, task_id))
+
+
+def remote_search_input(task_dir: str, db_path: str | None) -> dict:
+    """What search_task_remote takes for one task, read in the flow: the task directory as bytes (a worker on
+    another machine does not see the flow's data directory) and the task's stored experience (it cannot read
+    DuckDB)."""
+    from llm4llm.scale import pack_dir
+    from llm4llm.taskspec import load_spec
+    from storage.db import Database
+
+    spec = load_spec(Path(task_dir))
+    with Database(db_path) as db:
+        prior = [json.loads(e.to_json()) for e in prior_experience(db, spec.task_id)]
+    return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
+
+
+def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
+    """Write what a search away from the flow returned, in the flow: sources and transcripts under the data dir
+    (where a local search puts them), then every row in one transaction. Returns the search's summary."""
+    from storage import repo
+    from storage.db import Database
+
+    search, task_id = rows["search"], rows["search"]["task_id"]
+    cand_dir = Path(data_dir) / "candidates" / task_id
+    archive = Path(data_dir) / "searches" / search["search_id"]
+    cand_dir.mkdir(parents=True, exist_ok=True)
+    archive.mkdir(parents=True, exist_ok=True)
+    candidates = []
+    for c in rows["candidates"]:
+        src = cand_dir / f"{c['row']['candidate_id']}.py"
+        src.write_text(c["source"])
+        candidates.append({**c["row"], "source_path": str(src)})
+    episodes = []
+    for e in rows["episodes"]:
+        row = dict(e["row"])
+        if e["transcript_name"] and e["transcript"] is not None:
+            (archive / e["transcript_name"]).write_text(e["transcript"])
+            row["transcript_path"] = str(archive / e["transcript_name"])
+        episodes.append((row, e["experience"]))
+    for name, text in rows.get("files", {}).items():
+        (archive / name).write_text(text)
+    with Database(db_path) as db:
+        repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
+    return rows["summary"]
+
+
+def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
+                         top: int | None, proposer: str = "library", device: str | None = None,
+                         timeout_s: float = 120.0, decode_timing: str = "launch",
+                         phases: list[str] | None = None) -> list[str]:
+    """The task dirs a search of the run fans out to (llm4llm.stages.search.searchable_task_dirs). With `device`,
+    a template applies when its check on the device passes (check_applicability), else by the templates' scope."""
+    from storage import repo
+    from storage.db import Database
+
+    with Database(db_path) as db:
+        df = repo.task_rows(db, run_id)
+
+    def check(d: str) -> list[dict]:
+        return check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+
+    return search_stage.searchable_task_dirs(df, task_ids, families, top, proposer,
+                                             check if device is not None else None, phases=phases)
+
+
+def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, device: str,
+                        timeout_s: float = 120.0, decode_timing: str = "launch") -> list[dict]:
+    """The task's template checks: recorded ones of this code version when every template of its family has one,
+    else run now in the device's verifier worker (llm4llm.stages.search.run_template_checks) and written to
+    `template_checks`. Returns one dict per template of the family."""
+    from llm4llm.stages.common import code_version
+    from llm4llm.taskspec import load_spec
+    from storage import repo
+    from storage.db import Database
+
+    spec = load_spec(Path(task_dir))
+    with Database(db_path) as db:
+        df = repo.template_check_rows(db, [spec.task_id], code_version())
+    recorded = search_stage.recorded_checks(df.to_dict("records"), search_stage.family_templates(spec))
+    if recorded is not None:
+        return recorded
+    rows = search_stage.run_template_checks(task_dir, run_id, device, timeout_s, decode_timing)
+    with Database(db_path) as db:
+        repo.record_template_checks(db, rows)
+    search_stage.report_inapplicable(spec.task_id, rows)
+    return rows

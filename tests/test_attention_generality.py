@@ -224,7 +224,7 @@ def _attention_tasks(model_type: str, cfg: dict, out: Path, static_cache: bool =
 
 def _verify(task_dir: Path, source: str, draws: int):
     # the verifier's gates in this process (the sandboxed worker's start costs ~10 s a candidate under the
-    # interpreter); the check passes draws=0 as llm4llm.stages.search.check_applicability does
+    # interpreter); the check passes draws=0 as llm4llm.stages.search.run_template_checks does
     from llm4llm.verify.gates import run_gates
 
     return run_gates(str(task_dir), source, device="cpu", draws=draws, timing=False)[0]

@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "workloads"
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid layer drops privileges only when started as root")
 def test_bundle_under_a_private_dir_keeps_every_sandbox_layer(tmp_path, capfd):
     from kernels_runtime.bundle import PatchBundle, save_bundle
-    from llm4llm.stages.evaluate import run_evaluate
+    from tasks.acceptance import run_evaluate
 
     private = tmp_path / "home"
     private.mkdir(mode=0o700)

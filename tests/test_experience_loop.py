@@ -10,13 +10,13 @@ import pytest
 from llm4llm import isolation
 from llm4llm.accept import Decision, Proposal
 from llm4llm.search.builtin import LibraryProposer
-from llm4llm.stages.experience import prior_experience, rejection_experience
+from llm4llm.stages.experience import rejection_experience
 from llm4llm.stages.extract import run_extract
 from llm4llm.stages.profile import run_profile
-from llm4llm.stages.search import run_task_search
 from llm4llm.taskspec import load_spec
 from storage import repo
 from storage.db import Database
+from tasks.search import prior_experience, run_task_search
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 

@@ -174,7 +174,7 @@ def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
 def test_evaluate_keeps_the_variants_it_finished_when_the_process_dies(tmp_path):
     """Each variant's row lands in DuckDB as it is measured: a run stopped midway (on the H200 a time limit killed
     two optimize runs in their last variant, and every row of their evaluate was lost) keeps what it finished."""
-    from llm4llm.stages.evaluate import run_evaluate
+    from tasks.acceptance import run_evaluate
 
     root = EXAMPLES.parent
     (tmp_path / "script.py").write_text((root / "scripts" / "hf_generate.py").read_text() + '''
@@ -272,8 +272,8 @@ def test_in_subprocess_polls_without_masking_the_childs_own_error():
 def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
     """With the library proposer alone, tasks no built-in template applies to (tiny-llama's rotary tasks) are left
     out before --top is taken, and named; the LLM proposers keep them (they can write for any task)."""
-    from llm4llm.stages.search import searchable_task_dirs
     from llm4llm.taskspec import load_spec
+    from tasks.search import searchable_task_dirs
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]
@@ -290,8 +290,8 @@ def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
 def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
     """`--phase decode` searches the decode tasks alone (the top N taken among them): a decode-bound deployment
     spends no search time on prefill tasks."""
-    from llm4llm.stages.search import searchable_task_dirs
     from llm4llm.taskspec import load_spec
+    from tasks.search import searchable_task_dirs
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]

@@ -140,7 +140,7 @@ def test_architecture_through_optimize(prefect_harness, tmp_path, arch):
     """What was covered, found inapplicable (by running it) or rejected; no trial on an inapplicable template."""
     from flows.optimize import optimize_workload
     from llm4llm.config import STAGES, OptimizeConfig
-    from llm4llm.stages.search import coverage_table
+    from tasks.reporting import coverage_table
 
     cfg, families, top, last, must_cover, must_fail = ARCHS[arch]
     db_path = str(tmp_path / "l4l.duckdb")

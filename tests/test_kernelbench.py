@@ -91,7 +91,7 @@ def kb_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def kb_run(kb_dir, tmp_path_factory):
-    from llm4llm.kernelbench.run import run_kernelbench
+    from tasks.kernelbench import run_kernelbench
 
     data = tmp_path_factory.mktemp("kbdata")
     db = str(data / "kb.duckdb")

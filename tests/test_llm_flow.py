@@ -1,4 +1,4 @@
-"""The LLM proposer through the product's real entry points: `stages.search.run_task_search` and the `llm4llm search`
+"""The LLM proposer through the product's real entry points: `tasks.search.run_task_search` (the search stage with its rows written to DuckDB) and the `llm4llm search`
 CLI (through the Prefect flow) on a real task extracted from examples/workloads/tiny-llama.toml, against a scripted
 local OpenAI-compatible server (tests/llm_server.py). Every trial is a `candidates` row, every request attempt an
 `llm_calls` row, the LLM's transcripts sit under the search's archive dir, budgets end the search cleanly, and the
@@ -19,10 +19,13 @@ import llm_server as srv  # noqa: E402
 
 from llm4llm import isolation  # noqa: E402
 from llm4llm.stages.common import describe_workload  # noqa: E402
-from llm4llm.stages.extract import record_task_index, run_extract  # noqa: E402
-from llm4llm.stages.profile import record_profile, run_profile  # noqa: E402
-from llm4llm.stages.search import make_proposer, run_task_search  # noqa: E402
+from llm4llm.stages.extract import run_extract  # noqa: E402
+from llm4llm.stages.profile import run_profile  # noqa: E402
+from llm4llm.stages.search import make_proposer  # noqa: E402
 from storage.db import Database  # noqa: E402
+from tasks.extraction import record_task_index  # noqa: E402
+from tasks.profiling import record_profile_rows  # noqa: E402
+from tasks.search import run_task_search  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "tiny-llama.toml"
 KEY = "sk-test-SECRET123"
@@ -45,7 +48,7 @@ def tiny_run(tmp_path_factory):
     data_dir, db_path = root / "data", str(root / "l4l.duckdb")
     profile_path = run_profile(str(WORKLOAD), str(data_dir))
     index_path = run_extract(str(WORKLOAD), profile_path, str(data_dir))
-    run_id = record_profile(profile_path, describe_workload(str(WORKLOAD)), db_path)
+    run_id = record_profile_rows(profile_path, describe_workload(str(WORKLOAD)), db_path)
     assert record_task_index(index_path, run_id, db_path) > 0
     index = json.loads(Path(index_path).read_text())
     [norm] = [t for t in index if t["family"] == "norm" and t["phase"] == "prefill" and t["deployable"]]

@@ -18,6 +18,7 @@ import pandas as pd  # noqa: E402
 
 from storage import repo  # noqa: E402
 from storage.db import Database  # noqa: E402
+from storage.report_queries import ReportReader  # noqa: E402
 
 WL = {"workload_hash": "abc123", "name": "mamba-130m", "path": "/w/mamba-130m.toml", "config": {"dtype": "bfloat16"}}
 TASKS = [("mamba-decode-block-1", "ssm_block", "decode", 0.62), ("mamba-prefill-block-2", "ssm_block", "prefill", 0.21),
@@ -174,7 +175,7 @@ def test_report_numbers_come_from_the_rows(two_nights):
     from llm4llm.report import ReportContext, e2e_table, speedups
 
     with Database(two_nights, read_only=True) as db:
-        ctx = ReportContext(db, "mamba-130m-night1-aaaa", "mamba-130m")
+        ctx = ReportContext(ReportReader(db), "mamba-130m-night1-aaaa", "mamba-130m")
         e = e2e_table(ctx.df("e2e")).set_index("variant")
         trials = ctx.df("trials")
         block = speedups(ctx)
@@ -205,7 +206,7 @@ def test_a_section_is_one_decorated_function(two_nights):
             return report.Block(figures=[fig], tables=[("points", t[["candidate_id", "pooled"]].head(3))])
 
         with Database(two_nights, read_only=True) as db:
-            page = report.render_report(db, "mamba-130m-night1-aaaa", [report.SECTIONS[-1]])
+            page = report.render_report(ReportReader(db), "mamba-130m-night1-aaaa", [report.SECTIONS[-1]])
         assert report.SECTIONS[-1].key == "frontier" and len(report.SECTIONS) == len(before) + 1
         sec = _parse(page)["frontier"]
         assert len(sec["imgs"]) == 1 and _is_png(sec["imgs"][0]) and sec["tables"] == {"points": 4}
@@ -220,7 +221,7 @@ def test_markdown_artifacts_and_cli_errors(two_nights):
     from llm4llm.report import ARTIFACTS, artifact_key, markdown
 
     with Database(two_nights, read_only=True) as db:
-        md = {k: markdown(k, db, "mamba-130m-night2-bbbb") for k in ARTIFACTS}
+        md = {k: markdown(k, ReportReader(db), "mamba-130m-night2-bbbb") for k in ARTIFACTS}
     assert md["acceptance"].count("\n| ") == 1 + 4 and "3 accepted, 1 rejected" in md["acceptance"]
     assert "bracketed gains 0.4, 0.6, 0.9 %" in md["acceptance"]
     assert md["leaderboard"].count("\n| ") == 1 + 9  # the best 3 passing candidates of each of 3 tasks
@@ -282,8 +283,8 @@ def test_tilemix_frontier_section_from_the_committed_h200_rows(tilemix_db, two_n
     path, records = tilemix_db
     assert len(records) == 60  # 4 lengths x (SDPA, 0 %, 100 %, 3 templates x 4 coverages)
     with Database(path, read_only=True) as db:
-        page = report.render_report(db, "qwen3-4b-long-run1")
-        block = report.tilemix_frontier(report.ReportContext(db, "qwen3-4b-long-run1", LONG["name"]))
+        page = report.render_report(ReportReader(db), "qwen3-4b-long-run1")
+        block = report.tilemix_frontier(report.ReportContext(ReportReader(db), "qwen3-4b-long-run1", LONG["name"]))
     sec = _parse(page)["tilemix"]
     assert len(sec["imgs"]) == 1 and _is_png(sec["imgs"][0]) and sec["tables"] == {"frontier": 1 + 60}
     assert 'href="#tilemix"' in page and "NVIDIA H200" in page
@@ -298,7 +299,7 @@ def test_tilemix_frontier_section_from_the_committed_h200_rows(tilemix_db, two_n
     ax_speed, ax_err = block.figures[0].axes
     assert len(ax_speed.get_lines()) == 3 * 4 + 1  # one line per template and length, and SDPA's level
     with Database(two_nights, read_only=True) as db:  # another workload's run: the section says nothing
-        assert report.tilemix_frontier(report.ReportContext(db, "mamba-130m-night1-aaaa", "mamba-130m")) is None
+        assert report.tilemix_frontier(report.ReportContext(ReportReader(db), "mamba-130m-night1-aaaa", "mamba-130m")) is None
 
 
 def test_tilemix_frontier_scope_prefers_the_run(tilemix_db):

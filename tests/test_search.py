@@ -378,7 +378,7 @@ H200_BLOCK_TRIALS = [(30.76, 196.43), (21.48, 104.21), (17.67, 95.03), (30.88, 1
 
 
 def test_best_proposals_rank_by_the_searchs_pooled_reference_not_each_trials_own(tmp_path):
-    from llm4llm.stages.accept import best_proposals
+    from tasks.acceptance import best_proposals
     from storage import repo
     from storage.db import Database
 

@@ -228,7 +228,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
     from flows.nightly import nightly_workload
     from llm4llm import isolation
-    from llm4llm.stages import profile as profile_stage
+    from tasks import profiling as profiling_tasks
 
     def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, outputs=None, readable=None,
                         extra_env=None, box=None, **kwargs):
@@ -247,7 +247,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     cfg = OptimizeConfig(search={"budget": 1, "top": 1, "families": ["norm"]},
                          evaluate={"variants": ["eager"], "repeats": 1})
     one = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
-    real, calls = profile_stage.record_profile, []
+    real, calls = profiling_tasks.record_profile_rows, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -255,7 +255,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
             raise OSError("injected: the database volume is unavailable")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profile_stage, "record_profile", flaky)  # where tasks/profiling.py looks it up
+    monkeypatch.setattr(profiling_tasks, "record_profile_rows", flaky)  # where the record-profile task looks it up
     two = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
     assert len(calls) == 2  # failed once, retried once
     assert one["run_id"] != two["run_id"] and one["profile_path"] == two["profile_path"]  # cached profile
@@ -316,6 +316,7 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     version that fails tonight -> rollback to the last one that passes (v1), and with none that passes -> none."""
     from kernels_runtime.bundle import save_bundle
     from llm4llm import nightly, service
+    from tasks import service as service_tasks
     from tests.test_runtime import RMSNORM_SOURCE, rmsnorm_bundle
 
     # in this process (the flow runs each check in its own): the same check, without a process start per bundle
@@ -328,8 +329,8 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     bad = str(save_bundle(rmsnorm_bundle(source=wrong), tmp_path / "bad"))
 
     def night(run_id: str, candidate: str | None) -> dict:
-        current = nightly.current_validation(str(w.cpu), db)
-        return nightly.service_decision(str(w.cpu), run_id, candidate, current, db, data)
+        current = service_tasks.current_validation(str(w.cpu), db)
+        return service_tasks.service_decision(str(w.cpu), run_id, candidate, current, db, data)
 
     home = Path(data) / "bundles" / "tiny-llama"
     first = night("n1", good)

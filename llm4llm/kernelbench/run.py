@@ -1,10 +1,11 @@
 """`llm4llm kernelbench DIR`: each problem becomes a task, searched by the existing search and judged by the existing
 verifier (KernelBench's protocol on top of every gate); every trial is a `candidates` row, every problem a
-`kernelbench_results` row (migration 007)."""
+`kernelbench_results` row (migration 007), written through the callables tasks/kernelbench.py passes in."""
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 from llm4llm.kernelbench.problem import make_task, problem_id, select
 from llm4llm.taskspec import load_spec
@@ -27,19 +28,20 @@ def kb_proposer(kind: str, seed: int = 0, llm=None):
     return LLMProposer(cfg) if kind == "llm" else HybridProposer(LLMProposer(cfg), lib, cfg.hybrid_share)
 
 
-def run_kernelbench(directory: str, *, problems: str | None = None, budget: int = 4, modes: list[str] | None = None,
-                    proposer: str = "library", device: str = "cpu", db_path: str | None = None,
-                    data_dir: str | None = None, timeout_s: float = 600.0, seed: int = 0, llm=None,
-                    kb_run_id: str | None = None, on_problem=None) -> tuple[str, list[dict]]:
-    from llm4llm.stages.search import run_task_search
-    from storage import repo
-    from storage.db import Database, data_home
-
+def run_problems(directory: str, data_dir: str, search: Callable[..., dict], trials: Callable[[str], Any],
+                 record: Callable[[dict], None], *, problems: str | None = None, budget: int = 4,
+                 modes: list[str] | None = None, proposer: str = "library", device: str = "cpu",
+                 timeout_s: float = 600.0, seed: int = 0, llm=None, kb_run_id: str | None = None,
+                 on_problem=None) -> tuple[str, list[dict]]:
+    """Each selected problem as a task under `data_dir`, searched per mode. search(task_dir, **options): one
+    task's search with its rows recorded, returning its summary; trials(search_id): that search's `candidates`
+    rows (a DataFrame); record(row): a problem's `kernelbench_results` row. tasks/kernelbench.py wires them to
+    DuckDB."""
     modes = modes or ["episodic"]
     for m in modes:
         if m not in MODES:
             raise ValueError(f"--mode: expected one of {MODES}, got {m!r}")
-    data = Path(data_dir) if data_dir else data_home()
+    data = Path(data_dir)
     root = data / "kernelbench-tasks"
     kb_run_id = kb_run_id or f"kb-{uuid.uuid4().hex[:10]}"
     hardware = {"device": device}
@@ -56,28 +58,21 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
             if not usable:
                 row["skipped_reason"] = "; ".join(f"{k}: {v}" for k, v in reasons.items())[:2000]
             else:
-                summary = run_task_search(str(task_dir), db_path, str(data), mode=mode, budget=budget,
-                                          proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
-                                          run_id=kb_run_id, use_prior=False, proposer_obj=prop)
+                summary = search(str(task_dir), mode=mode, budget=budget, proposer=proposer, device=device,
+                                 timeout_s=timeout_s, seed=seed, run_id=kb_run_id, proposer_obj=prop)
                 row.update(search_id=summary["search_id"], trials=summary["trials"])
-                _fill_best(row, summary, db_path)
-            with Database(db_path) as db:
-                repo.record_kb_result(db, row)
+                _fill_best(row, trials(summary["search_id"]))
+            record(row)
             rows.append(row)
             if on_problem:
                 on_problem(row)
     return kb_run_id, rows
 
 
-def _fill_best(row: dict, summary: dict, db_path: str | None) -> None:
-    """The search's best passing trial (by speedup over eager) into the problem's row."""
+def _fill_best(row: dict, df) -> None:
+    """The search's best passing trial (by speedup over eager) into the problem's row; `df`: its candidates."""
     import json
 
-    from storage import repo
-    from storage.db import Database
-
-    with Database(db_path) as db:
-        df = repo.candidate_rows(db, search_id=summary["search_id"])
     ok = df[df["passed"]]
     if ok.empty:
         return

@@ -1,5 +1,6 @@
-"""Experience between search rounds: a task's stored experience (earlier searches, acceptance rejections), and an
-acceptance rejection turned into experience for the task's next search."""
+"""Experience between search rounds: a task's stored experience records (earlier searches, acceptance rejections) as
+Experience, and an acceptance rejection turned into experience for the task's next search. The records are read
+from DuckDB by tasks/search.py."""
 from __future__ import annotations
 
 
@@ -31,18 +32,17 @@ def rejection_experience(decision, proposal):
                       notes=[f"rejected at deployment (in the model, through the script): {decision.reason[:300]}"])
 
 
-def prior_experience(db, task_id: str) -> list:
-    """The task's experience from earlier searches and acceptance rounds, oldest first (invalid records skipped)."""
+def experience_of(records: list[dict]) -> list:
+    """A task's stored experience records (earlier searches and acceptance rounds, oldest first) as Experience;
+    invalid records are skipped."""
     from pydantic import ValidationError
 
     from llm4llm.search.types import Experience
-    from storage import repo
 
     out = []
-    for rec in repo.experience_records(db, task_id):
+    for rec in records:
         try:
             out.append(Experience.model_validate(rec))
         except ValidationError:
             continue
     return out
-

@@ -1,5 +1,5 @@
-"""The extract stage: capture the profiled hotspots as task artifacts and the run's task index (`tasks.json`), and
-record the index in DuckDB."""
+"""The extract stage: capture the profiled hotspots as task artifacts and the run's task index (`tasks.json`). The index
+reaches DuckDB through tasks/extraction.py."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,6 @@ from pathlib import Path
 
 from llm4llm.stages.common import _build, _free, _write_json
 from llm4llm.stages.profile import load_profile, run_profile
-from storage.rows import task_row
 
 
 def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0,
@@ -50,13 +49,3 @@ def extract_to_temp(workload_path: str, prefix: str = "llm4llm-") -> list:
     run_extract(workload_path, run_profile(workload_path, data), data)
     root = Path(data) / "tasks"
     return [load_task(d, with_cases=False) for d in sorted(root.iterdir()) if (d / "spec.json").exists()]
-
-
-def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
-    from storage import repo
-    from storage.db import Database
-
-    index = json.loads(Path(index_path).read_text())
-    with Database(db_path) as db:
-        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
-

@@ -1,4 +1,5 @@
-"""The profile stage: profile the workload per phase into `profile.json`, record it in DuckDB, rank its hotspots."""
+"""The profile stage: profile the workload per phase into `profile.json`, read it back, rank its hotspots. Its rows
+reach DuckDB through tasks/profiling.py."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ from pathlib import Path
 
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
 from llm4llm.stages.common import _build, _free, _write_json, new_run_id
-from storage.rows import profile_row, run_row
 
 
 def run_profile(workload_path: str, data_dir: str) -> str:
@@ -20,8 +20,8 @@ def run_profile(workload_path: str, data_dir: str) -> str:
     progress.start(f"profile:{workload_path}", f"profile {Path(workload_path).stem}", None)
     wl, model, run_fn = _build(workload_path)
     started = datetime.now(timezone.utc).replace(tzinfo=None)
-    # On the GPU each phase reports the median of 3 recorded runs: one host stall (seen once: a 0.5 s v_proj call
-    # in 63 decode steps of qwen3-4b) must not make one module look like the hotspot.
+    # On the GPU each phase reports the median of 3 recorded runs: one host stall must not make one module look
+    # like the hotspot.
     repeats = 3 if wl.device.startswith("cuda") else 1
     result = profile_model(model, run_fn, device=wl.device, phase_weights=wl.phase_weights, repeats=repeats)
     run_id = new_run_id(wl.name)
@@ -50,27 +50,6 @@ def load_profile(profile_path: str) -> tuple[dict, ProfileResult]:
         timer=p["timer"],
     )
     return payload, result
-
-
-def record_profile(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
-    """Write the run and its profile rows to DuckDB in one transaction. Idempotent for a cached profile, unless
-    new_run: then a profile whose run is recorded already is recorded again under a new run id (its `profile_of`
-    names the run that measured it), so that a run served from the cache still has rows of its own."""
-    from storage import repo
-    from storage.db import Database
-
-    payload, result = load_profile(profile_path)
-    run_id, profile_of = payload["run_id"], None
-    started = payload["started_at"]
-    with Database(db_path) as db:
-        if repo.get_run(db, run_id) is not None:
-            if not new_run:
-                return run_id
-            run_id, profile_of = new_run_id(payload["workload_name"]), run_id
-            started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
-        run = run_row(payload, result, run_id, started, profile_of, str(Path(profile_path).parent))
-        repo.record_profile_run(db, run, workload, [profile_row(r) for r in result.records])
-    return run_id
 
 
 def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRecord]:

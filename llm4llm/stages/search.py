@@ -1,17 +1,40 @@
-"""The search stage: proposers, one task's search (locally, every row written as it happens; or away from the flow,
-every row returned for the flow to write), which tasks a search fans out to, the built-in templates' applicability
-checks, and the run's template coverage."""
+"""The search stage: proposers, one task's search (locally, each row handed to a SearchRecorder as it happens; or away
+from the flow, on a verifier worker of its own), which tasks a search fans out to, the built-in templates'
+applicability checks, and the run's template coverage. It reads and writes no database: tasks/search.py passes in
+what was stored (experience, recorded checks, the run's tasks) and a recorder that writes the rows
+(storage/recorders.py)."""
 from __future__ import annotations
 
-import json
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable, Protocol
 
 from llm4llm import isolation
 from llm4llm.stages.common import code_version
-from llm4llm.stages.experience import prior_experience
-from storage.rows import candidate_row, episode_rows, finished_search_row, llm_call_row, search_end, search_row
+
+
+class SearchRecorder(Protocol):
+    """Where a search's rows go as it runs: storage/recorders.py writes them to DuckDB as they happen (a local
+    search) or collects them for the flow to write (a search away from the flow)."""
+
+    def start(self, search_id: str, task_id: str, run_id: str | None, mode: str, proposer: str,
+              budget: int) -> None: ...
+
+    def trial(self, candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
+              source_path: str) -> bool:
+        """Record one verified candidate; returns whether it passed."""
+
+    def llm_call(self, call, search_id: str, task_id: str) -> None: ...
+
+    def end(self, search_id: str, task_id: str, result) -> None:
+        """Record the search's episodes (with their experience) and its end."""
+
+    def abort(self, search_id: str, trials: int, passed: int) -> None:
+        """Close the search's row with what it did before it failed."""
+
+
+# task dir -> the task's template checks (one dict per template of its family): tasks/search.check_applicability
+CheckFn = Callable[[str], list]
 
 
 def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
@@ -36,28 +59,28 @@ def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
     return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed, templates=templates), cfg.hybrid_share)
 
 
-def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
-                    proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
-                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
-                    decode_timing: str = "launch", proposer_obj=None) -> dict:
-    """Search one task; every trial becomes a `candidates` row as it is verified, every episode an `episodes` row
-    and an `experience` record. Returns a small summary. decode_timing: "graph" times decode candidates by GPU time
-    under CUDA-graph replay (a run whose decode steps replay from graphs), "graph_prefill" prefill candidates too
-    (a run whose prompt forward replays from graphs as well), "launch" back to back."""
+def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, mode: str = "episodic",
+                    budget: int = 15, proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0,
+                    seed: int = 0, run_id: str | None = None, llm: dict | None = None, prior: list | None = None,
+                    decode_timing: str = "launch", proposer_obj=None, check: CheckFn | None = None) -> dict:
+    """Search one task; every trial goes to `recorder` as it is verified (its source under the data dir), every
+    episode with its experience at the end. Returns a small summary. prior: the task's stored experience
+    (Experience records, oldest first). check: the task's template checks, which pick the built-in templates the
+    library and hybrid proposers may use (needed for them unless proposer_obj is given). decode_timing: "graph"
+    times decode candidates by GPU time under CUDA-graph replay (a run whose decode steps replay from graphs),
+    "graph_prefill" prefill candidates too (a run whose prompt forward replays from graphs as well), "launch" back
+    to back."""
     from llm4llm import progress
     from llm4llm.search.episode import run_search
+    from llm4llm.search.applicability import NOT_COVERED
     from llm4llm.taskspec import load_spec
-    from storage import repo
-    from storage.db import Database
 
     spec = load_spec(Path(task_dir))
     templates = None
     if proposer_obj is None and proposer in ("library", "hybrid"):  # the built-in templates that compute what this module does
-        from llm4llm.search.applicability import NOT_COVERED
         from llm4llm.search.templates import TEMPLATES
 
-        checks = check_applicability(task_dir, db_path, run_id, device, timeout_s, decode_timing)
-        templates = applicable_templates_of(TEMPLATES, checks)
+        templates = applicable_templates_of(TEMPLATES, check(task_dir))
         if not templates and proposer == "library":
             print(f"search: {spec.task_id} {NOT_COVERED} (no trial spent)")
             return {"search_id": None, "task_id": spec.task_id, "trials": 0, "pass_rate": 0.0,
@@ -70,51 +93,49 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
     archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id
     cand_dir.mkdir(parents=True, exist_ok=True)
-    search_kw = {}
-    llm_backed = hasattr(prop, "on_call")  # LLMProposer, or HybridProposer (forwards to its LLM)
-    if llm_backed:
-        search_kw["samples_per_step"] = prop.config.samples_per_step
-        if not prop.config.transcript_path:  # the LLM's JSONL transcripts sit next to the episode archive
-            escaped = str(archive_dir).replace("{", "{{").replace("}", "}}")
-            prop.transcript_path = f"{escaped}/llm-e{{episode}}.jsonl"
+    search_kw = _llm_search_kw(prop, archive_dir, only_unset=True)
+    llm_backed = bool(search_kw)  # LLMProposer, or HybridProposer (forwards to its LLM)
 
     def verify(task_path, source):
         with lock:
             return pool.verify(task_path, source)
 
-    with Database(db_path) as db:
-        repo.record_search_start(db, search_row(search_id, spec.task_id, run_id, mode, prop.name, budget))
-        if llm_backed:  # every request attempt is an llm_calls row, written as it happens (from worker threads)
-            prop.on_call = lambda call: repo.record_llm_call(db, llm_call_row(call, search_id, spec.task_id))
-        counts = {"trials": 0, "passed": 0}
+    recorder.start(search_id, spec.task_id, run_id, mode, prop.name, budget)
+    if llm_backed:  # every request attempt is recorded as it happens (from worker threads)
+        prop.on_call = lambda call: recorder.llm_call(call, search_id, spec.task_id)
+    counts = {"trials": 0, "passed": 0}
 
-        def on_trial(candidate, verdict, episode, iteration):
-            src = cand_dir / f"{candidate.id}.py"
-            src.write_text(candidate.source)
-            row = candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration, str(src))
-            repo.record_candidate(db, row)
-            progress.advance(search_id)
-            counts["trials"] += 1
-            counts["passed"] += int(row["passed"])
+    def on_trial(candidate, verdict, episode, iteration):
+        src = cand_dir / f"{candidate.id}.py"
+        src.write_text(candidate.source)
+        passed = recorder.trial(candidate, verdict, spec.task_id, search_id, episode, iteration, str(src))
+        progress.advance(search_id)
+        counts["trials"] += 1
+        counts["passed"] += int(passed)
 
-        progress.start(search_id, f"search {spec.task_id} ({mode})", budget)
-        # earlier searches and acceptance rejections of this task (off for controlled comparisons, e.g. ablations)
-        prior = prior_experience(db, spec.task_id) if use_prior else []
-        try:
-            result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
-                                on_trial=on_trial, archive_dir=archive_dir, prior=prior, **search_kw)
-        except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
-            repo.record_search_end(db, search_id, counts["trials"], counts["passed"], None, None)
-            raise
-        finally:
-            if llm_backed:
-                prop.on_call = None  # the database closes with this block
-        for row, experience in episode_rows(result, search_id):
-            repo.record_episode(db, row, experience, spec.task_id)
-        end = search_end(result)
-        repo.record_search_end(db, search_id, end["trials"], end["passed"], end["best_candidate_id"],
-                               end["best_utility"])
+    progress.start(search_id, f"search {spec.task_id} ({mode})", budget)
+    try:
+        result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
+                            on_trial=on_trial, archive_dir=archive_dir, prior=list(prior or []), **search_kw)
+    except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
+        recorder.abort(search_id, counts["trials"], counts["passed"])
+        raise
+    finally:
+        if llm_backed:
+            prop.on_call = None  # the recorder's database may close after this search
+    recorder.end(search_id, spec.task_id, result)
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
+
+
+def _llm_search_kw(prop, archive_dir: Path, only_unset: bool) -> dict:
+    """An LLM-backed proposer's search options ({} for the others); its JSONL transcripts go next to the episode
+    archive (only_unset: unless its config names a transcript path)."""
+    if not hasattr(prop, "on_call"):  # LLMProposer, or HybridProposer (forwards to its LLM)
+        return {}
+    if not (only_unset and prop.config.transcript_path):
+        escaped = str(archive_dir).replace("{", "{{").replace("}", "}}")
+        prop.transcript_path = f"{escaped}/llm-e{{episode}}.jsonl"
+    return {"samples_per_step": prop.config.samples_per_step}
 
 
 def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
@@ -132,28 +153,15 @@ def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
 
 # ---- searches away from the flow (a task runner's workers: Ray, one GPU each) ----------------------------------
 
-def remote_search_input(task_dir: str, db_path: str | None) -> dict:
-    """What a search away from the flow needs, read in the flow: the task directory as bytes (a worker on another
-    machine does not see the flow's data directory) and the task's stored experience (it cannot read DuckDB)."""
-    from llm4llm.scale import pack_dir
-    from llm4llm.taskspec import load_spec
-    from storage.db import Database
-
-    spec = load_spec(Path(task_dir))
-    with Database(db_path) as db:
-        prior = [json.loads(e.to_json()) for e in prior_experience(db, spec.task_id)]
-    return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
-
-
-def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget: int = 15,
+def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, *, mode: str = "episodic", budget: int = 15,
                 proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
                 run_id: str | None = None, llm: dict | None = None, decode_timing: str = "launch",
-                prior: list[dict] | None = None) -> dict:
-    """Search one task and write nothing to the database: return every row instead (the search, its candidates
-    with their sources, its episodes with experience and transcripts, LLM calls), for the flow to write with
-    record_search_rows, so DuckDB keeps one writer however many machines evaluate. Verifies on a verifier worker of
-    its own, started for this search and closed after it (a pooled Ray worker may hold another GPU next time);
-    `work_dir` holds the transcripts until they are read back into the rows."""
+                prior: list[dict] | None = None) -> tuple[dict, dict]:
+    """Search one task away from the flow: every row goes to `recorder` (storage.recorders.SearchRows collects them
+    for the flow to write, so DuckDB keeps one writer however many machines evaluate). Verifies on a verifier worker
+    of its own, started for this search and closed after it (a pooled Ray worker may hold another GPU next time);
+    `work_dir` holds the transcripts until they are read back. prior: the task's experience records. Returns (the
+    search's summary, the LLM's transcript files by name)."""
     from llm4llm.search.episode import run_search
     from llm4llm.search.types import Experience
     from llm4llm.taskspec import load_spec
@@ -163,18 +171,14 @@ def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget:
     prop = make_proposer(proposer, seed, llm)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(work_dir) / "archive"
-    started = datetime.now(timezone.utc).replace(tzinfo=None)
-    search_kw, calls, candidates = {}, [], []
-    llm_backed = hasattr(prop, "on_call")
+    recorder.start(search_id, spec.task_id, run_id, mode, prop.name, budget)
+    search_kw = _llm_search_kw(prop, archive_dir, only_unset=False)
+    llm_backed = bool(search_kw)
     if llm_backed:
-        search_kw["samples_per_step"] = prop.config.samples_per_step
-        escaped = str(archive_dir).replace("{", "{{").replace("}", "}}")
-        prop.transcript_path = f"{escaped}/llm-e{{episode}}.jsonl"
-        prop.on_call = lambda call: calls.append(llm_call_row(call, search_id, spec.task_id))
+        prop.on_call = lambda call: recorder.llm_call(call, search_id, spec.task_id)
 
     def on_trial(candidate, verdict, episode, iteration):
-        candidates.append({"row": candidate_row(candidate, verdict, spec.task_id, search_id, episode, iteration, ""),
-                           "source": candidate.source})
+        recorder.trial(candidate, verdict, spec.task_id, search_id, episode, iteration, "")
 
     pool = VerifierPool(device, timeout_s, decode_timing=decode_timing)
     try:
@@ -183,66 +187,24 @@ def search_rows(task_dir: str, work_dir: str, *, mode: str = "episodic", budget:
                             prior=[Experience.model_validate(p) for p in prior or []], **search_kw)
     finally:
         pool.close()
-    episodes = []
-    for row, experience in episode_rows(result, search_id):
-        t = Path(row["transcript_path"]) if row["transcript_path"] else None
-        episodes.append({"row": row, "experience": experience, "transcript_name": t.name if t else None,
-                         "transcript": t.read_text() if t and t.exists() else None})
+    recorder.end(search_id, spec.task_id, result)
     files = {f.name: f.read_text() for f in archive_dir.glob("llm-e*.jsonl")}
-    finished = datetime.now(timezone.utc).replace(tzinfo=None)
-    return {"search": finished_search_row(search_row(search_id, spec.task_id, run_id, mode, prop.name, budget),
-                                          started, finished, result),
-            "candidates": candidates, "episodes": episodes, "llm_calls": calls, "files": files,
-            "summary": search_summary(search_id, spec.task_id, result, prop if llm_backed else None)}
+    return search_summary(search_id, spec.task_id, result, prop if llm_backed else None), files
 
 
-def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
-    """Write what search_rows returned, in the flow: sources and transcripts under the data dir (where a local
-    search puts them), then every row in one transaction. Returns the search's summary."""
-    from storage import repo
-    from storage.db import Database
-
-    search, task_id = rows["search"], rows["search"]["task_id"]
-    cand_dir = Path(data_dir) / "candidates" / task_id
-    archive = Path(data_dir) / "searches" / search["search_id"]
-    cand_dir.mkdir(parents=True, exist_ok=True)
-    archive.mkdir(parents=True, exist_ok=True)
-    candidates = []
-    for c in rows["candidates"]:
-        src = cand_dir / f"{c['row']['candidate_id']}.py"
-        src.write_text(c["source"])
-        candidates.append({**c["row"], "source_path": str(src)})
-    episodes = []
-    for e in rows["episodes"]:
-        row = dict(e["row"])
-        if e["transcript_name"] and e["transcript"] is not None:
-            (archive / e["transcript_name"]).write_text(e["transcript"])
-            row["transcript_path"] = str(archive / e["transcript_name"])
-        episodes.append((row, e["experience"]))
-    for name, text in rows.get("files", {}).items():
-        (archive / name).write_text(text)
-    with Database(db_path) as db:
-        repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
-    return rows["summary"]
-
-
-def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
-                         top: int | None, proposer: str = "library", device: str | None = None,
-                         timeout_s: float = 120.0, decode_timing: str = "launch",
+def searchable_task_dirs(tasks, task_ids: list[str] | None, families: list[str] | None, top: int | None,
+                         proposer: str = "library", check: CheckFn | None = None,
                          phases: list[str] | None = None) -> list[str]:
-    """The task dirs a search fans out to: deployable tasks (of `task_ids`, `families`, `phases`), hottest first, the top
-    N of them. With the library proposer alone, tasks no built-in template applies to are left out before the top N
-    is taken (a search of them spends no trial: on the H200 two of RecurrentGemma's five searched tasks were such),
-    and each is named with why; the LLM proposers can write for any task. With `device`, "applies" is decided by
-    computation (`check_applicability`, hottest first until N tasks are covered), else by the templates' scope."""
+    """The task dirs a search fans out to, from the run's `tasks` rows (a DataFrame): deployable tasks (of
+    `task_ids`, `families`, `phases`), hottest first, the top N of them. With the library proposer alone, tasks no
+    built-in template applies to are left out before the top N is taken (a search of them would spend no trial),
+    and each is named with why; the LLM proposers can write for any task. With `check` (the task's template
+    checks), "applies" is decided by computation (hottest first until N tasks are covered), else by the templates'
+    scope."""
     from llm4llm.search.builtin import LibraryProposer
     from llm4llm.taskspec import load_spec
-    from storage import repo
-    from storage.db import Database
 
-    with Database(db_path) as db:
-        df = repo.task_rows(db, run_id)
-    df = df[df["deployable"] & df["artifact_path"].notna()]
+    df = tasks[tasks["deployable"] & tasks["artifact_path"].notna()]
     if task_ids:
         df = df[df["task_id"].isin(task_ids)]
     if families:
@@ -261,8 +223,8 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
                 why = "; ".join(library.skipped(spec).values()) or f"no template for {spec.family}/{spec.phase}"
                 print(f"search: {spec.task_id} left out, no built-in template applies ({why[:300]})")
                 continue
-            if device is not None:
-                checks = check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+            if check is not None:
+                checks = check(d)
                 if not any(c["applicable"] for c in checks):
                     why = "; ".join(f"{c['template']}: {c['reason']}" for c in checks)
                     print(f"search: {spec.task_id} left out, no built-in template computes what it does "
@@ -273,38 +235,46 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
     return dirs[:top] if top else dirs
 
 
-def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, device: str,
-                        timeout_s: float = 120.0, decode_timing: str = "launch") -> list[dict]:
-    """The task's template checks (llm4llm.search.applicability): recorded ones of this code version when every
-    template of its family has one, else run now in the device's verifier worker (correctness on the captured
-    cases only: no budget) and written to `template_checks`. Returns one dict per template of the family."""
+def family_templates(spec) -> set[str]:
+    """The names of the built-in templates of the task's family and phase (each gets an applicability check)."""
+    from llm4llm.search.templates import TEMPLATES
+
+    return {t.name for t in TEMPLATES if t.family == spec.family and spec.phase in t.phases}
+
+
+def recorded_checks(records: list[dict], names: set[str]) -> list[dict] | None:
+    """The task's recorded template checks (`template_checks` rows of this code version), when every template of
+    its family has one; else None (they are run again)."""
+    import json
+
+    if not names <= {r["template"] for r in records}:
+        return None
+    return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in records if r["template"] in names]
+
+
+def run_template_checks(task_dir: str, run_id: str | None, device: str, timeout_s: float = 120.0,
+                        decode_timing: str = "launch") -> list[dict]:
+    """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker: correctness
+    on the captured cases only, no budget. Returns one `template_checks` row per template of its family."""
     from llm4llm.search.applicability import check_templates
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_spec
-    from storage import repo
-    from storage.db import Database
 
     spec = load_spec(Path(task_dir))
-    names = {t.name for t in TEMPLATES if t.family == spec.family and spec.phase in t.phases}
-    with Database(db_path) as db:
-        df = repo.template_check_rows(db, [spec.task_id], code_version())
-    if names <= set(df["template"]):
-        return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in df.to_dict("records")
-                if r["template"] in names]
     pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
 
     def verify(path, source):
         with lock:
             return pool.verify(path, source, draws=0, timing=False)
 
-    rows = [{**c.row(spec.task_id, run_id), "code_version": code_version()}
+    return [{**c.row(spec.task_id, run_id), "code_version": code_version()}
             for c in check_templates(Path(task_dir), spec, TEMPLATES, verify)]
-    with Database(db_path) as db:
-        repo.record_template_checks(db, rows)
+
+
+def report_inapplicable(task_id: str, rows: list[dict]) -> None:
     for r in rows:
         if not r["applicable"] and r["stage"] == "computation":
-            print(f"applicability: {r['template']} inapplicable to {spec.task_id}: {r['reason'][:300]}")
-    return rows
+            print(f"applicability: {r['template']} inapplicable to {task_id}: {r['reason'][:300]}")
 
 
 def applicable_templates_of(templates, checks: list[dict]) -> list:
@@ -315,19 +285,15 @@ def applicable_templates_of(templates, checks: list[dict]) -> list:
     return applicable_templates(templates, [TemplateCheck(**{k: c.get(k) for k in fields}) for c in checks])
 
 
-def coverage_table(run_id: str, db_path: str | None) -> dict:
-    """Per deployable task of a run: the built-in templates that compute what its module does, those found
-    inapplicable and why, the templates tried, trials (and wrong-output trials), whether a patch was accepted, and
-    the task's share of its phase's time; per phase, the share some accepted patch covers (instances of an accepted
-    task nested in another accepted task's instances are counted once). {"tasks": [...], "phases": {...}}."""
+def coverage_table(cov, checks) -> dict:
+    """Per deployable task of a run (`cov`: its storage.repo.coverage_rows; `checks`: its tasks' template checks):
+    the built-in templates that compute what its module does, those found inapplicable and why, the templates tried,
+    trials (and wrong-output trials), whether a patch was accepted, and the task's share of its phase's time; per
+    phase, the share some accepted patch covers (instances of an accepted task nested in another accepted task's
+    instances are counted once). {"tasks": [...], "phases": {...}}."""
     from llm4llm.search.applicability import NOT_COVERED
     from llm4llm.taskspec import load_spec
-    from storage import repo
-    from storage.db import Database
 
-    with Database(db_path) as db:
-        cov = repo.coverage_rows(db, run_id)
-        checks = repo.template_check_rows(db, list(cov["task_id"]))
     by_task: dict[str, list[dict]] = {}
     for r in checks.to_dict("records"):
         by_task.setdefault(r["task_id"], []).append(r)

@@ -41,7 +41,7 @@ def main() -> None:
     from flows.optimize import optimize_workload
     from llm4llm.config import OptimizeConfig
     from llm4llm import isolation
-    from llm4llm.stages.search import run_task_search
+    from tasks.search import run_task_search
     from storage import repo
     from storage.db import Database
 
