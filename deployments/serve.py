@@ -15,7 +15,7 @@ from pathlib import Path
 from deployments.triggers import EVENT, RESOURCE_PREFIX, workload_files
 
 NIGHTLY_START = "03:00"
-STAGGER_MIN = 45  # about one nightly run of a large workload on the H200 (optimize 300-400 s, e2e, validation)
+STAGGER_MIN = 45  # room for one nightly run of a large workload on one GPU (optimize, e2e, validation)
 ON_CHANGE_STAGES = ("profile", "extract")
 
 

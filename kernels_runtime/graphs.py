@@ -1,8 +1,8 @@
 """CUDA-graph replay of a model's one-token decode step (and, for Mamba / Mamba2 caches, of its prompt's forward).
 
 A decode step of a small or state-space model is host-bound: every launch costs the host more than the GPU spends
-on it (docs/results/2026-11-30-h200-b: a Triton call ~61 µs back to back, the GPU work of a Mamba-130M layer a few
-µs). Replacing kernels cannot remove that cost; replaying the whole step as one CUDA graph does. This module wraps
+on it (a Triton call's host time is tens of µs, a small layer's GPU work a few µs: docs/results/2026-11-30-h200-b).
+Replacing kernels cannot remove that cost; replaying the whole step as one CUDA graph does. This module wraps
 the top-level model's `forward` (an instance attribute, as patch.py does for modules) so that a decode call
 
   * input_ids [B, 1] (no inputs_embeds), every other tensor argument of a fixed shape,
@@ -30,8 +30,8 @@ given back copies of its state, so two live caches never share storage.
 
 A prompt's forward (input_ids [B, L], L > 1) on a fresh cache whose every layer is a LinearAttentionLayer (Mamba,
 Mamba2: the prefill allocates the state and writes it whole) is graphed per prompt signature too, from the
-signature's second call (`_prefill_call`): on a small model it is host-bound (Mamba-130M's patched prefill on the
-H200: 6.5 ms of kernels in 28.8 ms of wall). The graph records the prefill on a private fresh copy of the cache, so
+signature's second call (`_prefill_call`): on a small model it is host-bound (its kernels take a fraction of its
+wall time). The graph records the prefill on a private fresh copy of the cache, so
 its state tensors come from the graph's pool; a replay hands them to the caller's cache with the bookkeeping the eager
 prefill left there (flags, kernel sizes), and a cache still holding them from an earlier replay gets copies first.
 A prefill that assigns state kept on modules is refused. `enable_decode_graphs(prefill=False)` leaves prefill eager.
@@ -527,7 +527,7 @@ class DecodeGraphs:
     errors: dict[tuple, str] = field(default_factory=dict)  # the traceback of each failed capture, for diagnosis
     notes: list[str] = field(default_factory=list)  # checks passed by rel-L2 rather than elementwise (REL_L2_BOUND)
     # (entry, cache weakref, light key, [(state dict, index, graph buffer)]) of the last replay: a decode loop calls
-    # with the same signature and cache every step, and the full checks cost ~3 µs per state tensor on the host
+    # with the same signature and cache every step, and the full checks cost host time for every state tensor
     _fast: tuple | None = None
     _takes_positions: bool | None = None
     # Prefill graphs (see _prefill_call): caches of PREFILL_LAYERS only, one graph per prompt signature, captured on
@@ -763,11 +763,11 @@ class DecodeGraphs:
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_call(self, kwargs: dict):
         """A prompt's forward (input_ids [B, L], L > 1) on a fresh cache of PREFILL_LAYERS: on a small model it is
-        host-bound (on the H200 Mamba-130M's patched prefill ran 6.5 ms of kernels in 28.8 ms, a Triton launch every
-        81 µs, 2026-11-30-h200-g). Its first call of a signature runs eagerly; the second captures (the call itself
-        runs eagerly, then the graph is recorded from a fresh copy of the cache and replayed once against it); later
-        ones replay and hand the caller's cache the graph's state tensors and the bookkeeping the eager prefill left
-        (flags, kernel sizes). A cache given them earlier and still holding them gets copies first."""
+        host-bound (its Triton launches cost the host more than its kernels take the GPU:
+        docs/results/2026-11-30-h200-g). Its first call of a signature runs eagerly; the second captures (the call
+        itself runs eagerly, then the graph is recorded from a fresh copy of the cache and replayed once against it);
+        later ones replay and hand the caller's cache the graph's state tensors and the bookkeeping the eager prefill
+        left (flags, kernel sizes). A cache given them earlier and still holding them gets copies first."""
         try:
             if kwargs.get("inputs_embeds") is not None:
                 raise NotGraphable("inputs_embeds given")
@@ -902,12 +902,12 @@ class DecodeGraphs:
 
 
 # A replay against the eager step: a graph runs the same kernels, yet a deep 16-bit model's results can differ by
-# rounding (on the H200, random weights: Qwen3-4B's second-step logits off by rel-L2 1.7e-2, where the model's own
-# bf16-vs-fp32 noise is 3.6e-2 rel-L2 per step, the acceptance floor; Llama-2-7B's and Qwen3's K/V rows off by
-# 0.016-0.031 in single elements, so that one of two identical runs captured and the other refused). A tensor passes
+# rounding (logits off by less than the model's own bf16-vs-fp32 noise, the acceptance floor; single K/V elements off
+# by a few hundredths, so that an elementwise table alone would capture one of two identical runs and refuse the
+# other). A tensor passes
 # the elementwise table or, failing it, a relative-L2 bound: tolerances.FLOOR_MAX_REL_L2 for 16-bit, the largest
 # rounding allowance the acceptance metric grants. For state the bound applies to what the step wrote (the change
-# from the state before it), so a write in the wrong place (a KV row at a frozen position: rel-L2 1.4-1.7) or a missing
+# from the state before it), so a write in the wrong place (a KV row at a frozen position: rel-L2 above 1) or a missing
 # update fails however small it is against the whole cache; integer state (write positions) must match exactly.
 # Acceptance then re-checks the graphed model's teacher-forced logits over the whole generation.
 REL_L2_BOUND: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: FLOOR_MAX_REL_L2,

@@ -603,7 +603,7 @@ def _time_us(fn: Callable, args: tuple, kwargs: dict, calls: int, warmup: int, s
     """Per-call time of `fn(*args, **kwargs)` called back to back, as a decode step issues its modules: `calls`
     calls per sample, one synchronize before and after each sample on CUDA, median over `samples`. The identity
     kernel issues no GPU work, so its time is the host's alone (a synchronize per call would add its own latency,
-    5-10 µs on the H200 host, to what is measured)."""
+    several µs, to what is measured)."""
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
     for _ in range(warmup):
         fn(*args, **kwargs)

@@ -64,8 +64,8 @@ def profile_model(
         _synchronize(device)
         before = dict(tracker.forwards)
         # No garbage collection inside timed runs: the timers' own event objects grow the heap, and a collection
-        # pause inside one module's call (seen on the H200: one 0.4 s call in 63 decode steps, a different module
-        # each run) would be charged to that module, since its events span the host stall.
+        # pause inside one module's call (it can last hundreds of milliseconds and land in any module) would be
+        # charged to that module, since its events span the host stall.
         gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()

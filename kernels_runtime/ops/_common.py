@@ -69,7 +69,7 @@ def pdl_launch(PDL: bool) -> dict:
 def softplus(x):
     # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:
     # log(u) * e / (u - 1) with u = 1 + e is accurate to a few ulps where log(1 + e) loses e's low bits (x << 0;
-    # those flipped ~2% of HF's bf16 dt roundings)
+    # enough to flip some of HF's bf16 dt roundings)
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
@@ -128,8 +128,8 @@ def interpret_without_gpu() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Cached launches: bind the compiled kernel once per specialization, then call its launcher directly.
 #
-# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call, about twice
-# a torch op's host time (docs/results/2026-11-30-h200-c); a decode step issues hundreds. `launch` keys
+# `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call, more host
+# time than a torch op takes (docs/results/2026-11-30-h200-c); a decode step issues hundreds. `launch` keys
 # the compiled kernel by what Triton specializes on (tensor dtypes and 16-byte alignment, ints equal to 1 or
 # divisible by 16 and their width, the constexprs and launch options) and calls `CompiledKernel.run` with every
 # signature argument in order, as `JITFunction.run` does (Triton 3.6-3.9). The first call of a key, the interpreter,
@@ -138,9 +138,8 @@ def interpret_without_gpu() -> None:
 _LAUNCHERS: dict[tuple, Any] = {}
 _CACHED_LAUNCH = {"on": os.environ.get("LLM4LLM_CACHED_LAUNCH", "1") != "0"}
 # Called with the launch's arguments on every cached launch. The cached path skips `JITFunction.run`, which the
-# verifier wraps to count launches: without this its `launches_triton` gate failed every GEMV candidate after the
-# first call of a key (H200, 2026-12-02: mlp.decode_gemv and lm_head.gemv "no_triton" on qwen3-4b). Empty when
-# serving.
+# verifier wraps to count launches: without this its `launches_triton` gate would fail every candidate whose
+# kernels launch through `launch` ("no_triton") after the first call of a key. Empty when serving.
 LAUNCH_OBSERVERS: list[Callable[[tuple], None]] = []
 
 

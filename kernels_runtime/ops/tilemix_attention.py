@@ -6,8 +6,8 @@ an int8 `tl.dot` accumulating in int32 on Q and K quantised symmetrically per bl
 (scale = max|x| / 127), dequantised by the two blocks' scales. Both feed one online-softmax state (log2 domain,
 fp32), and P V stays in the 16-bit dtype. A mask with no INT8 bit compiles without the INT8 path (HAS_INT8) and is
 this project's plain bf16 flash kernel: bit for bit `attention_prefill` at the same tile config under the
-interpreter; on the H200 within one bf16 ulp of it (its fully visible tiles skip the causal `where`, which the
-compiler contracts differently) and faster. All INT8 is uniform INT8 attention.
+interpreter; on the GPU within one bf16 ulp of it (its fully visible tiles skip the causal `where`, which the
+compiler contracts differently). All INT8 is uniform INT8 attention.
 
 Sequences: a padded batch q [B, Hq, S, D] (optional `seq_lens`), or a packed varlen batch q [T, Hq, D] with
 `cu_seqlens` [B + 1]; k, v alike with Hkv heads (GQA: Hq % Hkv == 0). Queries and keys of a sequence coincide

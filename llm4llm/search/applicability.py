@@ -5,9 +5,10 @@ alone (correctness against the module's own recorded outputs; no fresh draws, no
 is no `candidates` row and no budget. A mismatch (wrong output, NaN/Inf, another shape or dtype) on the default and
 on every variant of the template's option keys (`Template.options`) marks the template inapplicable to that task
 with the verifier's message as the reason; so does a default that raises on the module's own call or does not
-compile. On the H200 a Falcon-Mamba mixer passed the old name check (Mamba's weight names) and all 24 trials then
-failed with `wrong_output`. A failure of the machinery (timeout, worker crash, OOM, GPU fault, an outside stop) says
-nothing about the template: it stays in and the reason says the check was inconclusive.
+compile. Names are not enough: a Falcon-Mamba mixer carries Mamba's weight names but computes something else, so
+every trial of a Mamba template on it fails with `wrong_output`. A failure of the machinery (timeout, worker crash,
+OOM, GPU fault, an outside stop) says nothing about the template: it stays in and the reason says the check was
+inconclusive.
 """
 from __future__ import annotations
 

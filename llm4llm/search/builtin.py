@@ -172,9 +172,8 @@ def _starting_points(templates, spec) -> list[tuple[str, dict, bool]]:
 
 def _untried_template(pool, templates, spec, evidence: list[Point], picks) -> tuple[str, dict] | None:
     """The first starting point still in the pool, before any exploitation; another template's points only while
-    no trial has used that template. On qwen3-4b's decode MLP a budget of 3 went to three points of the generic
-    SwiGLU fusion (0.56x cuBLAS) and never reached the weight-streaming GEMV, because the first pass was exploited
-    at once (H200, 2026-12-02)."""
+    no trial has used that template, so that a small budget reaches every applicable template (e.g. the
+    weight-streaming GEMV for a decode MLP) before it exploits the first one tried."""
     used = {p.template for p in evidence} | {t for t, _, _ in picks}
     for name, config, only_unused in _starting_points(templates, spec):
         if (name, config) in pool and not (only_unused and name in used):

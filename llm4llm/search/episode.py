@@ -124,11 +124,10 @@ def pool_reference(trials: list[Trial]) -> float | None:
     """Re-score every passing trial against the median of the reference times measured so far in this search.
 
     Each in-context timing measures the task's reference again next to its candidate (same task, same inputs, same
-    method), so those are samples of one quantity. Their spread is the reference's (on the H200, Mamba-130M's decode
-    block reference ranged 80-209 us over 8 trials while the candidates were stable to 1 %), and a per-trial ratio
-    then ranks by the reference's luck: the 30.8 us default out-scored a 17.7 us candidate. The median over the
-    search is stable, so feedback speedup and utility become pooled reference / candidate time. Trials without
-    in-context timings (CPU) keep what their verdict says. Returns the pooled reference (ms) or None."""
+    method), so those are samples of one quantity. A host-bound reference can spread far more than its candidates,
+    and a per-trial ratio would then rank by the reference's luck (a slow default out-scoring a faster candidate).
+    The median over the search is stable, so feedback speedup and utility become pooled reference / candidate time.
+    Trials without in-context timings (CPU) keep what their verdict says. Returns the pooled reference (ms) or None."""
     refs = [r for t in trials if (r := _p50(t.verdict, "reference_in_context"))]
     if not refs:
         return None

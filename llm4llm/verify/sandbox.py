@@ -117,8 +117,8 @@ def _is_binary(path: str) -> bool:
 def child_compiler() -> str | None:
     """The C compiler the child's Triton is to use for its launcher: the one Triton would pick (CC, then gcc, then
     clang) when that is a binary, else the first binary gcc/cc/clang on PATH or in /usr/bin. A wrapper script
-    (the H200's /opt/gcc/bin/gcc) cannot run in the child: Landlock lets it exec only the toolchain's binaries,
-    never a shell."""
+    (such as an /opt/gcc/bin/gcc that execs the real one) cannot run in the child: Landlock lets it exec only the
+    toolchain's binaries, never a shell."""
     if not _CC:
         names = [os.environ.get("CC", ""), "gcc", "clang", "cc", "/usr/bin/gcc", "/usr/bin/cc", "/usr/bin/clang"]
         found = [p for p in (_which(n) if n and not os.path.isabs(n) else (os.path.realpath(n) if n else None)
@@ -133,7 +133,7 @@ _LIBCUDA: list[str | None] = []
 def libcuda_dir() -> str | None:
     """The directory of libcuda.so.1, found the way Triton finds it (`ldconfig -p`, then LD_LIBRARY_PATH), once
     per process in the parent. On Debian and Ubuntu /sbin/ldconfig is a shell script, which Landlock keeps the
-    child from running (PermissionError in Triton's driver on the H200), so the child is told the answer."""
+    child from running (Triton's driver then fails with PermissionError), so the child is told the answer."""
     if not _LIBCUDA:
         out = ""
         for prog in ("/sbin/ldconfig", "/sbin/ldconfig.real", "ldconfig"):
@@ -222,8 +222,8 @@ def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), a
 
 
 _CUDA_DROPPED: dict[str, str] | None = None
-# the layers tried away one at a time when CUDA fails under all of them, likeliest first (on the H200 on
-# 2026-12-02 Landlock alone stopped cuInit: "Error 304: OS call failed or operation not supported on this OS")
+# the layers tried away one at a time when CUDA fails under all of them, likeliest first (Landlock alone can stop
+# cuInit: "Error 304: OS call failed or operation not supported on this OS")
 _CUDA_SUSPECTS = ("landlock", "seccomp", "uid", "mountns", "netns")
 
 
@@ -658,7 +658,7 @@ def _landlock(box: Path, needed: list[str], execs: list[str]) -> str:
         for p in (*READ_ROOTS, *needed):
             allow(p, read)
         # CUDA's cuInit names its threads through /proc/<pid>/task/<tid>/comm and fails with error 304 when it
-        # cannot (seen on the H200, 2026-12-02; NVIDIA/OpenShell#1486). The rule is made here, in the child, so
+        # cannot (NVIDIA/OpenShell#1486). The rule is made here, in the child, so
         # it binds to this process's own task directory: threads created later sit beneath it, nothing else of
         # /proc becomes writable.
         task = f"/proc/{os.getpid()}/task"

@@ -8,18 +8,18 @@ Two modes, each reported as p20/p50/p80 of per-call CUDA-event times over at lea
   are as warm as in the model.
 The reference is timed as the model calls it: the module's own forward with its own parameters bound, the cache
 (state) built before the timed region (`module_call`). Timing the correctness harness instead (functional_call,
-cache construction, output flattening, state copies) overstated host-bound decode modules 1.8-2.9x on the CPU (tiny
-decode tasks, 2026-11-30), and with it every decode candidate's speedup: on the H200, decode candidates at 1.5-2.3x
-in their task gained 0-0.3 % or lost end to end. Latency does not depend on weight values, so the module's own
-weights stand in for each draw's (same shapes and dtypes: the instances of a task share them).
+cache construction, output flattening, state copies) would add the harness's host time to host-bound decode
+modules, and with it inflate every decode candidate's speedup by a gain the model never sees end to end. Latency
+does not depend on weight values, so the module's own weights stand in for each draw's (same shapes and dtypes:
+the instances of a task share them).
 
 With decode graphs (`llm4llm optimize --decode-graphs`: the model's decode steps replay from CUDA graphs, so a
 decode call costs the GPU only its kernels), decode tasks are timed that way too: the verifier option
 `decode_timing="graph"` (VerifierPool; the optimize flow sets it when it runs with graphs) makes the in_context
 mode of a decode task capture GRAPH_CALLS calls (candidate through its dispatch, reference as the
 module's own forward) in one CUDA graph and time its replays; launch cost, which the graphs remove, no longer hides
-a slow kernel (on the H200, 2026-11-30: Mamba2 decode candidates at 2.1x timed back to back were 2.2x slower than
-HF's ops under graph replay). The graph cycles through copies of the module with their own weights, enough for
+a slow kernel (a candidate that wins back to back by saving launches can be slower than the reference's ops under
+graph replay). The graph cycles through copies of the module with their own weights, enough for
 twice the L2 (`weight_replicas`): in the model a layer's weights come from HBM, not from L2 where twenty calls of one
 module keep them. Candidate and reference are captured side by side and their replays alternate, so the reference is
 timed with each candidate, not once per worker: a clock or host change moves both. Where a call cannot be captured,
@@ -56,7 +56,7 @@ GRAPH_REPLAYS = 20  # at least; as many as MIN_TIME_MS takes
 SUSPECT_RATIO = 1.2  # graph time above this x the cold back-to-back time is flagged in the gate detail
 MAX_COUNTER_NUMEL = 64  # integer tensors this small that a graph reads are positions/lengths, reset per replay
 STATIC_KV_ADAPTERS = ("StaticLayer", "StaticSlidingWindowLayer")  # state with a device-side length
-GRAPH_WARM_MS = 25.0  # replays before the timed ones, by time (a graph right after capture ran cold: below)
+GRAPH_WARM_MS = 25.0  # replays before the timed ones, by time (a graph right after capture runs cold: below)
 
 Args = tuple[dict, dict, dict, dict]
 Prepare = Callable[..., tuple[tuple, Callable[[], None]]]  # (*Args) -> (call arguments, cleanup after the call)
@@ -143,8 +143,8 @@ def capture_keep(calls: list[tuple[Callable, object, bool]]) -> list[torch.Tenso
 def counters_of(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(tensor, its value now) for the small integer tensors among a capture's reads: device-side positions that
     a call advances in place (StaticLayer.cumulative_length). Each replay advances them again, so graph timing puts
-    them back before every replay: a static cache's length would otherwise run past its end (on the H200 HF's
-    StaticLayer.update then failed its index_copy_ bound check: a device-side assert, 2026-12-01)."""
+    them back before every replay: a static cache's length would otherwise run past its end (HF's
+    StaticLayer.update then fails its index_copy_ bound check with a device-side assert)."""
     return [(t, t.detach().clone()) for t in tensors
             if not t.is_floating_point() and t.dtype != torch.bool and t.numel() <= MAX_COUNTER_NUMEL]
 
@@ -206,8 +206,8 @@ def l2_bytes(device: torch.device) -> int:
 def weight_replicas(nbytes: int, l2_bytes: int, calls: int = GRAPH_CALLS) -> int:
     """How many copies of a decode module the graph timing cycles through: in the model each layer's weights are
     evicted from L2 by the other layers' before its next step, so they come from HBM; the same weights called
-    GRAPH_CALLS times in a row come from L2 (on the H200 the accepted Mamba-130M block timed 15.0 us in its task
-    and 21.6 us a layer inside the model's graph, 2026-11-30). Enough copies for twice the L2, at most one a call."""
+    GRAPH_CALLS times in a row come from L2, which would time a layer faster in its task than inside the model's
+    graph. Enough copies for twice the L2, at most one a call."""
     if nbytes <= 0 or l2_bytes <= 0:
         return 1
     return max(1, min(calls, math.ceil(2 * l2_bytes / nbytes)))
@@ -451,9 +451,8 @@ def time_call_graph(fn: Callable, args: list[Args], device: torch.device,
                     prepare: Prepare | None = None) -> Latency:
     """GPU time per call under CUDA-graph replay: GRAPH_CALLS calls of one prepared draw captured in one graph
     (state advances call to call, as in decoding), replayed for GRAPH_WARM_MS, then timed for MIN_TIME_MS (at least
-    GRAPH_REPLAYS replays), CUDA events around each replay. Raises when the call cannot be captured. (Until
-    2026-11-30 it timed 20 replays right after capture: on the H200 the fused Mamba2 decode candidate timed 0.180 ms
-    that way against 0.071 ms back to back with L2 flushed, which bounds its GPU time from above.)"""
+    GRAPH_REPLAYS replays), CUDA events around each replay. Raises when the call cannot be captured. The warm-up
+    matters: replays right after capture run far slower than the call's steady state."""
     return time_graphs([([fn], [prepare])], args, device)[0]
 
 
@@ -490,23 +489,22 @@ def time_graphs(sides: list[tuple[list[Callable], list[Prepare | None]]], args: 
     """`time_call_graph` for one or more sides (candidate, reference), each a list of replicas (fn, prepare): a
     side's graph cycles its GRAPH_CALLS calls through its replicas (`weight_replicas`), each replica's call prepared
     from its own copy of the draw. The sides' replays alternate, so a clock or host change during the measurement
-    moves both (on the H200 one reference timed 0.459 ms in one call and 0.110 ms in another, 2026-11-30, while
-    the candidates were timed against it minutes apart).
+    moves both (a reference timed once, minutes apart from its candidates, can be several times slower or faster
+    than during theirs).
 
     A graph's first call reads the state its module held when the capture began. Where a call replaces
     module-held state (RecurrentGemma's blocks assign new tensors), nothing else keeps that tensor, and the next
-    side's capture (torch.cuda.graph empties the allocator's cache) handed its memory back to the driver: on the
-    H200 two RecurrentGemma decode candidates that write their state back by assignment failed this way with an
-    illegal memory access (2026-11-30-h200-h). The same held for KV caches: the tensors of the one-layer cache that
-    `KVLayerAdapter.build` makes live only in that cache, the first captured call replaces them (DynamicLayer.update
-    concatenates), and every attention-decode candidate on qwen3-4b (9/9) and a Mistral-shaped model (12/12) ended
-    in an illegal memory access (2026-12-01). `keep` holds every call's prepared arguments and, at its side's
+    side's capture (torch.cuda.graph empties the allocator's cache) would hand its memory back to the driver, and
+    the replay would fault with an illegal memory access (a decode candidate that writes its state back by
+    assignment). The same holds for KV caches: the tensors of the one-layer cache that `KVLayerAdapter.build` makes
+    live only in that cache, and the first captured call replaces them (DynamicLayer.update concatenates), so every
+    attention-decode candidate would fault. `keep` holds every call's prepared arguments and, at its side's
     capture, everything the call reaches (`capture_keep`: cache layers, module-held state) until the timing is done.
 
     `fresh` (prefill tasks): every call of the graph gets its own freshly prepared cache (`side_calls`), prepared
     again after the warm-up, so the capture records a prompt forward on a fresh cache each time, as the model runs
     it. A capture freezes the Python path a call took: HF's Mamba/Mamba2 forwards continue from a cache that holds
-    state (on the CPU a second prefill on one cache gave other outputs), and that path would be the one timed.
+    state (a second prefill on one cache gives other outputs), and that path would be the one timed.
 
     `fresh_seed`: before every replay (outside its events, like the counter resets) each call's inputs (not its
     state, which decoding advances) are rewritten with fresh values (`fill_fresh`), so no two replays compute the
@@ -654,10 +652,9 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
     # (2 MAX_REPS + 2) replays x sides x GRAPH_CALLS of them, far below RUN_SEEDS, so no two calls share inputs
     base = (fresh_seed if fresh_seed is not None else secrets.randbits(31)) << 32
     timer = _TaskTimer(task, CandidateTimer(task, entry, source, device), draws, device, samples, base)
-    # time_task runs only on a GPU (gates.run_gates). Prefill under graphs: on the H200 a Mamba-130M prefill mixer
-    # timed 956 us back to back, where a layer's prefill kernels took about 350 us in the model's trace (Triton
-    # launches at ~75 us of host each on that machine): the search ranked prefill configs by host time, while the
-    # model replays its prompt forward from a graph
+    # time_task runs only on a GPU (gates.run_gates). Prefill under graphs where the model replays its prompt
+    # forward from a graph: timed back to back, a prefill task's time is mostly Triton's host launch cost, and the
+    # search would rank prefill configs by host time the model never pays
     graph = (decode_graph and task.spec.phase == "decode") or (prefill_graph and task.spec.phase == "prefill")
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]

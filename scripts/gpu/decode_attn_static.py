@@ -7,7 +7,7 @@
    replays alternating A B A B; GB/s = the K/V bytes attended / time, beside the measured copy bandwidth.
 2. verify: a 2-layer qwen3-4b (same attention shapes, prompt 512, decode 8) extracted on the static cache and on
    the dynamic one; the verifier (graph timing, as `optimize --decode-graphs` runs it) over the static template's
-   configs and the dynamic template (the case that faulted: every qwen3-4b attention-decode candidate, 2026-12-01).
+   configs and the dynamic template (the case that faults when a graph capture frees the dynamic cache's tensors).
 3. in-model: the static candidate applied to that model, generate on the static cache with decode graphs: kernel
    and fallback counts, teacher-forced logits rel-L2 against the unpatched model.
 

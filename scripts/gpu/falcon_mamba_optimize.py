@@ -1,7 +1,7 @@
 """optimize's profile -> extract -> search -> accept over one workload, mixer blocks only, decode graphs on, two
 end-to-end repeats (scripts/gpu/falcon_mamba.sh). A file, not `python -`: the verifier and acceptance workers are
-spawned, and a spawned child re-imports its parent's main module by path (`<stdin>` has none: the first H200 call
-of 2026-12-01 lost its search that way).
+spawned, and a spawned child re-imports its parent's main module by path (`<stdin>` has none, so a search run
+from stdin is lost).
 
     python scripts/gpu/falcon_mamba_optimize.py WORKLOAD.toml DB [BUDGET]
 """

@@ -3,8 +3,8 @@
 Profiles and extracts the workload (the decode task's spec gives the guard), renders the named decode templates (the
 template's default config, or --config JSON), and times the script's generate for: eager, eager_graphs, and per
 template patched and patched_graphs, in this one process, as `llm4llm evaluate` times them (llm4llm.evaluate.measure:
-total, prefill, decode per token; until 2026-11-30 this script had its own full-run timer, which the numbers of
-docs/results/2026-11-30-h200-c were taken with). Prints the graph stats and, for a failed capture, its traceback.
+total, prefill, decode per token; the numbers of docs/results/2026-11-30-h200-c come from an earlier version with its
+own full-run timer). Prints the graph stats and, for a failed capture, its traceback.
 
     python scripts/gpu/graph_diag.py examples/workloads/mamba2-2.7b.toml \\
         --template ssm_mixer.mamba2_decode_fused --template ssm_mixer.mamba2_decode --out $OUT/graph_diag.json

@@ -1,6 +1,6 @@
 """Host cost of one kernel launch on the GPU machine, by launch path: the number that decides decode (a decode step
-is host-bound; on 2026-11-30 a Triton RMSNorm call cost 61 us there back to back, and HF's RMSNorm forward, a
-handful of torch ops, 116-124 us; this script measures a lone launch per path, which that run did not).
+is host-bound). Whole-op timings (a Triton RMSNorm call, HF's multi-op RMSNorm: docs/results/2026-11-30-h200-b) mix
+several costs; this script measures a lone launch per path.
 
     python3 scripts/gpu/launch_overhead.py --out launch.jsonl
 

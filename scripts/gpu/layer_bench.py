@@ -62,7 +62,7 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
         out[f"seed{i}"] = sd
     stages = ("qkv_", "o_", "gu_", "dn_")
     out["nopdl"] = {**base, "pdl": False}
-    out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # the thirteenth session's layer
+    out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # five launches: norm in o_proj's reduction
     out["prefetch"] = {**base, **{p + "PREFETCH": True for p in stages}}
     out["w8"] = {**base, **{p + "num_warps": 8 for p in stages}}
     out["2x1024"] = {**base, **{p + "BLOCK_N": 2 for p in ("o_", "dn_")}}

@@ -61,7 +61,7 @@ def run(layers: tuple[str, ...]) -> dict:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
-# Landlock variants (the layer that broke CUDA on the H200, 2026-12-02): each patches the child's sandbox module
+# Landlock variants (the layer that can stop CUDA's initialisation): each patches the child's sandbox module
 # before it applies the layers, so one call tells which rule CUDA's initialisation needs.
 LANDLOCK_VARIANTS = {
     "ll-read-all": "s.READ_ROOTS = s.READ_ROOTS + ('/',)",

@@ -12,8 +12,8 @@ kernels_runtime's dispatch, as the verifier times it) and for the module's own f
 - under CUDA-graph replay (timing.time_call_graph, one copy of the module; `optimize` times decode tasks with
   timing.time_graphs, which also cycles weight copies and alternates with the reference), three times in a row;
 - the device time of the kernels themselves (torch.profiler, CUPTI) over --calls eager calls: no gaps, no replay.
-On the H200 (2026-11-30) the fused Mamba2 decode default timed 0.180 ms under replay and 0.071 ms cold; the last
-measurement says which one is right. Without CUDA (a smoke run) each callable runs once and nothing is timed.
+Where replay and back-to-back timings disagree, the kernels' device time says which one is right. Without CUDA
+(a smoke run) each callable runs once and nothing is timed.
 """
 from __future__ import annotations
 

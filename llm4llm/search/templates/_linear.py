@@ -39,10 +39,9 @@ def sm_count(spec: TaskSpec) -> int:
 def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
     """Decode GEMV keys that give an [*, K] x [K, n] projection at least one program per SM: 32-wide column blocks
     and K split in 1, 2, 4 or 8 until cdiv(n, 32) x split >= sms (the op never splits finer than one 128-deep K
-    tile a program), 8 warps, no pipelining. On the H200 (mamba-130m's fused decode block, n = 768) a search of 8
-    trials from the 16-wide unsplit default (48 programs on 132 SMs) never left its neighbourhood (29.7-31.4 us);
-    seeded with this point, the block timed 23.5 us against the default's 32.1 us, the reference timed alongside
-    each (2026-11-30-h200-h, call 6)."""
+    tile a program), 8 warps, no pipelining. A seed, because a local search from an unsplit default that leaves
+    most SMs idle (mamba-130m's n = 768: 48 programs on 132 SMs) stays in that default's neighbourhood
+    (docs/results/2026-11-30-h200-h)."""
     return {"lin_GEMV_BLOCK_N": 32, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8, "lin_num_stages": 1,
             "lin_GEMV_SPLIT_K": occupancy_split(n, sms, 32)}
 

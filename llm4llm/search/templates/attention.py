@@ -261,8 +261,8 @@ _STATIC_DEFAULT = {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_war
 
 def _static_seeds(spec: TaskSpec) -> list[dict]:
     """The projections' GEMV occupancy point, first with the cache split so that (KV heads x splits) programs fill
-    the GPU. On the H200 (qwen3-4b, 2026-12-02) the default took 319 us a call and a point with 32 splits and the
-    GEMV split-K 4 took 52 us, against the module's 133 us; with a budget of 2 only luck found it."""
+    the GPU. The default leaves most SMs idle at batch 1, and the good points (many cache splits, a split-K GEMV)
+    lie far from it, beyond what a small budget reaches by local search."""
     seeds = occupancy_seeds(lambda s: dict(_STATIC_DEFAULT))(spec)
     splits = cache_splits(spec)
     if not seeds or not splits:

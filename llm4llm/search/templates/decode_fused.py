@@ -13,7 +13,8 @@ around it in the GEMV's prologue or its split-K reduction. One template per boun
 - lm_head.gemv: the vocabulary projection.
 Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
 K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
-them), num_warps; `num_stages` is shared. Defaults: the H200 sweep's best points (_stage_default).
+them), num_warps; `num_stages` is shared. Defaults: the best points of the batch-1 sweep (_stage_default,
+docs/results/2026-12-01-h200-decode-fused).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from llm4llm.taskspec import TaskSpec
 GEMV = "kernels_runtime.ops.gemv"
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
 # DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
-# reduction: not timed yet (batch 4 on the reduction path reached 22-44% of the copy bandwidth); the search tries it.
+# reduction, for batches > 1 where the reduction path leaves bandwidth unused; an option the search tries, no default.
 STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
          "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True]}
 
@@ -48,9 +49,9 @@ def _stage_space(prefix: str) -> dict[str, list]:
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
-    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the best of 6-8 configs in 8 of the 10
-    batch-1 rows of the H200 sweep (docs/results/2026-12-01-h200-decode-fused; split-K never won there: its second
-    launch costs more than the idle SMs it fills)."""
+    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the sweep's usual best point at batch 1
+    (docs/results/2026-12-01-h200-decode-fused). No split-K: its second launch costs more than the idle SMs it
+    fills."""
     bn, bk = (4, 1024) if k >= 1024 else (8, 512)
     return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4,
             prefix + "DOT": False, prefix + "PREFETCH": False}
@@ -331,7 +332,7 @@ def _layer_static_default(spec):
     """Four launches of weight-streaming GEMVs plus the attention's two: input_layernorm in the q/k/v pass,
     o_proj + residual, the post norm in the paired gate/up pass, down + residual; each kernel launched with PDL
     (it loads its first weight or K/V tile while the one before drains); the cache split that fills the SMs.
-    The fastest point measured (docs/results/2026-12-02-h200-c)."""
+    The sweep's fastest point (docs/results/2026-12-02-h200-c)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms = sm_count(spec)
