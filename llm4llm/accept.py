@@ -508,10 +508,12 @@ class _Run:
                        split=False).total_ms
 
 
-def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
-    from llm4llm.workload import call_script, load_script, load_workload
+def reference_run(wl, cfg: AcceptConfig):
+    """The unpatched side that acceptance and the nightly re-validation compare a bundle to, built through the
+    workload's own script: (script, model, batch, metric, greedy tokens, teacher-forced logits, the bf16-vs-fp32
+    noise floor when the metric uses one, else None)."""
+    from llm4llm.workload import call_script, load_script
 
-    wl = load_workload(workload_path)
     script = load_script(wl)
     model = call_script(script.build, wl)
     batch = call_script(script.inputs, wl)
@@ -519,6 +521,14 @@ def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
     tokens, _ = reference_tokens(model, batch, wl.decode_len)
     ref_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
     floor = noise_floor(model, batch, tokens, wl.decode_len, ref_logits) if metric == "logits_rel_l2_floor" else None
+    return script, model, batch, metric, tokens, ref_logits, floor
+
+
+def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
+    from llm4llm.workload import load_workload
+
+    wl = load_workload(workload_path)
+    script, model, batch, metric, tokens, ref_logits, floor = reference_run(wl, cfg)
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
     return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric)

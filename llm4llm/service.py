@@ -74,10 +74,9 @@ def revalidate(workload_path: str, bundle_path: str, cfg=None) -> Validation:
     that makes the model slower than without it has regressed). On the CPU the latency gate is skipped and says so."""
     import kernels_runtime
     from kernels_runtime.bundle import BundleError, load_bundle
-    from llm4llm.accept import (AcceptConfig, compare_logits, noise_floor, reference_tokens,
-                                teacher_forced_logits)
+    from llm4llm.accept import AcceptConfig, compare_logits, reference_run, teacher_forced_logits
     from llm4llm.evaluate import measure
-    from llm4llm.workload import call_script, load_script, load_workload
+    from llm4llm.workload import load_workload
 
     cfg = cfg or AcceptConfig()
     wl = load_workload(workload_path)
@@ -92,13 +91,7 @@ def revalidate(workload_path: str, bundle_path: str, cfg=None) -> Validation:
     changed = [k for k in ("torch", "triton", "transformers", "gpu") if built.get(k)
                and built[k] != versions["tonight"].get(k)]
     since = f" (changed since the bundle was built: {', '.join(changed)})" if changed else ""
-    script = load_script(wl)
-    model = call_script(script.build, wl)
-    batch = call_script(script.inputs, wl)
-    metric = cfg.resolved_metric(wl.torch_dtype)
-    tokens, _ = reference_tokens(model, batch, wl.decode_len)
-    ref_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
-    floor = noise_floor(model, batch, tokens, wl.decode_len, ref_logits) if metric == "logits_rel_l2_floor" else None
+    script, model, batch, metric, tokens, ref_logits, floor = reference_run(wl, cfg)
 
     def failed(correctness: str, why: str) -> Validation:
         kernels_runtime.revert(model)
