@@ -119,15 +119,7 @@ def make_ops(s, M, dt):
                              lambda a, ws: F.silu(F.linear(a["x"], ws[0])) * F.linear(a["x"], ws[1]),
                              2 * I * H * e + M * (H + I) * e, gu_extra)
 
-    # the decode layer's own passes (decoder_layer.decode_static): q/k/v written directly (its q/k norms and rotary
-    # run in the attention kernel), o_proj + residual (the post norm in gate/up's prologue)
-    ops["qkv_plain"] = (lambda: qkv_w()[:3], lambda a, ws, cfg: G.qkv_norm_rope(a["x"], *ws, None, None, D, **cfg),
-                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
-                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
-                        nqkv * H * e + M * (H + nqkv) * e, qkv_extra)
-    ops["o_res"] = (lambda: o_w()[:1], lambda a, ws, cfg: G.gemv(a["x"], ws[0], residual=a["res"], **cfg),
-                    lambda a, ws: F.linear(a["x"], ws[0]), lambda a, ws: a["res"] + F.linear(a["x"], ws[0]),
-                    H * hq * D * e + M * (hq * D + 2 * H) * e, o_extra)
+    _layer_ops(ops, s, M, e, D, qkv_w, qkv_extra, o_w, o_extra)
 
     def dn_extra():
         return dict(x=torch.randn(M, I, device=dev, dtype=dt), res=torch.randn(M, H, device=dev, dtype=dt))
@@ -140,6 +132,20 @@ def make_ops(s, M, dt):
                           lambda a, ws: F.linear(a["x"], ws[0]), lambda a, ws: F.linear(a["x"], ws[0]),
                           V * H * e + M * (H + V) * e, lambda: dict(x=torch.randn(M, H, device=dev, dtype=dt)))
     return ops
+
+
+def _layer_ops(ops, s, M, e, D, qkv_w, qkv_extra, o_w, o_extra):
+    """The decode layer's own passes (decoder_layer.decode_static): q/k/v written directly (its q/k norms and rotary
+    run in the attention kernel), o_proj + residual (the post norm in gate/up's prologue)."""
+    H, hq, hkv = s["H"], s["hq"], s["hkv"]
+    nqkv = (hq + 2 * hkv) * D
+    ops["qkv_plain"] = (lambda: qkv_w()[:3], lambda a, ws, cfg: G.qkv_norm_rope(a["x"], *ws, None, None, D, **cfg),
+                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
+                        lambda a, ws: tuple(F.linear(a["x"], w) for w in ws),
+                        nqkv * H * e + M * (H + nqkv) * e, qkv_extra)
+    ops["o_res"] = (lambda: o_w()[:1], lambda a, ws, cfg: G.gemv(a["x"], ws[0], residual=a["res"], **cfg),
+                    lambda a, ws: F.linear(a["x"], ws[0]), lambda a, ws: a["res"] + F.linear(a["x"], ws[0]),
+                    H * hq * D * e + M * (hq * D + 2 * H) * e, o_extra)
 
 
 def configs(n_out, K, sms, M=1, direct=False):
@@ -186,7 +192,7 @@ def time_graph(g, n):
     return e0.elapsed_time(e1) * 1e3 / n  # us per call
 
 
-def main() -> int:
+def _args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="qwen3-4b,llama-2-7b")
@@ -194,7 +200,11 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--ops", default="", help="only these ops (comma-separated names), default all")
     ap.add_argument("--no-batch4", action="store_true", help="skip qwen3-4b's batch-4 rows")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = _args()
     t_start = time.time()
     torch.manual_seed(0)
     dt = torch.bfloat16
