@@ -38,7 +38,8 @@ class Extracted:
     how: str  # "fenced", "fenced-joined", "unfenced"
 
 
-def _defines(code: str, target: str = "entry") -> bool:
+def defines(code: str, target: str = "entry") -> bool:
+    """Whether `code` defines `target` at top level ("entry" or "ModelNew")."""
     node_type, name, fallback = TARGETS[target][:3]
     try:
         tree = ast.parse(code)
@@ -66,7 +67,7 @@ def extract_code(text: str | None, finish_reason: str | None = None, target: str
         raise ExtractionError("truncated", "a ``` code fence is opened but never closed")
     py = [body for lang, body in blocks if lang in _PY_LANGS]
     if py:
-        with_entry = [i for i, b in enumerate(py) if _defines(b, target)]
+        with_entry = [i for i, b in enumerate(py) if defines(b, target)]
         if with_entry:
             last = with_entry[-1]  # the last one: models revise in place
             if _has_kernel(py[last]) or not any(_has_kernel(b) for b in py[:last]):
@@ -75,12 +76,12 @@ def extract_code(text: str | None, finish_reason: str | None = None, target: str
             parts = [b.strip() for i, b in enumerate(py[:last]) if i not in with_entry] + [py[last].strip()]
             return Extracted("\n\n".join(parts) + "\n", "fenced-joined")
         joined = "\n\n".join(b.strip() for b in py)
-        if _defines(joined, target):
+        if defines(joined, target):
             return Extracted(joined + "\n", "fenced-joined")
         raise ExtractionError(missing_kind, f"{len(py)} Python block(s), none defines {wording}")
     if blocks:
         raise ExtractionError("no_code", f"code blocks in {sorted({l or '?' for l, _ in blocks})} only, no Python")
     start = _CODE_START.search(text)
-    if start and _defines(text[start.start():], target):
+    if start and defines(text[start.start():], target):
         return Extracted(text[start.start():].strip() + "\n", "unfenced")
     raise ExtractionError("no_code", f"no Python code defining {wording} in the answer")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from llm4llm.llm.config import LLMConfig, LLMConfigError
 from llm4llm.llm.corrections import Rule, apply_corrections, rule_set
-from llm4llm.llm.extract import ExtractionError, extract_code
+from llm4llm.llm.extract import ExtractionError, defines, extract_code
 from llm4llm.llm.kb_prompt import is_kernelbench
 from llm4llm.llm.prompt import PromptParts, build_messages
 from llm4llm.llm.redact import redact, redact_obj
@@ -264,8 +264,10 @@ class LLMProposer:
 
     def _parts(self, task: TaskSpec, feedback: list[Feedback]) -> PromptParts:
         parts = PromptParts()
-        marker = "class ModelNew" if is_kernelbench(task) else "def entry"  # a real attempt, not a failure comment
-        known = [f for f in feedback if marker in self._sources.get(f.candidate_id, "")]
+        if is_kernelbench(task):  # a real ModelNew, not a failure placeholder (whose comment names ModelNew)
+            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), "ModelNew")]
+        else:
+            known = [f for f in feedback if "def entry" in self._sources.get(f.candidate_id, "")]
         if known:
             parts.previous_id = known[-1].candidate_id
             parts.previous_source = self._sources[parts.previous_id]
