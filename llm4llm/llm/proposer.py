@@ -252,8 +252,8 @@ class LLMProposer:
 
     def _failed(self, task: TaskSpec, kind: str, message: str, call_id: str, episode: int, iteration: int,
                 parent: str | None) -> Candidate:
-        # A comment-only source: no `entry` (nor `ModelNew`), so the static gate fails it, and a unique id, so the search verifies
-        # (records) each failure instead of deduplicating them all into one empty source.
+        # A comment-only source: no `entry` (nor `ModelNew`), so the static gate fails it, and a unique id, so the
+        # search verifies (records) each failure instead of deduplicating them all into one empty source.
         message = redact(message)
         source = f"# llm4llm: no candidate from the LLM ({kind}): {message.splitlines()[0] if message else ''}\n" \
                  f"# llm call {call_id}\n"
