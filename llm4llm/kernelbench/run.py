@@ -25,7 +25,10 @@ def kb_proposer(kind: str, seed: int = 0, llm=None):
     from llm4llm.llm.proposer import HybridProposer, LLMProposer
 
     cfg = llm if isinstance(llm, LLMConfig) else load_llm_config(None, flags=dict(llm or {}))
-    return LLMProposer(cfg) if kind == "llm" else HybridProposer(LLMProposer(cfg), lib, cfg.hybrid_share)
+    # The LLM's seed kernel (seed_with_builtin) is a KernelBench template's ModelNew, from an instance of its own so
+    # that showing it does not use up the hybrid's library candidates.
+    llm_prop = LLMProposer(cfg, builtin=LibraryProposer(seed=seed, templates=TEMPLATES))
+    return llm_prop if kind == "llm" else HybridProposer(llm_prop, lib, cfg.hybrid_share)
 
 
 def run_problems(directory: str, data_dir: str, search: Callable[..., dict], trials: Callable[[str], Any],

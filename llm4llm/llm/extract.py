@@ -1,6 +1,8 @@
-"""Code out of an LLM answer: the fenced Python block that defines `entry`, else an unfenced fallback.
+"""Code out of an LLM answer: the fenced Python block that defines `entry` (KernelBench tasks: `class ModelNew`),
+else an unfenced fallback.
 
-Every way an answer can be unusable is an `ExtractionError` with a `kind` (empty, truncated, no_code, no_entry);
+Every way an answer can be unusable is an `ExtractionError` with a `kind` (empty, truncated, no_code, no_entry;
+no_model_new for a KernelBench answer);
 the proposer turns it into a candidate with empty source and `config["error"]`, which the verifier records as a
 failed (static) trial. Nothing here raises anything else.
 """
@@ -14,6 +16,12 @@ _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+\-.]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$"
 _FENCE_LINE = re.compile(r"^[ \t]*```", re.M)
 _PY_LANGS = {"", "python", "py", "python3", "triton"}
 _ENTRY = re.compile(r"^def entry\s*\(", re.M)
+_MODEL_NEW = re.compile(r"^class ModelNew\b", re.M)
+# What the answer must define, by target: (AST node type, name, fallback regex on a syntax error, error kind, wording)
+TARGETS = {
+    "entry": (ast.FunctionDef, "entry", _ENTRY, "no_entry", "entry(inputs, weights, state, static)"),
+    "ModelNew": (ast.ClassDef, "ModelNew", _MODEL_NEW, "no_model_new", "class ModelNew(nn.Module)"),
+}
 _CODE_START = re.compile(r"^(import |from |@triton|def |class |[A-Z_][A-Z0-9_]* = )", re.M)
 
 
@@ -30,21 +38,25 @@ class Extracted:
     how: str  # "fenced", "fenced-joined", "unfenced"
 
 
-def _defines_entry(code: str) -> bool:
+def defines(code: str, target: str = "entry") -> bool:
+    """Whether `code` defines `target` at top level ("entry" or "ModelNew")."""
+    node_type, name, fallback = TARGETS[target][:3]
     try:
         tree = ast.parse(code)
     except SyntaxError:
-        return bool(_ENTRY.search(code))  # the compile gate reports the syntax error with its line
-    return any(isinstance(n, ast.FunctionDef) and n.name == "entry" for n in tree.body)
+        return bool(fallback.search(code))  # the compile gate reports the syntax error with its line
+    return any(isinstance(n, node_type) and n.name == name for n in tree.body)
 
 
 def _has_kernel(code: str) -> bool:
     return "@triton." in code or "kernels_runtime" in code
 
 
-def extract_code(text: str | None, finish_reason: str | None = None) -> Extracted:
-    """The candidate source in `text`. `finish_reason == "length"` (the token limit cut the answer) is truncation
-    even when a closed block precedes the cut: the model may have meant to revise it."""
+def extract_code(text: str | None, finish_reason: str | None = None, target: str = "entry") -> Extracted:
+    """The candidate source in `text`: the code defining `target` ("entry", or "ModelNew" for KernelBench tasks).
+    `finish_reason == "length"` (the token limit cut the answer) is truncation even when a closed block precedes
+    the cut: the model may have meant to revise it."""
+    missing_kind, wording = TARGETS[target][3:]
     if text is None or not text.strip():
         raise ExtractionError("empty", "the model returned no text")
     if finish_reason == "length":
@@ -55,7 +67,7 @@ def extract_code(text: str | None, finish_reason: str | None = None) -> Extracte
         raise ExtractionError("truncated", "a ``` code fence is opened but never closed")
     py = [body for lang, body in blocks if lang in _PY_LANGS]
     if py:
-        with_entry = [i for i, b in enumerate(py) if _defines_entry(b)]
+        with_entry = [i for i, b in enumerate(py) if defines(b, target)]
         if with_entry:
             last = with_entry[-1]  # the last one: models revise in place
             if _has_kernel(py[last]) or not any(_has_kernel(b) for b in py[:last]):
@@ -64,13 +76,12 @@ def extract_code(text: str | None, finish_reason: str | None = None) -> Extracte
             parts = [b.strip() for i, b in enumerate(py[:last]) if i not in with_entry] + [py[last].strip()]
             return Extracted("\n\n".join(parts) + "\n", "fenced-joined")
         joined = "\n\n".join(b.strip() for b in py)
-        if _defines_entry(joined):
+        if defines(joined, target):
             return Extracted(joined + "\n", "fenced-joined")
-        raise ExtractionError("no_entry", f"{len(py)} Python block(s), none defines "
-                                          "entry(inputs, weights, state, static)")
+        raise ExtractionError(missing_kind, f"{len(py)} Python block(s), none defines {wording}")
     if blocks:
         raise ExtractionError("no_code", f"code blocks in {sorted({l or '?' for l, _ in blocks})} only, no Python")
     start = _CODE_START.search(text)
-    if start and _defines_entry(text[start.start():]):
+    if start and defines(text[start.start():], target):
         return Extracted(text[start.start():].strip() + "\n", "unfenced")
-    raise ExtractionError("no_code", "no Python code defining entry(inputs, weights, state, static) in the answer")
+    raise ExtractionError("no_code", f"no Python code defining {wording} in the answer")

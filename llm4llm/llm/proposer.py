@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from llm4llm.llm.config import LLMConfig, LLMConfigError
 from llm4llm.llm.corrections import Rule, apply_corrections, rule_set
-from llm4llm.llm.extract import ExtractionError, extract_code
+from llm4llm.llm.extract import ExtractionError, defines, extract_code
+from llm4llm.llm.kb_prompt import is_kernelbench
 from llm4llm.llm.prompt import PromptParts, build_messages
 from llm4llm.llm.redact import redact, redact_obj
 from llm4llm.search.types import Candidate, Experience, Feedback, source_id
@@ -232,7 +233,7 @@ class LLMProposer:
     def _candidate(self, task: TaskSpec, text: str, finish: str | None, call: LLMCall, episode: int,
                    iteration: int, parent: str | None) -> Candidate:
         try:
-            code = extract_code(text, finish).code
+            code = extract_code(text, finish, "ModelNew" if is_kernelbench(task) else "entry").code
         except ExtractionError as e:
             call.error = e.message
             return self._failed(task, e.kind, e.message, call.call_id, episode, iteration, parent)
@@ -251,8 +252,8 @@ class LLMProposer:
 
     def _failed(self, task: TaskSpec, kind: str, message: str, call_id: str, episode: int, iteration: int,
                 parent: str | None) -> Candidate:
-        # A comment-only source: no `entry`, so the static gate fails it, and a unique id, so the search verifies
-        # (records) each failure instead of deduplicating them all into one empty source.
+        # A comment-only source: no `entry` (nor `ModelNew`), so the static gate fails it, and a unique id, so the
+        # search verifies (records) each failure instead of deduplicating them all into one empty source.
         message = redact(message)
         source = f"# llm4llm: no candidate from the LLM ({kind}): {message.splitlines()[0] if message else ''}\n" \
                  f"# llm call {call_id}\n"
@@ -263,7 +264,10 @@ class LLMProposer:
 
     def _parts(self, task: TaskSpec, feedback: list[Feedback]) -> PromptParts:
         parts = PromptParts()
-        known = [f for f in feedback if "def entry" in self._sources.get(f.candidate_id, "")]
+        if is_kernelbench(task):  # a real ModelNew, not a failure placeholder (whose comment names ModelNew)
+            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), "ModelNew")]
+        else:
+            known = [f for f in feedback if "def entry" in self._sources.get(f.candidate_id, "")]
         if known:
             parts.previous_id = known[-1].candidate_id
             parts.previous_source = self._sources[parts.previous_id]
