@@ -28,7 +28,7 @@ import triton.language as tl
 from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, pdl_launch, pdl_on, pdl_wait, rnd
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
-CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024],
+CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
                                  "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 # Rows one program handles (decode batch); more rows take more row blocks, each re-reading the weights, on the tl.dot
@@ -51,12 +51,14 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    NORM_ROW: tl.constexpr = 0,
+    NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False,
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
     # the gate): the program also streams the same rows of the up weight (w1_ptr) and stores silu(gate) * up.
     # PREFETCH: the next weight tile is loaded before the current one is used (two tiles in flight a program).
+    # ONE_TILE (a program's K range is one BLOCK_K tile): with PDL the program's whole weight slab is loaded before
+    # the wait, so a GEMV behind a latency-bound kernel (o_proj behind attention) streams while that kernel runs.
     # PDL (programmatic dependent launch, sm_90+): the kernel may start while the previous one drains; it lets the
     # next kernel start the same way, loads its first weight tile (weights are never written), then waits for the
     # previous kernel before it reads anything that kernel wrote and before it writes anything.
@@ -118,7 +120,11 @@ def _gemv_kernel(
             k_ok = rk < BLOCK_K
         else:
             k_ok = (kk < K) & ((k0 + rk) < K_PER)
-        if PREFETCH:  # this tile was loaded one step ago; load the next (a uniform mask past the split's end)
+        if PREFETCH and ONE_TILE:  # the program's whole K slab was loaded before the wait: nothing to load ahead
+            w = w_nxt
+            if SWIGLU:
+                u = u_nxt
+        elif PREFETCH:  # this tile was loaded one step ago; load the next (a uniform mask past the split's end)
             w = w_nxt
             if EVEN_K:
                 n_ok_k = rk < K_PER - k0 - BLOCK_K  # all or none: the split holds whole tiles
@@ -412,7 +418,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
-             NORM_ROW=_norm_row(norm_w is not None, block_m, K)),
+             NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
 

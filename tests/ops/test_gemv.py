@@ -161,9 +161,10 @@ def test_dot_path_every_op(dtype, M):
 
 # One launch where there was two (the paired gate/up pass, q/k/v written by the pass) and the prefetching / PDL
 # loop (under the interpreter PDL runs as PREFETCH: the first tile loaded ahead, then the loop two tiles deep):
-# every variant gives the bits of the two-launch, one-tile path, on even and ragged K, split and unsplit.
+# every variant gives the bits of the two-launch, one-tile path, on even and ragged K, split and unsplit, and with
+# the whole K range in one tile (ONE_TILE: the slab loaded before the wait).
 PIPE_CFGS = [dict(BLOCK_N=4, BLOCK_K=16, SPLIT_K=1), dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=3),
-             dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=2)]
+             dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=2), dict(BLOCK_N=4, BLOCK_K=64, SPLIT_K=1)]  # last: one whole-K tile
 
 
 @pytest.mark.parametrize("pipe", [dict(PREFETCH=True), dict(PDL=True)])

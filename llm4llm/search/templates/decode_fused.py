@@ -30,7 +30,7 @@ GEMV = "kernels_runtime.ops.gemv"
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
 # DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
 # reduction, for batches > 1 where the reduction path leaves bandwidth unused; an option the search tries, no default.
-STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024], "SPLIT_K": [1, 2, 4, 8],
+STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 4096], "SPLIT_K": [1, 2, 4, 8],
          "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True]}
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
