@@ -104,3 +104,57 @@ def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos):
                                            scale=128 ** -0.5)[0]
         assert_close(g_out, want.to(torch.bfloat16), torch.bfloat16, name=f"replay at {p}")
         assert n_mut.item() == p + 1
+
+
+@pytest.mark.parametrize("shape,pos,splits,window", [((2, 4, 2, 37, 16), 36, 3, None), ((1, 6, 2, 50, 32), 0, 4, None),
+                                                     ((1, 8, 1, 21, 16), 13, 2, 5), ((2, 4, 2, 20, 16), 20, 2, None)])
+def test_fused_merge_gives_the_two_launch_result_and_leaves_its_tickets_at_zero(shape, pos, splits, window):
+    """The last program of each kv head merges (one launch): the output within rounding of the merge kernel's (the
+    splits are summed in another order), the same cache writes, the length advanced once (not at a full cache),
+    and every ticket back at zero for the next call."""
+    from kernels_runtime.ops import attention_decode_static as mod
+
+    c = _case(*shape, torch.float32, True, seed=pos + 7)
+    runs = []
+    for fused in (False, True):
+        k_mut, v_mut, n = c["k_cache"].clone(), c["v_cache"].clone(), torch.tensor(pos)
+        out = attention_decode_static(**{**c, "k_cache": k_mut, "v_cache": v_mut}, cache_len=n, scale=0.3,
+                                      sliding_window=window, BLOCK_N=8, num_splits=splits, fused_merge=fused)
+        runs.append((out, k_mut, v_mut, n.item()))
+        if fused:
+            assert int(mod._TICKETS[("cpu", n.reshape(1).data_ptr())].abs().sum()) == 0
+    (o0, k0, v0, n0), (o1, k1, v1, n1) = runs
+    assert_close(o1, o0, torch.float32)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+    assert n1 == n0 == min(pos + 1, shape[3])
+    if pos < shape[3]:  # the reference has no full cache
+        ref = attention_decode_static_ref(**c, cache_len=torch.tensor(pos), scale=0.3, sliding_window=window)
+        assert_close(o1, ref[0], torch.float32, name="vs reference")
+
+
+@pytest.mark.gpu
+def test_fused_merge_on_the_gpu_is_the_same_every_replay():
+    """qwen3-4b's attention with the fused merge, replayed from a CUDA graph 200 times at one position: a missed
+    ticket or a partial read before its write would change some replay's bits or leave a ticket set."""
+    from kernels_runtime.ops import attention_decode_static as mod
+
+    dev = torch.device("cuda")
+    c = {n: (t.to(dev) if t is not None else None)
+         for n, t in _case(1, 32, 8, 640, 128, torch.bfloat16, True, seed=2).items()}
+    k_mut, v_mut, n = c["k_cache"].clone(), c["v_cache"].clone(), torch.tensor(575, device=dev)
+    args = dict(**{**c, "k_cache": k_mut, "v_cache": v_mut}, cache_len=n, scale=128 ** -0.5, fused_merge=True,
+                BLOCK_N=32, num_splits=16, PDL=True)
+    first = attention_decode_static(**args).clone()  # eager first: the tickets are made outside the capture
+    ref = attention_decode_static_ref(**{**c, "k_cache": c["k_cache"], "v_cache": c["v_cache"]},
+                                      cache_len=torch.tensor(575), scale=128 ** -0.5)
+    assert_close(first, ref[0], torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    n.fill_(575)
+    with torch.cuda.graph(graph):
+        g_out = attention_decode_static(**args)
+    for _ in range(200):
+        n.fill_(575)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, first) and n.item() == 576
+    assert int(mod._TICKETS[(str(n.device), n.reshape(1).data_ptr())].abs().sum()) == 0
