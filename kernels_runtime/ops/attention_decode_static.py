@@ -33,10 +33,9 @@ from kernels_runtime.ops._common import interpreting, pdl_launch, pdl_on, pdl_wa
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
-    "num_splits": [None, 1, 2, 4, 8, 16, 32, 64],  # None: `default_num_splits`
+    "num_splits": [None, 4, 8, 16, 32, 64],  # None: `default_num_splits`
     "num_warps": [2, 4, 8],
     "num_stages": [1, 2, 3],
-    "fused_merge": [False, True],
 }
 _LOG2E = 1.4426950408889634
 TARGET_PROGRAMS = 264  # about two waves on an H100/H200 (132 SMs)
@@ -74,10 +73,6 @@ def _attention_decode_static_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-    # FUSED_MERGE: the last program of each (batch, kv head) to finish merges its heads' splits (a ticket in
-    # TICKETS[pid_bh]), the last of those advances the length (TICKETS[B * Hkv]); both tickets end at 0 again
-    TICKETS=None, O=None, stride_ob=0, stride_oh=0, stride_od=0, BH=1, ADVANCE: tl.constexpr = True,
-    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -170,47 +165,6 @@ def _attention_decode_static_kernel(
     some = l_i > 0
     tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None], mask=mask_q)
     tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")), mask=mask_g)
-    if FUSED_MERGE:
-        _merge_last(O_PART, LSE_PART, O, LEN, TICKETS, pid_bh, b * Hkv * GROUP + hq, b, hq, mask_g, offs_d, mask_d,
-                    NUM_SPLITS, D, BH, S_MAX, stride_ob, stride_oh, stride_od, ADVANCE, BLOCK_G, BLOCK_D, BLOCK_S)
-
-
-@triton.jit
-def _merge_last(O_PART, LSE_PART, O, LEN, TICKETS, pid_bh, bhq, b, hq, mask_g, offs_d, mask_d, NUM_SPLITS, D, BH,
-                S_MAX, stride_ob, stride_oh, stride_od, ADVANCE: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Split-K's semaphore pattern: every thread's partial stores, a barrier, then one release-acquire ticket a
-    # program; the program that draws the last ticket sees every split's partials (read through L2: .cg) and
-    # merges them as _merge_advance_kernel does, for its GROUP query heads.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(TICKETS + pid_bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        offs_s = tl.arange(0, BLOCK_S)
-        mask_s = offs_s < NUM_SPLITS
-        lse = tl.load(LSE_PART + bhq[:, None] * NUM_SPLITS + offs_s[None, :], mask=mask_g[:, None] & mask_s[None, :],
-                      other=float("-inf"), cache_modifier=".cg")  # [BLOCK_G, BLOCK_S]
-        m = tl.max(lse, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-        den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-        for sp in tl.static_range(BLOCK_S):
-            if sp < NUM_SPLITS:
-                l_s = tl.load(LSE_PART + bhq * NUM_SPLITS + sp, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp2(l_s - m)
-                o_s = tl.load(O_PART + (bhq * NUM_SPLITS + sp)[:, None] * D + offs_d[None, :],
-                              mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                num += w[:, None] * o_s
-                den += w
-        out = num / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(O + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-        tl.store(TICKETS + pid_bh, 0)  # ready for the next call (nothing else takes this ticket in this one)
-        if ADVANCE:  # the last head to finish: every program has read the length
-            done = tl.atomic_add(TICKETS + BH, 1, sem="acq_rel", scope="gpu")
-            if done == BH - 1:
-                n = tl.load(LEN)
-                tl.store(LEN, tl.where(n < S_MAX, n + 1, n))
-                tl.store(TICKETS + BH, 0)
 
 
 @triton.jit
@@ -311,15 +265,11 @@ def attention_decode_static(
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     sliding_window: int | None = None, softcap: float | None = None, advance: bool = True,
     BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
-    fused_merge: bool = False,
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
     PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections).
     PDL: both kernels launched with programmatic dependent launch: stage 1 reads the length and its first K/V tile,
-    then waits for the previous kernel (the q/k/v projections); stage 2 waits first. fused_merge: one launch, the
-    last program of each kv head merges the splits (`_merge_last`); it needs the ticket buffer of this length
-    tensor (`_tickets`), made on the first eager call: a call captured into a CUDA graph before any eager call
-    takes the two launches instead."""
+    then waits for the previous kernel (the q/k/v projections); stage 2 waits first."""
     norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")
@@ -335,10 +285,6 @@ def attention_decode_static(
     has_norm = q_norm_weight is not None
     block_d = max(16, triton.next_power_of_2(D))
     length = cache_len.reshape(1)
-    tickets = _tickets(length, B * Hkv + 1) if fused_merge else None
-    fused = dict(TICKETS=tickets, O=o, stride_ob=o.stride(0), stride_oh=o.stride(1), stride_od=o.stride(3),
-                 BH=B * Hkv, ADVANCE=advance, FUSED_MERGE=True,
-                 BLOCK_S=triton.next_power_of_2(n_splits)) if tickets is not None else {}
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         length, o_part, lse_part,
@@ -350,32 +296,14 @@ def attention_decode_static(
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PDL=pdl_on(PDL), **fused, **pdl_launch(PDL),
+        PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
-    if fused:
-        return o
     _merge_advance_kernel[(B * Hq,)](
         o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
         BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
         PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
     return o
-
-
-# The fused merge's tickets, one buffer per length tensor's address (a static cache layer: its calls never overlap),
-# zeroed once and left at zero by every call, so a buffer that outlives its tensor is still a valid one.
-_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _tickets(length: torch.Tensor, n: int) -> torch.Tensor | None:
-    key = (str(length.device), length.data_ptr())
-    t = _TICKETS.get(key)
-    if t is not None and t.numel() >= n:
-        return t
-    if length.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None  # a zero fill recorded into a graph would not run before the capture's first use
-    t = _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=length.device)
-    return t
 
 
 def _tl_dtype(dtype: torch.dtype):

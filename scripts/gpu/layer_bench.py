@@ -76,8 +76,8 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["qkv8"] = {**base, "qkv_BLOCK_N": 8}
     out["attn16"] = {**base, "attn_num_splits": 16}
     out["attn64"] = {**base, "attn_num_splits": 64}
-    # Whole-K tiles: with PDL a program loads all of its weight rows before the wait, so o_proj's weights stream
-    # while the attention (latency-bound, a few MB of K/V) runs; 2048 loads half of them ahead
+    # Whole-K tiles: with PDL a program loads all of its weight rows before the wait, so o_proj's weights could
+    # stream while the attention (latency-bound, a few MB of K/V) runs; 2048 loads half of them ahead
     whole = max(128, 1 << (max(s["H"], s["hq"] * s["D"]) - 1).bit_length())
     out["o_whole"] = {**base, "o_BLOCK_K": whole}
     out["o_whole_w8"] = {**base, "o_BLOCK_K": whole, "o_num_warps": 8}
@@ -88,13 +88,6 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["gu_whole_w8"] = {**base, "gu_BLOCK_K": whole, "gu_num_warps": 8}
     out["o_whole_w8+qkv"] = {**out["o_whole_w8"], "qkv_BLOCK_K": whole, "qkv_num_warps": 8}
     out["o_whole_w8+onorm"] = {**out["o_whole_w8"], "post_norm": "o_reduce"}
-    # The attention's splits merged by the last program of each kv head: one launch fewer a layer
-    out["fm"] = {**base, "attn_fused_merge": True}
-    for n in (1, 2, 4, 16):
-        out[f"fm_s{n}"] = {**out["fm"], "attn_num_splits": n}
-    out["fm_s16_b32"] = {**out["fm"], "attn_num_splits": 16, "attn_BLOCK_N": 32}
-    out["fm_s1_st3"] = {**out["fm"], "attn_num_splits": 1, "attn_num_stages": 3}
-    out["fm_o2048"] = {**out["fm"], "o_BLOCK_K": 2048}
     return out
 
 

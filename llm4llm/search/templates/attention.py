@@ -46,9 +46,8 @@ ATTN_PREFILL = {"attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [32, 64, 128], "attn_
                 "attn_num_stages": [2, 3]}
 ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128], "attn_num_splits": [None, 2, 8, 32],
                "attn_num_warps": [4, 8]}
-# fused_merge: the splits merged by the last program of each kv head (one launch instead of two)
-ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 1, 2, 4, 8, 16, 32, 64],
-               "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3], "attn_fused_merge": [False, True]}
+ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
+               "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
 
 PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
 ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
