@@ -1,9 +1,9 @@
 """The search-mode ablation across KernelBench runs, from their exported candidate and search rows (parquet): per
 mode and trial index, the geo-mean over problems of the best speedup over eager found so far (nothing passing yet
 counts 1.0), on the problems that every mode took through the whole budget. Prints the table, writes a plot.
-Usage: python scripts/kb_ablation.py OUT_PNG BUDGET ROWS_PREFIX RUN_ID [RUN_ID ...]
-  (ROWS_PREFIX: e.g. docs/results/2026-12-03-h200/rows/call5_kernelbench, with _candidates / _searches.parquet;
-   the runs whose searches count: one run per mode, or one run of several modes)"""
+Usage: python scripts/kb_ablation.py OUT_PNG BUDGET ROWS_DIR RUN_ID [RUN_ID ...]
+  (ROWS_DIR: a results folder's rows/, with candidates.parquet and searches.parquet as scripts/compact_results.py
+   writes them; the runs whose searches count: one run per mode, or one run of several modes)"""
 from __future__ import annotations
 
 import sys
@@ -13,7 +13,8 @@ import duckdb
 SQL = """
 WITH t AS (
   SELECT s.mode, s.task_id, c.iteration, CASE WHEN c.passed THEN c.speedup_cold END AS sp, c.passed::INT AS ok
-  FROM read_parquet($cands) c JOIN read_parquet($searches) s USING (search_id) WHERE list_contains($runs, s.run_id)),
+  FROM read_parquet($cands) c JOIN read_parquet($searches) s ON c.call = s.call AND c.search_id = s.search_id
+  WHERE list_contains($runs, s.run_id)),
 n AS (SELECT task_id, mode, count(*) AS trials FROM t GROUP BY ALL),
 done AS (SELECT task_id FROM n WHERE trials >= $budget GROUP BY task_id
          HAVING count(DISTINCT mode) = (SELECT count(DISTINCT mode) FROM t)),
@@ -25,14 +26,14 @@ SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(b
 FROM b WHERE iteration < $budget GROUP BY ALL ORDER BY mode, trial"""
 
 
-def main(out_png: str, budget: int, prefix: str, runs: list[str]) -> None:
+def main(out_png: str, budget: int, rows: str, runs: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    df = duckdb.connect().execute(SQL, {"cands": prefix + "_candidates.parquet", "runs": runs,
-                                        "searches": prefix + "_searches.parquet", "budget": budget}).df()
+    df = duckdb.connect().execute(SQL, {"cands": f"{rows}/candidates.parquet", "runs": runs,
+                                        "searches": f"{rows}/searches.parquet", "budget": budget}).df()
     print(df.to_string(index=False))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for mode, g in df.groupby("mode"):
