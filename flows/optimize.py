@@ -110,7 +110,7 @@ def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data
     if out["acceptance"].get("graphs"):
         out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages:
-        out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"], cfg.evaluate.repeats,
-                                  tuple(variants), prof["run_id"] + "-e2e")
+        out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"],
+                                  cfg.evaluate.model_copy(update={"variants": list(variants)}), prof["run_id"] + "-e2e")
         _publish("e2e", name, prof["run_id"], db_path)
     return out

@@ -7,6 +7,7 @@ from prefect.artifacts import create_table_artifact
 
 from llm4llm.stages import accept as accept_stage, evaluate as evaluate_stage
 from llm4llm.accept import AcceptConfig
+from llm4llm.config import EvaluateSettings
 from tasks.common import infrastructure_only
 
 
@@ -16,11 +17,14 @@ def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: 
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
-def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, repeats: int,
-                 variants: tuple[str, ...], run_id: str | None) -> dict:
+def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, settings: EvaluateSettings,
+                 run_id: str | None) -> dict:
+    """settings: the run's EvaluateSettings with its variants resolved (the flow picks them when they are None)."""
     from llm4llm.evaluate import table_rows
 
-    out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=repeats, variants=variants, run_id=run_id)
+    variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
+    out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
+                       run_id=run_id)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
