@@ -160,6 +160,59 @@ def test_triton_gemm_dot_precision_is_a_config_choice(kb_dir, tmp_path, precisio
         render_source(spec, {**t.default(spec), "gemm_precision": "tf32"}, rewrite=False)
 
 
+SPLIT_REDUCTIONS = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, groups):
+        super(Model, self).__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.bn = nn.BatchNorm2d(out_channels)
+        self.gn = nn.GroupNorm(groups, out_channels)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = self.bn(torch.tanh(x) * x)
+        y = self.gn(x)
+        return y.amax(dim=(0, 2, 3)) + y.mean(dim=(0, 2, 3)) + y.sum(dim=(0, 2, 3)) * 0.01
+
+def get_inputs():
+    return [torch.rand(3, 3, 14, 14) * 4 - 1]
+
+def get_init_inputs():
+    return [3, 4, 3, 2]
+'''
+
+
+@pytest.mark.parametrize("rsplit", [1, 3, 0])
+def test_split_reductions_match_the_model(tmp_path, rsplit):
+    """A few long rows (BatchNorm's channels over N x H x W, a per-channel max, mean and sum) split over several
+    programs a row: the chunk partials (a norm's chunk mean and squared deviations, combined by Chan's formula)
+    give the fp32 Model's output within KernelBench's 1e-4; RSPLIT 1 keeps one program a row, 0 picks the split."""
+    import torch
+
+    from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task
+    from llm4llm.kernelbench.templates import TEMPLATES, render_source
+    from llm4llm.taskspec import load_spec
+
+    (tmp_path / "5_Conv2d_BatchNorm_GroupNorm_Max.py").write_text(SPLIT_REDUCTIONS)
+    spec = load_spec(make_task(tmp_path / "5_Conv2d_BatchNorm_GroupNorm_Max.py", tmp_path))
+    t = {x.name: x for x in TEMPLATES}["kb.fused_tail"]
+    src = render_source(spec, {**t.default(spec), "RSPLIT": rsplit, "BLOCK_R": 64}, rewrite=False)
+    split = "partials (" in src
+    assert split == (rsplit != 1), src[:400]
+    if rsplit == 3:
+        assert "batch_norm partials (3 chunks a row)" in src and "max partials (3 chunks a row)" in src
+    problem = load_module(SPLIT_REDUCTIONS)
+    new = load_module(SPLIT_REDUCTIONS + "\n" + src.split('"""', 2)[2])
+    ref, cand = build_model(problem, "cpu"), build_model(new, "cpu", "ModelNew")
+    for seed in (3, 4):
+        x = inputs_for(problem, seed, "cpu")
+        with torch.no_grad():
+            torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
+
+
 def test_run_passes_and_records_origins(kb_run):
     from storage import repo
     from storage.db import Database

@@ -27,6 +27,9 @@ class Unsupported(Exception):
     """The graph holds something the code generator does not handle (the template then does not apply)."""
 
 
+# A reduction with fewer rows than SPLIT_BELOW_ROWS (two waves of one program an SM on a 132-SM GPU) and long rows
+# is split so that about SPLIT_PROGRAMS programs (some 15 an SM) stream it
+SPLIT_BELOW_ROWS, SPLIT_PROGRAMS = 264, 2048
 HEAVY = {aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default}
 VIEWS = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.permute.default,
          aten.t.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
@@ -507,6 +510,10 @@ class Gen:
         BR = min(self.cfg.get("BLOCK_R", 1024), triton_next_pow2(R))
         if R <= self.cfg.get("BLOCK_R", 1024) and nrows >= 4096:
             ROWS = max(ROWS, max(1, min(64, 4096 // triton_next_pow2(R))))
+        rs = self._rsplit(spec, nrows, R, BR)
+        if rs > 1:
+            self._split_reduce(n, spec, x, L, space, pre, BR, rs)
+            return
         leaves = self._leaves(x, set(), {})
         body = self._reduce_statistics(spec, x, L, space)
         name = self._new()
@@ -536,6 +543,116 @@ class Gen:
         self.plan.lines.append(f"{name}[(triton.cdiv({nrows}, {ROWS}),)]({call}, {out.var}, ROWS={ROWS}, BR={BR}, "
                                f"num_warps={self.cfg.get('num_warps', 4)})")
         self.plan.kinds.append(spec.op)
+
+    def _rsplit(self, spec: _ReduceSpec, nrows: int, R: int, BR: int) -> int:
+        """Programs a row's reduction is split over: a few long rows (BatchNorm's channels over N x H x W) would
+        leave most SMs idle with one program a row. RSPLIT in the config: 0 picks (below SPLIT_BELOW_ROWS rows,
+        about SPLIT_PROGRAMS programs, chunks of at least 4 blocks), 1 never splits, N splits in N. Softmax is never
+        split."""
+        want = int(self.cfg.get("RSPLIT", 0))
+        if spec.op == "softmax" or want == 1 or (not want and nrows >= SPLIT_BELOW_ROWS):
+            return 1
+        rs = want or min(64, -(-SPLIT_PROGRAMS // nrows), -(-R // (4 * BR)))
+        rs = max(1, min(rs, -(-R // BR)))
+        return rs if rs > 1 else 1
+
+    def _split_reduce(self, n, spec: _ReduceSpec, x, L, space: _RowSpace, pre: list[str], BR: int,
+                      rs: int) -> None:
+        """A reduction split over `rs` chunks of each row: per-chunk partials (sums, extrema, or a norm's chunk
+        mean and squared deviations about it) into an fp64 workspace, then one launch that combines them in a fixed
+        order (Chan's formula for the variance) and stores the result (or, for the norms, normalises its chunk)."""
+        R, nrows = space.R, space.nrows
+        CH = -(-(-(-R // rs)) // BR) * BR  # whole blocks a chunk
+        rs = -(-R // CH)
+        leaves = self._leaves(x, set(), {})
+        ws = self.var()
+        self.plan.lines.append(f"{ws} = torch.empty(({nrows}, {rs}, 2), device=x0.device, dtype=torch.float64)")
+        head = [f"    rows = (tl.program_id(0){self._wide(leaves, nrows * R)} + tl.arange(0, 1))[:, None]",
+                f"    ROWMASK = rows < {nrows}", "    chunk = tl.program_id(1)", f"    lo = chunk * {CH}",
+                f"    hi = tl.minimum(lo + {CH}, {R})"]
+        body = self._split_partials(spec, x, L, space, rs)
+        ptrs, call = self._args_sig(sorted(leaves, key=lambda l: self.bufs[l].var))
+        name = self._new()
+        self.plan.kernels.append("\n".join([f"@triton.jit", f"def {name}({ptrs}, WS_ptr, BR: tl.constexpr):", *head,
+                                            *(f"    {l}" for l in pre + body)]))
+        warps = self.cfg.get("num_warps", 4)
+        self.plan.lines.append(f"{name}[({nrows}, {rs})]({call}, {ws}, BR={BR}, num_warps={warps})")
+        self.plan.kinds.append(f"{spec.op} partials ({rs} chunks a row)")
+        res_node = n
+        if n.target in (aten.max.dim, aten.min.dim, aten.native_group_norm.default, aten.native_layer_norm.default,
+                        aten.native_batch_norm.default):
+            res_node = self._values_output(n, f"{n.target} statistics used")
+        comb = self._split_combine(spec, R, rs, CH)
+        if spec.full_out:
+            lines, stored, extra = self._reduce_final_pass(spec, res_node, x, L, space, "lo", "hi")
+            grid = f"({nrows}, {rs})"
+        else:
+            lines, stored, extra = self._reduce_row_store(res_node, len(L), space)
+            grid = f"({nrows},)"
+        for w in (spec.weight, spec.bias):
+            if isinstance(w, torch.fx.Node):
+                leaves |= self._leaves(w, set(), {})
+        leaves = sorted(leaves | extra, key=lambda l: self.bufs[l].var)
+        out = self._alloc(stored, _shape(stored))
+        if stored is not res_node:
+            self.fused_into[stored] = res_node
+        ptrs, call = self._args_sig(leaves)
+        name = self._new()
+        self.plan.kernels.append("\n".join([f"@triton.jit", f"def {name}({ptrs}, WS_ptr, OUT_ptr, BR: tl.constexpr):",
+                                            *head, *(f"    {l}" for l in pre + comb + lines)]))
+        self.plan.lines.append(f"{name}[{grid}]({call}, {ws}, {out.var}, BR={BR}, num_warps={warps})")
+        self.plan.kinds.append(f"{spec.op} from partials")
+
+    def _split_partials(self, spec: _ReduceSpec, x, L, space: _RowSpace, rs: int) -> list[str]:
+        """One chunk's partials into WS[row, chunk, 0:2]."""
+        acc_t = "tl.float64" if self.cfg.get("acc64", True) else "tl.float32"
+
+        def loop(update):
+            p, v = self._reduce_input(x, L, space)
+            return self._reduce_loop(space, p + update(v), "lo", "hi")
+
+        at = f"WS_ptr + rows * {2 * rs} + chunk * 2"
+        if spec.op in ("max", "min"):
+            fill = "float('-inf')" if spec.op == "max" else "float('inf')"
+            fn = "tl.maximum" if spec.op == "max" else "tl.minimum"
+            body = [f"acc = tl.full([1, BR], {fill}, tl.float32)"]
+            body += loop(lambda v: [f"acc = {fn}(acc, tl.where(MASK, {v}, {fill}))"])
+            body.append(f"part = {'tl.max' if spec.op == 'max' else 'tl.min'}(acc, axis=1)[:, None]")
+            return body + [f"tl.store({at}, part.to(tl.float64), mask=ROWMASK)"]
+        body = [f"acc = tl.zeros([1, BR], {acc_t})"]
+        body += loop(lambda v: [f"acc += tl.where(MASK, {v}, 0.0).to({acc_t})"])
+        body.append("part = tl.sum(acc, axis=1)[:, None].to(tl.float64)")
+        if spec.op in ("sum", "mean"):
+            return body + [f"tl.store({at}, part, mask=ROWMASK)"]
+        body.append("mean_c = part / (hi - lo).to(tl.float64)")
+        body.append(f"acc2 = tl.zeros([1, BR], {acc_t})")
+        body += loop(lambda v: [f"dv = tl.where(MASK, {v} - mean_c.to(tl.float32), 0.0).to({acc_t})",
+                                "acc2 += dv * dv"])
+        body.append("m2 = tl.sum(acc2, axis=1)[:, None].to(tl.float64)")
+        return body + [f"tl.store({at}, mean_c, mask=ROWMASK)", f"tl.store({at} + 1, m2, mask=ROWMASK)"]
+
+    @staticmethod
+    def _split_combine(spec: _ReduceSpec, R: int, rs: int, CH: int) -> list[str]:
+        """The row's partials combined in chunk order: `res`, or a norm's `mean` and `rstd`."""
+        p2 = triton_next_pow2(rs)
+        lines = [f"cs = tl.arange(0, {p2})[None, :]", f"CMASK = ROWMASK & (cs < {rs})",
+                 f"wsr = WS_ptr + rows * {2 * rs} + cs * 2"]
+        if spec.op in ("max", "min"):
+            fill = "float('-inf')" if spec.op == "max" else "float('inf')"
+            red = "tl.max" if spec.op == "max" else "tl.min"
+            return lines + [f"res = {red}(tl.load(wsr, mask=CMASK, other={fill}), axis=1)[:, None].to(tl.float32)"]
+        if spec.op in ("sum", "mean"):
+            lines.append("res64 = tl.sum(tl.load(wsr, mask=CMASK, other=0.0), axis=1)[:, None]")
+            return lines + [f"res = (res64{f' / {float(R)}' if spec.op == 'mean' else ''}).to(tl.float32)"]
+        return lines + [
+            "mc = tl.load(wsr, mask=CMASK, other=0.0)",
+            "m2 = tl.load(wsr + 1, mask=CMASK, other=0.0)",
+            f"nc = tl.minimum(tl.maximum({R} - cs * {CH}, 0), {CH}).to(tl.float64)",
+            f"mean64 = tl.sum(nc * mc, axis=1)[:, None] / {float(R)}",
+            "dm = mc - mean64",
+            "var64 = tl.sum(m2 + nc * dm * dm, axis=1)[:, None] / " + f"{float(R)}",
+            "mean = mean64.to(tl.float32)",
+            f"rstd = (1.0 / tl.sqrt(var64 + {spec.eps!r})).to(tl.float32)"]
 
     def _values_output(self, n, what: str):
         """The node later ops read for a multi-output op (its getitem 0), refusing graphs that read other outputs."""
@@ -603,11 +720,13 @@ class Gen:
         return p, v
 
     @staticmethod
-    def _reduce_loop(space: _RowSpace, inner: list[str]) -> list[str]:
-        """One pass over the reduced elements, BR at a time, running `inner` on each block."""
-        out = [f"for k0 in range(0, {space.R}, BR):",
+    def _reduce_loop(space: _RowSpace, inner: list[str], lo: str = "0", hi: str | None = None) -> list[str]:
+        """One pass over the reduced elements [lo, hi) (all of them by default), BR at a time, running `inner` on
+        each block."""
+        hi = hi or str(space.R)
+        out = [f"for k0 in range({lo}, {hi}, BR):",
                "    kk = k0 + tl.arange(0, BR)[None, :]",
-               f"    MASK = ROWMASK & (kk < {space.R})"]
+               f"    MASK = ROWMASK & (kk < {hi})"]
         out += [f"    {l}" for l in list(space.ilines) + inner]
         return out
 
@@ -654,9 +773,10 @@ class Gen:
                         f".to(tl.float32)")
         return body
 
-    def _reduce_final_pass(self, spec: _ReduceSpec, res_node, x, L, space: _RowSpace) -> tuple[list[str], Any, set]:
+    def _reduce_final_pass(self, spec: _ReduceSpec, res_node, x, L, space: _RowSpace, lo: str = "0",
+                           hi: str | None = None) -> tuple[list[str], Any, set]:
         """(lines, node stored, leaves it reads): the pass storing the normalised value (and the epilogue) at every
-        element, for softmax and the norms."""
+        element of [lo, hi), for softmax and the norms."""
         p, xv = self._reduce_input(x, L, space)
         idx = space.idx
         if spec.op == "softmax":
@@ -671,7 +791,7 @@ class Gen:
         stored, v = self._store_value(res_node, idx, L, p, bind, {})
         leaves = self._leaves(stored, set(), bind)
         p.append(f"tl.store(OUT_ptr + {self._offset(_strides(L), L, idx)}, {v}, mask=MASK)")
-        return self._reduce_loop(space, p), stored, leaves
+        return self._reduce_loop(space, p, lo, hi), stored, leaves
 
     def _reduce_row_store(self, res_node, nd: int, space: _RowSpace) -> tuple[list[str], Any, set]:
         """(lines, node stored, leaves it reads): the per-row store of `res` at the reduced tensor's layout."""

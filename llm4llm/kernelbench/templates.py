@@ -70,7 +70,8 @@ def render_source(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> str:
 
 def _space(spec: TaskSpec) -> dict[str, list]:
     return {"BLOCK": [1024, 512, 2048], "POOL_BLOCK": [256, 128, 512], "BLOCK_R": [1024, 256, 2048, 4096],
-            "ROWS": [1, 2, 4, 8], "num_warps": [4, 8, 2], "epilogue": [True, False], "acc64": [True, False]}
+            "ROWS": [1, 2, 4, 8], "num_warps": [4, 8, 2], "epilogue": [True, False], "acc64": [True, False],
+            "RSPLIT": [0, 1]}  # 0: a few long rows split over several programs each; 1: one program a row
 
 
 def _gemm_space(spec: TaskSpec) -> dict[str, list]:
