@@ -147,7 +147,7 @@ def test_triton_gemm_dot_precision_is_a_config_choice(kb_dir, tmp_path, precisio
 
     spec = load_spec(make_task(kb_dir / "2_Gemm_Divide_Sum.py", tmp_path))
     t = {x.name: x for x in TEMPLATES}["kb.gemm_epilogue"]
-    assert t.space(spec)["gemm_precision"] == ["ieee", "tf32x3"]
+    assert t.space(spec)["gemm_precision"] == ["tf32x3", "ieee"] and t.default(spec)["gemm_precision"] == "tf32x3"
     src = render_source(spec, {**t.default(spec), "gemm_precision": precision}, rewrite=False)
     assert f'input_precision="{precision}"' in src and f"triton_gemm_{precision}" in src
     problem = load_module(GEMM_SUM)
