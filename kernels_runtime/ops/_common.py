@@ -55,6 +55,28 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def l2_prefetch(base, nbytes, part, parts, LANES: tl.constexpr):
+    # Ask the L2 for program `part`'s share (of `parts` programs) of the bytes [base, base + nbytes): one bulk
+    # prefetch a lane (sm_90's cp.async.bulk.prefetch.L2: the copy engine fetches, no registers, no wait). A
+    # latency-bound kernel (decode attention) leaves HBM idle; it fetches the weights the next kernel streams, which
+    # then reads them from L2. A hint only: nothing depends on the lines still being there. 16-byte units: `base`
+    # must be 16-byte aligned (a tensor's storage is).
+    share = tl.cdiv(tl.cdiv(nbytes, parts), 16 * LANES) * (16 * LANES)
+    sub = share // LANES
+    off = part.to(tl.int64) * share + tl.arange(0, LANES).to(tl.int64) * sub
+    size = tl.minimum(tl.maximum(nbytes - off, 0), sub).to(tl.int32)
+    addr = base.to(tl.pointer_type(tl.int8)).to(tl.int64) + off
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_prefetch_on(tensors) -> bool:
+    """Whether a kernel issues its L2 prefetches: some bytes asked for, on the GPU (the interpreter has no PTX)."""
+    return bool(tensors) and not interpreting()
+
+
 def pdl_on(PDL: bool) -> bool:
     """A kernel's PDL constexpr: the interpreter has no PDL, so kernels run there with it off."""
     return bool(PDL) and not interpreting()

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import interpreting, pdl_launch, pdl_on, pdl_wait, rnd
+from kernels_runtime.ops._common import (interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on, pdl_wait,
+                                         rnd)
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
@@ -59,9 +60,9 @@ def _norm_rope(x, x_rot, w_ptr, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM
 @triton.jit
 def _attention_decode_static_kernel(
     # Pointers
-    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART,
+    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF,
     # Matrix dimensions
-    Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
+    PF_BYTES, Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
     # Strides
     stride_qb, stride_qh, stride_qd,
     stride_knb, stride_knh, stride_knd,
@@ -73,6 +74,7 @@ def _attention_decode_static_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    L2PF: tl.constexpr = False, LANES: tl.constexpr = 128,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -100,6 +102,8 @@ def _attention_decode_static_kernel(
                      mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
     v_nxt = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
                     mask=kv_ok[:, None] & mask_d[None, :], other=0.0)
+    if L2PF:  # the next kernel's weights (o_proj) into L2 while this latency-bound kernel leaves HBM idle
+        l2_prefetch(PF, PF_BYTES, pid_bh * NUM_SPLITS + split, tl.num_programs(0) * NUM_SPLITS, LANES)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q/k/v are the previous kernel's output
     # the first ROT columns rotate (partial rotary: ROT < D); the others pass through as x * 1 + x * 0, exact
@@ -265,11 +269,15 @@ def attention_decode_static(
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     sliding_window: int | None = None, softcap: float | None = None, advance: bool = True,
     BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
+    l2_prefetch: torch.Tensor | None = None, l2_prefetch_bytes: int | None = None,
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
     PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections).
     PDL: both kernels launched with programmatic dependent launch: stage 1 reads the length and its first K/V tile,
-    then waits for the previous kernel (the q/k/v projections); stage 2 waits first."""
+    then waits for the previous kernel (the q/k/v projections); stage 2 waits first.
+    l2_prefetch: a tensor the next kernel reads (o_proj's weight), whose first `l2_prefetch_bytes` (all of it when
+    None) stage 1's programs ask the L2 for while they run (sm_90+; nothing under the interpreter). A hint: the
+    results do not depend on it."""
     norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")
@@ -285,10 +293,11 @@ def attention_decode_static(
     has_norm = q_norm_weight is not None
     block_d = max(16, triton.next_power_of_2(D))
     length = cache_len.reshape(1)
+    pf_bytes = _prefetch_bytes(l2_prefetch, l2_prefetch_bytes)
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
-        length, o_part, lse_part,
-        Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
+        length, o_part, lse_part, l2_prefetch if pf_bytes else q,
+        pf_bytes, Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
         float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
@@ -296,7 +305,7 @@ def attention_decode_static(
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PDL=pdl_on(PDL), **pdl_launch(PDL),
+        PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, **pdl_launch(PDL),
     )
     _merge_advance_kernel[(B * Hq,)](
         o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
@@ -304,6 +313,16 @@ def attention_decode_static(
         PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
     return o
+
+
+def _prefetch_bytes(t: torch.Tensor | None, nbytes: int | None) -> int:
+    """The bytes of `t` to prefetch into L2: all of it when nbytes is None, never past its end; 0 without t."""
+    if t is None:
+        return 0
+    if not t.is_contiguous():
+        raise ValueError("attention_decode_static: expected a contiguous l2_prefetch tensor (a weight)")
+    total = t.numel() * t.element_size()
+    return total if nbytes is None else max(0, min(int(nbytes), total))
 
 
 def _tl_dtype(dtype: torch.dtype):

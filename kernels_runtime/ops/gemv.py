@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import _TL, cast_out, interpreting, launch, pdl_launch, pdl_on, pdl_wait, rnd
+from kernels_runtime.ops._common import (_TL, cast_out, interpreting, l2_prefetch, l2_prefetch_on, launch, pdl_launch,
+                                         pdl_on, pdl_wait, rnd)
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
@@ -40,9 +41,10 @@ MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep t
 @triton.jit
 def _gemv_kernel(
     # Pointers
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr,
-    # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1)
-    M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr,
+    # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1);
+    # the bytes of pf0 / pf1 to prefetch into L2
+    PF0_BYTES, PF1_BYTES, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
     # Strides
     stride_xm, stride_pm, stride_rm, eps,
     # Meta-parameters
@@ -51,7 +53,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False,
+    NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
@@ -62,6 +64,9 @@ def _gemv_kernel(
     # PDL (programmatic dependent launch, sm_90+): the kernel may start while the previous one drains; it lets the
     # next kernel start the same way, loads its first weight tile (weights are never written), then waits for the
     # previous kernel before it reads anything that kernel wrote and before it writes anything.
+    # L2PF (1 or 2 tensors): the programs ask the L2 for the first PF0_BYTES of pf0 (and PF1_BYTES of pf1), the
+    # weights of a later kernel, before the wait: with this pass reading its own weights from L2 (prefetched by the
+    # kernel before), HBM would otherwise idle.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -90,6 +95,12 @@ def _gemv_kernel(
         w_nxt = tl.load(w_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
         if SWIGLU:
             u_nxt = tl.load(u_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
+    if L2PF > 0:
+        parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        part = (tl.program_id(2) * tl.num_programs(1) + split) * tl.num_programs(0) + pid_n
+        l2_prefetch(pf0_ptr, PF0_BYTES, part, parts, LANES)
+        if L2PF > 1:
+            l2_prefetch(pf1_ptr, PF1_BYTES, part, parts, LANES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
@@ -383,13 +394,14 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
-            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False):
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=()):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
     split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
     shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
-    weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch."""
+    weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
+    (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
     DOT = _dot_path(M, DOT)
@@ -409,18 +421,36 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
     if swiglu:
         w1 = swiglu_up
+    pf = _l2_targets(l2_prefetch)
     launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
-        x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2,
-        M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
+        x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2, *(t if t is not None else x2 for t, _ in pf),
+        *(n for _, n in pf), M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
-             NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K),
+             NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
+             L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
+
+
+def _l2_targets(pairs) -> list[tuple[torch.Tensor | None, int]]:
+    """Two (tensor, bytes) slots from up to two (tensor, bytes) pairs (bytes None: the whole tensor), the ones
+    with bytes first; (None, 0) where empty."""
+    out = []
+    for t, n in pairs or ():
+        if not t.is_contiguous():
+            raise ValueError("gemv: expected contiguous l2_prefetch tensors (weights)")
+        total = t.numel() * t.element_size()
+        n = total if n is None else max(0, min(int(n), total))
+        if n:
+            out.append((t, n))
+    if len(out) > 2:
+        raise ValueError(f"gemv: expected at most two l2_prefetch tensors, got {len(out)}")
+    return out + [(None, 0)] * (2 - len(out))
 
 
 def _reduce_block(n: int) -> int:
@@ -429,10 +459,12 @@ def _reduce_block(n: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
-         num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False) -> torch.Tensor:
+         num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
+         l2_prefetch=()) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
-    PDL: `_gemv_kernel`'s."""
+    PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
+    asks the L2 for (a hint: the result does not depend on it)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -447,7 +479,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL)
+                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -460,10 +492,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
-                          PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          PREFETCH: bool = False, PDL: bool = False, l2_prefetch=()) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
-    down_proj with the next layer's input_layernorm."""
+    down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -478,7 +510,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),

@@ -12,7 +12,7 @@ source at that config (what a bundle ships). Every layer's length is set back to
 events around one replay). floor = the layers' weight bytes over the device-to-device copy bandwidth measured first
 in this process. Checks, per variant: the graph replay's output equals the eager (stream) run's bit for bit, and it
 matches the first variant's within the bf16 tolerance (kernels_runtime.tolerances); a variant whose only change is
-PDL or PREFETCH must equal its base bit for bit. Variants: the template's default and seeds
+PDL, PREFETCH or an L2 prefetch must equal its base bit for bit. Variants: the template's default and seeds
 (llm4llm.search.templates.decode_fused), then the launch-count and prefetch/PDL points below.
 """
 from __future__ import annotations
@@ -88,6 +88,14 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["gu_whole_w8"] = {**base, "gu_BLOCK_K": whole, "gu_num_warps": 8}
     out["o_whole_w8+qkv"] = {**out["o_whole_w8"], "qkv_BLOCK_K": whole, "qkv_num_warps": 8}
     out["o_whole_w8+onorm"] = {**out["o_whole_w8"], "post_norm": "o_reduce"}
+    # L2 prefetch: the attention asks the L2 for o_proj's weight while it leaves HBM idle (l2o); o_proj, reading
+    # from L2, asks for the first MB of gate/up (mN)
+    out["l2o"] = {**base, "l2pf_o": True}
+    for mb in (8, 16, 24):
+        out[f"l2o_m{mb}"] = {**base, "l2pf_o": True, "l2pf_mlp_mb": mb}
+    out["m16"] = {**base, "l2pf_mlp_mb": 16}
+    out["l2o_o2048"] = {**base, "l2pf_o": True, "o_BLOCK_K": 2048}
+    out["l2o_nopdl"] = {**base, "l2pf_o": True, "pdl": False}
     return out
 
 
@@ -227,7 +235,8 @@ def check_outputs(outs, bad):
         c = compare(outs[name], outs[first])  # bf16's tolerance: after many layers, roundings grow
         if not c.ok:
             bad.setdefault(name, f"differs from {first}: {c}"[:300])
-    for a, b in (("prefetch", "default"), ("nopdl", "default")):
+    for a, b in (("prefetch", "default"), ("nopdl", "default"), ("l2o", "default"), ("l2o_m16", "default"),
+                 ("m16", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
             bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
 

@@ -313,7 +313,9 @@ def _static_attention(q, k, v, inputs, weights, state, static, p=""):
         q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
         float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
         k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)), **ATTN)
+        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)),
+        # o_proj's weight into L2 while the attention leaves HBM idle (l2pf_o: decoder_layer.decode_static)
+        l2_prefetch=weights.get(p + "o_proj.weight") if CONFIG.get("l2pf_o") else None, **ATTN)
     return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
 '''
 

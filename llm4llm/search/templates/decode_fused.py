@@ -41,6 +41,12 @@ def _stage(prefix):
     kw["num_stages"] = CONFIG["num_stages"]
     kw["PDL"] = bool(CONFIG.get("pdl", False))
     return kw
+
+
+def _mlp_prefetch(weights):
+    # l2pf_mlp_mb: o_proj asks the L2 for the first MB of gate/up (half each), the rows gate/up's first programs read
+    half = int(CONFIG.get("l2pf_mlp_mb") or 0) * (1 << 20) // 2
+    return ((weights["mlp.gate_proj.weight"], half), (weights["mlp.up_proj.weight"], half)) if half else ()
 '''
 
 
@@ -238,11 +244,12 @@ def _layer_mlp(config) -> str:
     post_attention_layernorm, gate/up + SwiGLU (g), h the residual of the down projection."""
     if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
         mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
-                                  float(static["post_attention_layernorm.variance_epsilon"]), **_stage("o_"))
+                                  float(static["post_attention_layernorm.variance_epsilon"]),
+                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
     g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
 '''
     else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
-        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, **_stage("o_"))
+        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
     g = gate_up_swiglu(h, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"],
                        norm_w=weights["post_attention_layernorm.weight"],
                        eps=float(static["post_attention_layernorm.variance_epsilon"]), **_stage("gu_"))
@@ -325,7 +332,16 @@ def pdl_capable(spec: TaskSpec) -> bool:
 def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
-            "pdl": [False, True] if pdl_capable(spec) else [False]}
+            "pdl": [False, True] if pdl_capable(spec) else [False], **l2_prefetch_space(spec)}
+
+
+def l2_prefetch_space(spec: TaskSpec) -> dict:
+    """L2 prefetches (sm_90's bulk prefetch, so only where PDL is): the attention asks the L2 for o_proj's weight
+    (`l2pf_o`) while it leaves HBM idle, and o_proj, then reading from L2, for the first MB of gate/up
+    (`l2pf_mlp_mb`)."""
+    if not pdl_capable(spec):
+        return {"l2pf_o": [False], "l2pf_mlp_mb": [0]}
+    return {"l2pf_o": [False, True], "l2pf_mlp_mb": [0, 8, 16, 24]}
 
 
 def _layer_static_default(spec):
@@ -340,7 +356,7 @@ def _layer_static_default(spec):
     return {"post_norm": "gate_up_prologue", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
             **_stage_default("o_", h, nq, sms), **attn, **cache_splits(spec, ATTN_P),
             **_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1,
-            "pdl": pdl_capable(spec)}
+            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0}
 
 
 def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
