@@ -56,6 +56,11 @@ class Guard(BaseModel):
     # the joint shape signatures acceptance verified (input name -> exact shape); when set, a call must match one of
     # them as a whole: per-dim ranges alone would admit unseen combinations ([1..2, 3..5, 80] admits (1, 4, 80))
     signatures: list[dict[str, list[int]]] = Field(default_factory=list)
+    # the state adapter the kernel was verified with (boundary.py's names: "StaticLayer", "DynamicLayer", ...): a
+    # call whose cache takes another adapter falls back. A static-cache and a dynamic-cache call can have inputs of
+    # the same shapes while their state means different things (a zero-padded buffer and a device-side length, or
+    # the past alone). None: a stateless kernel, or a bundle written before this field (not checked).
+    state_adapter: str | None = None
 
     @field_validator("min_capability", mode="before")
     @classmethod

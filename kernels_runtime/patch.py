@@ -195,6 +195,7 @@ class _Kernel:
         # guarded inputs that a call may pass as keyword None (HF's attention_mask under the dynamic cache): such a
         # call is refused before binding, the costliest step of a fallback, with the reason the guard would give
         self.required_kwargs = tuple(n for n in g.shapes if "." not in n)
+        self.state_adapter = g.state_adapter
 
 
 def _own_phase(args: tuple, kwargs: dict) -> str:
@@ -271,6 +272,11 @@ class Dispatch:
             return self._fallback(f"boundary: {getattr(e, 'reason', None) or f'{type(e).__name__}: {e}'}", args, kwargs)
         if why:
             return self._fallback(why, args, kwargs)
+        if kernel.state_adapter is not None:
+            got = (call.recipe["state"] or {}).get("adapter")
+            if got != kernel.state_adapter:
+                return self._fallback(f"state: expected a {kernel.state_adapter} cache layer (what the kernel was "
+                                      f"verified on), got {got or 'no cache state'}", args, kwargs)
         if kernel.guarded:
             ok, reason = is_supported(kernel.spec.guard, call)
             if not ok:

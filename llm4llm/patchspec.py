@@ -9,8 +9,8 @@ from llm4llm.taskspec import TaskSpec
 
 def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     """Guards from what extraction observed: dtypes (the task's and its inputs'), device, capability, every input's
-    dims (exact where all cases agree, else the observed range) and contiguity. Anything outside falls back to the
-    original forward."""
+    dims (exact where all cases agree, else the observed range), contiguity, and the state adapter of the cache the
+    task was captured on. Anything outside falls back to the original forward."""
     shapes: dict[str, list] = {}
     for name in spec.input_names:
         sigs = [c.inputs[name].shape for c in spec.cases if name in c.inputs]
@@ -33,8 +33,10 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
         sig = {n: list(c.inputs[n].shape) for n in shapes if n in c.inputs}
         if sig and sig not in signatures:
             signatures.append(sig)
+    state = (spec.recipe or {}).get("state") or {}
     return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
-                 signatures=signatures if len(signatures) > 1 and not spec.regime else [])
+                 signatures=signatures if len(signatures) > 1 and not spec.regime else [],
+                 state_adapter=state.get("adapter"))
 
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
