@@ -27,9 +27,12 @@ class Unsupported(Exception):
     """The graph holds something the code generator does not handle (the template then does not apply)."""
 
 
-# A reduction with fewer rows than SPLIT_BELOW_ROWS (two waves of one program an SM on a 132-SM GPU) and long rows
-# is split so that about SPLIT_PROGRAMS programs (some 15 an SM) stream it
-SPLIT_BELOW_ROWS, SPLIT_PROGRAMS = 264, 2048
+# A reduction with fewer rows than SPLIT_BELOW_ROWS and long rows (4 blocks a chunk at least) is split so that about
+# SPLIT_PROGRAMS programs (some 15 an SM on a 132-SM GPU) stream it. Below 264 rows (BatchNorm's 64-128 channels,
+# problems 52 and 72) the split took them from 0.53x / 0.37x of eager to 1.03x / 1.40x (docs/results/2026-12-03-h200-b);
+# up to 1024 it splits one more problem of the 50, 60's GroupNorm (512 rows of 492K elements, 4 chunks a row), not
+# yet timed. Rows of 1024 and more are already 8 programs an SM unsplit.
+SPLIT_BELOW_ROWS, SPLIT_PROGRAMS = 1024, 2048
 HEAVY = {aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default}
 VIEWS = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.permute.default,
          aten.t.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
