@@ -4,13 +4,11 @@ subprocess without TRITON_INTERPRET (under it the kernels are not compiled objec
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from compiled_subprocess import run_compiled
 
 from llm4llm.search.templates import TEMPLATES
 from llm4llm.taskspec import load_spec
@@ -27,10 +25,7 @@ def tiny_task_dirs(tiny_extracted) -> list[str]:
 
 @pytest.mark.slow
 def test_every_template_compiles_for_sm90(tiny_task_dirs):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-m", "llm4llm.verify.aot", *tiny_task_dirs], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    res = run_compiled(["-m", "llm4llm.verify.aot", *tiny_task_dirs], timeout=1200)
     assert res.stdout.strip(), res.stderr[-3000:]
     result = json.loads(res.stdout)
     covered = {key.split("/")[0] for key in result}
@@ -44,9 +39,7 @@ def test_a_kernel_the_gpu_compiler_rejects_is_reported():
     """The check is not vacuous: a kernel that rebinds a variable to another shape in a runtime branch (the
     interpreter runs it) fails to compile for sm_90, with its name in the message."""
     src = ROOT / "tests" / "_aot_bad_kernel.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, str(src)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = run_compiled([str(src)], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     errors = json.loads(res.stdout)
     assert len(errors) == 1 and errors[0].startswith("_bad_kernel:"), errors
@@ -161,10 +154,7 @@ launches = capture_launches(calls) + capture_launches(attn)
 pdl = [l for l in launches if l.options.get("launch_pdl")]
 print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launches(launches)}))
 '''
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_compiled(["-c", script], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["errors"] == [] and out["pdl"] >= 7, out

@@ -185,6 +185,41 @@ def get_init_inputs():
 '''
 
 
+GROUPNORM_512_ROWS = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, channels, groups):
+        super(Model, self).__init__()
+        self.gn = nn.GroupNorm(groups, channels)
+
+    def forward(self, x):
+        return torch.nn.functional.hardswish(self.gn(torch.sigmoid(x) * x))
+
+def get_inputs():
+    return [torch.rand(128, 16, 64, 64)]
+
+def get_init_inputs():
+    return [16, 4]
+'''
+
+
+@pytest.mark.parametrize("rsplit,split", [(0, True), (1, False)])
+def test_a_few_hundred_long_rows_are_split(tmp_path, rsplit, split):
+    """Problem 60's shape of reduction: a GroupNorm of 128 x 4 = 512 rows of 16K elements. One program a row would
+    be 4 programs an SM; the generator splits each row (below 1024 rows) unless RSPLIT is 1. Rendered, not run."""
+    from llm4llm.kernelbench.problem import make_task
+    from llm4llm.kernelbench.templates import TEMPLATES, render_source
+    from llm4llm.taskspec import load_spec
+
+    (tmp_path / "6_GroupNorm_512_rows.py").write_text(GROUPNORM_512_ROWS)
+    spec = load_spec(make_task(tmp_path / "6_GroupNorm_512_rows.py", tmp_path))
+    t = {x.name: x for x in TEMPLATES}["kb.fused_tail"]
+    src = render_source(spec, {**t.default(spec), "RSPLIT": rsplit}, rewrite=False)
+    assert ("group_norm partials (4 chunks a row)" in src) == split, src[:400]
+
+
 @pytest.mark.parametrize("rsplit", [1, 3, 0])
 def test_split_reductions_match_the_model(tmp_path, rsplit):
     """A few long rows (BatchNorm's channels over N x H x W, a per-channel max, mean and sum) split over several

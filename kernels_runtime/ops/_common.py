@@ -72,9 +72,20 @@ def l2_prefetch(base, nbytes, part, parts, LANES: tl.constexpr):
         "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def l2_prefetch_on(tensors) -> bool:
+def l2_prefetch_bytes(t: torch.Tensor | None, nbytes: int | None, op: str = "l2_prefetch") -> int:
+    """The bytes of `t` a kernel prefetches into L2: all of it when nbytes is None, never past its end; 0 without t.
+    `t` must be contiguous (a weight): the prefetch covers one byte range."""
+    if t is None:
+        return 0
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: expected a contiguous l2_prefetch tensor (a weight)")
+    total = t.numel() * t.element_size()
+    return total if nbytes is None else max(0, min(int(nbytes), total))
+
+
+def l2_prefetch_on(nbytes: int) -> bool:
     """Whether a kernel issues its L2 prefetches: some bytes asked for, on the GPU (the interpreter has no PTX)."""
-    return bool(tensors) and not interpreting()
+    return nbytes > 0 and not interpreting()
 
 
 def pdl_on(PDL: bool) -> bool:

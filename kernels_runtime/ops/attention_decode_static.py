@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import (interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on, pdl_wait,
-                                         rnd)
+from kernels_runtime.ops._common import interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on, pdl_wait, rnd
+from kernels_runtime.ops._common import l2_prefetch_bytes as _l2_bytes  # the launcher's argument takes the name
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
@@ -293,7 +293,7 @@ def attention_decode_static(
     has_norm = q_norm_weight is not None
     block_d = max(16, triton.next_power_of_2(D))
     length = cache_len.reshape(1)
-    pf_bytes = _prefetch_bytes(l2_prefetch, l2_prefetch_bytes)
+    pf_bytes = _l2_bytes(l2_prefetch, l2_prefetch_bytes, "attention_decode_static")
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         length, o_part, lse_part, l2_prefetch if pf_bytes else q,
@@ -313,16 +313,6 @@ def attention_decode_static(
         PDL=pdl_on(PDL), **pdl_launch(PDL),
     )
     return o
-
-
-def _prefetch_bytes(t: torch.Tensor | None, nbytes: int | None) -> int:
-    """The bytes of `t` to prefetch into L2: all of it when nbytes is None, never past its end; 0 without t."""
-    if t is None:
-        return 0
-    if not t.is_contiguous():
-        raise ValueError("attention_decode_static: expected a contiguous l2_prefetch tensor (a weight)")
-    total = t.numel() * t.element_size()
-    return total if nbytes is None else max(0, min(int(nbytes), total))
 
 
 def _tl_dtype(dtype: torch.dtype):

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import (_TL, cast_out, interpreting, l2_prefetch, l2_prefetch_on, launch, pdl_launch,
-                                         pdl_on, pdl_wait, rnd)
+from kernels_runtime.ops._common import (_TL, cast_out, interpreting, l2_prefetch, l2_prefetch_bytes, l2_prefetch_on,
+                                         launch, pdl_launch, pdl_on, pdl_wait, rnd)
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
@@ -442,10 +442,7 @@ def _l2_targets(pairs) -> list[tuple[torch.Tensor | None, int]]:
     with bytes first; (None, 0) where empty."""
     out = []
     for t, n in pairs or ():
-        if not t.is_contiguous():
-            raise ValueError("gemv: expected contiguous l2_prefetch tensors (weights)")
-        total = t.numel() * t.element_size()
-        n = total if n is None else max(0, min(int(n), total))
+        n = l2_prefetch_bytes(t, n, "gemv")
         if n:
             out.append((t, n))
     if len(out) > 2:

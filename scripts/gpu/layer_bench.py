@@ -238,7 +238,7 @@ def check_outputs(outs, bad):
     for a, b in (("prefetch", "default"), ("nopdl", "default"), ("l2o", "default"), ("l2o_m16", "default"),
                  ("m16", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
-            bad.setdefault(a, f"PDL/PREFETCH changed the bits of {b}")
+            bad.setdefault(a, f"PDL, PREFETCH or an L2 prefetch changed the bits of {b}")
 
 
 def time_interleaved(runs, rounds, before):

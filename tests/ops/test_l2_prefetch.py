@@ -6,18 +6,15 @@ instruction itself by compiling the kernels for sm_90 in a subprocess without TR
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from compiled_subprocess import run_compiled
 
-from kernels_runtime.ops.attention_decode_static import _prefetch_bytes, attention_decode_static
+from kernels_runtime.ops._common import l2_prefetch_bytes as _prefetch_bytes
+from kernels_runtime.ops.attention_decode_static import attention_decode_static
 from kernels_runtime.ops.gemv import _l2_targets, gate_up_swiglu, gemv, gemv_residual_rmsnorm
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _static_case(dtype=torch.bfloat16, B=1, hq=4, hkv=2, S=24, D=16, pos=9):
@@ -105,10 +102,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_prefetch_compiles_to_the_bulk_l2_prefetch_on_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", _PTX_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_compiled(["-c", _PTX_CHECK], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["attention"][0] is True and out["attention"][1] >= 1, out
