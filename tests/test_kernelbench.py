@@ -127,7 +127,7 @@ def test_graph_capture_and_patterns(kb_dir, tmp_path):
         got[f.name] = [t.name for t in prop.templates_for(spec)]
     # the GEMM-sum rewrite fires; the GEMM also gets the Triton GEMM with its epilogue fused
     assert got["2_Gemm_Divide_Sum.py"] == ["kb.rewrite_fused_tail", "kb.fused_tail", "kb.gemm_epilogue"]
-    assert got["1_Conv2d_GELU_Softmax.py"] == ["kb.fused_tail"]
+    assert got["1_Conv2d_GELU_Softmax.py"] == ["kb.fused_tail", "kb.conv_epilogue"]
     src = prop.propose(load_spec(make_task(kb_dir / "3_Conv2d_GroupNorm_Tanh_MaxPool.py", tmp_path)), [], [], 1)[0]
     # heavy op on cuDNN, everything after it in Triton: group norm (two statistics passes) with tanh and the pool
     assert "torch.nn.functional.conv2d" in src.source and "@triton.jit" in src.source
@@ -158,6 +158,71 @@ def test_triton_gemm_dot_precision_is_a_config_choice(kb_dir, tmp_path, precisio
         torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
     with pytest.raises(codegen.Unsupported, match="gemm_precision"):
         render_source(spec, {**t.default(spec), "gemm_precision": "tf32"}, rewrite=False)
+
+
+CONV_MISH = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, scale):
+        super(Model, self).__init__()
+        self.conv = nn.CONV(in_channels, out_channels, kernel_size, KWARGS)
+        self.bias = nn.Parameter(torch.randn(out_channels, *([1] * ND)) * 0.02)
+        self.scale = scale
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.nn.functional.mish(x) * self.scale + self.bias
+        return torch.softmax(x, dim=1)
+
+def get_inputs():
+    return [torch.rand(2, 3, *SPATIAL)]
+
+def get_init_inputs():
+    return [3, 20, KS, 2.0]
+'''
+
+
+@pytest.mark.parametrize("conv,ks,kwargs,precision", [
+    ("Conv2d", 3, "stride=1, padding=0", "tf32x3"), ("Conv2d", 3, "stride=2, padding=1", "ieee"),
+    ("Conv2d", 3, "padding=2, dilation=2", "tf32x3"), ("Conv3d", 3, "padding=1", "tf32x3"),
+    ("ConvTranspose2d", 3, "stride=1, padding=1", "tf32x3"), ("ConvTranspose2d", 3, "stride=2, padding=1, "
+                                                              "output_padding=1", "ieee"),
+    ("ConvTranspose2d", 4, "stride=2, padding=1", "tf32x3"), ("ConvTranspose3d", 5, "stride=2, padding=2", "tf32x3"),
+    ("ConvTranspose3d", 3, "stride=2, padding=1, output_padding=1", "tf32x3")])
+def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, precision):
+    """kb.conv_epilogue: the convolution as an implicit GEMM in Triton with the pointwise tail on its accumulator
+    (strides, padding, dilation, 2-D and 3-D; transposed ones split by output phase, kernels that the stride does
+    and does not divide; 20 output channels, so a channel tile is partly masked); the fp32 Model's output within
+    KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the template inapplicable."""
+    import torch
+
+    from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task
+    from llm4llm.kernelbench.templates import TEMPLATES, render_source
+    from llm4llm.taskspec import load_spec
+
+    nd = int(conv[-2])
+    src = (CONV_MISH.replace("CONV", conv).replace("KWARGS", kwargs).replace("ND", str(nd)).replace("KS", str(ks))
+           .replace("SPATIAL", "(7, 8)" if nd == 2 else "(3, 4, 5)"))
+    (tmp_path / "7_Conv_Mish_Softmax.py").write_text(src)
+    spec = load_spec(make_task(tmp_path / "7_Conv_Mish_Softmax.py", tmp_path))
+    t = {x.name: x for x in TEMPLATES}["kb.conv_epilogue"]
+    assert t.why_not(spec) is None and t.default(spec)["conv_precision"] == "tf32x3"
+    code = render_source(spec, {**t.default(spec), "conv_precision": precision, "BP": 32, "CK": 16, "BCO": 16},
+                         rewrite=False)
+    kind = f"triton_conv{'_transpose' if 'Transpose' in conv else ''}{nd}d_{precision}"
+    assert kind in code and "torch.nn.functional.conv" not in code.split("class ModelNew")[1]
+    problem = load_module(src)
+    new = load_module(src + "\n" + code.split('"""', 2)[2])
+    ref, cand = build_model(problem, "cpu"), build_model(new, "cpu", "ModelNew")
+    for seed in (5, 6):
+        x = inputs_for(problem, seed, "cpu")
+        with torch.no_grad():
+            torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
+    if "Transpose" in conv:
+        (tmp_path / "8_ConvT.py").write_text(src.replace(kwargs, kwargs + ", dilation=2"))
+        assert "transposed" in t.why_not(load_spec(make_task(tmp_path / "8_ConvT.py", tmp_path)))
 
 
 SPLIT_REDUCTIONS = '''

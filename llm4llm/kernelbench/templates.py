@@ -11,6 +11,9 @@
   order; tiles, stages and the dot precision in the config space: IEEE FMA dots, or TF32x3, three TF32 tensor-core
   products whose error the verifier must find within KernelBench's 1e-4) and the pointwise sub-graph after it computed on the
   accumulator before the store; the rest as in `kb.fused_tail`.
+- `kb.conv_epilogue` (origin "template"): the same for convolutions (groups 1; transposed ones split by output phase,
+  not dilated): an implicit GEMM in Triton over [output channels, output positions] tiles, TF32x3 or IEEE dots, the
+  pointwise tail on the accumulator.
 The config space is the kernels' tiles and warps; the search explores it like any template's.
 """
 from __future__ import annotations
@@ -81,7 +84,23 @@ def _gemm_space(spec: TaskSpec) -> dict[str, list]:
             "gemm_warps": [8, 4], "gemm_stages": [3, 4], "gemm_precision": ["tf32x3", "ieee"]}
 
 
-def _applies(rewrite: bool, space=_space, needs_gemm: bool = False):
+def _conv_out_channels(spec: TaskSpec) -> int:
+    gm = _graph(spec)[0]
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == codegen.aten.convolution.default]
+    return max((codegen._shape(n)[1] for n in convs), default=0)
+
+
+def _conv_space(spec: TaskSpec) -> dict[str, list]:
+    # tf32x3 first, as for the GEMM. The first values are the best of a config sweep over 12 of the 30 conv problems
+    # on the H200 (docs/results/2026-12-03-h200-c): with up to 32 output channels (a thin channel tile), 4 warps and
+    # 32-deep K steps; with more, 8 warps, 16-deep K steps and 4 stages.
+    small = _conv_out_channels(spec) <= 32
+    return {**_space(spec), "conv": ["triton"], "BCO": [128, 64], "BP": [128, 64, 256],
+            "CK": [32, 16] if small else [16, 32], "conv_warps": [4, 8] if small else [8, 4],
+            "conv_stages": [3, 4] if small else [4, 3], "conv_precision": ["tf32x3", "ieee"]}
+
+
+def _applies(rewrite: bool, space=_space, needs_gemm: bool = False, needs_conv: bool = False):
     def why_not(spec: TaskSpec) -> str | None:
         if spec.family != "kernelbench":
             return "not a KernelBench task"
@@ -93,6 +112,8 @@ def _applies(rewrite: bool, space=_space, needs_gemm: bool = False):
             return "no exact rewrite applies"
         if needs_gemm and not any(h.startswith("triton_gemm_") for h in plan.heavy):
             return "no GEMM (addmm/mm) in the graph"
+        if needs_conv and not any(h.startswith("triton_conv") for h in plan.heavy):
+            return "no convolution the Triton implicit GEMM takes (groups 1; a transposed one not dilated)"
         return None
     return why_not
 
@@ -108,8 +129,12 @@ TEMPLATES = [
              space_fn=_space, render_fn=_render(False), applies_fn=_applies(False)),
     Template(name="kb.gemm_epilogue", family="kernelbench", phases=("forward",), requires=(),
              space_fn=_gemm_space, render_fn=_render(False), applies_fn=_applies(False, _gemm_space, True)),
+    Template(name="kb.conv_epilogue", family="kernelbench", phases=("forward",), requires=(),
+             space_fn=_conv_space, render_fn=_render(False),
+             applies_fn=_applies(False, _conv_space, needs_conv=True)),
 ]
-ORIGIN = {"kb.fused_tail": "template", "kb.rewrite_fused_tail": "rewrite", "kb.gemm_epilogue": "template"}
+ORIGIN = {"kb.fused_tail": "template", "kb.rewrite_fused_tail": "rewrite", "kb.gemm_epilogue": "template",
+          "kb.conv_epilogue": "template"}
 
 
 def origin_of(template: str, proposer: str) -> str:
