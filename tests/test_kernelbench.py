@@ -184,18 +184,20 @@ def get_init_inputs():
 '''
 
 
-@pytest.mark.parametrize("conv,ks,kwargs,precision", [
-    ("Conv2d", 3, "stride=1, padding=0", "tf32x3"), ("Conv2d", 3, "stride=2, padding=1", "ieee"),
-    ("Conv2d", 3, "padding=2, dilation=2", "tf32x3"), ("Conv3d", 3, "padding=1", "tf32x3"),
-    ("ConvTranspose2d", 3, "stride=1, padding=1", "tf32x3"), ("ConvTranspose2d", 3, "stride=2, padding=1, "
-                                                              "output_padding=1", "ieee"),
-    ("ConvTranspose2d", 4, "stride=2, padding=1", "tf32x3"), ("ConvTranspose3d", 5, "stride=2, padding=2", "tf32x3"),
-    ("ConvTranspose3d", 3, "stride=2, padding=1, output_padding=1", "tf32x3")])
-def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, precision):
+@pytest.mark.parametrize("conv,ks,kwargs,precision,layout", [
+    ("Conv2d", 3, "stride=1, padding=0", "tf32x3", "nc"), ("Conv2d", 3, "stride=2, padding=1", "ieee", "nc"),
+    ("Conv2d", 3, "padding=2, dilation=2", "tf32x3", "cl"), ("Conv3d", 3, "padding=1", "tf32x3", "cl"),
+    ("ConvTranspose2d", 3, "stride=1, padding=1", "tf32x3", "cl"),
+    ("ConvTranspose2d", 3, "stride=2, padding=1, output_padding=1", "ieee", "nc"),
+    ("ConvTranspose2d", 4, "stride=2, padding=1", "tf32x3", "cl"),
+    ("ConvTranspose3d", 5, "stride=2, padding=2", "tf32x3", "nc"),
+    ("ConvTranspose3d", 3, "stride=2, padding=1, output_padding=1", "tf32x3", "cl")])
+def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, precision, layout):
     """kb.conv_epilogue: the convolution as an implicit GEMM in Triton with the pointwise tail on its accumulator
     (strides, padding, dilation, 2-D and 3-D; transposed ones split by output phase, kernels that the stride does
-    and does not divide; 20 output channels, so a channel tile is partly masked); the fp32 Model's output within
-    KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the template inapplicable."""
+    and does not divide; 20 output channels, so a channel tile is partly masked), in the NC* layout and channels
+    last; the fp32 Model's output within KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the
+    template inapplicable."""
     import torch
 
     from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task
@@ -209,8 +211,9 @@ def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, pre
     spec = load_spec(make_task(tmp_path / "7_Conv_Mish_Softmax.py", tmp_path))
     t = {x.name: x for x in TEMPLATES}["kb.conv_epilogue"]
     assert t.why_not(spec) is None and t.default(spec)["conv_precision"] == "tf32x3"
-    code = render_source(spec, {**t.default(spec), "conv_precision": precision, "BP": 32, "CK": 16, "BCO": 16},
-                         rewrite=False)
+    code = render_source(spec, {**t.default(spec), "conv_precision": precision, "BP": 32, "CK": 16, "BCO": 16,
+                                "conv_layout": layout}, rewrite=False)
+    assert ("_cl = " in code) == (layout == "cl")
     kind = f"triton_conv{'_transpose' if 'Transpose' in conv else ''}{nd}d_{precision}"
     assert kind in code and "torch.nn.functional.conv" not in code.split("class ModelNew")[1]
     problem = load_module(src)

@@ -908,7 +908,8 @@ class Gen:
         precision = self.cfg.get("conv_precision", "tf32x3")
         if precision not in ("ieee", "tf32x3"):
             raise Unsupported(f"conv_precision {precision!r}: expected 'ieee' or 'tf32x3'")
-        geo = _ConvGeometry(x, w, out_shape, stride, pad, dil, transposed)
+        cl = self.cfg.get("conv_layout", "nc") == "cl"
+        geo = (_ConvGeometryCL if cl else _ConvGeometry)(x, w, out_shape, stride, pad, dil, transposed)
         bind, pre = {n: "acc"}, []
         self.flat = None
         stored, v = self._store_value(n, geo.idx, out_shape, pre, bind, {})
@@ -919,7 +920,14 @@ class Gen:
         if stored is not n:
             self.fused_into[stored] = n
         name = self._new()
-        ops = [x, w, *([b] if b is not None else []), *(self.bufs[l] for l in leaves)]
+        xk, wk = x, w
+        if cl:  # channels-last copies of the input and the weight: the K loop's loads run along input channels
+            xk, wk = Buf(f"{x.var}_cl", x.shape, x.strides), Buf(f"{w.var}_cl", w.shape, w.strides)
+            nd = len(S)
+            self.plan.lines += [f"{xk.var} = {x.var}.permute(0, {', '.join(str(2 + d) for d in range(nd))}, 1).contiguous()",
+                                f"{wk.var} = {w.var}.permute({', '.join(str(2 + d) for d in range(nd))}, "
+                                f"{'0, 1' if transposed else '1, 0'}).contiguous()"]
+        ops = [xk, wk, *([b] if b is not None else []), *(self.bufs[l] for l in leaves)]
         c = self.cfg
         bc, bp = min(c.get("BCO", 128), max(16, triton_next_pow2(CO))), c.get("BP", 128)
         ntc, ntp = -(-CO // bc), -(-geo.M // bp)
@@ -933,10 +941,10 @@ class Gen:
                f"    rp = ((pid // {ntc}) % {ntp}){wide} * BP + tl.arange(0, BP)",
                "    rc = pid_c * BC + tl.arange(0, BC)",
                *(f"    {l}" for l in geo.position_lines()),
-               *(f"    {l}" for l in geo.k_loop(x.var, w.var, precision)),
-               f"    MASK = (rc[:, None] < {CO}) & PMASK[None, :]"]
+               *(f"    {l}" for l in geo.k_loop(xk.var, wk.var, precision, c.get("CK", 32))),
+               f"    MASK = {geo.mask}"]
         if b is not None:
-            src.append(f"    acc = acc + tl.load({b.var}_ptr + rc[:, None], mask=rc[:, None] < {CO}, other=0.0)")
+            src.append(f"    acc = acc + tl.load({b.var}_ptr + {geo.rcb}, mask={geo.rcb} < {CO}, other=0.0)")
         src += [f"    {l}" for l in pre]
         src.append(f"    tl.store(OUT_ptr + {self._offset(_strides(out_shape), out_shape, geo.idx)}, {v}, mask=MASK)")
         self.plan.kernels.append("\n".join(src))
@@ -986,6 +994,8 @@ class _ConvGeometry:
         self.KT = CI * math.prod(self.T)
         on = [f"o{d + 1}" for d in range(self.nd)]
         self.idx = ["j0[None, :]", "rc[:, None]", *(f"{o}[None, :]" for o in on)]
+        self.rcb = "rc[:, None]"
+        self.mask = f"(rc[:, None] < {self.CO}) & PMASK[None, :]"
 
     def position_lines(self) -> list[str]:
         lines: list[str] = []
@@ -1009,7 +1019,7 @@ class _ConvGeometry:
             lines.append(f"PMASK = rp < {self.M}")
         return lines
 
-    def k_loop(self, xv: str, wv: str, precision: str) -> list[str]:
+    def k_loop(self, xv: str, wv: str, precision: str, bk: int = 32) -> list[str]:
         """A [BC, BK] weight tile times a [BK, BP] gather of x; taps outside the input (padding, a phase's edge)
         and a phase's taps past the kernel masked to zero."""
         CI, nd, sx = self.x.shape[1], self.nd, self.x.strides
@@ -1045,6 +1055,74 @@ class _ConvGeometry:
                 f"    xt = tl.load({xv}_ptr + koff[:, None] + xbase[None, :], mask=KM[:, None] & PMASK[None, :]"
                 f"{bounds}, other=0.0)",
                 f"    acc += tl.dot(wt, xt, input_precision=\"{precision}\")"]
+
+
+class _ConvGeometryCL(_ConvGeometry):
+    """The channels-last implicit GEMM (torch inductor's conv template does the same): x and w copied to
+    [N, *spatial, C_in] and [*taps, C_in, C_out] by the forward, the tile [output positions, output channels], the
+    K loop over (tap, block of input channels), so both operands load along contiguous channels (16-byte loads when
+    C_in and C_out are multiples of 4) and every bound check is per position, not per element."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        on = [f"o{d + 1}" for d in range(self.nd)]
+        self.idx = ["j0[:, None]", "rc[None, :]", *(f"{o}[:, None]" for o in on)]
+        self.rcb = "rc[None, :]"
+        self.mask = f"PMASK[:, None] & (rc[None, :] < {self.CO})"
+
+    def position_lines(self) -> list[str]:
+        lines: list[str] = []
+        jidx = Gen._decompose("rp", (self.x.shape[0], *self.J), lines, prefix="j")
+        CI = self.x.shape[1]
+        if self.t:
+            Gen._decompose("ph", tuple(self.stride), lines, prefix="r")
+            for d in range(self.nd):
+                lines.append(f"o{d + 1} = {jidx[1 + d]} * {self.stride[d]} + r{d} - {self.pad[d]}")
+            valid = " & ".join(f"(o{d + 1} >= 0) & (o{d + 1} < {self.O[d]})" for d in range(self.nd))
+            lines.append(f"PMASK = (rp < {self.M}) & {valid}")
+        else:
+            lines += [f"o{d + 1} = {jidx[1 + d]}" for d in range(self.nd)]
+            lines.append(f"PMASK = rp < {self.M}")
+        lines.append(f"xb = j0 * {math.prod(self.S) * CI}")
+        return lines
+
+    def k_loop(self, xv: str, wv: str, precision: str, bk: int = 32) -> list[str]:
+        CI, nd = self.x.shape[1], self.nd
+        row = [math.prod(self.S[d + 1:]) * CI for d in range(nd)]  # x_cl's stride of spatial dim d
+        tdec: list[str] = []
+        tidx = Gen._decompose("tap", tuple(self.T), tdec, prefix="t")
+        ncb = -(-CI // bk)
+        body = [f"c0 = (it % {ncb}) * BK", f"tap = it // {ncb}", *tdec, "cc = c0 + tl.arange(0, BK)",
+                f"CM = cc < {CI}"]
+        pm, terms = ["PMASK"], []
+        if self.t:
+            for d in range(nd):
+                k, s_, t = f"k{d + 1}", self.stride[d], tidx[d]
+                if self.KS[d] % s_:  # a phase with fewer taps than T: its extra tap reads no x (the weight index
+                    # is clamped in range; a scalar condition is not used as a load mask, which the interpreter refuses)
+                    body.append(f"i{d + 1} = tl.where(r{d} + {s_} * {t} < {self.KS[d]}, j{d + 1} - {t}, -1)")
+                    body.append(f"{k} = tl.minimum(r{d} + {s_} * {t}, {self.KS[d] - 1})")
+                else:
+                    body.append(f"i{d + 1} = j{d + 1} - {t}")
+                    body.append(f"{k} = r{d} + {s_} * {t}")
+            kflat = " + ".join(f"k{d + 1} * {math.prod(self.KS[d + 1:])}" for d in range(nd))
+        else:
+            for d in range(nd):
+                body.append(f"i{d + 1} = o{d + 1} * {self.stride[d]} - {self.pad[d]} + {tidx[d]} * {self.dil[d]}")
+            kflat = "tap"
+        for d in range(nd):
+            terms.append(f"i{d + 1} * {row[d]}")
+            pm.append(f"(i{d + 1} >= 0) & (i{d + 1} < {self.S[d]})")
+        wm = f"CM[:, None] & (rc[None, :] < {self.CO})"
+        body += [f"PM = {' & '.join(pm)}",
+                 f"xt = tl.load({xv}_ptr + (xb + {' + '.join(terms)})[:, None] + cc[None, :], "
+                 f"mask=PM[:, None] & CM[None, :], other=0.0)",
+                 f"wt = tl.load({wv}_ptr + (({kflat}) * {CI} + cc)[:, None] * {self.CO} + rc[None, :], "
+                 f"mask={wm}, other=0.0)",
+                 f"acc += tl.dot(xt, wt, input_precision=\"{precision}\")"]
+        return ["acc = tl.zeros([BP, BC], tl.float32)",
+                f"for it in range({math.prod(self.T) * ncb}):",
+                *(f"    {l}" for l in body)]
 
 
 def triton_next_pow2(n: int) -> int:

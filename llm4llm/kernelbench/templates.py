@@ -84,18 +84,27 @@ def _gemm_space(spec: TaskSpec) -> dict[str, list]:
             "gemm_warps": [8, 4], "gemm_stages": [3, 4], "gemm_precision": ["tf32x3", "ieee"]}
 
 
-def _conv_out_channels(spec: TaskSpec) -> int:
+def _conv_channels(spec: TaskSpec) -> tuple[int, int]:
+    """(input, output) channels of the problem's widest convolution."""
     gm = _graph(spec)[0]
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == codegen.aten.convolution.default]
-    return max((codegen._shape(n)[1] for n in convs), default=0)
+    return (max((codegen._shape(n.args[0])[1] for n in convs), default=0),
+            max((codegen._shape(n)[1] for n in convs), default=0))
 
 
 def _conv_space(spec: TaskSpec) -> dict[str, list]:
-    # tf32x3 first, as for the GEMM. The first values are the best of a config sweep over 12 of the 30 conv problems
-    # on the H200 (docs/results/2026-12-03-h200-c): with up to 32 output channels (a thin channel tile), 4 warps and
-    # 32-deep K steps; with more, 8 warps, 16-deep K steps and 4 stages.
-    small = _conv_out_channels(spec) <= 32
-    return {**_space(spec), "conv": ["triton"], "BCO": [128, 64], "BP": [128, 64, 256],
+    """tf32x3 first, as for the GEMM. With 16 input channels or more the channels-last kernel first: its loads run
+    16 bytes wide along channels, where the NC* kernel gathers 4 bytes at a time (its sweep on the H200,
+    docs/results/2026-12-03-h200-c, lost to cuDNN on every problem with 32 channels or more); the GEMM template's
+    tiles. With fewer (3-8 input channels) the NC* kernel, whose K loop runs over channels x taps together: there it
+    beat cuDNN (problem 6: 2.7x eager), with 4 warps and 32-deep K steps up to 32 output channels."""
+    ci, co = _conv_channels(spec)
+    if ci >= 16:
+        return {**_space(spec), "conv": ["triton"], "conv_layout": ["cl", "nc"], "BCO": [128, 64],
+                "BP": [128, 64, 256], "CK": [32, 16], "conv_warps": [8, 4], "conv_stages": [3, 4],
+                "conv_precision": ["tf32x3", "ieee"]}
+    small = co <= 32
+    return {**_space(spec), "conv": ["triton"], "conv_layout": ["nc", "cl"], "BCO": [128, 64], "BP": [128, 64, 256],
             "CK": [32, 16] if small else [16, 32], "conv_warps": [4, 8] if small else [8, 4],
             "conv_stages": [3, 4] if small else [4, 3], "conv_precision": ["tf32x3", "ieee"]}
 

@@ -36,6 +36,13 @@ CONFIGS = {
     "c128x128k16w8s4": dict(BCO=128, BP=128, CK=16, conv_warps=8, conv_stages=4),
     "c64x256k32w8s3": dict(BCO=64, BP=256, CK=32, conv_warps=8, conv_stages=3),
     "c128x128k32w8s3_ieee": dict(BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3, conv_precision="ieee"),
+    # channels last: x and w copied to [N, *spatial, C] / [*taps, C_in, C_out], 16-byte loads along channels
+    "cl128x128k32w8s3": dict(conv_layout="cl", BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3),
+    "cl128x128k16w8s4": dict(conv_layout="cl", BCO=128, BP=128, CK=16, conv_warps=8, conv_stages=4),
+    "cl64x128k32w4s3": dict(conv_layout="cl", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=3),
+    "cl128x256k32w8s3": dict(conv_layout="cl", BCO=128, BP=256, CK=32, conv_warps=8, conv_stages=3),
+    "cl128x128k32w8s3_ieee": dict(conv_layout="cl", BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3,
+                                  conv_precision="ieee"),
 }
 
 
@@ -121,7 +128,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-s", type=float, default=400)
+    ap.add_argument("--configs", default=None, help="comma-separated names of CONFIGS (default: all)")
     a = ap.parse_args()
+    if a.configs:
+        for k in set(CONFIGS) - set(a.configs.split(",")):
+            del CONFIGS[k]
     strict_fp32()
     t0 = time.time()
     allrows = []
