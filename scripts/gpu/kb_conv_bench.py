@@ -41,6 +41,11 @@ CONFIGS = {
     "cl128x128k16w8s4": dict(conv_layout="cl", BCO=128, BP=128, CK=16, conv_warps=8, conv_stages=4),
     "cl64x128k32w4s3": dict(conv_layout="cl", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=3),
     "cl128x256k32w8s3": dict(conv_layout="cl", BCO=128, BP=256, CK=32, conv_warps=8, conv_stages=3),
+    "cl64x64k32w4s3": dict(conv_layout="cl", BCO=64, BP=64, CK=32, conv_warps=4, conv_stages=3),
+    "cl64x128k32w4s4": dict(conv_layout="cl", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=4),
+    "cl64x256k32w4s3": dict(conv_layout="cl", BCO=64, BP=256, CK=32, conv_warps=4, conv_stages=3),
+    "cl64x128k32w4s3_ieee": dict(conv_layout="cl", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=3,
+                                 conv_precision="ieee"),
     "cl128x128k32w8s3_ieee": dict(conv_layout="cl", BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3,
                                   conv_precision="ieee"),
 }
