@@ -191,12 +191,13 @@ def get_init_inputs():
     ("ConvTranspose2d", 3, "stride=2, padding=1, output_padding=1", "ieee", "nc"),
     ("ConvTranspose2d", 4, "stride=2, padding=1", "tf32x3", "cl"),
     ("ConvTranspose3d", 5, "stride=2, padding=2", "tf32x3", "nc"),
-    ("ConvTranspose3d", 3, "stride=2, padding=1, output_padding=1", "tf32x3", "cl")])
+    ("ConvTranspose3d", 3, "stride=2, padding=1, output_padding=1", "tf32x3", "cl"),
+    ("Conv2d", 3, "stride=2, padding=1, dilation=2", "tf32x3", "clk"), ("Conv3d", 3, "padding=0", "ieee", "clk")])
 def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, precision, layout):
     """kb.conv_epilogue: the convolution as an implicit GEMM in Triton with the pointwise tail on its accumulator
     (strides, padding, dilation, 2-D and 3-D; transposed ones split by output phase, kernels that the stride does
     and does not divide; 20 output channels, so a channel tile is partly masked), in the NC* layout and channels
-    last; the fp32 Model's output within KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the
+    last (tap by tap, or with 8 input channels the K loop flattened over taps x channels); the fp32 Model's output within KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the
     template inapplicable."""
     import torch
 
@@ -204,16 +205,18 @@ def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, pre
     from llm4llm.kernelbench.templates import TEMPLATES, render_source
     from llm4llm.taskspec import load_spec
 
-    nd = int(conv[-2])
-    src = (CONV_MISH.replace("CONV", conv).replace("KWARGS", kwargs).replace("ND", str(nd)).replace("KS", str(ks))
+    nd, cin = int(conv[-2]), 8 if layout == "clk" else 3  # the flattened K loop is the default from 4 channels
+    src = (CONV_MISH.replace("2, 3, *SPATIAL", f"2, {cin}, *SPATIAL").replace("[3, 20, KS", f"[{cin}, 20, KS")
+           .replace("CONV", conv).replace("KWARGS", kwargs).replace("ND", str(nd)).replace("KS", str(ks))
            .replace("SPATIAL", "(7, 8)" if nd == 2 else "(3, 4, 5)"))
     (tmp_path / "7_Conv_Mish_Softmax.py").write_text(src)
     spec = load_spec(make_task(tmp_path / "7_Conv_Mish_Softmax.py", tmp_path))
     t = {x.name: x for x in TEMPLATES}["kb.conv_epilogue"]
     assert t.why_not(spec) is None and t.default(spec)["conv_precision"] == "tf32x3"
+    assert (t.default(spec)["conv_layout"] == "clk") == (layout == "clk")
     code = render_source(spec, {**t.default(spec), "conv_precision": precision, "BP": 32, "CK": 16, "BCO": 16,
                                 "conv_layout": layout}, rewrite=False)
-    assert ("_cl = " in code) == (layout == "cl")
+    assert ("_cl = " in code) == (layout != "nc")
     kind = f"triton_conv{'_transpose' if 'Transpose' in conv else ''}{nd}d_{precision}"
     assert kind in code and "torch.nn.functional.conv" not in code.split("class ModelNew")[1]
     problem = load_module(src)

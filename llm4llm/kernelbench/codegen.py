@@ -908,8 +908,12 @@ class Gen:
         precision = self.cfg.get("conv_precision", "tf32x3")
         if precision not in ("ieee", "tf32x3"):
             raise Unsupported(f"conv_precision {precision!r}: expected 'ieee' or 'tf32x3'")
-        cl = self.cfg.get("conv_layout", "nc") == "cl"
-        geo = (_ConvGeometryCL if cl else _ConvGeometry)(x, w, out_shape, stride, pad, dil, transposed)
+        layout = self.cfg.get("conv_layout", "nc")
+        geos = {"nc": _ConvGeometry, "cl": _ConvGeometryCL, "clk": _ConvGeometryCLK}
+        if layout not in geos:
+            raise Unsupported(f"conv_layout {layout!r}: expected one of {sorted(geos)}")
+        cl = layout != "nc"
+        geo = geos[layout](x, w, out_shape, stride, pad, dil, transposed)
         bind, pre = {n: "acc"}, []
         self.flat = None
         stored, v = self._store_value(n, geo.idx, out_shape, pre, bind, {})
@@ -1123,6 +1127,44 @@ class _ConvGeometryCL(_ConvGeometry):
         return ["acc = tl.zeros([BP, BC], tl.float32)",
                 f"for it in range({math.prod(self.T) * ncb}):",
                 *(f"    {l}" for l in body)]
+
+
+class _ConvGeometryCLK(_ConvGeometryCL):
+    """Channels last with the K loop over (tap, input channel) flattened, for a few input channels (4-12): a K block
+    spans several taps, each a run of C_in contiguous channels (16-byte loads when C_in is a multiple of 4), where
+    the tap-by-tap loop would leave most of a 16-deep K step empty. Convolutions only, not transposed."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        if self.t:
+            raise Unsupported("flattened channels-last K loop: not for transposed convs")
+
+    def k_loop(self, xv: str, wv: str, precision: str, bk: int = 32) -> list[str]:
+        CI, nd = self.x.shape[1], self.nd
+        row = [math.prod(self.S[d + 1:]) * CI for d in range(nd)]
+        kdec: list[str] = []
+        tidx = Gen._decompose("tk", tuple(self.T), kdec, prefix="t")  # the tap of each K element
+        pos = " + ".join(["xb"] + [f"(o{d + 1} * {self.stride[d]} - {self.pad[d]}) * {row[d]}" for d in range(nd)])
+        koff = " + ".join([f"{tidx[d]} * {self.dil[d] * row[d]}" for d in range(nd)] + ["ci"])
+        bounds = ""
+        for d in range(nd):
+            if self.pad[d] or (self.O[d] - 1) * self.stride[d] + (self.KS[d] - 1) * self.dil[d] >= self.S[d]:
+                e = (f"(o{d + 1}[:, None] * {self.stride[d]} - {self.pad[d]} + {tidx[d]}[None, :] * "
+                     f"{self.dil[d]})")
+                bounds += f" & ({e} >= 0) & ({e} < {self.S[d]})"
+        return [f"xpos = {pos}",
+                "acc = tl.zeros([BP, BC], tl.float32)",
+                f"for k0 in range(0, {self.KT}, BK):",
+                "    kk = k0 + tl.arange(0, BK)",
+                f"    ci = kk % {CI}",
+                f"    tk = kk // {CI}",
+                *(f"    {l}" for l in kdec),
+                f"    KM = kk < {self.KT}",
+                f"    xt = tl.load({xv}_ptr + xpos[:, None] + ({koff})[None, :], "
+                f"mask=PMASK[:, None] & KM[None, :]{bounds}, other=0.0)",
+                f"    wt = tl.load({wv}_ptr + kk[:, None] * {self.CO} + rc[None, :], "
+                f"mask=KM[:, None] & (rc[None, :] < {self.CO}), other=0.0)",
+                f"    acc += tl.dot(xt, wt, input_precision=\"{precision}\")"]
 
 
 def triton_next_pow2(n: int) -> int:

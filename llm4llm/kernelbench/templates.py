@@ -84,12 +84,12 @@ def _gemm_space(spec: TaskSpec) -> dict[str, list]:
             "gemm_warps": [8, 4], "gemm_stages": [3, 4], "gemm_precision": ["tf32x3", "ieee"]}
 
 
-def _conv_channels(spec: TaskSpec) -> tuple[int, int]:
-    """(input, output) channels of the problem's widest convolution."""
+def _conv_channels(spec: TaskSpec) -> tuple[int, int, bool]:
+    """(input, output) channels of the problem's widest convolution, and whether any convolution is transposed."""
     gm = _graph(spec)[0]
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == codegen.aten.convolution.default]
     return (max((codegen._shape(n.args[0])[1] for n in convs), default=0),
-            max((codegen._shape(n)[1] for n in convs), default=0))
+            max((codegen._shape(n)[1] for n in convs), default=0), any(bool(n.args[6]) for n in convs))
 
 
 def _conv_space(spec: TaskSpec) -> dict[str, list]:
@@ -100,12 +100,17 @@ def _conv_space(spec: TaskSpec) -> dict[str, list]:
     13 such problems swept (problem 54: 4.5 % behind a 128 x 256 tile); the GEMM template's 128 x 128 tile with 8
     warps, the default of the full run there, took 0.98-1.45x its time. With fewer (3-8 input
     channels) the NC* kernel, whose K loop runs over channels x taps together: there it beat cuDNN (problem 6: 2.7x
-    eager), with 4 warps and 32-deep K steps up to 32 output channels."""
-    ci, co = _conv_channels(spec)
-    if ci >= 16:
-        return {**_space(spec), "conv": ["triton"], "conv_layout": ["cl", "nc"], "BCO": [64, 128],
-                "BP": [128, 64, 256], "CK": [32, 16], "conv_warps": [4, 8], "conv_stages": [3, 4],
+    eager), with 4 warps and 32-deep K steps up to 32 output channels. With 4-12 input channels (a multiple of 4)
+    and no transposed conv, channels last with the K loop flattened over (tap, channel) first, the channels-last
+    tile: the NC* kernel lost to cuDNN with the fused tail on each such problem (8, 90, 92 in the sweeps, 82 in the
+    run), and the flattened loop keeps 16-byte loads (PTX for sm_90: `cp.async.cg` 16); it has not run on a GPU yet."""
+    ci, co, transposed = _conv_channels(spec)
+    cl_tiles = {"BCO": [64, 128], "BP": [128, 64, 256], "CK": [32, 16], "conv_warps": [4, 8], "conv_stages": [3, 4],
                 "conv_precision": ["tf32x3", "ieee"]}
+    if ci >= 16:
+        return {**_space(spec), "conv": ["triton"], "conv_layout": ["cl", "nc"], **cl_tiles}
+    if ci >= 4 and ci % 4 == 0 and not transposed:
+        return {**_space(spec), "conv": ["triton"], "conv_layout": ["clk", "nc", "cl"], **cl_tiles}
     small = co <= 32
     return {**_space(spec), "conv": ["triton"], "conv_layout": ["nc", "cl"], "BCO": [128, 64], "BP": [128, 64, 256],
             "CK": [32, 16] if small else [16, 32], "conv_warps": [4, 8] if small else [8, 4],

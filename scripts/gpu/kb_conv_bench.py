@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from llm4llm.kernelbench.codegen import Unsupported  # noqa: E402
 from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task, select  # noqa: E402
 from llm4llm.kernelbench.protocol import strict_fp32  # noqa: E402
 from llm4llm.kernelbench.templates import TEMPLATES, render_source  # noqa: E402
@@ -46,6 +47,10 @@ CONFIGS = {
     "cl64x256k32w4s3": dict(conv_layout="cl", BCO=64, BP=256, CK=32, conv_warps=4, conv_stages=3),
     "cl64x128k32w4s3_ieee": dict(conv_layout="cl", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=3,
                                  conv_precision="ieee"),
+    # channels last with the K loop flattened over (tap, channel): for 4-12 input channels
+    "clk64x128k32w4s3": dict(conv_layout="clk", BCO=64, BP=128, CK=32, conv_warps=4, conv_stages=3),
+    "clk64x128k16w4s3": dict(conv_layout="clk", BCO=64, BP=128, CK=16, conv_warps=4, conv_stages=3),
+    "clk128x128k32w8s3": dict(conv_layout="clk", BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3),
     "cl128x128k32w8s3_ieee": dict(conv_layout="cl", BCO=128, BP=128, CK=32, conv_warps=8, conv_stages=3,
                                   conv_precision="ieee"),
 }
@@ -73,7 +78,10 @@ def _variants(path: Path, tmp: Path) -> dict[str, str]:
     if t["kb.conv_epilogue"].why_not(spec) is None:
         base = t["kb.conv_epilogue"].default(spec)
         for name, cfg in CONFIGS.items():
-            out[name] = render_source(spec, {**base, **cfg}, rewrite=False)
+            try:
+                out[name] = render_source(spec, {**base, **cfg}, rewrite=False)
+            except Unsupported:  # e.g. the flattened channels-last loop on a transposed conv
+                continue
     return out
 
 
