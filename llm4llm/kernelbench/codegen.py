@@ -817,6 +817,30 @@ class Gen:
                  f"tl.store(OUT_ptr + {'0 * rows' if off == '0' else off}, {v}, mask=ROWMASK)"]
         return lines, stored, leaves
 
+    def _acc_output(self, n, idx: list[str], shape, own: list) -> tuple[str, list[str], list, Buf]:
+        """A GEMM-like kernel's output: the value stored at `idx` (the pointwise sub-graph after `n` computed on the
+        accumulator `acc`, when it fuses), its lines, the stored tensors it reads besides the kernel's own operands
+        `own`, and the allocated output."""
+        bind: dict = {n: "acc"}
+        pre: list[str] = []
+        self.flat = None
+        stored, v = self._store_value(n, idx, tuple(shape), pre, bind, {})
+        mine = {o.var for o in own if o is not None}
+        leaves = sorted((l for l in self._leaves(stored, set(), bind) if self.bufs[l].var not in mine),
+                        key=lambda l: self.bufs[l].var)
+        out = self._alloc(stored, tuple(shape))
+        if stored is not n:
+            self.fused_into[stored] = n
+        return v, pre, leaves, out
+
+    def _acc_store(self, src: list[str], b: Buf | None, bidx: str, nb: int, pre: list[str], off: str, v: str) -> None:
+        """The bias (indexed by `bidx`, `nb` long), the epilogue's lines and the masked store close the kernel."""
+        if b is not None:
+            src.append(f"    acc = acc + tl.load({b.var}_ptr + {bidx}, mask={bidx} < {nb}, other=0.0)")
+        src += [f"    {l}" for l in pre]
+        src.append(f"    tl.store(OUT_ptr + {off}, {v}, mask=MASK)")
+        self.plan.kernels.append("\n".join(src))
+
     def gemm_kernel(self, n, x: Buf, w: Buf, b: Buf | None) -> None:
         """out = epilogue(x @ w + b) in one Triton kernel: an fp32 GEMM with IEEE-precision dots (TF32 would miss
         1e-4), grouped tile order for L2 reuse, and the pointwise sub-graph after the GEMM computed on the
@@ -825,16 +849,7 @@ class Gen:
         K2, N = w.shape
         if K2 != K or (b is not None and b.shape != (N,)):
             raise Unsupported("GEMM operand shapes")
-        bind = {n: "acc"}
-        pre: list[str] = []
-        self.flat = None
-        stored, v = self._store_value(n, ["rm", "rn"], (M, N), pre, bind, {})
-        own = {x.var, w.var} | ({b.var} if b is not None else set())
-        leaves = sorted((l for l in self._leaves(stored, set(), bind) if self.bufs[l].var not in own),
-                        key=lambda l: self.bufs[l].var)
-        out = self._alloc(stored, (M, N))
-        if stored is not n:
-            self.fused_into[stored] = n
+        v, pre, leaves, out = self._acc_output(n, ["rm", "rn"], (M, N), [x, w, b])
         name = self._new()
         ptrs = [f"{x.var}_ptr", f"{w.var}_ptr", *([f"{b.var}_ptr"] if b is not None else []),
                 *(f"{self.bufs[l].var}_ptr" for l in leaves)]
@@ -869,11 +884,7 @@ class Gen:
                f"(rn < {N}), other=0.0)",
                f"        acc += tl.dot(a, bt, input_precision=\"{precision}\")",
                f"    MASK = (rm < {M}) & (rn < {N})"]
-        if b is not None:
-            src.append(f"    acc = acc + tl.load({b.var}_ptr + rn, mask=rn < {N}, other=0.0)")
-        src += [f"    {l}" for l in pre]
-        src.append(f"    tl.store(OUT_ptr + rm * {N} + rn, {v}, mask=MASK)")
-        self.plan.kernels.append("\n".join(src))
+        self._acc_store(src, b, "rn", N, pre, f"rm * {N} + rn", v)
         c = self.cfg
         bm, bn = c.get("BM", 128), c.get("BN", 128)
         self.plan.lines.append(
@@ -914,15 +925,7 @@ class Gen:
             raise Unsupported(f"conv_layout {layout!r}: expected one of {sorted(geos)}")
         cl = layout != "nc"
         geo = geos[layout](x, w, out_shape, stride, pad, dil, transposed)
-        bind, pre = {n: "acc"}, []
-        self.flat = None
-        stored, v = self._store_value(n, geo.idx, out_shape, pre, bind, {})
-        own = {x.var, w.var} | ({b.var} if b is not None else set())
-        leaves = sorted((l for l in self._leaves(stored, set(), bind) if self.bufs[l].var not in own),
-                        key=lambda l: self.bufs[l].var)
-        out = self._alloc(stored, out_shape)
-        if stored is not n:
-            self.fused_into[stored] = n
+        v, pre, leaves, out = self._acc_output(n, geo.idx, out_shape, [x, w, b])
         name = self._new()
         xk, wk = x, w
         if cl:  # channels-last copies of the input and the weight: the K loop's loads run along input channels
@@ -947,11 +950,7 @@ class Gen:
                *(f"    {l}" for l in geo.position_lines()),
                *(f"    {l}" for l in geo.k_loop(xk.var, wk.var, precision, c.get("CK", 32))),
                f"    MASK = {geo.mask}"]
-        if b is not None:
-            src.append(f"    acc = acc + tl.load({b.var}_ptr + {geo.rcb}, mask={geo.rcb} < {CO}, other=0.0)")
-        src += [f"    {l}" for l in pre]
-        src.append(f"    tl.store(OUT_ptr + {self._offset(_strides(out_shape), out_shape, geo.idx)}, {v}, mask=MASK)")
-        self.plan.kernels.append("\n".join(src))
+        self._acc_store(src, b, geo.rcb, CO, pre, self._offset(_strides(out_shape), out_shape, geo.idx), v)
         self.plan.lines.append(
             f"{name}[({geo.phases * ntp * ntc},)]({', '.join(o.var for o in ops)}, {out.var}, BC={bc}, BP={bp}, "
             f"BK={c.get('CK', 32)}, num_warps={c.get('conv_warps', 8)}, num_stages={c.get('conv_stages', 3)})")
@@ -996,17 +995,26 @@ class _ConvGeometry:
             self.J, self.T, self.phases = self.O, self.KS, 1
         self.M = NB * math.prod(self.J)
         self.KT = CI * math.prod(self.T)
-        on = [f"o{d + 1}" for d in range(self.nd)]
-        self.idx = ["j0[None, :]", "rc[:, None]", *(f"{o}[None, :]" for o in on)]
-        self.rcb = "rc[:, None]"
-        self.mask = f"(rc[:, None] < {self.CO}) & PMASK[None, :]"
+        P, C = self.POS, self.CH  # the tile's position and channel axes, as broadcast suffixes
+        self.idx = [f"j0{P}", f"rc{C}", *(f"o{d + 1}{P}" for d in range(self.nd))]
+        self.rcb = f"rc{C}"
+        self.mask = f"(rc{C} < {self.CO}) & PMASK{P}"
+
+    POS, CH = "[None, :]", "[:, None]"
+
+    def _positions(self, lines: list[str]) -> list[str]:
+        """The batch and per-phase position indices j0, j1.. of the tile's rp (and r0..: a transposed conv's phase
+        of each spatial dim)."""
+        jidx = Gen._decompose("rp", (self.x.shape[0], *self.J), lines, prefix="j")
+        if self.t:
+            Gen._decompose("ph", tuple(self.stride), lines, prefix="r")
+        return jidx
 
     def position_lines(self) -> list[str]:
         lines: list[str] = []
-        jidx = Gen._decompose("rp", (self.x.shape[0], *self.J), lines, prefix="j")
+        jidx = self._positions(lines)
         sx = self.x.strides
         if self.t:
-            Gen._decompose("ph", tuple(self.stride), lines, prefix="r")  # r0..: the phase of each spatial dim
             valid = []
             for d in range(self.nd):
                 s, p, jd = self.stride[d], self.pad[d], jidx[1 + d]
@@ -1067,19 +1075,13 @@ class _ConvGeometryCL(_ConvGeometry):
     K loop over (tap, block of input channels), so both operands load along contiguous channels (16-byte loads when
     C_in and C_out are multiples of 4) and every bound check is per position, not per element."""
 
-    def __init__(self, *a):
-        super().__init__(*a)
-        on = [f"o{d + 1}" for d in range(self.nd)]
-        self.idx = ["j0[:, None]", "rc[None, :]", *(f"{o}[:, None]" for o in on)]
-        self.rcb = "rc[None, :]"
-        self.mask = f"PMASK[:, None] & (rc[None, :] < {self.CO})"
+    POS, CH = "[:, None]", "[None, :]"
 
     def position_lines(self) -> list[str]:
         lines: list[str] = []
-        jidx = Gen._decompose("rp", (self.x.shape[0], *self.J), lines, prefix="j")
+        jidx = self._positions(lines)
         CI = self.x.shape[1]
         if self.t:
-            Gen._decompose("ph", tuple(self.stride), lines, prefix="r")
             for d in range(self.nd):
                 lines.append(f"o{d + 1} = {jidx[1 + d]} * {self.stride[d]} + r{d} - {self.pad[d]}")
             valid = " & ".join(f"(o{d + 1} >= 0) & (o{d + 1} < {self.O[d]})" for d in range(self.nd))
