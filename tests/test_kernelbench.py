@@ -197,8 +197,8 @@ def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, pre
     """kb.conv_epilogue: the convolution as an implicit GEMM in Triton with the pointwise tail on its accumulator
     (strides, padding, dilation, 2-D and 3-D; transposed ones split by output phase, kernels that the stride does
     and does not divide; 20 output channels, so a channel tile is partly masked), in the NC* layout and channels
-    last (tap by tap, or with 8 input channels the K loop flattened over taps x channels); the fp32 Model's output within KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the
-    template inapplicable."""
+    last (tap by tap, or with 8 input channels the K loop flattened over taps x channels); the fp32 Model's output
+    within KernelBench's 1e-4 on fresh inputs. A dilated transposed conv leaves the template inapplicable."""
     import torch
 
     from llm4llm.kernelbench.problem import build_model, inputs_for, load_module, make_task

@@ -895,12 +895,12 @@ class Gen:
         self.plan.heavy.append(f"triton_gemm_{precision}")
 
     def conv_kernel(self, n, x: Buf, w: Buf, b: Buf | None, stride, pad, dil, transposed: bool = False) -> None:
-        """out = epilogue(conv(x, w) + b) as one implicit GEMM in Triton (groups 1): the output tile is [output
-        channels, output positions], so the im2col gather of x runs along positions (contiguous in NC* layout) and
-        so does the store; the K loop walks (input channel, kernel taps). The pointwise sub-graph after the conv is
-        computed on the accumulator before the store, as in `gemm_kernel`. cuDNN's strict-fp32 convs run on the FMA
-        pipes (its strided 3-D transposed convs at 6-9 TFLOP/s on the H200); TF32x3 dots run on the tensor cores,
-        and the verifier holds them to KernelBench's 1e-4.
+        """out = epilogue(conv(x, w) + b) as one implicit GEMM in Triton (groups 1). The pointwise sub-graph after the
+        conv is computed on the accumulator before the store, as in `gemm_kernel`. cuDNN's strict-fp32 convs run on
+        the FMA pipes (slowest on strided 3-D transposed convs, docs/results/2026-12-03-h200-c); TF32x3 dots run on
+        the tensor cores, and the verifier holds them to KernelBench's 1e-4. `conv_layout` picks the geometry:
+        "nc" (`_ConvGeometry`: [output channels, positions] tiles over the NC* tensors), "cl" and "clk" (channels-last
+        copies made by the forward; `_ConvGeometryCL`, `_ConvGeometryCLK`).
         A transposed conv is split by output phase (o + pad) mod stride: within a phase only the taps
         k = phase + stride * t reach an output, from input position o // stride - t, so each program's tile is one
         phase and its K loop has no dead taps (a plain gather would waste 7 of 8 taps of a stride-2 3-D one)."""
@@ -930,10 +930,9 @@ class Gen:
         xk, wk = x, w
         if cl:  # channels-last copies of the input and the weight: the K loop's loads run along input channels
             xk, wk = Buf(f"{x.var}_cl", x.shape, x.strides), Buf(f"{w.var}_cl", w.shape, w.strides)
-            nd = len(S)
-            self.plan.lines += [f"{xk.var} = {x.var}.permute(0, {', '.join(str(2 + d) for d in range(nd))}, 1).contiguous()",
-                                f"{wk.var} = {w.var}.permute({', '.join(str(2 + d) for d in range(nd))}, "
-                                f"{'0, 1' if transposed else '1, 0'}).contiguous()"]
+            sp = ", ".join(str(2 + d) for d in range(len(S)))
+            self.plan.lines += [f"{xk.var} = {x.var}.permute(0, {sp}, 1).contiguous()",
+                                f"{wk.var} = {w.var}.permute({sp}, {'0, 1' if transposed else '1, 0'}).contiguous()"]
         ops = [xk, wk, *([b] if b is not None else []), *(self.bufs[l] for l in leaves)]
         c = self.cfg
         bc, bp = min(c.get("BCO", 128), max(16, triton_next_pow2(CO))), c.get("BP", 128)
@@ -1020,7 +1019,8 @@ class _ConvGeometry:
                 s, p, jd = self.stride[d], self.pad[d], jidx[1 + d]
                 lines.append(f"o{d + 1} = {jd} * {s} + r{d} - {p}")
                 valid.append(f"(o{d + 1} >= 0) & (o{d + 1} < {self.O[d]})")
-            lines.append(f"xbase = {' + '.join([f'j0 * {sx[0]}'] + [f'{jidx[1 + d]} * {sx[2 + d]}' for d in range(self.nd)])}")
+            terms = [f"j0 * {sx[0]}"] + [f"{jidx[1 + d]} * {sx[2 + d]}" for d in range(self.nd)]
+            lines.append(f"xbase = {' + '.join(terms)}")
             lines.append(f"PMASK = (rp < {self.M}) & {' & '.join(valid)}")
         else:
             for d in range(self.nd):

@@ -9,8 +9,8 @@
   rewrite fired.
 - `kb.gemm_epilogue` (origin "template"): GEMM problems with the GEMM itself in Triton (fp32 inputs, grouped tile
   order; tiles, stages and the dot precision in the config space: IEEE FMA dots, or TF32x3, three TF32 tensor-core
-  products whose error the verifier must find within KernelBench's 1e-4) and the pointwise sub-graph after it computed on the
-  accumulator before the store; the rest as in `kb.fused_tail`.
+  products whose error the verifier must find within KernelBench's 1e-4) and the pointwise sub-graph after it
+  computed on the accumulator before the store; the rest as in `kb.fused_tail`.
 - `kb.conv_epilogue` (origin "template"): the same for convolutions (groups 1; transposed ones split by output phase,
   not dilated): an implicit GEMM in Triton over [output channels, output positions] tiles, TF32x3 or IEEE dots, the
   pointwise tail on the accumulator.
