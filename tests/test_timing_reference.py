@@ -91,13 +91,17 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     dev = torch.device("cpu")
     draws = make_draws(task, dev, 1, 0)
     harness = reference_fn(task, dev)
-    v = Verdict(source_hash="x", task_id=task.spec.task_id)
-    timing.time_task(v, task, harness, draws, dev)
-    assert v.reference_in_context is not None and v.candidate_in_context is not None
-    assert v.reference_in_context.reps >= timing.MIN_REPS
-    # measured in context ~0.60 (three runs), cold 0.56-0.76 (its L2 flush is a 256 MB memset on the CPU: noisy);
-    # a harness-timed reference would read ~1.0
-    assert v.speedup_in_context < 0.8 and v.speedup_cold < 1.0, (v.speedup_in_context, v.speedup_cold)
+    seen = []
+    for _ in range(3):  # another process loading the CPU evens the ratio out (0.98 seen); a harness-timed reference
+        v = Verdict(source_hash="x", task_id=task.spec.task_id)  # reads ~1.0 on every attempt
+        timing.time_task(v, task, harness, draws, dev)
+        assert v.reference_in_context is not None and v.candidate_in_context is not None
+        assert v.reference_in_context.reps >= timing.MIN_REPS
+        seen.append((v.speedup_in_context, v.speedup_cold))
+        # measured in context ~0.60 (three runs), cold 0.56-0.76 (its L2 flush is a 256 MB memset on the CPU: noisy)
+        if v.speedup_in_context < 0.8 and v.speedup_cold < 1.0:
+            break
+    assert v.speedup_in_context < 0.8 and v.speedup_cold < 1.0, seen
     assert [g.name for g in v.gates] == ["timing_cold", "timing_in_context"]
 
 
