@@ -95,7 +95,8 @@ def _conv_channels(spec: TaskSpec) -> tuple[int, int, bool]:
 def _conv_space(spec: TaskSpec) -> dict[str, list]:
     """tf32x3 first, as for the GEMM. With 16 input channels or more the channels-last kernel first: its loads run
     16 bytes wide along channels, where the NC* kernel gathers 4 bytes at a time (its sweep on the H200,
-    docs/results/2026-12-03-h200-c, lost to cuDNN on every problem with 32 channels or more). Its first tile, 64
+    docs/results/2026-12-03-h200-c, lost to cuDNN on every 2-D conv, and won only on two strided 3-D transposed
+    ones). Its first tile, 64
     output channels x 128 positions with 4 warps, was the best or within 3 % of the best of the sweep on 12 of the
     13 such problems swept (problem 54: 4.5 % behind a 128 x 256 tile); the GEMM template's 128 x 128 tile with 8
     warps, the default of the full run there, took 0.98-1.45x its time. With fewer (3-8 input
