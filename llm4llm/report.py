@@ -57,7 +57,7 @@ class ReportContext:
         return self._cache[key]
 
     def _arg(self, name: str) -> str:
-        return self.workload if name in ("e2e_history", "run_history") else self.run_id
+        return self.workload if name in ("e2e_history", "run_history", "service_history") else self.run_id
 
 
 @dataclass(frozen=True)
@@ -312,12 +312,44 @@ def end_to_end(ctx: ReportContext) -> Block:
     return Block(notes=notes, figures=[fig], tables=[("end to end", table)])
 
 
+SERVICE_COLOURS = {"replace": "#55a868", "rollback": "#c44e52"}  # a night that changed the bundle in service
+
+
+def _service_tables(nights: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    return [("service decisions", nights.drop(columns=["in_service"]))] if not nights.empty else []
+
+
+def _service_note(ctx: ReportContext, nights: pd.DataFrame) -> list[str]:
+    if nights.empty:
+        return []
+    now = nights["in_service"].iloc[-1]
+    counts = nights["decision"].value_counts()
+    made = ", ".join(f"{counts[d]} {d}" for d in ("keep", "replace", "rollback") if d in counts)
+    version = "none" if pd.isna(now) else f"version {int(now)}"
+    return [f"The service: {len(nights)} night(s) of {ctx.workload} ({made}); in service now: {version}. "
+            "Vertical lines mark the nights that replaced (green) or rolled back (red) the bundle."]
+
+
+def _mark_service_nights(ax, nights: pd.DataFrame, x_of: dict[str, int]) -> None:
+    """A vertical line per night that changed the bundle in service, at that night's evaluated run."""
+    for r in nights.itertuples():
+        x = x_of.get(f"{r.run_id}-e2e", x_of.get(r.run_id))
+        if x is None or r.decision not in SERVICE_COLOURS:
+            continue
+        ax.axvline(x, color=SERVICE_COLOURS[r.decision], lw=1.2, ls=":")
+        to = "none" if pd.isna(r.to_version) else f"v{int(r.to_version)}"
+        ax.annotate(f" {r.decision} -> {to}", (x, 0.03), xycoords=("data", "axes fraction"), fontsize=7,
+                    color=SERVICE_COLOURS[r.decision], rotation=90, ha="left", va="bottom")
+
+
 @section("history", "History of the workload")
 def history(ctx: ReportContext) -> Block:
     h = ctx.df("e2e_history")
     runs = ctx.df("run_history")
+    nights = ctx.df("service_history")
     if h.empty:
-        return Block(notes=[f"no end-to-end rows for {ctx.workload} yet"], tables=[("runs", runs)])
+        return Block(notes=[f"no end-to-end rows for {ctx.workload} yet", *_service_note(ctx, nights)],
+                     tables=[("runs", runs), *_service_tables(nights)])
     h = h[h["total_ms"].notna()]
     order = list(dict.fromkeys(h["run_id"]))
     fig = _figure(11.0, 3.8)
@@ -335,6 +367,7 @@ def history(ctx: ReportContext) -> Block:
         ax_t.set_yscale("log")
     ax_t.set_ylabel("total ms (median, min-max)")
     ax_t.legend(fontsize=7)
+    _mark_service_nights(ax_t, nights, x_of)
     ratio = h.pivot_table(index="run_id", columns="variant", values="total_ms", aggfunc="last").reindex(order)
     if "eager" in ratio:
         for variant in [c for c in ratio.columns if c != "eager"]:
@@ -348,8 +381,8 @@ def history(ctx: ReportContext) -> Block:
     table = h.assign(total_range_ms=h["total_samples_ms"].map(_spread))[
         ["run_started", "run_id", "variant", "total_ms", "total_range_ms", "decode_ms_per_token", "gpu_name",
          "accepted", "rejected", "workload_hash"]]
-    return Block(notes=[f"{len(order)} evaluated run(s) of {ctx.workload}, oldest first"], figures=[fig],
-                 tables=[("end to end per run", table), ("runs", runs)])
+    return Block(notes=[f"{len(order)} evaluated run(s) of {ctx.workload}, oldest first", *_service_note(ctx, nights)],
+                 figures=[fig], tables=[("end to end per run", table), ("runs", runs), *_service_tables(nights)])
 
 
 TILEMIX_ENDS = ("all_16bit", "all_int8")  # 0 % and 100 %: one routing each, shared by every template's line

@@ -123,6 +123,27 @@ def run_history(db: Database, workload_name: str):
     )
 
 
+def service_history(db: Database, workload_name: str):
+    """The service's nights for a workload, oldest first: each night's keep / replace / rollback decision with its
+    reason, the versions it moved between, and that night's re-validation of the bundle in service (`current_*`)
+    and of its own accepted bundle (`candidate_*`): passed, gain over the unpatched model, latency verdict;
+    `in_service`: the version the workload's `current` pointer names now (on every row; NULL: none)."""
+    return db.query_df(
+        "WITH v AS (SELECT run_id, subject, bool_and(ok) AS ok, max(gain) AS gain, "
+        "string_agg(latency, '; ') AS latency FROM bundle_validations WHERE workload_name = ? "
+        "GROUP BY run_id, subject) "
+        "SELECT d.run_id, coalesce(r.started_at, d.created_at) AS night, d.decision, d.from_version, d.to_version, "
+        "cur.ok AS current_ok, cur.gain AS current_gain, cur.latency AS current_latency, cand.ok AS candidate_ok, "
+        "cand.gain AS candidate_gain, cand.latency AS candidate_latency, d.reason, "
+        "(SELECT version FROM bundle_current c WHERE c.workload_name = d.workload_name) AS in_service "
+        "FROM service_decisions d LEFT JOIN runs r USING (run_id) "
+        "LEFT JOIN v cur ON cur.run_id = d.run_id AND cur.subject = 'current' "
+        "LEFT JOIN v cand ON cand.run_id = d.run_id AND cand.subject = 'candidate' "
+        "WHERE d.workload_name = ? ORDER BY night, d.created_at",
+        [workload_name, workload_name],
+    )
+
+
 def tilemix_frontier(db: Database, run_id: str, workload_name: str):
     """The TileMix frontier rows of one bench: the latest tied to the run, else the latest tied to its workload
     (empty when neither has one), by prompt length, template and coverage."""

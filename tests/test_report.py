@@ -100,7 +100,33 @@ def two_nights(tmp_path_factory):
     with Database(path) as db:
         _night(db, "mamba-130m-night1-aaaa", datetime(2026, 11, 29, 3), 1721.0, 48.0, rng)
         _night(db, "mamba-130m-night2-bbbb", datetime(2026, 11, 30, 3), 1650.0, 47.1, rng)
+        _service(db)
     return path
+
+
+def _validation(run_id: str, subject: str, version, ok: bool, unpatched: float, patched: float, reason: str) -> dict:
+    return {"run_id": run_id, "workload_name": WL["name"], "subject": subject, "version": version,
+            "bundle_path": f"/d/bundles/{run_id}/{subject}", "ok": ok, "correctness": "ok" if ok else "failed: x",
+            "latency": "ok" if ok else "regressed", "unpatched_ms": unpatched, "patched_ms": patched,
+            "gain": 1 - patched / unpatched, "reason": reason, "versions_json": {"torch": "2.11.0"}}
+
+
+def _service(db: Database) -> None:
+    """The service's two nights: night 1 puts its bundle in service (v1); night 2 re-validates v1, finds tonight's
+    bundle no faster by delta, and keeps v1."""
+    n1, n2 = "mamba-130m-night1-aaaa", "mamba-130m-night2-bbbb"
+    repo.record_bundle_version(db, {"workload_name": WL["name"], "version": 1, "run_id": n1,
+                                    "workload_hash": WL["workload_hash"], "bundle_path": "/d/bundles/mamba/v0001",
+                                    "digest": "d1"})
+    repo.record_service_night(db, [_validation(n1, "candidate", None, True, 1721.0, 48.0, "correct in-model")],
+                              {"run_id": n1, "workload_name": WL["name"], "decision": "replace", "from_version": None,
+                               "to_version": 1, "reason": "no bundle in service; tonight's bundle passes"})
+    repo.set_current_bundle(db, WL["name"], 1, n1)
+    repo.record_service_night(db, [_validation(n2, "current", 1, True, 1650.0, 47.1, "correct in-model"),
+                                   _validation(n2, "candidate", None, True, 1650.0, 46.9, "correct in-model")],
+                              {"run_id": n2, "workload_name": WL["name"], "decision": "keep", "from_version": 1,
+                               "to_version": 1, "reason": "the bundle in service passes at 0.029 of the unpatched "
+                                                          "model; tonight's (0.028) is not faster by delta 2%"})
 
 
 class _Page(HTMLParser):
@@ -166,9 +192,25 @@ def test_report_of_a_workload_has_every_plot_and_table(two_nights, tmp_path):
     assert tables["search"] == {"searches": 1 + 6}  # 3 tasks x (episodic, sample)
     assert tables["acceptance"] == {"decisions": 1 + 4}  # the decode-graphs gate and three tasks
     assert tables["e2e"] == {"end to end": 1 + 4}
-    assert tables["history"] == {"end to end per run": 1 + 6, "runs": 1 + 2}  # two nights, 3 measured variants
+    # two nights, 3 measured variants; the service's decision per night
+    assert tables["history"] == {"end to end per run": 1 + 6, "runs": 1 + 2, "service decisions": 1 + 2}
+    assert "2 night(s) of mamba-130m (1 keep, 1 replace); in service now: version 1" in page
+    assert "tonight&#x27;s (0.028) is not faster by delta 2%" in page  # the keep's reason, verbatim (escaped)
     assert "latency +0.6 % &lt; 2 %" in page  # the rejection's reason, verbatim (escaped)
     assert "skipped: not asked for" in page
+
+
+def test_service_history_joins_each_night_to_its_validations(two_nights):
+    with Database(two_nights, read_only=True) as db:
+        nights = ReportReader(db).frame("service_history", "mamba-130m").set_index("run_id")
+        assert ReportReader(db).frame("service_history", "another-workload").empty
+    n1, n2 = nights.loc["mamba-130m-night1-aaaa"], nights.loc["mamba-130m-night2-bbbb"]
+    assert list(nights.index) == ["mamba-130m-night1-aaaa", "mamba-130m-night2-bbbb"]  # oldest first
+    assert (n1["decision"], n1["to_version"], n2["decision"], n2["from_version"]) == ("replace", 1, "keep", 1)
+    assert pd.isna(n1["current_ok"]) and bool(n1["candidate_ok"])  # nothing was in service on night 1
+    assert n2["current_gain"] == pytest.approx(1 - 47.1 / 1650.0) and n2["candidate_gain"] == pytest.approx(
+        1 - 46.9 / 1650.0)
+    assert (nights["in_service"] == 1).all()
 
 
 def test_report_numbers_come_from_the_rows(two_nights):
