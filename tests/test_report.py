@@ -213,6 +213,20 @@ def test_service_history_joins_each_night_to_its_validations(two_nights):
     assert (nights["in_service"] == 1).all()
 
 
+def test_only_the_nights_that_changed_the_bundle_are_marked_on_the_history_plot(two_nights):
+    from llm4llm.report import _figure, _mark_service_nights
+
+    with Database(two_nights, read_only=True) as db:
+        nights = ReportReader(db).frame("service_history", "mamba-130m")
+    ax = _figure().subplots()
+    _mark_service_nights(ax, nights, {"mamba-130m-night1-aaaa-e2e": 0, "mamba-130m-night2-bbbb-e2e": 1})
+    assert [line.get_xdata()[0] for line in ax.get_lines()] == [0]  # night 1 replaced; night 2 kept
+    assert [t.get_text().strip() for t in ax.texts] == ["replace -> v1"]
+    ax = _figure().subplots()
+    _mark_service_nights(ax, nights, {})  # no evaluated run of that night: nothing to mark
+    assert not ax.get_lines() and not ax.texts
+
+
 def test_report_numbers_come_from_the_rows(two_nights):
     from llm4llm.report import ReportContext, e2e_table, speedups
 
