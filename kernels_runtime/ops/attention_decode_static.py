@@ -34,7 +34,7 @@ from kernels_runtime.ops._common import l2_prefetch_bytes as _l2_bytes  # the la
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
-    "num_splits": [None, 4, 8, 16, 32, 64],  # None: `default_num_splits`
+    "num_splits": [None, 1, 4, 8, 16, 32, 64],  # None: `default_num_splits`; 1: no merge kernel
     "num_warps": [2, 4, 8],
     "num_stages": [1, 2, 3],
 }
@@ -60,7 +60,7 @@ def _norm_rope(x, x_rot, w_ptr, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM
 @triton.jit
 def _attention_decode_static_kernel(
     # Pointers
-    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF,
+    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF, O,
     # Matrix dimensions
     PF_BYTES, Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
     # Strides
@@ -70,12 +70,15 @@ def _attention_decode_static_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_cb, stride_sb,
+    stride_ob, stride_oh, stride_od,
     # Meta-parameters
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-    L2PF: tl.constexpr = False, LANES: tl.constexpr = 128,
+    L2PF: tl.constexpr = False, LANES: tl.constexpr = 128, DIRECT_OUT: tl.constexpr = False,
 ):
+    # DIRECT_OUT (one split: the program covers [lo, pos] whole): the normalized output goes to O in its dtype, no
+    # partials and no merge
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b, hkv = pid_bh // Hkv, pid_bh % Hkv
@@ -165,10 +168,16 @@ def _attention_decode_static_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    rows = (b * Hkv * GROUP + hq) * NUM_SPLITS + split  # [BLOCK_G] into [B, Hq, NUM_SPLITS]
     some = l_i > 0
-    tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None], mask=mask_q)
-    tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")), mask=mask_g)
+    if DIRECT_OUT:
+        out = acc / tl.where(some, l_i, 1.0)[:, None]
+        tl.store(O + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=mask_q)
+    else:
+        rows = (b * Hkv * GROUP + hq) * NUM_SPLITS + split  # [BLOCK_G] into [B, Hq, NUM_SPLITS]
+        tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None], mask=mask_q)
+        tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")),
+                 mask=mask_g)
 
 
 @triton.jit
@@ -197,6 +206,14 @@ def _merge_advance_kernel(
         if pid == 0:
             n = tl.load(LEN)
             tl.store(LEN, tl.where(n < S_MAX, n + 1, n))
+
+
+@triton.jit
+def _advance_kernel(LEN, S_MAX, PDL: tl.constexpr = False):
+    # StaticLayer.update's cumulative_length.add_(1), after stage 1 (one split, DIRECT_OUT) finished reading it
+    pdl_wait(PDL)
+    n = tl.load(LEN)
+    tl.store(LEN, tl.where(n < S_MAX, n + 1, n))
 
 
 def attention_decode_static_ref(
@@ -287,26 +304,31 @@ def attention_decode_static(
     n_splits = num_splits or default_num_splits(B * Hkv, s_max, BLOCK_N)
     split_len = triton.cdiv(triton.cdiv(s_max, n_splits), BLOCK_N) * BLOCK_N
     n_splits = triton.cdiv(s_max, split_len)
-    o_part = torch.empty((B, Hq, n_splits, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, Hq, n_splits), dtype=torch.float32, device=q.device)
+    direct = n_splits == 1  # one program per (batch, kv head) covers the whole cache: it writes o, nothing to merge
     o = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
+    o_part = o if direct else torch.empty((B, Hq, n_splits, D), dtype=torch.float32, device=q.device)
+    lse_part = o if direct else torch.empty((B, Hq, n_splits), dtype=torch.float32, device=q.device)
     has_norm = q_norm_weight is not None
     block_d = max(16, triton.next_power_of_2(D))
     length = cache_len.reshape(1)
     pf_bytes = _l2_bytes(l2_prefetch, l2_prefetch_bytes, "attention_decode_static")
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
-        length, o_part, lse_part, l2_prefetch if pf_bytes else q,
+        length, o_part, lse_part, l2_prefetch if pf_bytes else q, o,
         pf_bytes, Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
         float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
-        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        o.stride(0), o.stride(1), o.stride(3), BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, **pdl_launch(PDL),
+        PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, DIRECT_OUT=direct, **pdl_launch(PDL),
     )
+    if direct:
+        if advance:
+            _advance_kernel[(1,)](length, s_max, PDL=pdl_on(PDL), num_warps=1, **pdl_launch(PDL))
+        return o
     _merge_advance_kernel[(B * Hq,)](
         o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
         BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,

@@ -44,6 +44,40 @@ def test_static_decode_matches_float64_and_writes_the_cache(dtype, shape, pos, n
     assert n_mut.item() == pos + 1
 
 
+@pytest.mark.parametrize("shape,pos,window", [((2, 4, 2, 37, 16), 36, None), ((1, 8, 1, 21, 16), 13, 5),
+                                              ((1, 6, 2, 50, 32), 0, None)])
+def test_one_split_writes_the_output_itself_and_advances_only_when_asked(shape, pos, window):
+    """num_splits = 1: one program per (batch, kv head) over the whole cache writes o directly (no partials, no
+    merge kernel): the same output as the reference; with advance the length moves by one (a one-program kernel
+    after it), without it the length stays for the next kernel to advance (decoder_layer.decode_static's o_proj)."""
+    c = _case(*shape, torch.float32, True, seed=pos + 7)
+    ref = attention_decode_static_ref(**c, cache_len=torch.tensor(pos), scale=0.3, sliding_window=window)
+    for advance in (True, False):
+        k_mut, v_mut, n = c["k_cache"].clone(), c["v_cache"].clone(), torch.tensor(pos)
+        out = attention_decode_static(**{**c, "k_cache": k_mut, "v_cache": v_mut}, cache_len=n, scale=0.3,
+                                      sliding_window=window, BLOCK_N=16, num_splits=1, advance=advance)
+        assert_close(out, ref[0])
+        assert torch.equal(v_mut, ref[2])
+        assert_close(k_mut, ref[1], name="k cache")
+        assert n.item() == pos + int(advance)
+
+
+def test_gemv_advances_a_counter_once_below_its_bound():
+    """gemv's `advance`: program 0 adds one to the counter after the previous kernel, clamped at the bound (a full
+    cache does not grow); the product itself is unchanged, whatever the program count."""
+    from kernels_runtime.ops.gemv import gemv
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(40, 64, generator=g)
+    plain = gemv(x, w, BLOCK_N=8, BLOCK_K=32)
+    for start, bound, want in ((5, 10, 6), (10, 10, 10)):
+        n = torch.tensor(start)
+        y = gemv(x, w, BLOCK_N=8, BLOCK_K=32, advance=(n, bound))
+        assert torch.equal(y, plain) and n.item() == want
+    with pytest.raises(ValueError, match="one-element int32/int64"):
+        gemv(x, w, advance=(torch.zeros(2, dtype=torch.long), 4))
+
+
 def test_static_decode_reads_the_position_from_device_memory_only():
     """One launch configuration for every position: the grid and the arguments do not depend on the length's
     value (what a CUDA graph freezes), and the host never reads it."""
@@ -74,8 +108,10 @@ def test_static_decode_rejects_a_host_length():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("S,pos", [(576, 575), (4096, 1000), (32768, 32000)])
-def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos):
+@pytest.mark.parametrize("S,pos,kw", [(576, 575, {}), (576, 575, dict(num_splits=1, PDL=True)), (4096, 1000, {}),
+                                      (4096, 1000, dict(num_splits=1, BLOCK_N=64, num_warps=8, PDL=True)),
+                                      (32768, 32000, {})])
+def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos, kw):
     """qwen3-4b's attention (32 q heads, 8 kv heads, head_dim 128, q/k norms) in bf16 against the float64 reference,
     and replayed from a CUDA graph at two positions (the length advanced by the kernel between replays)."""
     dev = torch.device("cuda")
@@ -86,7 +122,7 @@ def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos):
     ref16 = attention_decode_static_ref(**c, cache_len=n, scale=128 ** -0.5)  # HF's bf16 roundings
     k_mut, v_mut, n_mut = c["k_cache"].clone(), c["v_cache"].clone(), n.clone()
     args = {**c, "k_cache": k_mut, "v_cache": v_mut}
-    out = attention_decode_static(**args, cache_len=n_mut, scale=128 ** -0.5)
+    out = attention_decode_static(**args, cache_len=n_mut, scale=128 ** -0.5, **kw)
     assert_close(out, ref[0].to(torch.bfloat16), torch.bfloat16)
     # the written k against the bf16 chain: against float64 one bf16 ulp of |k| ~ 2-4 (0.0156) is over atol 0.01
     # (seen on the H200 at 32768, 2026-12-01)
@@ -95,7 +131,7 @@ def test_static_decode_on_the_gpu_at_qwen3_shapes(S, pos):
     n_mut.fill_(pos - 7)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out = attention_decode_static(**args, cache_len=n_mut, scale=128 ** -0.5)
+        g_out = attention_decode_static(**args, cache_len=n_mut, scale=128 ** -0.5, **kw)
     for p in (pos - 7, pos - 3):
         n_mut.fill_(p)
         graph.replay()
