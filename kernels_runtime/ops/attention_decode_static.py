@@ -13,6 +13,9 @@ For one new token per sequence, stage 1 (one program per (batch, kv head, split)
   logit soft-capping (Gemma-2: cap * tanh(s / cap)), and writes the split's normalized partial output and
   log-sum-exp (fp32).
 Stage 2 merges the splits per query head and advances the length by one (program 0), as `StaticLayer.update` does.
+With one split (the batch's KV heads alone fill the GPU, or a one-tile cache) stage 1 writes the output itself and a
+one-program kernel advances the length instead (a one-split layer on qwen3-4b lost 9-16 us a layer:
+docs/results/2026-12-03-h200-e).
 
 The grid is sized for the whole cache (S_max), never for the current length: splits past `pos` or below the window
 write an empty partial (lse -inf). Nothing reads the length on the host, so every pointer and the grid are the same
@@ -34,7 +37,7 @@ from kernels_runtime.ops._common import l2_prefetch_bytes as _l2_bytes  # the la
 
 CONFIG_SPACE: dict[str, list] = {
     "BLOCK_N": [16, 32, 64, 128],
-    "num_splits": [None, 1, 4, 8, 16, 32, 64],  # None: `default_num_splits`; 1: no merge kernel
+    "num_splits": [None, 4, 8, 16, 32, 64],  # None: `default_num_splits`
     "num_warps": [2, 4, 8],
     "num_stages": [1, 2, 3],
 }

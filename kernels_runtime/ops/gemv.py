@@ -41,10 +41,10 @@ MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep t
 @triton.jit
 def _gemv_kernel(
     # Pointers
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr, adv_ptr,
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr,
     # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1);
-    # the bytes of pf0 / pf1 to prefetch into L2; the bound of the counter that ADVANCE increments
-    PF0_BYTES, PF1_BYTES, ADV_MAX, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
+    # the bytes of pf0 / pf1 to prefetch into L2
+    PF0_BYTES, PF1_BYTES, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
     # Strides
     stride_xm, stride_pm, stride_rm, eps,
     # Meta-parameters
@@ -54,7 +54,6 @@ def _gemv_kernel(
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
-    ADVANCE: tl.constexpr = False,
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
@@ -68,9 +67,6 @@ def _gemv_kernel(
     # L2PF (1 or 2 tensors): the programs ask the L2 for the first PF0_BYTES of pf0 (and PF1_BYTES of pf1), the
     # weights of a later kernel, before the wait: with this pass reading its own weights from L2 (prefetched by the
     # kernel before), HBM would otherwise idle.
-    # ADVANCE: program 0, once the previous kernel finished (PDL's wait, or stream order), adds one to the int64 at
-    # adv_ptr below ADV_MAX: a static KV cache's length that the previous kernel (one-split decode attention, no
-    # merge kernel) read and could not advance itself, since its other programs read it too.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -107,10 +103,6 @@ def _gemv_kernel(
             l2_prefetch(pf1_ptr, PF1_BYTES, part, parts, LANES)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if ADVANCE:
-        if (pid_n == 0) & (split == 0) & (tl.program_id(2) == 0):
-            n_len = tl.load(adv_ptr)
-            tl.store(adv_ptr, tl.where(n_len < ADV_MAX, n_len + 1, n_len))
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
         if NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
             rr = tl.arange(0, NORM_ROW)
@@ -402,16 +394,14 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
-            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), advance=None):
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=()):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
     split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
     shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
     weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
-    (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). advance: (a one-element
-    integer tensor, its bound) that the pass adds one to once the previous kernel finished (`_gemv_kernel`'s
-    ADVANCE)."""
+    (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
     DOT = _dot_path(M, DOT)
@@ -432,10 +422,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     if swiglu:
         w1 = swiglu_up
     pf = _l2_targets(l2_prefetch)
-    adv, adv_max = _advance_of(advance, x2.device)
     launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2, *(t if t is not None else x2 for t, _ in pf),
-        x2 if adv is None else adv, *(n for _, n in pf), adv_max, M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
+        *(n for _, n in pf), M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
@@ -443,20 +432,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
              NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
-             L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
-             ADVANCE=adv is not None),
+             L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
-
-
-def _advance_of(advance, device) -> tuple[torch.Tensor | None, int]:
-    if advance is None:
-        return None, 0
-    n, bound = advance
-    if (not isinstance(n, torch.Tensor) or n.numel() != 1 or n.dtype not in (torch.int32, torch.int64)
-            or n.device != device):
-        raise ValueError(f"gemv: expected advance's counter a one-element int32/int64 tensor on {device}, got {n!r}")
-    return n.reshape(1), int(bound)
 
 
 def _l2_targets(pairs) -> list[tuple[torch.Tensor | None, int]]:
@@ -479,12 +457,11 @@ def _reduce_block(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-         l2_prefetch=(), advance: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+         l2_prefetch=()) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
-    asks the L2 for (a hint: the result does not depend on it). advance: (a static cache's length, S_max) that the
-    pass advances by one once the previous kernel finished (the one-split decode attention's)."""
+    asks the L2 for (a hint: the result does not depend on it)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -499,7 +476,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, advance=advance)
+                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -512,11 +489,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
-                          PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
-                          advance: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          PREFETCH: bool = False, PDL: bool = False, l2_prefetch=()) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
-    down_proj with the next layer's input_layernorm. l2_prefetch, advance: `gemv`'s."""
+    down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -531,8 +507,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch,
-                              advance=advance)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),

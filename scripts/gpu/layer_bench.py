@@ -96,11 +96,6 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["m16"] = {**base, "l2pf_mlp_mb": 16}
     out["l2o_o2048"] = {**base, "l2pf_o": True, "o_BLOCK_K": 2048}
     out["l2o_nopdl"] = {**base, "l2pf_o": True, "pdl": False}
-    # One cache split: a program per KV head over the whole cache writes o itself (no merge kernel; o_proj advances
-    # the length), against the split-KV attention + merge of the default
-    for bn, w, st in ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3)):
-        out[f"s1_b{bn}_w{w}_st{st}"] = {**base, "attn_num_splits": 1, "attn_BLOCK_N": bn, "attn_num_warps": w,
-                                         "attn_num_stages": st}
     return out
 
 

@@ -49,7 +49,7 @@ def test_static_decode_matches_float64_and_writes_the_cache(dtype, shape, pos, n
 def test_one_split_writes_the_output_itself_and_advances_only_when_asked(shape, pos, window):
     """num_splits = 1: one program per (batch, kv head) over the whole cache writes o directly (no partials, no
     merge kernel): the same output as the reference; with advance the length moves by one (a one-program kernel
-    after it), without it the length stays for the next kernel to advance (decoder_layer.decode_static's o_proj)."""
+    after it), without it the length stays where it was."""
     c = _case(*shape, torch.float32, True, seed=pos + 7)
     ref = attention_decode_static_ref(**c, cache_len=torch.tensor(pos), scale=0.3, sliding_window=window)
     for advance in (True, False):
@@ -60,22 +60,6 @@ def test_one_split_writes_the_output_itself_and_advances_only_when_asked(shape, 
         assert torch.equal(v_mut, ref[2])
         assert_close(k_mut, ref[1], name="k cache")
         assert n.item() == pos + int(advance)
-
-
-def test_gemv_advances_a_counter_once_below_its_bound():
-    """gemv's `advance`: program 0 adds one to the counter after the previous kernel, clamped at the bound (a full
-    cache does not grow); the product itself is unchanged, whatever the program count."""
-    from kernels_runtime.ops.gemv import gemv
-
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 64, generator=g), torch.randn(40, 64, generator=g)
-    plain = gemv(x, w, BLOCK_N=8, BLOCK_K=32)
-    for start, bound, want in ((5, 10, 6), (10, 10, 10)):
-        n = torch.tensor(start)
-        y = gemv(x, w, BLOCK_N=8, BLOCK_K=32, advance=(n, bound))
-        assert torch.equal(y, plain) and n.item() == want
-    with pytest.raises(ValueError, match="one-element int32/int64"):
-        gemv(x, w, advance=(torch.zeros(2, dtype=torch.long), 4))
 
 
 def test_static_decode_reads_the_position_from_device_memory_only():

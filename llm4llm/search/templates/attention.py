@@ -46,7 +46,7 @@ ATTN_PREFILL = {"attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [32, 64, 128], "attn_
                 "attn_num_stages": [2, 3]}
 ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128], "attn_num_splits": [None, 2, 8, 32],
                "attn_num_warps": [4, 8]}
-ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 1, 4, 8, 16, 32, 64],
+ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
                "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
 
 PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
@@ -302,9 +302,8 @@ def _softcap(static, p=""):
     return _opt(static, p + "attn_logit_softcapping", p + "config.attn_logit_softcapping")
 
 
-def _static_attention(q, k, v, inputs, weights, state, static, p="", advance=True):
-    # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written);
-    # advance=False: the caller's next kernel advances the length (after every attention program read it)
+def _static_attention(q, k, v, inputs, weights, state, static, p=""):
+    # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written)
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
     norm = p + "q_norm.weight" in weights
     eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
@@ -314,7 +313,7 @@ def _static_attention(q, k, v, inputs, weights, state, static, p="", advance=Tru
         q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
         float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
         k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)), advance=advance,
+        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)),
         # o_proj's weight into L2 while the attention leaves HBM idle (l2pf_o: decoder_layer.decode_static)
         l2_prefetch=weights.get(p + "o_proj.weight") if CONFIG.get("l2pf_o") else None, **ATTN)
     return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}

@@ -239,20 +239,17 @@ def _layer_default(spec):
             **_stage_default("dn_", h, i, sms)}
 
 
-def _layer_mlp(config, static_cache: bool = False) -> str:
+def _layer_mlp(config) -> str:
     """The entry's lines after the attention (o: [B, H*D] rows, x2 the residual rows): o_proj + the residual add +
-    post_attention_layernorm, gate/up + SwiGLU (g), h the residual of the down projection. static_cache: o_proj
-    advances the cache length where the attention could not (ONE_SPLIT_STEP)."""
-    adv = ", **_o_advance(state)" if static_cache else ""
+    post_attention_layernorm, gate/up + SwiGLU (g), h the residual of the down projection."""
     if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
         mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
                                   float(static["post_attention_layernorm.variance_epsilon"]),
-                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_")''' + adv + ''')
+                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
     g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
 '''
     else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
-        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, l2_prefetch=_mlp_prefetch(weights),
-             **_stage("o_")''' + adv + ''')
+        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
     g = gate_up_swiglu(h, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"],
                        norm_w=weights["post_attention_layernorm.weight"],
                        eps=float(static["post_attention_layernorm.variance_epsilon"]), **_stage("gu_"))
@@ -385,24 +382,11 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
     return seeds
 
 
-# One cache split (attn_num_splits = 1): the attention writes o itself, with no merge kernel, and cannot advance
-# the length (its other programs read it), so o_proj's first program does, after the attention finished.
-ONE_SPLIT_STEP = '''
-ONE_SPLIT = CONFIG.get("attn_num_splits") == 1
-
-
-def _o_advance(state):
-    if not ONE_SPLIT or state is None:
-        return {}
-    return {"advance": (state["cache_len"], state["key_cache"].shape[2])}
-'''
-
-
 def _layer_static_render(spec, config):
     imports = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope",
                "from kernels_runtime.ops.attention_decode_static import attention_decode_static"]
     return header("decoder_layer.decode_static", spec, imports, config) + ATTN_PRELUDE + STAGE_KWARGS + \
-        STATIC_STEP + ONE_SPLIT_STEP + '''
+        STATIC_STEP + '''
 
 def entry(inputs, weights, state, static):
     # HF's pre-norm layer: h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_attention_layernorm(h))
@@ -418,10 +402,9 @@ def entry(inputs, weights, state, static):
                             **_stage("qkv_"))  # [B*S, H, D] views of one buffer
     q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
     # q/k norms + rotary + the cache write at the device-side length + split-KV attention, the length advanced
-    o, state_out = _static_attention(q, k, v, inputs, weights, state, static, "self_attn.",
-                                     advance=not ONE_SPLIT)  # [B, Hq, 1, D]
+    o, state_out = _static_attention(q, k, v, inputs, weights, state, static, "self_attn.")  # [B, Hq, 1, D]
     o = o.transpose(1, 2).reshape(B * S, -1)
-''' + _layer_mlp(config, static_cache=True) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
+''' + _layer_mlp(config) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
     return {"out": out.view(x.shape), **state_out}
 '''
 
