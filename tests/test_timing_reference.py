@@ -17,6 +17,8 @@ from llm4llm.verify import timing
 from llm4llm.verify.gates import make_draws, reference_fn
 from llm4llm.verify.verdict import Verdict
 
+pytestmark = pytest.mark.serial  # CPU timings compared: never beside another test's load
+
 
 
 @pytest.fixture(scope="module")
