@@ -98,6 +98,40 @@ def pdl_launch(PDL: bool) -> dict:
     return {"launch_pdl": True} if pdl_on(PDL) else {}
 
 
+# ---------------------------------------------------------------------------------------------- kernel timeline
+# A measuring aid for chains of dependent decode kernels (PDL overlaps them, so a profiler's per-kernel durations
+# do not add up to the step): while `TIMELINE["buf"]` is an int64 CUDA tensor [rows, 4], each instrumented launch
+# takes the next rows, one per program, and every program writes %globaltimer (ns) when it starts, when it leaves
+# PDL's wait (its start when it has none), when it ends, and its SM id. Off (the default) a kernel compiles without
+# it. Sites are taken in launch order, so a step captured in a CUDA graph rewrites the same rows on every replay.
+# scripts/gpu/layer_bench.py --timeline reads them.
+TIMELINE: dict = {"buf": None, "next": 0, "sites": []}
+
+
+def timeline_rows(name: str, programs: int) -> torch.Tensor | None:
+    """The rows of the next instrumented launch (`programs` of them), or None when the timeline is off or under the
+    interpreter (no %globaltimer there)."""
+    buf = TIMELINE["buf"]
+    if buf is None or interpreting():
+        return None
+    off = TIMELINE["next"]
+    if off + programs > buf.shape[0]:
+        raise RuntimeError(f"kernel timeline: {buf.shape[0]} rows are too few (a launch of {programs} programs at "
+                           f"row {off})")
+    TIMELINE["next"] = off + programs
+    TIMELINE["sites"].append((name, off, programs))
+    return buf[off:off + programs]
+
+
+@triton.jit
+def stamp(TS, pid, col, ON: tl.constexpr):
+    # the timeline's column `col` of program `pid` (0 start, 1 after the wait, 2 end); at the end, also its SM
+    if ON:
+        tl.store(TS + pid * 4 + col, tl.extra.cuda.globaltimer())
+        if col == 2:
+            tl.store(TS + pid * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
+
+
 @triton.jit
 def softplus(x):
     # torch's softplus with its default threshold (20): log1p(exp(x)), identity above it. tl has no log1p:

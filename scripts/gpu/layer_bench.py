@@ -2,6 +2,7 @@
 runs, layer after layer, from one CUDA graph, against the weight-streaming floor.
 
     python scripts/gpu/layer_bench.py --out layers.jsonl [--models qwen3-4b,llama-3.2-3b] [--max-s 200]
+    python scripts/gpu/layer_bench.py --out layers.jsonl --only default --timeline default   # critical path per kernel
     python scripts/gpu/layer_bench.py --device cpu --models tiny --out x.jsonl   # smoke run under the interpreter
 
 Per model shape (published configs, seeded random bf16 weights; every layer its own weights, so a step streams all
@@ -96,6 +97,16 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["m16"] = {**base, "l2pf_mlp_mb": 16}
     out["l2o_o2048"] = {**base, "l2pf_o": True, "o_BLOCK_K": 2048}
     out["l2o_nopdl"] = {**base, "l2pf_o": True, "pdl": False}
+    # gate/up and down with their weight tiles by TMA (STAGES in flight; scripts/gpu/gemv_tma_probe.py's best points)
+    gu = {"gu_TMA": 4, "gu_BLOCK_N": 64, "gu_BLOCK_K": 128}
+    dn = {"dn_TMA": 6, "dn_BLOCK_N": 8, "dn_BLOCK_K": 256}
+    out["tma"] = {**base, **gu, **dn}
+    out["tma_gu"] = {**base, **gu}
+    out["tma_dn"] = {**base, **dn}
+    out["tma_gu16x256"] = {**base, "gu_TMA": 4, "gu_BLOCK_N": 16, "gu_BLOCK_K": 256, **dn}
+    out["tma_gu32x128s6"] = {**base, "gu_TMA": 6, "gu_BLOCK_N": 32, "gu_BLOCK_K": 128, **dn}
+    out["tma_dn16x256s4"] = {**base, **gu, "dn_TMA": 4, "dn_BLOCK_N": 16, "dn_BLOCK_K": 256}
+    out["tma_gu_w8"] = {**base, **gu, "gu_num_warps": 8, **dn}
     return out
 
 
@@ -122,6 +133,65 @@ def kernel_profile(g, n_layers: int, before) -> list[dict] | str:
         gaps = [e.time_range.start - evs[j * k + i - 1].time_range.end for j, e in enumerate(at) if j * k + i > 0]
         out.append(dict(name=at[0].name[:40], us=statistics.median(e.time_range.elapsed_us() for e in at),
                         gap_us=statistics.median(gaps) if gaps else 0.0))
+    return out
+
+
+def timeline(entry, x, layers, cos, sin, before, replays: int = 5) -> list[dict] | str:
+    """The step captured again with the kernel timeline on (kernels_runtime.ops._common.TIMELINE: every program of
+    the instrumented kernels writes %globaltimer at its start, when PDL's wait released it and at its end), then
+    replayed `replays` times. Per kernel position in the layer, medians over the layers after the first and over
+    the replays, in us, each relative to `prev_end`, the last program end of the kernel before it:
+    - early: how long before prev_end its first program started (PDL's early launch; negative: after it);
+    - release: its first program's release from the wait after prev_end (its start, without PDL);
+    - last_start: when its last program started (programs that waited for an SM);
+    - body: a program's end minus its release (median over the programs);
+    - span: its last program end after prev_end: the kernel's share of the step's critical path (the spans add
+      up to the layer).
+    Also the timer's resolution (the smallest non-zero difference seen, ns). A string when it cannot be read."""
+    from kernels_runtime.ops import _common
+
+    rows = 1 << 20  # 32 MB: qwen3-4b's step has 283k programs
+    buf = torch.zeros(rows, 4, dtype=torch.int64, device="cuda")
+
+    def run():
+        _common.TIMELINE.update(next=0, sites=[])
+        return step(x, layers, cos, sin, entry)
+
+    _common.TIMELINE.update(buf=buf, next=0, sites=[])
+    try:
+        g, _ = graph_of(run, before)
+        sites = list(_common.TIMELINE["sites"])
+    finally:
+        _common.TIMELINE.update(buf=None, next=0, sites=[])
+    n_layers = len(layers)
+    if not sites or len(sites) % n_layers:
+        return f"{len(sites)} instrumented launches for {n_layers} layers"
+    k = len(sites) // n_layers
+    per: list[dict[str, list[float]]] = [{} for _ in range(k)]
+    res = []
+    for _ in range(replays):
+        before()
+        g.replay()
+        torch.cuda.synchronize()
+        t = buf.cpu()
+        prev_end = None
+        for j, (name, off, n) in enumerate(sites):
+            a = t[off:off + n].double()
+            t0, t1, t2 = a[:, 0], a[:, 1], a[:, 2]
+            d = torch.cat([t0, t1, t2]).unique().sort().values.diff()
+            res.append(float(d[d > 0].min()) if (d > 0).any() else float("nan"))
+            if prev_end is not None and j >= k:  # the first layer has no kernel before its first one
+                m = per[j % k]
+                for key, v in (("early", prev_end - t0.min()), ("release", t1.min() - prev_end),
+                               ("last_start", t0.max() - prev_end), ("body", (t2 - t1).median()),
+                               ("span", t2.max() - prev_end)):
+                    m.setdefault(key, []).append(float(v) / 1e3)
+            prev_end = float(t2.max())
+    out = []
+    for i in range(k):
+        name, _, n = sites[i]
+        out.append(dict(name=name, programs=n, **{key: statistics.median(v) for key, v in per[i].items()}))
+    out.append(dict(name="timer_resolution_ns", programs=0, span=min(res)))
     return out
 
 
@@ -281,6 +351,14 @@ def bench_model(model, args, meta, sms, gpu, dt):
     if args.only:
         vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
     runs, outs, bad = build_variants(vs, spec, x, layers, cos, sin, pos, gpu)
+    timelines = {}
+    for name in (args.timeline.split(",") if gpu and args.timeline else []):
+        if name in vs and name not in bad:
+            try:
+                timelines[name] = timeline(template_entry(spec, vs[name]), x, layers, cos, sin,
+                                           lambda: reset(layers, pos))
+            except Exception as exc:  # noqa: BLE001 - a timeline that cannot be taken costs the breakdown only
+                timelines[name] = f"{type(exc).__name__}: {exc}"[:300]
     check_outputs(outs, bad)
     times = time_interleaved(runs, args.rounds if gpu else 0, lambda: reset(layers, pos))
     profiles = {}
@@ -301,8 +379,22 @@ def bench_model(model, args, meta, sms, gpu, dt):
                        times_us=ts)
         if name in profiles:
             row["kernels"] = profiles[name]
+        if name in timelines:
+            row["timeline"] = timelines[name]
         rows.append(row)
     print_table(model, s, wbytes, floor_us, rows)
+    for name, tln in timelines.items():
+        if isinstance(tln, str):
+            print(f"{model} {name} timeline: {tln}", flush=True)
+            continue
+        print(f"{model} {name} timeline (us after the previous kernel's last program ended; timer resolution "
+              f"{tln[-1]['span']:.0f} ns):", flush=True)
+        print(f"  {'kernel':<10} {'programs':>8} {'early':>7} {'release':>8} {'last_start':>10} {'body':>7} "
+              f"{'span':>7}", flush=True)
+        for r in tln[:-1]:
+            print(f"  {r['name']:<10} {r['programs']:>8} {r['early']:7.2f} {r['release']:8.2f} {r['last_start']:10.2f} "
+                  f"{r['body']:7.2f} {r['span']:7.2f}", flush=True)
+        print(f"  sum of spans {sum(r['span'] for r in tln[:-1]):.2f} us a layer", flush=True)
     for name, prof in profiles.items():
         print(f"{model} {name}: " + (prof if isinstance(prof, str) else "  ".join(
             f"{k['name'][:22]} {k['us']:.1f}us (gap {k['gap_us']:.1f})" for k in prof)), flush=True)
@@ -320,6 +412,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--max-s", type=float, default=200.0, help="stop starting new models after this many seconds")
     ap.add_argument("--profile", default="", help="comma-separated variants to break down kernel by kernel")
+    ap.add_argument("--timeline", default="", help="comma-separated variants to time program by program (the "
+                    "kernels' %%globaltimer stamps: each kernel's share of the layer's critical path)")
     args = ap.parse_args()
     t0 = time.time()
     gpu = args.device.startswith("cuda")
