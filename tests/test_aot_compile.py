@@ -127,8 +127,8 @@ def test_a_checker_that_cannot_run_skips_the_gate_and_says_why(monkeypatch, tmp_
 
 def test_pdl_and_prefetch_gemvs_compile_for_sm90():
     """The programmatic-dependent-launch GEMVs (griddepcontrol, sm_90 only) and the prefetching loop compile for the
-    H200, and so does the one-split attention (its direct output and advance kernel); the interpreter runs them with
-    PDL off, so this is their only CPU check of the PDL path."""
+    H200, and so do the one-split attention (its direct output and advance kernel), the TMA-fed GEMV pass and the
+    kernel timeline's stamped builds; the interpreter runs them with PDL off and without stamps, so this is their only CPU check."""
     script = '''
 import json, torch
 from kernels_runtime.ops import gemv as G
@@ -143,6 +143,8 @@ def calls():
         G.gate_up_swiglu(x, w, wu, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
         G.gemv_residual_rmsnorm(x, w[:, :256], r, nw[:96], BLOCK_N=4, BLOCK_K=128, **pipe)
         G.qkv_norm_rope(x, w[:64], w[64:80], w[80:96], None, None, 16, norm_w=nw, BLOCK_N=4, BLOCK_K=128, **pipe)
+        G.gate_up_swiglu(x, w, wu, norm_w=nw, BLOCK_N=8, BLOCK_K=128, TMA=3, **pipe)  # weight tiles by TMA
+        G.gemv(x, w, residual=r, BLOCK_N=4, BLOCK_K=128, TMA=4, **pipe)
 def attn():
     from kernels_runtime.ops.attention_decode_static import attention_decode_static
     bf = torch.bfloat16
@@ -155,9 +157,18 @@ def attn():
     attention_decode_static(q, k, v, kc, vc, n, cs, cs, 0.25, BLOCK_N=16, num_splits=1, PDL=True)
 launches = capture_launches(calls) + capture_launches(attn)
 pdl = [l for l in launches if l.options.get("launch_pdl")]
-print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launches(launches)}))
+from kernels_runtime.ops import _common  # the kernel timeline's instrumented builds (%globaltimer, %smid)
+_common.TIMELINE.update(buf=torch.zeros(1 << 12, 4, dtype=torch.int64), next=0, sites=[])
+stamped = capture_launches(calls) + capture_launches(attn)
+stamped = [l for l in stamped if l.constexprs.get("TIMELINE") is True]
+print(json.dumps({"n": len(launches), "pdl": len(pdl), "errors": compile_launches(launches),
+                  "tma": sum(l.name == "_gemv_tma_kernel" for l in launches),
+                  "stamped": len(stamped), "stamped_errors": compile_launches(stamped),
+                  "sites": len(_common.TIMELINE["sites"])}))
 '''
     res = run_compiled(["-c", script], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["errors"] == [] and out["pdl"] >= 7, out
+    assert out["stamped_errors"] == [] and out["stamped"] >= 3 and out["sites"] >= 3, out
+    assert out["tma"] >= 2, out

@@ -104,6 +104,30 @@ def test_static_layer_fewest_launches_with_pdl_and_prefetch_pass(layer_task):
     assert v.passed, f"{v.failure_class}: {v.message}"
 
 
+def test_static_layer_with_tma_gate_up_and_down_passes(layer_task):
+    """gate/up (norm prologue, SwiGLU, 64-row programs) and down (+ residual) with their weight tiles by TMA (the
+    interpreter's tensor descriptors): the gates pass."""
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = layer_task("tiny-qwen3+static")
+    tpl = _template(NAME)
+    config = {**tpl.default(task.spec), "attn_num_splits": 4, "attn_BLOCK_N": 16, "gu_TMA": 4, "gu_BLOCK_N": 64,
+              "gu_BLOCK_K": 128, "dn_TMA": 3, "dn_BLOCK_N": 8, "dn_BLOCK_K": 128}
+    source = tpl.render(task.spec, config)
+    assert "TMA" in source
+    from kernels_runtime.ops import gemv as G
+
+    launched = []
+    real = G._gemv_tma_kernel
+    G._gemv_tma_kernel = type("Spy", (), {"__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})()
+    try:
+        v, _ = run_gates(str(task_dir), source, device="cpu", draws=1, timing=False)
+    finally:
+        G._gemv_tma_kernel = real
+    assert v.passed, f"{v.failure_class}: {v.message}"
+    assert launched, "the TMA pass never ran"
+
+
 def test_static_layer_other_fusion_and_splits_pass(layer_task):
     """The other post_attention_layernorm boundary (gate/up's prologue), every GEMV stage split along K, two on the
     tl.dot path, the cache in 4 splits of 16 positions: the gates pass."""
@@ -138,16 +162,18 @@ def test_static_layer_default_and_seeds_on_qwen3_4b_shapes():
     assert all(c["attn_num_splits"] == 32 and c["attn_BLOCK_N"] == 32 for c in [default, *seeds])
     assert all(default[p + "SPLIT_K"] == 1 for p in ("qkv_", "o_", "gu_", "dn_"))
     assert len({tuple(sorted(c.items())) for c in [default, *seeds]}) == 1 + len(seeds)  # each seed runs another point
-    pipelined, o_reduce, first, second = seeds
+    tma, pipelined, o_reduce, first, second = seeds
+    assert tma["gu_TMA"] and tma["dn_TMA"] and tma["gu_BLOCK_N"] == 64
     assert pipelined["num_stages"] == 3 and o_reduce["post_norm"] == "o_reduce"
     assert first["qkv_BLOCK_N"] == 8 and first["qkv_BLOCK_K"] == 512
     assert all(second[p + "SPLIT_K"] == 2 for p in ("qkv_", "o_", "gu_", "dn_"))
-    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes second
+    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes after the TMA seed
     wide = spec.model_copy(update={"hardware": {"sm_count": 1024, "capability": "9.0"}})
-    assert any(v > 1 for k, v in tpl.seeds(wide)[1].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[1]
+    assert any(v > 1 for k, v in tpl.seeds(wide)[2].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[2]
     ampere = spec.model_copy(update={"hardware": {"sm_count": 108, "capability": "8.0"}})
     assert tpl.default(ampere)["pdl"] is False and tpl.space(ampere)["pdl"] == [False]
-    assert not any(c["pdl"] for c in tpl.seeds(ampere))
+    assert not any(c["pdl"] or c["gu_TMA"] or c["dn_TMA"] for c in tpl.seeds(ampere))
+    assert tpl.space(ampere)["gu_TMA"] == [0] and tpl.space(ampere)["dn_TMA"] == [0]
 
 
 def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on, pdl_wait, rnd
+from kernels_runtime.ops._common import (TIMELINE, interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on,
+                                         pdl_wait, rnd, stamp, timeline_rows)
 from kernels_runtime.ops._common import l2_prefetch_bytes as _l2_bytes  # the launcher's argument takes the name
 
 CONFIG_SPACE: dict[str, list] = {
@@ -47,14 +48,11 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are pad
 
 
 @triton.jit
-def _norm_rope(x, x_rot, w_ptr, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM: tl.constexpr,
-               DTYPE: tl.constexpr):
-    # x, x_rot: fp32 [..., BLOCK_D] (x_rot = x at the rotate_half partner column); HF's roundings to DTYPE
+def _norm_rope(x, x_rot, w, w_r, sign, cos, sin, eps, D, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    # x, x_rot: fp32 [..., BLOCK_D] (x_rot = x at the rotate_half partner column); w, w_r: the norm weight at the
+    # columns and at their partners (fp32); HF's roundings to DTYPE
     if HAS_NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1) / D + eps)
-        mask_d = offs_d < D
-        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w_r = tl.load(w_ptr + offs_r, mask=mask_d, other=0.0).to(tl.float32)
         x = rnd(w * rnd(x * tl.expand_dims(rstd, -1), DTYPE), DTYPE)
         x_rot = rnd(w_r * rnd(x_rot * tl.expand_dims(rstd, -1), DTYPE), DTYPE)
     return rnd(rnd(x * cos, DTYPE) + rnd(sign * x_rot * sin, DTYPE), DTYPE)
@@ -63,7 +61,7 @@ def _norm_rope(x, x_rot, w_ptr, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM
 @triton.jit
 def _attention_decode_static_kernel(
     # Pointers
-    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF, O,
+    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF, O, TS,
     # Matrix dimensions
     PF_BYTES, Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
     # Strides
@@ -79,11 +77,14 @@ def _attention_decode_static_kernel(
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     L2PF: tl.constexpr = False, LANES: tl.constexpr = 128, DIRECT_OUT: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     # DIRECT_OUT (one split: the program covers [lo, pos] whole): the normalized output goes to O in its dtype, no
     # partials and no merge
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    pid_ts = pid_bh * NUM_SPLITS + split  # TIMELINE's row
+    stamp(TS, pid_ts, 0, TIMELINE)
     b, hkv = pid_bh // Hkv, pid_bh % Hkv
     offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     mask_g, mask_d = offs_g < GROUP, offs_d < D
@@ -108,28 +109,38 @@ def _attention_decode_static_kernel(
                      mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
     v_nxt = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
                     mask=kv_ok[:, None] & mask_d[None, :], other=0.0)
-    if L2PF:  # the next kernel's weights (o_proj) into L2 while this latency-bound kernel leaves HBM idle
-        l2_prefetch(PF, PF_BYTES, pid_bh * NUM_SPLITS + split, tl.num_programs(0) * NUM_SPLITS, LANES)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # q/k/v are the previous kernel's output
     # the first ROT columns rotate (partial rotary: ROT < D); the others pass through as x * 1 + x * 0, exact
     half = ROT // 2
     offs_r = tl.where(offs_d < half, offs_d + half, tl.where(offs_d < ROT, offs_d - half, offs_d))  # the partner
     sign = tl.where(offs_d < half, -1.0, 1.0)
+    # the rotary table and the q/k norm weights are no kernel's output in this step either: loaded before the wait
     cos = tl.load(COS + b * stride_cb + offs_d, mask=offs_d < ROT, other=1.0).to(tl.float32)
     sin = tl.load(SIN + b * stride_sb + offs_d, mask=offs_d < ROT, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        qw = tl.load(QW + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        qw_r = tl.load(QW + offs_r, mask=mask_d, other=0.0).to(tl.float32)
+        kw = tl.load(KW + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        kw_r = tl.load(KW + offs_r, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        qw, qw_r, kw, kw_r = cos, cos, cos, cos  # unused
+    if L2PF:  # the next kernel's weights (o_proj) into L2 while this latency-bound kernel leaves HBM idle
+        l2_prefetch(PF, PF_BYTES, pid_bh * NUM_SPLITS + split, tl.num_programs(0) * NUM_SPLITS, LANES)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # q/k/v are the previous kernel's output
+    stamp(TS, pid_ts, 1, TIMELINE)
 
     hq = hkv * GROUP + offs_g
     q_rows = Q + b * stride_qb + hq[:, None] * stride_qh
     mask_q = mask_g[:, None] & mask_d[None, :]
+    # every read of the previous kernel's output issued at once (one L2 round trip), then the arithmetic
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
     q_r = tl.load(q_rows + offs_r[None, :] * stride_qd, mask=mask_q, other=0.0).to(tl.float32)
-    q = _norm_rope(q, q_r, QW, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE)
     kn_row = K_NEW + b * stride_knb + hkv * stride_knh
     k_new = tl.load(kn_row + offs_d * stride_knd, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
     k_new_r = tl.load(kn_row + offs_r * stride_knd, mask=mask_d, other=0.0).to(tl.float32)
-    k_new = _norm_rope(k_new, k_new_r, KW, offs_d, offs_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE).to(DTYPE)
     v_new = tl.load(V_NEW + b * stride_vnb + hkv * stride_vnh + offs_d * stride_vnd, mask=mask_d, other=0.0)
+    q = _norm_rope(q, q_r, qw, qw_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE)
+    k_new = _norm_rope(k_new, k_new_r, kw, kw_r, sign, cos, sin, eps, D, HAS_NORM, DTYPE).to(DTYPE)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     else:
@@ -181,21 +192,25 @@ def _attention_decode_static_kernel(
         tl.store(O_PART + rows[:, None] * D + offs_d[None, :], acc / tl.where(some, l_i, 1.0)[:, None], mask=mask_q)
         tl.store(LSE_PART + rows, tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf")),
                  mask=mask_g)
+    stamp(TS, pid_ts, 2, TIMELINE)
 
 
 @triton.jit
 def _merge_advance_kernel(
     # Pointers
-    O_PART, LSE_PART, O, LEN,
+    O_PART, LSE_PART, O, LEN, TS,
     # Matrix dimensions
     Hq, NUM_SPLITS, D, S_MAX,
     # Strides
     stride_ob, stride_oh, stride_od,
     # Meta-parameters
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
     pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    stamp(TS, pid, 0, TIMELINE)
+    pdl_wait(PDL)
+    stamp(TS, pid, 1, TIMELINE)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
     lse = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
@@ -209,6 +224,7 @@ def _merge_advance_kernel(
         if pid == 0:
             n = tl.load(LEN)
             tl.store(LEN, tl.where(n < S_MAX, n + 1, n))
+    stamp(TS, pid, 2, TIMELINE)
 
 
 @triton.jit
@@ -315,9 +331,10 @@ def attention_decode_static(
     block_d = max(16, triton.next_power_of_2(D))
     length = cache_len.reshape(1)
     pf_bytes = _l2_bytes(l2_prefetch, l2_prefetch_bytes, "attention_decode_static")
+    ts = None if TIMELINE["buf"] is None else timeline_rows("attention", B * Hkv * n_splits)
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
-        length, o_part, lse_part, l2_prefetch if pf_bytes else q, o,
+        length, o_part, lse_part, l2_prefetch if pf_bytes else q, o, q if ts is None else ts,
         pf_bytes, Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
         float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
@@ -326,16 +343,18 @@ def attention_decode_static(
         HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, DIRECT_OUT=direct, **pdl_launch(PDL),
+        PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, DIRECT_OUT=direct,
+        TIMELINE=ts is not None, **pdl_launch(PDL),
     )
     if direct:
         if advance:
             _advance_kernel[(1,)](length, s_max, PDL=pdl_on(PDL), num_warps=1, **pdl_launch(PDL))
         return o
+    ts = None if TIMELINE["buf"] is None else timeline_rows("merge", B * Hq)
     _merge_advance_kernel[(B * Hq,)](
-        o_part, lse_part, o, length, Hq, n_splits, D, s_max, o.stride(0), o.stride(1), o.stride(3),
-        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
-        PDL=pdl_on(PDL), **pdl_launch(PDL),
+        o_part, lse_part, o, length, q if ts is None else ts, Hq, n_splits, D, s_max, o.stride(0), o.stride(1),
+        o.stride(3), BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, ADVANCE=advance, num_warps=4,
+        PDL=pdl_on(PDL), TIMELINE=ts is not None, **pdl_launch(PDL),
     )
     return o
 

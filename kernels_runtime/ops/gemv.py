@@ -21,12 +21,15 @@ The accumulation order differs from cuBLAS's (fp32 either way).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import (_TL, cast_out, interpreting, l2_prefetch, l2_prefetch_bytes, l2_prefetch_on,
-                                         launch, pdl_launch, pdl_on, pdl_wait, rnd)
+from kernels_runtime.ops._common import (_TL, TIMELINE, cast_out, interpreting, l2_prefetch, l2_prefetch_bytes,
+                                         l2_prefetch_on, launch, pdl_launch, pdl_on, pdl_wait, rnd, stamp,
+                                         timeline_rows)
 
 # Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
@@ -41,7 +44,7 @@ MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep t
 @triton.jit
 def _gemv_kernel(
     # Pointers
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr,
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr, ts_ptr,
     # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1);
     # the bytes of pf0 / pf1 to prefetch into L2
     PF0_BYTES, PF1_BYTES, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
@@ -54,6 +57,7 @@ def _gemv_kernel(
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
+    TIMELINE: tl.constexpr = False,
 ):
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
@@ -69,6 +73,8 @@ def _gemv_kernel(
     # kernel before), HBM would otherwise idle.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    pid_ts = pid_n + tl.num_programs(0) * (split + tl.num_programs(1) * tl.program_id(2))  # TIMELINE's row
+    stamp(ts_ptr, pid_ts, 0, TIMELINE)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     m_ok = rm < M
     in1 = pid_n >= NB1
@@ -103,6 +109,7 @@ def _gemv_kernel(
             l2_prefetch(pf1_ptr, PF1_BYTES, part, parts, LANES)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    stamp(ts_ptr, pid_ts, 1, TIMELINE)
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
         if NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
             rr = tl.arange(0, NORM_ROW)
@@ -193,6 +200,62 @@ def _gemv_kernel(
     else:
         offs = (split * M + rm.to(tl.int64))[:, None] * NTOT + (col0 + rn)[None, :]
         tl.store(p_ptr + offs, out, mask=mask)
+    stamp(ts_ptr, pid_ts, 2, TIMELINE)
+
+
+@triton.jit
+def _gemv_tma_kernel(
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, y_ptr, r_ptr, ts_ptr, N, K, eps,
+    PRO_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_ROW: tl.constexpr,
+    PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+):
+    # One x row (batch 1), no K split: y[n] = w0[n] . x (+ residual) or, SWIGLU, silu(w0[n] . x) * (w1[n] . x), with
+    # `_gemv_kernel`'s roundings. The weight tiles come by TMA into shared memory, STAGES of them in flight a
+    # program (Triton's pipeliner), where `_gemv_kernel` holds its tiles in registers: more bytes in flight an SM
+    # (docs/results/2026-12-03-h200-e: qwen3-4b's gate/up 27.9 us against 35.2 standalone). Descriptors are made on
+    # the device (global scratch from triton's allocator, `_ensure_allocator`).
+    stamp(ts_ptr, tl.program_id(0), 0, TIMELINE)
+    n0 = tl.program_id(0) * BLOCK_N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernel's output
+    # The descriptors go into triton's global scratch, which consecutive launches may share: made after the wait,
+    # when the kernel before has finished with its own (made before it, under PDL, a chain replayed from a CUDA
+    # graph hung on the H200: docs/results/2026-12-03-h200-e)
+    a_desc = tl.make_tensor_descriptor(w0_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    if SWIGLU:
+        b_desc = tl.make_tensor_descriptor(w1_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    stamp(ts_ptr, tl.program_id(0), 1, TIMELINE)
+    if PRO_NORM:
+        rr = tl.arange(0, NORM_ROW)
+        xs = tl.load(x_ptr + rr, mask=rr < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if SWIGLU:
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        kk = k0 + rk
+        k_ok = kk < K
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
+            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = rnd(nw * rnd(x * rstd, ACT_DTYPE), ACT_DTYPE)
+        acc += a_desc.load([n0, k0]).to(tl.float32) * x[None, :]  # past K: the descriptor's zero fill
+        if SWIGLU:
+            acc_u += b_desc.load([n0, k0]).to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    if SWIGLU:
+        g = rnd(out, ACT_DTYPE)
+        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+        out = act * rnd(tl.sum(acc_u, axis=1), ACT_DTYPE)
+    elif HAS_RES:
+        out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, cast_out(out, y_ptr.dtype.element_ty, RNE), mask=n_ok)
+    stamp(ts_ptr, tl.program_id(0), 2, TIMELINE)
 
 
 @triton.jit
@@ -375,6 +438,27 @@ def _weights(ws, K, dtype):
             raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
 
 
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-made TMA descriptors need triton's global-scratch allocator; set a torch one unless the process
+    already set its own (the setting is per context: checked at every TMA launch)."""
+    from triton.runtime import _allocation
+
+    if getattr(_allocation, "_allocator", None) is None or _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
+def _tma_fits(M: int, K: int, ws, direct: bool, DOT: bool, BLOCK_N: int, BLOCK_K: int, dtype) -> bool:
+    """The TMA pass takes one x row, a weight pass that writes its output (no K split, no DOT), weight rows of a
+    multiple of 16 bytes and TMA's box limits (<= 256 a side, >= 16 bytes along K)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (M == 1 and direct and not DOT and len(ws) == 1 and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (K * size) % 16 == 0 and BLOCK_K * size >= 16 and BLOCK_K <= 256 and BLOCK_N <= 256)
+
+
 def _split_of(K: int, BLOCK_K: int, SPLIT_K: int) -> tuple[int, int]:
     """(programs along K, K a program covers in whole BLOCK_K tiles), no empty split."""
     split = max(1, min(SPLIT_K, triton.cdiv(K, BLOCK_K)))
@@ -394,14 +478,16 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
-            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=()):
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
     split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
     shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
     weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
-    (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF)."""
+    (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). TMA (a pipeline depth, 0
+    off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
+    dropped), else the register pass."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
     DOT = _dot_path(M, DOT)
@@ -415,6 +501,20 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     swiglu = swiglu_up is not None
     if swiglu and (not direct or DOT or len(ws) != 1):
         raise ValueError("gemv: the paired gate/up pass takes one gate weight, no K split and no DOT")
+    if TMA and _tma_fits(M, K, ws, direct, DOT, BLOCK_N, BLOCK_K, ws[0].dtype) and (
+            norm_w is None or _norm_row(True, 1, K)):
+        _ensure_allocator()
+        n = ws[0].shape[0]
+        ts = None if TIMELINE["buf"] is None else timeline_rows("swiglu_tma" if swiglu else "gemv_tma",
+                                                                 triton.cdiv(n, BLOCK_N))
+        _gemv_tma_kernel[(triton.cdiv(n, BLOCK_N),)](
+            x2, x2 if norm_w is None else norm_w, ws[0], swiglu_up if swiglu else ws[0], direct_out,
+            residual2 if residual2 is not None else direct_out, x2 if ts is None else ts, n, K, float(eps),
+            PRO_NORM=norm_w is not None, HAS_RES=residual2 is not None, SWIGLU=swiglu,
+            ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            STAGES=int(TMA), NORM_ROW=_norm_row(norm_w is not None, 1, K), PDL=pdl_on(PDL),
+            TIMELINE=ts is not None, num_warps=num_warps, **pdl_launch(PDL))
+        return direct_out, 0
     block_m = MAX_M if DOT else triton.next_power_of_2(M)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
@@ -422,8 +522,12 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     if swiglu:
         w1 = swiglu_up
     pf = _l2_targets(l2_prefetch)
-    launch(_gemv_kernel, (sum(nbs), split, triton.cdiv(M, block_m)), (
+    grid = (sum(nbs), split, triton.cdiv(M, block_m))
+    ts = None if TIMELINE["buf"] is None else timeline_rows(  # (off: one lookup on the launch path)
+        "swiglu" if swiglu else ("gemv" if direct else "gemv_split"), math.prod(grid))
+    launch(_gemv_kernel, grid, (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2, *(t if t is not None else x2 for t, _ in pf),
+        x2 if ts is None else ts,
         *(n for _, n in pf), M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
@@ -432,7 +536,8 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
              NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
-             L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps),
+             L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
+             TIMELINE=ts is not None),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
 
@@ -457,11 +562,11 @@ def _reduce_block(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-         l2_prefetch=()) -> torch.Tensor:
+         l2_prefetch=(), TMA: int = 0) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
-    asks the L2 for (a hint: the result does not depend on it)."""
+    asks the L2 for (a hint: the result does not depend on it). TMA: `_stream`'s (batch 1 only)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -476,7 +581,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
+                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -520,13 +625,14 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-                   paired: bool = True) -> torch.Tensor:
+                   paired: bool = True, TMA: int = 0) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
     path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
     BLOCK_N rows of each would double the fp32 accumulators and cut occupancy: docs/results/2026-12-02-h200-c);
-    else gate and up are blocks of one pass and a second launch takes the product of the sums."""
+    else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA: the paired
+    pass's weight tiles by TMA (`_stream`'s, batch 1)."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)
     if w_up.shape != w_gate.shape:
@@ -539,7 +645,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
     if M and paired and BLOCK_N >= 2 and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1 and not _dot_path(M, DOT):
-        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2})
+        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA)
     elif M:
         part, split = _stream(x2, [w_gate, w_up], **kw)
         blk = _reduce_block(I)

@@ -277,3 +277,69 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("K,N,cfg", [(200, 40, dict(BLOCK_N=8, BLOCK_K=64, TMA=3)),
+                                     (96, 19, dict(BLOCK_N=16, BLOCK_K=32, TMA=4))])
+def test_tma_pass_matches_the_register_pass(K, N, cfg):
+    """The TMA-fed pass (batch 1: the weight tiles through tensor descriptors, the interpreter's too): K not a
+    multiple of the tile (the descriptor's zero fill), N not a multiple of the rows; plain + residual, gate/up with
+    the norm prologue and SwiGLU, each against the register pass at the same tiles and against the reference."""
+    dt = torch.bfloat16
+    x, w, r = torch.randn(1, K, dtype=dt), _w(N, K, dt), torch.randn(1, N, dtype=dt)
+    plain = {k: v for k, v in cfg.items() if k != "TMA"}
+    got = gemv(x, w, residual=r, **cfg)
+    assert_close(got, gemv(x, w, residual=r, **plain), dt, name="tma vs register pass")
+    assert_close(got, gemv_ref(x, w, residual=r), dt, name="tma vs reference")
+    wg, wu, nw = _w(N, K, dt), _w(N, K, dt), (1 + 0.1 * torch.randn(K)).to(dt)
+    gu = gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg)
+    assert_close(gu, gate_up_swiglu(x, wg, wu, norm_w=nw, **plain), dt, name="gate/up tma vs register pass")
+    assert_close(gu, gate_up_swiglu_ref(x, wg, wu, norm_w=nw), dt, name="gate/up tma vs reference")
+
+
+def test_tma_pass_takes_only_what_it_fits_and_the_register_pass_takes_the_rest(monkeypatch):
+    """Two rows, a K split or a K that TMA cannot address (rows not 16-byte multiples, bf16 or fp32): the register
+    pass runs them (same result as without TMA); one bf16 row with a 16-byte K takes the TMA kernel."""
+    from kernels_runtime.ops import gemv as G
+
+    launched = []
+    real = G._gemv_tma_kernel
+    monkeypatch.setattr(G, "_gemv_tma_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        launched.append(grid), real[grid])[1]})())
+    for M, K, dt, split in ((2, 64, torch.bfloat16, 1), (1, 62, torch.float32, 1), (1, 64, torch.bfloat16, 2),
+                            (1, 60, torch.bfloat16, 1)):
+        x, w = torch.randn(M, K, dtype=dt), _w(24, K, dt)
+        cfg = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
+        assert torch.equal(gemv(x, w, TMA=3, **cfg), gemv(x, w, **cfg))
+    assert launched == []
+    gemv(torch.randn(1, 64, dtype=torch.bfloat16), _w(24, 64, torch.bfloat16), BLOCK_N=8, BLOCK_K=32, TMA=3)
+    assert launched == [(3,)]
+
+
+@pytest.mark.gpu
+def test_tma_pass_on_gpu_at_qwen3_shapes_in_a_cuda_graph():
+    """qwen3-4b's gate/up (norm prologue, SwiGLU) and down (+ residual) through the TMA pass with PDL, eagerly and
+    replayed from a CUDA graph, against the register pass."""
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    x = torch.randn(1, 2560, dtype=dt, device=dev)
+    wg, wu, wd = _w(9728, 2560, dt).to(dev), _w(9728, 2560, dt).to(dev), _w(2560, 9728, dt).to(dev)
+    nw = (1 + 0.1 * torch.randn(2560, device=dev)).to(dt)
+    res = torch.randn(1, 2560, dtype=dt, device=dev)
+
+    def chain(**kw):
+        h = gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=64, BLOCK_K=128, PDL=True, **kw)
+        return h, gemv(h, wd, residual=res, BLOCK_N=8, BLOCK_K=256, PDL=True, **kw)
+
+    want = chain()
+    got = chain(TMA=4)
+    for a, b in zip(got, want):
+        assert_close(a, b, dt)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(TMA=4)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, want):
+        assert_close(a, b, dt, name="replayed")

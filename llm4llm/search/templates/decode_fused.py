@@ -332,7 +332,20 @@ def pdl_capable(spec: TaskSpec) -> bool:
 def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
-            "pdl": [False, True] if pdl_capable(spec) else [False], **l2_prefetch_space(spec)}
+            "pdl": [False, True] if pdl_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec)}
+
+
+TMA_STAGES = [0, 3, 4, 6]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the TMA pipeline's depth
+# gate/up and down by TMA at the standalone probe's best points on qwen3-4b (27.9 and 15.1 us against 35.2 and 18.5
+# for the register pass: docs/results/2026-12-03-h200-e)
+TMA_SEED = {"gu_TMA": 4, "gu_BLOCK_N": 64, "gu_BLOCK_K": 128, "dn_TMA": 6, "dn_BLOCK_N": 8, "dn_BLOCK_K": 256}
+
+
+def tma_space(spec: TaskSpec) -> dict:
+    """gate/up's and down's weight tiles by TMA (sm_90+), `TMA` the pipeline's depth (0: the register pass), and
+    gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point (docs/results/2026-12-03-h200-e)."""
+    depths = TMA_STAGES if pdl_capable(spec) else [0]
+    return {"gu_TMA": list(depths), "dn_TMA": list(depths), "gu_BLOCK_N": STAGE["BLOCK_N"] + [64]}
 
 
 def l2_prefetch_space(spec: TaskSpec) -> dict:
@@ -356,7 +369,7 @@ def _layer_static_default(spec):
     return {"post_norm": "gate_up_prologue", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
             **_stage_default("o_", h, nq, sms), **attn, **cache_splits(spec, ATTN_P),
             **_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1,
-            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0}
+            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0, "gu_TMA": 0, "dn_TMA": 0}
 
 
 def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
@@ -365,10 +378,10 @@ def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, bl
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
-    """Points that differ from the default in what they run: its GEMVs software-pipelined (num_stages 3), the
-    post norm in o_proj's reduction (one more launch), decode_fused's seeds (8 rows x 512, a K split of 2
-    everywhere); the GEMV occupancy split second, only where it changes a stage (on qwen3-4b's layer every stage
-    already covers the SMs unsplit)."""
+    """Points that differ from the default in what they run: on sm_90+ first gate/up and down by TMA
+    (TMA_SEED), then its GEMVs software-pipelined (num_stages 3), the post norm in o_proj's reduction (one more
+    launch), decode_fused's seeds (8 rows x 512, a K split of 2 everywhere); the GEMV occupancy split after the
+    first, only where it changes a stage (on qwen3-4b's layer every stage already covers the SMs unsplit)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms, base = sm_count(spec), _layer_static_default(spec)
@@ -379,6 +392,8 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
     seeds = [{"num_stages": 3}, {"post_norm": "o_reduce"}, a, b]
     if any(v > 1 for v in occupancy.values()):
         seeds.insert(1, occupancy)
+    if pdl_capable(spec):  # first: measured on its own, not yet in the layer (docs/results/2026-12-03-h200-e)
+        seeds.insert(0, dict(TMA_SEED))
     return seeds
 
 
