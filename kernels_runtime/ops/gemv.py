@@ -447,7 +447,8 @@ def _ensure_allocator() -> None:
     already set its own (the setting is per context: checked at every TMA launch)."""
     from triton.runtime import _allocation
 
-    if getattr(_allocation, "_allocator", None) is None or _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+    current = getattr(_allocation, "_allocator", None)  # triton's private state: set ours when it cannot be read
+    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
         triton.set_allocator(_scratch)
 
 
