@@ -122,7 +122,7 @@ def test_layer_bench_smoke_run(tmp_path):
     assert len(rows) >= 10 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert {"default", "nopdl", "o_reduce_nopdl", "seed1"} <= {r["variant"] for r in rows}
     assert any(r["config"]["post_norm"] == "o_reduce" for r in rows if r["variant"].startswith("seed"))
-    assert next(r for r in rows if r["variant"] == "seed0")["config"]["gu_TMA"] > 0  # the TMA seed, first
+    assert next(r for r in rows if r["variant"] == "seed0")["config"]["gu_TMA"] > 0  # the TMA seeds, first
     assert {"tma", "tma_gu", "tma_dn"} <= {r["variant"] for r in rows}
     assert next(r for r in rows if r["variant"] == "default")["config"]["pdl"] is True
 

@@ -162,6 +162,20 @@ def test_proposer_never_repeats_within_a_search_and_prunes_experience(task_dir):
     assert all(c.config["num_warps"] > 2 for c in got)
 
 
+def test_a_space_past_sys_maxsize_points_is_sampled_too(task_dir):
+    # decoder_layer.decode_static's space on an H200 passed 2**63 points when the TMA options came in, and
+    # random.sample(range(total)) raised OverflowError in the search's first step (an optimize on the H200)
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    huge = {f"K{i}": list(range(10)) for i in range(20)}  # 10**20 points
+    t = dataclasses.replace(FAKE, space_fn=lambda spec: huge, default_fn=lambda spec: {k: 0 for k in huge},
+                            seeds_fn=lambda spec: [{**{k: 0 for k in huge}, "K0": 5}])
+    pool = t.configs(spec, limit=500)
+    assert len(pool) == 500 and len({json.dumps(c, sort_keys=True) for c in pool}) == 500
+    assert pool[0] == t.default(spec) and pool[1]["K0"] == 5
+    assert sum(sum(v != 0 for v in c.values()) > 1 for c in pool) > 100  # sampled points, not only one-key moves
+    assert pool == t.configs(spec, limit=500)  # reproducible
+
+
 def test_a_space_larger_than_the_pool_keeps_its_default_and_is_sampled_evenly(task_dir):
     # Past the pool limit, a plain cut of the product kept only the first keys' smallest values and dropped the
     # default: the fused Mamba2 decode searches (4.0M points) tried only 16x32 one-warp GEMVs on the H200.

@@ -112,7 +112,7 @@ def test_static_layer_with_tma_gate_up_and_down_passes(layer_task):
     task_dir, task = layer_task("tiny-qwen3+static")
     tpl = _template(NAME)
     config = {**tpl.default(task.spec), "attn_num_splits": 4, "attn_BLOCK_N": 16, "gu_TMA": 4, "gu_BLOCK_N": 64,
-              "gu_BLOCK_K": 128, "dn_TMA": 3, "dn_BLOCK_N": 8, "dn_BLOCK_K": 128}
+              "gu_BLOCK_K": 128, "gu_TMA_PRE": True, "dn_TMA": 3, "dn_BLOCK_N": 8, "dn_BLOCK_K": 128}
     source = tpl.render(task.spec, config)
     assert "TMA" in source
     from kernels_runtime.ops import gemv as G
@@ -162,18 +162,20 @@ def test_static_layer_default_and_seeds_on_qwen3_4b_shapes():
     assert all(c["attn_num_splits"] == 32 and c["attn_BLOCK_N"] == 32 for c in [default, *seeds])
     assert all(default[p + "SPLIT_K"] == 1 for p in ("qkv_", "o_", "gu_", "dn_"))
     assert len({tuple(sorted(c.items())) for c in [default, *seeds]}) == 1 + len(seeds)  # each seed runs another point
-    tma, pipelined, o_reduce, first, second = seeds
-    assert tma["gu_TMA"] and tma["dn_TMA"] and tma["gu_BLOCK_N"] == 64
+    *tma, pipelined, o_reduce, first, second = seeds
+    assert len(tma) == 3 and all(c["gu_TMA"] and c["gu_TMA_PRE"] and not c["dn_TMA"] for c in tma)
+    assert [c["gu_BLOCK_N"] for c in tma] == [16, 32, 32] and tma[0]["gu_TMA_LATE"]
     assert pipelined["num_stages"] == 3 and o_reduce["post_norm"] == "o_reduce"
     assert first["qkv_BLOCK_N"] == 8 and first["qkv_BLOCK_K"] == 512
     assert all(second[p + "SPLIT_K"] == 2 for p in ("qkv_", "o_", "gu_", "dn_"))
-    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes after the TMA seed
+    # on a GPU with more SMs than o_proj's 640 four-row programs, the occupancy split comes after the TMA seeds
     wide = spec.model_copy(update={"hardware": {"sm_count": 1024, "capability": "9.0"}})
-    assert any(v > 1 for k, v in tpl.seeds(wide)[2].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[2]
+    assert any(v > 1 for k, v in tpl.seeds(wide)[4].items() if k.endswith("SPLIT_K")), tpl.seeds(wide)[4]
     ampere = spec.model_copy(update={"hardware": {"sm_count": 108, "capability": "8.0"}})
     assert tpl.default(ampere)["pdl"] is False and tpl.space(ampere)["pdl"] == [False]
     assert not any(c["pdl"] or c["gu_TMA"] or c["dn_TMA"] for c in tpl.seeds(ampere))
     assert tpl.space(ampere)["gu_TMA"] == [0] and tpl.space(ampere)["dn_TMA"] == [0]
+    assert tpl.space(ampere)["gu_TMA_PRE"] == [False] == tpl.space(ampere)["dn_TMA_LATE"]
 
 
 def test_patched_model_runs_the_static_layer_in_every_decode_step(layer_task):

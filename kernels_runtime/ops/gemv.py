@@ -26,6 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels_runtime.ops._common import (_TL, TIMELINE, cast_out, interpreting, l2_prefetch, l2_prefetch_bytes,
                                          l2_prefetch_on, launch, pdl_launch, pdl_on, pdl_wait, rnd, stamp,
@@ -204,47 +205,72 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _tma_tile(acc, acc_u, w, u, x_ptr, nw_ptr, kk, K, rstd, PRO_NORM: tl.constexpr, SWIGLU: tl.constexpr,
+              ACT_DTYPE: tl.constexpr):
+    # one weight tile (and its up tile) times x's slice kk, HF's RMSNorm roundings where the norm is fused
+    k_ok = kk < K
+    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = rnd(nw * rnd(x * rstd, ACT_DTYPE), ACT_DTYPE)
+    acc += w.to(tl.float32) * x[None, :]  # past K: the descriptor's zero fill
+    if SWIGLU:
+        acc_u += u.to(tl.float32) * x[None, :]
+    return acc, acc_u
+
+
+@triton.jit
 def _gemv_tma_kernel(
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, y_ptr, r_ptr, ts_ptr, N, K, eps,
+    x_ptr, nw_ptr, a_desc, b_desc, y_ptr, r_ptr, ts_ptr, N, K, eps,
     PRO_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, ACT_DTYPE: tl.constexpr,
     RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_ROW: tl.constexpr,
-    PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    PDL: tl.constexpr = False, PRE: tl.constexpr = False, LATE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     # One x row (batch 1), no K split: y[n] = w0[n] . x (+ residual) or, SWIGLU, silu(w0[n] . x) * (w1[n] . x), with
     # `_gemv_kernel`'s roundings. The weight tiles come by TMA into shared memory, STAGES of them in flight a
     # program (Triton's pipeliner), where `_gemv_kernel` holds its tiles in registers: more bytes in flight an SM
-    # (docs/results/2026-12-03-h200-e: qwen3-4b's gate/up 27.9 us against 35.2 standalone). Descriptors are made on
-    # the device (global scratch from triton's allocator, `_ensure_allocator`).
+    # (docs/results/2026-12-03-h200-e: qwen3-4b's gate/up 27.9 us against 35.2 standalone). The descriptors are
+    # made on the host (kernel parameters): device-made ones sit in triton's global scratch, which the next kernel,
+    # launched early by PDL, may overwrite (a PDL chain replayed from a graph hung that way on the H200).
+    # PRE (with PDL): the first weight tile is loaded before the wait, as `_gemv_kernel` does, so the pass streams
+    # while the kernel before drains. LATE (with PDL): the next kernel is let launch only after this one's loop, so
+    # its programs do not take shared memory and SM slots while this pass still has programs to place.
     stamp(ts_ptr, tl.program_id(0), 0, TIMELINE)
     n0 = tl.program_id(0) * BLOCK_N
-    if PDL:
+    if PDL and not LATE:
         tl.extra.cuda.gdc_launch_dependents()
+    if PRE:
+        w_first = a_desc.load([n0, 0])
+        u_first = w_first
+        if SWIGLU:
+            u_first = b_desc.load([n0, 0])
+    if PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernel's output
-    # The descriptors go into triton's global scratch, which consecutive launches may share: made after the wait,
-    # when the kernel before has finished with its own (made before it, under PDL, a chain replayed from a CUDA
-    # graph hung on the H200: docs/results/2026-12-03-h200-e)
-    a_desc = tl.make_tensor_descriptor(w0_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    if SWIGLU:
-        b_desc = tl.make_tensor_descriptor(w1_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     stamp(ts_ptr, tl.program_id(0), 1, TIMELINE)
+    rstd = 0.0
     if PRO_NORM:
         rr = tl.arange(0, NORM_ROW)
         xs = tl.load(x_ptr + rr, mask=rr < K, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = acc
     if SWIGLU:
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        kk = k0 + rk
-        k_ok = kk < K
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
-            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = rnd(nw * rnd(x * rstd, ACT_DTYPE), ACT_DTYPE)
-        acc += a_desc.load([n0, k0]).to(tl.float32) * x[None, :]  # past K: the descriptor's zero fill
+    k_start = 0
+    if PRE:
+        acc, acc_u = _tma_tile(acc, acc_u, w_first, u_first, x_ptr, nw_ptr, rk, K, rstd, PRO_NORM, SWIGLU,
+                               ACT_DTYPE)
+        k_start = BLOCK_K
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
+        w = a_desc.load([n0, k0])
+        u = w
         if SWIGLU:
-            acc_u += b_desc.load([n0, k0]).to(tl.float32) * x[None, :]
+            u = b_desc.load([n0, k0])
+        acc, acc_u = _tma_tile(acc, acc_u, w, u, x_ptr, nw_ptr, k0 + rk, K, rstd, PRO_NORM, SWIGLU, ACT_DTYPE)
+    if PDL and LATE:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -438,20 +464,6 @@ def _weights(ws, K, dtype):
             raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
 
 
-def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
-
-
-def _ensure_allocator() -> None:
-    """Device-made TMA descriptors need triton's global-scratch allocator; set a torch one unless the process
-    already set its own (the setting is per context: checked at every TMA launch)."""
-    from triton.runtime import _allocation
-
-    current = getattr(_allocation, "_allocator", None)  # triton's private state: set ours when it cannot be read
-    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
-        triton.set_allocator(_scratch)
-
-
 def _tma_fits(M: int, K: int, ws, direct: bool, DOT: bool, BLOCK_N: int, BLOCK_K: int, dtype) -> bool:
     """The TMA pass takes one x row, a weight pass that writes its output (no K split, no DOT), weight rows of a
     multiple of 16 bytes and TMA's box limits (<= 256 a side, >= 16 bytes along K)."""
@@ -479,7 +491,8 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
-            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0):
+            SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
+            TMA_PRE=False, TMA_LATE=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
@@ -488,7 +501,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
     (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). TMA (a pipeline depth, 0
     off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
-    dropped), else the register pass."""
+    dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     M, K = x2.shape
     DOT = _dot_path(M, DOT)
@@ -504,17 +517,20 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
         raise ValueError("gemv: the paired gate/up pass takes one gate weight, no K split and no DOT")
     if TMA and _tma_fits(M, K, ws, direct, DOT, BLOCK_N, BLOCK_K, ws[0].dtype) and (
             norm_w is None or _norm_row(True, 1, K)):
-        _ensure_allocator()
         n = ws[0].shape[0]
+        block = [BLOCK_N, BLOCK_K]
+        a_desc = TensorDescriptor.from_tensor(ws[0], block)
+        b_desc = TensorDescriptor.from_tensor(swiglu_up, block) if swiglu else a_desc
         ts = None if TIMELINE["buf"] is None else timeline_rows("swiglu_tma" if swiglu else "gemv_tma",
                                                                  triton.cdiv(n, BLOCK_N))
         _gemv_tma_kernel[(triton.cdiv(n, BLOCK_N),)](
-            x2, x2 if norm_w is None else norm_w, ws[0], swiglu_up if swiglu else ws[0], direct_out,
+            x2, x2 if norm_w is None else norm_w, a_desc, b_desc, direct_out,
             residual2 if residual2 is not None else direct_out, x2 if ts is None else ts, n, K, float(eps),
             PRO_NORM=norm_w is not None, HAS_RES=residual2 is not None, SWIGLU=swiglu,
             ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             STAGES=int(TMA), NORM_ROW=_norm_row(norm_w is not None, 1, K), PDL=pdl_on(PDL),
-            TIMELINE=ts is not None, num_warps=num_warps, **pdl_launch(PDL))
+            PRE=bool(TMA_PRE), LATE=bool(TMA_LATE) and pdl_on(PDL), TIMELINE=ts is not None, num_warps=num_warps,
+            **pdl_launch(PDL))
         return direct_out, 0
     block_m = MAX_M if DOT else triton.next_power_of_2(M)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
@@ -563,11 +579,11 @@ def _reduce_block(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-         l2_prefetch=(), TMA: int = 0) -> torch.Tensor:
+         l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
-    asks the L2 for (a hint: the result does not depend on it). TMA: `_stream`'s (batch 1 only)."""
+    asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -582,7 +598,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     if y.numel():
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA)
+                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA, TMA_PRE=TMA_PRE,
+                              TMA_LATE=TMA_LATE)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -626,14 +643,14 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-                   paired: bool = True, TMA: int = 0) -> torch.Tensor:
+                   paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
     path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
     BLOCK_N rows of each would double the fp32 accumulators and cut occupancy: docs/results/2026-12-02-h200-c);
-    else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA: the paired
-    pass's weight tiles by TMA (`_stream`'s, batch 1)."""
+    else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA (TMA_PRE,
+    TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1)."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)
     if w_up.shape != w_gate.shape:
@@ -646,7 +663,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
     if M and paired and BLOCK_N >= 2 and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1 and not _dot_path(M, DOT):
-        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA)
+        _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA,
+                TMA_PRE=TMA_PRE, TMA_LATE=TMA_LATE)
     elif M:
         part, split = _stream(x2, [w_gate, w_up], **kw)
         blk = _reduce_block(I)

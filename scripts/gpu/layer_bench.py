@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -103,11 +104,23 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["tma"] = {**base, **gu, **dn}
     out["tma_gu"] = {**base, **gu}
     out["tma_dn"] = {**base, **dn}
-    out["tma_gu16x256"] = {**base, "gu_TMA": 4, "gu_BLOCK_N": 16, "gu_BLOCK_K": 256, **dn}
-    out["tma_gu32x128s6"] = {**base, "gu_TMA": 6, "gu_BLOCK_N": 32, "gu_BLOCK_K": 128, **dn}
-    out["tma_dn16x256s4"] = {**base, **gu, "dn_TMA": 4, "dn_BLOCK_N": 16, "dn_BLOCK_K": 256}
-    out["tma_gu_w8"] = {**base, **gu, "gu_num_warps": 8, **dn}
+    # other TMA points by name in --only (`tma_variant`: gu16x256s4pl, gu16x256s4pl+o4x256s4p, ...)
     return out
+
+
+TMA_STAGE = r"(gu|dn|o)(\d+)x(\d+)s(\d+)(p?)(l?)"
+TMA_NAME = re.compile(rf"{TMA_STAGE}(\+{TMA_STAGE})*")
+
+
+def tma_variant(name: str, base: dict) -> dict:
+    """A TMA point named in --only: `gu16x256s4p` (gate/up by TMA, BLOCK_N 16, BLOCK_K 256, 4 stages, p: the first
+    tile before PDL's wait, l: the next kernel let launch late), `+`-joined with dn_ (down) and o_ (o_proj) points."""
+    cfg = dict(base)
+    for part in name.split("+"):
+        st, bn, bk, stages, pre, late = re.fullmatch(TMA_STAGE, part).groups()
+        cfg.update({f"{st}_TMA": int(stages), f"{st}_BLOCK_N": int(bn), f"{st}_BLOCK_K": int(bk),
+                    f"{st}_TMA_PRE": bool(pre), f"{st}_TMA_LATE": bool(late)})
+    return cfg
 
 
 def kernel_profile(g, n_layers: int, before) -> list[dict] | str:
@@ -349,7 +362,9 @@ def bench_model(model, args, meta, sms, gpu, dt):
     x = torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1)).to(dt).to(args.device)
     vs, spec = variants(s, sms), spec_of(s, sms)
     if args.only:
-        vs = {k: v for k, v in vs.items() if k in args.only.split(",")}
+        names = args.only.split(",")
+        vs = {**{k: v for k, v in vs.items() if k in names},
+              **{k: tma_variant(k, vs["default"]) for k in names if k not in vs and TMA_NAME.fullmatch(k)}}
     runs, outs, bad = build_variants(vs, spec, x, layers, cos, sin, pos, gpu)
     timelines = {}
     for name in (args.timeline.split(",") if gpu and args.timeline else []):

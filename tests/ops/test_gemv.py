@@ -280,14 +280,16 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain():
 
 
 @pytest.mark.parametrize("K,N,cfg", [(200, 40, dict(BLOCK_N=8, BLOCK_K=64, TMA=3)),
-                                     (96, 19, dict(BLOCK_N=16, BLOCK_K=32, TMA=4))])
+                                     (96, 19, dict(BLOCK_N=16, BLOCK_K=32, TMA=4, TMA_PRE=True)),
+                                     (24, 8, dict(BLOCK_N=8, BLOCK_K=32, TMA=3, TMA_PRE=True))])
 def test_tma_pass_matches_the_register_pass(K, N, cfg):
     """The TMA-fed pass (batch 1: the weight tiles through tensor descriptors, the interpreter's too): K not a
     multiple of the tile (the descriptor's zero fill), N not a multiple of the rows; plain + residual, gate/up with
-    the norm prologue and SwiGLU, each against the register pass at the same tiles and against the reference."""
+    the norm prologue and SwiGLU, each against the register pass at the same tiles and against the reference; the
+    first tile loaded ahead of the loop (TMA_PRE), also where it is the whole of K."""
     dt = torch.bfloat16
     x, w, r = torch.randn(1, K, dtype=dt), _w(N, K, dt), torch.randn(1, N, dtype=dt)
-    plain = {k: v for k, v in cfg.items() if k != "TMA"}
+    plain = {k: v for k, v in cfg.items() if not k.startswith("TMA")}
     got = gemv(x, w, residual=r, **cfg)
     assert_close(got, gemv(x, w, residual=r, **plain), dt, name="tma vs register pass")
     assert_close(got, gemv_ref(x, w, residual=r), dt, name="tma vs reference")
@@ -319,7 +321,8 @@ def test_tma_pass_takes_only_what_it_fits_and_the_register_pass_takes_the_rest(m
 @pytest.mark.gpu
 def test_tma_pass_on_gpu_at_qwen3_shapes_in_a_cuda_graph():
     """qwen3-4b's gate/up (norm prologue, SwiGLU) and down (+ residual) through the TMA pass with PDL, eagerly and
-    replayed from a CUDA graph, against the register pass."""
+    replayed from a CUDA graph, against the register pass; with the first tile before the wait, and with the next
+    kernel let launch late."""
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     x = torch.randn(1, 2560, dtype=dt, device=dev)
@@ -332,14 +335,15 @@ def test_tma_pass_on_gpu_at_qwen3_shapes_in_a_cuda_graph():
         return h, gemv(h, wd, residual=res, BLOCK_N=8, BLOCK_K=256, PDL=True, **kw)
 
     want = chain()
-    got = chain(TMA=4)
-    for a, b in zip(got, want):
-        assert_close(a, b, dt)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(TMA=4)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(out, want):
-        assert_close(a, b, dt, name="replayed")
+    for kw in (dict(TMA=4), dict(TMA=4, TMA_PRE=True), dict(TMA=4, TMA_PRE=True, TMA_LATE=True)):
+        got = chain(**kw)
+        for a, b in zip(got, want):
+            assert_close(a, b, dt, name=f"eager {kw}")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(**kw)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(out, want):
+            assert_close(a, b, dt, name=f"replayed {kw}")

@@ -12,6 +12,7 @@ import importlib
 import itertools
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -132,7 +133,11 @@ class Template:
                     seen.add(config_key("", c))
                     out.append(c)
         rng = random.Random(f"{self.name}:{spec.task_id}:{total}")
-        for i in rng.sample(range(total), min(total, limit)):
+        # past sys.maxsize random.sample cannot take the range: independent draws (a repeat is then next to
+        # impossible, and a repeated point is skipped below)
+        draws = rng.sample(range(total), min(total, limit)) if total <= sys.maxsize else (
+            rng.randrange(total) for _ in range(2 * limit))
+        for i in draws:
             if len(out) >= limit:
                 break
             c = {}

@@ -36,8 +36,9 @@ STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 40
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
 
-def _stage(prefix):
-    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix)}
+def _stage(prefix, tma=True):
+    # tma=False: a pass that has no TMA path (gemv_residual_rmsnorm's split partials) takes none of its keys
+    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix) and (tma or "TMA" not in k)}
     kw["num_stages"] = CONFIG["num_stages"]
     kw["PDL"] = bool(CONFIG.get("pdl", False))
     return kw
@@ -245,7 +246,7 @@ def _layer_mlp(config) -> str:
     if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
         mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
                                   float(static["post_attention_layernorm.variance_epsilon"]),
-                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
+                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_", tma=False))
     g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
 '''
     else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
@@ -335,17 +336,31 @@ def _layer_static_space(spec):
             "pdl": [False, True] if pdl_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec)}
 
 
-TMA_STAGES = [0, 3, 4, 6]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the TMA pipeline's depth
-# gate/up and down by TMA at the standalone probe's best points on qwen3-4b (27.9 and 15.1 us against 35.2 and 18.5
-# for the register pass: docs/results/2026-12-03-h200-e)
-TMA_SEED = {"gu_TMA": 4, "gu_BLOCK_N": 64, "gu_BLOCK_K": 128, "dn_TMA": 6, "dn_BLOCK_N": 8, "dn_BLOCK_K": 256}
+TMA_STAGES = [0, 2, 3, 4, 5, 6, 8]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the pipeline's depth
+# the passes the search may feed by TMA: gate/up and down (o_proj by TMA lost 2-7 us a layer on all three reference
+# shapes, docs/results/2026-12-03-h200-f; q/k/v streams three weights, which the TMA pass does not take)
+TMA_PASSES = ("gu_", "dn_")
 
+
+def _tma(prefix: str, block_n: int, block_k: int, stages: int, pre: bool = True, late: bool = False) -> dict:
+    return {prefix + "TMA": stages, prefix + "BLOCK_N": block_n, prefix + "BLOCK_K": block_k,
+            prefix + "TMA_PRE": pre, prefix + "TMA_LATE": late}
+
+
+# gate/up by TMA, the first tile before PDL's wait: the best layer of each reference shape in the stacked-layer bench
+# (docs/results/2026-12-03-h200-f, us a layer against the register default): qwen3-4b 16 rows x 256, 4 stages, the
+# next kernel let launch late (68.4 against 72.5); Llama-3.2-3B 32 x 256, 2 stages (62.8 against 68.3); llama-2-7b
+# 32 x 128, 5 stages, late (124.1 against 126.6). Which one wins turns on how the programs fill the SMs' shared memory.
+TMA_SEEDS = [_tma("gu_", 16, 256, 4, late=True), _tma("gu_", 32, 256, 2), _tma("gu_", 32, 128, 5, late=True)]
 
 def tma_space(spec: TaskSpec) -> dict:
     """gate/up's and down's weight tiles by TMA (sm_90+), `TMA` the pipeline's depth (0: the register pass), and
-    gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point (docs/results/2026-12-03-h200-e)."""
+    gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point (docs/results/2026-12-03-h200-e);
+    `TMA_PRE`: the first tile loaded before PDL's wait; `TMA_LATE`: the next kernel let launch after the loop."""
     depths = TMA_STAGES if pdl_capable(spec) else [0]
-    return {"gu_TMA": list(depths), "dn_TMA": list(depths), "gu_BLOCK_N": STAGE["BLOCK_N"] + [64]}
+    flags = [False, True] if pdl_capable(spec) else [False]
+    return {"gu_TMA": list(depths), "dn_TMA": list(depths), "gu_BLOCK_N": STAGE["BLOCK_N"] + [64],
+            **{p + f: list(flags) for p in TMA_PASSES for f in ("TMA_PRE", "TMA_LATE")}}
 
 
 def l2_prefetch_space(spec: TaskSpec) -> dict:
@@ -369,7 +384,8 @@ def _layer_static_default(spec):
     return {"post_norm": "gate_up_prologue", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
             **_stage_default("o_", h, nq, sms), **attn, **cache_splits(spec, ATTN_P),
             **_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1,
-            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0, "gu_TMA": 0, "dn_TMA": 0}
+            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0, "gu_TMA": 0, "dn_TMA": 0,
+            **{p + f: False for p in TMA_PASSES for f in ("TMA_PRE", "TMA_LATE")}}
 
 
 def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, block_k: int) -> dict:
@@ -378,8 +394,7 @@ def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, bl
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
-    """Points that differ from the default in what they run: on sm_90+ first gate/up and down by TMA
-    (TMA_SEED), then its GEMVs software-pipelined (num_stages 3), the post norm in o_proj's reduction (one more
+    """Points that differ from the default in what they run: on sm_90+ first gate/up by TMA (TMA_SEEDS), then its GEMVs software-pipelined (num_stages 3), the post norm in o_proj's reduction (one more
     launch), decode_fused's seeds (8 rows x 512, a K split of 2 everywhere); the GEMV occupancy split after the
     first, only where it changes a stage (on qwen3-4b's layer every stage already covers the SMs unsplit)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
@@ -392,8 +407,8 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
     seeds = [{"num_stages": 3}, {"post_norm": "o_reduce"}, a, b]
     if any(v > 1 for v in occupancy.values()):
         seeds.insert(1, occupancy)
-    if pdl_capable(spec):  # first: measured on its own, not yet in the layer (docs/results/2026-12-03-h200-e)
-        seeds.insert(0, dict(TMA_SEED))
+    if pdl_capable(spec):  # first: the stacked-layer bench's best points (docs/results/2026-12-03-h200-f)
+        seeds[:0] = [dict(sd) for sd in TMA_SEEDS]
     return seeds
 
 
