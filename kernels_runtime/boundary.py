@@ -119,11 +119,17 @@ class StateAdapter:
         """Drop state held on the module itself (before it is saved as a task's reference)."""
 
 
-def _layer_idx(module: torch.nn.Module) -> int:
+def layer_index(module: torch.nn.Module) -> int | None:
+    """The module's index into the cache's layers, None where it has none."""
     idx = getattr(module, "layer_idx", None)
     if idx is None:  # a decoder layer: its cache layer is its attention's (HF keeps layer_idx on self_attn)
         idx = next((c.layer_idx for c in module.children() if isinstance(getattr(c, "layer_idx", None), int)), None)
-    if not isinstance(idx, int):
+    return idx if isinstance(idx, int) else None
+
+
+def _layer_idx(module: torch.nn.Module) -> int:
+    idx = layer_index(module)
+    if idx is None:
         raise UnsupportedBoundary(f"{type(module).__name__} takes a cache but has no integer layer_idx")
     return idx
 
@@ -549,15 +555,15 @@ def adapter_by_name(name: str) -> StateAdapter:
                               f"got {name!r}")
 
 
-def state_adapter_for(module: torch.nn.Module, cache: Any) -> StateAdapter | None:
+def state_adapter_for(module: torch.nn.Module, cache: Any, idx: int | None = None) -> StateAdapter | None:
     """The adapter owning `module`'s state, None for a stateless call; UnsupportedBoundary when state is there but
-    no adapter knows it."""
+    no adapter knows it. idx: the module's layer index where the caller already knows it."""
     own = MODULE_ADAPTERS.get(type(module).__name__)
     if own is not None:
         return own
     if cache is None:
         return None
-    layer = _cache_layer(cache, _layer_idx(module))
+    layer = _cache_layer(cache, _layer_idx(module) if idx is None else idx)
     layer_cls = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
     name = getattr(layer_cls, "__name__", type(cache).__name__)
     adapter = CACHE_LAYER_ADAPTERS.get(name)

@@ -13,6 +13,7 @@ and otherwise calls the original forward, captured once at patch time. Every cal
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 import linecache
 import logging
@@ -211,6 +212,22 @@ def _own_phase(args: tuple, kwargs: dict) -> str:
     return "prefill"
 
 
+@functools.lru_cache(maxsize=64)
+def _wrong_state(expected: str, got: str | None) -> str:
+    return f"state: expected a {expected} cache layer (what the kernel was verified on), got {got or 'no cache state'}"
+
+
+def _state_mismatch(expected: str, module: torch.nn.Module, idx: int | None, args: tuple, kwargs: dict) -> str:
+    """The fallback reason when the call's state is not the kind the kernel was verified on, '' when it is (or when
+    only binding can tell: the bound call is checked again). idx: the module's layer index, None if not known."""
+    try:
+        adapter = boundary.state_adapter_for(module, boundary.find_cache(args, kwargs), idx)
+    except boundary.UnsupportedBoundary as e:
+        return f"boundary: {getattr(e, 'reason', None) or e}"
+    got = adapter.name if adapter is not None else None
+    return "" if got == expected else _wrong_state(expected, got)
+
+
 def _autograd_needed(inputs: dict, weights: dict) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -235,6 +252,7 @@ class Dispatch:
         self._original_extra_repr: Callable = module.extra_repr
         self._weights = _weight_getters(module)
         self._binder = boundary.CallBinder(module, self.original)  # per-instance capture cache
+        self._layer_idx = boundary.layer_index(module)  # read once: the state check runs before every bind
 
     # installation ------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -265,6 +283,11 @@ class Dispatch:
             if name in kwargs and kwargs[name] is None:
                 return self._fallback(missing_input(name), args, kwargs)
         module = self._module()
+        if kernel.state_adapter is not None:  # the cache layer's kind before binding: under another cache (HF's
+            # dynamic one for a static-cache kernel) every call falls back, and binding was most of its cost
+            why = _state_mismatch(kernel.state_adapter, module, self._layer_idx, args, kwargs)
+            if why:
+                return self._fallback(why, args, kwargs)
         try:
             call = self._binder.bind(module, args, kwargs)
             adapter, why = _state_adapter(call) if call.recipe["state"] is not None else (None, "")
@@ -275,8 +298,7 @@ class Dispatch:
         if kernel.state_adapter is not None:
             got = (call.recipe["state"] or {}).get("adapter")
             if got != kernel.state_adapter:
-                return self._fallback(f"state: expected a {kernel.state_adapter} cache layer (what the kernel was "
-                                      f"verified on), got {got or 'no cache state'}", args, kwargs)
+                return self._fallback(_wrong_state(kernel.state_adapter, got), args, kwargs)
         if kernel.guarded:
             ok, reason = is_supported(kernel.spec.guard, call)
             if not ok:

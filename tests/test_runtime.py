@@ -535,3 +535,25 @@ def test_a_guarded_input_passed_as_none_falls_back_before_binding(prompt, monkey
     kernel = sum(n for c in counters.values() for n in c["kernel"].values())
     assert none_calls > 0, counters
     assert len(binds) == other + kernel, (len(binds), counters)  # only the calls with a mask were bound
+
+
+def test_a_static_cache_kernel_under_the_dynamic_cache_falls_back_before_binding(prompt, monkeypatch):
+    """A kernel verified on the static KV cache, called under HF's dynamic cache (a kernels-only bundle's decode):
+    every decode call falls back with the state reason, and none pays for binding the call (the costliest step of
+    a fallback: 30 against 3-7 us a call on this CPU, and the kernels-only bundle measured 0.99x eager on the H200)."""
+    model = tiny_llama()
+    ref = greedy(model, prompt, n=3)
+    bundle = PatchBundle(name="static-only")
+    bundle.add_patch(PatchSpec(patch_id="layer-decode", module_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+                               phase="decode", kernel="",
+                               guard=Guard(state_adapter="StaticLayer")),
+                     source="def entry(inputs, weights, state, static):\n    raise AssertionError('never called')\n")
+    report = kernels_runtime.apply(model, bundle)
+    binds = []
+    real_bind = boundary.CallBinder.bind
+    monkeypatch.setattr(boundary.CallBinder, "bind", lambda self, *a: (binds.append(1), real_bind(self, *a))[1])
+    assert torch.equal(greedy(model, prompt, n=3), ref)
+    fallback = report.counters()["model.layers.0"]["fallback"]
+    assert fallback == {"state: expected a StaticLayer cache layer (what the kernel was verified on), got "
+                        "DynamicLayer": 2, "phase: no kernel for prefill": 1}, fallback
+    assert binds == []
