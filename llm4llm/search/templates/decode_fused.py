@@ -394,8 +394,9 @@ def _occupancy_split(prefix: str, n_out: int, k: int, sms: int, block_n: int, bl
 
 
 def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
-    """Points that differ from the default in what they run: on sm_90+ first gate/up by TMA (TMA_SEEDS), then its GEMVs software-pipelined (num_stages 3), the post norm in o_proj's reduction (one more
-    launch), decode_fused's seeds (8 rows x 512, a K split of 2 everywhere); the GEMV occupancy split after the
+    """Points that differ from the default in what they run: on sm_90+ first gate/up by TMA (TMA_SEEDS, one point
+    a reference shape), then its GEMVs software-pipelined (num_stages 3), the post norm in o_proj's reduction (one
+    more launch), decode_fused's seeds (8 rows x 512, a K split of 2 everywhere); the GEMV occupancy split after the
     first, only where it changes a stage (on qwen3-4b's layer every stage already covers the SMs unsplit)."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
