@@ -269,8 +269,8 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
     return kernel
 
 
-# Triton's interpreter scans element by element in Python; the same combine slice by slice gives the same bits, far
-# faster (the CPU path only: the GPU compiles the scan)
-from kernels_runtime.ops import _interp_scan  # noqa: E402
+# Triton's interpreter: its scan a slice at a time and no re-patching of triton.language per device-function call
+# (same bits, far faster; the CPU path only: kernels_runtime/ops/_interp_fast.py)
+from kernels_runtime.ops import _interp_fast  # noqa: E402
 
-_interp_scan.install()
+_interp_fast.install()

@@ -1,6 +1,8 @@
-"""kernels_runtime.ops._interp_scan: the interpreter's scan computed a slice at a time gives the bits of Triton's own
+"""kernels_runtime.ops._interp_fast: the interpreter's scan computed a slice at a time gives the bits of Triton's own
 element-at-a-time scan (fp32, bf16, 1-D to 3-D blocks, every axis, forward and reverse, one and two carried values),
-and the Mamba scan kernel gives the same bits through either."""
+and the Mamba scan kernel gives the same bits through either; device-function calls inside a launch skip the
+interpreter's re-patching of triton.language (one patch per launch), with the same bits, and a launch leaves
+triton.language as it found it."""
 from __future__ import annotations
 
 import os
@@ -14,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import ScanOps  # noqa: E402
 
-from kernels_runtime.ops import _interp_scan  # noqa: E402
+from kernels_runtime.ops import _interp_fast  # noqa: E402
 from kernels_runtime.ops._common import _TL  # noqa: E402
 
 
@@ -57,14 +59,23 @@ def _bits(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous().view(torch.int32) for t in ts]
 
 
-def _both(run):
-    """run() under Triton's own generic_scan, then under ours."""
-    assert _interp_scan.install() and ScanOps.generic_scan is _interp_scan.sliced_generic_scan
-    ScanOps.generic_scan = _interp_scan._ORIGINAL["generic_scan"]
+def _both(run, everything: bool = False):
+    """run() under Triton's own generic_scan (everything: and its own per-call patching), then under ours."""
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import GridExecutor
+
+    assert _interp_fast.install() and ScanOps.generic_scan is _interp_fast.sliced_generic_scan
+    assert interpreter._patch_lang is _interp_fast.patch_lang_once and GridExecutor.__call__ is _interp_fast.launch_call
+    ScanOps.generic_scan = _interp_fast._ORIGINAL["generic_scan"]
+    if everything:
+        interpreter._patch_lang = _interp_fast._ORIGINAL["patch_lang"]
+        GridExecutor.__call__ = _interp_fast._ORIGINAL["grid_call"]
     try:
         theirs = run()
     finally:
-        ScanOps.generic_scan = _interp_scan.sliced_generic_scan
+        ScanOps.generic_scan = _interp_fast.sliced_generic_scan
+        interpreter._patch_lang = _interp_fast.patch_lang_once
+        GridExecutor.__call__ = _interp_fast.launch_call
     return theirs, run()
 
 
@@ -115,6 +126,30 @@ def test_the_mamba_scan_kernel_gives_the_same_bits_through_either(block_t):
     D, z, dt_bias = torch.randn(d, generator=g), torch.randn(b_, d, t, generator=g), torch.randn(d, generator=g)
     args = dict(D=D, z=z, delta_bias=dt_bias, delta_softplus=True, BLOCK_D=8, BLOCK_T=block_t)
 
-    theirs, ours = _both(lambda: selective_scan(u, delta, A, B, C, **args))
+    theirs, ours = _both(lambda: selective_scan(u, delta, A, B, C, **args), everything=True)
     assert len(theirs) == len(ours) == 2 and all(torch.equal(p, q) for p, q in zip(_bits(*theirs), _bits(*ours)))
     assert torch.isfinite(ours[0]).all()
+
+
+def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch):
+    """selective_scan's kernel calls @triton.jit helpers (softplus, the scan's combine, the store's rounding) in
+    every program: the interpreter's patch runs once for the launch, not per call, and tl is restored after it."""
+    from triton.runtime import interpreter
+
+    from kernels_runtime.ops.selective_scan import selective_scan
+
+    before = {n: getattr(tl, n) for n in ("range", "static_range", "reduce", "associative_scan", "multiple_of")}
+    calls = []
+    real = _interp_fast._ORIGINAL["patch_lang"]
+    monkeypatch.setitem(_interp_fast._ORIGINAL, "patch_lang", lambda fn: calls.append(fn) or real(fn))
+    g = torch.Generator().manual_seed(3)
+    u, delta = torch.randn(1, 16, 8, generator=g), torch.randn(1, 16, 8, generator=g)
+    A, B, C = -torch.rand(16, 4, generator=g) - 0.5, torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    y, _ = selective_scan(u, delta, A, B, C, D=torch.randn(16, generator=g), delta_softplus=True, BLOCK_D=8, BLOCK_T=8)
+    # 2 programs, each calling helpers: the launch's patch, and one for triton.language's own helpers (tl.zeros,
+    # tl.sum: their module sees tl.core, which the kernel's does not), not one per call
+    assert calls[0].__name__ == "_selective_scan_kernel" and torch.isfinite(y).all()
+    assert len(calls) == len({_interp_fast._langs(f) for f in calls}) <= 2, [f.__name__ for f in calls]
+    assert {n: getattr(tl, n) for n in before} == before
+    assert getattr(_interp_fast._STATE, "active", None) is None and getattr(_interp_fast._STATE, "pending", None) is None
+    assert interpreter._patch_lang is _interp_fast.patch_lang_once
