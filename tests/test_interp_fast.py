@@ -122,7 +122,8 @@ def test_the_mamba_scan_kernel_gives_the_same_bits_through_either(block_t):
     g = torch.Generator().manual_seed(2)
     b_, d, t, n = 1, 16, 24, 4
     u, delta = torch.randn(b_, d, t, generator=g), torch.randn(b_, d, t, generator=g)
-    A, B, C = -torch.rand(d, n, generator=g) - 0.5, torch.randn(b_, n, t, generator=g), torch.randn(b_, n, t, generator=g)
+    A = -torch.rand(d, n, generator=g) - 0.5
+    B, C = torch.randn(b_, n, t, generator=g), torch.randn(b_, n, t, generator=g)
     D, z, dt_bias = torch.randn(d, generator=g), torch.randn(b_, d, t, generator=g), torch.randn(d, generator=g)
     args = dict(D=D, z=z, delta_bias=dt_bias, delta_softplus=True, BLOCK_D=8, BLOCK_T=block_t)
 
@@ -144,12 +145,14 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch):
     monkeypatch.setitem(_interp_fast._ORIGINAL, "patch_lang", lambda fn: calls.append(fn) or real(fn))
     g = torch.Generator().manual_seed(3)
     u, delta = torch.randn(1, 16, 8, generator=g), torch.randn(1, 16, 8, generator=g)
-    A, B, C = -torch.rand(16, 4, generator=g) - 0.5, torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    A = -torch.rand(16, 4, generator=g) - 0.5
+    B, C = torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
     y, _ = selective_scan(u, delta, A, B, C, D=torch.randn(16, generator=g), delta_softplus=True, BLOCK_D=8, BLOCK_T=8)
     # 2 programs, each calling helpers: the launch's patch, and one for triton.language's own helpers (tl.zeros,
     # tl.sum: their module sees tl.core, which the kernel's does not), not one per call
     assert calls[0].__name__ == "_selective_scan_kernel" and torch.isfinite(y).all()
     assert len(calls) == len({_interp_fast._langs(f) for f in calls}) <= 2, [f.__name__ for f in calls]
     assert {n: getattr(tl, n) for n in before} == before
-    assert getattr(_interp_fast._STATE, "active", None) is None and getattr(_interp_fast._STATE, "pending", None) is None
+    assert getattr(_interp_fast._STATE, "active", None) is None
+    assert getattr(_interp_fast._STATE, "pending", None) is None
     assert interpreter._patch_lang is _interp_fast.patch_lang_once
