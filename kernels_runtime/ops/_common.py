@@ -267,3 +267,10 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
         _CACHED_LAUNCH["on"] = False
         return jit_fn[grid](*args, **constexprs, **options)
     return kernel
+
+
+# Triton's interpreter: its scan a slice at a time and no re-patching of triton.language per device-function call
+# (same bits, far faster; the CPU path only: kernels_runtime/ops/_interp_fast.py)
+from kernels_runtime.ops import _interp_fast  # noqa: E402
+
+_interp_fast.install()
