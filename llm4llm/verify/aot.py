@@ -53,7 +53,9 @@ def _arg_type(value: Any) -> str | None:
         return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
-    if type(value).__name__ == "TensorDescriptor":  # a host-made TMA descriptor: Triton's own type string
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, TensorDescriptor):  # a host-made TMA descriptor: Triton's own type string
         from triton.runtime.jit import mangle_type
 
         return mangle_type(value)

@@ -108,13 +108,14 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     return out
 
 
-TMA_STAGE = r"(gu|dn|o)(\d+)x(\d+)s(\d+)(p?)(l?)"
+TMA_STAGE = r"(gu|dn)(\d+)x(\d+)s(\d+)(p?)(l?)"
 TMA_NAME = re.compile(rf"{TMA_STAGE}(\+{TMA_STAGE})*")
 
 
 def tma_variant(name: str, base: dict) -> dict:
     """A TMA point named in --only: `gu16x256s4p` (gate/up by TMA, BLOCK_N 16, BLOCK_K 256, 4 stages, p: the first
-    tile before PDL's wait, l: the next kernel let launch late), `+`-joined with dn_ (down) and o_ (o_proj) points."""
+    tile before PDL's wait, l: the next kernel let launch late), `+`-joined with a dn_ point for down (o_proj by TMA,
+    measured in docs/results/2026-12-03-h200-f, lost and left the template)."""
     cfg = dict(base)
     for part in name.split("+"):
         st, bn, bk, stages, pre, late = re.fullmatch(TMA_STAGE, part).groups()

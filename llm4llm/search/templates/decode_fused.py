@@ -36,9 +36,8 @@ STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 40
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
 
-def _stage(prefix, tma=True):
-    # tma=False: a pass that has no TMA path (gemv_residual_rmsnorm's split partials) takes none of its keys
-    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix) and (tma or "TMA" not in k)}
+def _stage(prefix):
+    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix)}
     kw["num_stages"] = CONFIG["num_stages"]
     kw["PDL"] = bool(CONFIG.get("pdl", False))
     return kw
@@ -246,7 +245,7 @@ def _layer_mlp(config) -> str:
     if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
         mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
                                   float(static["post_attention_layernorm.variance_epsilon"]),
-                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_", tma=False))
+                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
     g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
 '''
     else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
