@@ -10,11 +10,17 @@ duplicated), then the variants are timed in rounds, one run of each per round in
 Eager drifts by tens of percent between calls on one host; timed back to back, one variant after the other, such a
 drift reads as a speedup or a slowdown. Each variant's ratio to eager (and to torch.compile) is taken round by round,
 so both sides of a ratio saw the same drift, and is reported as the median with its p20-p80 spread.
+Each timed run also records the main thread's CPU time (`time.thread_time`, which a descheduled or preempted thread
+does not accrue) and the ratio to eager is taken on it too (`vs_eager_cpu`): in a host-bound decode that ratio is
+the patch's own host cost, where the wall-clock ratio also carries the host's contention (eager's runs spread 45 %
+within one call on the H200, 2026-12-03-h200-f). Python's garbage is collected before every timed run, so a
+collection one variant's garbage triggers is not charged to the next variant.
 On the CPU the numbers are reported but marked, and never used to accept anything.
 """
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import itertools
 import json
@@ -48,10 +54,14 @@ class E2EResult:
     notes: str = ""
     samples_ms: list[float] = field(default_factory=list)  # every timed full run, in order (total_ms: their median)
     prefill_samples_ms: list[float] = field(default_factory=list)  # every timed one-token run (prefill_ms: median)
+    cpu_samples_ms: list[float] = field(default_factory=list)  # the main thread's CPU time of each timed full run
     # Ratios taken round by round (eager's run / this variant's run of the same round): median and p20-p80
     vs_eager: float | None = None
     vs_eager_p20: float | None = None
     vs_eager_p80: float | None = None
+    vs_eager_cpu: float | None = None  # the same, on the main thread's CPU time of the full runs
+    vs_eager_cpu_p20: float | None = None
+    vs_eager_cpu_p80: float | None = None
     vs_compile: float | None = None
     vs_compile_p20: float | None = None
     vs_compile_p80: float | None = None
@@ -75,7 +85,7 @@ class E2EResult:
 
 
 TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "vs_eager",
-                 "vs_compile", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms", "peak_mem_mb", "compile_s", "notes")
+                 "vs_eager_cpu", "vs_compile", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms", "peak_mem_mb", "compile_s", "notes")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
@@ -84,7 +94,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
     def cell(r: dict, k: str):
         if k == "total_range_ms":
             return spread(r.get("total_samples_ms"))
-        if k in ("vs_eager", "vs_compile"):
+        if k in ("vs_eager", "vs_eager_cpu", "vs_compile"):
             return ratio_cell(r.get(k), r.get(f"{k}_p20"), r.get(f"{k}_p80"))
         return r.get(k)
 
@@ -127,12 +137,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[], Any], device: str) -> float:
+def _timed(fn: Callable[[], Any], device: str) -> tuple[float, float]:
+    """Wall ms and the calling thread's CPU ms of fn(), synchronized on the GPU, after a garbage collection."""
+    gc.collect()
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     fn()
     _sync(device)
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def accepts_generate_kwargs(run_fn: Callable) -> bool:
@@ -189,18 +201,27 @@ class _Slot:
     compile_s: float | None = None
     totals: list[float] = field(default_factory=list)
     prefills: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # CPU ms of the main thread, one per entry of totals
+    last_cpu_ms: float = 0.0
 
     def _run(self, run_fn, workload, batch) -> float:
         from llm4llm.workload import call_script
 
         self.enter()
         try:
-            return _timed(lambda: call_script(run_fn, self.model, workload, batch, **self.kwargs), workload.device)
+            wall, self.last_cpu_ms = _timed(lambda: call_script(run_fn, self.model, workload, batch, **self.kwargs),
+                                            workload.device)
+            return wall
         finally:
             self.exit()
 
     def run_full(self, run_fn, workload, batch) -> float:
         return self._run(run_fn, workload, batch)
+
+    def time_full(self, run_fn, workload, batch) -> None:
+        """One timed full run, kept: its wall time in totals, its CPU time in cpu."""
+        self.totals.append(self.run_full(run_fn, workload, batch))
+        self.cpu.append(self.last_cpu_ms)
 
     def run_prefill(self, run_fn, workload, batch) -> float:
         return self._run(run_fn, workload.model_copy(update={"decode_len": 1}), batch)
@@ -343,7 +364,7 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
             try:
                 slot = _setup(variant, model, lambda: next(clean), wl, script, bundle)
                 _warm(slot, script.run, wl, batch)
-                slot.totals.append(slot.run_full(script.run, wl, batch))
+                slot.time_full(script.run, wl, batch)
                 slot.prefills.append(slot.run_prefill(script.run, wl, batch))
                 slots[variant] = slot
             except _Skip as e:
@@ -363,7 +384,7 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
             k = r % len(order) if order else 0
             turn = order[k:] + order[:k]
             for slot in turn:
-                slot.totals.append(slot.run_full(script.run, wl, batch))
+                slot.time_full(script.run, wl, batch)
             for slot in reversed(turn):
                 slot.prefills.append(slot.run_prefill(script.run, wl, batch))
             if r < repeats - 1:
@@ -433,7 +454,7 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
     try:
         _warm(slot, script.run, wl, batch)
         for _ in range(repeats):
-            slot.totals.append(slot.run_full(script.run, wl, batch))
+            slot.time_full(script.run, wl, batch)
             slot.prefills.append(slot.run_prefill(script.run, wl, batch))
         return _slot_result(slot, wl, {})
     finally:
@@ -443,11 +464,15 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
 def _slot_result(slot: _Slot, wl, slots: dict[str, _Slot], peak: float | None = None,
                  floor: tuple[float, float] | None = None) -> E2EResult:
     res = _result(slot.variant, wl, slot.totals, slot.prefills, slot.compile_s, peak, slot.notes()[:500])
-    for name, base in (("vs_eager", slots.get("eager")), ("vs_compile", slots.get("torch_compile"))):
+    res.cpu_samples_ms = list(slot.cpu)
+    eager, compiled = slots.get("eager"), slots.get("torch_compile")
+    for name, base, of in (("vs_eager", eager, "totals"), ("vs_eager_cpu", eager, "cpu"),
+                           ("vs_compile", compiled, "totals")):
         if base is not None and base is not slot:
+            a, b = getattr(base, of), getattr(slot, of)
             # round 0 ran each variant right after its own warm-up, not interleaved: ratios pair rounds 1.. only
-            skip = 1 if min(len(base.totals), len(slot.totals)) > 1 else 0
-            pr = paired_ratios(base.totals[skip:], slot.totals[skip:])
+            skip = 1 if min(len(a), len(b)) > 1 else 0
+            pr = paired_ratios(a[skip:], b[skip:])
             if pr is not None:
                 setattr(res, name, pr[0]), setattr(res, f"{name}_p20", pr[1]), setattr(res, f"{name}_p80", pr[2])
     if floor is not None:

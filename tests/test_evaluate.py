@@ -97,6 +97,52 @@ def test_rounds_rotate_the_order_and_pair_the_ratio_against_drift(tmp_path, monk
     assert len(lines) == 3 * 5  # every variant's row again after each round: a stopped run keeps its rounds
 
 
+CPU_SCRIPT = '''
+import time
+import torch
+
+CLOCK = [0]
+
+
+def build(workload):
+    return torch.nn.Linear(4, 4)
+
+
+def inputs(workload):
+    return torch.zeros(1, 4)
+
+
+def run(model, workload, inputs):
+    CLOCK[0] += 1
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.004 * model.cost:  # the variant's own host work: CPU time
+        pass
+    time.sleep(0.004 * (CLOCK[0] % 5))  # the host taking the thread away for a while: wall time only
+'''
+
+
+def test_cpu_ratio_sees_the_variants_own_host_cost_through_the_hosts_contention(tmp_path, monkeypatch):
+    """A variant that does twice eager's host work, on a host that deschedules the thread for 0-16 ms a run: the
+    wall-clock ratio spreads with the contention, the ratio on the main thread's CPU time stays near 2."""
+    (tmp_path / "s.py").write_text(CPU_SCRIPT)
+    toml = (EXAMPLES / "workloads" / "tiny-llama.toml").read_text().replace('"../scripts/hf_generate.py"', '"s.py"')
+    (tmp_path / "wl.toml").write_text(toml)
+
+    def setup(variant, model, clean, wl, script, bundle):
+        m = clean() if variant != "eager" else model
+        m.cost = {"eager": 2.0, "patched": 1.0}[variant]
+        return ev._Slot(variant, m)
+
+    monkeypatch.setattr(ev, "_setup", setup)
+    eager, patched = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager", "patched"), repeats=6)
+    assert len(patched.cpu_samples_ms) == len(patched.samples_ms) == 6
+    assert patched.vs_eager_p80 - patched.vs_eager_p20 > 0.5  # the wall ratio carries the contention
+    assert 1.6 < patched.vs_eager_cpu_p20 <= patched.vs_eager_cpu <= patched.vs_eager_cpu_p80 < 2.5
+    row = patched.to_row()
+    assert row["cpu_samples_ms"] == patched.cpu_samples_ms and eager.vs_eager_cpu is None
+    assert ev.table_rows([row])[0]["vs_eager_cpu"].startswith(f"{patched.vs_eager_cpu:.2f}x (")
+
+
 def test_table_rows_show_ratios_with_their_spread():
     row = ev.E2EResult("patched", 1.0, 2.0, 10.0, 5.0, None, vs_eager=1.5, vs_eager_p20=1.4, vs_eager_p80=1.6,
                        samples_ms=[9.0, 11.0]).to_row()

@@ -71,7 +71,11 @@ q("select task_id, count(*) n, avg(passed::int) pass_rate, 1000 * min(ctx_p50_ms
   "1000 * median(ref_ctx_p50_ms) ref_us, median(ref_ctx_p50_ms) / min(ctx_p50_ms) filter (passed) best_x, "
   "any_value(failure_class) fail from candidates group by 1 order by 1")
 q("select task_id, decision, left(reason, 110) reason, e2e_before_ms before, e2e_after_ms after, gain from acceptances")
-q("select run_id, variant, prefill_ms pre, decode_ms_per_token dec, total_ms, compile_s, left(notes, 50) notes from e2e_results")
+q("select run_id, variant, prefill_ms pre, decode_ms_per_token dec, total_ms, compile_s, "
+  "printf('%.3f (%.3f-%.3f)', vs_eager, vs_eager_p20, vs_eager_p80) vs_eager, "
+  "printf('%.3f (%.3f-%.3f)', vs_eager_cpu, vs_eager_cpu_p20, vs_eager_cpu_p80) vs_eager_cpu, "
+  "printf('%.3f (%.3f-%.3f)', vs_compile, vs_compile_p20, vs_compile_p80) vs_compile, gpu_step_ms step, "
+  "hbm_floor_ms floor, gpu_step_ms / hbm_floor_ms step_x from e2e_results")
 for r in c.execute("select variant, notes from e2e_results where variant like '%graphs'").fetchall():
     print(r[0], r[1][-300:])
 PY
