@@ -11,10 +11,12 @@ Eager drifts by tens of percent between calls on one host; timed back to back, o
 drift reads as a speedup or a slowdown. Each variant's ratio to eager (and to torch.compile) is taken round by round,
 so both sides of a ratio saw the same drift, and is reported as the median with its p20-p80 spread.
 Each timed run also records the main thread's CPU time (`time.thread_time`, which a descheduled or preempted thread
-does not accrue) and the ratio to eager is taken on it too (`vs_eager_cpu`): in a host-bound decode that ratio is
-the patch's own host cost, where the wall-clock ratio also carries the host's contention (eager's runs spread 45 %
-within one call on the H200, 2026-12-03-h200-f). Python's garbage is collected before every timed run, so a
-collection one variant's garbage triggers is not charged to the next variant.
+does not accrue) and the ratio to eager is taken on it too (`vs_eager_cpu`): where a host deschedules or preempts
+the thread, that ratio leaves the lost time out, which the wall-clock ratio carries. On the H200 host the two
+agree to the third decimal (2026-12-04-h200): the thread runs throughout (CUDA's synchronize spins) and eager's
+spread there (up to 2.5x within a call) is the same work running slower, which only pairing the rounds removes.
+Python's garbage is collected before every timed run, so a collection one variant's garbage triggers is not charged
+to the next variant.
 On the CPU the numbers are reported but marked, and never used to accept anything.
 """
 from __future__ import annotations

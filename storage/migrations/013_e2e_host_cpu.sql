@@ -1,6 +1,6 @@
 -- The main thread's CPU time of each timed full run, and each variant's ratio to eager taken on it round by round:
--- in a host-bound decode it is the patch's own host cost, where the wall-clock ratio also carries the host's
--- contention (eager's runs spread 45 % within one call on the H200, 2026-12-03-h200-f).
+-- where a host deschedules or preempts the thread it leaves that time out, which the wall-clock ratio carries (on
+-- the H200 host the two agreed: 2026-12-04-h200).
 ALTER TABLE e2e_results ADD COLUMN IF NOT EXISTS cpu_samples_ms JSON;
 ALTER TABLE e2e_results ADD COLUMN IF NOT EXISTS vs_eager_cpu DOUBLE;
 ALTER TABLE e2e_results ADD COLUMN IF NOT EXISTS vs_eager_cpu_p20 DOUBLE;
