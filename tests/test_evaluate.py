@@ -41,7 +41,7 @@ def test_quantiles_and_paired_ratios():
     assert ev.paired_ratios([1.0], [0.0]) is None
 
 
-SCRIPT = '''
+PREAMBLE = '''
 import time
 import torch
 
@@ -55,7 +55,18 @@ def build(workload):
 
 def inputs(workload):
     return torch.zeros(1, 4)
+'''
 
+
+def _workload(tmp_path, script: str) -> str:
+    """A tiny-llama workload whose script is `script` (written beside it); its path."""
+    (tmp_path / "s.py").write_text(script)
+    toml = (EXAMPLES / "workloads" / "tiny-llama.toml").read_text().replace('"../scripts/hf_generate.py"', '"s.py"')
+    (tmp_path / "wl.toml").write_text(toml)
+    return str(tmp_path / "wl.toml")
+
+
+SCRIPT = PREAMBLE + '''
 
 def run(model, workload, inputs):
     CLOCK[0] += 1
@@ -68,9 +79,7 @@ def run(model, workload, inputs):
 def test_rounds_rotate_the_order_and_pair_the_ratio_against_drift(tmp_path, monkeypatch):
     """Three variants, one twice as fast as eager, on a host that slows down with every call: round after round the
     first variant changes, and the ratio taken per round stays at 2 while eager's own runs drift far apart."""
-    (tmp_path / "s.py").write_text(SCRIPT)
-    toml = (EXAMPLES / "workloads" / "tiny-llama.toml").read_text().replace('"../scripts/hf_generate.py"', '"s.py"')
-    (tmp_path / "wl.toml").write_text(toml)
+    wl_path = _workload(tmp_path, SCRIPT)
 
     def setup(variant, model, clean, wl, script, bundle):
         m = clean() if variant != "eager" else model
@@ -79,7 +88,7 @@ def test_rounds_rotate_the_order_and_pair_the_ratio_against_drift(tmp_path, monk
         return ev._Slot(variant, m)
 
     monkeypatch.setattr(ev, "_setup", setup)
-    rows = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager", "patched", "liger"), repeats=5,
+    rows = ev.evaluate_workload(wl_path, variants=("eager", "patched", "liger"), repeats=5,
                                 results_path=str(tmp_path / "rows.jsonl"))
     calls = setup.script.CALLS
     full = [tag for tag, n in calls if n == 4]
@@ -97,20 +106,7 @@ def test_rounds_rotate_the_order_and_pair_the_ratio_against_drift(tmp_path, monk
     assert len(lines) == 3 * 5  # every variant's row again after each round: a stopped run keeps its rounds
 
 
-CPU_SCRIPT = '''
-import time
-import torch
-
-CLOCK = [0]
-
-
-def build(workload):
-    return torch.nn.Linear(4, 4)
-
-
-def inputs(workload):
-    return torch.zeros(1, 4)
-
+CPU_SCRIPT = PREAMBLE + '''
 
 def run(model, workload, inputs):
     CLOCK[0] += 1
@@ -124,9 +120,7 @@ def run(model, workload, inputs):
 def test_cpu_ratio_sees_the_variants_own_host_cost_through_the_hosts_contention(tmp_path, monkeypatch):
     """A variant that does twice eager's host work, on a host that deschedules the thread for 0-16 ms a run: the
     wall-clock ratio spreads with the contention, the ratio on the main thread's CPU time stays near 2."""
-    (tmp_path / "s.py").write_text(CPU_SCRIPT)
-    toml = (EXAMPLES / "workloads" / "tiny-llama.toml").read_text().replace('"../scripts/hf_generate.py"', '"s.py"')
-    (tmp_path / "wl.toml").write_text(toml)
+    wl_path = _workload(tmp_path, CPU_SCRIPT)
 
     def setup(variant, model, clean, wl, script, bundle):
         m = clean() if variant != "eager" else model
@@ -134,7 +128,7 @@ def test_cpu_ratio_sees_the_variants_own_host_cost_through_the_hosts_contention(
         return ev._Slot(variant, m)
 
     monkeypatch.setattr(ev, "_setup", setup)
-    eager, patched = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager", "patched"), repeats=6)
+    eager, patched = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=6)
     assert len(patched.cpu_samples_ms) == len(patched.samples_ms) == 6
     assert patched.vs_eager_p80 - patched.vs_eager_p20 > 0.5  # the wall ratio carries the contention
     assert 1.6 < patched.vs_eager_cpu_p20 <= patched.vs_eager_cpu <= patched.vs_eager_cpu_p80 < 2.5
