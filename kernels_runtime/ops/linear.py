@@ -202,8 +202,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
            w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
            BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
            GEMV_BLOCK_N: int = 64, GEMV_BLOCK_K: int = 64, GEMV_SPLIT_K: int = 1,
-           residual: torch.Tensor | None = None, round_pre: bool = False) -> torch.Tensor:
+           residual: torch.Tensor | None = None, round_pre: bool = False, impl: str = "triton") -> torch.Tensor:
     """x: [..., K], w: [N, K] (nn.Linear layout), bias: [N] -> y: [..., N] in x's dtype.
+
+    `impl="cublas"`: the plain projection (bias at most) through torch's linear, i.e. cuBLAS on a GPU. A prefill
+    projection is a large GEMM, where cuBLAS's Hopper kernels beat this Triton block kernel; a template whose work
+    is elsewhere (the attention) takes it there, as the model's own modules do.
 
     `residual` [..., N] (last dim contiguous): y = residual + (the above, rounded to x's dtype), added in fp32 in the
     store and returned in torch.promote_types(x.dtype, residual.dtype) (a block's residual add: `residual + out`
@@ -218,6 +222,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     adds them in a fixed order with bias and epilogue): more programs where N / GEMV_BLOCK_N alone would leave SMs
     idle (decode projections of a narrow model); worth it where launches are cheap (under CUDA graphs).
     """
+    if impl not in ("triton", "cublas"):
+        raise ValueError(f"linear: expected impl 'triton' or 'cublas', got {impl!r}")
+    if impl == "cublas":
+        if epilogue is not None or w_up is not None or residual is not None or round_pre:
+            raise ValueError("linear: impl='cublas' is the plain projection: expected no epilogue, w_up, residual "
+                             "or round_pre")
+        return torch.nn.functional.linear(x, w, bias)
     if not (isinstance(GEMV_SPLIT_K, int) and GEMV_SPLIT_K >= 1):
         raise ValueError(f"linear: expected GEMV_SPLIT_K an int >= 1, got {GEMV_SPLIT_K!r}")
     if x.shape[-1] != w.shape[1] or w.dim() != 2:

@@ -69,8 +69,8 @@ TEMPLATES = [
     Template(name=NAME, family="attention", phases=("prefill",), lossy=True,
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, TILEMIX_OP),
              space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **TM}, render_fn=_render, applies_fn=_applies_tilemix,
-             default_fn=lambda spec: {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4,
-                                      "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
+             default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
+                                      "lin_num_warps": 4, "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
                                       "tm_template": "sink_local", "tm_coverage": 0.75, "attn_BLOCK_M": 128,
                                       "attn_BLOCK_N": 64, "attn_num_warps": 8, "attn_num_stages": 3}),
 ]
