@@ -169,6 +169,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              e2e_variants: Optional[str] = typer.Option(
                  None, help="variants the evaluate stage runs, in order (default: eager,patched,torch_compile; with "
                             "decode graphs eager,patched_graphs,eager_graphs,patched,torch_compile)"),
+             e2e_max_s: Optional[float] = typer.Option(None, "--e2e-max-s", min=0.001,
+                                                       help="time budget (s) for the evaluate stage's rounds"),
              rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
              task_runner: str = TaskRunnerOpt, ray_address: Optional[str] = RayAddressOpt,
              ray_gpus_per_eval: float = RayGpusOpt,
@@ -191,7 +193,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                        "noisy_rounds": accept_noisy_rounds, "interleave_rounds": accept_interleave_rounds},
             "graphs": {"decode_graphs": decode_graphs},
             "scale": scale.model_dump(),
-            "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None}})
+            "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None,
+                         "max_s": e2e_max_s}})
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
         with progress.rich_progress(console):
@@ -227,6 +230,7 @@ PROPOSERS = ("library", "llm", "hybrid")
 # OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
 _FLAGS = {("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
           ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
+          ("evaluate", "max_s"): "--e2e-max-s",
           ("stages",): "--stages"}
 
 
@@ -370,6 +374,9 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
 def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
              bundle: Optional[Path] = typer.Option(None, help="patch bundle dir for the patched variant"),
              repeats: int = typer.Option(7, help="interleaved rounds: one timed run of every variant per round"),
+             max_s: Optional[float] = typer.Option(None, "--max-s", min=0.001,
+                                                   help="time budget (s) for the rounds: fewer rounds on a slow host, "
+                                                        "the decode step still measured"),
              db: Optional[Path] = DbOpt,
              variants: str = typer.Option(
                  "eager,patched,torch_compile",
@@ -395,7 +402,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
 
         with console.status(f"evaluating {workload} ..."):
             out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,
-                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")))
+                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")), max_s=max_s)
         _print_e2e(out["rows"])
 
 

@@ -105,6 +105,10 @@ class EvaluateSettings(_Settings):
                                                              "eager_graphs, patched_graphs)")
     repeats: int = Field(7, ge=1, description="interleaved rounds: one timed run of every variant per round, the "
                                               "order rotated, ratios paired round by round")
+    max_s: float | None = Field(None, gt=0, description="time budget (s) for the interleaved rounds: a round starts "
+                                                        "only if one more still fits at the slowest round's pace, "
+                                                        "and the last one taken still measures the decode step; "
+                                                        "none: all `repeats` rounds")
 
 
 class OptimizeConfig(_Settings):

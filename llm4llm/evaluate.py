@@ -337,14 +337,20 @@ def _version(dist: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- evaluation
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
-                      repeats: int = DEFAULT_ROUNDS, results_path: str | None = None) -> list[E2EResult]:
+                      repeats: int = DEFAULT_ROUNDS, results_path: str | None = None,
+                      max_s: float | None = None) -> list[E2EResult]:
     """Build the model once through the script, set each variant up on its own weight-sharing copy, and time the
     variants in `repeats` interleaved rounds, in this process.
 
     Round 0 runs each variant right after its setup (so a variant that dies in its warm-up still leaves the rows of
     those before it); rounds 1.. rotate the order. results_path: after every round each variant's row (with the GPU
     and library versions) is appended there as a JSON line, the newest line of a variant replacing its earlier ones,
-    so a run stopped midway keeps what it measured."""
+    so a run stopped midway keeps what it measured.
+
+    max_s: a time budget for the interleaved rounds (from the end of round 0): a round starts only if one more like
+    the slowest so far still fits, and the last one taken records the decode step's GPU time, so a run on a slow
+    host ends with fewer rounds instead of being killed before its floor and step time (a qwen3-4b optimize on the
+    H200 was, 2026-12-04-h200). At least one interleaved round runs when repeats > 1."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     unknown = [v for v in variants if v not in ALL_VARIANTS]
@@ -379,19 +385,8 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
             emit(failed[variant] if variant in failed else _slot_result(slots[variant], wl, slots))
         if wl.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        order = list(slots.values())
-        for r in range(1, repeats):
-            if r == repeats - 1:
-                _record_steps(order)
-            k = r % len(order) if order else 0
-            turn = order[k:] + order[:k]
-            for slot in turn:
-                slot.time_full(script.run, wl, batch)
-            for slot in reversed(turn):
-                slot.prefills.append(slot.run_prefill(script.run, wl, batch))
-            if r < repeats - 1:
-                for slot in order:
-                    emit(_slot_result(slot, wl, slots))
+        _rounds(list(slots.values()), repeats, max_s, script.run, wl, batch,
+                lambda: [emit(_slot_result(slot, wl, slots)) for slot in slots.values()])
         try:
             floor = _hbm_floor(model, wl.device)
         except Exception as e:  # noqa: BLE001 - the rounds are measured: a failing extra loses only the extra
@@ -407,6 +402,32 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     finally:
         for slot in slots.values():
             slot.teardown()
+
+
+def _rounds(order: list[_Slot], repeats: int, max_s: float | None, run_fn, wl, batch,
+            emit_all: Callable[[], Any]) -> None:
+    """Interleaved rounds 1..repeats-1 (the order rotated each round; prefills in reverse), every variant's row
+    emitted after each round but the last; the last records the decode steps' GPU time (_record_steps). With max_s,
+    the round that would be the last to fit the budget (at the slowest round's pace so far) is made the last."""
+    # the pace before any interleaved round: round 0's timed runs (a full run and a prefill of each variant)
+    t0, slowest = time.perf_counter(), sum(s.totals[-1] + s.prefills[-1] for s in order if s.totals) / 1e3
+    for r in range(1, repeats):
+        last = r == repeats - 1
+        if max_s is not None:
+            last = last or time.perf_counter() - t0 + 2 * slowest > max_s
+        if last:
+            _record_steps(order)
+        started = time.perf_counter()
+        k = r % len(order) if order else 0
+        turn = order[k:] + order[:k]
+        for slot in turn:
+            slot.time_full(run_fn, wl, batch)
+        for slot in reversed(turn):
+            slot.prefills.append(slot.run_prefill(run_fn, wl, batch))
+        slowest = max(slowest, time.perf_counter() - started)
+        if last:
+            return
+        emit_all()
 
 
 def _warm(slot: _Slot, run_fn, wl, batch) -> None:

@@ -24,7 +24,7 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, se
 
     variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
     out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
-                       run_id=run_id)
+                       run_id=run_id, max_s=settings.max_s)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
@@ -69,7 +69,8 @@ def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) 
 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
-                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None) -> dict:
+                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None,
+                 max_s: float | None = None) -> dict:
     """The workload end to end (llm4llm.stages.evaluate.run_evaluate), each variant's `e2e_results` row written as
     it is measured. Returns {"run_id", "rows"}: each variant's newest row."""
     from llm4llm.stages.common import describe_workload, new_run_id
@@ -88,5 +89,5 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             repo.record_e2e(db, rows_of(measured))
 
     latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
-                                         on_measured=record)
+                                         on_measured=record, max_s=max_s)
     return {"run_id": run_id, "rows": rows_of(latest)}

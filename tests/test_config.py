@@ -63,6 +63,7 @@ def test_defaults_match_the_acceptance_stage_and_round_trip():
     ({"stages": ["profile", "serve"]}, ("stages", 1)),
     ({"graphs": {"decode_graphs": "yes"}}, ("graphs", "decode_graphs")),
     ({"search": {"budgett": 3}}, ("search", "budgett")),
+    ({"evaluate": {"max_s": 0}}, ("evaluate", "max_s")),
 ])
 def test_bad_values_fail_with_their_field(values, where):
     with pytest.raises(ValidationError) as info:

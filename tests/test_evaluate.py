@@ -137,6 +137,30 @@ def test_cpu_ratio_sees_the_variants_own_host_cost_through_the_hosts_contention(
     assert ev.table_rows([row])[0]["vs_eager_cpu"].startswith(f"{patched.vs_eager_cpu:.2f}x (")
 
 
+def test_a_time_budget_ends_the_rounds_early_and_the_last_one_still_records_the_step(tmp_path, monkeypatch):
+    """max_s: a slow host gets fewer rounds, not a run killed before the floor and the step time; the round that
+    records the decode steps is the last one run, and every variant has one timed run per round."""
+    wl_path = _workload(tmp_path, SCRIPT)
+
+    def setup(variant, model, clean, wl, script, bundle):
+        m = clean() if variant != "eager" else model
+        m.tag, m.cost = variant, {"eager": 2.0, "patched": 1.0}[variant]
+        return ev._Slot(variant, m)
+
+    recorded = []
+    monkeypatch.setattr(ev, "_setup", setup)
+    monkeypatch.setattr(ev, "_record_steps", lambda order: recorded.append([len(s.totals) for s in order]))
+    t0 = time.perf_counter()
+    eager, patched = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=400, max_s=0.5)
+    took = time.perf_counter() - t0
+    n = len(eager.samples_ms)
+    assert 2 < n < 400 and len(patched.samples_ms) == n and eager.repeats == n
+    assert recorded == [[n - 1, n - 1]]  # asked for just before the last round, once
+    assert patched.vs_eager is not None and took < 30
+    one, _ = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=3)
+    assert len(one.samples_ms) == 3 and recorded[-1] == [2, 2]  # without a budget: every round, the last records
+
+
 def test_table_rows_show_ratios_with_their_spread():
     row = ev.E2EResult("patched", 1.0, 2.0, 10.0, 5.0, None, vs_eager=1.5, vs_eager_p20=1.4, vs_eager_p80=1.6,
                        samples_ms=[9.0, 11.0]).to_row()
