@@ -198,6 +198,15 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return y.to(x.dtype)
 
 
+def _cublas_linear(x, w, bias, impl: str, fused: tuple) -> torch.Tensor:
+    if impl != "cublas":
+        raise ValueError(f"linear: expected impl 'triton' or 'cublas', got {impl!r}")
+    if any(f is not None and f is not False for f in fused):
+        raise ValueError("linear: impl='cublas' is the plain projection: expected no epilogue, w_up, residual or "
+                         "round_pre")
+    return torch.nn.functional.linear(x, w, bias)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str | None = None, *,
            w_up: torch.Tensor | None = None, gemv: bool | None = None, BLOCK_M: int = 64, BLOCK_N: int = 64,
            BLOCK_K: int = 32, num_warps: int = 4, num_stages: int = 3, TF32: bool = False,
@@ -222,13 +231,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, e
     adds them in a fixed order with bias and epilogue): more programs where N / GEMV_BLOCK_N alone would leave SMs
     idle (decode projections of a narrow model); worth it where launches are cheap (under CUDA graphs).
     """
-    if impl not in ("triton", "cublas"):
-        raise ValueError(f"linear: expected impl 'triton' or 'cublas', got {impl!r}")
-    if impl == "cublas":
-        if epilogue is not None or w_up is not None or residual is not None or round_pre:
-            raise ValueError("linear: impl='cublas' is the plain projection: expected no epilogue, w_up, residual "
-                             "or round_pre")
-        return torch.nn.functional.linear(x, w, bias)
+    if impl != "triton":
+        return _cublas_linear(x, w, bias, impl, fused=(epilogue, w_up, residual, round_pre))
     if not (isinstance(GEMV_SPLIT_K, int) and GEMV_SPLIT_K >= 1):
         raise ValueError(f"linear: expected GEMV_SPLIT_K an int >= 1, got {GEMV_SPLIT_K!r}")
     if x.shape[-1] != w.shape[1] or w.dim() != 2:
