@@ -15,6 +15,7 @@
 #    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
 #    tasktiming:WORKLOAD[:MAX_S]: scripts/gpu/task_timing_check.py with TT_ARGS (e.g. "--template T");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
+#    E2E_MAX_S: the evaluate stage's time budget for its rounds (optimize --e2e-max-s), e.g. 150 on a slow host;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0"; OPT_ARGS_<workload> (its
 #    '-' and '.' as '_', e.g. OPT_ARGS_llama_2_7b) replaces OPT_ARGS for that workload's optimize steps)
 set -u
@@ -59,7 +60,7 @@ for step in ${STEPS:-dispatch}; do
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
       key="OPT_ARGS_$(echo "$w" | tr '.-' '__')"; extra="${!key-${OPT_ARGS:-}}"
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
-        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" $extra > "$OUT/logs/optimize_$w.log" 2>&1
+        --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${E2E_MAX_S:+--e2e-max-s $E2E_MAX_S} $extra > "$OUT/logs/optimize_$w.log" 2>&1
       echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
   esac
 done | tee "$OUT/logs/steps.txt"
