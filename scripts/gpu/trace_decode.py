@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--decode-graphs", action="store_true",
                     help="also eager_graphs (and patched_graphs with --bundle): decode steps replayed from CUDA graphs")
     args = ap.parse_args()
+    if args.skip_eager and not args.bundle:  # before the model is built: a usage error costs no model load
+        ap.error("--skip-eager: expected --bundle (nothing else to trace)")
     import kernels_runtime
     from llm4llm.workload import call_script, load_script, load_workload
 
@@ -83,8 +85,6 @@ def main() -> int:
     def run():
         return call_script(script.run, model, wl, batch)
 
-    if args.skip_eager and not args.bundle:
-        ap.error("--skip-eager: expected --bundle (nothing else to trace)")
     rows = [] if args.skip_eager else [trace(run, args.out, "eager", cuda)]
     if args.decode_graphs and not args.skip_eager:
         g = kernels_runtime.enable_decode_graphs(model)
