@@ -87,7 +87,8 @@ class E2EResult:
 
 
 TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "vs_eager",
-                 "vs_eager_cpu", "vs_compile", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms", "peak_mem_mb", "compile_s", "notes")
+                 "vs_eager_cpu", "vs_compile", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms", "peak_mem_mb",
+                 "compile_s", "notes")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
