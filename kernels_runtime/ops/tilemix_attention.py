@@ -30,7 +30,9 @@ from kernels_runtime.ops._common import interpreting
 from kernels_runtime.ops.tilemix_masks import TileMask
 
 # Tile configs tried per shape (tune=True); BLOCK_M must divide the mask's group_m and BLOCK_N its group_n. int8
-# wgmma needs K (head_dim) a multiple of 32 and BLOCK_M a multiple of 64 per warpgroup (m64nNk32).
+# wgmma needs K (head_dim) a multiple of 32 and BLOCK_M a multiple of 64 per warpgroup (m64nNk32). Compiled for sm_90
+# by Triton 3.9 at 0 % coverage, the pointer path loads its fully visible K/V tiles with plain global loads (no
+# cp.async: the route index feeds their address); the TMA path's are bulk-tensor copies pipelined on mbarriers.
 CONFIGS: list[dict] = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
@@ -39,6 +41,10 @@ CONFIGS: list[dict] = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    # K/V tiles by TMA (host-made descriptors; a layout TMA cannot walk runs the pointer path of the same tiles)
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
 ]
 QUANT_BLOCK = 128  # tokens per quantisation scale (per head), for Q and K alike; a multiple of BLOCK_N keeps the
 # key scale one number per tile
@@ -84,35 +90,43 @@ def _quantize_int8_kernel(
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, start_n, offs_m, offs_d, L, D,
-          qk_scale, stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
+def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, dk, dk8, dv, kv_row, kv_col,
+          start_n, offs_m, offs_d, L, D, qk_scale, stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
           INT8: tl.constexpr, MASKED: tl.constexpr, KV_INT8: tl.constexpr, QB: tl.constexpr,
           BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-          SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr):
-    # one key block into the online-softmax state (m_i, l_i, acc); scores in the log2 domain
+          SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr, DESC: tl.constexpr):
+    # one key block into the online-softmax state (m_i, l_i, acc); scores in the log2 domain, raw * row (row: the
+    # per-query-row factor that scales a raw score into it). DESC (a fully
+    # visible block of a 16-bit K/V, TMA on): K, K8 and V come by their host-made descriptors at row kv_row + start_n
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < L
     mask_d = offs_d < D
     if KV_INT8 or (INT8 and not SCALAR_KS):
         ks = tl.load(ks_base + offs_n // QB, mask=kv_ok, other=0.0)  # [BLOCK_N] per-key (per-block) scales
     if INT8:
-        kt8 = tl.load(k8_base + offs_n[None, :] * stride_k8s + offs_d[:, None] * stride_k8d,
-                      mask=kv_ok[None, :] & mask_d[:, None], other=0)  # [BLOCK_D, BLOCK_N] int8
+        if DESC:
+            kt8 = dk8.load([kv_row + start_n, kv_col]).T
+        else:
+            kt8 = tl.load(k8_base + offs_n[None, :] * stride_k8s + offs_d[:, None] * stride_k8d,
+                          mask=kv_ok[None, :] & mask_d[:, None], other=0)  # [BLOCK_D, BLOCK_N] int8
         if UPCAST_DOT:  # the interpreter's int8 dot: exact in fp32 (|sum| <= D * 127^2 < 2^24)
             s = tl.dot(q8.to(tl.float32), kt8.to(tl.float32), input_precision="ieee").to(tl.int32)
         else:
             s = tl.dot(q8, kt8, out_dtype=tl.int32)
         if MAGIC_CVT:  # |s| <= D * 127^2 < 2^22: 1.5 * 2^23 + s has s's float bits, and the subtraction is exact:
             # two full-rate ALU ops per score instead of an int->float conversion (I2FP)
-            sf = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            raw = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         else:
-            sf = s.to(tl.float32)
+            raw = s.to(tl.float32)
         if SCALAR_KS:  # BLOCK_N divides QB: one key scale per tile, folded into the per-row factor
-            qk = sf * (qs * (tl.load(ks_base + start_n // QB) * qk_scale))[:, None]
+            row = qs * (tl.load(ks_base + start_n // QB) * qk_scale)  # [BLOCK_M], > 0
         else:
-            qk = sf * (qs[:, None] * (ks * qk_scale)[None, :])
+            raw = raw * (qs[:, None] * (ks * qk_scale)[None, :])
+            row = tl.full(offs_m.shape, 1.0, tl.float32)
     else:
-        if KV_INT8:
+        if DESC:
+            kt = dk.load([kv_row + start_n, kv_col]).T
+        elif KV_INT8:
             kt = tl.load(k8_base + offs_n[None, :] * stride_k8s + offs_d[:, None] * stride_k8d,
                          mask=kv_ok[None, :] & mask_d[:, None], other=0)
             kt = (kt.to(tl.float32) * ks[None, :]).to(q.dtype)
@@ -121,19 +135,27 @@ def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, s
                          mask=kv_ok[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         if UPCAST_DOT:
             kt = kt.to(tl.float32)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                mask=kv_ok[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        raw = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        row = tl.full(offs_m.shape, qk_scale, tl.float32)
+    if DESC:
+        v = dv.load([kv_row + start_n, kv_col])
+    else:
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=kv_ok[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     if KV_INT8:
         vsc = tl.load(vs_base + offs_n // QB, mask=kv_ok, other=0.0)
         v = (v.to(tl.float32) * vsc[:, None]).to(q.dtype)
     if UPCAST_DOT:
         v = v.to(tl.float32)
     if MASKED:
-        qk = tl.where((offs_m[:, None] >= offs_n[None, :]) & kv_ok[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        qk = tl.where((offs_m[:, None] >= offs_n[None, :]) & kv_ok[None, :], raw * row[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:  # every score visible: the row factor is positive, so max(raw * row) = max(raw) * row (the same bits),
+        # and the scale and the max's subtraction fuse into one FMA per score
+        m_new = tl.maximum(m_i, tl.max(raw, axis=1) * row)
+        p = tl.exp2(raw * row[:, None] - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -142,9 +164,9 @@ def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, s
 @triton.jit
 def _tilemix_attention_kernel(
     # Pointers
-    Q, K, V, Q8, QS, K8, KS, VS, O, SEQ_START, SEQ_LEN, ROUTE_IDX, ROUTE_CNT, MASK,
+    Q, K, V, Q8, QS, K8, KS, VS, O, SEQ_START, SEQ_LEN, ROUTE_IDX, ROUTE_CNT, MASK, DK, DK8, DV,
     # Matrix dimensions
-    Hq, Hkv, D, GROUP, qk_scale, n_m, n_n, mask_words, GROUP_M, GROUP_N,
+    Hq, Hkv, D, GROUP, qk_scale, n_m, n_n, mask_words, GROUP_M, GROUP_N, ROW_B, ROW_H, COL_H,
     # Strides
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_os, stride_od,
@@ -153,7 +175,7 @@ def _tilemix_attention_kernel(
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
     HAS_INT8: tl.constexpr, KV_INT8: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr,
+    SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr, TMA: tl.constexpr,
 ):
     start_m = n_m - 1 - tl.program_id(0)  # the longest causal rows first
     pid = tl.program_id(1).to(tl.int64)
@@ -179,6 +201,9 @@ def _tilemix_attention_kernel(
         v_base = V + b * stride_vb + hkv * stride_vh + start * stride_vs
         ks_base = KS + b * stride_kscb + hkv * stride_ksch
         vs_base = VS + b * stride_kscb + hkv * stride_ksch
+        # TMA: the descriptors' coordinates of this sequence's key 0 (row) and of its kv head (column)
+        kv_row = (b * ROW_B + hkv * ROW_H + start).to(tl.int32)
+        kv_col = (hkv * COL_H).to(tl.int32)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -187,16 +212,16 @@ def _tilemix_attention_kernel(
         if HAS_INT8:
             for t in range(0, n8):  # fully visible INT8 blocks
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
-                                      tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d, L, D, qk_scale,
-                                      stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                      True, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-                                      SCALAR_KS, MAGIC_CVT)
+                                      DK, DK8, DV, kv_row, kv_col, tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d,
+                                      L, D, qk_scale, stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs,
+                                      stride_vd, True, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                      SCALAR_KS, MAGIC_CVT, TMA)
         for t in range(n8, n8 + n16):  # fully visible 16-bit blocks
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
-                                  tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d, L, D, qk_scale,
-                                  stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
-                                  False, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-                                      SCALAR_KS, MAGIC_CVT)
+                                  DK, DK8, DV, kv_row, kv_col, tl.load(idx_row + t) * BLOCK_N, offs_m, offs_d,
+                                  L, D, qk_scale, stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs,
+                                  stride_vd, False, False, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+                                  SCALAR_KS, MAGIC_CVT, TMA)
         hi = tl.minimum((start_m + 1) * BLOCK_M, L)
         lo = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
         if HAS_INT8:
@@ -205,23 +230,23 @@ def _tilemix_attention_kernel(
                 word = tl.load(MASK + ((start_m * BLOCK_M) // GROUP_M) * mask_words + col // 32)
                 if ((word >> (col % 32)) & 1) != 0:
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
-                                          start_n, offs_m, offs_d, L, D, qk_scale,
+                                          DK, DK8, DV, kv_row, kv_col, start_n, offs_m, offs_d, L, D, qk_scale,
                                           stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
                                           True, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-                                      SCALAR_KS, MAGIC_CVT)
+                                          SCALAR_KS, MAGIC_CVT, False)
                 else:
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
-                                          start_n, offs_m, offs_d, L, D, qk_scale,
+                                          DK, DK8, DV, kv_row, kv_col, start_n, offs_m, offs_d, L, D, qk_scale,
                                           stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
                                           False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-                                      SCALAR_KS, MAGIC_CVT)
+                                          SCALAR_KS, MAGIC_CVT, False)
         else:
-            for start_n in range(lo, hi, BLOCK_N):
+            for start_n in range(lo, hi, BLOCK_N):  # the diagonal, masked
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base,
-                                      start_n, offs_m, offs_d, L, D, qk_scale,
+                                      DK, DK8, DV, kv_row, kv_col, start_n, offs_m, offs_d, L, D, qk_scale,
                                       stride_ks, stride_kd, stride_k8s, stride_k8d, stride_vs, stride_vd,
                                       False, True, KV_INT8, QB, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-                                      SCALAR_KS, MAGIC_CVT)
+                                      SCALAR_KS, MAGIC_CVT, False)
         acc = acc / l_i[:, None]
         o_ptrs = (O + b * stride_ob + hq * stride_oh + (start + offs_m[:, None]) * stride_os
                   + offs_d[None, :] * stride_od)
@@ -388,13 +413,15 @@ def tilemix_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     k_quant: tuple[torch.Tensor, torch.Tensor] | None = None, quant_block: int = QUANT_BLOCK, tune: bool = False,
     BLOCK_M: int | None = None, BLOCK_N: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, TMA: bool | None = None,
 ) -> torch.Tensor:
     """Causal self-attention over q [B, Hq, S, D] (k, v [B, Hkv, S, D]; optional seq_lens [B]) or packed q
     [T, Hq, D] (k, v [T, Hkv, D]) with cu_seqlens [B + 1], routed per tile group by `mask` -> output in q's layout
     and dtype (rows past a padded sequence's length are 0). k, v int8 take k_scale, v_scale [B, Hkv,
     ceil(S / quant_block)]; `k_quant` = (k int8, scales) supplies the INT8 copy of 16-bit K (else computed here).
-    tune=True times CONFIGS on the first call of each shape and routing density and keeps the fastest."""
+    tune=True times CONFIGS on the first call of each shape and routing density and keeps the fastest. TMA: the
+    fully visible K/V tiles by host-made TMA descriptors (16-bit K/V whose layout `_tma_rows` maps; else pointers,
+    the same bits)."""
     B, s_max = _check(q, k, v, mask, cu_seqlens, seq_lens, k_scale, v_scale)
     packed, dev = cu_seqlens is not None, q.device
     kv_int8 = k.dtype == torch.int8
@@ -406,14 +433,51 @@ def tilemix_attention(
     o = torch.zeros_like(q) if seq_lens is not None else torch.empty_like(q)
     if q.numel() == 0 or s_max == 0:
         return o
-    explicit = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": num_warps, "num_stages": num_stages}
+    explicit = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": num_warps, "num_stages": num_stages,
+                "TMA": TMA}
     base = default_config(q.shape[-1])
-    cfg = {kk: vv if vv is not None else base[kk] for kk, vv in explicit.items()}
+    cfg = {kk: vv if vv is not None else base.get(kk, False) for kk, vv in explicit.items()}
     args = (q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale, k_quant, quant_block, kv_int8)
     if tune and not interpreting() and all(vv is None for vv in explicit.values()):
         cfg = _tuned(args, o)
     _launch(*args, o, cfg)
     return o
+
+
+def _tma_rows(x: torch.Tensor, B: int, S: int) -> tuple[int, int, int, int, int] | None:
+    """x [B, H, S, D] (padded) or [T, H, D] (packed; B = 1, S = T) as a 2-D [rows, cols] matrix a TMA descriptor
+    walks with [BLOCK_N, D] boxes: (row stride, rows, row of batch b = b * ROW_B, + head h * ROW_H, column of head
+    h = h * COL_H), token t of (b, h) at row b * ROW_B + h * ROW_H + t. Two layouts fit: tokens as rows with the heads
+    side by side along them (the model's [B, S, H, D] transposed, or packed), or one head's tokens after another
+    (contiguous [B, H, S, D]). None where neither fits or TMA's alignment (16 bytes) does not hold."""
+    sb, sh, ss, sd = _strides4(x)
+    H, D, es = x.shape[-2 if x.dim() == 3 else 1], x.shape[-1], x.element_size()
+    if sd != 1 or x.data_ptr() % 16 or (D * es) % 16:
+        return None
+    if sh < ss and (H - 1) * sh + D <= ss and sb % ss == 0:  # tokens as rows, heads along a row
+        stride, row_b, row_h, col_h = ss, sb // ss, 0, sh
+    elif ss == D and sh % D == 0 and sb % D == 0 and sh >= S * D:  # each head's tokens one after another
+        stride, row_b, row_h, col_h = D, sb // D, sh // D, 0
+    else:
+        return None
+    if (stride * es) % 16:
+        return None
+    rows = (B - 1) * row_b + (H - 1) * row_h + S
+    return stride, rows, row_b, row_h, col_h
+
+
+def _descriptors(k, v, k8, B, S, bn, D):
+    """(DK, DK8, DV, ROW_B, ROW_H, COL_H): host-made TMA descriptors of K, its INT8 copy and V ([bn, D] boxes) when
+    all three map to the same rows and columns, else Nones (the kernel then loads every tile by pointers)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    lays = [_tma_rows(t, B, S) for t in (k, v, k8)]
+    if any(lay is None for lay in lays) or any(lay[2:] != lays[0][2:] for lay in lays):
+        return None, None, None, 0, 0, 0
+    descs = [TensorDescriptor(t, [rows, (t.shape[-2 if t.dim() == 3 else 1] - 1) * col_h + D if col_h else D],
+                              [stride, 1], [bn, D])
+             for t, (stride, rows, _, _, col_h) in zip((k, k8, v), (lays[0], lays[2], lays[1]))]
+    return (*descs, *lays[0][2:])
 
 
 def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale, k_quant, quant_block, kv_int8,
@@ -437,16 +501,21 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
     ks_strides = (ks.stride(0), ks.stride(1)) if ks.dim() == 3 else (0, 0)
     qs_strides = (qs.stride(0), qs.stride(1)) if qs.dim() == 3 else (0, 0)
     scale = D**-0.5 if scale is None else scale
+    block_d = max(32 if has8 else 16, triton.next_power_of_2(D))  # an int8 dot needs K >= 32
+    tma = bool(cfg.get("TMA")) and not kv_int8 and block_d == D
+    desc = (_descriptors(k, v, k8, 1 if q.dim() == 3 else B, k.shape[0 if q.dim() == 3 else 2], bn, D) if tma
+            else (None, None, None, 0, 0, 0))
+    tma = desc[0] is not None
     _tilemix_attention_kernel[(n_m, B * hq)](
-        q, k, v, q8, qs, k8, ks, vs, o, seq_start, seq_len, idx, cnt, bits,
-        hq, hkv, D, hq // hkv, scale * _LOG2E, n_m, n_n, bits.shape[1], mask.group_m, mask.group_n,
+        q, k, v, q8, qs, k8, ks, vs, o, seq_start, seq_len, idx, cnt, bits, *desc[:3],
+        hq, hkv, D, hq // hkv, scale * _LOG2E, n_m, n_n, bits.shape[1], mask.group_m, mask.group_n, *desc[3:],
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *_strides4(q8), *_strides4(k8),
         *qs_strides, *ks_strides,
-        BLOCK_M=bm, BLOCK_N=bn, QB=quant_block,
-        BLOCK_D=max(32 if has8 else 16, triton.next_power_of_2(D)),  # an int8 dot needs K >= 32
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, QB=quant_block,
         HAS_INT8=has8, KV_INT8=kv_int8, UPCAST_DOT=interpreting(), SCALAR_KS=quant_block % bn == 0,
         MAGIC_CVT=INT8_DEQUANT == "magic",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -5,6 +5,7 @@ python scripts/gpu/tilemix_bench.py frontier --out DIR   # prompts x templates x
 python scripts/gpu/tilemix_bench.py plot --rows DIR/frontier.jsonl --out DIR   # the frontier PNG (no GPU)
 python scripts/gpu/tilemix_bench.py record --rows DIR/frontier.jsonl --db FILE --bench-id ID   # into DuckDB (no GPU)
 python scripts/gpu/tilemix_bench.py layer --out DIR      # one qwen3-4b attention layer at 16k: HF SDPA vs TileMix
+python scripts/gpu/tilemix_bench.py tma --lengths 16384,32768 --out DIR   # K/V by TMA vs by pointers, vs SDPA
 
 Rows go to DIR/*.jsonl (one JSON object a line); a short table is printed last. `frontier --db FILE` (or `record`
 afterwards) also writes the frontier rows into DuckDB's `tilemix_frontier` through storage/, tied to `--run-id` /
@@ -128,8 +129,9 @@ def compiled(fn) -> list:
     return found
 
 
-def isa_report(out: Path) -> list[dict]:
-    """Grep each compiled TileMix kernel's PTX and SASS for the tensor-core instructions of its dots."""
+def isa_report(out: Path, dump: bool = True) -> list[dict]:
+    """Grep each compiled TileMix kernel's PTX and SASS for the tensor-core instructions of its dots and how its
+    tiles are loaded (TMA bulk-tensor copies, cp.async); dump: the first INT8 kernel's PTX/SASS to DIR."""
     rows = []
     for i, k in enumerate(compiled(tm._tilemix_attention_kernel)):
         ptx = k.asm.get("ptx", "")
@@ -159,8 +161,9 @@ def isa_report(out: Path) -> list[dict]:
         rows.append({"kernel": i, "wgmma_s8": grep(("wgmma", ".s8")), "wgmma_bf16": grep(("wgmma", ".bf16")),
                      "mma_sync_s8": grep(("mma.sync", ".s8")), "sass_tensor_ops": sass_ops,
                      "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
-                     "has_int8_path": ".s8" in ptx, **md, "constants": consts})
-        if ".s8" in ptx and not (out / "tilemix_int8.ptx").exists():
+                     "has_int8_path": ".s8" in ptx, "tma_copies": ptx.count("cp.async.bulk.tensor"),
+                     "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), **md, "constants": consts})
+        if dump and ".s8" in ptx and not (out / "tilemix_int8.ptx").exists():
             (out / "tilemix_int8.ptx").write_text(ptx)
             if sass:
                 (out / "tilemix_int8.sass").write_text(sass)
@@ -227,6 +230,76 @@ def check(out: Path) -> None:
                  tflops=flops / p50 / 1e9, speedup_vs_sdpa=times["sdpa_flash"][1] / p50)
     print(f"sweep {time.time() - t0:.1f} s")
     summarize(out / "check.jsonl")
+
+
+# The TMA sweep's tile configs: the pointer path's default, then the TMA path at the points that fit sm_90's shared
+# memory with two loops' buffers (a config that does not compile is reported and left out)
+TMA_SWEEP = [dict(tm.CONFIGS[0], TMA=False)] + [
+    {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": st, "TMA": True}
+    for bn, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
+
+
+def sdpa_cudnn(q, k, v):
+    """cuDNN's SDPA on K/V already repeated to Hq heads: the backend and the call the model's SDPA makes (HF repeats
+    K/V before SDPA; 2026-12-02-h200-d's layer bench saw cuDNN chosen at 16k)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def tma_sweep(out: Path, lengths, batch: int, rounds: int) -> None:
+    """The TMA path against the pointer path, SDPA flash and cuDNN, at 0 %, 75 % (sink_local) and 100 % coverage:
+    every variant of a length interleaved over `rounds`; each TMA output compared with the pointer path's at the
+    same tiles (max |diff|), the default's error against fp32; rows to DIR/tma.jsonl."""
+    rows = Rows(out / "tma.jsonl")
+    print("versions", versions())
+    for S in lengths:
+        q, k, v = qkv(batch, S, seed=S)
+        g = HQ // HKV
+        kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        ref = ref32(q, k, v)
+        masks = {"0": uniform_mask(False, S, device="cuda"), "75": build_tile_mask("sink_local", 0.75, S, device="cuda"),
+                 "100": uniform_mask(True, S, device="cuda")}
+        fns = {"sdpa_flash": lambda: sdpa_flash(q, k, v), "sdpa_cudnn": lambda: sdpa_cudnn(q, kr, vr)}
+        outs = {}
+        for cov, m in masks.items():
+            for ci, cfg in enumerate(TMA_SWEEP):
+                name = f"{cov}%/c{ci}"
+                fn = lambda m=m, cfg=cfg: tm.tilemix_attention(q, k, v, m, **cfg)  # noqa: E731
+                try:
+                    outs[name] = fn()  # compiles; the warm-up call
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is reported, the rest go on
+                    rows.add(kind="tma_skip", S=S, variant=name, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    continue
+                fns[name] = fn
+        for n in ("sdpa_flash", "sdpa_cudnn"):
+            try:
+                outs[n] = fns[n]()
+            except Exception as e:  # noqa: BLE001 - a backend this build lacks is left out, said why
+                rows.add(kind="tma_skip", S=S, variant=n, error=f"{type(e).__name__}: {str(e)[:300]}")
+                del fns[n]
+        for name, o in outs.items():
+            cov, ci = (name.split("/c") + [None])[:2] if "/c" in name else (None, None)
+            same = f"{cov}/c0" if cov else None
+            diff = float((o.float() - outs[same].float()).abs().max()) if same in outs and name != same else None
+            rows.add(kind="tma_check", S=S, variant=name, rel_err_fp32=rel_err(o, ref),
+                     max_abs_vs_pointer=diff, finite=bool(torch.isfinite(o).all()))
+        times = bench(fns, rounds)
+        flops = 2 * batch * HQ * S * S * D
+        base = {n: times[n][1] for n in ("sdpa_flash", "sdpa_cudnn") if n in times}
+        for n, (p20, p50, p80, ns) in times.items():
+            ci = int(n.split("/c")[1]) if "/c" in n else None
+            rows.add(kind="tma", S=S, B=batch, variant=n, cfg=None if ci is None else TMA_SWEEP[ci], p20_ms=p20,
+                     p50_ms=p50, p80_ms=p80, samples=ns, tflops=flops / p50 / 1e9,
+                     **{f"vs_{b}": t / p50 for b, t in base.items()})
+            print(f"S={S:6d} {n:12s} p50 {p50:8.3f} ms ({p20:.3f}-{p80:.3f}) {flops / p50 / 1e9:6.1f} TFLOP/s "
+                  + " ".join(f"vs {b} {t / p50:.3f}" for b, t in base.items()), flush=True)
+        del q, k, v, kr, vr, ref, outs
+        torch.cuda.empty_cache()
+    for r in isa_report(out, dump=False):
+        rows.add(kind="isa", **r)
+        print({x: r[x] for x in ("kernel", "tma_copies", "cp_async", "n_regs", "n_spills", "shared")}, r["constants"][:160])
 
 
 def dequant_check(rows: Rows) -> None:
@@ -646,7 +719,7 @@ def plot(rows_path: Path, png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "frontier", "plot", "record", "layer"])
+    ap.add_argument("mode", choices=["check", "frontier", "plot", "record", "layer", "tma"])
     ap.add_argument("--rows", help="plot, record: the frontier.jsonl to read")
     ap.add_argument("--db", help="frontier, record: the DuckDB file the frontier rows go to")
     ap.add_argument("--bench-id", help="frontier, record: the bench's id in DuckDB (default: tilemix-<UTC time>)")
@@ -685,6 +758,8 @@ def main() -> None:
     (out / "command.txt").write_text(" ".join(sys.argv) + "\n" + json.dumps(versions()) + "\n")
     if a.mode == "check":
         check(out)
+    elif a.mode == "tma":
+        tma_sweep(out, [int(x) for x in a.lengths.split(",")], a.batch, a.rounds)
     else:
         frontier(out, [int(x) for x in a.lengths.split(",")], a.batch, a.model_len, db)
 
