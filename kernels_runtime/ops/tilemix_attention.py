@@ -34,6 +34,13 @@ from kernels_runtime.ops.tilemix_masks import TileMask
 # by Triton 3.9 at 0 % coverage, the pointer path loads its fully visible K/V tiles with plain global loads (no
 # cp.async: the route index feeds their address); the TMA path's are bulk-tensor copies pipelined on mbarriers.
 CONFIGS: list[dict] = [
+    # K/V tiles by TMA (host-made descriptors; where TMA cannot run, the pointer path of the same tiles). 128 x 128 in
+    # 3 stages was the fastest at 16k and 32k, batch 8, qwen3-4b's heads, at 0, 75 and 100 % (2026-12-04-h200-b)
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
+    # K/V tiles by pointers (the default before TMA, and every GPU before sm_90)
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
@@ -41,11 +48,8 @@ CONFIGS: list[dict] = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-    # K/V tiles by TMA (host-made descriptors; a layout TMA cannot walk runs the pointer path of the same tiles)
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
 ]
+POINTER_DEFAULT = CONFIGS[4]
 QUANT_BLOCK = 128  # tokens per quantisation scale (per head), for Q and K alike; a multiple of BLOCK_N keeps the
 # key scale one number per tile
 # How the int32 scores become fp32: "magic" (integer add + exact subtract) or "cvt" (the conversion instruction)
@@ -368,8 +372,20 @@ def _device_bits(mask: TileMask, device: torch.device) -> torch.Tensor:
     return mask._routes[key]
 
 
-def default_config(head_dim: int) -> dict:
-    return dict(CONFIGS[0]) if head_dim > 64 else {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+def tma_ok(device: torch.device) -> bool:
+    """Whether the TMA path can run on `device`: sm_90 or newer, or the interpreter (which emulates descriptors)."""
+    return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def default_config(head_dim: int, device: torch.device | None = None) -> dict:
+    """The tiles a call without explicit ones runs: CONFIGS[0] (TMA) for head_dim 65-128 where TMA runs, the
+    pointer path's default where it does not or for head_dim > 128 (TMA's three-stage 128 x 128 buffers would
+    overflow shared memory), small tiles for head_dim <= 64."""
+    if head_dim <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if head_dim <= 128 and device is not None and tma_ok(device):
+        return dict(CONFIGS[0])
+    return dict(POINTER_DEFAULT)
 
 
 def _check(q, k, v, mask, cu_seqlens, seq_lens, k_scale, v_scale) -> tuple[int, int]:
@@ -435,7 +451,7 @@ def tilemix_attention(
         return o
     explicit = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": num_warps, "num_stages": num_stages,
                 "TMA": TMA}
-    base = default_config(q.shape[-1])
+    base = default_config(q.shape[-1], q.device)
     cfg = {kk: vv if vv is not None else base.get(kk, False) for kk, vv in explicit.items()}
     args = (q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale, k_quant, quant_block, kv_int8)
     if tune and not interpreting() and all(vv is None for vv in explicit.values()):
@@ -502,7 +518,7 @@ def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale
     qs_strides = (qs.stride(0), qs.stride(1)) if qs.dim() == 3 else (0, 0)
     scale = D**-0.5 if scale is None else scale
     block_d = max(32 if has8 else 16, triton.next_power_of_2(D))  # an int8 dot needs K >= 32
-    tma = bool(cfg.get("TMA")) and not kv_int8 and block_d == D
+    tma = bool(cfg.get("TMA")) and not kv_int8 and block_d == D and tma_ok(q.device)
     desc = (_descriptors(k, v, k8, 1 if q.dim() == 3 else B, k.shape[0 if q.dim() == 3 else 2], bn, D) if tma
             else (None, None, None, 0, 0, 0))
     tma = desc[0] is not None

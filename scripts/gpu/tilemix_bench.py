@@ -192,7 +192,7 @@ def check(out: Path) -> None:
     # 2. 0 % against the plain kernel, bit for bit, padded batch at the plain kernel's default config
     qb, kb, vb = qkv(2, 1500, seed=1)
     plain = attention_prefill(qb, kb, vb)
-    for cfg in (tm.CONFIGS[0],):
+    for cfg in (tm.POINTER_DEFAULT, tm.CONFIGS[0]):
         for m in [uniform_mask(False, 1500, device="cuda")] + [build_tile_mask(t, 0.0, 1500, device="cuda")
                                                                  for t in TEMPLATES]:
             o = tm.tilemix_attention(qb, kb, vb, m, **cfg)
@@ -234,7 +234,7 @@ def check(out: Path) -> None:
 
 # The TMA sweep's tile configs: the pointer path's default, then the TMA path at the points that fit sm_90's shared
 # memory with two loops' buffers (a config that does not compile is reported and left out)
-TMA_SWEEP = [dict(tm.CONFIGS[0], TMA=False)] + [
+TMA_SWEEP = [dict(tm.POINTER_DEFAULT)] + [
     {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": st, "TMA": True}
     for bn, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
 
@@ -310,7 +310,7 @@ def dequant_check(rows: Rows) -> None:
     q = torch.randn(int(cu[-1]), HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(int(cu[-1]), HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ok = True
-    for cfg in (tm.CONFIGS[0], tm.CONFIGS[2], tm.CONFIGS[5]):
+    for cfg in (tm.CONFIGS[0], tm.POINTER_DEFAULT, tm.CONFIGS[6], tm.CONFIGS[9]):
         m = build_tile_mask("bigbird", 0.5, max(lens), device="cuda")
         outs = {}
         for mode in ("magic", "cvt"):
@@ -328,12 +328,12 @@ def dequant_check(rows: Rows) -> None:
     fns = {}
     for name, m in masks.items():
         for mode in ("magic", "cvt"):
-            for ci in (0, 2, 5):
+            for ci in (0, 4, 9):
                 def fn(m=m, mode=mode, cfg=tm.CONFIGS[ci]):
                     tm.INT8_DEQUANT = mode
                     return tm.tilemix_attention(q, k, v, m, **cfg)
                 fns[f"{name}/{mode}/c{ci}"] = fn
-    fns["all_16bit/c3"] = lambda: tm.tilemix_attention(q, k, v, uniform_mask(False, S, device="cuda"), **tm.CONFIGS[3])
+    fns["all_16bit/c0"] = lambda: tm.tilemix_attention(q, k, v, uniform_mask(False, S, device="cuda"), **tm.CONFIGS[0])
     for fn in fns.values():
         fn()
     for n, (p20, p50, p80, ns) in bench(fns, rounds=3).items():

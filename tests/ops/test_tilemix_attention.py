@@ -223,3 +223,18 @@ def test_tma_descriptors_load_the_same_tiles(layout):
     mask = build_tile_mask("sink_local", 0.5, S, group=G)
     qs = q if layout != "packed" else _qkv(B, Hq, Hkv, S, D, dtype=torch.bfloat16, seed=11)[0]
     assert torch.equal(tilemix_attention(qs, kt, kt, mask, TMA=True, **CFG), tilemix_attention(qs, kt, kt, mask, **CFG))
+
+
+def test_default_tiles_take_tma_only_where_it_runs(monkeypatch):
+    """head_dim 128 defaults to the TMA config on sm_90+, to the pointer path before it (an A100) and for
+    head_dim > 128; a TMA config asked for on a GPU without TMA runs the pointer path (`_launch` checks tma_ok)."""
+    from kernels_runtime.ops import tilemix_attention as tm
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tm, "interpreting", lambda: False)
+    for cap, want in (((8, 0), tm.POINTER_DEFAULT), ((9, 0), tm.CONFIGS[0]), ((10, 0), tm.CONFIGS[0])):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
+        assert tm.default_config(128, cuda) == want
+        assert tm.tma_ok(cuda) == (cap[0] >= 9)
+    assert tm.default_config(256, cuda) == tm.POINTER_DEFAULT and tm.default_config(64, cuda)["BLOCK_M"] == 64
+    assert not tm.tma_ok(torch.device("cpu")) and tm.CONFIGS[0]["TMA"] and "TMA" not in tm.POINTER_DEFAULT

@@ -15,7 +15,9 @@ NAME = "attention.prefill_tilemix"
 # coverage ascending: the library proposer's neighbours are adjacent; acceptance descends from the proposed value
 COVERAGES = [0.25, 0.5, 0.75, 0.9, 1.0]
 TM = {"tm_template": ["sink_local", "bigbird", "row_random"], "tm_coverage": COVERAGES,
-      "attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [64, 128], "attn_num_warps": [4, 8], "attn_num_stages": [2, 3]}
+      "attn_BLOCK_M": [64, 128], "attn_BLOCK_N": [64, 128], "attn_num_warps": [4, 8], "attn_num_stages": [2, 3],
+      # the fully visible K/V tiles by TMA descriptors (sm_90+; the pointer path elsewhere, the same bits)
+      "tm_tma": [True, False]}
 
 
 def _applies_tilemix(spec: TaskSpec) -> str | None:
@@ -57,7 +59,8 @@ def entry(inputs, weights, state, static):
         k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
         v_all, _ = _with_past(state.get("value_cache"), v)
     if sp == 0:  # self-attention over the prompt: routed per tile group
-        o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, **ATTN)  # [B, Hq, S, D]
+        o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, TMA=CONFIG.get("tm_tma", False),
+                              **ATTN)  # [B, Hq, S, D]
     else:  # a prefill that extends a cache: TileMix routes one prompt's own score matrix, so the plain kernel
         o = attention_prefill(q, k_all, v_all, scale, **ATTN)
     out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
@@ -71,6 +74,7 @@ TEMPLATES = [
              space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **TM}, render_fn=_render, applies_fn=_applies_tilemix,
              default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
                                       "lin_num_warps": 4, "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
-                                      "tm_template": "sink_local", "tm_coverage": 0.75, "attn_BLOCK_M": 128,
-                                      "attn_BLOCK_N": 64, "attn_num_warps": 8, "attn_num_stages": 3}),
+                                      "tm_template": "sink_local", "tm_coverage": 0.75, "tm_tma": True,
+                                      "attn_BLOCK_M": 128, "attn_BLOCK_N": 128, "attn_num_warps": 8,
+                                      "attn_num_stages": 3}),
 ]
