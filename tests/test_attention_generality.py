@@ -263,3 +263,34 @@ def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_ty
         v = _verify(task_dir, pinned.render(spec, pinned.default(spec)), draws=1)  # a trial: a fresh draw as well
         assert v.passed, f"{name} on {spec.task_id}: {v.failure_class}: {v.message}"
         assert [g.name for g in v.gates if not g.passed] == [] and v.max_abs_err is not None and v.max_abs_err < 1e-4
+
+
+def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
+    """attention.prefill_flash's default attends a 16-bit prompt without a past or a window with TileMix's 0 % kernel
+    (every tile 16-bit, K/V by TMA on sm_90+): bit for bit attention_prefill at the same tiles under the
+    interpreter; a past, a window, fp32 or flash_kernel = "pointer" go to attention_prefill."""
+    from kernels_runtime.ops.attention_prefill import attention_prefill
+    from llm4llm.search.templates import TEMPLATES
+
+    prefill = {t.name: t for t in TEMPLATES}["attention.prefill_flash"]
+    spec = _spec(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"])
+    assert prefill.default(spec)["flash_kernel"] == "tma" and prefill.space(spec)["flash_kernel"] == ["tma", "pointer"]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 40, 32, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
+    tiles = {"attn_BLOCK_M": 64, "attn_BLOCK_N": 32, "attn_num_warps": 4, "attn_num_stages": 2}
+    for kernel in ("tma", "pointer"):
+        ns: dict = {}
+        exec(prefill.render(spec, {**prefill.default(spec), **tiles, "flash_kernel": kernel}), ns)
+        calls = []
+        if kernel == "tma":
+            real = ns["tilemix_attention"]
+            ns["tilemix_attention"] = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+        plain = attention_prefill(q, k, v, 0.17, BLOCK_M=64, BLOCK_N=32)
+        assert torch.equal(ns["_attend"](q, k, v, 0.17, None, 0), plain)
+        assert len(calls) == (kernel == "tma") and all(c["TMA"] for c in calls)
+        calls.clear()
+        ns["_attend"](q, k, v, 0.17, 8, 0)  # a window
+        ns["_attend"](q.float(), k.float(), v.float(), 0.17, None, 0)  # fp32
+        kp, vp = (torch.cat([torch.randn(1, 2, 3, 32).to(torch.bfloat16), t], 2) for t in (k, v))
+        ns["_attend"](q, kp, vp, 0.17, None, 3)  # a prompt after 3 cached positions
+        assert calls == []

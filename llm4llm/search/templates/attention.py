@@ -17,6 +17,7 @@ from llm4llm.taskspec import TaskSpec
 ROTARY = ("kernels_runtime.ops.rotary", "rotary")
 QK_NORM_ROTARY = ("kernels_runtime.ops.rotary", "qk_norm_rotary")
 PREFILL_OP = ("kernels_runtime.ops.attention_prefill", "attention_prefill")
+FLASH_TMA_OP = ("kernels_runtime.ops.tilemix_attention", "tilemix_attention")
 DECODE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode")
 DECODE_UPDATE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode_update")
 DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_decode_static")
@@ -209,8 +210,24 @@ def _imports(extra: list[str]) -> list[str]:
 
 
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.attention_prefill import attention_prefill"])
-    return header("attention.prefill_flash", spec, imports, config) + _qkv_prelude(spec) + '''
+    extra = ["from kernels_runtime.ops.attention_prefill import attention_prefill"]
+    if config.get("flash_kernel") == "tma":
+        extra += ["from kernels_runtime.ops.tilemix_attention import tilemix_attention",
+                  "from kernels_runtime.ops.tilemix_masks import uniform_mask"]
+    return header("attention.prefill_flash", spec, _imports(extra), config) + _qkv_prelude(spec) + '''
+_ZERO = {}  # a prompt length's routing with no INT8 tile: TileMix at 0 %, this project's bf16 flash kernel
+
+
+def _attend(q, k_all, v_all, scale, window, sp):
+    # a 16-bit prompt without a past or a window (head_dim <= 128): the flash kernel whose fully visible K/V tiles
+    # come by TMA (sm_90+; its pointer path elsewhere); else, and with flash_kernel = "pointer", attention_prefill
+    if CONFIG.get("flash_kernel") == "tma" and sp == 0 and not window and q.element_size() == 2 and q.shape[-1] <= 128:
+        key = (q.shape[2], str(q.device))
+        if key not in _ZERO:
+            _ZERO[key] = uniform_mask(False, q.shape[2], device=q.device)
+        return tilemix_attention(q, k_all, v_all, _ZERO[key], scale, TMA=True, **ATTN)
+    return attention_prefill(q, k_all, v_all, scale, sliding_window=window, **ATTN)
+
 
 def entry(inputs, weights, state, static):
     x = inputs["hidden_states"]  # [B, S, H]
@@ -218,11 +235,10 @@ def entry(inputs, weights, state, static):
     D = _head_dim(static)
     q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)
-    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+    k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
     window = _window(static)
-    o = attention_prefill(q, k_all, v_all, float(_static(static, "scaling")), sliding_window=window,
-                          **ATTN)  # [B, Hq, S, D]
+    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window, sp)  # [B, Hq, S, D]
     out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
@@ -340,12 +356,16 @@ def entry(inputs, weights, state, static):
 TEMPLATES = [
     Template(name="attention.prefill_flash", family="attention", phases=("prefill",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, PREFILL_OP),
-             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_PREFILL, **ROPE, **ATTN_PREFILL},
+             space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_PREFILL, **ROPE, **ATTN_PREFILL,
+                                    "flash_kernel": ["tma", "pointer"]},
              render_fn=_render_prefill, applies_fn=_applies, options=("qkv_layout",),
+             choice_requires={("flash_kernel", "tma"): (FLASH_TMA_OP,)},
+             # TileMix's 0 % kernel with TMA at 128 x 128 in 3 stages: qwen3-4b's heads at 16k and 32k, batch 8, 1.29x
+             # and 1.33x SDPA flash on the H200 (2026-12-04-h200-b); attention_prefill at 64 x 64 was about level
              default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
                                       "lin_num_warps": 4, "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
-                                      "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
-                                      "attn_num_stages": 2}),
+                                      "flash_kernel": "tma", "attn_BLOCK_M": 128, "attn_BLOCK_N": 128,
+                                      "attn_num_warps": 8, "attn_num_stages": 3}),
     Template(name="attention.decode_splitkv", family="attention", phases=("decode",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, DECODE_OP),
              space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ROPE, **ATTN_DECODE},
