@@ -266,10 +266,12 @@ def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_ty
 
 
 def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
-    """attention.prefill_flash's default attends a 16-bit prompt without a past or a window with TileMix's 0 % kernel
-    (every tile 16-bit, K/V by TMA on sm_90+): bit for bit attention_prefill at the same tiles under the
-    interpreter; a past, a window, fp32 or flash_kernel = "pointer" go to attention_prefill."""
+    """attention.prefill_flash's default attends a 16-bit prompt without a past or a window with
+    attention_prefill_tma (TileMix's kernel with no INT8 tile, K/V by TMA on sm_90+): bit for bit attention_prefill
+    at the same tiles under the interpreter, and exact, so acceptance does not take it for a lossy candidate; a
+    past, a window, fp32 or flash_kernel = "pointer" go to attention_prefill."""
     from kernels_runtime.ops.attention_prefill import attention_prefill
+    from llm4llm.accept import Proposal, lossy_of
     from llm4llm.search.templates import TEMPLATES
 
     prefill = {t.name: t for t in TEMPLATES}["attention.prefill_flash"]
@@ -279,18 +281,25 @@ def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
     q, k, v = (torch.randn(1, h, 40, 32, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
     tiles = {"attn_BLOCK_M": 64, "attn_BLOCK_N": 32, "attn_num_warps": 4, "attn_num_stages": 2}
     for kernel in ("tma", "pointer"):
+        config = {**prefill.default(spec), **tiles, "flash_kernel": kernel}
+        source = prefill.render(spec, config)
+        assert lossy_of(Proposal("", "c", source, 1.0, config, prefill.name)) is None
         ns: dict = {}
-        exec(prefill.render(spec, {**prefill.default(spec), **tiles, "flash_kernel": kernel}), ns)
+        exec(source, ns)
         calls = []
         if kernel == "tma":
-            real = ns["tilemix_attention"]
-            ns["tilemix_attention"] = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+            real = ns["attention_prefill_tma"]
+            ns["attention_prefill_tma"] = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
         plain = attention_prefill(q, k, v, 0.17, BLOCK_M=64, BLOCK_N=32)
-        assert torch.equal(ns["_attend"](q, k, v, 0.17, None, 0), plain)
-        assert len(calls) == (kernel == "tma") and all(c["TMA"] for c in calls)
+        assert torch.equal(ns["_attend"](q, k, v, 0.17, None), plain)
+        assert len(calls) == (kernel == "tma")
         calls.clear()
-        ns["_attend"](q, k, v, 0.17, 8, 0)  # a window
-        ns["_attend"](q.float(), k.float(), v.float(), 0.17, None, 0)  # fp32
+        ns["_attend"](q, k, v, 0.17, 8)  # a window
+        ns["_attend"](q.float(), k.float(), v.float(), 0.17, None)  # fp32
         kp, vp = (torch.cat([torch.randn(1, 2, 3, 32).to(torch.bfloat16), t], 2) for t in (k, v))
-        ns["_attend"](q, kp, vp, 0.17, None, 3)  # a prompt after 3 cached positions
+        ns["_attend"](q, kp, vp, 0.17, None)  # a prompt after 3 cached positions
         assert calls == []
+    from kernels_runtime.ops.attention_prefill import attention_prefill_tma
+
+    with pytest.raises(ValueError, match="without a past"):
+        attention_prefill_tma(q, kp, vp)

@@ -17,7 +17,7 @@ from llm4llm.taskspec import TaskSpec
 ROTARY = ("kernels_runtime.ops.rotary", "rotary")
 QK_NORM_ROTARY = ("kernels_runtime.ops.rotary", "qk_norm_rotary")
 PREFILL_OP = ("kernels_runtime.ops.attention_prefill", "attention_prefill")
-FLASH_TMA_OP = ("kernels_runtime.ops.tilemix_attention", "tilemix_attention")
+FLASH_TMA_OP = ("kernels_runtime.ops.attention_prefill", "attention_prefill_tma")
 DECODE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode")
 DECODE_UPDATE_OP = ("kernels_runtime.ops.attention_decode", "attention_decode_update")
 DECODE_STATIC_OP = ("kernels_runtime.ops.attention_decode_static", "attention_decode_static")
@@ -210,22 +210,16 @@ def _imports(extra: list[str]) -> list[str]:
 
 
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    extra = ["from kernels_runtime.ops.attention_prefill import attention_prefill"]
-    if config.get("flash_kernel") == "tma":
-        extra += ["from kernels_runtime.ops.tilemix_attention import tilemix_attention",
-                  "from kernels_runtime.ops.tilemix_masks import uniform_mask"]
-    return header("attention.prefill_flash", spec, _imports(extra), config) + _qkv_prelude(spec) + '''
-_ZERO = {}  # a prompt length's routing with no INT8 tile: TileMix at 0 %, this project's bf16 flash kernel
+    ops = "attention_prefill, attention_prefill_tma, tma_applies" if config.get("flash_kernel") == "tma" else \
+        "attention_prefill"
+    return header("attention.prefill_flash", spec, _imports([f"from kernels_runtime.ops.attention_prefill import "
+                                                             f"{ops}"]), config) + _qkv_prelude(spec) + '''
 
-
-def _attend(q, k_all, v_all, scale, window, sp):
-    # a 16-bit prompt without a past or a window (head_dim <= 128): the flash kernel whose fully visible K/V tiles
-    # come by TMA (sm_90+; its pointer path elsewhere); else, and with flash_kernel = "pointer", attention_prefill
-    if CONFIG.get("flash_kernel") == "tma" and sp == 0 and not window and q.element_size() == 2 and q.shape[-1] <= 128:
-        key = (q.shape[2], str(q.device))
-        if key not in _ZERO:
-            _ZERO[key] = uniform_mask(False, q.shape[2], device=q.device)
-        return tilemix_attention(q, k_all, v_all, _ZERO[key], scale, TMA=True, **ATTN)
+def _attend(q, k_all, v_all, scale, window):
+    # a 16-bit prompt without a past or a window (head_dim <= 128): the bf16 flash kernel whose fully visible K/V
+    # tiles come by TMA (sm_90+; pointers elsewhere); else, and with flash_kernel = "pointer", attention_prefill
+    if CONFIG.get("flash_kernel") == "tma" and tma_applies(q, k_all, window):
+        return attention_prefill_tma(q, k_all, v_all, scale, **ATTN)
     return attention_prefill(q, k_all, v_all, scale, sliding_window=window, **ATTN)
 
 
@@ -235,10 +229,10 @@ def entry(inputs, weights, state, static):
     D = _head_dim(static)
     q, k, v = _qkv(x, weights, static, B, S, D)
     q, k = _rope(q, k, inputs, weights, static)
-    k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
     window = _window(static)
-    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window, sp)  # [B, Hq, S, D]
+    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window)  # [B, Hq, S, D]
     out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
