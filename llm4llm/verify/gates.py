@@ -686,6 +686,11 @@ FREE_ATEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "item", "scalar_tensor", "_has_compatible_shallow_copy_type", "record_stream", "stride", "size",
              "numel", "dim", "is_contiguous", "storage_offset", "equal", "isfinite", "index_select", "cat", "stack"}
 TORCH_WORK_SHARE = 0.25  # elements produced by compute aten ops, as a share of the outputs', above which torch did it
+# Library launchers whose aten ops are cuBLAS doing a task's GEMM (`linear(impl="cublas")`): glue only where the task's
+# work is something else, the attention templates' projections around their attention kernel; in any other family
+# a candidate calling it would pass this gate with cuBLAS doing the work
+BLAS_LAUNCHERS = frozenset({"_cublas_linear"})
+BLAS_GLUE_FAMILIES = frozenset({"attention"})
 
 
 def _aten_name(func) -> str:
@@ -696,20 +701,20 @@ def _aten_name(func) -> str:
 _OPS_DIR = str(Path(__file__).resolve().parents[2] / "kernels_runtime" / "ops")
 
 
-def _from_library_launcher() -> bool:
-    """Was this aten op issued by a kernels_runtime.ops launcher (reviewed library code whose torch glue is part of
-    its design, e.g. rglru's cuBLAS baddbmm)? Its pure-PyTorch `*_ref` references do not count as launchers."""
+def _library_launcher() -> str | None:
+    """The kernels_runtime.ops function that issued this aten op (reviewed library code whose torch glue is part of
+    its design, e.g. rglru's cuBLAS baddbmm), or None. Its pure-PyTorch `*_ref` references do not count."""
     import sys
 
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
         if fn.startswith(_OPS_DIR):
-            return not f.f_code.co_name.endswith("_ref")
+            return None if f.f_code.co_name.endswith("_ref") else f.f_code.co_name
         if "/torch/" not in fn and not fn.endswith("gates.py"):
-            return False  # the first frame outside torch and this module decides
+            return None  # the first frame outside torch and this module decides
         f = f.f_back
-    return False
+    return None
 
 
 class AtenCounter:
@@ -725,23 +730,32 @@ class AtenCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 name = _aten_name(func)
-                if name not in FREE_ATEN and not _from_library_launcher():
-                    counter.ops[name] = counter.ops.get(name, 0) + 1
-                    for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                        if isinstance(t, torch.Tensor):
-                            counter.elements += t.numel()
+                if name not in FREE_ATEN:
+                    launcher = _library_launcher()
+                    if launcher in BLAS_LAUNCHERS:
+                        counter.blas[name] = counter.blas.get(name, 0) + 1
+                    elif launcher is None:
+                        counter.ops[name] = counter.ops.get(name, 0) + 1
+                        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                            if isinstance(t, torch.Tensor):
+                                counter.elements += t.numel()
                 return out
 
-        self.mode, self.ops, self.elements = _Mode(), {}, 0
+        self.mode, self.ops, self.elements, self.blas = _Mode(), {}, 0, {}
 
     def report(self) -> dict:
-        return {"ops": dict(self.ops), "elements": int(self.elements)}
+        return {"ops": dict(self.ops), "elements": int(self.elements), "library_blas": dict(self.blas)}
 
 
-def torch_work_failure(report: dict | None, out_elements: int) -> str | None:
-    """Why a call's aten ops say torch, not the candidate's Triton kernels, did the work (None: they do not)."""
+def torch_work_failure(report: dict | None, out_elements: int, family: str | None = None) -> str | None:
+    """Why a call's aten ops say torch, not the candidate's Triton kernels, did the work (None: they do not).
+    `family`: the task's; the library's cuBLAS projections are glue only in BLAS_GLUE_FAMILIES."""
     if not report:
         return None
+    blas = report.get("library_blas") or {}
+    if blas and family not in BLAS_GLUE_FAMILIES:
+        return (f"torch computed outside Triton: the library's cuBLAS projection (linear(impl='cublas')) ran {blas}; "
+                f"it is glue only beside an attention kernel, not in a {family} task")
     heavy = {k: v for k, v in report.get("ops", {}).items() if k.startswith(HEAVY_ATEN)}
     if heavy:
         return f"torch computed outside Triton: heavy aten ops {heavy}"
@@ -899,7 +913,7 @@ class RemoteJudge(Judge):
         if first:
             self.dispatch_done = True
             out_elems = sum(r.numel() for r in draw.ref.values())
-            why = torch_work_failure(reply.get("dispatch"), out_elems)
+            why = torch_work_failure(reply.get("dispatch"), out_elems, self.task.spec.family)
             if why:
                 raise GateFailure("does_the_work", "torch_compute", why)
             ops = (reply.get("dispatch") or {}).get("ops") or {}

@@ -141,16 +141,23 @@ def test_linear_cublas_is_the_plain_projection_and_refuses_fused_work():
         linear(x, w, impl="cutlass")
 
 
-def test_library_linear_on_cublas_is_not_counted_as_torch_doing_the_work():
-    """The verifier's does_the_work gate counts heavy aten ops a candidate runs outside Triton; the library's own
-    launcher choosing cuBLAS for a projection is reviewed library code, so a template may take it there."""
+def test_library_linear_on_cublas_is_glue_only_in_an_attention_task():
+    """The verifier's does_the_work gate counts heavy aten ops a candidate runs outside Triton. The library's launcher
+    choosing cuBLAS for a projection is reviewed library code, glue around an attention kernel (the prefill
+    templates' projections); in a linear or MLP task the GEMM is the work, so a candidate calling it fails the gate."""
     from llm4llm.verify.gates import AtenCounter, torch_work_failure
 
     x, w = torch.randn(6, 16), torch.randn(8, 16)
     counter = AtenCounter()
     with counter.mode:
         linear(x, w, impl="cublas")
-    assert torch_work_failure(counter.report(), 48) is None
+    assert torch_work_failure(counter.report(), 48, "attention") is None
+    for family in ("linear", "mlp", None):
+        assert "linear(impl='cublas')" in torch_work_failure(counter.report(), 48, family)
+    counter = AtenCounter()
+    with counter.mode:
+        linear(x, w)  # the library's Triton kernel: no aten compute at all
+    assert torch_work_failure(counter.report(), 48, "mlp") is None
     with counter.mode:
         torch.nn.functional.linear(x, w)  # the same op called by the candidate itself is torch doing the work
-    assert "heavy aten ops" in torch_work_failure(counter.report(), 48)
+    assert "heavy aten ops" in torch_work_failure(counter.report(), 48, "attention")
