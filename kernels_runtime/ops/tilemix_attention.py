@@ -16,7 +16,9 @@ Sequences: a padded batch q [B, Hq, S, D] (optional `seq_lens`), or a packed var
 
 Work per program: one query block of one head. Its fully visible key blocks are visited through two lists built
 from the mask (INT8 blocks, then 16-bit blocks, each ascending), so no routing branch sits in the pipelined loops;
-the diagonal blocks follow, causally masked, each reading its bit from the packed mask.
+the diagonal blocks follow, causally masked, each reading its bit from the packed mask. With TMA (the default on
+sm_90+ for head_dim 65-128) the fully visible blocks' K, INT8 K and V tiles come by host-made TMA descriptors,
+pipelined on mbarriers; the pointer path loads the same tiles with the same bits.
 """
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ from kernels_runtime.ops.tilemix_masks import TileMask
 # by Triton 3.9 at 0 % coverage, the pointer path loads its fully visible K/V tiles with plain global loads (no
 # cp.async: the route index feeds their address); the TMA path's are bulk-tensor copies pipelined on mbarriers.
 CONFIGS: list[dict] = [
-    # K/V tiles by TMA (host-made descriptors; where TMA cannot run, the pointer path of the same tiles). 128 x 128 in
-    # 3 stages was the fastest at 16k and 32k, batch 8, qwen3-4b's heads, at 0, 75 and 100 % (2026-12-04-h200-b)
+    # K/V tiles by TMA (host-made descriptors; where TMA cannot run, the pointer path of the same tiles). On the H200
+    # (2026-12-04-h200-b; 16k and 32k, batch 8, qwen3-4b's heads) 128 x 128 in 3 stages was the fastest TMA point at
+    # 75 and 100 % (level with 2 stages at 0 %), 1.23-1.30x the pointer path's 128 x 64 default; at 0 % the tuner
+    # found the pointer path at 128 x 128 level with it: TMA pays where the INT8 path runs
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
@@ -99,9 +103,9 @@ def _tile(acc, m_i, l_i, q, q8, qs, k_base, k8_base, v_base, ks_base, vs_base, d
           INT8: tl.constexpr, MASKED: tl.constexpr, KV_INT8: tl.constexpr, QB: tl.constexpr,
           BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
           SCALAR_KS: tl.constexpr, MAGIC_CVT: tl.constexpr, DESC: tl.constexpr):
-    # one key block into the online-softmax state (m_i, l_i, acc); scores in the log2 domain, raw * row (row: the
-    # per-query-row factor that scales a raw score into it). DESC (a fully
-    # visible block of a 16-bit K/V, TMA on): K, K8 and V come by their host-made descriptors at row kv_row + start_n
+    # one key block into the online-softmax state (m_i, l_i, acc); scores in the log2 domain as raw * row (row: the
+    # per-query-row factor that scales a raw score). DESC (a fully visible block of a 16-bit K/V, TMA on): K, K8 and
+    # V come by their host-made descriptors at row kv_row + start_n, column kv_col
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < L
     mask_d = offs_d < D
