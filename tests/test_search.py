@@ -461,3 +461,30 @@ def test_static_cache_attention_seeds_fill_the_gpu(kv_width, splits):
     assert first["attn_num_splits"] == splits and first["lin_GEMV_SPLIT_K"] == 2 and first["lin_GEMV_BLOCK_N"] == 32
     assert second["attn_num_splits"] is None  # the occupancy point alone next
     assert t.seeds(spec.model_copy(update={"phase": "prefill"})) == []
+
+
+def test_inactive_keys_never_make_two_trials_of_one_kernel(task_dir):
+    """Keys a choice makes inactive (the Triton linear's tiles when the projections run on cuBLAS) are set to the
+    default in every point of the pool, so the space holds each rendering once and the proposer never spends a
+    trial on a point that renders the kernels of one already tried, from this search or from earlier evidence."""
+    spec = TaskSpec.model_validate_json((task_dir / "spec.json").read_text())
+    space = {"impl": ["lib", "triton"], "BLOCK": [32, 64, 128], "num_warps": [2, 4]}
+    t = dataclasses.replace(FAKE, space_fn=lambda spec: space,
+                            default_fn=lambda spec: {"impl": "lib", "BLOCK": 64, "num_warps": 4},
+                            inactive={("impl", "lib"): ("BLOCK", "num_warps")})
+    pool = t.configs(spec)
+    assert pool[0] == {"impl": "lib", "BLOCK": 64, "num_warps": 4} and len(pool) == 1 + 3 * 2
+    assert t.canonical(spec, {"impl": "lib", "BLOCK": 128, "num_warps": 2}) == t.default(spec)
+    got = [c.config for c in LibraryProposer(templates=[t]).propose(spec, [], [], 10)]  # the whole pool: 7 points
+    assert len(got) == 7 and sum(c["impl"] == "lib" for c in got) == 1
+    # a point tried earlier with other values of the inactive keys counts as the default's rendering
+    seen = Feedback(candidate_id="c0", template=t.name, config={"impl": "lib", "BLOCK": 128, "num_warps": 2},
+                    passed=True, utility=1.0)
+    assert all(c.config["impl"] == "triton" for c in LibraryProposer(templates=[t]).propose(spec, [], [seen], 6))
+    # the attention templates declare it for their cuBLAS projections
+    from llm4llm.search.templates import TEMPLATES
+
+    for name in ("attention.prefill_flash", "attention.prefill_tilemix"):
+        tpl = next(x for x in TEMPLATES if x.name == name)
+        assert tpl.inactive[("lin_impl", "cublas")] == ("lin_BLOCK_M", "lin_BLOCK_N", "lin_BLOCK_K", "lin_num_warps",
+                                                        "lin_num_stages")

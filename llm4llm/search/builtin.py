@@ -54,7 +54,8 @@ class LibraryProposer:
             return []
         emitted = self._emitted.setdefault(task.task_id, set())
         evidence = points_from_experience(experience) + points_from_feedback(feedback)
-        tried = emitted | {config_key(p.template, p.config) for p in evidence}
+        tried = emitted | {config_key(p.template, templates[p.template].canonical(task, p.config)
+                                      if p.template in templates else p.config) for p in evidence}
         rules = derive_rules(evidence)
         rng = random.Random(f"{self.seed}:{task.task_id}:{len(tried)}:{len(feedback)}:{len(experience)}")
 

@@ -43,6 +43,9 @@ NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 # (one qwen3-4b layer at 16k, 2026-12-02-h200-d), the projections then all in Triton with 64 x 64 x 32 tiles.
 LIN_PREFILL = {"lin_impl": ["cublas", "triton"], "lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128],
                "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8], "lin_num_stages": [3, 4]}
+# with the projections on cuBLAS the Triton linear's tiles render the same kernels (Template.inactive)
+LIN_PREFILL_INACTIVE = {("lin_impl", "cublas"): ("lin_BLOCK_M", "lin_BLOCK_N", "lin_BLOCK_K", "lin_num_warps",
+                                                 "lin_num_stages")}
 LIN_DECODE = {"lin_GEMV_BLOCK_N": [32, 64, 128], "lin_GEMV_BLOCK_K": [64, 128, 256], "lin_num_warps": [4, 8],
               "lin_GEMV_SPLIT_K": [1, 2, 4]}
 ROPE = {"rope_BLOCK_H": [2, 4, 8], "rope_num_warps": [1, 2, 4]}
@@ -353,7 +356,7 @@ TEMPLATES = [
              space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_PREFILL, **ROPE, **ATTN_PREFILL,
                                     "flash_kernel": ["tma", "pointer"]},
              render_fn=_render_prefill, applies_fn=_applies, options=("qkv_layout",),
-             choice_requires={("flash_kernel", "tma"): (FLASH_TMA_OP,)},
+             choice_requires={("flash_kernel", "tma"): (FLASH_TMA_OP,)}, inactive=LIN_PREFILL_INACTIVE,
              # TileMix's 0 % kernel with TMA at 128 x 128 in 3 stages: qwen3-4b's heads at 16k and 32k, batch 8, 1.29x
              # and 1.33x SDPA flash on the H200 (2026-12-04-h200-b); attention_prefill at 64 x 64 was about level
              default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,

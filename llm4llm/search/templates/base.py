@@ -51,6 +51,18 @@ class Template:
     # keys whose value follows from the module's computation, not from speed (Falcon-Mamba's dt/B/C norms): the
     # applicability check tries the default, then each other value of these, and pins the one that matches
     options: tuple[str, ...] = ()
+    # (key, value) -> keys that change nothing in the rendering while key == value (the Triton linear's tiles when
+    # the projections run on cuBLAS): `canonical` sets them to the default, so a search never spends trials on points
+    # that render the same kernels
+    inactive: dict[tuple[str, Any], tuple[str, ...]] = field(default_factory=dict)
+
+    def canonical(self, spec: TaskSpec, config: dict[str, Any], default: dict[str, Any] | None = None) -> dict:
+        """`config` with the keys its choices make inactive set to the default's values."""
+        dead = {k for (key, value), keys in self.inactive.items() if config.get(key) == value for k in keys}
+        if not dead:
+            return config
+        default = self.default(spec) if default is None else default
+        return {k: default[k] if k in dead and k in default else v for k, v in config.items()}
 
     def pinned(self, values: dict[str, Any]) -> "Template":
         """This template with `values` (option keys) fixed: the config space a search of one task explores once
@@ -122,7 +134,22 @@ class Template:
         keys, sizes = list(space), [len(v) for v in space.values()]
         total = math.prod(sizes)
         if total <= limit:
-            return [dict(zip(keys, vals)) for vals in itertools.product(*space.values())]
+            return self._distinct(spec, (dict(zip(keys, vals)) for vals in itertools.product(*space.values())))
+        return self._distinct(spec, self._sampled(spec, space, keys, sizes, total, limit))
+
+    def _distinct(self, spec: TaskSpec, configs) -> list[dict[str, Any]]:
+        # canonical points, each once, in order (the space's product repeats a point once per inactive key's value)
+        if not self.inactive:
+            return list(configs)
+        out, seen, default = [], set(), self.default(spec)
+        for c in configs:
+            c = self.canonical(spec, c, default)
+            if config_key("", c) not in seen:
+                seen.add(config_key("", c))
+                out.append(c)
+        return out
+
+    def _sampled(self, spec: TaskSpec, space, keys, sizes, total: int, limit: int) -> list[dict[str, Any]]:
         default = self.default(spec)
         out = [default, *self.seeds(spec)]
         seen = {config_key("", c) for c in out}

@@ -5,8 +5,8 @@ acceptance holds every rendering to that budget in-model and walks the coverage 
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LINEAR_OP
-from llm4llm.search.templates.attention import (LIN_PREFILL, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports,
-                                                 _split_only)
+from llm4llm.search.templates.attention import (LIN_PREFILL, LIN_PREFILL_INACTIVE, PRELUDE, QK_NORM_ROTARY, ROPE, ROTARY,
+                                                 _applies, _imports, _split_only)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -72,6 +72,7 @@ TEMPLATES = [
     Template(name=NAME, family="attention", phases=("prefill",), lossy=True,
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, TILEMIX_OP),
              space_fn=lambda spec: {**LIN_PREFILL, **ROPE, **TM}, render_fn=_render, applies_fn=_applies_tilemix,
+             inactive=LIN_PREFILL_INACTIVE,
              default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
                                       "lin_num_warps": 4, "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
                                       "tm_template": "sink_local", "tm_coverage": 0.75, "tm_tma": True,
