@@ -277,6 +277,13 @@ def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
     prefill = {t.name: t for t in TEMPLATES}["attention.prefill_flash"]
     spec = _spec(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"])
     assert prefill.default(spec)["flash_kernel"] == "tma" and prefill.space(spec)["flash_kernel"] == ["tma", "pointer"]
+    # a task profiled before sm_90: no TMA, and tiles whose buffers fit its shared memory (both templates)
+    older = spec.model_copy(update={"hardware": {"capability": "8.0"}})
+    assert {k: v for k, v in prefill.default(older).items() if k.startswith(("attn_", "flash"))} == {
+        "flash_kernel": "pointer", "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4, "attn_num_stages": 2}
+    tilemix = {t.name: t for t in TEMPLATES}["attention.prefill_tilemix"]
+    assert tilemix.default_fn(older)["tm_tma"] is False and tilemix.default_fn(older)["attn_BLOCK_N"] == 64
+    assert tilemix.default_fn(spec)["tm_tma"] is True
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 40, 32, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
     tiles = {"attn_BLOCK_M": 64, "attn_BLOCK_N": 32, "attn_num_warps": 4, "attn_num_stages": 2}

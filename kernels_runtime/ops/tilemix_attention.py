@@ -23,6 +23,7 @@ pipelined on mbarriers; the pointer path loads the same tiles with the same bits
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -464,26 +465,35 @@ def tilemix_attention(
     return o
 
 
-def _tma_rows(x: torch.Tensor, B: int, S: int) -> tuple[int, int, int, int, int] | None:
-    """x [B, H, S, D] (padded) or [T, H, D] (packed; B = 1, S = T) as a 2-D [rows, cols] matrix a TMA descriptor
-    walks with [BLOCK_N, D] boxes: (row stride, rows, row of batch b = b * ROW_B, + head h * ROW_H, column of head
-    h = h * COL_H), token t of (b, h) at row b * ROW_B + h * ROW_H + t. Two layouts fit: tokens as rows with the heads
-    side by side along them (the model's [B, S, H, D] transposed, or packed), or one head's tokens after another
-    (contiguous [B, H, S, D]). None where neither fits or TMA's alignment (16 bytes) does not hold."""
+class _TmaRows(NamedTuple):
+    """A [B, H, S, D] or [T, H, D] tensor as the 2-D matrix a TMA descriptor walks: token t of (batch b, head h) at
+    row b * row_b + h * row_h + t, its D values from column h * col_h."""
+
+    stride: int  # elements from one row to the next
+    rows: int
+    cols: int
+    row_b: int
+    row_h: int
+    col_h: int
+
+
+def _tma_rows(x: torch.Tensor, B: int, S: int) -> _TmaRows | None:
+    """x [B, H, S, D] (padded) or [T, H, D] (packed; B = 1, S = T) as TMA rows. Two layouts fit: tokens as rows with
+    the heads side by side along them (the model's [B, S, H, D] transposed, or packed), or one head's tokens after
+    another (contiguous [B, H, S, D]). None where neither fits or TMA's alignment (16 bytes) does not hold."""
     sb, sh, ss, sd = _strides4(x)
     H, D, es = x.shape[-2 if x.dim() == 3 else 1], x.shape[-1], x.element_size()
     if sd != 1 or x.data_ptr() % 16 or (D * es) % 16:
         return None
     if sh < ss and (H - 1) * sh + D <= ss and sb % ss == 0:  # tokens as rows, heads along a row
-        stride, row_b, row_h, col_h = ss, sb // ss, 0, sh
+        stride, row_b, row_h, col_h, cols = ss, sb // ss, 0, sh, (H - 1) * sh + D
     elif ss == D and sh % D == 0 and sb % D == 0 and sh >= S * D:  # each head's tokens one after another
-        stride, row_b, row_h, col_h = D, sb // D, sh // D, 0
+        stride, row_b, row_h, col_h, cols = D, sb // D, sh // D, 0, D
     else:
         return None
     if (stride * es) % 16:
         return None
-    rows = (B - 1) * row_b + (H - 1) * row_h + S
-    return stride, rows, row_b, row_h, col_h
+    return _TmaRows(stride, (B - 1) * row_b + (H - 1) * row_h + S, cols, row_b, row_h, col_h)
 
 
 def _descriptors(k, v, k8, B, S, bn, D):
@@ -491,13 +501,11 @@ def _descriptors(k, v, k8, B, S, bn, D):
     all three map to the same rows and columns, else Nones (the kernel then loads every tile by pointers)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    lays = [_tma_rows(t, B, S) for t in (k, v, k8)]
-    if any(lay is None for lay in lays) or any(lay[2:] != lays[0][2:] for lay in lays):
+    lays = [_tma_rows(t, B, S) for t in (k, k8, v)]
+    if any(lay is None for lay in lays) or len({lay[3:] for lay in lays}) > 1:
         return None, None, None, 0, 0, 0
-    descs = [TensorDescriptor(t, [rows, (t.shape[-2 if t.dim() == 3 else 1] - 1) * col_h + D if col_h else D],
-                              [stride, 1], [bn, D])
-             for t, (stride, rows, _, _, col_h) in zip((k, k8, v), (lays[0], lays[2], lays[1]))]
-    return (*descs, *lays[0][2:])
+    descs = [TensorDescriptor(t, [lay.rows, lay.cols], [lay.stride, 1], [bn, D]) for t, lay in zip((k, k8, v), lays)]
+    return (*descs, *lays[0][3:])
 
 
 def _launch(q, k, v, mask, scale, seq_start, seq_len, s_max, B, k_scale, v_scale, k_quant, quant_block, kv_int8,

@@ -74,3 +74,14 @@ def programs_block(width: int, blocks: list[int], sms: int = SMS_DEFAULT) -> int
     """The largest of `blocks` (ascending) that cuts `width` into at least `sms` programs, else the smallest."""
     fits = [b for b in blocks if -(-width // b) >= sms]
     return fits[-1] if fits else blocks[0]
+
+
+def sm90_capable(spec: TaskSpec) -> bool:
+    """Whether the task's GPU is sm_90+ (TMA, programmatic dependent launch): on a task profiled on an older GPU the
+    search never tries them. A CPU task may (the interpreter runs those kernels, the sm_90 compile check builds
+    them)."""
+    cap = spec.hardware.get("capability")
+    try:
+        return cap is None or int(str(cap).split(".")[0]) >= 9
+    except ValueError:
+        return False

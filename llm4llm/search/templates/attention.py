@@ -10,7 +10,7 @@ taken to be causal (and windowed) only (no padding); a padded batch fails verifi
 accepted."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm_count
+from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -46,6 +46,22 @@ LIN_PREFILL = {"lin_impl": ["cublas", "triton"], "lin_BLOCK_M": [64, 128], "lin_
 # with the projections on cuBLAS the Triton linear's tiles render the same kernels (Template.inactive)
 LIN_PREFILL_INACTIVE = {("lin_impl", "cublas"): ("lin_BLOCK_M", "lin_BLOCK_N", "lin_BLOCK_K", "lin_num_warps",
                                                  "lin_num_stages")}
+LIN_PREFILL_DEFAULT = {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
+                       "lin_num_warps": 4, "lin_num_stages": 3}
+
+
+def _prefill_attn_default(spec: TaskSpec) -> dict:
+    """The flash template's attention default: on sm_90+ (and a CPU task) TileMix's 0 % kernel with TMA at 128 x 128
+    in 3 stages (qwen3-4b's heads at 16k and 32k, batch 8: 1.29x and 1.33x SDPA flash on the H200, 2026-12-04-h200-b;
+    attention_prefill at 64 x 64 put the template's entry at 0.94x the model's module); before sm_90 the earlier
+    default, whose three-stage 128 x 128 buffers would not fit shared memory there."""
+    if sm90_capable(spec):
+        return {"flash_kernel": "tma", "attn_BLOCK_M": 128, "attn_BLOCK_N": 128, "attn_num_warps": 8,
+                "attn_num_stages": 3}
+    return {"flash_kernel": "pointer", "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
+            "attn_num_stages": 2}
+
+
 LIN_DECODE = {"lin_GEMV_BLOCK_N": [32, 64, 128], "lin_GEMV_BLOCK_K": [64, 128, 256], "lin_num_warps": [4, 8],
               "lin_GEMV_SPLIT_K": [1, 2, 4]}
 ROPE = {"rope_BLOCK_H": [2, 4, 8], "rope_num_warps": [1, 2, 4]}
@@ -357,12 +373,8 @@ TEMPLATES = [
                                     "flash_kernel": ["tma", "pointer"]},
              render_fn=_render_prefill, applies_fn=_applies, options=("qkv_layout",),
              choice_requires={("flash_kernel", "tma"): (FLASH_TMA_OP,)}, inactive=LIN_PREFILL_INACTIVE,
-             # TileMix's 0 % kernel with TMA at 128 x 128 in 3 stages: qwen3-4b's heads at 16k and 32k, batch 8, 1.29x
-             # and 1.33x SDPA flash on the H200 (2026-12-04-h200-b); attention_prefill at 64 x 64 was about level
-             default_fn=lambda spec: {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32,
-                                      "lin_num_warps": 4, "lin_num_stages": 3, "rope_BLOCK_H": 4, "rope_num_warps": 2,
-                                      "flash_kernel": "tma", "attn_BLOCK_M": 128, "attn_BLOCK_N": 128,
-                                      "attn_num_warps": 8, "attn_num_stages": 3}),
+             default_fn=lambda spec: {**LIN_PREFILL_DEFAULT, "rope_BLOCK_H": 4, "rope_num_warps": 2,
+                                      **_prefill_attn_default(spec)}),
     Template(name="attention.decode_splitkv", family="attention", phases=("decode",),
              requires=(LINEAR_OP, ROTARY, QK_NORM_ROTARY, DECODE_OP),
              space_fn=lambda spec: {"qkv_layout": _layouts(spec) or ["split"], **LIN_DECODE, **ROPE, **ATTN_DECODE},

@@ -18,7 +18,7 @@ docs/results/2026-12-01-h200-decode-fused).
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import occupancy_split, sm_count
+from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
                                                 STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
                                                 cache_splits, module_softcap)
@@ -318,21 +318,10 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
     return _bias_free(spec, ATTN_P)
 
 
-def pdl_capable(spec: TaskSpec) -> bool:
-    """Programmatic dependent launch needs sm_90+ (griddepcontrol): on a task profiled on an older GPU the search
-    never tries it. A CPU task may (the interpreter runs PDL kernels with it off, the sm_90 compile check builds
-    them)."""
-    cap = spec.hardware.get("capability")
-    try:
-        return cap is None or int(str(cap).split(".")[0]) >= 9
-    except ValueError:
-        return False
-
-
 def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
-            "pdl": [False, True] if pdl_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec)}
+            "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec)}
 
 
 TMA_STAGES = [0, 2, 3, 4, 5, 6, 8]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the pipeline's depth
@@ -356,8 +345,8 @@ def tma_space(spec: TaskSpec) -> dict:
     """gate/up's and down's weight tiles by TMA (sm_90+), `TMA` the pipeline's depth (0: the register pass), and
     gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point (docs/results/2026-12-03-h200-e);
     `TMA_PRE`: the first tile loaded before PDL's wait; `TMA_LATE`: the next kernel let launch after the loop."""
-    depths = TMA_STAGES if pdl_capable(spec) else [0]
-    flags = [False, True] if pdl_capable(spec) else [False]
+    depths = TMA_STAGES if sm90_capable(spec) else [0]
+    flags = [False, True] if sm90_capable(spec) else [False]
     return {"gu_TMA": list(depths), "dn_TMA": list(depths), "gu_BLOCK_N": STAGE["BLOCK_N"] + [64],
             **{p + f: list(flags) for p in TMA_PASSES for f in ("TMA_PRE", "TMA_LATE")}}
 
@@ -366,7 +355,7 @@ def l2_prefetch_space(spec: TaskSpec) -> dict:
     """L2 prefetches (sm_90's bulk prefetch, so only where PDL is): the attention asks the L2 for o_proj's weight
     (`l2pf_o`) while it leaves HBM idle, and o_proj, then reading from L2, for the first MB of gate/up
     (`l2pf_mlp_mb`)."""
-    if not pdl_capable(spec):
+    if not sm90_capable(spec):
         return {"l2pf_o": [False], "l2pf_mlp_mb": [0]}
     return {"l2pf_o": [False, True], "l2pf_mlp_mb": [0, 8, 16, 24]}
 
@@ -383,7 +372,7 @@ def _layer_static_default(spec):
     return {"post_norm": "gate_up_prologue", **_stage_default("qkv_", nq + 2 * nkv, h, sms),
             **_stage_default("o_", h, nq, sms), **attn, **cache_splits(spec, ATTN_P),
             **_stage_default("gu_", 2 * i, h, sms), **_stage_default("dn_", h, i, sms), "num_stages": 1,
-            "pdl": pdl_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0, "gu_TMA": 0, "dn_TMA": 0,
+            "pdl": sm90_capable(spec), "l2pf_o": False, "l2pf_mlp_mb": 0, "gu_TMA": 0, "dn_TMA": 0,
             **{p + f: False for p in TMA_PASSES for f in ("TMA_PRE", "TMA_LATE")}}
 
 
@@ -407,7 +396,7 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
     seeds = [{"num_stages": 3}, {"post_norm": "o_reduce"}, a, b]
     if any(v > 1 for v in occupancy.values()):
         seeds.insert(1, occupancy)
-    if pdl_capable(spec):  # first: the stacked-layer bench's best points (docs/results/2026-12-03-h200-f)
+    if sm90_capable(spec):  # first: the stacked-layer bench's best points (docs/results/2026-12-03-h200-f)
         seeds[:0] = [dict(sd) for sd in TMA_SEEDS]
     return seeds
 
