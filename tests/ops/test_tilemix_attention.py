@@ -217,6 +217,19 @@ def test_tma_descriptors_load_the_same_tiles(layout):
         mask = build_tile_mask("sink_local", cov, S, group=G)
         plain = tilemix_attention(q, k, v, mask, **CFG, **kw)
         assert torch.equal(tilemix_attention(q, k, v, mask, TMA=True, **CFG, **kw), plain), cov
+    # the kernel really reads the fully visible tiles through the descriptors: hand it descriptors of another K and
+    # V and exactly the rows past the first key block change (the diagonal blocks still load by pointers)
+    zero = build_tile_mask("sink_local", 0.0, S, group=G)
+    plain0 = tilemix_attention(q, k, v, zero, **CFG, **kw)
+    real = tm._descriptors
+    other_k, other_v = k + 1, v.flip(-1)
+    try:
+        tm._descriptors = lambda k_, v_, k8, *a: real(other_k, other_v, other_k, *a)
+        fed = tilemix_attention(q, k, v, zero, TMA=True, **CFG, **kw)
+    finally:
+        tm._descriptors = real
+    tok = 0 if layout == "packed" else 2
+    assert torch.equal(fed.narrow(tok, 0, 16), plain0.narrow(tok, 0, 16)) and not torch.equal(fed, plain0)
     # a layout TMA cannot walk (a last dim with a stride) falls back to pointers with the same bits
     kt = torch.randn(B, Hkv, D, S).to(torch.bfloat16).transpose(2, 3)
     assert tm._tma_rows(kt, B, S) is None
