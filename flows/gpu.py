@@ -20,7 +20,8 @@ def gpu_limit_name(device: str) -> str | None:
 def gpu_slot(device: str):
     """Occupy the device's slot (waiting for it), once per run: a subflow of a run that holds it passes through."""
     name = gpu_limit_name(device)
-    if name is None or name in _HELD.get():
+    if name is None or name in _HELD.get() or not _limit_exists(name):
+        # no limit: a plain run on Prefect's ephemeral API (the deployments create it where runs can collide)
         yield
         return
     from prefect.concurrency.sync import concurrency
@@ -32,3 +33,15 @@ def gpu_slot(device: str):
             yield
     finally:
         _HELD.reset(token)
+
+
+def _limit_exists(name: str) -> bool:
+    """Whether the API has the global concurrency limit (without it, Prefect would warn and go on anyway)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_global_concurrency_limit_by_name(name)
+        return True
+    except Exception:  # noqa: BLE001 - ObjectNotFound, or an API that cannot say: run without the slot
+        return False

@@ -1,16 +1,24 @@
-"""Prefect flows: compose the tasks of tasks/ into the closed loop (profile -> extract -> search -> accept)."""
+"""Prefect flows: compose the tasks of tasks/ into the closed loop (profile -> extract -> plan -> search -> accept ->
+evaluate) inside one time budget."""
 from __future__ import annotations
 
-from prefect import flow
+import time
+from contextlib import contextmanager
+
+from prefect import flow, get_run_logger
 
 from flows.gpu import gpu_slot
 from flows.profiling import _defaults, extract_tasks, profile_workload
 from flows.search import search_flow
+from llm4llm import planner, progress
 from llm4llm.config import OptimizeConfig
+from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
+from tasks.planning import plan_search, record_plan, record_stage_times
 from tasks.profiling import describe_workload
 from tasks.reporting import coverage_table, publish_markdown
+from tasks.search import close_pools, search_task
 
 
 def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) -> None:
@@ -36,7 +44,15 @@ def _coverage_artifact(run_id: str, db_path: str | None) -> None:
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
                       data_dir: str | None = None, new_run: bool = False) -> dict:
-    """The closed loop over one workload: profile -> extract -> search (fan-out) -> accept -> evaluate.
+    """The closed loop over one workload: profile -> extract -> plan -> search -> accept -> evaluate, inside
+    `config.time_budget_s` counted from now (or from when the CLI command started: llm4llm.planner.RUN_STARTED).
+
+    The plan (llm4llm.planner) ranks the extracted tasks by expected end-to-end saving, leaves out what cannot
+    save delta and the modules inside one that is searched whole, and splits the search's share of the budget over
+    its targets. The most valuable target is searched and accepted first, so a run stopped by its budget (or
+    Ctrl-C) already has an accepted bundle; the other targets follow, and are accepted on top of it; a target that
+    is searched whole and fails hands its place to the modules inside it. Every stage's span is a `stage_times`
+    row, the plan `plans` rows, and the run ends with what it gave (llm4llm.outcome.summary_lines).
 
     `config` holds every setting (llm4llm.config.OptimizeConfig: search, accept, graphs, evaluate, llm); db_path and
     data_dir say where the run reads and writes. new_run: record this run under its own run id even when the
@@ -45,72 +61,220 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     Decode graphs (config.graphs.decode_graphs: auto | on | off). On the GPU the model's one-token decode steps
     replay from CUDA graphs (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay
     (the verifier's decode_timing="graph"; "graph_prefill", prefill candidates too, where the prompt forward on a
-    Mamba/Mamba2 cache replays from a graph as well: stages.graphs.prefill_graphed), acceptance's baseline and
-    trials run with graphs, and the bundle ships with them. auto: on when every module's decode state sits in a static-address
-    cache (Mamba, Mamba2), a KV cache that the run swaps for transformers' static cache (Llama, Qwen3,
-    RecurrentGemma's attention) or on modules with a state adapter (RecurrentGemma's recurrent blocks), decided from
-    the extracted tasks (stages.graphs.decode_graphs_plan); acceptance gates the graphs like a patch.
-    config.evaluate.variants: None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs,
-    patched, torch_compile (rows are written as each is measured: the compiled baseline, slowest to build, last).
-    config.search.rounds: search + acceptance rounds; a task rejected at deployment is searched again from its
-    experience (the rejection included) in the next round. config.scale: where the searches run (local, the
-    default, or fanned out over Ray, one GPU per task search; docs/scale-out.md). Each stage publishes its markdown
-    artifact (`<workload>-hotspots`, `-leaderboard`, `-acceptance`, `-e2e`) as it ends."""
+    Mamba/Mamba2 cache replays from a graph as well), acceptance's baseline and trials run with graphs, and the
+    bundle ships with them (stages.graphs.decode_graphs_plan says when auto turns them on). config.evaluate.variants:
+    None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, torch_compile (rows are
+    written as each is measured: the compiled baseline, slowest to build, last). config.search.rounds: a task
+    rejected at deployment is searched again from its experience in the next round. config.scale: where the
+    searches run (local, or fanned out over Ray, one GPU per task search; docs/scale-out.md)."""
     cfg = config if config is not None else OptimizeConfig()
     data_dir = _defaults(data_dir)
+    run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())
     with gpu_slot(describe_workload(workload_path)["device"]):
-        return _optimize(workload_path, cfg, db_path, data_dir, new_run)
+        progress.use_clock(run.clock)
+        try:
+            return _optimize(run, new_run)
+        finally:
+            progress.use_clock(None)
+            run.record_times()
 
 
-def _optimize(workload_path: str, cfg: OptimizeConfig, db_path: str | None, data_dir: str, new_run: bool) -> dict:
-    stages = set(cfg.stages)
-    prof = profile_workload(workload_path, db_path=db_path, data_dir=data_dir, refresh=cfg.refresh, new_run=new_run)
-    out = {"run_id": prof["run_id"], "profile_path": prof["profile_path"]}
-    name = prof["workload"]["name"]
-    _publish("hotspots", name, prof["run_id"], db_path)
+class _Run:
+    """One optimize run's settings, where it reads and writes, its clock and what it has learnt so far."""
+
+    def __init__(self, workload_path: str, cfg: OptimizeConfig, db_path: str | None, data_dir: str,
+                 started_wall: float):
+        self.workload_path, self.cfg, self.db_path, self.data_dir = workload_path, cfg, db_path, data_dir
+        self.clock = planner.Clock(cfg.time_budget_s, started=time.monotonic() - (time.time() - started_wall))
+        self.started_wall = started_wall
+        self.run_id, self.name, self.device, self.decode_timing = None, "", "cpu", "launch"
+        self.index_path = self.profile_path = None
+        self.workload: dict = {}
+
+    def say(self, text: str) -> None:
+        """A line of progress: on the CLI's terminal (with the clock) and in the flow run's Prefect log."""
+        progress.note(text)
+        try:
+            get_run_logger().info(text)
+        except Exception:  # noqa: BLE001 - outside a run context (a test calling the helpers): the note is enough
+            pass
+
+    @contextmanager
+    def stage(self, name: str, note: str = ""):
+        span = self.clock.start(name, note)
+        self.say(f"{name}{' ' + note if note else ''}: started")
+        try:
+            yield span
+        finally:
+            took = self.clock.end(span)
+            self.say(f"{name}{' ' + note if note else ''}: done in {planner.fmt_s(took)}")
+
+    def record_times(self) -> None:
+        if self.run_id is not None:
+            record_stage_times(self.run_id, self.name, self.device, self.clock.spans, self.db_path)
+
+    def later_s(self, plan: planner.Plan) -> float:
+        """Seconds the stages after the search still need (acceptance of one more step, evaluation)."""
+        stages = set(self.cfg.stages)
+        return ((plan.estimates.accept_s if "accept" in stages else 0.0)
+                + (plan.estimates.evaluate_s if "evaluate" in stages else 0.0))
+
+    def search_left(self, plan: planner.Plan) -> float | None:
+        """Seconds left for searching (None: no budget)."""
+        rem = self.clock.remaining()
+        return None if rem is None else rem - self.later_s(plan) - (self.cfg.time_budget_s or 0.0) * planner.SAFETY
+
+
+def _optimize(run: _Run, new_run: bool) -> dict:
+    cfg, stages = run.cfg, set(run.cfg.stages)
+    with run.stage("profile"):
+        prof = profile_workload(run.workload_path, db_path=run.db_path, data_dir=run.data_dir, refresh=cfg.refresh,
+                                new_run=new_run)
+    run.run_id, run.workload, run.profile_path = prof["run_id"], prof["workload"], prof["profile_path"]
+    run.name, run.device = prof["workload"]["name"], prof["workload"]["device"]
+    out = {"run_id": run.run_id, "profile_path": run.profile_path}
+    _publish("hotspots", run.name, run.run_id, run.db_path)
     if "extract" not in stages:
         return out
     # where decode graphs may run, KV-cache decode tasks are captured on the static cache they generate with
-    ext = extract_tasks(workload_path, prof["run_id"], prof["profile_path"], db_path=db_path, data_dir=data_dir,
-                        min_score=cfg.search.min_score, refresh=cfg.refresh,
-                        static_cache=extract_on_static_cache(prof["workload"]["device"], cfg.graphs.decode_graphs))
+    with run.stage("extract"):
+        ext = extract_tasks(run.workload_path, run.run_id, run.profile_path, db_path=run.db_path,
+                            data_dir=run.data_dir, min_score=cfg.search.min_score, refresh=cfg.refresh,
+                            static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs))
+    run.index_path = ext["index_path"]
     out.update(index_path=ext["index_path"], tasks=ext["tasks"])
     if "search" not in stages:
         return out
-    device = prof["workload"]["device"]
-    graphs, static_cache, why = decode_graphs_plan(ext["index_path"], device, cfg.graphs.decode_graphs)
-    print(f"decode graphs: {why}")
+    graphs, static_cache, why = decode_graphs_plan(run.index_path, run.device, cfg.graphs.decode_graphs)
+    run.say(f"decode graphs: {why}")
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
-    decode_timing = ("graph_prefill" if prefill_graphed(ext["index_path"]) else "graph") if graphs else "launch"
-    variants = cfg.evaluate.variants
+    run.decode_timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
+    out.update(_search_and_accept(run, cfg.accept.build(decode_graphs=graphs, static_cache=static_cache)))
+    if "accept" in stages:
+        _publish("acceptance", run.name, run.run_id, run.db_path)
+        _coverage_artifact(run.run_id, run.db_path)
+        if out["acceptance"].get("graphs"):
+            out["decode_graphs"] = out["acceptance"]["graphs"]
+    if "evaluate" in stages and "acceptance" in out:
+        out["e2e"] = _evaluate(run, out["acceptance"]["bundle"], graphs)
+        _publish("e2e", run.name, run.run_id, run.db_path)
+    out["summary"] = summary_lines(
+        (out.get("e2e") or {}).get("rows"), (out.get("acceptance") or {}).get("bundle"),
+        (out.get("acceptance") or {}).get("accepted_tasks", []), run.clock.seconds(), run.clock.elapsed(),
+        cfg.time_budget_s, run.device)
+    return out
+
+
+def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> planner.Plan:
+    with run.stage("plan"):
+        plan = plan_search(run.index_path, run.profile_path, run.run_id, run.workload, run.cfg, run.db_path,
+                           run.started_wall, run.decode_timing, searched=list(searched), excluded=list(excluded))
+    record_plan(run.run_id, plan, run.db_path)
+    for line in plan.lines(run.clock.elapsed(), targets_only=bool(searched)):
+        run.say(line)
+    return plan
+
+
+def _search_and_accept(run: _Run, accept_cfg) -> dict:
+    """Search the plan's targets and accept them: the most valuable first and alone (the first bundle early), then
+    the rest on top of it; after each step the plan is made again with what is left (children of a module that
+    failed whole become targets). Returns searches, the last acceptance summary (its bundle holds every step's
+    patches) and the plans."""
+    stages = set(run.cfg.stages)
+    plan = _plan(run)
+    out: dict = {"searches": [], "plan": [i.__dict__ for i in plan.items]}
+    searched: list[str] = []
+    failed: list[str] = []
+    bundle, first = None, True
+    while plan.targets():
+        wave = plan.targets()[:1] if first and "accept" in stages else plan.targets()
+        results = _search_wave(run, plan, wave)
+        out["searches"] += results
+        searched += [w.task_id for w in wave]
+        failed += [r["task_id"] for r in results if not r.get("best_candidate")]
+        if "accept" in stages:
+            acc = _accept(run, accept_cfg, [w.task_id for w in wave], bundle)
+            bundle = acc["bundle"] or bundle
+            acc["bundle"] = bundle
+            acc["accepted_tasks"] = (out.get("acceptance") or {}).get("accepted_tasks", []) + acc["accepted_tasks"]
+            out["acceptance"] = acc
+            failed += acc.get("retry_tasks") or []
+        first = False
+        left = run.search_left(plan)
+        if left is not None and left < plan.estimates.trial_s * planner.MIN_TRIALS:
+            run.say(f"plan: {max(left, 0):.0f} s left for searching; on to evaluation")
+            break
+        plan = _plan(run, searched, failed)
+    out.update(_retry_rounds(run, accept_cfg, plan, out, bundle))
+    _publish("leaderboard", run.name, run.run_id, run.db_path)
+    return out
+
+
+def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) -> list[dict]:
+    """Search the wave's tasks one after another (one GPU), each until its share of the search time is spent."""
+    cfg = run.cfg
+    if cfg.scale.task_runner == "ray":  # fanned out: one search per Ray task, each its planned trials
+        settings = cfg.search.model_copy(update={"top": None, "budget": cfg.search.budget or
+                                                 max(w.trials for w in wave)})
+        return search_flow(cfg.scale)(run.run_id, settings, db_path=run.db_path, data_dir=run.data_dir,
+                                      device=run.device, task_ids=[w.task_id for w in wave], llm=cfg.llm,
+                                      decode_timing=run.decode_timing, scale=cfg.scale)
+    results = []
+    try:
+        for k, item in enumerate(wave):
+            left = run.search_left(plan)
+            share = item.saving / (sum(w.saving for w in wave[k:]) or 1.0)
+            deadline = None if left is None else time.time() + max(0.0, left) * share
+            with run.stage("search", item.task_id) as span:
+                r = search_task(item.artifact_path, cfg.search, run.db_path, run.data_dir, run.device, run.run_id,
+                                cfg.llm, run.decode_timing, trials=item.trials, deadline=deadline)
+                span["trials"] = r["trials"]
+            best = f"best {r['best_utility']:.2f}x" if r.get("best_utility") else "no speedup measured"
+            run.say(f"search {item.task_id}: {r['trials']} trials, {r['pass_rate']:.0%} passed, {best}, "
+                    f"ended by {r['ended_by']}")
+            results.append(r)
+    finally:
+        close_pools()
+    return results
+
+
+def _accept(run: _Run, accept_cfg, task_ids: list[str], base_bundle: str | None) -> dict:
+    with run.stage("accept", ", ".join(task_ids)):
+        acc = accept_patches(run.workload_path, run.run_id, accept_cfg, run.db_path, run.data_dir,
+                             task_ids=task_ids, base_bundle=base_bundle)
+    run.say(f"accept: {acc['accepted']} accepted, {acc['rejected']} rejected; bundle {acc['bundle'] or base_bundle}")
+    return acc
+
+
+def _retry_rounds(run: _Run, accept_cfg, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
+    """config.search.rounds > 1: tasks rejected in the model are searched again from their experience (the
+    rejection included) and accepted on top of the bundle, while the budget lasts."""
+    items = {i.task_id: i for i in plan.items}
+    for _ in range(1, run.cfg.search.rounds):
+        retry = [items[t] for t in (out.get("acceptance") or {}).get("retry_tasks") or [] if t in items]
+        left = run.search_left(plan)
+        if not retry or (left is not None and left < plan.estimates.trial_s):
+            break
+        for item in retry:
+            item.trials = run.cfg.search.budget or planner.MIN_TRIALS
+        out["searches"] += _search_wave(run, plan, retry)
+        acc = _accept(run, accept_cfg, [i.task_id for i in retry], bundle)
+        bundle = acc["bundle"] or bundle
+        acc.update(bundle=bundle, accepted_tasks=out["acceptance"]["accepted_tasks"] + acc["accepted_tasks"])
+        out["acceptance"] = acc
+    return out
+
+
+def _evaluate(run: _Run, bundle: str | None, graphs: bool) -> dict:
+    """End to end, inside what is left of the budget (the interleaved rounds end by its deadline)."""
+    variants = run.cfg.evaluate.variants
     if variants is None:
         # what this run produced first (each row lands as it is measured), the compiled baseline last: its compile
         # is the slowest step, and a run stopped by a time limit then still has the patched numbers
-        variants = (["eager", "patched_graphs", "eager_graphs", "patched", "torch_compile"] if graphs
+        variants = (["eager", "patched_graphs", "eager_graphs", "torch_compile"] if graphs
                     else ["eager", "patched", "torch_compile"])
-    search_tasks = search_flow(cfg.scale)
-    out["searches"] = search_tasks(prof["run_id"], cfg.search, db_path=db_path, data_dir=data_dir, device=device,
-                                   llm=cfg.llm, decode_timing=decode_timing, scale=cfg.scale)
-    _publish("leaderboard", name, prof["run_id"], db_path)
-    if "accept" not in stages:
-        return out
-    accept_cfg = cfg.accept.build(decode_graphs=graphs, static_cache=static_cache)
-    out["acceptance"] = accept_patches(workload_path, prof["run_id"], accept_cfg, db_path, data_dir)
-    for _ in range(1, cfg.search.rounds):
-        retry = out["acceptance"].get("retry_tasks") or []
-        if not retry:
-            break
-        out["searches"] += search_tasks(prof["run_id"], cfg.search.model_copy(update={"top": None}),
-                                        db_path=db_path, data_dir=data_dir, device=device, task_ids=retry,
-                                        llm=cfg.llm, decode_timing=decode_timing, scale=cfg.scale)
-        out["acceptance"] = accept_patches(workload_path, prof["run_id"], accept_cfg, db_path, data_dir)
-    _publish("acceptance", name, prof["run_id"], db_path)
-    _coverage_artifact(prof["run_id"], db_path)
-    if out["acceptance"].get("graphs"):
-        out["decode_graphs"] = out["acceptance"]["graphs"]
-    if "evaluate" in stages:
-        out["e2e"] = evaluate_e2e(workload_path, db_path, out["acceptance"]["bundle"],
-                                  cfg.evaluate.model_copy(update={"variants": list(variants)}), prof["run_id"] + "-e2e")
-        _publish("e2e", name, prof["run_id"], db_path)
-    return out
+    settings = run.cfg.evaluate.model_copy(update={"variants": list(variants)})
+    with run.stage("evaluate"):
+        return evaluate_e2e(run.workload_path, run.db_path, bundle, settings, run.run_id + "-e2e",
+                            deadline=run.clock.deadline_wall(reserve_s=10.0))

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from kernels_runtime import tolerances
-from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, save_bundle
+from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, load_bundle, save_bundle
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.evaluate import clone_sharing_weights
 from llm4llm.patchspec import task_patch_spec
@@ -535,8 +535,10 @@ def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
 
 
 def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptConfig | None = None,
-           run_id: str = "") -> AcceptanceResult:
-    """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact)."""
+           run_id: str = "", base_bundle: str | None = None) -> AcceptanceResult:
+    """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact).
+    base_bundle: a bundle accepted earlier in this run (its patches and its decode-graphs decision): the trials
+    start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now."""
     import kernels_runtime
 
     cfg = cfg or AcceptConfig()
@@ -544,21 +546,11 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     current = baseline = r.latency()
     # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
     base_model = clone_sharing_weights(r.model) if r.on_gpu and cfg.interleave_rounds > 0 else None
-    graph_decision, graphs_note = None, ("" if not cfg.decode_graphs else
-                                         "decode graphs: not on the CPU (nothing is timed there)")
-    if cfg.decode_graphs and r.on_gpu:
-        graph_decision, graphed = _graphs_gate(r, current)
-        graphs_note = f"decode graphs {'on' if graph_decision.decision == 'accepted' else 'off'}: " \
-                      f"{graph_decision.reason}"
-        if graph_decision.decision == "accepted":
-            current = graphed
-            if base_model is not None:
-                kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
-        print(f"accept: {graphs_note}")
-    graphs = graph_decision is not None and graph_decision.decision == "accepted"
-    accepted = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
-                           gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
-                           static_cache=graphs and cfg.static_cache)
+    if base_bundle is not None:
+        accepted, graph_decision, graphs_note, current = _start_from(r, base_bundle, base_model, current)
+    else:
+        accepted, graph_decision, graphs_note, current = _start_fresh(r, base_model, current)
+    graphs = accepted.decode_graphs
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
         task_decisions, trial = _task_trials(r, p, spec, impact, accepted, current, base_model, run_id)
@@ -580,6 +572,45 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                             floor=r.floor.per_step if r.floor is not None else None,
                             floor_note=r.floor.describe() if r.floor is not None else "", graphs=graphs_note,
                             graph_decision=graph_decision)
+
+
+def _start_fresh(r: _Run, base_model, current: float | None):
+    """The unpatched model, with decode graphs where their gate accepts them: (the empty bundle, the graphs'
+    decision, its note, the latency the first trial starts from)."""
+    import kernels_runtime
+
+    cfg = r.cfg
+    graph_decision, graphs_note = None, ("" if not cfg.decode_graphs else
+                                         "decode graphs: not on the CPU (nothing is timed there)")
+    if cfg.decode_graphs and r.on_gpu:
+        graph_decision, graphed = _graphs_gate(r, current)
+        graphs_note = f"decode graphs {'on' if graph_decision.decision == 'accepted' else 'off'}: " \
+                      f"{graph_decision.reason}"
+        if graph_decision.decision == "accepted":
+            current = graphed
+            if base_model is not None:
+                kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
+        print(f"accept: {graphs_note}")
+    graphs = graph_decision is not None and graph_decision.decision == "accepted"
+    bundle = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
+                         gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
+                         static_cache=graphs and cfg.static_cache)
+    return bundle, graph_decision, graphs_note, current
+
+
+def _start_from(r: _Run, base_bundle: str, base_model, current: float | None):
+    """The model as a bundle accepted earlier in this run leaves it (its decode-graphs decision stands): the same
+    four values as _start_fresh, the latency measured with the bundle installed."""
+    import kernels_runtime
+
+    bundle = load_bundle(base_bundle)
+    note = f"decode graphs {'on' if bundle.decode_graphs else 'off'}: as accepted earlier in this run"
+    if r.on_gpu:
+        current = _measure_as(r.model, bundle, r.latency)
+        if base_model is not None:
+            kernels_runtime.apply(base_model, bundle, strict=True)
+    print(f"accept: starting from the bundle accepted earlier in this run ({len(bundle.patches)} patch(es)); {note}")
+    return bundle, None, note, current
 
 
 def _graphs_gate(r: _Run, current: float | None) -> tuple[Decision, float | None]:

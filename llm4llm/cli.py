@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -131,9 +132,15 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
 def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Optional[Path] = DbOpt,
              data_dir: Optional[Path] = DataOpt,
              stages: str = typer.Option("profile,extract,search,accept,evaluate", help="comma-separated stages"),
-             budget: int = typer.Option(15, help="trials per task"), mode: str = typer.Option("episodic"),
+             time_budget: str = typer.Option(
+                 "8m", "--time-budget",
+                 help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
+                      "expected end-to-end saving and splits the search's share over them"),
+             budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
+             mode: str = typer.Option("episodic", help="episodic | sample | iter"),
              proposer: str = typer.Option("library", help="library | llm | hybrid"),
-             top: int = typer.Option(6, help="search the top-N tasks by hotspot score"),
+             top: Optional[int] = typer.Option(
+                 None, help="search the top-N covered tasks by hotspot score (default: the plan's targets)"),
              family: Optional[list[str]] = typer.Option(
                  None, help="search only tasks of this family (repeatable; before --top), e.g. norm, ssm_mixer"),
              phase: Optional[list[str]] = typer.Option(
@@ -176,7 +183,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              ray_gpus_per_eval: float = RayGpusOpt,
              refresh: bool = typer.Option(False, help="ignore cached results"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
-    """Run the closed loop on a workload: profile -> extract -> search -> accept -> evaluate."""
+    """Run the closed loop on a workload: profile -> extract -> plan -> search -> accept -> evaluate."""
+    started = time.time()
     _quiet_prefect(verbose)
     with _user_errors():
         from flows.optimize import optimize_workload
@@ -185,6 +193,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         cfg = _config({
             "stages": [s.strip() for s in stages.split(",")], "refresh": refresh,
+            "time_budget_s": _duration("--time-budget", time_budget),
             "search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
                        "families": list(family) if family else None,
                        "phases": list(phase) if phase else None, "rounds": rounds, "min_score": min_score},
@@ -197,10 +206,52 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                          "max_s": e2e_max_s}})
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
+        _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
+
+
+def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], data_dir: Optional[Path],
+                  started: float) -> dict:
+    """The flow with progress on the console, its budget counted from `started`; Ctrl-C ends it with what it
+    leaves (exit 130)."""
+    from llm4llm.planner import RUN_STARTED
+
+    token = RUN_STARTED.set(started)
+    try:
         with progress.rich_progress(console):
-            out = optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
-                                    data_dir=str(data_dir) if data_dir else None)
-        _print_run(out, db)
+            return optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
+                                     data_dir=str(data_dir) if data_dir else None)
+    except KeyboardInterrupt:
+        _print_interrupted(db, started)
+        raise typer.Exit(130) from None
+    finally:
+        RUN_STARTED.reset(token)
+
+
+def _duration(flag: str, text: str) -> float | None:
+    from llm4llm.errors import Llm4llmError
+    from llm4llm.planner import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise Llm4llmError(f"{flag}: {e}") from None
+
+
+def _print_interrupted(db: Optional[Path], started: float) -> None:
+    """Ctrl-C: what the run leaves (the bundle of its last finished acceptance step, if any) and how to use it."""
+    from storage import repo
+
+    try:
+        with _db(db) as d:
+            path = repo.newest_bundle_since(d, started)
+    except Exception:  # noqa: BLE001 - the database may be mid-write: say so rather than fail again
+        path = None
+    err_console.print(f"stopped after {time.time() - started:.0f} s.")
+    if path:
+        err_console.print(f"bundle accepted so far: {path}\ninstall: kernels_runtime.apply(model, {path!r})",
+                          highlight=False)
+    else:
+        err_console.print("no bundle was accepted before the stop.")
 
 
 def _print_run(out: dict, db: Optional[Path]) -> None:
@@ -223,12 +274,14 @@ def _print_run(out: dict, db: Optional[Path]) -> None:
         _print_decisions(db, out["run_id"])
     if "e2e" in out:
         _print_e2e(out["e2e"]["rows"])
+    for line in out.get("summary") or []:
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 PROPOSERS = ("library", "llm", "hybrid")
 
 # OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
-_FLAGS = {("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
+_FLAGS = {("time_budget_s",): "--time-budget", ("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
           ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
           ("evaluate", "max_s"): "--e2e-max-s",
           ("stages",): "--stages"}

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm4llm.llm.config import LLMConfig
+from llm4llm.planner import DEFAULT_TIME_BUDGET_S
 from llm4llm.scale import ScaleOut
 
 Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
@@ -35,11 +36,15 @@ class SearchSettings(_Settings):
 
     mode: SearchMode = Field("episodic", description="episodic (episodes with restart, the default), sample "
                                                      "(independent samples) or iter (one refinement chain)")
-    budget: int = Field(15, ge=1, description="verified trials per task")
+    budget: int | None = Field(None, ge=1, description="verified trials per task (empty: the plan's, by expected "
+                                                        "saving within the time budget; at most 15)")
     proposer: ProposerKind = Field("library", description="library: built-in Triton families (no API key); llm: "
                                                           "any litellm model (see `llm`); hybrid: both share the "
                                                           "budget")
-    top: int | None = Field(6, ge=1, description="search the N hottest deployable tasks (empty: all of them)")
+    top: int | None = Field(None, ge=1, description="search the N hottest deployable tasks that a template covers "
+                                                     "(empty: the plan's targets, by expected end-to-end saving: a "
+                                                     "module searched whole stands for the modules inside it, a task "
+                                                     "that cannot save delta is left out)")
     families: list[Family] | None = Field(None, description="search only tasks of these families (taken before "
                                                             "`top`); empty: every family")
     phases: list[Literal["prefill", "decode"]] | None = Field(
@@ -116,6 +121,10 @@ class OptimizeConfig(_Settings):
 
     stages: list[Stage] = Field(default_factory=lambda: list(STAGES),
                                 description="stages to run, a prefix of profile, extract, search, accept, evaluate")
+    time_budget_s: float | None = Field(DEFAULT_TIME_BUDGET_S, gt=0,
+                                        description="wall-clock seconds for the whole run (empty: none): the plan "
+                                                    "splits what profiling and extraction leave between the search "
+                                                    "(by expected saving), acceptance and evaluation")
     refresh: bool = Field(False, description="ignore cached profile and extraction results")
     search: SearchSettings = Field(default_factory=SearchSettings, description="candidate search")
     accept: AcceptSettings = Field(default_factory=AcceptSettings, description="deployment-time acceptance")

@@ -339,7 +339,7 @@ def _version(dist: str) -> str:
 # ---------------------------------------------------------------------------------------------------- evaluation
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
                       repeats: int = DEFAULT_ROUNDS, results_path: str | None = None,
-                      max_s: float | None = None) -> list[E2EResult]:
+                      max_s: float | None = None, deadline: float | None = None) -> list[E2EResult]:
     """Build the model once through the script, set each variant up on its own weight-sharing copy, and time the
     variants in `repeats` interleaved rounds, in this process.
 
@@ -351,7 +351,8 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     max_s: a time budget for the interleaved rounds (from the end of round 0): a round starts only if one more like
     the slowest so far still fits, and the last one taken records the decode step's GPU time, so a run on a slow
     host ends with fewer rounds instead of being killed before its floor and step time (a qwen3-4b optimize on the
-    H200 was, 2026-12-04-h200). At least one interleaved round runs when repeats > 1."""
+    H200 was, 2026-12-04-h200). At least one interleaved round runs when repeats > 1. deadline: Unix time by which
+    the rounds end (the run's time budget): it shortens max_s to what is left when round 0 is done."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     unknown = [v for v in variants if v not in ALL_VARIANTS]
@@ -386,6 +387,9 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
             emit(failed[variant] if variant in failed else _slot_result(slots[variant], wl, slots))
         if wl.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
+        if deadline is not None:
+            left = max(0.0, deadline - time.time())
+            max_s = left if max_s is None else min(max_s, left)
         _rounds(list(slots.values()), repeats, max_s, script.run, wl, batch,
                 lambda: [emit(_slot_result(slot, wl, slots)) for slot in slots.values()])
         try:

@@ -4,7 +4,10 @@ end-to-end evaluation, bundle re-validation). See docs/threat-model.md."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
+
+from llm4llm import childlog
 
 _POOLS: dict = {}
 
@@ -83,7 +86,10 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     ok = False
     (box / "ro" / "call.pkl").write_bytes(pickle.dumps((_run_child, (fn, args, kwargs), {})))
     proc = sandboxed_popen("llm4llm.verify.sandbox:call_main", box=box, extra_env={
-        "TORCHINDUCTOR_COMPILE_THREADS": "1", **(extra_env or {})}, extra_needed=readable or [])
+        "TORCHINDUCTOR_COMPILE_THREADS": "1", **(extra_env or {})}, extra_needed=readable or [],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # libraries' and candidates' output to the bounded children's log; the stage's own lines ("accept: ...") on
+    drain = childlog.drain(proc.stdout, f"{fn.__name__} {proc.pid}", forward=True)
     dog = RssWatchdog(proc.pid, default_mem_limit())
     dog.start()
     try:
@@ -94,6 +100,7 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     finally:
         dog.stop()
         kill_group(proc.pid)
+        drain.join(timeout=5)  # the last lines it printed, before the caller reads what the stage returned
         try:
             polled() if (poll or mapped) else None
         except Exception:

@@ -14,10 +14,27 @@ class Reporter(Protocol):
     def start(self, key: str, description: str, total: int | None) -> None: ...
     def advance(self, key: str, n: int = 1) -> None: ...
     def done(self, key: str) -> None: ...
+    def note(self, text: str) -> None: ...
 
 
 _reporter: Reporter | None = None
 _lock = threading.Lock()
+_clock = None  # the run's llm4llm.planner.Clock: notes carry its elapsed / budget
+
+
+def use_clock(clock) -> None:
+    """Prefix every note with this run's elapsed time and budget (`[2:31 / 8:00]`); None: no prefix."""
+    global _clock
+    _clock = clock
+
+
+def note(text: str) -> None:
+    """One line of progress for a person (a stage starts or ends, a trial is verified, the plan): printed by the
+    installed reporter, with the run's clock when one is in use; nothing without a reporter."""
+    if _reporter is not None:
+        line = f"{_clock.status()} {text}" if _clock is not None else text
+        with _lock:
+            _reporter.note(line)
 
 
 def start(key: str, description: str, total: int | None = None) -> None:
@@ -51,6 +68,9 @@ class RichReporter:
         if key in self.ids:
             self.progress.advance(self.ids[key], n)
 
+    def note(self, text):
+        self.progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
     def done(self, key):
         if key in self.ids:
             task = self.progress.tasks[self.ids[key]] if self.ids[key] < len(self.progress.tasks) else None
@@ -58,14 +78,43 @@ class RichReporter:
             self.progress.update(self.ids[key], total=total, completed=total)
 
 
+class LineReporter:
+    """Progress as plain lines, for output that is no terminal (a file, a pipe, a scheduled or remote run's log):
+    the notes, each step's start and end; no bars, no escape codes."""
+
+    def __init__(self, console):
+        self.console, self.steps = console, {}
+
+    def start(self, key, description, total):
+        self.steps[key] = [description, total, 0]
+
+    def advance(self, key, n=1):
+        if key in self.steps:
+            self.steps[key][2] += n
+
+    def done(self, key):
+        self.steps.pop(key, None)
+
+    def note(self, text):
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 @contextmanager
 def rich_progress(console) -> Iterator[None]:
-    """Show progress bars on `console` while the block runs (the CLI's long commands)."""
+    """Show progress on `console` while the block runs (the CLI's long commands): bars on a terminal, plain lines
+    elsewhere."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     global _reporter
+    if not console.is_terminal:
+        previous, _reporter = _reporter, LineReporter(console)
+        try:
+            yield
+        finally:
+            _reporter = previous
+        return
     bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=False)
+                    TimeElapsedColumn(), console=console, transient=True)
     previous, _reporter = _reporter, RichReporter(bars)
     try:
         with bars:

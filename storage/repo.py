@@ -175,6 +175,21 @@ def best_candidates(db: Database, run_id: str, min_speedup: float = 0.0):
     )
 
 
+def family_best_speedups(db: Database, gpu_name: str | None) -> list[dict]:
+    """Per search on this GPU (any GPU when None), its task's family and phase and its best passing candidate's
+    speedup against the search's pooled reference: what the planner expects of a family here
+    (llm4llm.planner.history_speedups)."""
+    return db.query_df(
+        "WITH p AS (SELECT c.*, median(c.ref_ctx_p50_ms) OVER (PARTITION BY c.search_id) AS ref_pool "
+        "FROM candidates c), "
+        "b AS (SELECT search_id, task_id, max(CASE WHEN ctx_p50_ms > 0 AND ref_pool > 0 THEN ref_pool / ctx_p50_ms "
+        "END) AS best FROM p WHERE passed AND (CAST(? AS VARCHAR) IS NULL OR gpu_name = ?) GROUP BY 1, 2) "
+        "SELECT t.family, t.phase, b.best FROM b JOIN (SELECT DISTINCT task_id, family, phase FROM tasks) t "
+        "USING (task_id) WHERE b.best IS NOT NULL",
+        [gpu_name, gpu_name],
+    ).to_dict("records")
+
+
 def experience_records(db: Database, task_id: str) -> list[dict]:
     rows = db.query("SELECT record_json FROM experience WHERE task_id = ? ORDER BY created_at", [task_id])
     return [json.loads(r[0]) for r in rows]
@@ -367,3 +382,56 @@ def coverage_rows(db: Database, run_id: str):
         "LEFT JOIN acc ON acc.task_id = t.task_id WHERE t.run_id = ? ORDER BY t.score DESC",
         [run_id, run_id, run_id],
     )
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------
+
+def record_plan(db: Database, rows: list[dict]) -> None:
+    """One plan of a run (llm4llm.planner.PlanItem.row per task, under its `step`)."""
+    with db.transaction() as con:
+        for row in rows:
+            _insert(con, "plans", row, replace=True)
+
+
+def plan_steps(db: Database, run_id: str) -> int:
+    """How many plans the run has recorded (the next one's step)."""
+    return int(db.query("SELECT count(DISTINCT step) FROM plans WHERE run_id = ?", [run_id])[0][0])
+
+
+def plan_rows(db: Database, run_id: str, step: int | None = 0):
+    """The run's plan of `step` (0: the one made after extraction; None: every step), by rank."""
+    if step is None:
+        return db.query_df("SELECT * FROM plans WHERE run_id = ? ORDER BY step, rank", [run_id])
+    return db.query_df("SELECT * FROM plans WHERE run_id = ? AND step = ? ORDER BY rank", [run_id, step])
+
+
+def record_stage_times(db: Database, rows: list[dict]) -> None:
+    with db.transaction() as con:
+        for row in rows:
+            _insert(con, "stage_times", row, replace=True)
+
+
+def stage_time_rows(db: Database, run_id: str):
+    return db.query_df("SELECT * FROM stage_times WHERE run_id = ? ORDER BY seq", [run_id])
+
+
+def last_stage_seconds(db: Database, workload_name: str, device: str) -> dict[str, float]:
+    """Seconds per stage of the workload's last run on this device kind that reached its evaluation, and `trial`:
+    seconds a search trial took there (what llm4llm.planner.estimates_for plans the next run with)."""
+    rows = db.query(
+        "WITH last AS (SELECT run_id FROM stage_times WHERE workload_name = ? AND device = ? AND stage = 'evaluate' "
+        "ORDER BY started_at DESC LIMIT 1) "
+        "SELECT stage, sum(seconds), sum(trials) FROM stage_times WHERE run_id IN (SELECT run_id FROM last) "
+        "GROUP BY stage", [workload_name, device])
+    out = {stage: float(sec) for stage, sec, _ in rows}
+    trials = {stage: n for stage, _, n in rows}
+    if out.get("search") and trials.get("search"):
+        out["trial"] = out["search"] / float(trials["search"])
+    return out
+
+
+def newest_bundle_since(db: Database, started_unix: float) -> str | None:
+    """The path of the newest bundle recorded since `started_unix` (what an interrupted run leaves)."""
+    rows = db.query("SELECT bundle_path FROM patches WHERE created_at >= to_timestamp(?)::TIMESTAMP "
+                    "ORDER BY created_at DESC LIMIT 1", [started_unix])
+    return rows[0][0] if rows else None

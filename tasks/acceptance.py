@@ -12,19 +12,23 @@ from tasks.common import infrastructure_only
 
 
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
-def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: str | None, data_dir: str) -> dict:
-    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg)
+def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: str | None, data_dir: str,
+                   task_ids: list[str] | None = None, base_bundle: str | None = None) -> dict:
+    """task_ids: only these tasks' best candidates (default: every searched task's); base_bundle: an earlier step's
+    bundle of this run that the trials start from."""
+    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg, task_ids=task_ids, base_bundle=base_bundle)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, settings: EvaluateSettings,
-                 run_id: str | None) -> dict:
-    """settings: the run's EvaluateSettings with its variants resolved (the flow picks them when they are None)."""
+                 run_id: str | None, deadline: float | None = None) -> dict:
+    """settings: the run's EvaluateSettings with its variants resolved (the flow picks them when they are None).
+    deadline: Unix time by which the interleaved rounds end (the run's time budget)."""
     from llm4llm.evaluate import table_rows
 
     variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
     out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
-                       run_id=run_id, max_s=settings.max_s)
+                       run_id=run_id, max_s=settings.max_s, deadline=deadline)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
@@ -41,11 +45,15 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -
     return accept_stage.proposals_of(df)
 
 
-def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str, cfg=None) -> dict:
-    """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept); decisions, the
-    bundle and rejected reasons (as experience for the next search round) go to DuckDB. Returns its summary."""
+def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str, cfg=None,
+                   task_ids: list[str] | None = None, base_bundle: str | None = None) -> dict:
+    """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept), of `task_ids`
+    alone when given, on top of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience
+    for the next search round) go to DuckDB. Returns its summary."""
     proposals = best_proposals(run_id, db_path, min_utility=0.0)
-    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg)
+    if task_ids is not None:
+        proposals = [p for p in proposals if _task_id_of(p.task_dir) in set(task_ids)]
+    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle)
     record_acceptance(outcome, db_path)
     return outcome.summary()
 
@@ -70,7 +78,7 @@ def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None,
-                 max_s: float | None = None) -> dict:
+                 max_s: float | None = None, deadline: float | None = None) -> dict:
     """The workload end to end (llm4llm.stages.evaluate.run_evaluate), each variant's `e2e_results` row written as
     it is measured. Returns {"run_id", "rows"}: each variant's newest row."""
     from llm4llm.stages.common import describe_workload, new_run_id
@@ -89,5 +97,13 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             repo.record_e2e(db, rows_of(measured))
 
     latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
-                                         on_measured=record, max_s=max_s)
+                                         on_measured=record, max_s=max_s, deadline=deadline)
     return {"run_id": run_id, "rows": rows_of(latest)}
+
+
+def _task_id_of(task_dir: str) -> str:
+    from pathlib import Path
+
+    from llm4llm.taskspec import load_spec
+
+    return load_spec(Path(task_dir)).task_id

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from llm4llm import isolation
+from llm4llm import isolation, planner
 from llm4llm.config import SearchSettings
 from llm4llm.stages import search as search_stage
 from tasks.common import infrastructure_only
@@ -18,13 +18,17 @@ from tasks.common import infrastructure_only
 @task(name="search-task", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       task_run_name="search-{task_dir}")
 def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, data_dir: str, device: str,
-                run_id: str | None, llm: dict | None = None, decode_timing: str = "launch") -> dict:
-    """One task's search. A failing candidate is data (a row), not a task failure: only infrastructure errors
-    (the worker pool cannot start, the database is unavailable) fail and retry this task."""
-    return run_task_search(task_dir, db_path, data_dir, mode=settings.mode, budget=settings.budget,
+                run_id: str | None, llm: dict | None = None, decode_timing: str = "launch",
+                trials: int | None = None, deadline: float | None = None) -> dict:
+    """One task's search: `trials` (the plan's; default the settings' budget) until `deadline` (Unix time, the
+    plan's share of the time budget). A failing candidate is data (a row), not a task failure: only infrastructure
+    errors (the worker pool cannot start, the database is unavailable) fail and retry this task."""
+    return run_task_search(task_dir, db_path, data_dir, mode=settings.mode,
+                           budget=trials or settings.budget or planner.MAX_TRIALS,
                            proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
                            seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
-                           decode_timing=decode_timing)
+                           decode_timing=decode_timing, deadline=deadline,
+                           planned=trials is not None or deadline is not None)
 
 
 @task(name="searchable-tasks")
@@ -101,7 +105,8 @@ def close_pools() -> None:
 def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
                     proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
                     run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
-                    decode_timing: str = "launch", proposer_obj=None) -> dict:
+                    decode_timing: str = "launch", proposer_obj=None, deadline: float | None = None,
+                    planned: bool = False) -> dict:
     """Search one task in this process (llm4llm.stages.search.run_task_search); every trial becomes a `candidates`
     row as it is verified, every episode an `episodes` row and an `experience` record. use_prior: start from the
     task's stored experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g.
@@ -120,7 +125,8 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
         return search_stage.run_task_search(task_dir, data_dir, DuckDBSearchRecorder(db), mode=mode, budget=budget,
                                             proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
                                             run_id=run_id, llm=llm, prior=prior, decode_timing=decode_timing,
-                                            proposer_obj=proposer_obj, check=check)
+                                            proposer_obj=proposer_obj, check=check, deadline=deadline,
+                                            planned=planned)
 
 
 def prior_experience(db, task_id: str) -> list:

@@ -27,6 +27,8 @@ from llm4llm.taskspec import TaskSpec, load_spec
 Mode = Literal["episodic", "sample", "iter"]
 Verify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like
 OnTrial = Callable[[Candidate, Any, int, int], None]  # (candidate, verdict, episode, iteration)
+# (the trials so far) -> why the search ends before its next trial, or None: the planner's time share and floor
+Stop = Callable[[list["Trial"]], "str | None"]
 STUCK_REPEATS = 2  # an episode whose last this-many trials fail with one signature ends early (restart)
 EMPTY_RETRIES = 2  # proposer calls that return nothing new before the search stops short of its budget
 
@@ -71,11 +73,14 @@ class SearchResult(BaseModel):
 
 def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode = "episodic", budget: int = 15,
                samples_per_step: int = 3, episode_len: int = 5, seed: int = 0, on_trial: OnTrial | None = None,
-               archive_dir: Path | None = None, prior: list[Experience] | None = None) -> SearchResult:
+               archive_dir: Path | None = None, prior: list[Experience] | None = None,
+               stop: Stop | None = None) -> SearchResult:
     """Search one task. `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode
     (sample and iter runs archive their single trajectory as episode 0). `seed` names the run in the archive;
     the proposer carries its own seed. `prior` is experience from earlier searches of this task (or acceptance
-    rejections recorded against it): every mode starts from it, as an episodic restart would."""
+    rejections recorded against it): every mode starts from it, as an episodic restart would. `stop` is asked
+    before every trial but the first (llm4llm.planner: the task's share of the time budget is spent, or its best
+    is near the physical floor); its reason ends the search early ("stopped: <reason>")."""
     if mode not in ("episodic", "sample", "iter"):
         raise ValueError(f"run_search: expected mode in ('episodic', 'sample', 'iter'), got {mode!r}")
     if budget < 1 or samples_per_step < 1 or episode_len < 1:
@@ -87,7 +92,8 @@ def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode
     archive.mkdir(parents=True, exist_ok=True)
     if hasattr(proposer, "reset"):
         proposer.reset()
-    run = _Run(spec, task_dir, proposer, verify, on_trial, archive, f"{mode}-s{seed}-{int(time.time() * 1000)}")
+    run = _Run(spec, task_dir, proposer, verify, on_trial, archive, f"{mode}-s{seed}-{int(time.time() * 1000)}",
+               stop)
     result = SearchResult(task_id=spec.task_id, mode=mode, budget=budget, proposer=proposer.name)
     prior = list(prior or [])
     if mode == "sample":
@@ -105,7 +111,7 @@ def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode
             record = run.close_episode(k, experiences, ended)
             result.episodes.append(record)
             experiences.append(record.experience)
-            if ended == "exhausted":
+            if ended == "exhausted" or ended.startswith("stopped"):
                 break
             k += 1
     result.trials = run.trials
@@ -143,9 +149,9 @@ def pool_reference(trials: list[Trial]) -> float | None:
 
 class _Run:
     def __init__(self, spec: TaskSpec, task_dir: Path, proposer: Proposer, verify: Verify,
-                 on_trial: OnTrial | None, archive: Path, name: str):
+                 on_trial: OnTrial | None, archive: Path, name: str, stop: Stop | None = None):
         self.spec, self.task_dir, self.proposer, self.verify = spec, task_dir, proposer, verify
-        self.on_trial, self.archive, self.name = on_trial, archive, name
+        self.on_trial, self.archive, self.name, self.stop = on_trial, archive, name, stop
         self.trials: list[Trial] = []
         self.tried: set[str] = set()
         self.episode_trials: list[Trial] = []
@@ -155,6 +161,9 @@ class _Run:
         self.episode_trials = []
         empty = 0
         while len(self.episode_trials) < length:
+            why = self.stop(self.trials) if self.stop is not None and self.trials else None
+            if why:
+                return f"stopped: {why}"
             want = min(step, length - len(self.episode_trials))
             feedback = [t.feedback for t in self.episode_trials]
             fresh = [c for c in self.proposer.propose(self.spec, list(experiences), feedback, want)
@@ -164,7 +173,10 @@ class _Run:
                 if empty >= EMPTY_RETRIES:
                     return "exhausted"
                 continue
-            for c in fresh:
+            for i, c in enumerate(fresh):
+                why = self.stop(self.trials) if self.stop is not None and self.trials and i else None
+                if why:
+                    return f"stopped: {why}"
                 self._trial(c, k)
             stuck = self._stuck()
             if stop_when_stuck and stuck and len(self.episode_trials) < length:

@@ -30,6 +30,7 @@ class AcceptOutcome:
                         and not d.reason.startswith("latency gate skipped")})
         return {"bundle": r.bundle_dir, "accepted": sum(d.decision == "accepted" for d in r.decisions),
                 "retry_tasks": retry,
+                "accepted_tasks": [d.task_id for d in r.decisions if d.decision == "accepted"],
                 "rejected": sum(d.decision == "rejected" for d in r.decisions), "timing": r.timing,
                 "baseline_ms": r.baseline_ms, "final_ms": r.final_ms, "metric": r.metric,
                 "floor": r.floor_note, "graphs": r.graphs}
@@ -46,16 +47,20 @@ def proposals_of(rows) -> list:
             for r in rows.itertuples()]
 
 
-def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg=None) -> AcceptOutcome:
+def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg=None,
+               base_bundle: str | None = None) -> AcceptOutcome:
     """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (an
-    llm4llm.accept.AcceptConfig; OptimizeConfig.accept.build() makes one with the run's graph plan)."""
+    llm4llm.accept.AcceptConfig; OptimizeConfig.accept.build() makes one with the run's graph plan). base_bundle:
+    the bundle an earlier acceptance step of this run wrote; the trials start on top of it, and the bundle this
+    step writes (a directory of its own, `<run id>.<k>`) holds it plus what is accepted now."""
     from llm4llm.accept import AcceptConfig, accept
     from llm4llm.taskspec import check_artifacts
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
-    bundle_dir = Path(data_dir) / "bundles" / run_id
+    bundle_dir = _step_dir(Path(data_dir) / "bundles", run_id)
     # the trials see read-only, hash-checked copies of the tasks in their private dir
     box, local = make_box("llm4llm-accept-"), {}
+    inside_base = str(copy_readonly(Path(base_bundle), box / "ro" / "base-bundle")) if base_bundle else None
     for p in proposals:
         if p.task_dir not in local:
             check_artifacts(Path(p.task_dir))
@@ -67,7 +72,8 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
     result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
                                      outputs={"bundle_dir": str(bundle_dir)},
                                      readable=isolation.workload_paths(workload_path), box=box,
-                                     cfg=cfg if cfg is not None else AcceptConfig(), run_id=run_id)
+                                     cfg=cfg if cfg is not None else AcceptConfig(), run_id=run_id,
+                                     base_bundle=inside_base)
     if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
@@ -75,6 +81,16 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
         if getattr(d, "task_dir", None) in back:
             d.task_dir = back[d.task_dir]
     return _outcome(workload_path, run_id, proposals, result)
+
+
+def _step_dir(root: Path, run_id: str) -> Path:
+    """The bundle directory of a run's next acceptance step: `<run id>` first, then `<run id>.2`, `.3`, ... (an
+    earlier step's bundle is never overwritten: a run stopped mid-step keeps it)."""
+    path, k = root / run_id, 1
+    while path.exists():
+        k += 1
+        path = root / f"{run_id}.{k}"
+    return path
 
 
 def _outcome(workload_path: str, run_id: str, proposals: list, result) -> AcceptOutcome:

@@ -13,10 +13,11 @@ from llm4llm import isolation
 
 def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = ("eager", "patched", "torch_compile"),
-                 on_measured: Callable[[list[dict]], None] | None = None, max_s: float | None = None) -> list[dict]:
+                 on_measured: Callable[[list[dict]], None] | None = None, max_s: float | None = None,
+                 deadline: float | None = None) -> list[dict]:
     """Measure the workload's variants; returns each variant's newest measurements (llm4llm.evaluate's rows), in
     the order the variants were first measured. on_measured: called with each batch of new rows as they arrive.
-    max_s: the interleaved rounds' time budget (llm4llm.evaluate.evaluate_workload)."""
+    max_s, deadline: the interleaved rounds' time budget and end (llm4llm.evaluate.evaluate_workload)."""
     from llm4llm.evaluate import evaluate_workload
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
@@ -43,7 +44,7 @@ def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int 
         box = make_box("llm4llm-e2e-")
         inside = str(copy_readonly(Path(bundle).resolve(), box / "ro" / "bundle")) if bundle else None
         isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()), bundle=inside,
-                                variants=variants, repeats=repeats, max_s=max_s,
+                                variants=variants, repeats=repeats, max_s=max_s, deadline=deadline,
                                 outputs={"results_path": str(stream)},
                                 poll=take_new, readable=isolation.workload_paths(workload_path), box=box)
     return list(latest.values())

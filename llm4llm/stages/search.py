@@ -62,15 +62,20 @@ def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
 def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, mode: str = "episodic",
                     budget: int = 15, proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0,
                     seed: int = 0, run_id: str | None = None, llm: dict | None = None, prior: list | None = None,
-                    decode_timing: str = "launch", proposer_obj=None, check: CheckFn | None = None) -> dict:
+                    decode_timing: str = "launch", proposer_obj=None, check: CheckFn | None = None,
+                    deadline: float | None = None, planned: bool = False) -> dict:
     """Search one task; every trial goes to `recorder` as it is verified (its source under the data dir), every
     episode with its experience at the end. Returns a small summary. prior: the task's stored experience
     (Experience records, oldest first). check: the task's template checks, which pick the built-in templates the
     library and hybrid proposers may use (needed for them unless proposer_obj is given). decode_timing: "graph"
     times decode candidates by GPU time under CUDA-graph replay (a run whose decode steps replay from graphs),
     "graph_prefill" prefill candidates too (a run whose prompt forward replays from graphs as well), "launch" back
-    to back."""
+    to back. planned: a search the run's plan sized (llm4llm.planner): it ends early when its best is near the
+    task's physical floor or stops improving, or by `deadline` (Unix time, its share of the time budget: no trial
+    starts that would end after it at the search's pace so far; the first always runs) (llm4llm.planner.search_stop).
+    Unplanned searches (`llm4llm search`, ablations) spend their whole budget."""
     from llm4llm import progress
+    from llm4llm.planner import search_stop
     from llm4llm.search.episode import run_search
     from llm4llm.search.applicability import NOT_COVERED
     from llm4llm.taskspec import load_spec
@@ -103,7 +108,7 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
     recorder.start(search_id, spec.task_id, run_id, mode, prop.name, budget)
     if llm_backed:  # every request attempt is recorded as it happens (from worker threads)
         prop.on_call = lambda call: recorder.llm_call(call, search_id, spec.task_id)
-    counts = {"trials": 0, "passed": 0}
+    counts = {"trials": 0, "passed": 0, "best": None}
 
     def on_trial(candidate, verdict, episode, iteration):
         src = cand_dir / f"{candidate.id}.py"
@@ -112,11 +117,13 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
         progress.advance(search_id)
         counts["trials"] += 1
         counts["passed"] += int(passed)
+        progress.note(_trial_line(spec.task_id, candidate, verdict, passed, counts, budget))
 
     progress.start(search_id, f"search {spec.task_id} ({mode})", budget)
     try:
         result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
-                            on_trial=on_trial, archive_dir=archive_dir, prior=list(prior or []), **search_kw)
+                            on_trial=on_trial, archive_dir=archive_dir, prior=list(prior or []),
+                            stop=search_stop(deadline) if planned else None, **search_kw)
     except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
         recorder.abort(search_id, counts["trials"], counts["passed"])
         raise
@@ -125,6 +132,19 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
             prop.on_call = None  # the recorder's database may close after this search
     recorder.end(search_id, spec.task_id, result)
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
+
+
+def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, budget: int) -> str:
+    """One verified trial as a progress line: what it was, how it did, the search's best so far."""
+    get = (lambda k: verdict.get(k)) if isinstance(verdict, dict) else (lambda k: getattr(verdict, k, None))
+    x = get("speedup_in_context") or get("speedup_cold")
+    if passed and x:
+        counts["best"] = max(counts["best"] or 0.0, float(x))
+    what = (f"passed, {float(x):.2f}x" if passed and x else "passed (untimed on the CPU)" if passed
+            else f"failed: {get('failure_class')}")
+    best = f"; best {counts['best']:.2f}x" if counts["best"] else ""
+    return (f"search {task_id}: trial {counts['trials']}/{budget} {candidate.template or 'candidate'} {what}"
+            f"{best}")
 
 
 def _llm_search_kw(prop, archive_dir: Path, only_unset: bool) -> dict:

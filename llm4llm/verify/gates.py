@@ -1105,7 +1105,8 @@ def physical_floor_failure(v: Verdict, task: Task, draws: list[Draw], dev: torch
     d = draws[0]
     nbytes = sum(t.numel() * t.element_size() for t in d.ref.values())
     nbytes += sum(t.numel() * t.element_size() for t in d.weights.values())
-    floor_ms = nbytes / hbm_bytes_per_s(dev) * 1e3 / FLOOR_MARGIN
+    v.floor_ms = nbytes / hbm_bytes_per_s(dev) * 1e3
+    floor_ms = v.floor_ms / FLOOR_MARGIN
     if v.candidate_cold.p50 < floor_ms:
         return (f"cold p50 {v.candidate_cold.p50 * 1e3:.2f} us is below the physical floor {floor_ms * 1e3:.2f} us "
                 f"({nbytes} bytes of outputs and weights at {hbm_bytes_per_s(dev) / 1e12:.2f} TB/s / {FLOOR_MARGIN})")

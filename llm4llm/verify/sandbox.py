@@ -91,7 +91,9 @@ def clean_env(box: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     work = box / "work"
     env.update(HOME=str(work), TMPDIR=str(work / "tmp"), USER="nobody", LOGNAME="nobody",
                TRITON_CACHE_DIR=str(work / ".triton"), TRITON_HOME=str(work), XDG_CACHE_HOME=str(work / ".cache"),
-               PYTHONDONTWRITEBYTECODE="1")
+               PYTHONDONTWRITEBYTECODE="1",
+               # joblib probes a POSIX semaphore at import, which the sandbox refuses, and warns once per process
+               JOBLIB_MULTIPROCESSING="0")
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     if (cc := child_compiler()) and cc != env.get("CC"):
         env["CC"] = cc  # a binary: a compiler wrapper script would need a shell, which the child may not exec

@@ -61,6 +61,9 @@ class Verdict(BaseModel):
     # the worker's sandbox layers as it reported them before any candidate code ran: layer -> "on ..." | "off: why"
     sandbox: dict[str, str] = Field(default_factory=dict)
     judge_seed: int | None = None  # the per-candidate seed of the draws and canary layout (reproduce with it)
+    # (output + weight bytes) / peak HBM bandwidth of one call, no margin (GPU): the planner stops a task's search
+    # when its best candidate is near it (llm4llm.planner.NEAR_FLOOR)
+    floor_ms: float | None = None
 
     def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
         """Record a failing gate; the verdict is then final (later gates do not run)."""

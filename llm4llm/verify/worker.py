@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -25,6 +26,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from llm4llm import childlog
 from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
 
@@ -202,11 +204,14 @@ class VerifierPool:
             proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=fds,
                                    args=[str(theirs.fileno()), self.device], readonly=_readonly_paths(),
                                    extra_env={"TORCHINDUCTOR_COMPILE_THREADS": "1",
-                                              **({LOCK_FD_ENV: str(lock.fileno())} if lock else {})})
+                                              **({LOCK_FD_ENV: str(lock.fileno())} if lock else {})},
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         finally:
             theirs.close()
             if lock:
                 lock.close()
+        # candidate code's output goes to the bounded children's log, never the user's terminal
+        childlog.drain(proc.stdout, f"verifier worker {proc.pid} ({self.device})", forward=False)
         self._w = _Worker(proc, Connection(ours.detach()), box)
 
     def _ready(self) -> _Worker:

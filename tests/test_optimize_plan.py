@@ -1,0 +1,122 @@
+"""The README's command as the planner runs it: the plan and the stage progress on the console and in DuckDB, the
+most valuable target accepted before the rest are searched, what an interrupted run leaves, and the closing lines.
+
+On a CPU the latency gate never accepts a patch, so the test that needs an accepted bundle replaces the acceptance
+step with one that accepts (it writes a real bundle through kernels_runtime.save_bundle and records it as the real
+step does): what is under test is the flow's order and the CLI's handling of the stop, not acceptance itself
+(tests/test_accept.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storage import repo
+from storage.db import Database
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+
+
+def _cli(args: list[str]):
+    """The CLI in this process. Prefect binds its console log handler to the sys.stderr of the moment it configures
+    logging, which inside CliRunner.invoke is the runner's stream, closed afterwards: configured again around each
+    call, a later flow run in this process does not log to a closed stream."""
+    from prefect.logging.configuration import setup_logging
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+
+    setup_logging(incremental=False)
+    try:
+        return CliRunner().invoke(app, args)
+    finally:
+        setup_logging(incremental=False)
+
+
+def test_the_default_command_plans_reports_progress_and_ends_with_a_summary(prefect_harness, tmp_path):
+    """No --top or --budget: the plan searches the decode layer (tiny-llama's hottest module) and not the modules
+    inside it; every stage and trial is a line of output with the clock; the plan and the stage times are rows."""
+    db = tmp_path / "db.duckdb"
+    res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
+                "--stages", "profile,extract,search", "--budget", "1", "--time-budget", "4m"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "/ 4:00] profile: started" in out and "task(s) to search, expected end-to-end saving" in out
+    assert "fallback  attention-decode-" in out and "searched only if that fails" in out
+    assert "search decoder_layer-decode-" in out and "trial 1/1 decoder_layer." in out
+    assert out.strip().splitlines()[-1].startswith("time: ") and "of the 4:00 budget" in out
+    with Database(str(db)) as d:
+        run_id = repo.list_runs(d)["run_id"].iloc[0]
+        plan = repo.plan_rows(d, run_id)
+        stages = repo.stage_time_rows(d, run_id)
+        searched = d.query("select t.family, t.phase from searches s join tasks t using (task_id) order by s.started_at")
+    targets = plan[plan["action"] == "search"]
+    assert targets["family"].iloc[0] == "decoder_layer" and (plan["budget_s"] == 240).all()
+    assert searched[0] == ("decoder_layer", "decode") and len(searched) == len(targets)
+    assert ("attention", "decode") not in searched and ("mlp", "decode") not in searched  # inside the layer
+    assert list(stages["stage"])[:3] == ["profile", "extract", "plan"] and "search" in set(stages["stage"])
+    assert stages[stages["stage"] == "search"]["trials"].sum() == len(searched)
+
+
+def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness, tmp_path, monkeypatch):
+    """The first target is searched and accepted alone; Ctrl-C during the next search ends the command (exit 130)
+    with the bundle accepted so far and the line that installs it."""
+    import flows.optimize as opt
+    from kernels_runtime.bundle import PatchBundle, save_bundle
+
+    db = tmp_path / "db.duckdb"
+    order: list[str] = []
+    real_search = opt.search_task
+
+    def search(task_dir, *a, **kw):
+        order.append(f"search {Path(task_dir).name}")
+        if sum(o.startswith("search") for o in order) > 1:
+            raise KeyboardInterrupt
+        return real_search(task_dir, *a, **kw)
+
+    def accept(workload_path, run_id, cfg, db_path, data_dir, task_ids=None, base_bundle=None):
+        order.append(f"accept {','.join(task_ids)}")
+        path = save_bundle(PatchBundle(name="tiny-llama", decode_graphs=False), Path(data_dir) / "bundles" / run_id)
+        with Database(db_path) as d:
+            repo.record_patch_bundle(d, {"bundle_id": f"{run_id}-bundle", "run_id": run_id, "workload_hash": "h",
+                                         "bundle_path": str(path), "manifest_json": {}})
+        return {"bundle": str(path), "accepted": 1, "rejected": 0, "accepted_tasks": list(task_ids),
+                "retry_tasks": [], "graphs": ""}
+
+    monkeypatch.setattr(opt, "search_task", search)
+    monkeypatch.setattr(opt, "accept_patches", accept)
+    res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
+                "--budget", "1"])
+    assert res.exit_code == 130, res.output
+    assert [o.split()[0] for o in order] == ["search", "accept", "search"]
+    assert "decoder_layer-decode" in order[0] and "decoder_layer-decode" in order[1]
+    with Database(str(db)) as d:
+        bundle = d.query("select bundle_path from patches")[0][0]
+    assert Path(bundle, "manifest.json").is_file()
+    assert f"bundle accepted so far: {bundle}" in res.output
+    assert f"install: kernels_runtime.apply(model, '{bundle}')" in res.output
+
+
+def test_time_budget_flag_errors_are_one_line(tmp_path):
+    res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--time-budget", "soon", "--db",
+                str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 2 and "--time-budget: expected a duration" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "db.duckdb").exists()
+
+
+@pytest.mark.parametrize("budget,expected", [("off", None), ("90s", 90.0)])
+def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path):
+    import flows.optimize as opt
+
+    seen = {}
+
+    def fake(workload_path, cfg, db_path=None, data_dir=None):
+        seen["budget"] = cfg.time_budget_s
+        return {"run_id": "r", "profile_path": None}
+
+    monkeypatch.setattr(opt, "optimize_workload", fake)
+    monkeypatch.setattr("llm4llm.cli._print_run", lambda out, db: None)
+    res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--time-budget", budget, "--db",
+                str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 0, res.output
+    assert seen["budget"] == expected
