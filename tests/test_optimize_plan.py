@@ -34,8 +34,10 @@ def _cli(args: list[str]):
 
 
 def test_the_default_command_plans_reports_progress_and_ends_with_a_summary(prefect_harness, tmp_path):
-    """No --top or --budget: the plan searches the decode layer (tiny-llama's hottest module) and not the modules
-    inside it; every stage and trial is a line of output with the clock; the plan and the stage times are rows."""
+    """No --top: the plan searches its targets in order of expected saving, the decode layer among them and not
+    the modules inside it; every stage and trial is a line of output with the clock; the plan and the stage times
+    are rows. (tiny-llama's CPU profile moves with the host's load, prefill's share from 0.3 to 0.5 under the
+    suite's two workers: the test holds to what does not depend on it.)"""
     db = tmp_path / "db.duckdb"
     res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
                 "--stages", "profile,extract,search", "--budget", "1", "--time-budget", "4m"])
@@ -43,7 +45,7 @@ def test_the_default_command_plans_reports_progress_and_ends_with_a_summary(pref
     out = res.output
     assert "/ 4:00] profile: started" in out and "task(s) to search, expected end-to-end saving" in out
     assert "fallback  attention-decode-" in out and "searched only if that fails" in out
-    assert "search decoder_layer-decode-" in out and "trial 1/1 decoder_layer." in out
+    assert "search decoder_layer-decode-" in out and ": trial 1/1 decoder_layer." in out
     assert out.strip().splitlines()[-1].startswith("time: ") and "of the 4:00 budget" in out
     with Database(str(db)) as d:
         run_id = repo.list_runs(d)["run_id"].iloc[0]
@@ -51,8 +53,9 @@ def test_the_default_command_plans_reports_progress_and_ends_with_a_summary(pref
         stages = repo.stage_time_rows(d, run_id)
         searched = d.query("select t.family, t.phase from searches s join tasks t using (task_id) order by s.started_at")
     targets = plan[plan["action"] == "search"]
-    assert targets["family"].iloc[0] == "decoder_layer" and (plan["budget_s"] == 240).all()
-    assert searched[0] == ("decoder_layer", "decode") and len(searched) == len(targets)
+    assert list(targets["saving"]) == sorted(targets["saving"], reverse=True) and (plan["budget_s"] == 240).all()
+    assert searched == list(zip(targets["family"], targets["phase"]))  # in the plan's order
+    assert ("decoder_layer", "decode") in searched
     assert ("attention", "decode") not in searched and ("mlp", "decode") not in searched  # inside the layer
     assert list(stages["stage"])[:3] == ["profile", "extract", "plan"] and "search" in set(stages["stage"])
     assert stages[stages["stage"] == "search"]["trials"].sum() == len(searched)
@@ -89,7 +92,7 @@ def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness
                 "--budget", "1"])
     assert res.exit_code == 130, res.output
     assert [o.split()[0] for o in order] == ["search", "accept", "search"]
-    assert "decoder_layer-decode" in order[0] and "decoder_layer-decode" in order[1]
+    assert order[1] == f"accept {order[0].split()[1]}"  # the first target alone, before any other search
     with Database(str(db)) as d:
         bundle = d.query("select bundle_path from patches")[0][0]
     assert Path(bundle, "manifest.json").is_file()
@@ -110,7 +113,7 @@ def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path)
 
     seen = {}
 
-    def fake(workload_path, cfg, db_path=None, data_dir=None):
+    def fake(workload_path, cfg, db_path=None, data_dir=None, new_run=False):
         seen["budget"] = cfg.time_budget_s
         return {"run_id": "r", "profile_path": None}
 
@@ -120,3 +123,19 @@ def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path)
                 str(tmp_path / "db.duckdb")])
     assert res.exit_code == 0, res.output
     assert seen["budget"] == expected
+
+
+def test_each_command_is_a_run_of_its_own(prefect_harness, tmp_path):
+    """A second optimize of the same workload reuses the cached profile but records a run of its own (its rows,
+    plan and stage times stay apart from the first's; `runs.profile_of` names the run that measured the profile)."""
+    db = tmp_path / "db.duckdb"
+    args = ["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
+            "--stages", "profile,extract"]
+    for _ in range(2):
+        res = _cli(args)
+        assert res.exit_code == 0, res.output
+    with Database(str(db)) as d:
+        runs = d.query("select run_id, profile_of from runs order by started_at")
+        per_run = d.query("select run_id, count(*) from stage_times group by 1 order by 1")
+    assert len(runs) == 2 and runs[1][1] == runs[0][0]
+    assert len(per_run) == 2 and all(n == 2 for _, n in per_run)  # profile, extract
