@@ -67,6 +67,9 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     written as each is measured: the compiled baseline, slowest to build, last). config.search.rounds: a task
     rejected at deployment is searched again from its experience in the next round. config.scale: where the
     searches run (local, or fanned out over Ray, one GPU per task search; docs/scale-out.md)."""
+    from kernels_runtime.ops._common import interpret_without_gpu
+
+    interpret_without_gpu()  # a served run (a worker's flow-run process) has no CLI to set Triton's interpreter
     cfg = config if config is not None else OptimizeConfig()
     data_dir = _defaults(data_dir)
     run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())

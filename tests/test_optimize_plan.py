@@ -139,3 +139,28 @@ def test_each_command_is_a_run_of_its_own(prefect_harness, tmp_path):
         per_run = d.query("select run_id, count(*) from stage_times group by 1 order by 1")
     assert len(runs) == 2 and runs[1][1] == runs[0][0]
     assert len(per_run) == 2 and all(n == 2 for _, n in per_run)  # profile, extract
+
+
+
+def test_a_sandboxed_child_runs_triton_when_its_parent_never_set_the_interpreter(tmp_path):
+    """A served run's process (a Prefect worker's flow run) has no CLI to set TRITON_INTERPRET on a CPU host; its
+    acceptance child imported the kernels before setting it and every in-model check failed with "Cannot call
+    @triton.jit'd outside of the scope of a kernel" (issue 40). The parent now sets it before the child starts."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "l4l_probe.py").write_text(
+        "def run():\n"
+        "    import torch\n"
+        "    from kernels_runtime.ops.rmsnorm import rmsnorm, rmsnorm_ref\n"
+        "    x, w = torch.randn(4, 64), torch.randn(64)\n"
+        "    return float((rmsnorm(x, w) - rmsnorm_ref(x, w)).abs().max())\n")
+    code = ("import l4l_probe; from llm4llm.isolation import in_subprocess; "
+            f"print('err', in_subprocess(l4l_probe.run, timeout_s=120, readable=[{str(tmp_path)!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split("err")[-1]) < 1e-4
