@@ -62,8 +62,9 @@ def test_the_default_command_plans_reports_progress_and_ends_with_a_summary(pref
 
 
 def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness, tmp_path, monkeypatch):
-    """The first target is searched and accepted alone; Ctrl-C during the next search ends the command (exit 130)
-    with the bundle accepted so far and the line that installs it."""
+    """The first target is searched and accepted alone; Ctrl-C in what follows (the next target's search, or the
+    evaluation when the plan has one target: tiny-llama's CPU profile decides) ends the command (exit 130) with the
+    bundle accepted so far and the line that installs it."""
     import flows.optimize as opt
     from kernels_runtime.bundle import PatchBundle, save_bundle
 
@@ -86,12 +87,18 @@ def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness
         return {"bundle": str(path), "accepted": 1, "rejected": 0, "accepted_tasks": list(task_ids),
                 "retry_tasks": [], "graphs": ""}
 
+    def evaluate(*a, **kw):
+        order.append("evaluate")
+        raise KeyboardInterrupt
+
     monkeypatch.setattr(opt, "search_task", search)
     monkeypatch.setattr(opt, "accept_patches", accept)
+    monkeypatch.setattr(opt, "evaluate_e2e", evaluate)
     res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
                 "--budget", "1"])
     assert res.exit_code == 130, res.output
-    assert [o.split()[0] for o in order] == ["search", "accept", "search"]
+    assert [o.split()[0] for o in order][:2] == ["search", "accept"] and order[2].split()[0] in ("search", "evaluate")
+    assert len(order) == 3
     assert order[1] == f"accept {order[0].split()[1]}"  # the first target alone, before any other search
     with Database(str(db)) as d:
         bundle = d.query("select bundle_path from patches")[0][0]
