@@ -15,7 +15,8 @@ from rich.table import Table
 from llm4llm import cli_tables, progress
 from llm4llm.scale import scale_options
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# click's plain help: it wraps the help text and never cuts an option's name (rich's panels do at 80 columns)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Deployment-aware, closed-loop optimizer of GPU kernels for language-model inference.")
 # Wide enough for the hotspot table when the output is not a terminal (CI logs, pipes).
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -31,6 +32,21 @@ RayAddressOpt = typer.Option(None, "--ray-address",
                                   "unset for a local Ray instance")
 RayGpusOpt = typer.Option(1.0, "--ray-gpus-per-eval", help="with --task-runner ray: GPUs per search (0: CPU workloads)")
 RUN_HELP = "run id, whole or shortened as `llm4llm runs` shows it, or its last 6 characters (default: latest)"
+
+# The choices of the options that take one, as their help lists them (llm4llm.config's Literals, which a test keeps
+# these equal to; not imported here, so `--help` stays fast)
+MODES = ("episodic", "sample", "iter")
+PROPOSERS = ("library", "llm", "hybrid")
+GRAPHS = ("auto", "on", "off")
+METRICS = ("auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")
+MODE_HELP = ("episodic: episodes that restart from the task and what earlier ones learned; sample: independent "
+             "samples; iter: one refinement chain")
+PROPOSER_HELP = "where candidates come from: the template library, an LLM, or both"
+
+
+def _choices(names: tuple[str, ...]) -> str:
+    return "[" + "|".join(names) + "]"
+
 
 def _quiet_prefect(verbose: bool) -> None:
     from kernels_runtime.ops._common import interpret_without_gpu
@@ -139,8 +155,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
                       "expected end-to-end saving and splits the search's share over them"),
              budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
-             mode: str = typer.Option("episodic", help="episodic | sample | iter"),
-             proposer: str = typer.Option("library", help="library | llm | hybrid"),
+             mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
+             proposer: str = typer.Option("library", metavar=_choices(PROPOSERS),
+                                          help=PROPOSER_HELP),
              top: Optional[int] = typer.Option(
                  None, help="search the top-N covered tasks by hotspot score (default: the plan's targets)"),
              family: Optional[list[str]] = typer.Option(
@@ -149,8 +166,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  None, help="search only tasks of this phase (repeatable; before --top): prefill | decode"),
              delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
              accept_metric: str = typer.Option(
-                 "auto", help="in-model correctness metric: auto (logits_rel_l2_floor for 16-bit models, "
-                              "logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs"),
+                 "auto", metavar=_choices(METRICS),
+                 help="in-model correctness metric (auto: logits_rel_l2_floor for 16-bit models, logits_rel_l2 for "
+                      "fp32)"),
              accept_tol_factor: float = typer.Option(3.0, help="fixed rel-L2 limit = factor x the dtype's rtol"),
              accept_floor_factor: float = typer.Option(
                  2.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
@@ -166,7 +184,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  7, help="GPU: time each trial and the current bundle alternately in this many rounds (each on its "
                          "own weight-sharing model copy) and decide on the median per-round gain (0: the bracket)"),
              decode_graphs: str = typer.Option(
-                 "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
+                 "auto", metavar=_choices(GRAPHS), help="GPU: the one-token decode steps replay from CUDA graphs "
                               "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
                               "acceptance gates them like a patch (logits, then delta), the bundle ships with them. "
                               "auto: on when all decode state sits in a static-address cache (Mamba, Mamba2), a KV "
@@ -281,8 +299,6 @@ def _print_run(out: dict, db: Optional[Path]) -> None:
         console.print(line, highlight=False, soft_wrap=True)
 
 
-PROPOSERS = ("library", "llm", "hybrid")
-
 # OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
 _FLAGS = {("time_budget_s",): "--time-budget", ("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
           ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
@@ -380,8 +396,9 @@ def _print_e2e(rows: list[dict]) -> None:
 @app.command()
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
            run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
-           budget: int = typer.Option(15), mode: str = typer.Option("episodic", help="episodic | sample | iter"),
-           proposer: str = typer.Option("library", help="library | llm | hybrid"),
+           budget: int = typer.Option(15),
+           mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
+           proposer: str = typer.Option("library", metavar=_choices(PROPOSERS), help=PROPOSER_HELP),
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
            top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
            timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),

@@ -1,8 +1,10 @@
 """Output sized for a person (issue 40, item 4): `llm4llm runs` and `tasks` fit 80 and 120 columns with every id on
-one line, an empty value prints as `-` (never nan, None or <NA>), and a shortened run id works as `--run`."""
+one line, an empty value prints as `-` (never nan, None or <NA>), a shortened run id works as `--run`, and
+`optimize --help` at 80 columns lists the choices of its options and cuts no option's name."""
 from __future__ import annotations
 
 import re
+import typing
 from datetime import datetime
 
 import pytest
@@ -95,3 +97,26 @@ def test_e2e_table_prints_empty_values_as_a_dash(capsys, monkeypatch, columns):
                      "notes": None}])
     out = capsys.readouterr().out
     _check_fits(out, columns, ["patched_graphs", "1.50x (1.40-1.60)", "1.10x (1.05-1.15)"])
+
+
+def test_optimize_help_lists_choices_and_cuts_no_option_name():
+    res = CliRunner().invoke(app, ["optimize", "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    out = res.output
+    assert res.exit_code == 0 and max(len(ln) for ln in out.splitlines()) <= 80, out
+    assert "…" not in out, out
+    for choices in ("[episodic|sample|iter]", "[library|llm|hybrid]", "[auto|on|off]",
+                    "[auto|logits_rel_l2_floor|logits_rel_l2|logits_max_abs]"):
+        assert choices in out, out
+    for name in ("--accept-tol-factor", "--accept-floor-factor", "--accept-min-task-speedup",
+                 "--accept-noisy-rounds", "--accept-interleave-rounds", "--ray-gpus-per-eval", "--decode-graphs"):
+        assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", out, re.M), f"{name} cut:\n{out}"
+
+
+def test_the_help_choices_are_the_configs():
+    """The choices the help lists are the ones OptimizeConfig accepts."""
+    from llm4llm import cli, config
+
+    assert cli.MODES == typing.get_args(config.SearchMode)
+    assert cli.PROPOSERS == typing.get_args(config.ProposerKind)
+    assert cli.GRAPHS == typing.get_args(config.GraphChoice)
+    assert cli.METRICS == typing.get_args(config.Metric)
