@@ -12,10 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llm4llm import progress
+from llm4llm import cli_tables, progress
 from llm4llm.scale import scale_options
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# click's plain help: it wraps the help text and never cuts an option's name (rich's panels do at 80 columns)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Deployment-aware, closed-loop optimizer of GPU kernels for language-model inference.")
 # Wide enough for the hotspot table when the output is not a terminal (CI logs, pipes).
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -30,6 +31,21 @@ RayAddressOpt = typer.Option(None, "--ray-address",
                              help="with --task-runner ray: 'auto' (this machine's cluster), 'ray://HEAD:10001', or "
                                   "unset for a local Ray instance")
 RayGpusOpt = typer.Option(1.0, "--ray-gpus-per-eval", help="with --task-runner ray: GPUs per search (0: CPU workloads)")
+RUN_HELP = "run id, whole or shortened as `llm4llm runs` shows it, or its last 6 characters (default: latest)"
+
+# The choices of the options that take one, as their help lists them (llm4llm.config's Literals, which a test keeps
+# these equal to; not imported here, so `--help` stays fast)
+MODES = ("episodic", "sample", "iter")
+PROPOSERS = ("library", "llm", "hybrid")
+GRAPHS = ("auto", "on", "off")
+METRICS = ("auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")
+MODE_HELP = ("episodic: episodes that restart from the task and what earlier ones learned; sample: independent "
+             "samples; iter: one refinement chain")
+PROPOSER_HELP = "where candidates come from: the template library, an LLM, or both"
+
+
+def _choices(names: tuple[str, ...]) -> str:
+    return "[" + "|".join(names) + "]"
 
 
 def _quiet_prefect(verbose: bool) -> None:
@@ -87,18 +103,20 @@ def _db(db: Optional[Path]):
         raise typer.Exit(2) from None
 
 
-def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3) -> Table:
-    table = Table(title=title, show_lines=False)
-    cols = columns or list(df.columns)
-    for c in cols:
-        table.add_column(str(c), overflow="fold")
-    for _, row in df.iterrows():
-        cells = []
-        for c in cols:
-            v = row[c]
-            cells.append(f"{v:.{floats}f}" if isinstance(v, float) else str(v))
-        table.add_row(*cells)
-    return table
+def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3,
+              headers: dict[str, str] | None = None, whole: tuple[str, ...] = ()) -> Table:
+    return cli_tables.df_table(df, title, columns, floats, headers, whole, width=_width())
+
+
+def _width() -> int:
+    """The columns a table may use: $COLUMNS where set (also when the output is not a terminal), else the
+    console's width (the terminal's, or 160 for CI logs and pipes)."""
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else console.width
+
+
+def _print_table(table: Table) -> None:
+    console.print(table, width=_width())
 
 
 def _print_hotspots(profile_path: str, top: int) -> None:
@@ -137,8 +155,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
                       "expected end-to-end saving and splits the search's share over them"),
              budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
-             mode: str = typer.Option("episodic", help="episodic | sample | iter"),
-             proposer: str = typer.Option("library", help="library | llm | hybrid"),
+             mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
+             proposer: str = typer.Option("library", metavar=_choices(PROPOSERS),
+                                          help=PROPOSER_HELP),
              top: Optional[int] = typer.Option(
                  None, help="search the top-N covered tasks by hotspot score (default: the plan's targets)"),
              family: Optional[list[str]] = typer.Option(
@@ -147,8 +166,9 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  None, help="search only tasks of this phase (repeatable; before --top): prefill | decode"),
              delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
              accept_metric: str = typer.Option(
-                 "auto", help="in-model correctness metric: auto (logits_rel_l2_floor for 16-bit models, "
-                              "logits_rel_l2 for fp32) | logits_rel_l2_floor | logits_rel_l2 | logits_max_abs"),
+                 "auto", metavar=_choices(METRICS),
+                 help="in-model correctness metric (auto: logits_rel_l2_floor for 16-bit models, logits_rel_l2 for "
+                      "fp32)"),
              accept_tol_factor: float = typer.Option(3.0, help="fixed rel-L2 limit = factor x the dtype's rtol"),
              accept_floor_factor: float = typer.Option(
                  2.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
@@ -164,7 +184,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  7, help="GPU: time each trial and the current bundle alternately in this many rounds (each on its "
                          "own weight-sharing model copy) and decide on the median per-round gain (0: the bracket)"),
              decode_graphs: str = typer.Option(
-                 "auto", help="auto | on | off. GPU: the one-token decode steps replay from CUDA graphs "
+                 "auto", metavar=_choices(GRAPHS), help="GPU: the one-token decode steps replay from CUDA graphs "
                               "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
                               "acceptance gates them like a patch (logits, then delta), the bundle ships with them. "
                               "auto: on when all decode state sits in a static-address cache (Mamba, Mamba2), a KV "
@@ -279,8 +299,6 @@ def _print_run(out: dict, db: Optional[Path]) -> None:
         console.print(line, highlight=False, soft_wrap=True)
 
 
-PROPOSERS = ("library", "llm", "hybrid")
-
 # OptimizeConfig fields whose CLI flag is not --<field> (an error names the flag the user typed)
 _FLAGS = {("time_budget_s",): "--time-budget", ("search", "families"): "--family", ("search", "phases"): "--phase", ("search", "min_score"): "--min-score",
           ("graphs", "decode_graphs"): "--decode-graphs", ("evaluate", "variants"): "--e2e-variants",
@@ -363,18 +381,24 @@ def _run_workload_path(d, run_id: str) -> Optional[Path]:
 
 
 def _print_e2e(rows: list[dict]) -> None:
+    """The e2e rows as a table, as many columns as the terminal holds, an empty value as '-'."""
     import pandas as pd
 
     from llm4llm.evaluate import table_rows
 
-    console.print(_df_table(pd.DataFrame(table_rows(rows)), "end to end"))
+    df = pd.DataFrame(table_rows(rows))
+    cols, headers = cli_tables.e2e_view(tuple(df.columns), _width())
+    _print_table(_df_table(df, "end to end", cols, headers=headers, whole=("variant", *cli_tables.RATIOS)))
+    for line in cli_tables.e2e_notes(df, cols):
+        console.print(f"  {line}", highlight=False)
 
 
 @app.command()
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
-           run: Optional[str] = typer.Option(None, "--run", help="run id (default: latest)"),
-           budget: int = typer.Option(15), mode: str = typer.Option("episodic", help="episodic | sample | iter"),
-           proposer: str = typer.Option("library", help="library | llm | hybrid"),
+           run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
+           budget: int = typer.Option(15),
+           mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
+           proposer: str = typer.Option("library", metavar=_choices(PROPOSERS), help=PROPOSER_HELP),
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
            top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
            timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
@@ -403,7 +427,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
             raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         with _db(db) as d:
-            run = run or repo.latest_run_id(d)
+            run = _resolve_run(d, run)
             info = repo.get_run(d, run) if run else None
             workload_path = _run_workload_path(d, run) if info is not None else None
         if info is None:
@@ -481,17 +505,37 @@ def watch(paths: list[Path] = typer.Argument(..., help="workload files or direct
     _watch([str(p) for p in paths], state or data_home() / "watch-state.json", on_change, debounce_ms, initial)
 
 
+def _resolve_run(d, run: Optional[str]) -> Optional[str]:
+    """The run `--run` names: a full id, a shortened one as `llm4llm runs` prints it, or the id's unique tail; the
+    latest run when none is given. One that names no single run is one error line (exit 2)."""
+    from llm4llm.errors import TaskError
+    from storage import repo
+
+    if run is None:
+        return repo.latest_run_id(d)
+    found = repo.resolve_run_id(d, run, cli_tables.id_pattern(run))
+    if found is None:
+        raise TaskError(f"run: expected an existing run id (see `llm4llm runs`), got {run!r}")
+    return found
+
+
 def _print_tasks(db: Optional[Path], run_id: Optional[str]) -> None:
+    """The run's tasks, with as many columns as the terminal holds; a task id is never folded."""
     from storage import repo
 
     with _db(db) as d:
-        run_id = run_id or repo.latest_run_id(d)
+        run_id = _resolve_run(d, run_id)
         if run_id is None:
             console.print("no runs yet: run `llm4llm profile WORKLOAD` first")
             return
         df = repo.task_rows(d, run_id)
-    cols = ["task_id", "family", "phase", "instances", "dtype", "score", "deployable", "reason"]
-    console.print(_df_table(df, f"tasks of run {run_id}", cols))
+    if df.empty:
+        console.print(f"run {run_id} has no tasks: its extract stage has not run", highlight=False)
+        return
+    cols, headers = cli_tables.tasks_view(df, _width())
+    dtypes = sorted(set(df["dtype"])) if "dtype" not in cols else []
+    title = f"tasks of run {run_id}" + (f" ({', '.join(dtypes)})" if dtypes else "")
+    _print_table(_df_table(df, title, cols, headers=headers))
     _print_coverage(db, run_id)
 
 
@@ -506,26 +550,29 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed
     if not rows:
         return
-    console.print(_df_table(pd.DataFrame(rows), f"template coverage of run {run_id}"))
+    _print_table(_df_table(pd.DataFrame(rows), f"template coverage of run {run_id}"))
     for phase, share in cov["phases"].items():
         console.print(f"  {phase}: {100 * share:.1f}% of the phase's time is covered by accepted patches")
 
 
 @app.command("tasks")
-def tasks_cmd(run: Optional[str] = typer.Option(None, "--run", help="run id (default: latest)"),
+def tasks_cmd(run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
               db: Optional[Path] = DbOpt) -> None:
     """List the extracted tasks of a run."""
-    _print_tasks(db, run)
+    with _user_errors():
+        _print_tasks(db, run)
 
 
 @app.command()
 def runs(db: Optional[Path] = DbOpt, limit: int = typer.Option(20)) -> None:
-    """List recent runs."""
+    """List recent runs, as many columns as the terminal holds. A run id too long for it is shortened in the middle
+    (`--run` takes it as shown); at 140 columns and up every id is whole."""
     from storage import repo
 
     with _db(db) as d:
         df = repo.list_runs(d, limit)
-    console.print(_df_table(df, "runs"))
+    df, cols, headers = cli_tables.runs_view(df, _width())
+    _print_table(_df_table(df, "runs", cols, floats=1, headers=headers, whole=("started",)))
 
 
 @app.command()
@@ -567,7 +614,7 @@ def sql(query: str = typer.Argument(..., help="a SQL query over the tables (stor
                 df = repo.run_sql(d, query)
         except (duckdb.Error, RuntimeError) as e:
             raise Llm4llmError(f"sql: {e}") from e
-        console.print(_df_table(df.head(limit), f"{len(df)} rows" + (f" (first {limit})" if len(df) > limit else "")))
+        _print_table(_df_table(df.head(limit), f"{len(df)} rows" + (f" (first {limit})" if len(df) > limit else "")))
 
 
 @app.command()
@@ -606,7 +653,7 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
                                        kb_run_id=run_id, on_problem=show)
         with _db(db) as d:
             summary = repo.kb_summary(d, kb_run_id)
-        console.print(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
+        _print_table(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
 
 
 def main() -> None:  # pragma: no cover - console entry

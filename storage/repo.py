@@ -69,6 +69,21 @@ def get_run(db: Database, run_id: str) -> dict | None:
     return None if df.empty else df.iloc[0].to_dict()
 
 
+def resolve_run_id(db: Database, text: str, pattern: tuple[str, str] | None = None) -> str | None:
+    """The run id `text` names: the id itself, or the one run whose id starts with pattern's head and ends with its
+    tail (a shortened id as the CLI's tables print it), or the one run whose id ends with `text`. None when no run,
+    or more than one, matches."""
+    if db.query("SELECT 1 FROM runs WHERE run_id = ?", [text]):
+        return text
+    if pattern:
+        head, tail = pattern
+        rows = db.query("SELECT run_id FROM runs WHERE starts_with(run_id, ?) AND ends_with(run_id, ?) "
+                        "AND length(run_id) >= ?", [head, tail, len(head) + len(tail)])
+    else:
+        rows = db.query("SELECT run_id FROM runs WHERE ends_with(run_id, ?)", [text]) if text else []
+    return rows[0][0] if len(rows) == 1 else None
+
+
 def latest_run_id(db: Database, kind: str | None = None) -> str | None:
     sql = "SELECT run_id FROM runs" + (" WHERE kind = ?" if kind else "") + " ORDER BY started_at DESC LIMIT 1"
     rows = db.query(sql, [kind] if kind else [])

@@ -1,0 +1,122 @@
+"""Output sized for a person (issue 40, item 4): `llm4llm runs` and `tasks` fit 80 and 120 columns with every id on
+one line, an empty value prints as `-` (never nan, None or <NA>), a shortened run id works as `--run`, and
+`optimize --help` at 80 columns lists the choices of its options and cuts no option's name."""
+from __future__ import annotations
+
+import re
+import typing
+from datetime import datetime
+
+import pytest
+from typer.testing import CliRunner
+
+from llm4llm.cli import app
+from storage import repo
+from storage.db import Database
+
+WL = {"workload_hash": "h1", "name": "recurrentgemma-2b-it", "path": "/w/recurrentgemma-2b-it.toml",
+      "config": {"dtype": "bfloat16"}}
+RUNS = ["recurrentgemma-2b-it-20261206T062825-a1b2c3", "recurrentgemma-2b-it-eval-20261206T071500-d4e5f6"]
+TASKS = ["recurrent_block-prefill-0123456789ab", "recurrent_block-decode-0123456789ab-2", "norm-decode-ba9876543210"]
+EMPTY_WORDS = re.compile(r"\b(nan|NaN|None|NaT)\b|<NA>")
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """Two runs, the second with no GPU, timings or forwards (NULLs), and three tasks, one with no reason."""
+    path = tmp_path_factory.mktemp("cli_output") / "db.duckdb"
+    with Database(path) as d:
+        for i, run_id in enumerate(RUNS):
+            full = i == 0
+            repo.record_profile_run(d, {
+                "run_id": run_id, "workload_hash": WL["workload_hash"], "workload_name": WL["name"],
+                "kind": "optimize" if full else "evaluate", "status": "ok", "started_at": datetime(2026, 12, 6, 6 + i),
+                "device": "cuda" if full else None, "gpu_name": "NVIDIA H100 80GB HBM3" if full else None,
+                "prefill_ms": 31.25 if full else None, "decode_ms": 1650.5 if full else None,
+                "prefill_forwards": 1 if full else None, "decode_forwards": 63 if full else None}, WL, [])
+        repo.record_tasks(d, RUNS[0], [
+            {"task_id": t, "family": t.split("-")[0], "module_class": "transformers.RecurrentGemmaRecurrentBlock",
+             "phase": t.split("-")[1], "instances": 26, "shapes": [[1, 1, 2560]], "dtype": "bfloat16",
+             "score": 0.5 / (k + 1), "time_ms": None, "deployable": k != 2,
+             "reason": None if k != 2 else "no call captured in this phase"} for k, t in enumerate(TASKS)])
+    return path
+
+
+def _invoke(args: list[str], columns: int):
+    res = CliRunner().invoke(app, args, env={"COLUMNS": str(columns)})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _check_fits(out: str, columns: int, ids: list[str]) -> None:
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= columns, "\n" + out
+    assert not EMPTY_WORDS.search(out), "\n" + out
+    for i in ids:  # each id, or its shortened form, whole on some line: never folded over two
+        assert any(i in ln for ln in lines), f"{i} not on one line:\n{out}"
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_runs_fit_the_terminal_with_ids_on_one_line(db, columns):
+    out = _invoke(["runs", "--db", str(db)], columns)
+    shown = ([f"recurrentgemma…{r[-6:]}" for r in RUNS] if columns < 100 else
+             ["recurrentgemma-2b-it…a1b2c3", "recurrentgemma-2b-it-eval…d4e5f6"])
+    _check_fits(out, columns, shown)
+    assert "-" in out.split(shown[1])[1].splitlines()[0]  # the run without timings shows its empties as '-'
+    assert RUNS[0] in _invoke(["runs", "--db", str(db)], 160)  # wide enough: whole ids
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_tasks_fit_the_terminal_with_ids_on_one_line(db, columns):
+    out = _invoke(["tasks", "--run", RUNS[0], "--db", str(db)], columns)
+    _check_fits(out, columns, TASKS + [RUNS[0]])  # the title names the run
+
+
+def test_a_shortened_run_id_names_its_run(db):
+    """The id as `runs` prints it at 80 columns (or with three dots, or just its tail) works as `--run`."""
+    short = re.search(r"recurrentgemma…a1b2c3", _invoke(["runs", "--db", str(db)], 80)).group(0)
+    for run in (short, short.replace("…", "..."), "a1b2c3"):
+        assert TASKS[0] in _invoke(["tasks", "--run", run, "--db", str(db)], 80)
+
+
+def test_an_unknown_run_is_one_error_and_a_run_without_tasks_says_so(db):
+    res = CliRunner().invoke(app, ["tasks", "--run", "nope", "--db", str(db)], env={"COLUMNS": "80"})
+    assert res.exit_code == 2 and "expected an existing run id" in res.output, res.output
+    out = _invoke(["tasks", "--run", RUNS[1], "--db", str(db)], 80)
+    assert f"run {RUNS[1]} has no tasks" in out, out
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_e2e_table_prints_empty_values_as_a_dash(capsys, monkeypatch, columns):
+    from llm4llm import cli
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cli._print_e2e([{"variant": "patched_graphs", "prefill_ms": 31.0, "decode_ms_per_token": float("nan"),
+                     "total_ms": 80.0, "total_samples_ms": None, "vs_eager": 1.5, "vs_eager_p20": 1.4,
+                     "vs_eager_p80": 1.6, "vs_compile": 1.1, "vs_compile_p20": 1.05, "vs_compile_p80": 1.15,
+                     "notes": None}])
+    out = capsys.readouterr().out
+    _check_fits(out, columns, ["patched_graphs", "1.50x (1.40-1.60)", "1.10x (1.05-1.15)"])
+
+
+def test_optimize_help_lists_choices_and_cuts_no_option_name():
+    res = CliRunner().invoke(app, ["optimize", "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    out = res.output
+    assert res.exit_code == 0 and max(len(ln) for ln in out.splitlines()) <= 80, out
+    assert "…" not in out, out
+    for choices in ("[episodic|sample|iter]", "[library|llm|hybrid]", "[auto|on|off]",
+                    "[auto|logits_rel_l2_floor|logits_rel_l2|logits_max_abs]"):
+        assert choices in out, out
+    for name in ("--accept-tol-factor", "--accept-floor-factor", "--accept-min-task-speedup",
+                 "--accept-noisy-rounds", "--accept-interleave-rounds", "--ray-gpus-per-eval", "--decode-graphs"):
+        assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", out, re.M), f"{name} cut:\n{out}"
+
+
+def test_the_help_choices_are_the_configs():
+    """The choices the help lists are the ones OptimizeConfig accepts."""
+    from llm4llm import cli, config
+
+    assert cli.MODES == typing.get_args(config.SearchMode)
+    assert cli.PROPOSERS == typing.get_args(config.ProposerKind)
+    assert cli.GRAPHS == typing.get_args(config.GraphChoice)
+    assert cli.METRICS == typing.get_args(config.Metric)
