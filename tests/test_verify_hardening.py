@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from llm4llm.verify import VerifierPool
-from test_verify import shared_pool, shared_task_dir
+from llm4llm.verify import VerifierPool, check_source
+from test_verify import cheat_source, shared_pool, shared_task_dir
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,30 @@ def test_read_answer_refuses_what_is_not_a_small_regular_file(tmp_path):
     with pytest.raises(AnswerError, match="time limit"):
         read_answer(tmp_path, "late", limit=10, deadline=time.monotonic() - 1)
     assert (tmp_path / "real").read_bytes() == b"secret"  # a link is refused, its target untouched
+
+
+DEEP = {
+    "parentheses": "x = " + "(" * 100000 + ")" * 100000,
+    "lists": "x = " + "[" * 100000 + "]" * 100000,
+    "unary minus": "x = " + "-" * 100000 + "1",
+    "long sum": "x = " + "+".join(["1"] * 100000),
+    "attribute chain": "x = " + "a." * 100000 + "b",
+    "sum the parser takes": "x = " + "+".join(["1"] * 900),  # parses; a recursive visitor would not get through it
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_a_deeply_nested_source_is_a_static_failure_not_a_recursion_error(pool, task_dir, name):
+    src = cheat_source("correct_rmsnorm") + "\n" + DEEP[name] + "\n"
+    assert not check_source(src).ok
+    v = pool.verify(task_dir, src)
+    assert not v.passed and v.failure_class == "static", (v.failure_class, v.message)
+
+
+def test_a_deeply_nested_source_is_refused_by_the_kernelbench_gate_and_llm_extraction_too():
+    from llm4llm.kernelbench.static import check_modelnew
+    from llm4llm.llm.extract import defines
+
+    for src in DEEP.values():
+        assert not check_modelnew(src).ok
+        assert not defines(src)

@@ -974,7 +974,7 @@ def lossy_of_source(source: str, task: Task) -> dict | None:
         return None
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         return None
     known: dict[str, Any] = {}
 
@@ -990,7 +990,7 @@ def lossy_of_source(source: str, task: Task) -> dict | None:
             continue
         try:
             v = value(node.value)
-        except (ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, MemoryError):
             continue
         if node.targets[0].id == "LOSSY":
             return dict(v) if isinstance(v, dict) else None

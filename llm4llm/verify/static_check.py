@@ -163,17 +163,28 @@ class _Checker(ast.NodeVisitor):
     visit_AsyncFunctionDef = _visit_function
 
 
+def parse_source(source: str) -> ast.Module:
+    """ast.parse, where nesting too deep for the parser (which raises RecursionError or MemoryError) is the
+    SyntaxError it is: a deeply nested expression must never take the search process down."""
+    try:
+        return ast.parse(source)
+    except (RecursionError, MemoryError):
+        raise SyntaxError("expressions nested too deeply") from None
+
+
 def check_source(source: str, forbidden_names: tuple[str, ...] | set[str] = ()) -> StaticReport:
     """Check a candidate's source. `forbidden_names`: names that reach the reference (the task's module class)."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as e:
-        return StaticReport(False, f"syntax error: line {e.lineno}: {e.msg}")
+        return StaticReport(False, f"syntax error: {f'line {e.lineno}: ' if e.lineno else ''}{e.msg}")
     checker = _Checker(set(forbidden_names))
     try:
         checker.visit(tree)
     except _Violation as v:
         return StaticReport(False, str(v))
+    except (RecursionError, MemoryError):  # parsed, yet deeper than the checker's recursion goes
+        return StaticReport(False, "expressions nested too deeply")
     entries = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "entry"]
     if not entries:
         return StaticReport(False, "no top-level `def entry(inputs, weights, state, static)`")
