@@ -101,3 +101,18 @@ def test_a_deeply_nested_source_is_refused_by_the_kernelbench_gate_and_llm_extra
     for src in DEEP.values():
         assert not check_modelnew(src).ok
         assert not defines(src)
+
+
+def test_a_source_over_the_size_limit_is_refused_before_the_worker(pool, task_dir):
+    src = cheat_source("correct_rmsnorm")
+    before = pool.restarts
+    v = pool.verify(task_dir, src + "#" * (8 << 20) + "\n")  # a correct candidate and an 8 MB comment
+    assert not v.passed and v.failure_class == "static" and "limit" in v.message, (v.failure_class, v.message)
+    assert pool.restarts == before  # no worker was used (a worker serves one candidate, then is replaced)
+
+    from llm4llm.verify.static_check import MAX_SOURCE_BYTES
+
+    src += "#" * (MAX_SOURCE_BYTES - len(src.encode()) - 1) + "\n"
+    assert len(src.encode()) == MAX_SOURCE_BYTES and check_source(src).ok  # at the limit: still a candidate
+    rep = check_source(src + "# one line more\n")
+    assert not rep.ok and "limit" in rep.reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from llm4llm.verify.static_check import (COMPUTE_METHODS, FORBIDDEN_BUILTINS, TORCH_ALLOWED, StaticReport,
+from llm4llm.verify.static_check import (COMPUTE_METHODS, FORBIDDEN_BUILTINS, TORCH_ALLOWED, StaticReport, oversize,
                                         parse_source)
 
 ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "triton", "triton.language", "math", "functools",
@@ -119,6 +119,8 @@ class _Check(ast.NodeVisitor):
 
 
 def check_modelnew(source: str) -> StaticReport:
+    if (big := oversize(source)) is not None:
+        return big
     try:
         tree = parse_source(source)
     except SyntaxError as e:
