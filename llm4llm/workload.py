@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -29,6 +30,9 @@ from llm4llm.errors import DeviceError, Llm4llmError, ScriptError, WorkloadError
 from llm4llm.regime import Regime
 
 SCRIPT_FUNCTIONS = ("build", "inputs", "run")
+# A workload's name: a slug (no '/', no '..', no leading '.'), short enough for any file system's names.
+MAX_NAME_LEN = 100
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -126,6 +130,17 @@ class Workload(BaseModel):
     phase_weights: PhaseWeights | None = None
     llm: dict[str, Any] | None = None  # the [llm] table: validated by llm4llm.llm.config when the LLM proposer runs
     regime: Regime | None = None  # the serving regime (llm4llm/regime.py); the fields above are its representative point
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        # the name becomes a directory and file names under the data directory: a path separator, "..", a leading
+        # dot or a very long name would place a run elsewhere, hide it, or fail deep inside a stage (issue 39)
+        if len(value) > MAX_NAME_LEN or not _NAME.fullmatch(value) or ".." in value:
+            shown = repr(value) if len(value) <= 60 else f"{value[:40]!r}... ({len(value)} characters)"
+            raise ValueError(f"a name of at most {MAX_NAME_LEN} letters, digits, '-', '_' or '.' (not starting with "
+                             f"'.', no '..'), got {shown}")
+        return value
 
     @model_validator(mode="after")
     def _point_in_regime(self) -> "Workload":

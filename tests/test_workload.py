@@ -164,6 +164,25 @@ def test_bad_field(tmp_path, edit, field, pieces):
         assert piece in text, text
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "a..b", "x" * 101, "x" * 1200, "tab\\there",
+                                  "sp ace", "", "caf\\u00e9"])
+def test_unsafe_workload_name_is_one_clear_error(tmp_path, name):
+    err = _error(tmp_path, GOOD.replace('name = "t"', f'name = "{name}"'))
+    assert err.field == "name"
+    text = str(err)
+    assert "field `name`" in text and "\n" not in text and len(text) < 400, text
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "llama-3.2-3b", "a_b.c-1", "x" * 100])
+def test_safe_workload_names_load(tmp_path, name):
+    assert load_workload(_write(tmp_path, GOOD.replace('name = "t"', f'name = "{name}"'))).name == name
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("docs/results/*/workloads/*.toml")), ids=lambda p: p.parent.parent.name + "/" + p.stem)
+def test_recorded_result_workloads_still_validate(path):
+    assert load_workload(path, check_device=False).name == path.stem
+
+
 def test_missing_file_and_bad_syntax(tmp_path):
     with pytest.raises(WorkloadError, match="expected a workload TOML file, got no such file"):
         load_workload(tmp_path / "nope.toml")

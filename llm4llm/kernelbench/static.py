@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ast
 
-from llm4llm.verify.static_check import COMPUTE_METHODS, FORBIDDEN_BUILTINS, TORCH_ALLOWED, StaticReport
+from llm4llm.verify.static_check import (COMPUTE_METHODS, FORBIDDEN_BUILTINS, TORCH_ALLOWED, StaticReport, oversize,
+                                        parse_source)
 
 ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "triton", "triton.language", "math", "functools",
                    "typing", "__future__"}
@@ -118,15 +119,19 @@ class _Check(ast.NodeVisitor):
 
 
 def check_modelnew(source: str) -> StaticReport:
+    if (big := oversize(source)) is not None:
+        return big
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as e:
-        return StaticReport(False, f"syntax error: line {e.lineno}: {e.msg}")
+        return StaticReport(False, f"syntax error: {f'line {e.lineno}: ' if e.lineno else ''}{e.msg}")
     c = _Check()
     try:
         c.visit(tree)
     except _V as v:
         return StaticReport(False, str(v))
+    except (RecursionError, MemoryError):  # parsed, yet deeper than the checker's recursion goes
+        return StaticReport(False, "expressions nested too deeply")
     if not c.has_model_new:
         return StaticReport(False, "no `class ModelNew(nn.Module)`: the KernelBench candidate contract")
     if not c.has_kernel:

@@ -112,7 +112,7 @@ def _after_imports(source: str, block: str) -> str:
     """`source` with `block` inserted after its last top-level import (at the top when unparsable)."""
     try:
         body = ast.parse(source).body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # nested too deeply too
         return block.lstrip("\n") + "\n" + source
     last = 0
     for node in body:

@@ -43,7 +43,7 @@ def defines(code: str, target: str = "entry") -> bool:
     node_type, name, fallback = TARGETS[target][:3]
     try:
         tree = ast.parse(code)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # nested too deeply too
         return bool(fallback.search(code))  # the compile gate reports the syntax error with its line
     return any(isinstance(n, node_type) and n.name == name for n in tree.body)
 

@@ -882,6 +882,26 @@ class CandidateSession:
         return {"ok": v.model_dump(mode="json"), "samples": meta}
 
 
+def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, str, str] = (
+        "output_shape_dtype", "shape_dtype", "the worker's outputs")) -> dict[str, torch.Tensor]:
+    """The tensors of the worker's answer file `work/name`, read as llm4llm.verify.answer allows (a regular file,
+    a size limit, before the candidate's deadline, which `rpc` carries). Raises GateFailure: a file that is not
+    a regular one is the candidate tampering with the harness (worker_crash), a mangled one a wrong answer
+    (`mangled`: its gate, class and what it held)."""
+    from safetensors.torch import load
+
+    from llm4llm.verify.answer import AnswerError, read_answer
+
+    try:
+        data = read_answer(work, name, deadline=getattr(rpc, "deadline", None))
+    except AnswerError as e:
+        raise GateFailure("answer", "worker_crash", str(e)) from None
+    try:
+        return load(data)
+    except Exception as e:  # noqa: BLE001 - a mangled answer is the candidate process's doing
+        raise GateFailure(mangled[0], mangled[1], f"{mangled[2]} could not be read: {e}") from None
+
+
 @dataclass
 class RemoteJudge(Judge):
     """Parent side: the same checks as Judge, on the tensors the worker's call wrote back."""
@@ -893,8 +913,6 @@ class RemoteJudge(Judge):
     dispatch_note: str = ""
 
     def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
-        from safetensors.torch import load_file
-
         name = f"call-{draw.key[0]}-{draw.key[1]}-{self.runs}.safetensors"
         first = not self.dispatch_done
         reply = self.rpc({"op": "call", "key": list(draw.key), "poison": poison, "meta": out_meta(draw.ref),
@@ -903,13 +921,7 @@ class RemoteJudge(Judge):
             gate, cls, msg = reply["fail"][:3]
             raise GateFailure(gate, cls, msg, poisoned=bool(reply.get("poisoned")))
         self.runs += 1
-        path = self.work / name
-        try:
-            saved = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - a missing or mangled answer is the candidate process's doing
-            raise GateFailure("output_shape_dtype", "shape_dtype", f"the worker's outputs could not be read: {e}")
-        finally:
-            path.unlink(missing_ok=True)
+        saved = _load_answer(self.work, name, self.rpc)
         if first:
             self.dispatch_done = True
             out_elems = sum(r.numel() for r in draw.ref.values())
@@ -962,7 +974,7 @@ def lossy_of_source(source: str, task: Task) -> dict | None:
         return None
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         return None
     known: dict[str, Any] = {}
 
@@ -978,7 +990,7 @@ def lossy_of_source(source: str, task: Task) -> dict | None:
             continue
         try:
             v = value(node.value)
-        except (ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, MemoryError):
             continue
         if node.targets[0].id == "LOSSY":
             return dict(v) if isinstance(v, dict) else None
@@ -1035,8 +1047,6 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     (`check_timed_samples`); then, on a GPU, the physical floor."""
     import secrets
 
-    from safetensors.torch import load_file
-
     name = f"timed-{secrets.token_hex(4)}.safetensors"
     r = rpc({"op": "time", "fresh_seed": secrets.randbits(31), "path": name})
     if "fail" in r:
@@ -1055,14 +1065,11 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     bad = next((g for g in timed.gates if not g.passed), None)
     if bad is not None:
         return v.fail(bad.name, "timeout" if "time" in bad.name else "runtime_error", bad.detail), False
-    path = work / name
     try:
-        tensors = load_file(str(path)) if r.get("samples") else {}
-    except Exception as e:  # noqa: BLE001 - a missing or mangled answer is the candidate process's doing
-        return v.fail("timed_outputs", "timed_output_mismatch", f"the sampled timed outputs could not be read: {e}"), \
-            False
-    finally:
-        path.unlink(missing_ok=True)
+        tensors = _load_answer(work, name, rpc, ("timed_outputs", "timed_output_mismatch",
+                                                 "the sampled timed outputs")) if r.get("samples") else {}
+    except GateFailure as f:
+        return v.fail(f.gate, f.failure_class, f.message), False
     if os.environ.get(TIMED_CHECK_ENV, "").lower() == "off":  # the operator's debugging switch, read in the parent
         detail = f"off ({TIMED_CHECK_ENV}=off): {len(r.get('samples') or [])} sampled timed calls not judged"
         log.warning("llm4llm verify: the timed-output check is off (%s=off)", TIMED_CHECK_ENV)

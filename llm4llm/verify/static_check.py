@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 ALLOWED_MODULES = {"torch", "triton", "triton.language", "math", "functools", "typing", "dataclasses", "__future__"}
 OPS_PACKAGE = "kernels_runtime.ops"
+# A source larger than this is refused before it is parsed or sent to a worker: a kernel is a few kB, and parsing and
+# copying megabytes costs the search process gigabytes (an 8 MB source took it from 0.5 to 4 GiB; issue 39).
+MAX_SOURCE_BYTES = 1 << 20
 
 FORBIDDEN_BUILTINS = {
     "open", "exec", "eval", "compile", "__import__", "getattr", "setattr", "delattr", "globals", "locals", "vars",
@@ -163,17 +166,38 @@ class _Checker(ast.NodeVisitor):
     visit_AsyncFunctionDef = _visit_function
 
 
+def oversize(source: str) -> StaticReport | None:
+    """A failing report for a source over MAX_SOURCE_BYTES, else None."""
+    n = len(source.encode(errors="replace"))
+    if n > MAX_SOURCE_BYTES:
+        return StaticReport(False, f"source is {n} bytes, over the limit of {MAX_SOURCE_BYTES} bytes")
+    return None
+
+
+def parse_source(source: str) -> ast.Module:
+    """ast.parse, where nesting too deep for the parser (which raises RecursionError or MemoryError) is the
+    SyntaxError it is: a deeply nested expression must never take the search process down."""
+    try:
+        return ast.parse(source)
+    except (RecursionError, MemoryError):
+        raise SyntaxError("expressions nested too deeply") from None
+
+
 def check_source(source: str, forbidden_names: tuple[str, ...] | set[str] = ()) -> StaticReport:
     """Check a candidate's source. `forbidden_names`: names that reach the reference (the task's module class)."""
+    if (big := oversize(source)) is not None:
+        return big
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as e:
-        return StaticReport(False, f"syntax error: line {e.lineno}: {e.msg}")
+        return StaticReport(False, f"syntax error: {f'line {e.lineno}: ' if e.lineno else ''}{e.msg}")
     checker = _Checker(set(forbidden_names))
     try:
         checker.visit(tree)
     except _Violation as v:
         return StaticReport(False, str(v))
+    except (RecursionError, MemoryError):  # parsed, yet deeper than the checker's recursion goes
+        return StaticReport(False, "expressions nested too deeply")
     entries = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "entry"]
     if not entries:
         return StaticReport(False, "no top-level `def entry(inputs, weights, state, static)`")
@@ -194,6 +218,8 @@ def forbidden_names_for(module_class: str) -> tuple[str, ...]:
 def check_task_source(source: str, spec) -> StaticReport:
     """The static gate for a task: KernelBench tasks take a `ModelNew` (llm4llm/kernelbench/static.py), every
     other task the `entry` contract above."""
+    if (big := oversize(source)) is not None:
+        return big
     if getattr(spec, "reference", "") == "kernelbench":
         from llm4llm.kernelbench.static import check_modelnew
 

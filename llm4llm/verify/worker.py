@@ -262,7 +262,10 @@ class VerifierPool:
         spec = load_spec(Path(task_dir))
         v = Verdict(source_hash=source_hash(source), task_id=spec.task_id, device_name=self.device,
                     timing_source="cuda_events" if self.device.startswith("cuda") else "none: cpu")
-        rep = check_task_source(source, spec)
+        try:  # the parse is bounded (size, nesting) in the gate; a parser failure still must not end the search
+            rep = check_task_source(source, spec)
+        except (RecursionError, MemoryError) as e:
+            return v.fail("static", "static", f"the source could not be parsed: {type(e).__name__}")
         if not rep.ok:
             return v.fail("static", "static", rep.reason)
         key = str(Path(task_dir).resolve())
