@@ -420,15 +420,11 @@ class Clock:
 
 # ---- stopping a task's search -------------------------------------------------------------------------------
 
-def _p50(verdict: dict, key: str) -> float | None:
-    lat = verdict.get(key) or {}
-    v = lat.get("p50") if isinstance(lat, dict) else None
-    return float(v) if v else None
-
-
 def near_floor(trials: list) -> str | None:
     """Why a search can stop: its best passing candidate's in-context time is within NEAR_FLOOR of the task's
     physical floor (the verifier's floor_ms: output + weight bytes at peak HBM bandwidth)."""
+    from llm4llm.search.episode import _p50
+
     best = None
     for t in trials:
         if not t.feedback.passed:

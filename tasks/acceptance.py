@@ -34,14 +34,17 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, se
     return out
 
 
-def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0) -> list:
-    """Each searched task's best passing candidate, ranked against its search's pooled reference
-    (storage.repo.best_candidates)."""
+def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0,
+                   task_ids: list[str] | None = None) -> list:
+    """Each searched task's best passing candidate (of `task_ids` alone when given), ranked against its search's
+    pooled reference (storage.repo.best_candidates)."""
     from storage import repo
     from storage.db import Database
 
     with Database(db_path) as db:
         df = repo.best_candidates(db, run_id, min_utility)
+    if task_ids is not None:
+        df = df[df["task_id"].isin(task_ids)]
     return accept_stage.proposals_of(df)
 
 
@@ -50,9 +53,7 @@ def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_di
     """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept), of `task_ids`
     alone when given, on top of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience
     for the next search round) go to DuckDB. Returns its summary."""
-    proposals = best_proposals(run_id, db_path, min_utility=0.0)
-    if task_ids is not None:
-        proposals = [p for p in proposals if _task_id_of(p.task_dir) in set(task_ids)]
+    proposals = best_proposals(run_id, db_path, min_utility=0.0, task_ids=task_ids)
     outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle)
     record_acceptance(outcome, db_path)
     return outcome.summary()
@@ -100,10 +101,3 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
                                          on_measured=record, max_s=max_s, deadline=deadline)
     return {"run_id": run_id, "rows": rows_of(latest)}
 
-
-def _task_id_of(task_dir: str) -> str:
-    from pathlib import Path
-
-    from llm4llm.taskspec import load_spec
-
-    return load_spec(Path(task_dir)).task_id
