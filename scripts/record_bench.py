@@ -3,8 +3,10 @@
     python scripts/record_bench.py --db results.duckdb --bench-id 2026-11-30-h200 tops.jsonl ssm.jsonl
 
 Also takes scripts/gpu/dispatch_overhead.py's rows (op `dispatch:<measure>`, times in ms) and
-scripts/gpu/launch_overhead.py's (op `launch`, one provider per launch path). scripts/gpu/graph_diag.py's JSON
-files (`--graph-diag FILE`, end-to-end generate times) go to `e2e_results` under run id `<bench-id>-<file stem>`.
+the launch-overhead probe's (op `launch`, one provider per launch path). The graph diagnostic's JSON files
+(`--graph-diag FILE`, end-to-end generate times) go to `e2e_results` under run id `<bench-id>-<file stem>`. Both
+probes are retired (scripts/README.md names the commit that has them); their committed outputs under docs/results
+still load.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def dispatch_rows(row: dict, bench_id: str) -> list[dict]:
 
 
 def launch_rows(row: dict, bench_id: str) -> list[dict]:
-    """scripts/gpu/launch_overhead.py rows: microseconds per launch by launch path (op `launch`, provider = path)."""
+    """The launch-overhead probe's rows: microseconds per launch by launch path (op `launch`, provider = path)."""
     us = row.get("us_per_launch")
     return [{"bench_id": bench_id, "op": "launch", "provider": row["path"], "shape": "copy[2560] bf16",
              "dtype": "bfloat16", "p20_ms": None, "p50_ms": None if us is None else us / 1e3, "p80_ms": None,
@@ -65,7 +67,7 @@ def long_rows(row: dict, bench_id: str) -> list[dict]:
 
 
 def graph_diag_rows(doc: dict, run_id: str, gpu: str | None) -> list[dict]:
-    """scripts/gpu/graph_diag.py output: one e2e_results row per variant (total, prefill and decode per token as
+    """The graph diagnostic's output: one e2e_results row per variant (total, prefill and decode per token as
     llm4llm.evaluate.measure times them; rows written before graph_diag timed through it have the total only)."""
     out = []
     for r in doc["rows"]:
@@ -82,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", required=True)
     ap.add_argument("--bench-id", required=True)
-    ap.add_argument("--graph-diag", action="append", default=[], help="scripts/gpu/graph_diag.py JSON (repeatable)")
+    ap.add_argument("--graph-diag", action="append", default=[], help="the graph diagnostic's JSON (repeatable)")
     ap.add_argument("--gpu", default=None, help="GPU name for --graph-diag rows")
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()

@@ -98,7 +98,7 @@ def variants(s: dict, sms: int) -> dict[str, dict]:
     out["m16"] = {**base, "l2pf_mlp_mb": 16}
     out["l2o_o2048"] = {**base, "l2pf_o": True, "o_BLOCK_K": 2048}
     out["l2o_nopdl"] = {**base, "l2pf_o": True, "pdl": False}
-    # gate/up and down with their weight tiles by TMA (STAGES in flight; scripts/gpu/gemv_tma_probe.py's best points)
+    # gate/up and down with their weight tiles by TMA (STAGES in flight; the standalone GEMV TMA probe's best points)
     gu = {"gu_TMA": 4, "gu_BLOCK_N": 64, "gu_BLOCK_K": 128}
     dn = {"dn_TMA": 6, "dn_BLOCK_N": 8, "dn_BLOCK_K": 256}
     out["tma"] = {**base, **gu, **dn}

@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# Device call on one H200 (device tool, carry [".whl"]): steps run one after another, never side by side
-# (decode is host-bound: a second lane on the same host skews every timing, seen on 2026-11-30). Each optimize has
-# its own time limit (TERM, then KILL 15 s later, the whole process group: the acceptance and verifier workers are
-# children). Logs come back as one tarball ($OUT returns at most 8 files).
+# The GPU run script: one device call (device tool, carry [".whl"]) whose steps run one after another, never side by
+# side (decode is host-bound: a second lane on the same host skews every timing). Each optimize has its own time
+# limit (TERM, then KILL 15 s later, the whole process group: the acceptance and verifier workers are children).
+# Logs come back as one tarball ($OUT returns at most 8 files).
 #   STEPS="dispatch optimize:mamba-130m:4:2:220 optimize:qwen3-4b:4:3" LIMIT=575 bash scripts/gpu/session_seq.sh
 #   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile;
-#    launch: scripts/gpu/launch_overhead.py;
+#    dispatch: scripts/gpu/dispatch_overhead.py;
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate, e.g. eager,eager_graphs; EVAL_ARGS: extra options, e.g.
 #    "--bundle docs/results/.../bundle_W --repeats 7" (a bundle an earlier call brought back in its logs);
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu;
 #    GPUTEST_ARGS replaces the test paths, e.g. "tests/ops/test_linear.py");
-#    graphdiag:WORKLOAD[:MAX_S]: scripts/gpu/graph_diag.py with DIAG_ARGS (e.g. "--template T --prefill-template P");
-#    tasktiming:WORKLOAD[:MAX_S]: scripts/gpu/task_timing_check.py with TT_ARGS (e.g. "--template T");
 #    TRACE_ARGS: extra trace_decode.py options, e.g. --decode-graphs;
 #    E2E_MAX_S: the evaluate stage's time budget for its rounds (optimize --e2e-max-s), e.g. 150 on a slow host;
 #    OPT_ARGS: extra optimize options, e.g. "--decode-graphs --accept-min-task-speedup 0"; OPT_ARGS_<workload> (its
@@ -35,22 +33,11 @@ for step in ${STEPS:-dispatch}; do
     dispatch)
       timeout -k 5 60 python3 scripts/gpu/dispatch_overhead.py --out "$OUT/dispatch.jsonl" > "$OUT/logs/dispatch.log" 2>&1
       echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
-    launch)  # host cost per launch: torch op vs Triton JIT vs compiled-kernel paths vs CUDA graph replay
-      timeout -k 5 90 python3 scripts/gpu/launch_overhead.py --out "$OUT/logs/launch.jsonl" > "$OUT/logs/launch.log" 2>&1
-      echo "launch overhead rc=$? in $(( $(date +%s) - s ))s"; cat "$OUT/logs/launch.log" ;;
     trace)  # trace:WORKLOAD: eager vs the newest bundle an optimize step of this call made for it (if any)
       b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1)
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
         ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
-    graphdiag)
-      timeout -k 5 "${budget:-200}" python3 scripts/gpu/graph_diag.py examples/workloads/$w.toml \
-        --out "$OUT/logs/graph_diag_$w.json" ${DIAG_ARGS:-} > "$OUT/logs/graph_diag_$w.log" 2>&1
-      echo "graph_diag $w rc=$? in $(( $(date +%s) - s ))s"; tail -8 "$OUT/logs/graph_diag_$w.log" ;;
-    tasktiming)
-      timeout -k 5 "${budget:-150}" python3 scripts/gpu/task_timing_check.py examples/workloads/$w.toml \
-        --out "$OUT/logs/task_timing_$w.json" ${TT_ARGS:-} > "$OUT/logs/task_timing_$w.log" 2>&1
-      echo "task_timing $w rc=$? in $(( $(date +%s) - s ))s"; tail -4 "$OUT/logs/task_timing_$w.log" ;;
     evaluate)
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" ${EVAL_ARGS:-} > "$OUT/logs/evaluate_$w.log" 2>&1
@@ -62,6 +49,7 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${E2E_MAX_S:+--e2e-max-s $E2E_MAX_S} $extra > "$OUT/logs/optimize_$w.log" 2>&1
       echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
+    *) echo "unknown step $step: expected dispatch, trace, evaluate, gputest or optimize" ;;
   esac
 done | tee "$OUT/logs/steps.txt"
 python3 - "$OUT/e2e.duckdb" <<'PY' 2>&1 | tee "$OUT/logs/summary.txt"
