@@ -1,7 +1,7 @@
 """CUDA-graph replay of a model's one-token decode step (and, for Mamba / Mamba2 caches, of its prompt's forward).
 
 A decode step of a small or state-space model is host-bound: every launch costs the host more than the GPU spends
-on it (a Triton call's host time is tens of µs, a small layer's GPU work a few µs: docs/results/2026-11-30-h200-b).
+on it (a Triton call's host time is tens of µs, a small layer's GPU work a few µs).
 Replacing kernels cannot remove that cost; replaying the whole step as one CUDA graph does. This module wraps
 the top-level model's `forward` (an instance attribute, as patch.py does for modules) so that a decode call
 
@@ -763,8 +763,8 @@ class DecodeGraphs:
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_call(self, kwargs: dict):
         """A prompt's forward (input_ids [B, L], L > 1) on a fresh cache of PREFILL_LAYERS: on a small model it is
-        host-bound (its Triton launches cost the host more than its kernels take the GPU:
-        docs/results/2026-11-30-h200-g). Its first call of a signature runs eagerly; the second captures (the call
+        host-bound (its Triton launches cost the host more than its kernels take the GPU).
+        Its first call of a signature runs eagerly; the second captures (the call
         itself runs eagerly, then the graph is recorded from a fresh copy of the cache and replayed once against it);
         later ones replay and hand the caller's cache the graph's state tensors and the bookkeeping the eager prefill
         left (flags, kernel sizes). A cache given them earlier and still holding them gets copies first."""

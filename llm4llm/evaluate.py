@@ -12,8 +12,8 @@ drift reads as a speedup or a slowdown. Each variant's ratio to eager (and to to
 so both sides of a ratio saw the same drift, and is reported as the median with its p20-p80 spread.
 Each timed run also records the main thread's CPU time (`time.thread_time`, which a descheduled or preempted thread
 does not accrue) and the ratio to eager is taken on it too (`vs_eager_cpu`): where a host deschedules or preempts
-the thread, that ratio leaves the lost time out, which the wall-clock ratio carries. On the H200 host the two
-agree to the third decimal (2026-12-04-h200): the thread runs throughout (CUDA's synchronize spins) and eager's
+the thread, that ratio leaves the lost time out, which the wall-clock ratio carries. On a dedicated GPU host the
+two agree to the third decimal: the thread runs throughout (CUDA's synchronize spins) and eager's
 spread there (up to 2.5x within a call) is the same work running slower, which only pairing the rounds removes.
 Python's garbage is collected before every timed run, so a collection one variant's garbage triggers is not charged
 to the next variant.
@@ -350,8 +350,8 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
 
     max_s: a time budget for the interleaved rounds (from the end of round 0): a round starts only if one more like
     the slowest so far still fits, and the last one taken records the decode step's GPU time, so a run on a slow
-    host ends with fewer rounds instead of being killed before its floor and step time (a qwen3-4b optimize on the
-    H200 was, 2026-12-04-h200). At least one interleaved round runs when repeats > 1. deadline: Unix time by which
+    host ends with fewer rounds instead of being killed before its floor and step time (as a qwen3-4b optimize once
+    was). At least one interleaved round runs when repeats > 1. deadline: Unix time by which
     the rounds end (the run's time budget): it shortens max_s to what is left when round 0 is done."""
     from llm4llm.workload import call_script, load_script, load_workload
 

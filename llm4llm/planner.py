@@ -33,10 +33,10 @@ RUN_STARTED: ContextVar[float | None] = ContextVar("llm4llm_run_started", defaul
 DEFAULT_TIME_BUDGET_S = 480.0  # what `optimize` spends when no --time-budget is given: 8 minutes on one GPU
 
 # The speedup a family's best candidate usually reaches in its task (in-context timing, graph replay for decode),
-# before this database has its own: the median of every search's best over docs/results/2026-11-30..2026-12-04
-# (H200, built-in proposer). decoder_layer/decode: 222 -> 68 us (qwen3-4b), 177 -> 63 (Llama-3.2-3B), 215 -> 124
-# (llama-2-7b). mlp/decode is below 1 there (cuBLAS' GEMV is hard to beat alone): the planner does not search it
-# unless this database has seen it win.
+# before this database has its own: the median of every search's best in the project's recorded GPU runs
+# (built-in proposer; docs/hardware.md). decoder_layer/decode: 222 -> 68 us (qwen3-4b), 177 -> 63 (Llama-3.2-3B),
+# 215 -> 124 (llama-2-7b). mlp/decode is below 1 there (cuBLAS' GEMV is hard to beat alone): the planner does not
+# search it unless this database has seen it win.
 PRIOR_SPEEDUP: dict[tuple[str, str], float] = {
     ("decoder_layer", "decode"): 2.8, ("decoder_layer", "prefill"): 1.2,
     ("attention", "decode"): 1.32, ("attention", "prefill"): 1.63,
@@ -52,16 +52,16 @@ PRIOR_SPEEDUP: dict[tuple[str, str], float] = {
 DEFAULT_SPEEDUP = 1.3  # a family with no measurement at all
 
 NEAR_FLOOR = 1.2  # a task whose best candidate is within this factor of its physical floor stops searching
-# ... and one whose last PLATEAU_TRIALS trials did not improve its best by PLATEAU_GAIN (qwen3-4b on the H100,
-# 2026-12-06: 2.60x at trial 1, 2.61x at trial 9 of 15: four minutes for 0.4 %)
+# ... and one whose last PLATEAU_TRIALS trials did not improve its best by PLATEAU_GAIN (qwen3-4b
+# once reached 2.60x at trial 1 and 2.61x at trial 9 of 15: four minutes for 0.4 %)
 PLATEAU_TRIALS = 6
 PLATEAU_GAIN = 0.01
 MIN_TRIALS = 2  # a searched task gets at least this many trials (a template's default, then one seed)
 MAX_TRIALS = 15  # and at most this many (the former fixed budget)
 
-# Seconds, before this workload has a run of its own to go by. Measured on the H200 (2026-12-04-h200, qwen3-4b,
-# llama-2-7b, Llama-3.2-3B: acceptance 66-112 s for a 2.3-4.6 s run; evaluation's set-up and torch.compile 85-148 s)
-# and on a 2-core CPU (tiny workloads: a trial 10-20 s under Triton's interpreter).
+# Seconds, before this workload has a run of its own to go by. Measured on a GPU host (qwen3-4b, llama-2-7b,
+# Llama-3.2-3B: acceptance 66-112 s for a 2.3-4.6 s run; evaluation's set-up and torch.compile 85-148 s;
+# docs/hardware.md) and on a 2-core CPU (tiny workloads: a trial 10-20 s under Triton's interpreter).
 TRIAL_S = {"cuda": 32.0, "cpu": 15.0}
 ACCEPT_FIXED_S = {"cuda": 20.0, "cpu": 15.0}
 ACCEPT_PER_RUN = {"cuda": 20.0, "cpu": 10.0}  # x the workload's eager run time

@@ -196,7 +196,7 @@ def interpret_without_gpu() -> None:
 # Cached launches: bind the compiled kernel once per specialization, then call its launcher directly.
 #
 # `jit_fn[grid](...)` runs Triton's binder, cache-key computation and global-value checks on every call, more host
-# time than a torch op takes (docs/results/2026-11-30-h200-c); a decode step issues hundreds. `launch` keys
+# time than a torch op takes; a decode step issues hundreds. `launch` keys
 # the compiled kernel by what Triton specializes on (tensor dtypes and 16-byte alignment, ints equal to 1 or
 # divisible by 16 and their width, the constexprs and launch options) and calls `CompiledKernel.run` with every
 # signature argument in order, as `JITFunction.run` does (Triton 3.6-3.9). The first call of a key, the interpreter,

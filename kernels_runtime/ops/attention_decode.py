@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_runtime.hardware import target_programs
 from kernels_runtime.ops._common import interpreting
 
 CONFIG_SPACE: dict[str, list] = {
@@ -36,8 +37,9 @@ CONFIGS: list[dict] = [
     for bn in CONFIG_SPACE["BLOCK_N"] for w in CONFIG_SPACE["num_warps"] for s in CONFIG_SPACE["num_stages"]
 ]
 _LOG2E = 1.4426950408889634
-# Aim for about two waves of programs on an H100/H200 (132 SMs); a split never goes below one BLOCK_N tile.
-TARGET_PROGRAMS = 264
+# Aim for a few waves of programs on the target GPU's SMs (kernels_runtime.hardware); a split never goes below one
+# BLOCK_N tile.
+TARGET_PROGRAMS = target_programs()
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are padded
 
 

@@ -14,8 +14,7 @@ For one new token per sequence, stage 1 (one program per (batch, kv head, split)
   log-sum-exp (fp32).
 Stage 2 merges the splits per query head and advances the length by one (program 0), as `StaticLayer.update` does.
 With one split (the batch's KV heads alone fill the GPU, or a one-tile cache) stage 1 writes the output itself and a
-one-program kernel advances the length instead (a one-split layer on qwen3-4b lost 9-16 us a layer:
-docs/results/2026-12-03-h200-e).
+one-program kernel advances the length instead (a one-split layer on qwen3-4b lost 9-16 us a layer).
 
 The grid is sized for the whole cache (S_max), never for the current length: splits past `pos` or below the window
 write an empty partial (lse -inf). Nothing reads the length on the host, so every pointer and the grid are the same
@@ -32,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_runtime.hardware import target_programs
 from kernels_runtime.ops._common import (TIMELINE, interpreting, l2_prefetch, l2_prefetch_on, pdl_launch, pdl_on,
                                          pdl_wait, rnd, stamp, timeline_rows)
 from kernels_runtime.ops._common import l2_prefetch_bytes as _l2_bytes  # the launcher's argument takes the name
@@ -43,7 +43,7 @@ CONFIG_SPACE: dict[str, list] = {
     "num_stages": [1, 2, 3],
 }
 _LOG2E = 1.4426950408889634
-TARGET_PROGRAMS = 264  # about two waves on an H100/H200 (132 SMs)
+TARGET_PROGRAMS = target_programs()  # a few waves on the target GPU's SMs (kernels_runtime.hardware)
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are padded
 
 

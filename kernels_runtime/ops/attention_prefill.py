@@ -201,8 +201,8 @@ def attention_prefill_tma(
     """Causal self-attention over a prompt without a past: q [B, Hq, S, D], k/v [B, Hkv, S, D] (any strides), 16-bit,
     D <= 128 (`tma_applies`) -> [B, Hq, S, D] in q's layout. Exact: TileMix's kernel with no INT8 tile (its INT8 path
     is not compiled), this project's bf16 flash kernel, bit for bit `attention_prefill` at the same tiles under the
-    interpreter; its fully visible K/V tiles come by TMA descriptors on sm_90+ (on the H200 at 128 x 128 in 3
-    stages, 16k and 32k tokens, batch 8, qwen3-4b's heads: 1.29x / 1.33x SDPA's flash backend, 2026-12-04-h200-b)."""
+    interpreter; its fully visible K/V tiles come by TMA descriptors on sm_90+ (at 128 x 128 in 3 stages,
+    16k and 32k tokens, batch 8, qwen3-4b's heads: 1.29x / 1.33x SDPA's flash backend)."""
     from kernels_runtime.ops.tilemix_attention import tilemix_attention
     from kernels_runtime.ops.tilemix_masks import uniform_mask
 

@@ -32,7 +32,8 @@ from kernels_runtime.ops._common import (_TL, TIMELINE, cast_out, interpreting, 
                                          l2_prefetch_on, launch, pdl_launch, pdl_on, pdl_wait, rnd, stamp,
                                          timeline_rows)
 
-# Hand-picked starting points for the H200 (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per program.
+# Hand-picked starting points for a 132-SM HBM3 GPU (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per
+# program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
                                  "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
@@ -230,9 +231,9 @@ def _gemv_tma_kernel(
     # One x row (batch 1), no K split: y[n] = w0[n] . x (+ residual) or, SWIGLU, silu(w0[n] . x) * (w1[n] . x), with
     # `_gemv_kernel`'s roundings. The weight tiles come by TMA into shared memory, STAGES of them in flight a
     # program (Triton's pipeliner), where `_gemv_kernel` holds its tiles in registers: more bytes in flight an SM
-    # (docs/results/2026-12-03-h200-e: qwen3-4b's gate/up 27.9 us against 35.2 standalone). The descriptors are
+    # (qwen3-4b's gate/up: 27.9 us against 35.2 standalone). The descriptors are
     # made on the host (kernel parameters): device-made ones sit in triton's global scratch, which the next kernel,
-    # launched early by PDL, may overwrite (a PDL chain replayed from a graph hung that way on the H200).
+    # launched early by PDL, may overwrite (a PDL chain replayed from a graph hung that way).
     # PRE (with PDL): the first weight tile is loaded before the wait, as `_gemv_kernel` does, so the pass streams
     # while the kernel before drains. LATE (with PDL): the next kernel is let launch only after this one's loop, so
     # its programs do not take shared memory and SM slots while this pass still has programs to place.
@@ -648,7 +649,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
     path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
-    BLOCK_N rows of each would double the fp32 accumulators and cut occupancy: docs/results/2026-12-02-h200-c);
+    BLOCK_N rows of each would double the fp32 accumulators and cut occupancy);
     else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA (TMA_PRE,
     TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1)."""
     K = x.shape[-1]

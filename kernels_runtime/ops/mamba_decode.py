@@ -2,7 +2,7 @@
 selective state update + D skip + silu(z) gate), out_proj.
 
 Why: a decode step is host-bound, so launches are what it costs. HF's torch path issues ~30 ops per mixer, the
-unfused Triton composition ~7 Triton launches plus copies (launch costs: docs/results/2026-11-30-h200-b).
+unfused Triton composition ~7 Triton launches plus copies, each costing the host more than its GPU work.
 These two kernels fuse what needs no grid-wide dependency: the conv update of channel c only needs in_proj's row c,
 and dt_proj's row c only feeds channel c's state update. x_proj and out_proj reduce over all channels, so they stay
 separate (`kernels_runtime.ops.linear`).

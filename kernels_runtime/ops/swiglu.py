@@ -26,7 +26,8 @@ CONFIG_SPACE: dict[str, list] = {
     "num_warps": [4, 8],
     "num_stages": [2, 3, 4],
 }
-# Hand-picked subset for H100/H200-class GPUs: large tiles for prefill, thin-M tiles for decode (M = batch).
+# Hand-picked subset for sm_90-class GPUs (kernels_runtime.hardware): large tiles for prefill, thin-M tiles for
+# decode (M = batch).
 CONFIGS: list[dict] = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},

@@ -37,8 +37,8 @@ from kernels_runtime.ops.tilemix_masks import TileMask
 # by Triton 3.9 at 0 % coverage, the pointer path loads its fully visible K/V tiles with plain global loads (no
 # cp.async: the route index feeds their address); the TMA path's are bulk-tensor copies pipelined on mbarriers.
 CONFIGS: list[dict] = [
-    # K/V tiles by TMA (host-made descriptors; where TMA cannot run, the pointer path of the same tiles). On the H200
-    # (2026-12-04-h200-b; 16k and 32k, batch 8, qwen3-4b's heads) 128 x 128 in 3 stages was the fastest TMA point at
+    # K/V tiles by TMA (host-made descriptors; where TMA cannot run, the pointer path of the same tiles). At 16k
+    # and 32k tokens, batch 8, qwen3-4b's heads, 128 x 128 in 3 stages was the fastest TMA point at
     # 75 and 100 % (level with 2 stages at 0 %), 1.23-1.30x the pointer path's 128 x 64 default; at 0 % the tuner
     # found the pointer path at 128 x 128 level with it: TMA pays where the INT8 path runs
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},

@@ -29,7 +29,7 @@ class Unsupported(Exception):
 
 # A reduction with fewer rows than SPLIT_BELOW_ROWS and long rows (4 blocks a chunk at least) is split so that about
 # SPLIT_PROGRAMS programs (some 15 an SM on a 132-SM GPU) stream it. Below 264 rows (BatchNorm's 64-128 channels,
-# problems 52 and 72) the split took them from 0.53x / 0.37x of eager to 1.03x / 1.40x (docs/results/2026-12-03-h200-b);
+# problems 52 and 72) the split took them from 0.53x / 0.37x of eager to 1.03x / 1.40x;
 # up to 1024 it splits one more problem of the 50, 60's GroupNorm (512 rows of 492K elements, 4 chunks a row), not
 # yet timed. Rows of 1024 and more are already 8 programs an SM unsplit.
 SPLIT_BELOW_ROWS, SPLIT_PROGRAMS = 1024, 2048
@@ -897,7 +897,7 @@ class Gen:
     def conv_kernel(self, n, x: Buf, w: Buf, b: Buf | None, stride, pad, dil, transposed: bool = False) -> None:
         """out = epilogue(conv(x, w) + b) as one implicit GEMM in Triton (groups 1). The pointwise sub-graph after the
         conv is computed on the accumulator before the store, as in `gemm_kernel`. cuDNN's strict-fp32 convs run on
-        the FMA pipes (slowest on strided 3-D transposed convs, docs/results/2026-12-03-h200-c); TF32x3 dots run on
+        the FMA pipes (slowest on strided 3-D transposed convs); TF32x3 dots run on
         the tensor cores, and the verifier holds them to KernelBench's 1e-4. `conv_layout` picks the geometry:
         "nc" (`_ConvGeometry`: [output channels, positions] tiles over the NC* tensors), "cl" and "clk" (channels-last
         copies made by the forward; `_ConvGeometryCL`, `_ConvGeometryCLK`).

@@ -79,7 +79,7 @@ def _space(spec: TaskSpec) -> dict[str, list]:
 
 def _gemm_space(spec: TaskSpec) -> dict[str, list]:
     # tf32x3 first (the default): the IEEE-dot GEMM ran at 0.40-0.50x of cuBLAS's fp32 GEMM on all 17 GEMM problems
-    # that tried it (docs/results/2026-12-03-h200); the verifier holds TF32x3 to KernelBench's 1e-4 like any candidate
+    # that tried it; the verifier holds TF32x3 to KernelBench's 1e-4 like any candidate
     return {**_space(spec), "gemm": ["triton"], "BM": [128, 64], "BN": [128, 64, 256], "BK": [32, 16],
             "gemm_warps": [8, 4], "gemm_stages": [3, 4], "gemm_precision": ["tf32x3", "ieee"]}
 
@@ -94,8 +94,8 @@ def _conv_channels(spec: TaskSpec) -> tuple[int, int, bool]:
 
 def _conv_space(spec: TaskSpec) -> dict[str, list]:
     """tf32x3 first, as for the GEMM. With 16 input channels or more the channels-last kernel first: its loads run
-    16 bytes wide along channels, where the NC* kernel gathers 4 bytes at a time (its sweep on the H200,
-    docs/results/2026-12-03-h200-c, lost to cuDNN on every 2-D conv, and won only on two strided 3-D transposed
+    16 bytes wide along channels, where the NC* kernel gathers 4 bytes at a time (its sweep
+    lost to cuDNN on every 2-D conv, and won only on two strided 3-D transposed
     ones). Its first tile, 64
     output channels x 128 positions with 4 warps, was the best or within 3 % of the best of the sweep on 12 of the
     13 such problems swept (problem 54: 4.5 % behind a 128 x 256 tile); the GEMM template's 128 x 128 tile with 8

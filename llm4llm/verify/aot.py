@@ -3,8 +3,8 @@
 Triton's interpreter (the CPU path of the tests and of the CPU verifier) accepts programs the GPU compiler rejects:
 a variable rebound to another shape inside a branch, a dtype mix the interpreter's numpy silently promotes. This
 module records the kernel launches a piece of code makes (without running them) and compiles each for a target
-(default: sm_90, the H200) through `triton.compile`, which needs no device. It checks compilation only, with the
-installed Triton (the GPU image's may be another version): no launch, no numerics.
+(default: the target GPU's, kernels_runtime.hardware) through `triton.compile`, which needs no device. It checks
+compilation only, with the installed Triton (the GPU image's may be another version): no launch, no numerics.
 
     launches = capture_launches(lambda: my_op(x, w))
     errors = compile_launches(launches)  # [] when every kernel compiles for sm_90
@@ -203,10 +203,13 @@ def compile_templates(task_dirs: list[str], arch: int = 90) -> dict[str, list[st
 
 
 def aot_arch() -> int | None:
-    """The CPU verifier's compile target: LLM4LLM_AOT_ARCH (default 90, the H200); "0" or "" turns the gate off."""
+    """The CPU verifier's compile target: LLM4LLM_AOT_ARCH (default: the target GPU's, kernels_runtime.hardware);
+    "0" or "" turns the gate off."""
     import os
 
-    value = os.environ.get("LLM4LLM_AOT_ARCH", "90").strip()
+    from kernels_runtime.hardware import TARGET
+
+    value = os.environ.get("LLM4LLM_AOT_ARCH", str(TARGET.arch)).strip()
     return int(value) if value and value != "0" else None
 
 

@@ -1089,7 +1089,8 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
 
 
 def hbm_bytes_per_s(dev: torch.device) -> float:
-    """Peak DRAM bandwidth of a CUDA device: LLM4LLM_HBM_GBPS, else from its memory clock and bus width (DDR)."""
+    """Peak DRAM bandwidth of a CUDA device: LLM4LLM_HBM_GBPS, else from its memory clock and bus width (DDR), else
+    the hardware table's peak for it (kernels_runtime.hardware)."""
     env = os.environ.get("LLM4LLM_HBM_GBPS")
     if env:
         return float(env) * 1e9
@@ -1098,7 +1099,9 @@ def hbm_bytes_per_s(dev: torch.device) -> float:
     bus_bits = getattr(props, "memory_bus_width", 0)
     if clock_khz and bus_bits:
         return 2.0 * clock_khz * 1e3 * bus_bits / 8
-    return 4.8e12  # H200 (the hardware this project targets)
+    from kernels_runtime.hardware import lookup
+
+    return lookup(torch.cuda.get_device_name(dev)).hbm_peak_gbps * 1e9
 
 
 FLOOR_MARGIN = 1.5  # a measured time below floor / 1.5 is impossible even with a generous peak

@@ -1,6 +1,7 @@
 """The linear-projection part of a template's config space (kernels_runtime.ops.linear), by phase and dtype."""
 from __future__ import annotations
 
+from kernels_runtime.hardware import TARGET
 from llm4llm.taskspec import TaskSpec
 
 LINEAR_OP = ("kernels_runtime.ops.linear", "linear")
@@ -28,7 +29,7 @@ def linear_default(spec: TaskSpec) -> dict:
     return dict(DECODE_DEFAULT if spec.phase == "decode" else PREFILL_DEFAULT)
 
 
-SMS_DEFAULT = 132  # H100 / H200 SXM, for task specs profiled without an SM count
+SMS_DEFAULT = TARGET.sm_count  # for task specs profiled without an SM count (a CPU profile)
 
 
 def sm_count(spec: TaskSpec) -> int:
@@ -40,8 +41,7 @@ def gemv_occupancy(n: int, sms: int = SMS_DEFAULT) -> dict:
     """Decode GEMV keys that give an [*, K] x [K, n] projection at least one program per SM: 32-wide column blocks
     and K split in 1, 2, 4 or 8 until cdiv(n, 32) x split >= sms (the op never splits finer than one 128-deep K
     tile a program), 8 warps, no pipelining. A seed, because a local search from an unsplit default that leaves
-    most SMs idle (mamba-130m's n = 768: 48 programs on 132 SMs) stays in that default's neighbourhood
-    (docs/results/2026-11-30-h200-h)."""
+    most SMs idle (mamba-130m's n = 768: 48 programs on 132 SMs) stays in that default's neighbourhood."""
     return {"lin_GEMV_BLOCK_N": 32, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8, "lin_num_stages": 1,
             "lin_GEMV_SPLIT_K": occupancy_split(n, sms, 32)}
 

@@ -39,8 +39,8 @@ NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 
 # Smaller linear space than the MLP's: the attention and rotary keys multiply it.
 # The prefill projections are large GEMMs: cuBLAS first (the model's own path), our Triton block kernel as an option.
-# On the H200 the template's entry ran 1.6 ms slower than the HF layer with the same attention kernel swapped in
-# (one qwen3-4b layer at 16k, 2026-12-02-h200-d), the projections then all in Triton with 64 x 64 x 32 tiles.
+# With the projections all in Triton at 64 x 64 x 32 tiles the template's entry ran 1.6 ms slower than the HF layer
+# with the same attention kernel swapped in (one qwen3-4b layer at 16k).
 LIN_PREFILL = {"lin_impl": ["cublas", "triton"], "lin_BLOCK_M": [64, 128], "lin_BLOCK_N": [64, 128],
                "lin_BLOCK_K": [32, 64], "lin_num_warps": [4, 8], "lin_num_stages": [3, 4]}
 # with the projections on cuBLAS the Triton linear's tiles render the same kernels (Template.inactive)
@@ -52,7 +52,7 @@ LIN_PREFILL_DEFAULT = {"lin_impl": "cublas", "lin_BLOCK_M": 64, "lin_BLOCK_N": 6
 
 def _prefill_attn_default(spec: TaskSpec) -> dict:
     """The flash template's attention default: on sm_90+ (and a CPU task) TileMix's 0 % kernel with TMA at 128 x 128
-    in 3 stages (qwen3-4b's heads at 16k and 32k, batch 8: 1.29x and 1.33x SDPA flash on the H200, 2026-12-04-h200-b;
+    in 3 stages (qwen3-4b's heads at 16k and 32k, batch 8: 1.29x and 1.33x SDPA flash;
     attention_prefill at 64 x 64 put the template's entry at 0.94x the model's module); before sm_90 the earlier
     default, whose three-stage 128 x 128 buffers would not fit shared memory there."""
     if sm90_capable(spec):

@@ -13,8 +13,8 @@ around it in the GEMV's prologue or its split-K reduction. One template per boun
 - lm_head.gemv: the vocabulary projection.
 Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
 K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
-them), num_warps; `num_stages` is shared. Defaults: the best points of the batch-1 sweep (_stage_default,
-docs/results/2026-12-01-h200-decode-fused).
+them), num_warps; `num_stages` is shared. Defaults: the best points of the batch-1 sweep (_stage_default;
+docs/hardware.md names the measurements behind each default).
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def _stage_space(prefix: str) -> dict[str, list]:
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
-    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the sweep's usual best point at batch 1
-    (docs/results/2026-12-01-h200-decode-fused). No split-K: its second launch costs more than the idle SMs it
+    """4-row programs 1024 deep (8 x 512 where K < 1024), 4 warps, no split: the sweep's usual best point at batch 1.
+    No split-K: its second launch costs more than the idle SMs it
     fills."""
     bn, bk = (4, 1024) if k >= 1024 else (8, 512)
     return {prefix + "BLOCK_N": bn, prefix + "BLOCK_K": bk, prefix + "SPLIT_K": 1, prefix + "num_warps": 4,
@@ -326,7 +326,7 @@ def _layer_static_space(spec):
 
 TMA_STAGES = [0, 2, 3, 4, 5, 6, 8]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the pipeline's depth
 # the passes the search may feed by TMA: gate/up and down (o_proj by TMA lost 2-7 us a layer on all three reference
-# shapes, docs/results/2026-12-03-h200-f; q/k/v streams three weights, which the TMA pass does not take)
+# shapes; q/k/v streams three weights, which the TMA pass does not take)
 TMA_PASSES = ("gu_", "dn_")
 
 
@@ -336,14 +336,14 @@ def _tma(prefix: str, block_n: int, block_k: int, stages: int, pre: bool = True,
 
 
 # gate/up by TMA, the first tile before PDL's wait: the best layer of each reference shape in the stacked-layer bench
-# (docs/results/2026-12-03-h200-f, us a layer against the register default): qwen3-4b 16 rows x 256, 4 stages, the
+# (us a layer against the register default): qwen3-4b 16 rows x 256, 4 stages, the
 # next kernel let launch late (68.4 against 72.5); Llama-3.2-3B 32 x 256, 2 stages (62.8 against 68.3); llama-2-7b
 # 32 x 128, 5 stages, late (124.1 against 126.6). Which one wins turns on how the programs fill the SMs' shared memory.
 TMA_SEEDS = [_tma("gu_", 16, 256, 4, late=True), _tma("gu_", 32, 256, 2), _tma("gu_", 32, 128, 5, late=True)]
 
 def tma_space(spec: TaskSpec) -> dict:
     """gate/up's and down's weight tiles by TMA (sm_90+), `TMA` the pipeline's depth (0: the register pass), and
-    gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point (docs/results/2026-12-03-h200-e);
+    gate/up's 64-row programs (32 rows of each weight), the probe's best TMA point;
     `TMA_PRE`: the first tile loaded before PDL's wait; `TMA_LATE`: the next kernel let launch after the loop."""
     depths = TMA_STAGES if sm90_capable(spec) else [0]
     flags = [False, True] if sm90_capable(spec) else [False]
@@ -364,7 +364,7 @@ def _layer_static_default(spec):
     """Four launches of weight-streaming GEMVs plus the attention's two: input_layernorm in the q/k/v pass,
     o_proj + residual, the post norm in the paired gate/up pass, down + residual; each kernel launched with PDL
     (it loads its first weight or K/V tile while the one before drains); the cache split that fills the SMs.
-    The sweep's fastest point (docs/results/2026-12-02-h200-c)."""
+    The sweep's fastest point."""
     h, nq, nkv = _attn_dims(spec, ATTN_P)
     _, i = _mlp_dims(spec, MLP_P)
     sms = sm_count(spec)
@@ -396,7 +396,7 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
     seeds = [{"num_stages": 3}, {"post_norm": "o_reduce"}, a, b]
     if any(v > 1 for v in occupancy.values()):
         seeds.insert(1, occupancy)
-    if sm90_capable(spec):  # first: the stacked-layer bench's best points (docs/results/2026-12-03-h200-f)
+    if sm90_capable(spec):  # first: the stacked-layer bench's best points
         seeds[:0] = [dict(sd) for sd in TMA_SEEDS]
     return seeds
 

@@ -72,8 +72,7 @@ NORM_PER_THREAD = 64  # fp32 values of the gated norm's [ROWS, BLOCK_N] tile a t
 
 def _norm_space(spec: TaskSpec) -> dict[str, list]:
     """The gated norm's rows and warps whose tile fits in registers at this width, every pair of the two lists (the
-    space is a product): a tile that spills is too slow to finish within the candidate time limit
-    (docs/results/2026-11-30-h200-g)."""
+    space is a product): a tile that spills is too slow to finish within the candidate time limit."""
     width = spec.static.get("intermediate_size", spec.static.get("mixer.intermediate_size"))
     if not isinstance(width, int) or width <= 0:
         return {k: list(v) for k, v in NORM.items()}
@@ -179,7 +178,7 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
 
 def _default_fused(spec: TaskSpec) -> dict:
     # 16-row GEMV blocks and 8 warps: the 64-wide GEMV gives mamba2-2.7b's out_proj too few programs to fill the
-    # GPU (docs/results/2026-11-30-h200-e).
+    # GPU.
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssd_BLOCK_P": 16, "ssd_num_warps": 2,
             "norm_ROWS": 1, "norm_num_warps": 4, "out_gnorm_fused": True,  # the gated norm in out_proj: a launch less

@@ -163,11 +163,11 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
 
 def _default_fused(spec: TaskSpec) -> dict:
     # Narrow GEMV row blocks and 8 warps keep every SM reading weights; the 64-wide, 4-warp GEMV default launches too
-    # few programs for mamba-130m's N = 768 (docs/results/2026-11-30-h200-c).
+    # few programs for mamba-130m's N = 768.
     return {**linear_default(spec), "lin_GEMV_BLOCK_N": 16, "lin_GEMV_BLOCK_K": 32, "lin_num_warps": 8,
             "in_BLOCK_C": 16, "in_BLOCK_H": 128, "in_num_warps": 8, "ssu_BLOCK_D": 64, "ssu_num_warps": 1,
             # x_proj inside the state update saves a launch a layer but every program reduces x_proj's rows itself,
-            # which costs more than the launch (docs/results/2026-11-30-h200-g)
+            # which costs more than the launch
             "ssu_xproj_fused": False,
             "state_inplace": True,  # the kernels update the cache's states: no write-back copies (2 launches a layer)
             "xproj_rms": _xproj_rms_hint(spec)}
@@ -175,7 +175,7 @@ def _default_fused(spec: TaskSpec) -> dict:
 
 def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
     """The state update's channel block that gives it a program per SM: its grid is (B, I / ssu_BLOCK_D), and at
-    the default 64 mamba-130m's I = 1536 makes only 24 programs (docs/results/2026-11-30-h200-h)."""
+    the default 64 mamba-130m's I = 1536 makes only 24 programs."""
     sig = next((c.state.get("ssm_state") for c in spec.cases if c.state.get("ssm_state")), None)
     if sig is None or len(sig.shape) != 3:
         return None
@@ -184,8 +184,7 @@ def _ssu_occupancy(spec: TaskSpec, sms: int) -> dict | None:
 
 def _scan_seeds(spec: TaskSpec) -> list[dict]:
     """Prefill: the default with the selective scan's channel block cut for a program per SM (its grid is
-    (B, I / scan_BLOCK_D); the default 16 gives mamba-130m's I = 1536 96 programs on 132 SMs;
-    docs/results/2026-11-30-h200-h)."""
+    (B, I / scan_BLOCK_D); the default 16 gives mamba-130m's I = 1536 96 programs on 132 SMs)."""
     sig = next((c.outputs.get("state_out.ssm_state") for c in spec.cases if c.outputs.get("state_out.ssm_state")),
                None)
     if spec.phase != "prefill" or sig is None or len(sig.shape) != 3:

@@ -70,8 +70,8 @@ def entry(inputs, weights, state, static):
 
 
 def _tiles_default(spec: TaskSpec) -> dict:
-    """TMA at 128 x 128 in 3 stages on sm_90+ (and a CPU task): 1.482x / 1.559x SDPA flash at 75 % on the H200 (16k /
-    32k, batch 8, 2026-12-04-h200-b); before sm_90 the pointer path's 128 x 64 tiles (three-stage 128 x 128 buffers
+    """TMA at 128 x 128 in 3 stages on sm_90+ (and a CPU task): the fastest point measured (1.482x / 1.559x SDPA flash
+    at 75 %, 16k / 32k tokens, batch 8); before sm_90 the pointer path's 128 x 64 tiles (three-stage 128 x 128 buffers
     would not fit shared memory there)."""
     tma = sm90_capable(spec)
     return {"tm_tma": tma, "attn_BLOCK_M": 128, "attn_BLOCK_N": 128 if tma else 64, "attn_num_warps": 8,
