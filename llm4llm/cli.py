@@ -618,6 +618,33 @@ def sql(query: str = typer.Argument(..., help="a SQL query over the tables (stor
 
 
 @app.command()
+def export(bundle: Path = typer.Argument(..., help="bundle directory (manifest.json + kernels/)"),
+           out_dir: Path = typer.Argument(..., help="where to write the kernels package (new, empty, or an earlier "
+                                                    "export)"),
+           name: Optional[str] = typer.Option(None, help="kernel name: lowercase letters, digits, dashes (default "
+                                                        "llm4llm-<bundle name>)")) -> None:
+    """Write a bundle as a Hugging Face `kernels` package (kernelize / LocalLayerRepository load it): its norm, MLP
+    and activation patches become layers; the others stay on kernels_runtime.apply, one line each says why."""
+    with _user_errors():
+        from kernels_runtime.bundle import BundleError
+        from kernels_runtime.hub_export import ExportError, Outcome, export_bundle
+        from llm4llm.errors import Llm4llmError
+
+        try:
+            result = export_bundle(bundle, out_dir, name=name)
+        except (BundleError, ExportError) as e:
+            raise Llm4llmError(str(e)) from None
+        except ImportError as e:
+            raise Llm4llmError(f"export: expected the `kernels` package (pip install -e \".[hub]\"), got {e}") from None
+        for p in result.patches:
+            if p.outcome is Outcome.EXPORTED:
+                console.print(f"{p.patch_id}: layer {p.layer}", highlight=False)
+            else:
+                console.print(f"{p.patch_id}: not exported, {p.reason}", highlight=False)
+        console.print(f"kernels package {result.name} ({len(result.layers)} layer(s)): {result.path}", highlight=False)
+
+
+@app.command()
 def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBench-format problems"),
                 problems: Optional[str] = typer.Option(None, "--problems", help="ids and ranges, e.g. 12,40-60"),
                 budget: int = typer.Option(4, help="trials per problem and mode"),
