@@ -94,13 +94,22 @@ def _user_errors():
 
 
 def _db(db: Optional[Path]):
+    """The database a command reads: a missing file is one error line, never a new empty database."""
     from storage.db import Database, DatabaseError
 
     try:
-        return Database(db)
+        return Database(db, must_exist=True)
     except DatabaseError as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2) from None
+
+
+def _check_db_path(db: Optional[Path]) -> None:
+    """Before a command that writes starts its flow: a --db whose directory cannot be created is one error line
+    (inside the flow it would be a Prefect traceback)."""
+    from storage.db import check_path, default_db_path
+
+    check_path(db.resolve() if db else default_db_path())
 
 
 def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3,
@@ -137,6 +146,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     """Profile a workload per phase and print the ranked hotspot table."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         from flows.profiling import profile_workload
 
         with progress.rich_progress(console):
@@ -207,6 +217,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     started = time.time()
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         from flows.optimize import optimize_workload
 
         _check_graphs(decode_graphs, e2e_variants)
@@ -466,6 +477,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         from tasks.acceptance import run_evaluate
 
         _check_variants("--variants", variants)
@@ -489,20 +501,40 @@ def watch(paths: list[Path] = typer.Argument(..., help="workload files or direct
           state: Optional[Path] = typer.Option(None, help="the last content hash seen per workload (default "
                                                           "$LLM4LLM_HOME/watch-state.json)"),
           debounce_ms: int = typer.Option(1600, help="a burst of writes within this many ms is one change"),
-          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen")) -> None:
+          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen"),
+          dry_run: bool = typer.Option(False, "--dry-run", help="print the changes, emit nothing (no Prefect "
+                                                                "server needed)")) -> None:
     """Emit a Prefect event (llm4llm.workload.changed) whenever a workload's config or inference script really
     changes (the hash of the parsed TOML and of the script: a touch or a comment-only edit emits nothing). The
     `optimize-workload/on-change` deployment (python -m deployments.serve) runs on it; set PREFECT_API_URL."""
-    from deployments.triggers import emit, watch as _watch
-    from storage.db import data_home
+    with _user_errors():
+        from deployments.triggers import api_url, emit, start_line, watch as _watch
+        from llm4llm.errors import Llm4llmError
+        from storage.db import data_home
 
-    def on_change(fields: dict) -> None:
-        emit(fields)
-        p = fields["payload"]
-        console.print(f"[bold]{p['path']}[/] changed ({p['previous_hash']} -> {p['content_hash']}): "
-                      f"emitted {fields['event']}")
+        target = None if dry_run else api_url()
+        if not dry_run and target is None:
+            raise Llm4llmError("watch: expected PREFECT_API_URL (the server the on-change deployment listens on), "
+                               "got none: run `prefect server start` and export PREFECT_API_URL=http://127.0.0.1:"
+                               "4200/api, or pass --dry-run")
+        state = state or data_home() / "watch-state.json"
+        console.print(start_line(paths, state, target), highlight=False, soft_wrap=True)
 
-    _watch([str(p) for p in paths], state or data_home() / "watch-state.json", on_change, debounce_ms, initial)
+        def on_change(fields: dict) -> None:
+            p = fields["payload"]
+            what = f"{p['path']} changed ({p['previous_hash']} -> {p['content_hash']})"
+            if dry_run:
+                console.print(f"{what}: not emitted (--dry-run)", highlight=False, soft_wrap=True)
+                return
+            try:
+                emit(fields)
+            except Exception as e:  # noqa: BLE001 - a server that went away: say so, keep watching
+                console.print(f"{what}: NOT emitted ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+                              highlight=False, soft_wrap=True)
+                return
+            console.print(f"{what}: emitted {fields['event']}", highlight=False, soft_wrap=True)
+
+        _watch([str(p) for p in paths], state, on_change, debounce_ms, initial)
 
 
 def _resolve_run(d, run: Optional[str]) -> Optional[str]:
@@ -660,6 +692,7 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
     """Run KernelBench problems through the search and the verifier (KernelBench's protocol on top of every gate)."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         import pandas as pd
 
         from storage import repo
