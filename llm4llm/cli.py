@@ -365,6 +365,21 @@ def _check_variants(option: str, variants: str | None) -> None:
         raise Llm4llmError(f"{option}: expected names from {', '.join(ALL_VARIANTS)}, got {bad}")
 
 
+def _check_kb_device(device: str) -> None:
+    """KernelBench times on a GPU by default: on a host without one that is one line, before any flow starts."""
+    import re
+
+    from llm4llm.errors import DeviceError
+    from llm4llm.workload import device_problem
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise DeviceError(f"--device: expected cuda, cuda:N or cpu, got {device!r}")
+    problem = device_problem(device)
+    if problem:
+        raise DeviceError(f"kernelbench --device {device}: {problem}; pass --device cpu to check correctness only "
+                          "(Triton's interpreter, nothing timed)")
+
+
 def _check_proposer(proposer: str) -> None:
     from llm4llm.errors import Llm4llmError
 
@@ -699,6 +714,7 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         from tasks.kernelbench import run_kernelbench
 
         _check_proposer(proposer)
+        _check_kb_device(device)
 
         def show(row):
             sp = f"{row['speedup_eager']:.3f}x eager" if row.get("speedup_eager") else "untimed"

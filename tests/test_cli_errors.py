@@ -152,3 +152,11 @@ def test_watch_says_what_it_watches_when_it_starts(tmp_path, monkeypatch):
     assert res.exit_code == 0 and started, res.output
     assert first.startswith("watching 1 workload(s) (tiny-llama) in ") and "dry run" in first, first
     assert str(ROOT / "examples" / "scripts") in first  # the script's directory is watched too
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the host has a GPU: the default device works")
+def test_kernelbench_on_a_host_without_a_gpu_is_one_error(tmp_path):
+    (tmp_path / "kb").mkdir()
+    p = _cli("kernelbench", str(tmp_path / "kb"), "--db", str(tmp_path / "db.duckdb"))
+    _one_error(p, "pass --device cpu")
+    assert not (tmp_path / "db.duckdb").exists()
