@@ -196,16 +196,17 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-# Config keys that name or date a checkpoint rather than shape its computation; the dtype is left to the guards.
-_CONFIG_NOISE = ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "_commit_hash",
-                 "_attn_implementation_autoset", "use_cache")
+# Config keys that name, date or label a checkpoint rather than shape its computation (and, like every "_" key,
+# transformers' bookkeeping); the dtype is left to the guards, which check it per call.
+_CONFIG_NOISE = ("transformers_version", "architectures", "torch_dtype", "dtype", "use_cache", "id2label",
+                 "label2id")
 
 
 def config_fingerprint(config: Any) -> str:
     """A short hash of a model config (a transformers PretrainedConfig, or anything with `to_dict()`, or a dict):
     equal for two configs that build the same computation, whatever checkpoint name or library version wrote them."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    kept = {k: v for k, v in raw.items() if k not in _CONFIG_NOISE}
+    kept = {k: v for k, v in raw.items() if k not in _CONFIG_NOISE and not k.startswith("_")}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -133,3 +133,13 @@ def test_export_command(tmp_path, hub_rmsnorm):
     assert "attn-decode: not exported, attention boundary with DynamicLayer state" in res.output
     res = CliRunner().invoke(app, ["export", str(tmp_path / "nope"), str(tmp_path / "hub2")])
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1 and "manifest.json" in res.output
+
+
+def test_the_config_fingerprint_ignores_names_and_dtype_not_shapes():
+    from kernels_runtime.bundle import config_fingerprint
+
+    a, b = tiny_llama().config, tiny_llama(torch.bfloat16).config
+    b._name_or_path, b.transformers_version = "someone/else", "0.0.1"
+    assert config_fingerprint(a) == config_fingerprint(b)
+    b.intermediate_size = 96
+    assert config_fingerprint(a) != config_fingerprint(b)
