@@ -21,6 +21,7 @@ the serving environment needs llm4llm installed; `kernels` itself only declares 
 from __future__ import annotations
 
 import enum
+import hashlib
 import importlib
 import inspect
 import json
@@ -138,7 +139,10 @@ def _metadata(name: str, sub: PatchBundle, variant: Path) -> dict:
     archs = [sub.capability] if sub.capability else []
     backend = {"type": "cuda", **({"archs": archs} if archs else {})}
     digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant)
-    return {"name": name, "id": f"{name.replace('-', '_')}_{sub.digest()}", "version": 1, "license": "Apache-2.0",
+    # kernels keeps one module per id in a process and refuses another build under a loaded id: the id names the
+    # files (the layers and their names too), not only the bundle's patches
+    build = hashlib.sha256(json.dumps(digest.files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"name": name, "id": f"{name.replace('-', '_')}_{build}", "version": 1, "license": "Apache-2.0",
             "python-depends": [], "backend": backend, "digest": {"algorithm": "sha256", "files": digest.files}}
 
 
@@ -151,9 +155,16 @@ def _readme(result: HubExport, records: dict, bundle: PatchBundle) -> str:
     lines = [f"# {result.name}", "", f"Kernels exported by llm4llm from bundle `{bundle.name}` "
              f"(verified on {bundle.gpu or 'an unrecorded device'}"
              + (f", capability {bundle.capability}" if bundle.capability else "") + ").", "",
-             "Load through Hugging Face `kernels` (the serving environment needs llm4llm's `kernels_runtime`):", "",
-             "```python", "from pathlib import Path", "from kernels import LocalLayerRepository, Mode, kernelize, "
-             "use_kernel_mapping", "", "mapping = {"]
+             "Load through Hugging Face `kernels` (the serving environment needs llm4llm's `kernels_runtime`); a "
+             "class that does not carry its layer name yet (transformers marks its layers only for kernels < 0.17) "
+             "is marked with `replace_kernel_forward_from_hub`:", "",
+             "```python", "import importlib", "from pathlib import Path", "from kernels import LocalLayerRepository, "
+             "Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping", ""]
+    for layer, rec in records.items():
+        module, _, cls = rec["module_class"].rpartition(".")
+        lines.append(f'replace_kernel_forward_from_hub(getattr(importlib.import_module("{module}"), "{cls}"), '
+                     f'"{layer}")')
+    lines += ["", "mapping = {"]
     for layer in records:
         lines.append(f'    "{layer}": {{"cuda": LocalLayerRepository(Path("{result.path}"), layer_name="{layer}")}},')
     lines += ["}", "with use_kernel_mapping(mapping):", "    model = kernelize(model, mode=Mode.INFERENCE)", "```", "",

@@ -143,3 +143,24 @@ def test_the_config_fingerprint_ignores_names_and_dtype_not_shapes():
     assert config_fingerprint(a) == config_fingerprint(b)
     b.intermediate_size = 96
     assert config_fingerprint(a) != config_fingerprint(b)
+
+
+def test_the_package_readme_snippet_loads_the_layers(tmp_path):
+    """The mapping the package's README gives, run as written (the class marked there, not by the test)."""
+    import re
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    out = export_bundle(rmsnorm_bundle(), tmp_path / "hub")
+    snippet = re.search(r"```python\n(.*?)```", (out.path / "README.md").read_text(), re.S).group(1)
+    model = tiny_llama()
+    try:
+        exec(snippet.replace('"cuda"', '"cpu"').replace("Mode.INFERENCE)", 'Mode.INFERENCE, device="cpu")'),
+             {"model": model})
+        with torch.no_grad():
+            model(torch.ones(1, 3, dtype=torch.long))
+    finally:
+        for attr in ("kernel_layer_name", "kernel_condition"):
+            if attr in vars(LlamaRMSNorm):
+                delattr(LlamaRMSNorm, attr)
+    assert sum(d.kernel_calls["prefill"] for d in _dispatches(model)) == 5
