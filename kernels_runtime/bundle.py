@@ -1,7 +1,8 @@
 """Patch bundles: what a user's serving code applies. Patches are data; one generic apply/revert (patch.py) reads them.
 
 On disk a bundle is a directory:
-    manifest.json           PatchBundle (format_version, created, library versions, GPU, patches with provenance)
+    manifest.json           PatchBundle (format_version, created, library versions, GPU, capability and model-config
+                            fingerprint verified on, patches with provenance)
     kernels/<sha256>.py     the kernel sources, content-addressed; the hash is verified on load
 
 A kernel source defines `entry(inputs, weights, state, static) -> dict` over the boundary names of
