@@ -217,7 +217,6 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     started = time.time()
     _quiet_prefect(verbose)
     with _user_errors():
-        _check_db_path(db)
         from flows.optimize import optimize_workload
 
         _check_graphs(decode_graphs, e2e_variants)
@@ -246,6 +245,7 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     leaves (exit 130)."""
     from llm4llm.planner import RUN_STARTED
 
+    _check_db_path(db)
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):
