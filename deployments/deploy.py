@@ -63,18 +63,21 @@ def deploy_all(workloads: list[Path], pool: str, start: str, stagger_min: int, d
     profile = load("flows/profiling.py:profile_workload")
     common = {"work_pool_name": pool, "build": False, "push": False, "print_next_steps": False}
     manual = {"db_path": db_path} if db_path else {}
-    ids = [nightly.deploy(s["name"], cron=s["cron"], tags=s["tags"], parameters=s["parameters"],
-                          work_queue_name=queue_of(s["device"]), concurrency_limit=one_at_a_time, **common)
-           for s in specs]
+    ids: list = []
+
+    def deploy(flow, name: str, **options) -> None:
+        # Prefect prints its process-work-pool advice on every deploy call: once is enough
+        ids.append(flow.deploy(name, ignore_warnings=bool(ids), **options, **common))
+
+    for s in specs:
+        deploy(nightly, s["name"], cron=s["cron"], tags=s["tags"], parameters=s["parameters"],
+               work_queue_name=queue_of(s["device"]), concurrency_limit=one_at_a_time)
     for q in sorted({CPU_QUEUE} | {queue_of(s["device"]) for s in specs}):  # manual and on-change runs per device
         suffix, device = ("", "cpu") if q == CPU_QUEUE else (f"-{q}", "cuda:" + q.rsplit("-", 1)[1])
-        ids.append(optimize.deploy(f"manual{suffix}", tags=["manual"], parameters=manual, work_queue_name=q,
-                                   **common))
-        ids.append(optimize.deploy(f"on-change{suffix}", tags=["on-change"], work_queue_name=q,
-                                   triggers=[on_change_trigger(on_change_stages, db_path, device)],
-                                   concurrency_limit=one_at_a_time, **common))
-        ids.append(profile.deploy(f"manual{suffix}", tags=["manual"], parameters=manual, work_queue_name=q,
-                                  **common))
+        deploy(optimize, f"manual{suffix}", tags=["manual"], parameters=manual, work_queue_name=q)
+        deploy(optimize, f"on-change{suffix}", tags=["on-change"], work_queue_name=q,
+               triggers=[on_change_trigger(on_change_stages, db_path, device)], concurrency_limit=one_at_a_time)
+        deploy(profile, f"manual{suffix}", tags=["manual"], parameters=manual, work_queue_name=q)
     return ids
 
 

@@ -116,6 +116,23 @@ def watched_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return sorted(dirs)
 
 
+def api_url() -> str | None:
+    """The Prefect API events go to: $PREFECT_API_URL, else the active Prefect profile's; None when neither sets
+    one (Prefect would then start a private ephemeral server that no deployment listens on)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or None
+
+
+def start_line(paths: Iterable[str | Path], state_path: str | Path, target: str | None) -> str:
+    """What `llm4llm watch` says when it starts: the workloads, the directories, the state file, where events go."""
+    names = [ident[0] for f in workload_files(paths) if (ident := workload_identity(f)) is not None]
+    dirs = ", ".join(str(d) for d in watched_dirs(paths))
+    where = f"emitting {EVENT} to {target}" if target else "dry run: changes are printed, no event is emitted"
+    return f"watching {len(names)} workload(s) ({', '.join(names) or 'none loads yet'}) in {dirs}; state " \
+           f"{state_path}; {where}"
+
+
 def watch(paths: list[str], state_path: str | Path, on_change: Callable[[dict], None] = emit,
           debounce_ms: int = 1600, initial: bool = False, stop_event=None) -> None:
     """Block, watching the workload files and their scripts; call on_change(event fields) whenever a workload's

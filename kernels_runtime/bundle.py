@@ -1,7 +1,8 @@
 """Patch bundles: what a user's serving code applies. Patches are data; one generic apply/revert (patch.py) reads them.
 
 On disk a bundle is a directory:
-    manifest.json           PatchBundle (format_version, created, library versions, GPU, patches with provenance)
+    manifest.json           PatchBundle (format_version, created, library versions, GPU, capability and model-config
+                            fingerprint verified on, patches with provenance)
     kernels/<sha256>.py     the kernel sources, content-addressed; the hash is verified on load
 
 A kernel source defines `entry(inputs, weights, state, static) -> dict` over the boundary names of
@@ -116,6 +117,11 @@ class PatchBundle(BaseModel):
     created: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     library_versions: dict[str, str] = Field(default_factory=dict)
     gpu: str = ""
+    # What the patches were verified on, checked by apply (patch.check_environment): the CUDA compute capability
+    # ("9.0"; "" on the CPU) and the model config's fingerprint (config_fingerprint). Empty: not recorded (a bundle
+    # written before these fields, or by hand), not checked.
+    capability: str = ""
+    model_fingerprint: str = ""
     patches: list[PatchSpec] = Field(default_factory=list)
     # Replay one-token decode steps from CUDA graphs when applied (kernels_runtime.graphs); acceptance sets it when
     # the patches were measured that way.
@@ -191,6 +197,20 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+# Config keys that name, date or label a checkpoint rather than shape its computation (and, like every "_" key,
+# transformers' bookkeeping); the dtype is left to the guards, which check it per call.
+_CONFIG_NOISE = ("transformers_version", "architectures", "torch_dtype", "dtype", "use_cache", "id2label",
+                 "label2id")
+
+
+def config_fingerprint(config: Any) -> str:
+    """A short hash of a model config (a transformers PretrainedConfig, or anything with `to_dict()`, or a dict):
+    equal for two configs that build the same computation, whatever checkpoint name or library version wrote them."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    kept = {k: v for k, v in raw.items() if k not in _CONFIG_NOISE and not k.startswith("_")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def save_bundle(bundle: PatchBundle, directory: str | os.PathLike) -> Path:
     """Write manifest.json + kernels/<sha256>.py atomically (temp dir + rename). Returns the directory."""
     for spec in bundle.patches:
@@ -261,5 +281,5 @@ def _read_kernel(bundle: PatchBundle, directory: Path, sha: str) -> str | None:
 
 __all__ = [
     "FORMAT_VERSION", "BundleError", "BundleFormatError", "BundleIntegrityError", "Guard", "PatchBundle",
-    "PatchSpec", "Provenance", "library_versions", "load_bundle", "save_bundle", "sha256_text",
+    "PatchSpec", "Provenance", "config_fingerprint", "library_versions", "load_bundle", "save_bundle", "sha256_text",
 ]

@@ -62,6 +62,17 @@ def family_of(module: nn.Module, *, name: str = "", root: nn.Module | None = Non
     return "other"
 
 
+def family_of_class_name(class_name: str) -> str:
+    """The family the name rules give a class name alone (no instance at hand: a bundle's `module_class`). Coarser
+    than family_of: a leaf class named "...Layer" reads as a decoder layer, and torch.nn types other than norms fall
+    to "other"."""
+    lowered = class_name.rpartition(".")[2].lower()
+    for family, pattern in _NAME_RULES:
+        if pattern.search(lowered):
+            return family
+    return "other"
+
+
 def _ssm_block_or(module: nn.Module, family: str) -> str:
     """`ssm_block`: a decoder layer whose own children are one state-space mixer and its norm (Mamba's and
     Mamba2's residual blocks: norm -> mixer -> residual add). Unlike other decoder layers it is a kernel target:

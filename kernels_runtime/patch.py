@@ -18,6 +18,7 @@ import inspect
 import linecache
 import logging
 import os
+import re
 import sys
 import time
 import types
@@ -48,6 +49,13 @@ class KernelLoadError(RuntimeError):
 
 class PatchError(RuntimeError):
     """A patch the user asked for (strict, or by name) that cannot be applied."""
+
+
+class BundleMismatchError(PatchError):
+    """A bundle verified on another GPU architecture or another model config than the one it is applied to."""
+
+
+VERSION_CHANGE_ENV = "LLM4LLM_ON_VERSION_CHANGE"  # "fallback" (default) | "apply" | "refuse"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -238,7 +246,8 @@ def _autograd_needed(inputs: dict, weights: dict) -> bool:
 class Dispatch:
     """The forward installed on one patched instance. Holds the original forward and the per-phase kernels."""
 
-    def __init__(self, module: torch.nn.Module, path: str, strict: bool):
+    def __init__(self, module: torch.nn.Module, path: str, strict: bool, original: Callable | None = None):
+        """original: the forward a fallback calls (default: the instance's forward now, captured once here)."""
         self.path = path
         self.class_name = type(module).__name__
         self.strict = strict
@@ -247,7 +256,7 @@ class Dispatch:
         self.fallbacks: Counter[str] = Counter()  # by reason
         self._module = weakref.ref(module)
         self._saved = {name: module.__dict__[name] for name in ("forward", "extra_repr") if name in module.__dict__}
-        self.original: Callable = module.forward  # captured once, here
+        self.original: Callable = original if original is not None else module.forward  # captured once, here
         self.__signature__ = inspect.signature(self.original)  # boundary.py names positional args from it
         self._original_extra_repr: Callable = module.extra_repr
         self._weights = _weight_getters(module)
@@ -452,6 +461,68 @@ def _matches(spec: PatchSpec, path: str, module: torch.nn.Module) -> bool:
     return _qualname(module) == spec.module_class and any(fnmatch.fnmatchcase(path, g) for g in spec.instances)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# What a bundle was verified on
+
+
+def _device_capability(model: torch.nn.Module) -> str:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return ""
+    major, minor = torch.cuda.get_device_capability(param.device)
+    return f"{major}.{minor}"
+
+
+def _model_fingerprint(model: torch.nn.Module) -> str:
+    from kernels_runtime.bundle import config_fingerprint
+
+    config = getattr(model, "config", None)
+    return config_fingerprint(config) if config is not None and hasattr(config, "to_dict") else ""
+
+
+def verified_on(model: torch.nn.Module) -> dict[str, str]:
+    """The PatchBundle fields that record where its patches were verified: the capability of the device the model is
+    on ("" off CUDA) and the model config's fingerprint ("" for a model without a config)."""
+    return {"capability": _device_capability(model), "model_fingerprint": _model_fingerprint(model)}
+
+
+def _release(version: str) -> str:
+    """major.minor of a version string ("2.13.0+cu128" -> "2.13"): a patch release does not count as a change."""
+    return ".".join(re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def version_changes(bundle: PatchBundle) -> list[str]:
+    """The torch / Triton releases that differ from those the bundle recorded, as 'torch 2.12 -> 2.13'."""
+    from kernels_runtime.bundle import library_versions
+
+    now = library_versions()
+    return [f"{lib} {_release(was)} -> {_release(now[lib])}" for lib in ("torch", "triton")
+            if (was := bundle.library_versions.get(lib)) and lib in now and _release(was) != _release(now[lib])]
+
+
+def check_environment(model: torch.nn.Module, bundle: PatchBundle) -> None:
+    """Raise BundleMismatchError (one line) when the model is on a GPU architecture or has a config other than the
+    bundle recorded; a field the bundle did not record is not checked, and a model off CUDA has no architecture."""
+    where = f"bundle {bundle.name or bundle.digest()}"
+    cap = _device_capability(model) if bundle.capability else ""
+    if cap and cap != bundle.capability:
+        raise BundleMismatchError(f"{where}: verified on compute capability {bundle.capability}, got {cap}: its "
+                                  "kernels and timings do not carry over; run llm4llm optimize on this GPU")
+    fp = _model_fingerprint(model) if bundle.model_fingerprint else ""
+    if fp and fp != bundle.model_fingerprint:
+        raise BundleMismatchError(f"{where}: verified on model config {bundle.model_fingerprint}, got {fp} (another "
+                                  "model or config): run llm4llm optimize for this model")
+
+
+def _version_policy(strict: bool) -> str:
+    if strict:
+        return "refuse"
+    policy = os.environ.get(VERSION_CHANGE_ENV, "fallback")
+    if policy not in ("fallback", "apply", "refuse"):
+        raise PatchError(f"{VERSION_CHANGE_ENV}: expected fallback, apply or refuse, got {policy!r}")
+    return policy
+
+
 def apply(
     model: torch.nn.Module,
     bundle: PatchBundle | str | os.PathLike,
@@ -462,6 +533,14 @@ def apply(
     static_cache: bool | None = None,
 ) -> PatchReport:
     """Patch `model` in place with the bundle's kernels; returns a PatchReport (live counters).
+
+    Where the bundle was verified is checked first (check_environment): a model on another GPU architecture (compute
+    capability) or with another config than the bundle recorded is refused with BundleMismatchError, one line, and
+    nothing is installed: kernels and timings tuned for one chip or one model's shapes are not evidence for another.
+    A torch or Triton release other than the recorded one (major.minor) makes the bundle unverified rather than
+    wrong: by default nothing is installed, the model keeps its original forward, one warning says why and the report
+    lists every patch as skipped. $LLM4LLM_ON_VERSION_CHANGE chooses: `fallback` (the default), `apply` (install
+    anyway, after the warning: the guards still check every call) or `refuse` (raise, as strict=True does).
 
     Automatic choices fall back quietly and say so in the report; explicit requests fail loudly: with strict=True, or
     for the patch ids named in `patches` (which also restricts the bundle to them), a kernel that cannot load or a
@@ -475,7 +554,21 @@ def apply(
     """
     if not isinstance(bundle, PatchBundle):
         bundle = load_bundle(bundle, strict=strict)
+    check_environment(model, bundle)
     specs = bundle.patches
+    changes = version_changes(bundle)
+    if changes:
+        policy = _version_policy(strict)
+        what = f"bundle {bundle.name or bundle.digest()}: verified with {', '.join(changes)}"
+        if policy == "refuse":
+            raise BundleMismatchError(f"{what}; set {VERSION_CHANGE_ENV}=apply to install it anyway")
+        if policy == "fallback":
+            log.warning("llm4llm: %s; not applied, the model keeps its original forward (%s=apply installs it)",
+                        what, VERSION_CHANGE_ENV)
+            report = PatchReport(bundle=bundle.name or bundle.digest(), _dispatches={})
+            report.skipped.extend(SkippedPatch(p.patch_id, f"versions: {', '.join(changes)}") for p in specs)
+            return report
+        log.warning("llm4llm: %s; applied anyway (%s=apply)", what, VERSION_CHANGE_ENV)
     if patches is not None:
         known = {p.patch_id for p in specs}
         unknown = sorted(set(patches) - known)
@@ -508,6 +601,21 @@ def apply(
         static = bundle.static_cache if static_cache is None else static_cache
         report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True, static_cache=static)
     return report
+
+
+def layer_dispatch(module: torch.nn.Module, bundle: PatchBundle, patch_ids: list[str], path: str = "") -> Dispatch:
+    """A Dispatch over `module` with the named patches' kernels, its fallback the forward of the module's class: what
+    a layer class shipped through Hugging Face `kernels` (kernels_runtime.hub_layers) runs per instance, where
+    kernelize has already replaced the instance's forward. Phases, guards and fallbacks are apply()'s own. A kernel
+    that does not load raises KernelLoadError (the package was exported from a bundle that loaded)."""
+    specs = {p.patch_id: p for p in bundle.patches}
+    original = types.MethodType(type(module).forward, module)
+    dispatch = Dispatch(module, path or type(module).__name__, strict=False, original=original)
+    digest = bundle.digest()
+    for patch_id in patch_ids:
+        spec = specs[patch_id]
+        dispatch.kernels[spec.phase] = _Kernel(spec, load_kernel(bundle, spec), digest)
+    return dispatch
 
 
 def _enable_graphs(model: torch.nn.Module, explicit: bool, static_cache: bool = False) -> str:

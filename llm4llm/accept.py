@@ -31,6 +31,7 @@ import torch
 
 from kernels_runtime import tolerances
 from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, load_bundle, save_bundle
+from kernels_runtime.patch import verified_on
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.evaluate import clone_sharing_weights
 from llm4llm.patchspec import task_patch_spec
@@ -594,7 +595,7 @@ def _start_fresh(r: _Run, base_model, current: float | None):
     graphs = graph_decision is not None and graph_decision.decision == "accepted"
     bundle = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
                          gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
-                         static_cache=graphs and cfg.static_cache)
+                         static_cache=graphs and cfg.static_cache, **verified_on(r.model))
     return bundle, graph_decision, graphs_note, current
 
 

@@ -94,13 +94,22 @@ def _user_errors():
 
 
 def _db(db: Optional[Path]):
+    """The database a command reads: a missing file is one error line, never a new empty database."""
     from storage.db import Database, DatabaseError
 
     try:
-        return Database(db)
+        return Database(db, must_exist=True)
     except DatabaseError as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2) from None
+
+
+def _check_db_path(db: Optional[Path]) -> None:
+    """Before a command that writes starts its flow: a --db whose directory cannot be created is one error line
+    (inside the flow it would be a Prefect traceback)."""
+    from storage.db import check_path, default_db_path
+
+    check_path(db.resolve() if db else default_db_path())
 
 
 def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3,
@@ -137,6 +146,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     """Profile a workload per phase and print the ranked hotspot table."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         from flows.profiling import profile_workload
 
         with progress.rich_progress(console):
@@ -235,6 +245,7 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     leaves (exit 130)."""
     from llm4llm.planner import RUN_STARTED
 
+    _check_db_path(db)
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):
@@ -354,6 +365,21 @@ def _check_variants(option: str, variants: str | None) -> None:
         raise Llm4llmError(f"{option}: expected names from {', '.join(ALL_VARIANTS)}, got {bad}")
 
 
+def _check_kb_device(device: str) -> None:
+    """KernelBench times on a GPU by default: on a host without one that is one line, before any flow starts."""
+    import re
+
+    from llm4llm.errors import DeviceError
+    from llm4llm.workload import device_problem
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise DeviceError(f"--device: expected cuda, cuda:N or cpu, got {device!r}")
+    problem = device_problem(device)
+    if problem:
+        raise DeviceError(f"kernelbench --device {device}: {problem}; pass --device cpu to check correctness only "
+                          "(Triton's interpreter, nothing timed)")
+
+
 def _check_proposer(proposer: str) -> None:
     from llm4llm.errors import Llm4llmError
 
@@ -466,6 +492,7 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     each ratio is taken round by round and shown as median (p20-p80)."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         from tasks.acceptance import run_evaluate
 
         _check_variants("--variants", variants)
@@ -489,20 +516,40 @@ def watch(paths: list[Path] = typer.Argument(..., help="workload files or direct
           state: Optional[Path] = typer.Option(None, help="the last content hash seen per workload (default "
                                                           "$LLM4LLM_HOME/watch-state.json)"),
           debounce_ms: int = typer.Option(1600, help="a burst of writes within this many ms is one change"),
-          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen")) -> None:
+          initial: bool = typer.Option(False, help="also emit for workloads the state has never seen"),
+          dry_run: bool = typer.Option(False, "--dry-run", help="print the changes, emit nothing (no Prefect "
+                                                                "server needed)")) -> None:
     """Emit a Prefect event (llm4llm.workload.changed) whenever a workload's config or inference script really
     changes (the hash of the parsed TOML and of the script: a touch or a comment-only edit emits nothing). The
     `optimize-workload/on-change` deployment (python -m deployments.serve) runs on it; set PREFECT_API_URL."""
-    from deployments.triggers import emit, watch as _watch
-    from storage.db import data_home
+    with _user_errors():
+        from deployments.triggers import api_url, emit, start_line, watch as _watch
+        from llm4llm.errors import Llm4llmError
+        from storage.db import data_home
 
-    def on_change(fields: dict) -> None:
-        emit(fields)
-        p = fields["payload"]
-        console.print(f"[bold]{p['path']}[/] changed ({p['previous_hash']} -> {p['content_hash']}): "
-                      f"emitted {fields['event']}")
+        target = None if dry_run else api_url()
+        if not dry_run and target is None:
+            raise Llm4llmError("watch: expected PREFECT_API_URL (the server the on-change deployment listens on), "
+                               "got none: run `prefect server start` and export PREFECT_API_URL=http://127.0.0.1:"
+                               "4200/api, or pass --dry-run")
+        state = state or data_home() / "watch-state.json"
+        console.print(start_line(paths, state, target), highlight=False, soft_wrap=True)
 
-    _watch([str(p) for p in paths], state or data_home() / "watch-state.json", on_change, debounce_ms, initial)
+        def on_change(fields: dict) -> None:
+            p = fields["payload"]
+            what = f"{p['path']} changed ({p['previous_hash']} -> {p['content_hash']})"
+            if dry_run:
+                console.print(f"{what}: not emitted (--dry-run)", highlight=False, soft_wrap=True)
+                return
+            try:
+                emit(fields)
+            except Exception as e:  # noqa: BLE001 - a server that went away: say so, keep watching
+                console.print(f"{what}: NOT emitted ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+                              highlight=False, soft_wrap=True)
+                return
+            console.print(f"{what}: emitted {fields['event']}", highlight=False, soft_wrap=True)
+
+        _watch([str(p) for p in paths], state, on_change, debounce_ms, initial)
 
 
 def _resolve_run(d, run: Optional[str]) -> Optional[str]:
@@ -618,6 +665,33 @@ def sql(query: str = typer.Argument(..., help="a SQL query over the tables (stor
 
 
 @app.command()
+def export(bundle: Path = typer.Argument(..., help="bundle directory (manifest.json + kernels/)"),
+           out_dir: Path = typer.Argument(..., help="where to write the kernels package (new, empty, or an earlier "
+                                                    "export)"),
+           name: Optional[str] = typer.Option(None, help="kernel name: lowercase letters, digits, dashes (default "
+                                                        "llm4llm-<bundle name>)")) -> None:
+    """Write a bundle as a Hugging Face `kernels` package (kernelize / LocalLayerRepository load it): its norm, MLP
+    and activation patches become layers; the others stay on kernels_runtime.apply, one line each says why."""
+    with _user_errors():
+        from kernels_runtime.bundle import BundleError
+        from kernels_runtime.hub_export import ExportError, Outcome, export_bundle
+        from llm4llm.errors import Llm4llmError
+
+        try:
+            result = export_bundle(bundle, out_dir, name=name)
+        except (BundleError, ExportError) as e:
+            raise Llm4llmError(str(e)) from None
+        except ImportError as e:
+            raise Llm4llmError(f"export: expected the `kernels` package (pip install -e \".[hub]\"), got {e}") from None
+        for p in result.patches:
+            if p.outcome is Outcome.EXPORTED:
+                console.print(f"{p.patch_id}: layer {p.layer}", highlight=False)
+            else:
+                console.print(f"{p.patch_id}: not exported, {p.reason}", highlight=False)
+        console.print(f"kernels package {result.name} ({len(result.layers)} layer(s)): {result.path}", highlight=False)
+
+
+@app.command()
 def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBench-format problems"),
                 problems: Optional[str] = typer.Option(None, "--problems", help="ids and ranges, e.g. 12,40-60"),
                 budget: int = typer.Option(4, help="trials per problem and mode"),
@@ -633,12 +707,14 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
     """Run KernelBench problems through the search and the verifier (KernelBench's protocol on top of every gate)."""
     _quiet_prefect(verbose)
     with _user_errors():
+        _check_db_path(db)
         import pandas as pd
 
         from storage import repo
         from tasks.kernelbench import run_kernelbench
 
         _check_proposer(proposer)
+        _check_kb_device(device)
 
         def show(row):
             sp = f"{row['speedup_eager']:.3f}x eager" if row.get("speedup_eager") else "untimed"

@@ -42,17 +42,47 @@ class DatabaseError(RuntimeError):
     cannot be opened. A user error (the CLI prints it in one line)."""
 
 
+def check_path(path: Path) -> None:
+    """A path a database file can live at, its directory created; DatabaseError (one line) where it cannot be: a
+    directory, under a file, on a read-only or virtual filesystem, or without permission."""
+    if path.is_dir():
+        raise DatabaseError(f"database {path}: expected a DuckDB file, got a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatabaseError(f"database {path}: cannot create its directory {path.parent} ({e.strerror or e})") from None
+
+
+# The statements `llm4llm sql` runs: queries only. A read-only connection still lets COPY/EXPORT write files, ATTACH
+# open (and create) other databases, INSTALL/LOAD fetch and run extensions.
+READ_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
+def check_read_only(sql: str) -> None:
+    """DatabaseError (one line) unless every statement of `sql` is a query."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise DatabaseError(f"sql: {' '.join(str(e).split())[:300]}") from None
+    for st in statements:
+        kind = st.type.name
+        if kind not in READ_STATEMENTS:
+            raise DatabaseError(f"sql: expected a read-only query ({' or '.join(READ_STATEMENTS)}), got a {kind} "
+                                "statement")
+
+
 class Database:
     """One DuckDB file. Open, migrate to the newest schema, write in transactions."""
 
-    def __init__(self, path: str | Path | None = None, read_only: bool = False):
+    def __init__(self, path: str | Path | None = None, read_only: bool = False, must_exist: bool = False):
+        """read_only: a connection that cannot write the database (read-only implies must_exist). must_exist: a
+        missing file is a DatabaseError instead of a new, empty database (what a command that only reads wants: a
+        mistyped --db must not leave a file behind)."""
         self.path = Path(path).resolve() if path else default_db_path()
-        if self.path.is_dir():
-            raise DatabaseError(f"database {self.path}: expected a DuckDB file, got a directory")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError, PermissionError) as e:
-            raise DatabaseError(f"database {self.path}: cannot create its directory ({e.strerror or e})") from None
+        if (read_only or must_exist) and not self.path.exists():
+            raise DatabaseError(f"no database at {self.path}: check --db / ${DB_ENV}, or run `llm4llm profile "
+                                "WORKLOAD` to create one")
+        check_path(self.path)
         self._lock = threading.RLock()
         try:
             self.con = duckdb.connect(str(self.path), read_only=read_only)

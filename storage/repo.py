@@ -5,7 +5,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from storage.db import Database
+from storage.db import Database, check_read_only
 
 
 def _now() -> datetime:
@@ -306,7 +306,9 @@ def service_decisions(db: Database, workload_name: str | None = None):
 
 
 def run_sql(db: Database, sql: str):
-    """A user's own query (`llm4llm sql`), on a connection the caller opened read-only."""
+    """A user's own query (`llm4llm sql`), on a connection the caller opened read-only; anything but a query is
+    refused before it runs (check_read_only)."""
+    check_read_only(sql)
     return db.query_df(sql)
 # ---- kernelbench (migration 007) ----------------------------------------------------------------------------
 

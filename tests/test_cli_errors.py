@@ -98,3 +98,65 @@ def test_an_ephemeral_server_that_does_not_start_is_one_error(capsys):
     assert text.count("error:") == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in text, text
     with pytest.raises(RuntimeError, match="something else"), cli._user_errors():
         raise RuntimeError("something else")
+
+
+def test_a_mistyped_database_is_one_error_and_creates_nothing(tmp_path):
+    db = tmp_path / "typo.duckdb"
+    _one_error(_cli("runs", "--db", str(db)), f"no database at {db}")
+    assert not db.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a directory nothing can be created in")
+def test_a_database_whose_directory_cannot_be_created_is_one_error(tmp_path):
+    p = _cli("profile", str(_workload(tmp_path)), "--db", "/proc/llm4llm-nope/db.duckdb", "--data-dir",
+             str(tmp_path / "d"))
+    _one_error(p, "cannot create its directory /proc/llm4llm-nope")
+
+
+@pytest.mark.parametrize("query", ["COPY runs TO 'out.csv'", "EXPORT DATABASE 'dump'", "ATTACH 'other.duckdb'",
+                                   "INSTALL httpfs", "SELECT 1; DELETE FROM runs"])
+def test_sql_runs_queries_only(tmp_path, monkeypatch, query):
+    from typer.testing import CliRunner
+
+    from llm4llm.cli import app
+    from storage.db import Database
+
+    Database(tmp_path / "db.duckdb").close()
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["sql", query, "--db", str(tmp_path / "db.duckdb")])
+    assert res.exit_code == 2 and res.output.count("error:") == 1, res.output
+    assert "expected a read-only query" in res.output and "Traceback" not in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db.duckdb"]
+    assert CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM runs", "--db", "db.duckdb"]).exit_code == 0
+
+
+def test_watch_without_a_prefect_api_is_one_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_HOME=str(tmp_path / "prefect"))
+    p = subprocess.run([sys.executable, "-m", "llm4llm.cli", "watch", str(_workload(tmp_path)), "--state",
+                        str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    _one_error(p, "expected PREFECT_API_URL")
+    assert "emitted" not in p.stdout + p.stderr
+
+
+def test_watch_says_what_it_watches_when_it_starts(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import deployments.triggers as triggers
+    from llm4llm.cli import app
+
+    started = []
+    monkeypatch.setattr(triggers, "watch", lambda paths, state, *a: started.append((paths, state)))
+    res = CliRunner().invoke(app, ["watch", str(_workload(tmp_path)), "--dry-run", "--state", str(tmp_path / "s")])
+    first = res.output.splitlines()[0]
+    assert res.exit_code == 0 and started, res.output
+    assert first.startswith("watching 1 workload(s) (tiny-llama) in ") and "dry run" in first, first
+    assert str(ROOT / "examples" / "scripts") in first  # the script's directory is watched too
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the host has a GPU: the default device works")
+def test_kernelbench_on_a_host_without_a_gpu_is_one_error(tmp_path):
+    (tmp_path / "kb").mkdir()
+    p = _cli("kernelbench", str(tmp_path / "kb"), "--db", str(tmp_path / "db.duckdb"))
+    _one_error(p, "pass --device cpu")
+    assert not (tmp_path / "db.duckdb").exists()

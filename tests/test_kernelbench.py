@@ -470,3 +470,18 @@ def test_kernelbench_adversarial_ports_are_rejected(pool, gemm_task, name):
     v = pool.verify(gemm_task, _TRITON_HEAD + textwrap.indent(textwrap.dedent(body), "    "))
     assert not v.passed and v.utility == 0.0
     assert v.failure_class in expect, f"{name}: {v.failure_class}: {v.message[-600:]}"
+
+
+def test_the_cpu_compile_gate_drives_a_modelnew(kb_dir, tmp_path):
+    """`kernelbench --device cpu` runs the CPU verifier's sm_90 compile gate: it must build and call the ModelNew a
+    KernelBench candidate defines (it has no `entry`), or every candidate fails there."""
+    from llm4llm.kernelbench.problem import make_task
+    from llm4llm.kernelbench.templates import TEMPLATES
+    from llm4llm.taskspec import load_spec
+    from llm4llm.verify.aot import aot_gate
+
+    task_dir = make_task(kb_dir / "2_Gemm_Divide_Sum.py", tmp_path)
+    spec = load_spec(task_dir)
+    t = {x.name: x for x in TEMPLATES}["kb.rewrite_fused_tail"]
+    g = aot_gate(str(task_dir), t.render(spec, t.default(spec)), 90)
+    assert g.passed and g.name == "compile_sm90", g.detail

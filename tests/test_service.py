@@ -291,15 +291,18 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
         assert dropped, "the retried task run never reached the server, and Prefect logged no dropped event"
 
 
-def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path):
+def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path, capsys):
     """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0, staggered, every queue with one
-    slot (one GPU run, one DuckDB writer at a time), the GPU global concurrency limit created."""
+    slot (one GPU run, one DuckDB writer at a time), the GPU global concurrency limit created. Prefect's advice
+    about process pools is printed once, not once per deployment."""
     from prefect import get_client
 
     from deployments.deploy import deploy_all
 
     w = _workloads(tmp_path)
-    deploy_all([w.cpu, w.gpu], "llm4llm-test", "03:00", 45, None)
+    ids = deploy_all([w.cpu, w.gpu], "llm4llm-test", "03:00", 45, None)
+    out = capsys.readouterr()
+    assert len(ids) > 2 and " ".join((out.out + out.err).split()).count("process work pool") == 1, out
     with get_client(sync_client=True) as client:
         assert client.read_work_pool("llm4llm-test").type == "process"
         queues = {q.name: q for q in client.read_work_queues(work_pool_name="llm4llm-test")}

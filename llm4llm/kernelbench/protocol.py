@@ -274,8 +274,7 @@ def _timing_gates(v: Verdict, spec, problem, ref_model, new_model, dev: torch.de
                   perf_trials: int | None) -> tuple[Verdict, bool]:
     """The timing gates of a correct candidate: KernelBench's timing on a GPU, passed with the reason elsewhere."""
     if dev.type != "cuda" or not timing:
-        # (the CPU verifier's sm_90 compile gate, llm4llm/verify/aot.py, records `entry` launches; it does not
-        # drive a ModelNew yet, so a CPU verdict here says nothing about the GPU compiler)
+        # (the CPU verifier's sm_90 compile gate, llm4llm/verify/aot.py, then compiles the launches ModelNew made)
         why = NO_GPU if dev.type != "cuda" else "skipped: timing off"
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
                     GateResult(name="timing_in_context", passed=True, detail=why)]
