@@ -176,6 +176,7 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
 
 
 __all__ = [
-    "check_batch", "check_capability", "check_contiguous", "check_signatures", "check_device", "check_dtype", "check_shape", "check_shapes",
+    "check_batch", "check_capability", "check_contiguous", "check_signatures", "check_device", "check_dtype",
+    "check_shape", "check_shapes",
     "capability_of", "dim_ok", "first_device", "is_supported",
 ]

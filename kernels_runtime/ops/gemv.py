@@ -1,6 +1,8 @@
 """Decode GEMVs that stream the weights once, with the work around them fused into a prologue and an epilogue.
 
-At batch 1 (and a few rows) a projection `x @ W.T` is bound by reading W: the kernel exists to keep HBM busy.
+At decode batches (1 to a few dozen rows) a projection `x @ W.T` is bound by reading W: the kernel exists to keep
+HBM busy, and reads each weight tile once for every row of the batch (the FMA reduction up to MAX_FMA_M rows,
+tl.dot tiles of 16..MAX_ROWS rows past it).
 `_gemv_kernel` is one weight-streaming pass over up to three weights laid side by side along N (q/k/v, or gate/up):
 each program picks its weight by its program id (no concatenated copy), reads a [BLOCK_N, BLOCK_K] tile of it per
 step with 16-byte loads along K (rows contiguous, no mask along K when the split divides K), and accumulates
