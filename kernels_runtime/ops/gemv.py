@@ -531,7 +531,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
             TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
-    `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
+    `swiglu_up` too (ws = [gate], no split) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
     split, 0 when direct). DOT: tl.dot over x padded to 16..64 rows (BLOCK_N raised to 16, BLOCK_K held to
     16..256: shared-memory stages); the DOT path also takes calls of more than FMA_MAX_M rows (`_dot_path`), all
     rows of up to MAX_ROWS in one program (`_rows_per_program`), more in blocks of MAX_ROWS. PREFETCH: two
