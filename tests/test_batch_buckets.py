@@ -163,3 +163,35 @@ def test_a_batch_runs_at_its_bucket_through_the_kernel_and_outside_falls_back_co
         assert "batch: expected one of the verified buckets [1, 2, 4], got 3 (pad to 4)" in reasons, reasons
     finally:
         kernels_runtime.revert(model)
+
+
+def test_decode_graphs_are_captured_per_bucket_and_a_batch_past_them_runs_eagerly():
+    """Emulated graphs (the CPU's stand-in for CUDA capture) on a tiny Llama on the static cache, generate padded to
+    the buckets: a batch of 3 and a batch of 4 share bucket 4's one graph and generate what the eager model does; a
+    batch of 5 decodes eagerly, each step counted with its reason."""
+    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
+    from tests.test_runtime_stateful import tiny
+
+    model = tiny("llama")
+    prompts = {b: torch.randint(1, 256, (b, 5), generator=torch.Generator().manual_seed(b)) for b in (3, 4, 5)}
+
+    def generate(b):
+        with torch.inference_mode():
+            return model.generate(prompts[b], attention_mask=torch.ones_like(prompts[b]), max_new_tokens=3,
+                                  do_sample=False, pad_token_id=0, cache_implementation="static",
+                                  disable_compile=True)
+
+    want = {b: generate(b) for b in prompts}
+    graphs = enable_decode_graphs(model, backend="emulate", static_cache=True, buckets=(1, 2, 4))
+    wrapper = enable_batch_buckets(model, (1, 2, 4))
+    try:
+        for b in prompts:
+            assert torch.equal(generate(b), want[b]), b
+        stats = graphs.stats()
+    finally:
+        disable_batch_buckets(model)
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["refused"] == [], stats
+    assert stats["calls"]["eager: batch 5 is not a verified bucket [1, 2, 4]"] == 2, stats  # both decode steps
+    assert wrapper.counts == {"padded 3 -> 4": 1, "bucket 4": 1,
+                              "batch: expected at most 4 (verified buckets [1, 2, 4]), got 5": 1}
