@@ -23,6 +23,7 @@ _EXPORTS = {
     "BundleIntegrityError": "bundle", "FORMAT_VERSION": "bundle",
     "is_supported": "guards",
     "enable_decode_graphs": "graphs", "disable_decode_graphs": "graphs", "decode_graphs_of": "graphs",
+    "enable_batch_buckets": "buckets", "disable_batch_buckets": "buckets", "batch_buckets_of": "buckets",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -62,6 +62,9 @@ class Guard(BaseModel):
     # the same shapes while their state means different things (a zero-padded buffer and a device-side length, or
     # the past alone). None: a stateless kernel, or a bundle written before this field (not checked).
     state_adapter: str | None = None
+    # the batch sizes (dim 0 of the inputs) a decode kernel was verified at: a serving regime's buckets
+    # (kernels_runtime.buckets); a call at another batch falls back. Empty: not checked.
+    batch_buckets: list[int] = Field(default_factory=list)
 
     @field_validator("min_capability", mode="before")
     @classmethod
@@ -128,6 +131,9 @@ class PatchBundle(BaseModel):
     decode_graphs: bool = False
     # With decode_graphs: generate with transformers' static KV cache (a KV-cache model's step is graphable only so).
     static_cache: bool = False
+    # The decode batch buckets the bundle verified (kernels_runtime.buckets): applied, `generate` pads a batch to
+    # its bucket and decode graphs are captured at those batches only. Empty: batches as they come.
+    batch_buckets: list[int] = Field(default_factory=list)
 
     # Sources by sha256, and the per-kernel problems found on a lenient load (apply reports those patches skipped).
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

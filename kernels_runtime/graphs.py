@@ -542,6 +542,9 @@ class DecodeGraphs:
     # When a list: every decode replay appends a (start, end) pair of CUDA events around the graph, so the GPU time
     # of a step can be read apart from the host's (gpu_step_ms); None (the default) records nothing.
     step_events: list | None = None
+    # The batch buckets the bundle verified (kernels_runtime.buckets): a decode step at another batch runs eagerly,
+    # counted; () graphs every batch.
+    buckets: tuple = ()
 
     # ------------------------------------------------------------------------------------------------ call path
     def __call__(self, *args, **kwargs):
@@ -567,6 +570,8 @@ class DecodeGraphs:
             ids = kwargs.get("input_ids")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
                 raise NotGraphable("not a one-token decode call (input_ids [B, 1])")
+            if self.buckets and ids.shape[0] not in self.buckets:
+                raise NotGraphable(outside_buckets(ids.shape[0], self.buckets))
             if kwargs.get("inputs_embeds") is not None:
                 raise NotGraphable("inputs_embeds given")
             cache_name, cache = _find_cache(kwargs)
@@ -943,8 +948,12 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, note
     return ""
 
 
+def outside_buckets(batch: int, buckets: tuple) -> str:
+    return f"batch {batch} is not a verified bucket {list(buckets)}"
+
+
 def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8,
-                         static_cache: bool = False, prefill: bool = True) -> DecodeGraphs:
+                         static_cache: bool = False, prefill: bool = True, buckets: tuple = ()) -> DecodeGraphs:
     """Replay `model`'s one-token decode steps from CUDA graphs (see the module docstring). Idempotent: a model
     already wrapped returns its wrapper. Without a GPU (tests): backend="emulate" replays the captured step's ATen ops
     with host values frozen, as a graph would; backend="rerun" re-runs the step's Python (for Triton kernels under
@@ -956,11 +965,17 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     LinearAttentionLayer either way. disable_decode_graphs puts the previous values back.
 
     prefill: also replay a prompt's forward on a fresh cache of PREFILL_LAYERS (Mamba, Mamba2) from a graph per
-    prompt signature, captured on its second call (DecodeGraphs._prefill_call)."""
+    prompt signature, captured on its second call (DecodeGraphs._prefill_call).
+
+    buckets: the batch buckets a bundle verified (kernels_runtime.buckets): one graph per bucket (max_graphs grows
+    to hold them), a decode step at another batch eager and counted."""
     existing = model.__dict__.get(_ATTR)
     if existing is not None:
         if static_cache and existing.saved_generation is None:
             existing.saved_generation = _static_generation(model)
+        if buckets:
+            existing.buckets = tuple(buckets)
+            existing.max_graphs = max(existing.max_graphs, len(buckets))
         return existing
     if backend == "cuda":
         if not torch.cuda.is_available():
@@ -973,8 +988,9 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     else:
         raise ValueError(f"backend: expected 'cuda', 'emulate' or 'rerun', got {backend!r}")
     had_forward = "forward" in model.__dict__
-    graphs = DecodeGraphs(model, model.forward, impl, max_graphs, had_instance_forward=had_forward,
-                          saved_generation=_static_generation(model) if static_cache else None, prefill=prefill)
+    graphs = DecodeGraphs(model, model.forward, impl, max(max_graphs, len(buckets)), had_instance_forward=had_forward,
+                          saved_generation=_static_generation(model) if static_cache else None, prefill=prefill,
+                          buckets=tuple(buckets))
     model.__dict__[_ATTR] = graphs
     model.forward = graphs
     return graphs

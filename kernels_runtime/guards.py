@@ -115,6 +115,18 @@ def check_contiguous(names: Sequence[str], inputs: Mapping[str, Any]) -> tuple[b
     return OK
 
 
+def check_batch(buckets: Sequence[int], inputs: Mapping[str, Any]) -> tuple[bool, str]:
+    """The call's batch (dim 0 of its first tensor input) is one of the verified buckets (empty: not checked)."""
+    if not buckets:
+        return OK
+    t = next((t for t in inputs.values() if _is_tensor_like(t) and len(t.shape)), None)
+    if t is None or t.shape[0] in buckets:
+        return OK
+    pad = min((b for b in buckets if b >= t.shape[0]), default=None)
+    hint = f" (pad to {pad})" if pad is not None else ""
+    return False, f"batch: expected one of the verified buckets {list(buckets)}, got {t.shape[0]}{hint}"
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_capability(index: int) -> tuple[int, int]:
     import torch
@@ -153,6 +165,7 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
         lambda: check_dtype(guard.dtypes, inputs),
         lambda: check_shapes(guard.shapes, inputs),
         lambda: check_signatures(guard.signatures, inputs),
+        lambda: check_batch(guard.batch_buckets, inputs),
         lambda: check_contiguous(guard.contiguous, inputs),
     )
     for check in checks:
@@ -163,6 +176,7 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
 
 
 __all__ = [
-    "check_capability", "check_contiguous", "check_signatures", "check_device", "check_dtype", "check_shape", "check_shapes",
+    "check_batch", "check_capability", "check_contiguous", "check_signatures", "check_device", "check_dtype",
+    "check_shape", "check_shapes",
     "capability_of", "dim_ok", "first_device", "is_supported",
 ]

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from kernels_runtime import boundary
+from kernels_runtime.buckets import disable_batch_buckets, enable_batch_buckets
 from kernels_runtime.bundle import BundleError, PatchBundle, PatchSpec, load_bundle
 from kernels_runtime.guards import is_supported, missing_input
 from kernels_runtime.phase import CURRENT_PHASE, PhaseTracker
@@ -194,7 +195,8 @@ class _Kernel:
 
     def __post_init__(self):
         g = self.spec.guard  # an empty guard accepts every call: dispatch skips the check
-        self.guarded = bool(g.dtypes or g.device_types or g.min_capability or g.shapes or g.contiguous)
+        self.guarded = bool(g.dtypes or g.device_types or g.min_capability or g.shapes or g.contiguous
+                            or g.batch_buckets)
         # A kernel that writes its state into the cache itself (declared by `STATE_IN_PLACE = True` in its source,
         # or seen returning the state tensors it was given) cannot fall back once it started: the original forward
         # would run on a state the kernel already advanced. Its errors are raised instead.
@@ -389,6 +391,7 @@ class PatchReport:
     applied: list[AppliedPatch] = field(default_factory=list)
     skipped: list[SkippedPatch] = field(default_factory=list)
     decode_graphs: str = "off"  # "on", "off", or "skipped: <why>" (kernels_runtime.graphs)
+    batch_buckets: Any = None  # the BucketedGenerate padding generate's batches (kernels_runtime.buckets), if any
     _dispatches: dict[str, Dispatch] = field(default_factory=dict, repr=False)
 
     def counters(self) -> dict[str, dict]:
@@ -422,6 +425,10 @@ class PatchReport:
         for s in self.skipped:
             lines.append(f"  skipped  {s.patch_id}: {s.reason}")
         lines.append(f"  decode graphs {self.decode_graphs}")
+        if self.batch_buckets is not None:
+            b = self.batch_buckets
+            lines.append(f"  batch buckets {list(b.buckets)}: " + (", ".join(
+                f"{n} {what}" for what, n in sorted(b.counts.items())) or "no generate call yet"))
         totals = self.totals()
         lines.append(f"  calls    {totals['kernel']} kernel / {totals['fallback']} fallback"
                      + (" (graph replays not counted)" if self.decode_graphs.startswith("on") else ""))
@@ -596,10 +603,13 @@ def apply(
         model.__dict__.pop(_STATE_ATTR, None)  # nothing installed: leave the model as it was
     elif not state.tracker._handles:
         state.tracker.__enter__()
+    if bundle.batch_buckets:  # a batch pads to its verified bucket (kernels_runtime.buckets)
+        report.batch_buckets = enable_batch_buckets(model, bundle.batch_buckets)
     want = bundle.decode_graphs if decode_graphs is None else decode_graphs
     if want:
         static = bundle.static_cache if static_cache is None else static_cache
-        report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True, static_cache=static)
+        report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True, static_cache=static,
+                                              buckets=tuple(bundle.batch_buckets))
     return report
 
 
@@ -618,7 +628,7 @@ def layer_dispatch(module: torch.nn.Module, bundle: PatchBundle, patch_ids: list
     return dispatch
 
 
-def _enable_graphs(model: torch.nn.Module, explicit: bool, static_cache: bool = False) -> str:
+def _enable_graphs(model: torch.nn.Module, explicit: bool, static_cache: bool = False, buckets: tuple = ()) -> str:
     from kernels_runtime.graphs import enable_decode_graphs
 
     param = next(model.parameters(), None)
@@ -627,7 +637,7 @@ def _enable_graphs(model: torch.nn.Module, explicit: bool, static_cache: bool = 
         if explicit:
             raise PatchError(f"decode_graphs: {reason}")
         return reason
-    enable_decode_graphs(model, static_cache=static_cache)
+    enable_decode_graphs(model, static_cache=static_cache, buckets=buckets)
     model.__dict__[_GRAPHS_ATTR] = True
     return "on (static KV cache)" if static_cache else "on"
 
@@ -689,6 +699,7 @@ def revert(model: torch.nn.Module) -> int:
         from kernels_runtime.graphs import disable_decode_graphs
 
         disable_decode_graphs(model)
+    disable_batch_buckets(model)
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return 0

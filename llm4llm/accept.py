@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from kernels_runtime import tolerances
+from kernels_runtime.buckets import pad_rows
 from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, load_bundle, save_bundle
 from kernels_runtime.patch import verified_on
 from kernels_runtime.tolerances import tolerance_for
@@ -242,7 +243,8 @@ class _ForceTokens:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_len
-        forced = self.tokens[:, step].to(scores.device)
+        # a batch padded to its bucket (kernels_runtime.buckets) repeats its last sequence: so do its tokens
+        forced = pad_rows(self.tokens[:, step], scores.shape[0]).to(scores.device)
         out = torch.full_like(scores, -math.inf)
         out.scatter_(1, forced[:, None], 0.0)
         return out
@@ -593,9 +595,11 @@ def _start_fresh(r: _Run, base_model, current: float | None):
                 kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
         print(f"accept: {graphs_note}")
     graphs = graph_decision is not None and graph_decision.decision == "accepted"
+    # a regime's decode batch buckets: every decode task was extracted and verified at each (Regime.points)
+    buckets = list(r.wl.regime.batch_buckets()) if r.wl.regime is not None else []
     bundle = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
                          gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
-                         static_cache=graphs and cfg.static_cache, **verified_on(r.model))
+                         static_cache=graphs and cfg.static_cache, batch_buckets=buckets, **verified_on(r.model))
     return bundle, graph_decision, graphs_note, current
 
 

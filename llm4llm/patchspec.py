@@ -36,7 +36,16 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     state = (spec.recipe or {}).get("state") or {}
     return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
                  signatures=signatures if len(signatures) > 1 and not spec.regime else [],
-                 state_adapter=state.get("adapter"))
+                 state_adapter=state.get("adapter"), batch_buckets=_batch_buckets(spec))
+
+
+def _batch_buckets(spec: TaskSpec) -> list[int]:
+    """A decode task over a serving regime: the batches its cases hold (the regime's buckets and corners,
+    llm4llm/regime.py), each verified; the guard admits those only. Else [] (not checked)."""
+    if not spec.regime or spec.phase != "decode" or not spec.input_names:
+        return []
+    name = spec.input_names[0]
+    return sorted({c.inputs[name].shape[0] for c in spec.cases if name in c.inputs and c.inputs[name].shape})
 
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")

@@ -12,6 +12,10 @@ combination of each axis's smallest and largest value, decoding the fewest token
 hold the corner shapes: the verifier checks candidates there, and the guards (llm4llm.patchspec.guard_for: each
 dim's observed min..max) admit the box between them, nothing outside. A call outside falls back, is counted in the
 patch report by reason, and the report suggests re-profiling over a wider regime.
+
+Decode runs at batch buckets (kernels_runtime.buckets: a list axis's sizes, or 1, 2, 4, 8, 16, 32 inside a span and
+its max), as serving engines capture decode graphs: extraction also runs each bucket that is not a corner (at the
+shortest prompt), so every decode task is verified at each bucket, and its guard admits those batches only.
 """
 from __future__ import annotations
 
@@ -74,3 +78,19 @@ class Regime(BaseModel):
         dec = max(2, _lo_hi(self.decode_lens)[0] if self.decode_lens is not None else decode_len)
         return [(b, p, dec) for b, p in product(sorted(set(_lo_hi(self.batch_sizes))),
                                                 sorted(set(_lo_hi(self.prompt_lens))))]
+
+    def batch_buckets(self) -> tuple[int, ...]:
+        """The decode batches a bundle over the regime verifies: a list axis's sizes, else the standard buckets
+        inside the span and its max (kernels_runtime.buckets.buckets_within)."""
+        from kernels_runtime.buckets import buckets_within
+
+        if isinstance(self.batch_sizes, list):
+            return tuple(sorted(set(self.batch_sizes)))
+        return buckets_within(self.batch_sizes.min, self.batch_sizes.max)
+
+    def points(self, decode_len: int) -> list[tuple[int, int, int]]:
+        """The corners, then (bucket, shortest prompt, fewest tokens) for each bucket no corner runs."""
+        corners = self.corners(decode_len)
+        seen = {b for b, _, _ in corners}
+        prompt, dec = corners[0][1], corners[0][2]
+        return corners + [(b, prompt, dec) for b in self.batch_buckets() if b not in seen]

@@ -1,6 +1,8 @@
 """Decode GEMVs that stream the weights once, with the work around them fused into a prologue and an epilogue.
 
-At batch 1 (and a few rows) a projection `x @ W.T` is bound by reading W: the kernel exists to keep HBM busy.
+At decode batches (1 to a few dozen rows) a projection `x @ W.T` is bound by reading W: the kernel exists to keep
+HBM busy, and reads each weight tile once for every row of the batch (the FMA reduction up to MAX_FMA_M rows,
+tl.dot tiles of 16..MAX_ROWS rows past it).
 `_gemv_kernel` is one weight-streaming pass over up to three weights laid side by side along N (q/k/v, or gate/up):
 each program picks its weight by its program id (no concatenated copy), reads a [BLOCK_N, BLOCK_K] tile of it per
 step with 16-byte loads along K (rows contiguous, no mask along K when the split divides K), and accumulates
@@ -37,9 +39,14 @@ from kernels_runtime.ops._common import (_TL, TIMELINE, cast_out, interpreting, 
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
                                  "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
-# Rows one program handles (decode batch); more rows take more row blocks, each re-reading the weights, on the tl.dot
-# path (a prefill-sized call reaching a decode kernel stays correct, at GEMM-by-GEMV speed)
-MAX_M = 16
+# Rows one program takes, so that each weight tile is read once for the whole decode batch. The FMA path keeps a
+# [BLOCK_M, BLOCK_N, BLOCK_K] fp32 product in registers, so it takes at most MAX_FMA_M rows (FMA_MAX_M, a launcher
+# argument the search tunes per batch, lowers that); more rows take the tl.dot path, whose [BLOCK_M, BLOCK_N]
+# accumulator holds up to MAX_ROWS rows (a serving batch). Past MAX_ROWS (a prefill-sized call reaching a decode
+# kernel) row blocks of MAX_ROWS re-read the weights: correct, at GEMM-by-GEMV speed.
+MAX_FMA_M = 16
+MAX_ROWS = 64
+DOT_MIN_M = 16  # tl.dot's smallest tile along M: fewer rows are padded (masked) up to it
 MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
 
 
@@ -124,8 +131,10 @@ def _gemv_kernel(
                              other=0.0).to(tl.float32)
                 ss += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
-    if DOT:  # the tensor cores over a 16-row x tile (rows past M masked): Triton pipelines dot operands' loads
+    if DOT:  # the tensor cores over a 16..64-row x tile (rows past M masked): Triton pipelines dot operands' loads
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            acc2_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if SWIGLU:
@@ -166,8 +175,12 @@ def _gemv_kernel(
             xd = x.to(w.dtype)  # exact: x is a value of the activation dtype (loaded, or rounded by rnd)
             if UPCAST_DOT:
                 acc2 = tl.dot(xd.to(tl.float32), tl.trans(w.to(tl.float32)), acc2, input_precision="ieee")
+                if SWIGLU:
+                    acc2_u = tl.dot(xd.to(tl.float32), tl.trans(u.to(tl.float32)), acc2_u, input_precision="ieee")
             else:
                 acc2 = tl.dot(xd, tl.trans(w), acc2, input_precision=DOT_PRECISION)
+                if SWIGLU:
+                    acc2_u = tl.dot(xd, tl.trans(u), acc2_u, input_precision=DOT_PRECISION)
         elif BLOCK_M == 1:
             w = w.to(tl.float32)
             acc += w * x
@@ -179,6 +192,8 @@ def _gemv_kernel(
                 acc3_u += u.to(tl.float32)[None, :, :] * x[:, None, :]
     if DOT:
         out = acc2
+        if SWIGLU:
+            out_u = acc2_u
     elif BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
         if SWIGLU:
@@ -467,7 +482,9 @@ def _weights(ws, K, dtype):
 
 def _tma_fits(M: int, K: int, ws, direct: bool, DOT: bool, BLOCK_N: int, BLOCK_K: int, dtype) -> bool:
     """The TMA pass takes one x row, a weight pass that writes its output (no K split, no DOT), weight rows of a
-    multiple of 16 bytes and TMA's box limits (<= 256 a side, >= 16 bytes along K)."""
+    multiple of 16 bytes and TMA's box limits (<= 256 a side, >= 16 bytes along K). A batch (M > 1) goes to the
+    register or tl.dot pass by design, with the same fusions: `_gemv_tma_kernel` holds one x row, and whether TMA
+    tiles pay against tl.dot's pipelined operand loads at M > 1 is for a GPU to measure."""
     size = torch.empty((), dtype=dtype).element_size()
     return (M == 1 and direct and not DOT and len(ws) == 1 and dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (K * size) % 16 == 0 and BLOCK_K * size >= 16 and BLOCK_K <= 256 and BLOCK_N <= 256)
@@ -480,8 +497,27 @@ def _split_of(K: int, BLOCK_K: int, SPLIT_K: int) -> tuple[int, int]:
     return triton.cdiv(K, k_per), k_per
 
 
-def _dot_path(M: int, DOT: bool) -> bool:
-    return bool(DOT) or M > MAX_M
+def _dot_path(M: int, DOT: bool, FMA_MAX_M: int = MAX_FMA_M) -> bool:
+    """tl.dot where asked (DOT) or where M passes the FMA path's row limit (FMA_MAX_M, at most MAX_FMA_M)."""
+    return bool(DOT) or M > min(FMA_MAX_M, MAX_FMA_M)
+
+
+def _dot_tiles(BLOCK_N: int, BLOCK_K: int) -> tuple[int, int]:
+    """The tl.dot path's weight tile: at least 16 rows, 16..256 deep (w tiles of at most 16 KB a stage)."""
+    return max(16, BLOCK_N), max(16, min(BLOCK_K, 256))
+
+
+def _rows_per_program(M: int, dot: bool) -> int:
+    """BLOCK_M: every row of the call in one program (each weight tile read once) up to the path's limit; tl.dot's
+    tile is at least DOT_MIN_M rows."""
+    if dot:
+        return min(MAX_ROWS, max(DOT_MIN_M, triton.next_power_of_2(M)))
+    return triton.next_power_of_2(M)
+
+
+def _check_rows(FMA_MAX_M) -> None:
+    if not (isinstance(FMA_MAX_M, int) and 0 <= FMA_MAX_M <= MAX_FMA_M):
+        raise ValueError(f"gemv: expected FMA_MAX_M an int in 0..{MAX_FMA_M}, got {FMA_MAX_M!r}")
 
 
 def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
@@ -493,29 +529,31 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
-            TMA_PRE=False, TMA_LATE=False):
+            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
-    `swiglu_up` too (ws = [gate], no split, no DOT) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
-    split, 0 when direct). DOT: tl.dot over x padded to 16 rows (BLOCK_N raised to 16, BLOCK_K held to 16..256:
-    shared-memory stages); the DOT path also takes calls of more than MAX_M rows, in blocks of 16. PREFETCH: two
+    `swiglu_up` too (ws = [gate], no split) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
+    split, 0 when direct). DOT: tl.dot over x padded to 16..64 rows (BLOCK_N raised to 16, BLOCK_K held to
+    16..256: shared-memory stages); the DOT path also takes calls of more than FMA_MAX_M rows (`_dot_path`), all
+    rows of up to MAX_ROWS in one program (`_rows_per_program`), more in blocks of MAX_ROWS. PREFETCH: two
     weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
     (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). TMA (a pipeline depth, 0
     off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
     dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
+    _check_rows(FMA_MAX_M)
     M, K = x2.shape
-    DOT = _dot_path(M, DOT)
+    DOT = _dot_path(M, DOT, FMA_MAX_M)
     if DOT:
-        BLOCK_N, BLOCK_K = max(16, BLOCK_N), max(16, min(BLOCK_K, 256))  # w tiles of at most 16 KB a stage
+        BLOCK_N, BLOCK_K = _dot_tiles(BLOCK_N, BLOCK_K)
     ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
     ntot = sum(ns)
     split, k_per = _split_of(K, BLOCK_K, SPLIT_K)
     direct = direct_out is not None and split == 1
     swiglu = swiglu_up is not None
-    if swiglu and (not direct or DOT or len(ws) != 1):
-        raise ValueError("gemv: the paired gate/up pass takes one gate weight, no K split and no DOT")
+    if swiglu and (not direct or len(ws) != 1):
+        raise ValueError("gemv: the paired gate/up pass takes one gate weight and no K split")
     if TMA and _tma_fits(M, K, ws, direct, DOT, BLOCK_N, BLOCK_K, ws[0].dtype) and (
             norm_w is None or _norm_row(True, 1, K)):
         n = ws[0].shape[0]
@@ -533,7 +571,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
             PRE=bool(TMA_PRE), LATE=bool(TMA_LATE) and pdl_on(PDL), TIMELINE=ts is not None, num_warps=num_warps,
             **pdl_launch(PDL))
         return direct_out, 0
-    block_m = MAX_M if DOT else triton.next_power_of_2(M)
+    block_m = _rows_per_program(M, DOT)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
     r2 = residual2 if residual2 is not None else out
     w0, w1, w2 = (list(ws) + [ws[0], ws[0]])[:3]
@@ -580,11 +618,13 @@ def _reduce_block(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-         l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False) -> torch.Tensor:
+         l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
+         FMA_MAX_M: int = MAX_FMA_M) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
-    asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only)."""
+    asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only).
+    FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -600,7 +640,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
                               PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA, TMA_PRE=TMA_PRE,
-                              TMA_LATE=TMA_LATE)
+                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -613,7 +653,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
 def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
-                          PREFETCH: bool = False, PDL: bool = False, l2_prefetch=()) -> tuple[torch.Tensor, torch.Tensor]:
+                          PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
+                          FMA_MAX_M: int = MAX_FMA_M) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
     down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s."""
@@ -631,7 +672,8 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch,
+                              FMA_MAX_M=FMA_MAX_M)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
@@ -644,10 +686,11 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
-                   paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False) -> torch.Tensor:
+                   paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
+                   FMA_MAX_M: int = MAX_FMA_M) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
-    `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (and off the DOT
-    path) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
+    `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (FMA or tl.dot
+    path alike) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
     BLOCK_N rows of each would double the fp32 accumulators and cut occupancy);
     else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA (TMA_PRE,
@@ -662,8 +705,9 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     y = torch.empty((M, I), device=x.device, dtype=x.dtype)
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
-    if M and paired and BLOCK_N >= 2 and _split_of(K, BLOCK_K, SPLIT_K)[0] == 1 and not _dot_path(M, DOT):
+              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M)
+    bk = _dot_tiles(BLOCK_N, BLOCK_K)[1] if _dot_path(M, DOT, FMA_MAX_M) else BLOCK_K  # the K tile _stream uses
+    if M and paired and BLOCK_N >= 2 and _split_of(K, bk, SPLIT_K)[0] == 1:
         _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA,
                 TMA_PRE=TMA_PRE, TMA_LATE=TMA_LATE)
     elif M:
@@ -680,7 +724,8 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, norm_w: torch.Tensor | None = None,
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
-                  PREFETCH: bool = False, PDL: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  PREFETCH: bool = False, PDL: bool = False,
+                  FMA_MAX_M: int = MAX_FMA_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
@@ -709,7 +754,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     if M:
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

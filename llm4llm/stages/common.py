@@ -54,8 +54,9 @@ def new_run_id(name: str) -> str:
 
 
 def _build(workload_path: str, corners: bool = False):
-    """(workload, model, run_fn). corners: run_fn runs the representative point, then every corner of the
-    workload's serving regime (llm4llm/regime.py), so extraction captures each task's calls at those shapes too."""
+    """(workload, model, run_fn). corners: run_fn runs the representative point, then every corner and batch bucket
+    of the workload's serving regime (llm4llm/regime.py: Regime.points), so extraction captures each task's calls at
+    those shapes too."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     wl = load_workload(workload_path)
@@ -64,7 +65,7 @@ def _build(workload_path: str, corners: bool = False):
     points = [wl]
     if corners and wl.regime is not None:
         points += [wl.model_copy(update={"batch_size": b, "prompt_len": n, "decode_len": d})
-                   for b, n, d in wl.regime.corners(wl.decode_len)
+                   for b, n, d in wl.regime.points(wl.decode_len)
                    if (b, n, d) != (wl.batch_size, wl.prompt_len, wl.decode_len)]
     batches = [call_script(script.inputs, w) for w in points]
 

@@ -20,8 +20,9 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
     payload, profile = load_profile(profile_path)
     wl, model, run_fn = _build(workload_path, corners=True)
-    # a regime's corners are captured as cases of the same tasks (each corner adds a prefill and a decode shape)
-    corners = len(wl.regime.corners(wl.decode_len)) if wl.regime is not None else 0
+    # a regime's corners and batch buckets are captured as cases of the same tasks (each point adds a prefill and a
+    # decode shape)
+    corners = len(wl.regime.points(wl.decode_len)) if wl.regime is not None else 0
     specs = extract_tasks(
         model, run_fn, profile, Path(data_dir) / "tasks",
         workload_name=wl.name, run_id=payload["run_id"], hardware=profile.hardware, min_score=min_score,

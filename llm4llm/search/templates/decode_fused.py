@@ -32,6 +32,11 @@ OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm")
 # reduction, for batches > 1 where the reduction path leaves bandwidth unused; an option the search tries, no default.
 STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 4096], "SPLIT_K": [1, 2, 4, 8],
          "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True]}
+# At a decode batch (a task whose cases have more than one row) one key for every GEMV stage: `fma_max_m`, the most
+# rows the FMA reduction takes before tl.dot tiles take over (kernels_runtime.ops.gemv's FMA_MAX_M; first: its
+# default, MAX_FMA_M). One config then picks the path per batch bucket by M; batch-1 tasks' spaces do not change.
+FMA_ROWS = [16, 8, 4, 2, 1]
+MAX_ROWS = 64  # kernels_runtime.ops.gemv.MAX_ROWS: the rows one weight pass serves
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
 STAGE_KWARGS = '''
@@ -40,6 +45,8 @@ def _stage(prefix):
     kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix)}
     kw["num_stages"] = CONFIG["num_stages"]
     kw["PDL"] = bool(CONFIG.get("pdl", False))
+    if "fma_max_m" in CONFIG:
+        kw["FMA_MAX_M"] = CONFIG["fma_max_m"]
     return kw
 
 
@@ -52,6 +59,18 @@ def _mlp_prefetch(weights):
 
 def _stage_space(prefix: str) -> dict[str, list]:
     return {prefix + k: list(v) for k, v in STAGE.items()}
+
+
+def task_rows(spec: TaskSpec) -> int:
+    """The most rows (tokens: batch x new positions) a captured case feeds the task's first input."""
+    name = spec.input_names[0] if spec.input_names else None
+    return max((_prod(c.inputs[name].shape[:-1]) for c in spec.cases if name in c.inputs), default=1)
+
+
+def rows_space(spec: TaskSpec) -> dict[str, list]:
+    """`fma_max_m` for a task with batches (the values below its largest batch, and the default); {} at batch 1."""
+    rows = task_rows(spec)
+    return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows]} if rows > 1 else {}
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
@@ -109,7 +128,7 @@ def _mlp_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int]:
 
 
 def _mlp_space(spec):
-    return {**_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3]}
+    return {**_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3], **rows_space(spec)}
 
 
 def _mlp_default(spec):
@@ -180,7 +199,7 @@ ATTN_IMPORTS = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv
 
 def _attn_space(spec):
     attn = {k: v for k, v in ATTN_DECODE.items() if k != "cache_update"}
-    return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3]}
+    return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3], **rows_space(spec)}
 
 
 def _attn_default(spec, prefix=""):
@@ -321,7 +340,8 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
 def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
-            "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec)}
+            "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec),
+            **rows_space(spec)}
 
 
 TMA_STAGES = [0, 2, 3, 4, 5, 6, 8]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the pipeline's depth
@@ -434,16 +454,16 @@ def _lm_applies(spec: TaskSpec) -> str | None:
     if spec.weight_names != ["weight"] or spec.input_names != ["input"]:
         return f"lm_head.gemv: expected an nn.Linear without bias (input, weight), got {spec.input_names}, " \
                f"{spec.weight_names}"
-    rows = max((int(_prod(c.inputs["input"].shape[:-1])) for c in spec.cases if "input" in c.inputs), default=1)
-    if rows > 16:
-        return f"lm_head.gemv: expected at most 16 rows (decode, or prefill's last-token logits), got {rows}"
+    rows = task_rows(spec)
+    if rows > MAX_ROWS:
+        return f"lm_head.gemv: expected at most {MAX_ROWS} rows (decode, or prefill's last-token logits), got {rows}"
     return None
 
 
 def _prod(xs) -> int:
     out = 1
     for x in xs:
-        out *= x
+        out *= int(x)
     return out
 
 
@@ -475,6 +495,7 @@ TEMPLATES = [
              requires=(*OPS, DECODE_STATIC_OP), space_fn=_layer_static_space, render_fn=_layer_static_render,
              applies_fn=_layer_static_applies, default_fn=_layer_static_default, seeds_fn=_layer_static_seeds),
     Template(name="lm_head.gemv", family="lm_head", phases=("prefill", "decode"), requires=OPS,
-             space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3]}, render_fn=_lm_render,
+             space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3], **rows_space(spec)},
+             render_fn=_lm_render,
              applies_fn=_lm_applies, default_fn=_lm_default, seeds_fn=_seeds("lm_")),
 ]
