@@ -47,9 +47,12 @@ def test_layer_bench_smoke_run(tmp_path):
     """scripts/gpu/layer_bench.py on a two-layer toy shape: every variant (the template's default and seeds, the
     PDL / prefetch / tile points), each the template's own rendered entry, runs the layer stack and matches the
     first variant; the PDL and PREFETCH points give their base's bits (under the interpreter PDL runs as
-    PREFETCH)."""
+    PREFETCH). The seeds and one point of each kind (PDL off, the o_proj-reduction norm, prefetch, TMA) through
+    --only: the other ~30 points are tile changes on the default, same code path, 3x the interpreter's time."""
     out = tmp_path / "layers.jsonl"
-    res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--out", str(out)])
+    only = ["default", "nopdl", "o_reduce_nopdl", "prefetch", "tma", "tma_gu", "tma_dn", *(f"seed{i}" for i in range(10))]
+    res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--out", str(out),
+                "--only", ",".join(only)])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) >= 10 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

@@ -50,8 +50,9 @@ def spec_of(s: dict, sms: int):
     static = {"self_attn.q_proj.in_features": s["H"], "self_attn.q_proj.out_features": s["hq"] * s["D"],
               "self_attn.k_proj.out_features": s["hkv"] * s["D"], "self_attn.head_dim": s["D"],
               "mlp.hidden_size": s["H"], "mlp.intermediate_size": s["I"]}
+    # no captured cases: the bench's step is batch 1, so the default and seeds are the batch-1 ones
     return SimpleNamespace(static=static, hardware={"sm_count": sms, "capability": "9.0"}, family="decoder_layer",
-                           phase="decode", dtype="bfloat16")
+                           phase="decode", dtype="bfloat16", input_names=[], cases=[])
 
 
 def variants(s: dict, sms: int) -> dict[str, dict]:
