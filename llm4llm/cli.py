@@ -94,10 +94,11 @@ def _user_errors():
 
 
 def _db(db: Optional[Path]):
+    """The database, read-only: a reader never creates a file, and lets a running flow write between its queries."""
     from storage.db import Database, DatabaseError
 
     try:
-        return Database(db)
+        return Database(db, read_only=True)
     except DatabaseError as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2) from None
