@@ -239,9 +239,8 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):
-            # every command is a run of its own, with its own rows, also when its profile comes from the cache
             return optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
-                                     data_dir=str(data_dir) if data_dir else None, new_run=True)
+                                     data_dir=str(data_dir) if data_dir else None, kind="cli")
     except KeyboardInterrupt:
         _print_interrupted(db, started)
         raise typer.Exit(130) from None

@@ -128,6 +128,27 @@ def test_served_deployment_run_completes(served):
     with Database(served.db) as db:
         runs = repo.list_runs(db)
     assert list(runs["workload_name"]) == ["tiny-llama"] and runs["status"].iloc[0] == "ok"
+    assert runs["kind"].iloc[0] == "manual"  # what started it, from the deployment's name
+
+
+def test_a_served_run_decides_acceptance_on_in_model_correctness(served):
+    """A manual run of the served `optimize-workload/manual` (a flow-run process that no CLI set up) searches one
+    RMSNorm task and tries its best candidate in the model: the decision checked in-model correctness (never an
+    interpreter error: the served process runs Triton's interpreter on a CPU host as the CLI does)."""
+    from prefect.deployments import run_deployment
+
+    config = {"stages": ["profile", "extract", "search", "accept"], "time_budget_s": None,
+              "search": {"budget": 1, "top": 1, "families": ["norm"]}}
+    run = run_deployment("optimize-workload/manual", timeout=600,
+                         parameters={"workload_path": str(served.w.cpu), "data_dir": str(served.data),
+                                     "config": config})
+    assert run.state.is_completed(), (run.state, served.log.read_text()[-3000:])
+    with Database(served.db, read_only=True) as db:  # the run that this flow run recorded
+        (run_id, kind), = db.query("SELECT run_id, kind FROM runs WHERE flow_run_id = ?", [str(run.id)])
+        reasons = [r[0] for r in db.query("SELECT reason FROM acceptances WHERE run_id = ?", [run_id])]
+    assert kind == "manual"
+    assert reasons and all("in-model correctness ok" in r for r in reasons), reasons
+    assert not any("Interpreter" in r or "outside of the scope of a kernel" in r for r in reasons), reasons
 
 
 def test_nightly_registers_with_schedule_and_concurrency_limit(served):
