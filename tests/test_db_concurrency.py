@@ -1,5 +1,5 @@
-"""storage.db: no connection outlives its statement, so another process can read or write the file between a
-run's writes; an open that meets another process's handle waits (bounded) instead of failing; a reader never
+"""storage.db: no connection outlives a burst of statements, so another process can read or write the file between
+a run's writes; an open that meets another process's handle waits (bounded) instead of failing; a reader never
 creates a file."""
 from __future__ import annotations
 
