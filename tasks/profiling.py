@@ -63,7 +63,8 @@ def finish_run(run_id: str, db_path: str | None, error: BaseException | None = N
     from storage.db import Database
 
     status = "ok" if error is None else "failed" if isinstance(error, Exception) else "stopped"
-    text = None if error is None else (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:500]
+    first = str(error).splitlines()[0] if error is not None and str(error) else ""
+    text = None if error is None else (type(error).__name__ + (f": {first}" if first else ""))[:500]
     with Database(db_path) as db:
         repo.finish_run(db, run_id, status, text)
 

@@ -106,3 +106,4 @@ def test_a_reader_in_the_same_process_waits_for_a_writers_idle_connection(tmp_pa
         assert reader.query("SELECT run_id FROM e2e_results") == [("r",)]
     repo.record_e2e(writer, [_e2e("s")])
     writer.close()
+

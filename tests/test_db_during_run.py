@@ -67,7 +67,8 @@ def test_runs_sql_and_report_answer_while_a_run_searches(tmp_path, prefect_harne
     proc, lines = _start_run(tmp_path, db)
     try:
         _wait_for(lines, proc, lambda ln: "search " in ln and ": started" in ln, seen)
-        assert "tiny-llama" in _cli("runs", "--db", str(db))
+        runs = _cli("runs", "--db", str(db))
+        assert "tiny-llama" in runs and "running" in runs  # the run is listed as going
         assert "1" in _cli("sql", "select count(*) AS n from runs", "--db", str(db))
         assert "report of run" in _cli("report", "--db", str(db), "--out", str(tmp_path / "r.html"))
         while not lines.empty():
