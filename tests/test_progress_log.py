@@ -59,3 +59,49 @@ def test_a_trial_note_inside_a_task_lands_in_that_task_runs_prefect_log(prefect_
     trial = got["search t0: trial 1/2 rmsnorm passed (untimed on the CPU)"]
     assert trial[0] == "prefect.task_runs" and trial[1] is not None
     assert got["plan: 1 target"][0] == "prefect.flow_runs"
+
+
+class _Rows:
+    """A SearchRecorder that keeps nothing (the rows are not under test here)."""
+
+    def start(self, *args):
+        pass
+
+    def trial(self, candidate, verdict, *args) -> bool:
+        return verdict["passed"]
+
+    def end(self, *args):
+        pass
+
+
+def test_a_search_task_run_shows_a_progress_artifact_of_its_trials(prefect_harness):
+    from prefect import flow, get_client, task
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    from tasks.search import ProgressArtifact
+
+    seen = []
+
+    @task(name="search")
+    def search():
+        rec = ProgressArtifact(_Rows())
+        rec.start("s1", "norm_decode_t0", "r1", "episodic", "library", 4)
+        for verdict in ({"passed": False, "failure_class": "wrong_output"},
+                        {"passed": True, "speedup_in_context": 1.31}):
+            rec.trial(None, verdict, "norm_decode_t0", "s1", 0, 0, "x.py")
+        seen.append(_artifact(rec.artifact))
+        rec.end("s1", "norm_decode_t0", None)  # a planned search may end before its budget: the bar is full
+        seen.append(_artifact(rec.artifact))
+
+    def _artifact(artifact_id):
+        with get_client(sync_client=True) as client:
+            (a,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+        return a.type, float(a.data), a.description, a.task_run_id is not None
+
+    @flow(name="served-search")
+    def served():
+        search()
+
+    served()
+    assert seen[0] == ("progress", 50.0, "search norm_decode_t0: 2/4 trials, 1 passed, best 1.31x", True)
+    assert seen[1][1] == 100.0
