@@ -305,7 +305,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
 def test_deploy_to_a_process_work_pool_routes_gpu_runs_to_a_one_slot_queue(prefect_server, tmp_path):
     """The work-pool path: a process pool, GPU nightly runs on queue gpu-cuda-0, staggered, every queue with one
-    slot (one GPU run, one DuckDB writer at a time), the GPU global concurrency limit created."""
+    slot (one run at a time), the GPU global concurrency limit created."""
     from prefect import get_client
 
     from deployments.deploy import deploy_all
