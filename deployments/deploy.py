@@ -4,7 +4,7 @@ deployments.serve on a Prefect **process work pool**, for workers to run (`prefe
 checkout (Flow.from_source on the project directory: the worker's host must see the same path, as with any
 process pool). Runs are routed by device: a workload on `cuda[:N]` goes to work queue `gpu-cuda-N`, created with a
 concurrency limit of 1 (one GPU run at a time, the rest wait in the queue), the others to `cpu` (one
-slot too: one process writes the DuckDB file at a time); so a nightly run is
+slot too: one CPU-hungry run at a time); so a nightly run is
 only ever picked up by a worker on a host that has its device. The pool, the queues and the GPU global concurrency
 limits are created when missing."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ def queue_of(device: str) -> str:
 
 def ensure_pool(pool: str, queues: list[str]) -> None:
     """The process work pool and its queues, created when missing. Every queue has one slot: a GPU times one run
-    at a time, and the DuckDB file takes one writing process at a time (a second run would fail to open it)."""
+    at a time, and a CPU host runs one closed loop at a time."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkQueueCreate
     from prefect.exceptions import ObjectAlreadyExists

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     deps = build_deployments(workloads, args.at, args.stagger, db,
                              tuple(s.strip() for s in args.on_change_stages.split(",")))
     ensure_gpu_limits(gpu_devices([w for w, _ in split_by_device(workloads)[0]]))
-    serve(*deps, limit=1)  # one run at a time: one process writes the DuckDB file, one times the GPU
+    serve(*deps, limit=1)  # one run at a time: one times the GPU, one loads a CPU host
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ from tasks.service import decide_service, revalidate_current
 def nightly_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
                      data_dir: str | None = None) -> dict:
     """One night: (1) the bundle in service re-validated against tonight's torch, triton, driver, GPU and workload
-    (in-model correctness; latency on a GPU, skipped and said so on the CPU); (2) the closed loop under a run id of
-    its own even when the profile comes from the cache, each task's search warm-started from its stored experience;
+    (in-model correctness; latency on a GPU, skipped and said so on the CPU); (2) the closed loop, a run of kind
+    `nightly` with its own run id even when the profile comes from the cache, each task's search warm-started from
+    its stored experience;
     (3) keep / replace / rollback, the reason in DuckDB (service_decisions), the bundle that enters service copied
     to a new version dir and `current` pointed at it. The whole night holds the device's GPU slot."""
     cfg = config if config is not None else OptimizeConfig()
@@ -25,7 +26,7 @@ def nightly_workload(workload_path: str, config: OptimizeConfig | None = None, d
     accept_cfg = cfg.accept.build()
     with gpu_slot(describe_workload(workload_path)["device"]):
         current = revalidate_current(workload_path, db_path, accept_cfg)
-        out = optimize_workload(workload_path, cfg, db_path=db_path, data_dir=data_dir, new_run=True)
+        out = optimize_workload(workload_path, cfg, db_path=db_path, data_dir=data_dir, kind="nightly")
         candidate = (out.get("acceptance") or {}).get("bundle")
         out["service"] = decide_service(workload_path, out["run_id"], candidate, current, db_path, data_dir,
                                         accept_cfg)

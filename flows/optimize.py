@@ -5,18 +5,19 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
 from flows.gpu import gpu_slot
-from flows.profiling import _defaults, extract_tasks, profile_workload
+from flows.progress import run_log
+from flows.profiling import _defaults, extract_tasks, profile_workload, run_kind
 from flows.search import search_flow
 from llm4llm import planner, progress
-from llm4llm.config import OptimizeConfig
+from llm4llm.config import OptimizeConfig, RunKind
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from tasks.planning import plan_search, record_plan, record_stage_times
-from tasks.profiling import describe_workload
+from tasks.profiling import describe_workload, finish_run
 from tasks.reporting import coverage_table, publish_markdown
 from tasks.search import close_pools, search_task
 
@@ -43,7 +44,7 @@ def _coverage_artifact(run_id: str, db_path: str | None) -> None:
 
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
-                      data_dir: str | None = None, new_run: bool = False) -> dict:
+                      data_dir: str | None = None, kind: RunKind | None = None) -> dict:
     """The closed loop over one workload: profile -> extract -> plan -> search -> accept -> evaluate, inside
     `config.time_budget_s` counted from now (or from when the CLI command started: llm4llm.planner.RUN_STARTED).
 
@@ -55,8 +56,10 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     row, the plan `plans` rows, and the run ends with what it gave (llm4llm.outcome.summary_lines).
 
     `config` holds every setting (llm4llm.config.OptimizeConfig: search, accept, graphs, evaluate, llm); db_path and
-    data_dir say where the run reads and writes. new_run: record this run under its own run id even when the
-    profile is served from the cache (the nightly run: every night keeps its own rows).
+    data_dir say where the run reads and writes. Every flow run is a run of its own (its own run id and rows, also
+    when the profile is served from the cache: `runs.profile_of` names the run that measured it); kind: what
+    started it (nightly | manual | on-change | cli; default: the deployment that started this flow run, else cli).
+    The run's `runs.status` is `running` until it ends ok, failed or stopped.
 
     Decode graphs (config.graphs.decode_graphs: auto | on | off). On the GPU the model's one-token decode steps
     replay from CUDA graphs (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay
@@ -73,13 +76,19 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     cfg = config if config is not None else OptimizeConfig()
     data_dir = _defaults(data_dir)
     run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())
-    with gpu_slot(describe_workload(workload_path)["device"]):
+    with gpu_slot(describe_workload(workload_path)["device"]), run_log():
         progress.use_clock(run.clock)
+        error = None
         try:
-            return _optimize(run, new_run)
+            return _optimize(run, run_kind(kind))
+        except BaseException as e:
+            error = e
+            raise
         finally:
             progress.use_clock(None)
             run.record_times()
+            if run.run_id is not None:
+                finish_run(run.run_id, run.db_path, error)
 
 
 class _Run:
@@ -95,12 +104,8 @@ class _Run:
         self.workload: dict = {}
 
     def say(self, text: str) -> None:
-        """A line of progress: on the CLI's terminal (with the clock) and in the flow run's Prefect log."""
+        """A line of progress: on the CLI's terminal (with the clock) and in the run's Prefect log (flows.progress)."""
         progress.note(text)
-        try:
-            get_run_logger().info(text)
-        except Exception:  # noqa: BLE001 - outside a run context (a test calling the helpers): the note is enough
-            pass
 
     @contextmanager
     def stage(self, name: str, note: str = ""):
@@ -128,11 +133,11 @@ class _Run:
         return None if rem is None else rem - self.later_s(plan) - (self.cfg.time_budget_s or 0.0) * planner.SAFETY
 
 
-def _optimize(run: _Run, new_run: bool) -> dict:
+def _optimize(run: _Run, kind: str) -> dict:
     cfg, stages = run.cfg, set(run.cfg.stages)
     with run.stage("profile"):
         prof = profile_workload(run.workload_path, db_path=run.db_path, data_dir=run.data_dir, refresh=cfg.refresh,
-                                new_run=new_run)
+                                kind=kind)
     run.run_id, run.workload, run.profile_path = prof["run_id"], prof["workload"], prof["profile_path"]
     run.name, run.device = prof["workload"]["name"], prof["workload"]["device"]
     out = {"run_id": run.run_id, "profile_path": run.profile_path}

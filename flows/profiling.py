@@ -4,6 +4,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from llm4llm.config import RunKind, kind_of_deployment
 from storage.db import data_home
 from tasks import extraction, profiling
 
@@ -12,19 +13,39 @@ def _defaults(data_dir: str | None) -> str:
     return str(Path(data_dir).resolve() if data_dir else data_home())
 
 
+def run_kind(kind: str | None) -> str:
+    """The run's kind: as given, else from the deployment that started this flow run (cli: none did)."""
+    if kind is not None:
+        return kind
+    from prefect.runtime import deployment
+
+    return kind_of_deployment(deployment.name)
+
+
+def _root_flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.root_flow_run_id or flow_run.id or "") or None
+
+
 @flow(name="profile-workload", log_prints=True)
 def profile_workload(workload_path: str, db_path: str | None = None, data_dir: str | None = None,
-                     refresh: bool = False, new_run: bool = False) -> dict:
-    """Profile a workload per phase; returns {"run_id", "profile_path", "workload"}. new_run: a profile served from
-    the cache is recorded again under a run id of its own (a nightly run keeps its own rows; `runs.profile_of`
-    names the run that measured the profile)."""
+                     refresh: bool = False, kind: RunKind | None = None) -> dict:
+    """Profile a workload per phase, as a run of its own; returns {"run_id", "profile_path", "workload"}. A
+    profile served from the cache is recorded again under a new run id (`runs.profile_of` names the run that
+    measured it), so every run keeps its own rows. kind: what started the run (default: the deployment that
+    started this flow run, else cli). Run on its own it ends the run; as a subflow it leaves that to its parent."""
+    from prefect.runtime import flow_run
+
     data_dir = _defaults(data_dir)
     workload = profiling.describe_workload(workload_path)
     profile_path = profiling.profile.with_options(refresh_cache=refresh)(workload, data_dir)
     if not Path(profile_path).exists():  # a cached result whose artifact was deleted: run again
         profile_path = profiling.profile.with_options(refresh_cache=True)(workload, data_dir)
-    run_id = profiling.record_profile(profile_path, workload, db_path, new_run)
+    run_id = profiling.record_profile(profile_path, workload, db_path, run_kind(kind), _root_flow_run_id())
     profiling.publish_hotspots(profile_path)
+    if not flow_run.parent_flow_run_id:
+        profiling.finish_run(run_id, db_path)
     return {"run_id": run_id, "profile_path": profile_path, "workload": workload}
 
 

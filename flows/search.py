@@ -4,6 +4,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.profiling import _defaults
+from flows.progress import run_log
 from llm4llm.config import SearchSettings
 from llm4llm.llm.config import LLMConfig
 from llm4llm.scale import ScaleOut
@@ -23,6 +24,13 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
     where the prompt forward replays from graphs as well). With `scale.task_runner == "ray"` (run this flow through
     `search_flow(scale)`), each search is a Ray task holding its own GPU and verifier worker, and returns its rows,
     which this flow writes: DuckDB keeps one writer."""
+    with run_log():  # each trial's line in the search task run's Prefect log
+        return _search_tasks(run_id, settings, db_path, data_dir, device, task_ids, llm, decode_timing, scale)
+
+
+def _search_tasks(run_id: str, settings: SearchSettings | None, db_path: str | None, data_dir: str | None,
+                  device: str, task_ids: list[str] | None, llm: LLMConfig | dict | None, decode_timing: str,
+                  scale: ScaleOut | None) -> list[dict]:
     s = settings if settings is not None else SearchSettings(top=None)
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm

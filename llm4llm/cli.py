@@ -94,11 +94,11 @@ def _user_errors():
 
 
 def _db(db: Optional[Path]):
-    """The database a command reads: a missing file is one error line, never a new empty database."""
+    """The database, read-only: a reader never creates a file, and lets a running flow write between its queries."""
     from storage.db import Database, DatabaseError
 
     try:
-        return Database(db, must_exist=True)
+        return Database(db, read_only=True)
     except DatabaseError as e:
         err_console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2) from None
@@ -249,9 +249,8 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):
-            # every command is a run of its own, with its own rows, also when its profile comes from the cache
             return optimize_workload(str(workload), cfg, db_path=str(db) if db else None,
-                                     data_dir=str(data_dir) if data_dir else None, new_run=True)
+                                     data_dir=str(data_dir) if data_dir else None, kind="cli")
     except KeyboardInterrupt:
         _print_interrupted(db, started)
         raise typer.Exit(130) from None

@@ -25,6 +25,21 @@ Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurren
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
 GraphChoice = Literal["auto", "on", "off"]
 Variant = Literal["eager", "patched", "torch_compile", "eager_graphs", "patched_graphs", "liger"]
+# What started a run (`runs.kind`): a deployment's schedule, a person in the UI, a config change, the command line
+RunKind = Literal["nightly", "manual", "on-change", "cli"]
+RUN_KINDS: tuple[str, ...] = ("nightly", "manual", "on-change", "cli")
+
+
+def kind_of_deployment(deployment_name: str | None) -> RunKind:
+    """The kind of a run that a deployment of this name started (deployments.serve and deployments.deploy name them
+    `nightly-<workload>`, `manual[-<queue>]`, `on-change[-<queue>]`); "manual" for any other deployment, "cli" for a
+    run that no deployment started."""
+    if not deployment_name:
+        return "cli"
+    for kind in ("nightly", "on-change"):
+        if deployment_name == kind or deployment_name.startswith(kind + "-"):
+            return kind  # type: ignore[return-value]
+    return "manual"
 
 
 class _Settings(BaseModel):

@@ -1,13 +1,14 @@
 """Progress of long steps, for whoever shows it (the CLI installs a rich progress bar; flows run without one).
 
 The stage functions call `progress.start(key, description, total)`, `progress.advance(key)` and
-`progress.done(key)`; with no reporter installed these do nothing.
+`progress.done(key)`; with no reporter installed these do nothing. Notes also go to a log sink while one is
+installed (`also_to`: a flow sends them to its Prefect run log, so a served run shows each trial in the UI).
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 
 class Reporter(Protocol):
@@ -20,6 +21,7 @@ class Reporter(Protocol):
 _reporter: Reporter | None = None
 _lock = threading.Lock()
 _clock = None  # the run's llm4llm.planner.Clock: notes carry its elapsed / budget
+_sink: Callable[[str], None] | None = None
 
 
 def use_clock(clock) -> None:
@@ -30,11 +32,27 @@ def use_clock(clock) -> None:
 
 def note(text: str) -> None:
     """One line of progress for a person (a stage starts or ends, a trial is verified, the plan): printed by the
-    installed reporter, with the run's clock when one is in use; nothing without a reporter."""
-    if _reporter is not None:
-        line = f"{_clock.status()} {text}" if _clock is not None else text
-        with _lock:
+    installed reporter and sent to the log sink, with the run's clock when one is in use."""
+    if _reporter is None and _sink is None:
+        return
+    line = f"{_clock.status()} {text}" if _clock is not None else text
+    with _lock:
+        if _reporter is not None:
             _reporter.note(line)
+        if _sink is not None:
+            _sink(line)
+
+
+@contextmanager
+def also_to(sink: Callable[[str], None]) -> Iterator[None]:
+    """Send every note to `sink` too while the block runs, whether a reporter prints them or not (the innermost
+    block's sink wins: a nested flow logs each note once)."""
+    global _sink
+    previous, _sink = _sink, sink
+    try:
+        yield
+    finally:
+        _sink = previous
 
 
 def start(key: str, description: str, total: int | None = None) -> None:

@@ -126,7 +126,8 @@ def overview(ctx: ReportContext) -> Block:
     if run.empty:
         return Block(notes=[f"run {ctx.run_id}: no row in `runs`"])
     r = run.iloc[0]
-    keys = ["run_id", "workload_name", "workload_path", "status", "started_at", "device", "gpu_name", "capability",
+    keys = ["run_id", "kind", "profile_of", "workload_name", "workload_path", "status", "started_at", "finished_at",
+            "device", "gpu_name", "capability",
             "torch_version", "triton_version", "transformers_version", "timer", "prefill_ms", "decode_ms",
             "prefill_forwards", "decode_forwards"]
     info = pd.DataFrame({"field": keys, "value": [r.get(k) for k in keys]})

@@ -35,9 +35,16 @@ def record_profile_run(db: Database, run: dict, workload: dict, profile_rows: It
     """Write a workload, its run and the run's profile rows in one transaction (all or nothing)."""
     with db.transaction() as con:
         upsert_workload(con, workload["workload_hash"], workload["name"], workload["path"], workload["config"])
-        _insert(con, "runs", {**run, "finished_at": run.get("finished_at") or _now()})
+        _insert(con, "runs", run)
         for row in profile_rows:
             _insert(con, "profiles", {"run_id": run["run_id"], **row})
+
+
+def finish_run(db: Database, run_id: str, status: str, error: str | None = None) -> None:
+    """A run ends: ok | failed | stopped, when, and the error that ended it."""
+    with db.transaction() as con:
+        con.execute("UPDATE runs SET status = ?, finished_at = ?, error = ? WHERE run_id = ?",
+                    [status, _now(), error, run_id])
 
 
 def record_tasks(db: Database, run_id: str, task_rows: Iterable[dict]) -> int:
@@ -53,7 +60,7 @@ def record_tasks(db: Database, run_id: str, task_rows: Iterable[dict]) -> int:
 def list_runs(db: Database, limit: int = 50):
     return db.query_df(
         "SELECT run_id, workload_name, kind, status, started_at, device, gpu_name, prefill_ms, decode_ms, "
-        "prefill_forwards, decode_forwards FROM runs ORDER BY started_at DESC LIMIT ?",
+        "prefill_forwards, decode_forwards, profile_of FROM runs ORDER BY started_at DESC LIMIT ?",
         [limit],
     )
 

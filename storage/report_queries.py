@@ -112,8 +112,8 @@ def e2e_history(db: Database, workload_name: str):
 def run_history(db: Database, workload_name: str):
     """The workload's runs, oldest first, with what each produced (searched tasks, trials, decisions, bundles)."""
     return db.query_df(
-        "SELECT r.run_id, r.started_at, r.status, r.device, r.gpu_name, r.workload_hash, r.torch_version, "
-        "r.triton_version, (SELECT count(*) FROM searches s WHERE s.run_id = r.run_id) AS searches, "
+        "SELECT r.run_id, r.kind, r.started_at, r.status, r.profile_of, r.device, r.gpu_name, r.workload_hash, "
+        "r.torch_version, r.triton_version, (SELECT count(*) FROM searches s WHERE s.run_id = r.run_id) AS searches, "
         "(SELECT coalesce(sum(trials), 0) FROM searches s WHERE s.run_id = r.run_id) AS trials, "
         "(SELECT count(*) FROM acceptances a WHERE a.run_id = r.run_id AND a.decision = 'accepted') AS accepted, "
         "(SELECT count(*) FROM acceptances a WHERE a.run_id = r.run_id AND a.decision = 'rejected') AS rejected, "

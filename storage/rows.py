@@ -22,6 +22,7 @@ class RunRow(TypedDict):
     status: str
     started_at: str
     profile_of: str | None
+    flow_run_id: str | None
     device: str | None
     gpu_name: str | None
     capability: str | None
@@ -163,17 +164,20 @@ PROFILE_COLUMNS = ("phase", "module_path", "class_name", "family", "depth", "cal
 
 
 def run_row(payload: dict, result: ProfileResult, run_id: str, started: str, profile_of: str | None,
-            artifact_dir: str) -> RunRow:
-    """A profile run's `runs` row: `payload` is profile.json's header (workload hash and name)."""
+            artifact_dir: str, kind: str = "cli", flow_run_id: str | None = None) -> RunRow:
+    """A run's `runs` row, written when its profile is: `payload` is profile.json's header (workload hash and
+    name); `kind` what started the run (llm4llm.config.RunKind); the run is `running` until it ends
+    (storage.repo.finish_run)."""
     hw, phases = result.hardware, result.phases
     return {
         "run_id": run_id,
         "workload_hash": payload["workload_hash"],
         "workload_name": payload["workload_name"],
-        "kind": "profile",
-        "status": "ok",
+        "kind": kind,
+        "status": "running",
         "started_at": started,
         "profile_of": profile_of,
+        "flow_run_id": flow_run_id,
         "device": hw.get("device"),
         "gpu_name": hw.get("gpu_name"),
         "capability": hw.get("capability"),

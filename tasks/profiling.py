@@ -29,14 +29,17 @@ def profile(workload: dict, data_dir: str) -> str:
 
 
 @task(name="record-profile", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
-def record_profile(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
-    return record_profile_rows(profile_path, workload, db_path, new_run=new_run)
+def record_profile(profile_path: str, workload: dict, db_path: str | None, kind: str = "cli",
+                   flow_run_id: str | None = None) -> str:
+    return record_profile_rows(profile_path, workload, db_path, kind, flow_run_id)
 
 
-def record_profile_rows(profile_path: str, workload: dict, db_path: str | None, new_run: bool = False) -> str:
-    """Write the run and its profile rows to DuckDB in one transaction. Idempotent for a cached profile, unless
-    new_run: then a profile whose run is recorded already is recorded again under a new run id (its `profile_of`
-    names the run that measured it), so that a run served from the cache still has rows of its own."""
+def record_profile_rows(profile_path: str, workload: dict, db_path: str | None, kind: str = "cli",
+                        flow_run_id: str | None = None) -> str:
+    """Start a run: its `runs` row (what started it: `kind`; the Prefect flow run) and its profile rows, in one
+    transaction. Every call is a run of its own: a profile that an earlier run recorded (served from the cache) is
+    recorded again under a new run id, its `profile_of` naming the run that measured it, so no run writes into
+    another's rows."""
     from storage import repo
     from storage.db import Database
     from storage.rows import profile_row, run_row
@@ -46,13 +49,24 @@ def record_profile_rows(profile_path: str, workload: dict, db_path: str | None, 
     started = payload["started_at"]
     with Database(db_path) as db:
         if repo.get_run(db, run_id) is not None:
-            if not new_run:
-                return run_id
             run_id, profile_of = common_stage.new_run_id(payload["workload_name"]), run_id
             started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
-        run = run_row(payload, result, run_id, started, profile_of, str(Path(profile_path).parent))
+        run = run_row(payload, result, run_id, started, profile_of, str(Path(profile_path).parent), kind, flow_run_id)
         repo.record_profile_run(db, run, workload, [profile_row(r) for r in result.records])
     return run_id
+
+
+def finish_run(run_id: str, db_path: str | None, error: BaseException | None = None) -> None:
+    """The run ends: ok, failed (an exception) or stopped (Ctrl-C, a cancelled flow run), with the error's first
+    line."""
+    from storage import repo
+    from storage.db import Database
+
+    status = "ok" if error is None else "failed" if isinstance(error, Exception) else "stopped"
+    first = str(error).splitlines()[0] if error is not None and str(error) else ""
+    text = None if error is None else (type(error).__name__ + (f": {first}" if first else ""))[:500]
+    with Database(db_path) as db:
+        repo.finish_run(db, run_id, status, text)
 
 
 @task(name="publish-hotspots")

@@ -22,13 +22,65 @@ def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, da
                 trials: int | None = None, deadline: float | None = None) -> dict:
     """One task's search: `trials` (the plan's; default the settings' budget) until `deadline` (Unix time, the
     plan's share of the time budget). A failing candidate is data (a row), not a task failure: only infrastructure
-    errors (the worker pool cannot start, the database is unavailable) fail and retry this task."""
+    errors (the worker pool cannot start, the database is unavailable) fail and retry this task. The task run shows
+    a progress artifact: trials verified of the budget, with the passes and the best so far."""
     return run_task_search(task_dir, db_path, data_dir, mode=settings.mode,
                            budget=trials or settings.budget or planner.MAX_TRIALS,
                            proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
                            seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
                            decode_timing=decode_timing, deadline=deadline,
-                           planned=trials is not None or deadline is not None)
+                           planned=trials is not None or deadline is not None, progress_artifact=True)
+
+
+class ProgressArtifact:
+    """A SearchRecorder (llm4llm.stages.search) that hands every row to `inner` and keeps a Prefect progress
+    artifact of the search on the current task run: trials verified of the budget, its description the passes and
+    the best speedup so far; full when the search ends (a planned search may stop before its budget). The artifact
+    is a view: when the API refuses it, the search goes on without it and says so once."""
+
+    def __init__(self, inner):
+        self.inner, self.artifact, self.task_id, self.budget = inner, None, "", 1
+        self.trials, self.passed, self.best = 0, 0, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _show(self, fn, *args, **kwargs) -> None:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a view of the search, never a reason to stop it
+            print(f"search {self.task_id}: no progress artifact ({type(e).__name__}: {e})")
+            self.artifact = None
+
+    def _describe(self) -> str:
+        best = f", best {self.best:.2f}x" if self.best else ""
+        return f"search {self.task_id}: {self.trials}/{self.budget} trials, {self.passed} passed{best}"
+
+    def start(self, search_id, task_id, run_id, mode, proposer, budget) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.inner.start(search_id, task_id, run_id, mode, proposer, budget)
+        self.task_id, self.budget = task_id, max(int(budget), 1)
+        self.artifact = self._show(create_progress_artifact, 0.0, description=self._describe())
+
+    def trial(self, candidate, verdict, *args) -> bool:
+        passed = self.inner.trial(candidate, verdict, *args)
+        x = search_stage.trial_speedup(verdict)
+        self.trials, self.passed = self.trials + 1, self.passed + int(passed)
+        if passed and x:
+            self.best = max(self.best or 0.0, x)
+        self._update(min(100.0, 100.0 * self.trials / self.budget))
+        return passed
+
+    def end(self, search_id, task_id, result) -> None:
+        self.inner.end(search_id, task_id, result)
+        self._update(100.0)
+
+    def _update(self, percent: float) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        if self.artifact is not None:
+            self._show(update_progress_artifact, self.artifact, percent, description=self._describe())
 
 
 @task(name="searchable-tasks")
@@ -106,11 +158,12 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
                     proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
                     run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
                     decode_timing: str = "launch", proposer_obj=None, deadline: float | None = None,
-                    planned: bool = False) -> dict:
+                    planned: bool = False, progress_artifact: bool = False) -> dict:
     """Search one task in this process (llm4llm.stages.search.run_task_search); every trial becomes a `candidates`
     row as it is verified, every episode an `episodes` row and an `experience` record. use_prior: start from the
     task's stored experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g.
-    ablations). Returns the search's summary."""
+    ablations). progress_artifact: keep a Prefect progress artifact of the search (inside a task run). Returns the
+    search's summary."""
     from llm4llm.taskspec import load_spec
     from storage.db import Database
     from storage.recorders import DuckDBSearchRecorder
@@ -122,7 +175,9 @@ def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: 
 
     with Database(db_path) as db:
         prior = prior_experience(db, task_id) if use_prior else []
-        return search_stage.run_task_search(task_dir, data_dir, DuckDBSearchRecorder(db), mode=mode, budget=budget,
+        recorder = DuckDBSearchRecorder(db)
+        recorder = ProgressArtifact(recorder) if progress_artifact else recorder
+        return search_stage.run_task_search(task_dir, data_dir, recorder, mode=mode, budget=budget,
                                             proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
                                             run_id=run_id, llm=llm, prior=prior, decode_timing=decode_timing,
                                             proposer_obj=proposer_obj, check=check, deadline=deadline,

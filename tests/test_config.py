@@ -78,7 +78,7 @@ def test_flow_parameter_schema_is_the_typed_form():
     from flows.optimize import optimize_workload
 
     schema = parameter_schema(optimize_workload.fn).model_dump_for_openapi()
-    assert set(schema["properties"]) == {"workload_path", "config", "db_path", "data_dir", "new_run"}
+    assert set(schema["properties"]) == {"workload_path", "config", "db_path", "data_dir", "kind"}
     defs = schema["definitions"]
     search = defs["SearchSettings"]["properties"]
     assert search["proposer"]["enum"] == ["library", "llm", "hybrid"] and search["proposer"]["description"]

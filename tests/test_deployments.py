@@ -65,3 +65,15 @@ def test_workload_identity_is_the_parsed_config_and_the_script(tmp_path):
     (tmp_path / "scripts" / "hf_generate.py").write_text((tmp_path / "scripts" / "hf_generate.py").read_text() + "\n#")
     h2 = load_workload(path, check_device=False).content_hash()
     assert h2 != h1  # the script is part of the workload's identity
+
+
+def test_each_deployment_starts_runs_of_its_own_kind():
+    """`runs.kind` of a run that a deployment started follows from the deployment's name (llm4llm.config)."""
+    from llm4llm.config import kind_of_deployment
+
+    deps = build_deployments([EXAMPLES / "workloads" / "tiny-llama.toml"])
+    kinds = {d.name: kind_of_deployment(d.name) for d in deps}
+    assert kinds == {"nightly-tiny-llama": "nightly", "manual": "manual", "on-change": "on-change"}
+    # the work-pool deployments (deployments.deploy) of a GPU queue, one of a person's own, and no deployment at all
+    assert [kind_of_deployment(n) for n in ("manual-gpu-cuda-0", "on-change-gpu-cuda-0", "my-sweep", None)] == \
+        ["manual", "on-change", "manual", "cli"]

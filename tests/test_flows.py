@@ -38,6 +38,7 @@ def test_runs_and_profiles_in_duckdb(optimized):
         for name, res in out.items():
             run = repo.get_run(db, res["run_id"])
             assert run["status"] == "ok" and run["prefill_forwards"] == 1 and run["decode_forwards"] == 3
+            assert run["kind"] == "cli" and run["finished_at"] is not None
             prof = repo.profile_rows(db, res["run_id"])
             assert set(prof["phase"]) == {"prefill", "decode"}
             top_level = prof[prof["depth"] == 0]
@@ -74,15 +75,33 @@ def test_tasks_extracted_and_round_trip(optimized):
     assert len(index) == len(tasks)
 
 
-def test_cached_rerun_reuses_profile(prefect_harness, optimized):
+def test_a_cached_rerun_is_a_run_of_its_own_that_links_the_profile_it_reused(prefect_harness, optimized,
+                                                                             monkeypatch):
+    """Runs of an unchanged workload, each started another way, reuse the cached profile and never write into the
+    run that measured it: each has its own run id, kind, status and profile rows."""
     from flows.profiling import profile_workload
 
     root, db_path, out = optimized
-    again = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"))
-    assert again["run_id"] == out["tiny-llama"]["run_id"]
+    first = out["tiny-llama"]["run_id"]
+    again = {}
+    for deployment, kind in ((None, "cli"), ("manual", "manual"), ("on-change-gpu-cuda-0", "on-change")):
+        if deployment:  # as a run that this deployment started sees it (prefect.runtime reads this override)
+            monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", deployment)
+        again[kind] = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path,
+                                       data_dir=str(root / "data"))
+        assert again[kind]["profile_path"] == out["tiny-llama"]["profile_path"]  # served from the cache
+    ids = [first] + [a["run_id"] for a in again.values()]
+    assert len(set(ids)) == 4
+    with Database(db_path, read_only=True) as db:
+        for kind, a in again.items():
+            run = repo.get_run(db, a["run_id"])
+            assert (run["kind"], run["profile_of"], run["status"]) == (kind, first, "ok"), run
+            assert run["finished_at"] is not None
+            assert len(repo.profile_rows(db, a["run_id"])) == len(repo.profile_rows(db, first))
+        assert repo.get_run(db, first)["kind"] == "cli" and len(repo.task_rows(db, first)) > 0
     fresh = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"),
                              refresh=True)
-    assert fresh["run_id"] != out["tiny-llama"]["run_id"]
+    assert fresh["run_id"] not in ids
 
 
 def _bad_workload(tmp_path: Path, script_body: str | None, **overrides) -> Path:

@@ -122,7 +122,7 @@ def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path)
 
     seen = {}
 
-    def fake(workload_path, cfg, db_path=None, data_dir=None, new_run=False):
+    def fake(workload_path, cfg, db_path=None, data_dir=None, kind=None):
         seen["budget"] = cfg.time_budget_s
         return {"run_id": "r", "profile_path": None}
 

@@ -1,7 +1,8 @@
 """The service against a real local Prefect server (`prefect server start` on a free loopback port, a temporary
-PREFECT_HOME), started and stopped by a fixture: served deployments run, the nightly one registers with its schedule
-and concurrency limit, the change event starts the on-change deployment with the event's path, two nights keep two
-runs' rows, an injected infrastructure failure is retried, and keep / replace / rollback on a tiny workload."""
+PREFECT_HOME), started and stopped by a fixture: a served manual run decides acceptance on in-model correctness, the
+nightly deployment registers with its schedule and concurrency limit, the change event starts the on-change
+deployment with the event's path, two nights keep two runs' rows, an injected infrastructure failure is retried,
+and keep / replace / rollback on a tiny workload."""
 from __future__ import annotations
 
 import json
@@ -119,15 +120,26 @@ def served(prefect_server, tmp_path_factory):
         log.close()
 
 
-def test_served_deployment_run_completes(served):
+def test_a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctness(served):
+    """A manual run of the served `optimize-workload/manual` (a flow-run process that no CLI set up) completes as a
+    run of kind `manual`, searches one RMSNorm task and tries its best candidate in the model: the decision checked
+    in-model correctness (never an interpreter error: the served process runs Triton's interpreter on a CPU host as
+    the CLI does)."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment("profile-workload/manual", timeout=300,
-                         parameters={"workload_path": str(served.w.cpu), "data_dir": str(served.data)})
+    config = {"stages": ["profile", "extract", "search", "accept"], "time_budget_s": None,
+              "search": {"budget": 1, "top": 1, "families": ["norm"]}}
+    run = run_deployment("optimize-workload/manual", timeout=600,
+                         parameters={"workload_path": str(served.w.cpu), "data_dir": str(served.data),
+                                     "config": config})
     assert run.state.is_completed(), (run.state, served.log.read_text()[-3000:])
-    with Database(served.db) as db:
-        runs = repo.list_runs(db)
-    assert list(runs["workload_name"]) == ["tiny-llama"] and runs["status"].iloc[0] == "ok"
+    with Database(served.db, read_only=True) as db:  # the run that this flow run recorded
+        (run_id, name, kind, status), = db.query("SELECT run_id, workload_name, kind, status FROM runs "
+                                                 "WHERE flow_run_id = ?", [str(run.id)])
+        reasons = [r[0] for r in db.query("SELECT reason FROM acceptances WHERE run_id = ?", [run_id])]
+    assert (name, kind, status) == ("tiny-llama", "manual", "ok")  # the kind from the deployment's name
+    assert reasons and all("in-model correctness ok" in r for r in reasons), reasons
+    assert not any("Interpreter" in r or "outside of the scope of a kernel" in r for r in reasons), reasons
 
 
 def test_nightly_registers_with_schedule_and_concurrency_limit(served):

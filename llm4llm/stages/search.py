@@ -134,14 +134,23 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None)
 
 
+def _verdict_get(verdict, key: str):
+    return verdict.get(key) if isinstance(verdict, dict) else getattr(verdict, key, None)
+
+
+def trial_speedup(verdict) -> float | None:
+    """A verified trial's speedup: in context where it was timed there, else cold (None: untimed, the CPU)."""
+    x = _verdict_get(verdict, "speedup_in_context") or _verdict_get(verdict, "speedup_cold")
+    return float(x) if x else None
+
+
 def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, budget: int) -> str:
     """One verified trial as a progress line: what it was, how it did, the search's best so far."""
-    get = (lambda k: verdict.get(k)) if isinstance(verdict, dict) else (lambda k: getattr(verdict, k, None))
-    x = get("speedup_in_context") or get("speedup_cold")
+    x = trial_speedup(verdict)
     if passed and x:
         counts["best"] = max(counts["best"] or 0.0, float(x))
     what = (f"passed, {float(x):.2f}x" if passed and x else "passed (untimed on the CPU)" if passed
-            else f"failed: {get('failure_class')}")
+            else f"failed: {_verdict_get(verdict, 'failure_class')}")
     best = f"; best {counts['best']:.2f}x" if counts["best"] else ""
     return (f"search {task_id}: trial {counts['trials']}/{budget} {candidate.template or 'candidate'} {what}"
             f"{best}")
