@@ -5,9 +5,9 @@ state_out (a sliding-window cache keeps its last W - 1 positions), causal flash 
 window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
 transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
 device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
-the host that a graph would freeze (the same qkv_layout option; partial rotary too). Limit: the attention mask is
-taken to be causal (and windowed) only (no padding); a padded batch fails verification rather than being silently
-accepted."""
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). Padded batches (left padding, as
+`generate` builds them): attention.decode_static passes the decode row of HF's static-cache mask to the kernel,
+which reads it on the device and excludes the pad keys (`static_mask_problem` names the mask forms it refuses)."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count
@@ -220,6 +220,24 @@ def _applies_static(spec: TaskSpec) -> str | None:
         return f"attention.decode_static: expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)}"
     if spec.static.get("attention_type") not in (None, "full_attention", "sliding_attention"):
         return f"attention.decode_static: attention type {spec.static.get('attention_type')!r} is out of scope"
+    why = static_mask_problem(spec)
+    return f"attention.decode_static: {why}" if why else None
+
+
+def static_mask_problem(spec: TaskSpec) -> str | None:
+    """Why the task's captured attention mask is not one attention_decode_static honours, or None: it takes HF's
+    4-D bool mask of the static cache, [B, 1, 1, S_max] (SDPA's form, padding included); an additive float mask
+    (eager attention) or a 2-D one (flash attention) it does not read, so it refuses them rather than attend
+    causally."""
+    s_max = ((spec.recipe or {}).get("state") or {}).get("max_cache_len")
+    for case in spec.cases:
+        m = case.inputs.get("attention_mask")
+        if m is None:
+            continue
+        shape = list(m.shape)
+        if m.dtype != "bool" or len(shape) != 4 or shape[1:3] != [1, 1] or (s_max and shape[3] != s_max):
+            return (f"attention mask: expected HF's [B, 1, 1, {s_max or 'S_max'}] bool mask (SDPA on the static "
+                    f"cache), got {m.dtype} {shape}")
     return None
 
 
@@ -315,9 +333,9 @@ def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
 
 # Pasted into rendered sources (after PRELUDE: ATTN) by every template that calls attention_decode_static: its
 # call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
-# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over [0, n] (the attention
-# mask taken to be causal, windowed by the module's sliding_window), advances n: all in place, so the state-out is
-# the state-in tensors.
+# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over the keys in [0, n] that
+# the call's attention mask lets the decode row see (a padded row's pad keys excluded; windowed by the module's
+# sliding_window), advances n: all in place, so the state-out is the state-in tensors.
 STATIC_STEP = '''
 
 def _opt(static, *names):
@@ -334,9 +352,22 @@ def _softcap(static, p=""):
     return _opt(static, p + "attn_logit_softcapping", p + "config.attn_logit_softcapping")
 
 
+def _key_mask(inputs, batch, s_max):
+    # the decode row of HF's [B, 1, 1, S_max] bool mask as a [B, S_max] view (the kernel reads it on the device:
+    # a graph replay sees the new values); None without a mask (causal)
+    m = inputs.get("attention_mask")
+    if m is None:
+        return None
+    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:2]) != (batch, 1) or m.shape[-1] != s_max:
+        raise ValueError(f"attention mask: expected HF's [{batch}, 1, 1, {s_max}] bool mask (SDPA on the static "
+                         f"cache), got {tuple(m.shape)} {m.dtype}")
+    return m[:, 0, -1]
+
+
 def _static_attention(q, k, v, inputs, weights, state, static, p=""):
     # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written)
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
+    kv_mask = _key_mask(inputs, q.shape[0], kc.shape[2])  # checked before anything is written
     norm = p + "q_norm.weight" in weights
     eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
     window = _opt(static, p + "sliding_window")
@@ -345,7 +376,7 @@ def _static_attention(q, k, v, inputs, weights, state, static, p=""):
         q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
         float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
         k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)),
+        softcap=float(cap) if cap else None, kv_mask=kv_mask, PDL=bool(CONFIG.get("pdl", False)),
         # o_proj's weight into L2 while the attention leaves HBM idle (l2pf_o: decoder_layer.decode_static)
         l2_prefetch=weights.get(p + "o_proj.weight") if CONFIG.get("l2pf_o") else None, **ATTN)
     return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
                                                 STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
-                                                cache_splits, module_softcap)
+                                                cache_splits, module_softcap, static_mask_problem)
 from llm4llm.search.templates.attention import PRELUDE as ATTN_PRELUDE
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
@@ -279,8 +279,8 @@ def entry(inputs, weights, state, static):
 # weights), attention.decode_static's kernel for the q/k norms + rotary + the cache write at the device-side length
 # + split-KV attention (STATIC_STEP, the same call), then o_proj + residual + post_attention_layernorm, gate/up +
 # SwiGLU, down_proj + residual as decode_fused. Nothing is read on the host. The attention mask (every static-cache
-# call carries one) is taken to be causal (and windowed by the module's sliding_window) only, as
-# attention.decode_static does: a padded batch fails verification.
+# call carries one) is honoured as attention.decode_static honours it: the kernel reads its decode row on the device
+# (a left-padded row's pad keys excluded); the forms it cannot read are refused (static_mask_problem).
 
 ATTN_WEIGHTS = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                                      "q_norm.weight", "k_norm.weight")}
@@ -315,7 +315,7 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
     if any(attn_static.get(n) is not None for n in ("attn_logit_softcapping", "config.attn_logit_softcapping")):
         # whether the module caps depends on its attention implementation (module_softcap), not recorded here
         return f"logit soft-capping is out of scope (module_softcap: {module_softcap(attn_static)})"
-    return _bias_free(spec, ATTN_P)
+    return static_mask_problem(spec) or _bias_free(spec, ATTN_P)
 
 
 def _layer_static_space(spec):
