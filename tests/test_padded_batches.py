@@ -96,7 +96,7 @@ def test_static_templates_refuse_a_mask_they_cannot_read(padded_task):
         case = task.spec.cases[0].model_copy(deep=True)
         case.inputs["attention_mask"] = TensorSig(shape=shape, dtype=dtype)
         odd = task.spec.model_copy(update={"cases": [case]})
-        assert "bool mask (SDPA on the static cache)" in _template("decoder_layer.decode_static").why_not(odd)
+        assert "bool mask (SDPA)" in _template("decoder_layer.decode_static").why_not(odd)
 
 
 def test_patched_model_on_a_padded_batch_matches_eager(padded_task):
@@ -109,3 +109,73 @@ def test_patched_model_on_a_padded_batch_matches_eager(padded_task):
     tpl = _template("decoder_layer.decode_static")
     check_static_decode_in_model(str(WORKLOADS / "tiny-qwen3-padded.toml"), task.spec,
                                  tpl.render(task.spec, tpl.default(task.spec)), "padded-layer")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _padded_attention_call(phase):
+    """One call of layer 0's attention in tiny-qwen3-padded's `generate` on the dynamic cache (the prompt's, or the
+    first decode step's), captured with its state-in and the module's own outputs: HF's [3, 1, S, L] bool mask with
+    rows 1 and 2 left-padded."""
+    from kernels_runtime.boundary import capture_call
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    wl = load_workload(WORKLOADS / "tiny-qwen3-padded.toml")
+    script = load_script(wl)
+    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    attn, seen = model.model.layers[0].self_attn, {}
+
+    def pre(module, args, kwargs):
+        if (kwargs["hidden_states"].shape[1] > 1) == (phase == "prefill"):
+            seen.update(args=args, kwargs=kwargs)
+            raise _Stop
+
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with pytest.raises(_Stop), torch.inference_mode():
+            model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    finally:
+        handle.remove()
+    call = capture_call(attn, *seen["args"], **seen["kwargs"])
+    return call, {n: p.detach() for n, p in attn.named_parameters()}
+
+
+@pytest.mark.parametrize("phase,template", [("prefill", "attention.prefill_flash"),
+                                            ("decode", "attention.decode_splitkv"),
+                                            ("decode", "attention.decode_fused_qkv")])
+def test_dynamic_cache_templates_honour_a_padded_call(tiny_extracted, phase, template, tmp_path):
+    """The prefill and dynamic-cache decode templates (rendered for tiny-qwen3's tasks: the same module) on a padded
+    call: the output of every row, the pad queries' own rows included, equals the module's own forward."""
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+
+    d = next(d for d in tiny_extracted("tiny-qwen3") if d.name.startswith(f"attention-{phase}-"))
+    spec = load_task(d).spec
+    call, weights = _padded_attention_call(phase)
+    mask = call.inputs["attention_mask"]
+    assert mask.dtype == torch.bool and mask.shape[:2] == (3, 1) and not bool(mask[:, 0, -1].all())
+    tpl = _template(template)
+    source = tpl.render(spec, tpl.default(spec))
+    mod = load_candidate(source, tmp_path, "padded_dynamic_candidate")
+    try:
+        out = mod.entry(dict(call.inputs), weights, {n: t.clone() for n, t in call.state.items()}, dict(call.static))
+    finally:
+        unload_candidate("padded_dynamic_candidate")
+    assert torch.isfinite(out["out"]).all()
+    assert_close(out["out"], call.outputs["out"])
+    if call.state_out:
+        assert_close(out[STATE_OUT + "key_cache"], call.state_out["key_cache"], name="key cache")
+
+
+def test_prefill_template_refuses_an_eager_mask(tiny_extracted):
+    """An additive float mask (eager attention: its fully masked rows average every value) is refused by name."""
+    from llm4llm.taskspec import TensorSig
+
+    d = next(d for d in tiny_extracted("tiny-qwen3") if d.name.startswith("attention-prefill-"))
+    spec = load_task(d).spec
+    case = spec.cases[0].model_copy(deep=True)
+    case.inputs["attention_mask"] = TensorSig(shape=[1, 1, 16, 16], dtype="float32")
+    odd = spec.model_copy(update={"cases": [case], "input_names": [*spec.input_names, "attention_mask"]})
+    for name in ("attention.prefill_flash", "attention.decode_splitkv", "attention.decode_fused_qkv"):
+        assert "bool mask (SDPA)" in _template(name).applies_fn(odd), name

@@ -59,7 +59,10 @@ def entry(inputs, weights, state, static):
     else:
         k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
         v_all, _ = _with_past(state.get("value_cache"), v)
-    if sp == 0:  # self-attention over the prompt: routed per tile group
+    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # a padded batch's key mask, or None
+    if kv_mask is not None:  # TileMix routes an unpadded prompt's tiles: a padded batch takes the exact kernel
+        o = attention_prefill(q, k_all, v_all, scale, kv_mask=kv_mask, **ATTN)
+    elif sp == 0:  # self-attention over the prompt: routed per tile group
         o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, TMA=CONFIG.get("tm_tma", False),
                               **ATTN)  # [B, Hq, S, D]
     else:  # a prefill that extends a cache: TileMix routes one prompt's own score matrix, so the plain kernel
