@@ -273,7 +273,7 @@ def _render_prefill(spec: TaskSpec, config: dict) -> str:
     return header("attention.prefill_flash", spec, _imports([f"from kernels_runtime.ops.attention_prefill import "
                                                              f"{ops}"]), config) + _qkv_prelude(spec) + '''
 
-def _attend(q, k_all, v_all, scale, window, kv_mask):
+def _attend(q, k_all, v_all, scale, window, kv_mask=None):
     # a 16-bit prompt without a past, a window or padding (head_dim <= 128): the bf16 flash kernel whose fully
     # visible K/V tiles come by TMA (sm_90+; pointers elsewhere); else, and with flash_kernel = "pointer",
     # attention_prefill (the padded rows' pad keys excluded)
