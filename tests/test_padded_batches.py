@@ -143,11 +143,13 @@ def _padded_attention_call(phase):
 
 
 @pytest.mark.parametrize("phase,template", [("prefill", "attention.prefill_flash"),
+                                            ("prefill", "attention.prefill_tilemix"),
                                             ("decode", "attention.decode_splitkv"),
                                             ("decode", "attention.decode_fused_qkv")])
 def test_dynamic_cache_templates_honour_a_padded_call(tiny_extracted, phase, template, tmp_path):
     """The prefill and dynamic-cache decode templates (rendered for tiny-qwen3's tasks: the same module) on a padded
-    call: the output of every row, the pad queries' own rows included, equals the module's own forward."""
+    call: the output of every row, the pad queries' own rows included, equals the module's own forward (TileMix,
+    whose routing is for unpadded prompts, takes the exact kernel for a padded batch)."""
     from llm4llm.verify.candidate import load_candidate, unload_candidate
 
     d = next(d for d in tiny_extracted("tiny-qwen3") if d.name.startswith(f"attention-{phase}-"))
