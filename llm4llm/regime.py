@@ -5,6 +5,7 @@
 batch_sizes = {min = 1, max = 8}   # or a list: [1, 2, 4, 8]
 prompt_lens = {min = 128, max = 2048}
 decode_lens = [64]                 # optional; default: the workload's decode_len
+padding = "left"                   # optional; default "none": every row of a batch is prompt_len long
 ```
 The workload's own batch_size / prompt_len / decode_len are the representative point (profiled, timed, and what
 acceptance measures end to end) and must lie inside the regime. Extraction also runs the regime's corners (every
@@ -16,10 +17,18 @@ patch report by reason, and the report suggests re-profiling over a wider regime
 Decode runs at batch buckets (kernels_runtime.buckets: a list axis's sizes, or 1, 2, 4, 8, 16, 32 inside a span and
 its max), as serving engines capture decode graphs: extraction also runs each bucket that is not a corner (at the
 shortest prompt), so every decode task is verified at each bucket, and its guard admits those batches only.
+
+`padding = "left"` asks for padded batches, as serving code batches requests of different lengths for `generate`:
+each row's prompt length is drawn (seeded) between the regime's shortest prompt and the batch's prompt_len, the
+first row is prompt_len long, and the shorter rows are left-padded to it with zeros in the attention mask
+(`row_prompt_lens`; the reference script examples/scripts/hf_generate.py builds its inputs from it). Tasks captured
+from such batches carry the padding mask, so the verifier judges kernels on it.
 """
 from __future__ import annotations
 
+import random
 from itertools import product
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -52,6 +61,7 @@ class Regime(BaseModel):
     batch_sizes: Axis
     prompt_lens: Axis
     decode_lens: Axis | None = None
+    padding: Literal["none", "left"] = "none"
 
     @model_validator(mode="after")
     def _non_empty(self) -> "Regime":
@@ -94,3 +104,15 @@ class Regime(BaseModel):
         seen = {b for b, _, _ in corners}
         prompt, dec = corners[0][1], corners[0][2]
         return corners + [(b, prompt, dec) for b in self.batch_buckets() if b not in seen]
+
+    def row_prompt_lens(self, batch: int, prompt_len: int, seed: int) -> list[int]:
+        """Each row's prompt length in a batch padded to `prompt_len`: all prompt_len without padding; with
+        `padding = "left"` the first row prompt_len and the others drawn (seeded) from the regime's shortest prompt
+        (at most prompt_len) up to prompt_len: distinct and shorter than prompt_len while the span allows."""
+        if self.padding == "none" or batch == 1:
+            return [prompt_len] * batch
+        lo = min(_lo_hi(self.prompt_lens)[0], prompt_len)
+        rng, shorter = random.Random(seed), range(lo, prompt_len)
+        if 0 < batch - 1 <= len(shorter):  # distinct lengths, each row padded, while the span allows
+            return [prompt_len, *rng.sample(shorter, batch - 1)]
+        return [prompt_len, *(rng.randint(lo, prompt_len) for _ in range(batch - 1))]

@@ -46,7 +46,7 @@ def test_only_the_static_layer_template_takes_the_static_layer_task(layer_task):
     assert "attention_mask" in static_spec.input_names
     assert _template(NAME).why_not(static_spec) is None
     assert _template(NAME).why_not(layer_task("tiny-llama+static")[1].spec) is None
-    assert "attention mask" in _template("decoder_layer.decode_fused").why_not(static_spec)
+    assert "key_cache and value_cache as state" in _template("decoder_layer.decode_fused").why_not(static_spec)
     assert _template("decoder_layer.decode_fused").why_not(dynamic_spec) is None
     assert "expected a static KV cache task" in _template(NAME).why_not(dynamic_spec)
     # out of scope: a weight the template does not read (StableLM's q/k LayerNorms), a soft-cap

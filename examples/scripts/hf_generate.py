@@ -32,12 +32,18 @@ def build(workload) -> torch.nn.Module:
 
 
 def inputs(workload) -> dict[str, torch.Tensor]:
-    """Seeded random prompt: input_ids and attention_mask, both [batch, prompt_len]."""
+    """Seeded random prompt: input_ids and attention_mask, both [batch, prompt_len]. Under `[regime] padding =
+    "left"` the rows have different prompt lengths (`Regime.row_prompt_lens`), left-padded to prompt_len as
+    `generate` expects them: pad id 0 and mask 0 before each row's prompt."""
     vocab = _vocab_size(workload)
     gen = torch.Generator().manual_seed(workload.seed)
-    ids = torch.randint(0, vocab, (workload.batch_size, workload.prompt_len), generator=gen)  # [B, S]
+    B, S = workload.batch_size, workload.prompt_len
+    ids = torch.randint(0, vocab, (B, S), generator=gen)  # [B, S]
+    regime = getattr(workload, "regime", None)
+    lens = regime.row_prompt_lens(B, S, workload.seed) if regime is not None else [S] * B
+    mask = (torch.arange(S)[None, :] >= S - torch.tensor(lens)[:, None]).long()  # [B, S], 0 on the left pads
     dev = torch.device(workload.device)
-    return {"input_ids": ids.to(dev), "attention_mask": torch.ones_like(ids).to(dev)}
+    return {"input_ids": (ids * mask).to(dev), "attention_mask": mask.to(dev)}
 
 
 def run(model: torch.nn.Module, workload, inputs: dict[str, torch.Tensor], **generate_kwargs) -> torch.Tensor:

@@ -14,8 +14,10 @@ Two entry points:
   then the kernel reads it, the grid is sized for the whole cache, splits past the length write nothing to the
   result, and no host sync happens, so one CUDA graph serves every length. A length at or past the cache's end
   writes nothing (never out of bounds) and attends to the whole cache.
-Limits: one `kv_len`/`cache_len` for the whole batch (no per-sequence lengths); with a host int the grid depends on
-it, so a CUDA graph captured at one length is not valid at another (use the device-tensor form).
+Padded batches: both take `kv_mask` [B, S_kv] (nonzero: row b attends key j), the decode row of HF's 4-D mask
+(left padding's zeros on the pad keys), read by the kernel; a row with every key masked gets zeros, as SDPA gives.
+Limits: one `kv_len`/`cache_len` for the whole batch (per-row padding through the key mask); with a host int the
+grid depends on it, so a CUDA graph captured at one length is not valid at another (use the device-tensor form).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller query groups are pad
 @triton.jit
 def _attention_decode_kernel(
     # Pointers
-    Q, K, V, K_NEW, V_NEW, O_PART, LSE_PART, LEN_PTR,
+    Q, K, V, K_NEW, V_NEW, O_PART, LSE_PART, LEN_PTR, KV_MASK,
     # Matrix dimensions
     Hkv, KV_LEN, SPLIT_LEN, NUM_SPLITS, GROUP, D, qk_scale,
     # Strides
@@ -55,12 +57,14 @@ def _attention_decode_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_knb, stride_knh, stride_knd,
     stride_vnb, stride_vnh, stride_vnd,
+    stride_mb, stride_mk,
     # Meta-parameters
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NEW_KV: tl.constexpr,
     DEVICE_LEN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -100,6 +104,8 @@ def _attention_decode_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < end
+        if HAS_MASK:  # the row's pad keys: neither loaded nor attended
+            kv_ok &= tl.load(KV_MASK + b * stride_mb + offs_n * stride_mk, mask=kv_ok, other=0) != 0
         kt = tl.load(  # [BLOCK_D, BLOCK_N]
             k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
             mask=kv_ok[None, :] & mask_d[:, None], other=0.0,
@@ -117,8 +123,9 @@ def _attention_decode_kernel(
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
         qk = tl.where(kv_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of pad keys only: no -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -149,24 +156,29 @@ def _attention_decode_reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
     lse = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
-    w = tl.exp2(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # every split empty (all keys masked): w = 0
     o_ptrs = O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :]
     o = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
     b, h = pid // Hq, pid % Hq
     tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < D)
 
 
 def attention_decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None, kv_len: int | None = None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None, kv_len: int | None = None,
+    kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, Hq, 1, D], k_cache/v_cache: [B, Hkv, S_kv, D], attend to the first kv_len (default S_kv) positions
-    -> [B, Hq, 1, D]. SDPA over K/V repeated to Hq heads, as transformers 5.17's default attention does."""
+    """q: [B, Hq, 1, D], k_cache/v_cache: [B, Hkv, S_kv, D], attend to the first kv_len (default S_kv) positions,
+    kv_mask [B, S_kv] (nonzero: attend; None: every key) -> [B, Hq, 1, D]. SDPA over K/V repeated to Hq heads with
+    the mask, as transformers 5.17's default attention does (zeros on a row with every key masked)."""
     kv_len = k_cache.shape[2] if kv_len is None else kv_len
     group = q.shape[1] // k_cache.shape[1]
     k = k_cache[:, :, :kv_len].repeat_interleave(group, dim=1)
     v = v_cache[:, :, :kv_len].repeat_interleave(group, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    mask = None if kv_mask is None else (kv_mask[:, None, None, :kv_len] != 0)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attention_decode_update_ref(
@@ -205,8 +217,19 @@ def _check(q, k_cache, v_cache, kv_len) -> None:
             raise ValueError(f"attention_decode: expected {name} {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
 
 
+def _mask_arg(kv_mask: torch.Tensor | None, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """The key mask as the kernel reads it (bool viewed as bytes, no copy), after checking it."""
+    if kv_mask is None:
+        return None
+    want = (q.shape[0], k_cache.shape[2])
+    if tuple(kv_mask.shape) != want or kv_mask.is_floating_point() or kv_mask.device != q.device:
+        raise ValueError(f"attention_decode: expected kv_mask a {list(want)} bool or integer tensor on {q.device}, "
+                         f"got {tuple(kv_mask.shape)} {kv_mask.dtype} on {kv_mask.device}")
+    return kv_mask.view(torch.uint8) if kv_mask.dtype == torch.bool else kv_mask
+
+
 def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages,
-            len_tensor=None):
+            len_tensor=None, kv_mask=None):
     """kv_len: the attended length, or with `len_tensor` (the device-side cache length) the cache's size."""
     B, Hq, _, D = q.shape
     Hkv = k_cache.shape[1]
@@ -221,11 +244,13 @@ def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_split
     block_d = max(16, triton.next_power_of_2(D))
     _attention_decode_kernel[(B * Hkv, n_splits)](
         q, k_cache, v_cache, kn, vn, o_part, lse_part, len_tensor if len_tensor is not None else o_part,
+        o_part if kv_mask is None else kv_mask,
         Hkv, kv_len, split_len, n_splits, Hq // Hkv, D, (D**-0.5 if scale is None else scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         kn.stride(0), kn.stride(1), kn.stride(3), vn.stride(0), vn.stride(1), vn.stride(3),
-        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        HAS_NEW_KV=has_new, DEVICE_LEN=len_tensor is not None, UPCAST_DOT=interpreting(),
+        *(kv_mask.stride() if kv_mask is not None else (0, 0)), BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        HAS_NEW_KV=has_new, DEVICE_LEN=len_tensor is not None, HAS_MASK=kv_mask is not None,
+        UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -238,25 +263,29 @@ def _launch(q, k_cache, v_cache, k_new, v_new, kv_len, scale, BLOCK_N, num_split
 
 def attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None, *,
-    kv_len: int | None = None, BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4,
-    num_stages: int = 2,
+    kv_len: int | None = None, kv_mask: torch.Tensor | None = None, BLOCK_N: int = 64, num_splits: int | None = None,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [B, Hq, 1, D], k_cache/v_cache: [B, Hkv, S_kv, D] already holding the new token (any strides),
-    attend to the first kv_len (default S_kv) positions, scale (default D**-0.5) -> [B, Hq, 1, D] in q's dtype."""
+    attend to the first kv_len (default S_kv) positions that kv_mask [B, S_kv] (any strides, None: all) lets each
+    row see, scale (default D**-0.5) -> [B, Hq, 1, D] in q's dtype."""
     kv_len = k_cache.shape[2] if kv_len is None else kv_len
     _check(q, k_cache, v_cache, kv_len)
-    return _launch(q, k_cache, v_cache, None, None, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages)
+    kv_mask = _mask_arg(kv_mask, q, k_cache)
+    return _launch(q, k_cache, v_cache, None, None, kv_len, scale, BLOCK_N, num_splits, num_warps, num_stages,
+                   kv_mask=kv_mask)
 
 
 def attention_decode_update(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    cache_len: int | torch.Tensor, scale: float | None = None, *,
+    cache_len: int | torch.Tensor, scale: float | None = None, *, kv_mask: torch.Tensor | None = None,
     BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [B, Hq, 1, D], k_new/v_new: [B, Hkv, 1, D], k_cache/v_cache: [B, Hkv, S_max, D] preallocated with
     cache_len valid positions. Writes k_new/v_new at position cache_len of the caches IN PLACE and returns
     attention over positions 0..cache_len -> [B, Hq, 1, D]. cache_len as a one-element integer tensor on the
-    caches' device is read by the kernel (no host sync; one CUDA graph for every length; it is not advanced here)."""
+    caches' device is read by the kernel (no host sync; one CUDA graph for every length; it is not advanced here).
+    kv_mask [B, S_max] (None: every key): the keys each row attends, as `attention_decode`."""
     device_len = isinstance(cache_len, torch.Tensor)
     if device_len:
         if cache_len.numel() != 1 or cache_len.is_floating_point() or cache_len.device != k_cache.device:
@@ -274,7 +303,9 @@ def attention_decode_update(
                 f"attention_decode_update: expected {name} ({q.shape[0]}, {Hkv}, 1, {D}) {q.dtype}, "
                 f"got {tuple(t.shape)} {t.dtype}"
             )
+    kv_mask = _mask_arg(kv_mask, q, k_cache)
     if device_len:
         return _launch(q, k_cache, v_cache, k_new, v_new, k_cache.shape[2], scale, BLOCK_N, num_splits, num_warps,
-                       num_stages, len_tensor=cache_len.reshape(1))
-    return _launch(q, k_cache, v_cache, k_new, v_new, cache_len + 1, scale, BLOCK_N, num_splits, num_warps, num_stages)
+                       num_stages, len_tensor=cache_len.reshape(1), kv_mask=kv_mask)
+    return _launch(q, k_cache, v_cache, k_new, v_new, cache_len + 1, scale, BLOCK_N, num_splits, num_warps, num_stages,
+                   kv_mask=kv_mask)

@@ -11,7 +11,11 @@ For one new token per sequence, stage 1 (one program per (batch, kv head, split)
   no program depends on the order of the write and the reads);
 - attends over [lo, pos], lo = max(0, pos - sliding_window + 1) (HF's sliding mask: kv > q - window), with optional
   logit soft-capping (Gemma-2: cap * tanh(s / cap)), and writes the split's normalized partial output and
-  log-sum-exp (fp32).
+  log-sum-exp (fp32);
+- with a key mask (padded batches: `kv_mask[b, j]` nonzero where row b attends key j, e.g. the decode row of the
+  4-D mask HF builds for the static cache, left padding's zeros on the pad positions), excludes every masked key.
+  The mask is read from device memory by the kernel, so a graph replayed with new mask values stays valid. A row
+  whose keys are all masked gets zeros, as SDPA gives (with left padding the decode query always sees itself).
 Stage 2 merges the splits per query head and advances the length by one (program 0), as `StaticLayer.update` does.
 With one split (the batch's KV heads alone fill the GPU, or a one-tile cache) stage 1 writes the output itself and a
 one-program kernel advances the length instead (a one-split layer on qwen3-4b lost 9-16 us a layer).
@@ -23,7 +27,10 @@ whole cache and does not advance (never out of bounds).
 Not autotuned: it writes the cache and the length in place, so a re-run by an autotuner would corrupt them; the
 search tunes BLOCK_N / splits / warps by hand (CONFIG_SPACE).
 Partial rotary (cos/sin narrower than the head, R < D): the first R columns rotate, the rest pass through.
-Limits: one length for the whole batch (no per-sequence lengths, no padding mask); an even head_dim.
+Rotary positions need nothing here: the caller's cos/sin are per row ([B, 1, R]), as HF's position_ids
+(cumsum(mask) - 1 under left padding) make them.
+Limits: one write position for the whole batch (padding is expressed by the key mask, as HF's static cache does);
+an even head_dim.
 """
 from __future__ import annotations
 
@@ -61,7 +68,7 @@ def _norm_rope(x, x_rot, w, w_r, sign, cos, sin, eps, D, HAS_NORM: tl.constexpr,
 @triton.jit
 def _attention_decode_static_kernel(
     # Pointers
-    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF, O, TS,
+    Q, K_NEW, V_NEW, K, V, COS, SIN, QW, KW, LEN, O_PART, LSE_PART, PF, O, TS, KV_MASK,
     # Matrix dimensions
     PF_BYTES, Hkv, S_MAX, SPLIT_LEN, NUM_SPLITS, GROUP, D, ROT, qk_scale, eps, window, softcap,
     # Strides
@@ -72,9 +79,10 @@ def _attention_decode_static_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_cb, stride_sb,
     stride_ob, stride_oh, stride_od,
+    stride_mb, stride_mk,
     # Meta-parameters
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     L2PF: tl.constexpr = False, LANES: tl.constexpr = 128, DIRECT_OUT: tl.constexpr = False,
     TIMELINE: tl.constexpr = False,
@@ -105,6 +113,9 @@ def _attention_decode_static_kernel(
     start = tl.maximum(s_start, (lo // BLOCK_N) * BLOCK_N)  # whole tiles below the window are skipped
     offs_n = start + tl.arange(0, BLOCK_N)
     kv_ok = (offs_n < s_end) & (offs_n >= lo)
+    m_base = KV_MASK + b * stride_mb
+    if HAS_MASK:  # the pad keys: neither loaded nor attended
+        kv_ok &= tl.load(m_base + offs_n * stride_mk, mask=kv_ok, other=0) != 0
     kt_nxt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,  # [BLOCK_D, BLOCK_N]
                      mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
     v_nxt = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
@@ -156,9 +167,13 @@ def _attention_decode_static_kernel(
     for start_n in range(start, s_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n < s_end) & (offs_n >= lo)
+        if HAS_MASK:
+            kv_ok &= tl.load(m_base + offs_n * stride_mk, mask=kv_ok, other=0) != 0
         kt, v = kt_nxt, v_nxt
         offs_nn = offs_n + BLOCK_N  # the next tile (an empty mask past the split)
         nn_ok = (offs_nn < s_end) & (offs_nn >= lo)
+        if HAS_MASK:
+            nn_ok &= tl.load(m_base + offs_nn * stride_mk, mask=nn_ok, other=0) != 0
         kt_nxt = tl.load(k_base + offs_nn[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                          mask=nn_ok[None, :] & mask_d[:, None], other=0.0)
         v_nxt = tl.load(v_base + offs_nn[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -176,8 +191,9 @@ def _attention_decode_static_kernel(
             s = s * (qk_scale * 1.4426950408889634)  # log2 domain
         s = tl.where(kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of pad keys only: no -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -214,10 +230,12 @@ def _merge_advance_kernel(
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
     lse = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
-    w = tl.exp2(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # every split empty (all keys masked): w = 0
     o = tl.load(O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
                 mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
     b, h = pid // Hq, pid % Hq
     tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < D)
     if ADVANCE:  # StaticLayer.update's cumulative_length.add_(1); stage 1 has finished reading it
@@ -239,13 +257,15 @@ def attention_decode_static_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_len: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    sliding_window: int | None = None, softcap: float | None = None,
+    sliding_window: int | None = None, softcap: float | None = None, kv_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (projections, before norm and rotary), k_cache/v_cache: [B, Hkv, S_max, D]
     holding `cache_len` (one-element int tensor) positions, cos/sin: [B, 1, R] (R <= D: partial rotary, the last
-    D - R columns pass through)
+    D - R columns pass through), kv_mask: [B, S_max] (nonzero: row b attends key j; None: every key up to the
+    length)
     -> (out [B, Hq, 1, D], k_cache_out, v_cache_out, cache_len + 1), as HF's attention forward over a StaticLayer
-    computes them (norms, rotary, `update`, SDPA over K/V repeated to Hq heads with the causal/sliding mask).
+    computes them (norms, rotary, `update`, SDPA over K/V repeated to Hq heads with the causal/sliding mask and the
+    key mask; a row with every key masked gets zeros, as SDPA gives).
     Does not modify its inputs."""
     from kernels_runtime.ops.rotary import qk_norm_rotary_ref, rotary_ref
 
@@ -263,7 +283,10 @@ def attention_decode_static_ref(
     s = (q @ kk.transpose(-1, -2)) * scale  # [B, Hq, 1, L]
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    out = torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
+    s = s.float()
+    if kv_mask is not None:
+        s = s.masked_fill(kv_mask[:, None, None, lo:pos + 1] == 0, float("-inf"))
+    out = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype) @ vv
     return out, k_out, v_out, cache_len + 1
 
 
@@ -299,16 +322,25 @@ def _check(q, k, v, k_cache, v_cache, cache_len, cos, sin, norms) -> None:
                          f"(StaticLayer.cumulative_length), got {cache_len!r}")
 
 
+def _check_mask(kv_mask: torch.Tensor, batch: int, s_max: int, device: torch.device) -> None:
+    if (kv_mask.dim() != 2 or tuple(kv_mask.shape) != (batch, s_max) or kv_mask.is_floating_point()
+            or kv_mask.is_complex() or kv_mask.device != device):
+        raise ValueError(f"attention_decode_static: expected kv_mask a [{batch}, {s_max}] bool or integer tensor on "
+                         f"{device} (nonzero: attend), got {tuple(kv_mask.shape)} {kv_mask.dtype} on "
+                         f"{kv_mask.device}")
+
+
 def attention_decode_static(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_len: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    sliding_window: int | None = None, softcap: float | None = None, advance: bool = True,
-    BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
+    sliding_window: int | None = None, softcap: float | None = None, kv_mask: torch.Tensor | None = None,
+    advance: bool = True, BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
     l2_prefetch: torch.Tensor | None = None, l2_prefetch_bytes: int | None = None,
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
-    PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections).
+    PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections), and so
+    may kv_mask [B, S_max] (the decode row of HF's [B, 1, 1, S_max] static-cache mask, no copy).
     PDL: both kernels launched with programmatic dependent launch: stage 1 reads the length and its first K/V tile,
     then waits for the previous kernel (the q/k/v projections); stage 2 waits first.
     l2_prefetch: a tensor the next kernel reads (o_proj's weight), whose first `l2_prefetch_bytes` (all of it when
@@ -320,6 +352,9 @@ def attention_decode_static(
     _check(q, k, v, k_cache, v_cache, cache_len, cos, sin, norms)
     B, Hq, _, D = q.shape
     Hkv, s_max = k_cache.shape[1], k_cache.shape[2]
+    if kv_mask is not None:
+        _check_mask(kv_mask, B, s_max, q.device)
+        kv_mask = kv_mask.view(torch.uint8) if kv_mask.dtype == torch.bool else kv_mask
     n_splits = num_splits or default_num_splits(B * Hkv, s_max, BLOCK_N)
     split_len = triton.cdiv(triton.cdiv(s_max, n_splits), BLOCK_N) * BLOCK_N
     n_splits = triton.cdiv(s_max, split_len)
@@ -335,12 +370,13 @@ def attention_decode_static(
     _attention_decode_static_kernel[(B * Hkv, n_splits)](
         q, k, v, k_cache, v_cache, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         length, o_part, lse_part, l2_prefetch if pf_bytes else q, o, q if ts is None else ts,
+        length if kv_mask is None else kv_mask,
         pf_bytes, Hkv, s_max, split_len, n_splits, Hq // Hkv, D, cos.shape[-1], scale, eps, int(sliding_window or 0),
         float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), *k_cache.stride(), *v_cache.stride(), cos.stride(0), sin.stride(0),
-        o.stride(0), o.stride(1), o.stride(3), BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        o.stride(0), o.stride(1), o.stride(3), *(kv_mask.stride() if kv_mask is not None else (0, 0)), BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        HAS_NORM=has_norm, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap), HAS_MASK=kv_mask is not None,
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, DIRECT_OUT=direct,

@@ -8,6 +8,10 @@ Sliding-window attention (Mistral, Gemma-2's sliding layers; `sliding_window` W)
 0 <= i + S_kv - S_q - j < W, HF's sliding causal mask (kv > q - W); the KV tiles wholly below the window are skipped.
 Distances are taken between cache indices, so a sliding cache that holds only the last W - 1 positions before the
 new ones (DynamicSlidingWindowLayer) is covered too.
+Padded batches: `kv_mask` [B, S_kv] (nonzero: row b's key j is a real token) excludes the pad keys of each row, on
+top of the causal mask. HF builds its 4-D mask as exactly that (masking_utils: the causal mask AND the 2-D
+padding mask at the key), so its last query row, a strided view, is the key mask (no window: with one the last row
+is windowed too). A query row that sees no key (a left pad's own row) gets zeros, as SDPA gives.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1, which carries B * Hq
 @triton.jit
 def _attention_prefill_kernel(
     # Pointers
-    Q, K, V, O,
+    Q, K, V, O, KV_MASK,
     # Matrix dimensions
     Hq, S_q, S_kv, D, GROUP, qk_scale, window,
     # Strides
@@ -43,11 +47,13 @@ def _attention_prefill_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
+    stride_mb, stride_mk,
     # Meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -77,6 +83,8 @@ def _attention_prefill_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < S_kv
+        if HAS_MASK:  # the row's pad keys: neither loaded nor attended
+            kv_ok &= tl.load(KV_MASK + b * stride_mb + offs_n * stride_mk, mask=kv_ok, other=0) != 0
         kt = tl.load(  # [BLOCK_D, BLOCK_N]
             k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
             mask=kv_ok[None, :] & mask_d[:, None], other=0.0,
@@ -94,7 +102,8 @@ def _attention_prefill_kernel(
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = m_new
-        if HAS_WINDOW:  # a row may have seen no key yet (its window starts further on): no -inf - -inf
+        if HAS_WINDOW or HAS_MASK:  # a row may have seen no key yet (its window starts further on, its keys so
+            # far are pads): no -inf - -inf
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(qk - m_use[:, None])
@@ -102,7 +111,7 @@ def _attention_prefill_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if HAS_WINDOW:  # padding rows past S_q may see no key at all (never stored): no 0 / 0
+    if HAS_WINDOW or HAS_MASK:  # rows past S_q, or a pad's own row, may see no key at all: zeros, no 0 / 0
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_ptrs = O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
@@ -111,21 +120,23 @@ def _attention_prefill_kernel(
 
 def attention_prefill_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, S_q, D], k/v: [B, Hkv, S_kv, D] (S_kv >= S_q, queries at the last S_q positions),
-    scale (default D**-0.5), sliding_window W (query i sees the W keys up to its own) -> causal attention output
-    [B, Hq, S_q, D]."""
+    scale (default D**-0.5), sliding_window W (query i sees the W keys up to its own), kv_mask [B, S_kv] (nonzero:
+    a real key; None: every key) -> causal attention output [B, Hq, S_q, D] (zeros on a row that sees no key)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s_q, s_kv = q.shape[2], k.shape[2]
-    if s_q == s_kv and not sliding_window:
+    if s_q == s_kv and not sliding_window and kv_mask is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     rows = torch.arange(s_q, device=q.device)[:, None] + (s_kv - s_q)
     cols = torch.arange(s_kv, device=q.device)[None, :]
     mask = rows >= cols  # [S_q, S_kv], True = attend
     if sliding_window:
         mask &= rows - cols < sliding_window
+    if kv_mask is not None:
+        mask = mask & (kv_mask != 0)[:, None, None, :]  # [B, 1, S_q, S_kv]
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -153,16 +164,28 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"attention_prefill: expected {name} {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
 
 
+def _mask_arg(kv_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The key mask as the kernel reads it (bool viewed as bytes, no copy), after checking it."""
+    if kv_mask is None:
+        return None
+    if tuple(kv_mask.shape) != (q.shape[0], k.shape[2]) or kv_mask.is_floating_point() or kv_mask.device != q.device:
+        raise ValueError(f"attention_prefill: expected kv_mask a [{q.shape[0]}, {k.shape[2]}] bool or integer tensor "
+                         f"on {q.device}, got {tuple(kv_mask.shape)} {kv_mask.dtype} on {kv_mask.device}")
+    return kv_mask.view(torch.uint8) if kv_mask.dtype == torch.bool else kv_mask
+
+
 def attention_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, kv_mask: torch.Tensor | None = None,
     BLOCK_M: int | None = None, BLOCK_N: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, S_q, D] (S_q > 1), k/v: [B, Hkv, S_kv, D] with Hq % Hkv == 0 and S_kv >= S_q (any strides),
-    scale (default D**-0.5), sliding_window W >= 1 (None: full causal) -> causal attention output [B, Hq, S_q, D],
-    contiguous, q's dtype."""
+    scale (default D**-0.5), sliding_window W >= 1 (None: full causal), kv_mask [B, S_kv] bool or integer (any
+    strides; nonzero: a real key, None: every key) -> causal attention output [B, Hq, S_q, D], contiguous, q's
+    dtype."""
     _check(q, k, v)
+    kv_mask = _mask_arg(kv_mask, q, k)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"attention_prefill: expected sliding_window >= 1 or None, got {sliding_window}")
     B, Hq, S_q, D = q.shape
@@ -173,11 +196,11 @@ def attention_prefill(
         return o
     scale = D**-0.5 if scale is None else scale
     _attention_prefill_kernel[(triton.cdiv(S_q, bm), B * Hq)](
-        q, k, v, o,
+        q, k, v, o, o if kv_mask is None else kv_mask,
         Hq, S_q, k.shape[2], D, Hq // k.shape[1], scale * _LOG2E, sliding_window or 0,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *(kv_mask.stride() if kv_mask is not None else (0, 0)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        HAS_WINDOW=sliding_window is not None, UPCAST_DOT=interpreting(),
+        HAS_WINDOW=sliding_window is not None, HAS_MASK=kv_mask is not None, UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )

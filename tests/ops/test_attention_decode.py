@@ -114,3 +114,36 @@ def test_attention_decode_cuda_bf16(shape):
     out_ref, k_ref, v_ref = attention_decode_update_ref(q, k_new, v_new, kc, vc, shape[3] - 1)
     assert_close(attention_decode_update(q, k_new, v_new, kc, vc, shape[3] - 1), out_ref)
     assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits,pads", [(3, (0, 6, 19)), (None, (13, 0, 2))])
+def test_left_padded_rows_attend_only_their_own_keys(dtype, num_splits, pads):
+    """HF's dynamic-cache decode mask for a left-padded batch ([B, 1, 1, S_kv], its row a strided view): each row
+    matches float64 SDPA over its own keys, with pad tiles and whole pad splits (no NaN); with the fused update too
+    (a device length); the unpadded row equals the causal output."""
+    B, Hq, Hkv, S, D = 3, 4, 2, 33, 16
+    q, k, v = _inputs(B, Hq, Hkv, S, D, dtype)
+    j = torch.arange(S)
+    mask = torch.stack([j >= p for p in pads])[:, None, None, :]  # [B, 1, 1, S]
+    ref = attention_decode_ref(q.double(), k.double(), v.double(), 0.3, kv_mask=mask[:, 0, -1])
+    out = attention_decode(q, k, v, 0.3, kv_mask=mask[:, 0, -1], BLOCK_N=8, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref.to(dtype), dtype, name="vs float64")
+    assert_close(out[1 if pads[1] == 0 else 0], attention_decode_ref(q, k, v, 0.3)[1 if pads[1] == 0 else 0], dtype)
+    k_new, v_new = k[:, :, -1:].clone(), v[:, :, -1:].clone()
+    kc, vc = k.clone(), v.clone()
+    kc[:, :, -1], vc[:, :, -1] = 0, 0
+    upd = attention_decode_update(q, k_new, v_new, kc, vc, torch.tensor(S - 1), 0.3, kv_mask=mask[:, 0, -1],
+                                  BLOCK_N=8, num_splits=num_splits)
+    assert_close(upd, ref.to(dtype), dtype, name="fused update vs float64")
+
+
+def test_a_row_with_every_key_masked_gets_zeros_and_a_float_mask_is_refused():
+    q, k, v = _inputs(2, 4, 2, 20, 16, torch.float32)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1] = False
+    out = attention_decode(q, k, v, 0.3, kv_mask=mask, BLOCK_N=8, num_splits=3)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"expected kv_mask a \[2, 20\] bool or integer"):
+        attention_decode(q, k, v, kv_mask=torch.zeros(2, 20))

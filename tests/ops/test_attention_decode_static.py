@@ -91,6 +91,62 @@ def test_static_decode_rejects_a_host_length():
         attention_decode_static(**c, cache_len=3, scale=0.25)
 
 
+def _left_padded(B, S, pos, pads):
+    """HF's decode-row key mask for a left-padded batch on the static cache: row b attends [pads[b], pos], nothing
+    past the write position."""
+    j = torch.arange(S)
+    return torch.stack([(j >= p) & (j <= pos) for p in pads])[:B]  # [B, S] bool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits,pads", [(3, (0, 5, 17)), (1, (11, 0, 2)), (4, (0, 33, 1))])
+def test_left_padded_rows_attend_only_their_own_keys(dtype, num_splits, pads):
+    """Three rows left-padded by different lengths (one not at all), the 2-D key mask a strided view of HF's
+    [B, 1, 1, S_max] decode mask: each row matches the float64 reference over its own keys, including a row whose
+    padding covers whole BLOCK_N tiles and whole splits (no NaN from an empty tile), and differs from attending
+    causally over the pads."""
+    B, Hq, Hkv, S, D, pos = 3, 4, 2, 40, 16, 34
+    c = _case(B, Hq, Hkv, S, D, dtype, True, seed=sum(pads) + num_splits)
+    mask4 = _left_padded(B, S, pos, pads)[:, None, None, :]  # [B, 1, 1, S] as HF passes it
+    mask = mask4[:, 0, -1]  # [B, S] view
+    n = torch.tensor(pos)
+    ref64 = attention_decode_static_ref(**_wide(c), cache_len=n, scale=0.3, kv_mask=mask)
+    causal = attention_decode_static_ref(**c, cache_len=n, scale=0.3)
+    k_mut, v_mut, n_mut = c["k_cache"].clone(), c["v_cache"].clone(), n.clone()
+    out = attention_decode_static(**{**c, "k_cache": k_mut, "v_cache": v_mut}, cache_len=n_mut, scale=0.3,
+                                  kv_mask=mask, BLOCK_N=8, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref64[0].to(dtype), dtype, name="vs float64")
+    assert_close(k_mut, ref64[1].to(dtype), dtype, name="k cache")
+    assert n_mut.item() == pos + 1
+    for b, p in enumerate(pads):  # the unpadded row is the causal one; a padded row is far from it
+        if p == 0:
+            assert_close(out[b], causal[0][b], dtype, name=f"row {b}")
+        else:
+            assert (out[b].float() - causal[0][b].float()).abs().max() > 0.05, b
+
+
+def test_a_row_with_every_key_masked_gets_zeros_not_nan():
+    """SDPA's answer for a fully masked row (zeros) in the merge of empty splits and in the one-split path."""
+    c = _case(2, 4, 2, 24, 16, torch.float32, False, seed=9)
+    mask = _left_padded(2, 24, 10, (0, 0))
+    mask[1] = False
+    ref = attention_decode_static_ref(**c, cache_len=torch.tensor(10), scale=0.3, kv_mask=mask)
+    for splits in (1, 3):
+        out = attention_decode_static(**{**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()},
+                                      cache_len=torch.tensor(10), scale=0.3, kv_mask=mask, BLOCK_N=8,
+                                      num_splits=splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+        assert_close(out, ref[0])
+
+
+def test_static_decode_rejects_a_float_or_misshapen_key_mask():
+    c = _case(2, 4, 2, 20, 16, torch.float32, False, seed=5)
+    for bad in (torch.zeros(2, 20), torch.ones(2, 19, dtype=torch.bool), torch.ones(20, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="expected kv_mask"):
+            attention_decode_static(**c, cache_len=torch.tensor(3), scale=0.25, kv_mask=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("S,pos,kw", [(576, 575, {}), (576, 575, dict(num_splits=1, PDL=True)), (4096, 1000, {}),
                                       (4096, 1000, dict(num_splits=1, BLOCK_N=64, num_warps=8, PDL=True)),

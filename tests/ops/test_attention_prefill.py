@@ -50,3 +50,41 @@ def test_attention_prefill_phase_contract():
 def test_attention_prefill_cuda_bf16(shape):
     q, k, v = _qkv(*shape, torch.bfloat16, "cuda")
     assert_close(attention_prefill(q, k, v), attention_prefill_ref(q, k, v))
+
+
+def _hf_left_padded_mask(B, S_q, S_kv, pads):
+    """HF's 4-D SDPA mask for left padding: causal (queries at the last S_q positions) AND the 2-D padding mask."""
+    j = torch.arange(S_kv)
+    rows = torch.arange(S_q)[:, None] + (S_kv - S_q)
+    pad = torch.stack([j >= p for p in pads])  # [B, S_kv]
+    return (rows >= j[None, :])[None, None] & pad[:, None, None, :]  # [B, 1, S_q, S_kv]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape,pads", [((3, 4, 2, 37, 37, 16), (0, 5, 20)), ((3, 2, 2, 9, 30, 32), (25, 0, 3))])
+def test_left_padded_rows_match_sdpa_on_hf_mask(dtype, shape, pads):
+    """Rows left-padded by different lengths (one not at all), the key mask the last query row of HF's 4-D mask (a
+    strided view): the output equals SDPA over HF's mask in float64, the pad queries' own rows (no key to see)
+    included: zeros, no NaN; a padded row differs from attending causally over the pads."""
+    B, Hq, Hkv, S_q, S_kv, D = shape
+    q, k, v = _qkv(*shape, dtype)
+    mask4 = _hf_left_padded_mask(B, S_q, S_kv, pads)
+    out = attention_prefill(q, k, v, 0.3, kv_mask=mask4[:, 0, -1], BLOCK_M=16, BLOCK_N=8)
+    wide = [t.double() for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(Hq // Hkv, dim=1) for t in wide[1:])
+    ref = torch.nn.functional.scaled_dot_product_attention(wide[0], kk, vv, attn_mask=mask4, scale=0.3)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref.to(dtype), dtype, name="vs SDPA float64 on HF's mask")
+    assert_close(out, attention_prefill_ref(q, k, v, 0.3, kv_mask=mask4[:, 0, -1]), dtype)
+    causal = attention_prefill_ref(q, k, v, 0.3)
+    for b, p in enumerate(pads):  # the unpadded row is the causal one; a padded row is far from it
+        if p == 0:
+            assert_close(out[b], causal[b], dtype, name=f"row {b}")
+        else:
+            assert (out[b].float() - causal[b].float()).abs().max() > 0.05, b
+
+
+def test_attention_prefill_rejects_a_float_key_mask():
+    q, k, v = _qkv(2, 4, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"expected kv_mask a \[2, 8\] bool or integer"):
+        attention_prefill(q, k, v, kv_mask=torch.zeros(2, 8))

@@ -5,9 +5,11 @@ state_out (a sliding-window cache keeps its last W - 1 positions), causal flash 
 window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
 transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
 device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
-the host that a graph would freeze (the same qkv_layout option; partial rotary too). Limit: the attention mask is
-taken to be causal (and windowed) only (no padding); a padded batch fails verification rather than being silently
-accepted."""
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). Padded batches (left padding, as
+`generate` builds them): every template here passes the last query row of HF's 4-D bool mask (`_pad_keys`: HF
+builds it as the causal mask AND the 2-D padding mask, so that row is the padding mask; for a decode step it is the
+step's own row) to its kernel, which reads it on the device and excludes each row's pad keys; the mask forms they
+cannot read are refused (`mask_problem`), never attended causally."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count
@@ -91,6 +93,19 @@ def _rope(q, k, inputs, weights, static):
 
 def _head_dim(static):
     return int(_static(static, "head_dim", "head_size"))
+
+
+def _pad_keys(inputs, B, kv_len, window=None):
+    # a padded batch's key mask [B, kv_len], read by the kernel on the device; None without a mask (causal only).
+    # HF's [B, 1, S, kv_len] bool mask is causal AND window AND padding-at-the-key, so its last row (a view) is the
+    # padding where nothing windows it, and a key is real where any row sees it (exact with a window too)
+    m = inputs.get("attention_mask")
+    if m is None:
+        return None
+    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:2]) != (B, 1) or m.shape[-1] != kv_len:
+        raise ValueError(f"attention mask: expected HF's [{B}, 1, S, {kv_len}] bool mask (SDPA), got "
+                         f"{tuple(m.shape)} {m.dtype}")
+    return m[:, 0].any(dim=1) if window and m.shape[2] > 1 else m[:, 0, -1]
 
 
 def _with_past(past, new, extra=0):
@@ -200,12 +215,35 @@ def module_softcap(static: dict) -> float | None:
     return float(cap)
 
 
+def mask_problem(spec: TaskSpec, s_max: int | None = None) -> str | None:
+    """Why the task's captured attention mask is not one the attention templates honour, or None: they read HF's
+    4-D bool mask [B, 1, S, L] (SDPA's form, the padding included; L = `s_max` on the static cache); an additive
+    float mask (eager attention, whose fully masked rows average every value where SDPA's give zeros) or a 2-D one
+    (flash attention) they refuse rather than attend causally."""
+    for case in spec.cases:
+        m = case.inputs.get("attention_mask")
+        if m is None:
+            continue
+        shape = list(m.shape)
+        if m.dtype != "bool" or len(shape) != 4 or shape[1] != 1 or (s_max and shape[3] != s_max):
+            return (f"attention mask: expected HF's [B, 1, S, {s_max or 'L'}] bool mask (SDPA), got {m.dtype} "
+                    f"{shape}")
+    return None
+
+
+def static_mask_problem(spec: TaskSpec) -> str | None:
+    """mask_problem on the static cache: HF's [B, 1, 1, S_max] mask, the decode row."""
+    return mask_problem(spec, ((spec.recipe or {}).get("state") or {}).get("max_cache_len"))
+
+
 def _applies(spec: TaskSpec) -> str | None:
     why = _applies_common(spec)
     if why:
         return why
     if _adapter(spec) in STATIC_ADAPTERS:
         return "attention: a static KV cache task (attention.decode_static takes it)"
+    if mask_problem(spec):
+        return f"attention: {mask_problem(spec)}"
     if module_softcap(spec.static):
         return (f"attention: logit soft-capping ({module_softcap(spec.static):g}, "
                 f"{spec.static.get('attn_implementation')} attention) is out of this template's scope")
@@ -220,7 +258,8 @@ def _applies_static(spec: TaskSpec) -> str | None:
         return f"attention.decode_static: expected a static KV cache task ({STATIC_ADAPTERS}), got {_adapter(spec)}"
     if spec.static.get("attention_type") not in (None, "full_attention", "sliding_attention"):
         return f"attention.decode_static: attention type {spec.static.get('attention_type')!r} is out of scope"
-    return None
+    why = static_mask_problem(spec)
+    return f"attention.decode_static: {why}" if why else None
 
 
 def _imports(extra: list[str]) -> list[str]:
@@ -234,12 +273,13 @@ def _render_prefill(spec: TaskSpec, config: dict) -> str:
     return header("attention.prefill_flash", spec, _imports([f"from kernels_runtime.ops.attention_prefill import "
                                                              f"{ops}"]), config) + _qkv_prelude(spec) + '''
 
-def _attend(q, k_all, v_all, scale, window):
-    # a 16-bit prompt without a past or a window (head_dim <= 128): the bf16 flash kernel whose fully visible K/V
-    # tiles come by TMA (sm_90+; pointers elsewhere); else, and with flash_kernel = "pointer", attention_prefill
-    if CONFIG.get("flash_kernel") == "tma" and tma_applies(q, k_all, window):
+def _attend(q, k_all, v_all, scale, window, kv_mask=None):
+    # a 16-bit prompt without a past, a window or padding (head_dim <= 128): the bf16 flash kernel whose fully
+    # visible K/V tiles come by TMA (sm_90+; pointers elsewhere); else, and with flash_kernel = "pointer",
+    # attention_prefill (the padded rows' pad keys excluded)
+    if CONFIG.get("flash_kernel") == "tma" and kv_mask is None and tma_applies(q, k_all, window):
         return attention_prefill_tma(q, k_all, v_all, scale, **ATTN)
-    return attention_prefill(q, k_all, v_all, scale, sliding_window=window, **ATTN)
+    return attention_prefill(q, k_all, v_all, scale, sliding_window=window, kv_mask=kv_mask, **ATTN)
 
 
 def entry(inputs, weights, state, static):
@@ -251,7 +291,8 @@ def entry(inputs, weights, state, static):
     k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
     window = _window(static)
-    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window)  # [B, Hq, S, D]
+    kv_mask = _pad_keys(inputs, B, k_all.shape[2], window)  # [B, S_past + S] or None
+    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window, kv_mask)  # [B, Hq, S, D]
     out = _out(o, weights, B, S)
     return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
 '''
@@ -263,14 +304,18 @@ def _render_decode(spec: TaskSpec, config: dict) -> str:
         body = '''    k_all, sp = _with_past(state.get("key_cache"), k, extra=1)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v, extra=1)
     lo = max(0, sp + 1 - window) if window else 0  # the window's first position
+    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # [B, S_past + 1] or None
     # writes position S_past (through the views), attends over [lo, S_past]
-    o = attention_decode_update(q, k, v, k_all[:, :, lo:], v_all[:, :, lo:], sp - lo, scale, **ATTN)
+    o = attention_decode_update(q, k, v, k_all[:, :, lo:], v_all[:, :, lo:], sp - lo, scale,
+                                kv_mask=None if kv_mask is None else kv_mask[:, lo:], **ATTN)
 '''
     else:
         body = '''    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v)
     lo = max(0, k_all.shape[2] - window) if window else 0  # the window's first position
-    o = attention_decode(q, k_all[:, :, lo:], v_all[:, :, lo:], scale, **ATTN)
+    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # [B, S_past + 1] or None
+    o = attention_decode(q, k_all[:, :, lo:], v_all[:, :, lo:], scale,
+                         kv_mask=None if kv_mask is None else kv_mask[:, lo:], **ATTN)
 '''
     return header("attention.decode_splitkv", spec, imports, config) + _qkv_prelude(spec) + '''
 
@@ -315,9 +360,9 @@ def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
 
 # Pasted into rendered sources (after PRELUDE: ATTN) by every template that calls attention_decode_static: its
 # call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
-# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over [0, n] (the attention
-# mask taken to be causal, windowed by the module's sliding_window), advances n: all in place, so the state-out is
-# the state-in tensors.
+# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over the keys in [0, n] that
+# the call's attention mask lets the decode row see (a padded row's pad keys excluded; windowed by the module's
+# sliding_window), advances n: all in place, so the state-out is the state-in tensors.
 STATIC_STEP = '''
 
 def _opt(static, *names):
@@ -337,6 +382,9 @@ def _softcap(static, p=""):
 def _static_attention(q, k, v, inputs, weights, state, static, p=""):
     # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written)
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
+    # the decode row of HF's [B, 1, 1, S_max] mask: read by the kernel, so a graph replay sees new values; checked
+    # before anything is written
+    kv_mask = _pad_keys(inputs, q.shape[0], kc.shape[2])
     norm = p + "q_norm.weight" in weights
     eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
     window = _opt(static, p + "sliding_window")
@@ -345,7 +393,7 @@ def _static_attention(q, k, v, inputs, weights, state, static, p=""):
         q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
         float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
         k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, PDL=bool(CONFIG.get("pdl", False)),
+        softcap=float(cap) if cap else None, kv_mask=kv_mask, PDL=bool(CONFIG.get("pdl", False)),
         # o_proj's weight into L2 while the attention leaves HBM idle (l2pf_o: decoder_layer.decode_static)
         l2_prefetch=weights.get(p + "o_proj.weight") if CONFIG.get("l2pf_o") else None, **ATTN)
     return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
                                                 STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
-                                                cache_splits, module_softcap)
+                                                cache_splits, mask_problem, module_softcap, static_mask_problem)
 from llm4llm.search.templates.attention import PRELUDE as ATTN_PRELUDE
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
@@ -156,8 +156,8 @@ def _attn_applies(spec: TaskSpec, prefix: str = "") -> str | None:
         return f"expected weights {sorted(need)}, got {spec.weight_names}"
     if not {"hidden_states", "position_embeddings.0", "position_embeddings.1"} <= set(spec.input_names):
         return f"expected hidden_states and position_embeddings.0/.1 inputs, got {spec.input_names}"
-    if "attention_mask" in spec.input_names:
-        return "a tensor attention mask (padding) is out of scope: the kernel attends causally to the whole cache"
+    if mask_problem(spec):  # HF's bool mask is honoured (the pad keys excluded); other forms are not read
+        return mask_problem(spec)
     if spec.static.get(prefix + "sliding_window"):
         return "sliding-window attention is out of scope"
     if set(spec.state_names) != {"key_cache", "value_cache"}:
@@ -189,7 +189,9 @@ def _attention(xin, inputs, weights, static, state, p, norm_w=None, norm_eps=1e-
     q = q.view(B, S, -1, D).transpose(1, 2)  # [B, Hq, 1, D]
     k_all, _ = _with_past(state.get("key_cache"), k.view(B, S, -1, D).transpose(1, 2))  # [B, Hkv, S_past + 1, D]
     v_all, _ = _with_past(state.get("value_cache"), v.view(B, S, -1, D).transpose(1, 2))
-    o = attention_decode(q, k_all, v_all, float(_static(static, p + "scaling")), **ATTN)  # [B, Hq, 1, D]
+    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # a padded batch's decode row [B, S_past + 1], or None
+    o = attention_decode(q, k_all, v_all, float(_static(static, p + "scaling")), kv_mask=kv_mask,
+                         **ATTN)  # [B, Hq, 1, D]
     return o.transpose(1, 2).reshape(B * S, -1), k_all, v_all
 '''
 
@@ -298,8 +300,8 @@ def entry(inputs, weights, state, static):
 # weights), attention.decode_static's kernel for the q/k norms + rotary + the cache write at the device-side length
 # + split-KV attention (STATIC_STEP, the same call), then o_proj + residual + post_attention_layernorm, gate/up +
 # SwiGLU, down_proj + residual as decode_fused. Nothing is read on the host. The attention mask (every static-cache
-# call carries one) is taken to be causal (and windowed by the module's sliding_window) only, as
-# attention.decode_static does: a padded batch fails verification.
+# call carries one) is honoured as attention.decode_static honours it: the kernel reads its decode row on the device
+# (a left-padded row's pad keys excluded); the forms it cannot read are refused (static_mask_problem).
 
 ATTN_WEIGHTS = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                                      "q_norm.weight", "k_norm.weight")}
@@ -334,7 +336,7 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
     if any(attn_static.get(n) is not None for n in ("attn_logit_softcapping", "config.attn_logit_softcapping")):
         # whether the module caps depends on its attention implementation (module_softcap), not recorded here
         return f"logit soft-capping is out of scope (module_softcap: {module_softcap(attn_static)})"
-    return _bias_free(spec, ATTN_P)
+    return static_mask_problem(spec) or _bias_free(spec, ATTN_P)
 
 
 def _layer_static_space(spec):

@@ -59,11 +59,16 @@ def entry(inputs, weights, state, static):
     else:
         k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
         v_all, _ = _with_past(state.get("value_cache"), v)
-    if sp == 0:  # self-attention over the prompt: routed per tile group
-        o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, TMA=CONFIG.get("tm_tma", False),
-                              **ATTN)  # [B, Hq, S, D]
+    if sp == 0:  # self-attention over the prompt: routed per tile group; TileMix routes an unpadded prompt's tiles,
+        # so a padded batch (HF's mask given) takes the exact kernel, each row's pad keys excluded
+        kv_mask = _pad_keys(inputs, B, S)  # [B, S] or None
+        if kv_mask is None:
+            o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, TMA=CONFIG.get("tm_tma", False),
+                                  **ATTN)  # [B, Hq, S, D]
+        else:
+            o = attention_prefill(q, k_all, v_all, scale, kv_mask=kv_mask, **ATTN)
     else:  # a prefill that extends a cache: TileMix routes one prompt's own score matrix, so the plain kernel
-        o = attention_prefill(q, k_all, v_all, scale, **ATTN)
+        o = attention_prefill(q, k_all, v_all, scale, kv_mask=_pad_keys(inputs, B, k_all.shape[2]), **ATTN)
     out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
     return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
 '''

@@ -1,0 +1,183 @@
+"""Padded batches (issue 38, item 1): a workload asks for left-padded batches (`[regime] padding = "left"`), the
+reference script builds them as `generate` serving code does, and the decode attention on transformers' static
+cache honours the padding mask. tiny-qwen3-padded / tiny-llama-padded (3 rows of 16, 12 and 15 tokens, left-padded
+to 16), extracted on the static cache, fp32, Triton interpreter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_runtime.boundary import STATE_OUT
+from kernels_runtime.tolerances import assert_close
+from llm4llm.taskspec import load_task
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+
+
+def _template(name):
+    from llm4llm.search.templates import TEMPLATES
+
+    return next(t for t in TEMPLATES if t.name == name)
+
+
+@pytest.fixture(scope="module")
+def padded_task(tiny_extracted):
+    """(workload, family) -> (the decode task dir, its Task) of `<workload>+static`."""
+    def get(workload, family):
+        d = next(d for d in tiny_extracted(workload + "+static") if d.name.startswith(f"{family}-decode-"))
+        return d, load_task(d)
+
+    return get
+
+
+def test_padded_workload_builds_left_padded_rows():
+    """Rows of different prompt lengths (the first full, the others shorter and distinct), left-padded: pad id 0
+    and mask 0 before each prompt; the same batch on every call (seeded); a workload without the regime key keeps
+    one length for every row."""
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    wl = load_workload(WORKLOADS / "tiny-qwen3-padded.toml")
+    assert wl.regime.padding == "left"
+    script = load_script(wl)
+    batch = call_script(script.inputs, wl)
+    mask, ids = batch["attention_mask"], batch["input_ids"]
+    lens = mask.sum(1).tolist()
+    assert mask.shape == ids.shape == (3, 16) and lens[0] == 16 and len(set(lens)) == 3 and min(lens) >= 6
+    for row, n in zip(mask, lens):  # zeros, then ones: left padding
+        assert torch.equal(row, (torch.arange(16) >= 16 - n).long())
+    assert torch.equal(ids[mask == 0], torch.zeros_like(ids[mask == 0]))
+    again = call_script(script.inputs, wl)
+    assert torch.equal(again["input_ids"], ids) and torch.equal(again["attention_mask"], mask)
+    plain = load_workload(WORKLOADS / "tiny-qwen3.toml")
+    assert bool(call_script(load_script(plain).inputs, plain)["attention_mask"].all())
+    assert wl.regime.model_copy(update={"padding": "none"}).row_prompt_lens(3, 16, 0) == [16, 16, 16]
+
+
+@pytest.mark.parametrize("workload,family,template", [
+    ("tiny-qwen3-padded", "attention", "attention.decode_static"),
+    ("tiny-qwen3-padded", "decoder_layer", "decoder_layer.decode_static"),
+    ("tiny-llama-padded", "decoder_layer", "decoder_layer.decode_static"),
+])
+def test_static_templates_pass_the_verifier_on_a_padded_capture(padded_task, workload, family, template, tmp_path):
+    """The task captured from the padded batch carries HF's [3, 1, 1, S_max] bool mask with the pad keys masked;
+    the template takes it, its default rendering matches the module on the captured call (each row's output, the
+    cache written at the device-side length) and passes the verifier's gates."""
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = padded_task(workload, family)
+    case = task.cases[0]
+    mask = case.inputs["attention_mask"]
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (3, 1, 1, 19)
+    assert (~mask[:, 0, 0, :16]).sum(1).tolist() == [0, 4, 1]  # the pad keys of rows 1 and 2
+    tpl = _template(template)
+    assert tpl.why_not(task.spec) is None
+    source = tpl.render(task.spec, tpl.default(task.spec))
+    mod = load_candidate(source, tmp_path, "padded_candidate")
+    try:
+        state = {n: t.clone() for n, t in case.state.items()}
+        out = mod.entry(dict(case.inputs), dict(case.weights), state, dict(task.spec.static))
+    finally:
+        unload_candidate("padded_candidate")
+    assert_close(out["out"], case.ref["out"])
+    assert_close(out[STATE_OUT + "key_cache"], case.ref[STATE_OUT + "key_cache"], name="key cache")
+    v, _ = run_gates(str(task_dir), source, device="cpu", draws=1, timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"
+
+
+def test_static_templates_refuse_a_mask_they_cannot_read(padded_task):
+    """An additive float mask (eager attention) or a 2-D one is refused with the reason, never attended causally."""
+    from llm4llm.taskspec import TensorSig
+
+    _, task = padded_task("tiny-qwen3-padded", "decoder_layer")
+    for dtype, shape in (("float32", [3, 1, 1, 19]), ("bool", [3, 19])):
+        case = task.spec.cases[0].model_copy(deep=True)
+        case.inputs["attention_mask"] = TensorSig(shape=shape, dtype=dtype)
+        odd = task.spec.model_copy(update={"cases": [case]})
+        assert "bool mask (SDPA)" in _template("decoder_layer.decode_static").why_not(odd)
+
+
+def test_patched_model_on_a_padded_batch_matches_eager(padded_task):
+    """In the model: generate on the static cache over the padded batch with the layer kernel installed: every
+    decode call of both layers takes the kernel and the teacher-forced logits of every row equal the unpatched
+    model's, eagerly and replayed from (emulated) decode graphs."""
+    from static_patched import check_static_decode_in_model
+
+    _, task = padded_task("tiny-qwen3-padded", "decoder_layer")
+    tpl = _template("decoder_layer.decode_static")
+    check_static_decode_in_model(str(WORKLOADS / "tiny-qwen3-padded.toml"), task.spec,
+                                 tpl.render(task.spec, tpl.default(task.spec)), "padded-layer")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _padded_attention_call(phase):
+    """One call of layer 0's attention in tiny-qwen3-padded's `generate` on the dynamic cache (the prompt's, or the
+    first decode step's), captured with its state-in and the module's own outputs: HF's [3, 1, S, L] bool mask with
+    rows 1 and 2 left-padded."""
+    from kernels_runtime.boundary import capture_call
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    wl = load_workload(WORKLOADS / "tiny-qwen3-padded.toml")
+    script = load_script(wl)
+    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    attn, seen = model.model.layers[0].self_attn, {}
+
+    def pre(module, args, kwargs):
+        if (kwargs["hidden_states"].shape[1] > 1) == (phase == "prefill"):
+            seen.update(args=args, kwargs=kwargs)
+            raise _Stop
+
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with pytest.raises(_Stop), torch.inference_mode():
+            model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    finally:
+        handle.remove()
+    call = capture_call(attn, *seen["args"], **seen["kwargs"])
+    return call, {n: p.detach() for n, p in attn.named_parameters()}
+
+
+@pytest.mark.parametrize("phase,template", [("prefill", "attention.prefill_flash"),
+                                            ("prefill", "attention.prefill_tilemix"),
+                                            ("decode", "attention.decode_splitkv"),
+                                            ("decode", "attention.decode_fused_qkv")])
+def test_dynamic_cache_templates_honour_a_padded_call(tiny_extracted, phase, template, tmp_path):
+    """The prefill and dynamic-cache decode templates (rendered for tiny-qwen3's tasks: the same module) on a padded
+    call: the output of every row, the pad queries' own rows included, equals the module's own forward (TileMix,
+    whose routing is for unpadded prompts, takes the exact kernel for a padded batch)."""
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+
+    d = next(d for d in tiny_extracted("tiny-qwen3") if d.name.startswith(f"attention-{phase}-"))
+    spec = load_task(d).spec
+    call, weights = _padded_attention_call(phase)
+    mask = call.inputs["attention_mask"]
+    assert mask.dtype == torch.bool and mask.shape[:2] == (3, 1) and not bool(mask[:, 0, -1].all())
+    tpl = _template(template)
+    source = tpl.render(spec, tpl.default(spec))
+    mod = load_candidate(source, tmp_path, "padded_dynamic_candidate")
+    try:
+        out = mod.entry(dict(call.inputs), weights, {n: t.clone() for n, t in call.state.items()}, dict(call.static))
+    finally:
+        unload_candidate("padded_dynamic_candidate")
+    assert torch.isfinite(out["out"]).all()
+    assert_close(out["out"], call.outputs["out"])
+    if call.state_out:
+        assert_close(out[STATE_OUT + "key_cache"], call.state_out["key_cache"], name="key cache")
+
+
+def test_prefill_template_refuses_an_eager_mask(tiny_extracted):
+    """An additive float mask (eager attention: its fully masked rows average every value) is refused by name."""
+    from llm4llm.taskspec import TensorSig
+
+    d = next(d for d in tiny_extracted("tiny-qwen3") if d.name.startswith("attention-prefill-"))
+    spec = load_task(d).spec
+    case = spec.cases[0].model_copy(deep=True)
+    case.inputs["attention_mask"] = TensorSig(shape=[1, 1, 16, 16], dtype="float32")
+    odd = spec.model_copy(update={"cases": [case], "input_names": [*spec.input_names, "attention_mask"]})
+    for name in ("attention.prefill_flash", "attention.decode_splitkv", "attention.decode_fused_qkv"):
+        assert "bool mask (SDPA)" in _template(name).applies_fn(odd), name
