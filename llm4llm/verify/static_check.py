@@ -170,6 +170,9 @@ class _Checker(ast.NodeVisitor):
             raise _Violation(node, f"dunder attribute {node.attr!r} is not allowed in a candidate")
         if node.attr in self.forbidden_names:
             raise _Violation(node, f"{node.attr!r} refers to the reference module")
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and self.resolve(node.value) is not None:
+            raise _Violation(node, f"assigning {self.resolve(node)}: a candidate may not rebind what imported modules "
+                                   f"hold (the timing and counting hooks of the judge live there)")
         if node.attr in DENIED_ATTRS:
             raise _Violation(node, f"attribute {node.attr!r} is not allowed in a candidate (a module or frame outside "
                                    f"the allowed imports)")

@@ -1,4 +1,5 @@
 # expect: torch_compute
+# behind_static
 # options: rehearse_timing
 """Its Triton kernel does the work on its first 24 calls (every judged call before timing, counted across module
 copies), then torch computes the (correct) result with operators beside a copy kernel: the timed outputs match; only
