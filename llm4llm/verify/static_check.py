@@ -50,7 +50,8 @@ DENIED_ATTRS = {
     "os", "_os", "sys", "_sys", "subprocess", "inspect", "builtins", "importlib", "ctypes", "gc", "threading",
     "_thread", "socket", "shutil", "pathlib", "signal", "multiprocessing", "pickle", "marshal", "runpy", "tempfile",
     "concurrent", "asyncio", "pty", "fcntl", "mmap", "resource", "sysconfig", "site", "posix", "io", "codecs",
-    "weakref", "atexit", "faulthandler", "tracemalloc",
+    "weakref", "atexit", "faulthandler", "tracemalloc", "operator", "types", "linecache", "dis", "code", "codeop",
+    "pdb", "traceback", "copyreg",
     # frames and code objects: a frame's globals are the harness's (the judge's counters, its hooks)
     "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame", "tb_frame",
     "tb_next", "co_code", "co_consts", "func_globals", "gi_code", "cr_code",
