@@ -42,7 +42,14 @@ def test_state_out_may_be_its_own_state_buffer_only():
 
 
 def test_torch_work_on_a_helper_thread_is_counted():
-    install_thread_counting()
+    undo = install_thread_counting()
+    try:
+        _count_on_helper_threads()
+    finally:
+        undo()  # this process runs other tests: its later threads must not carry the mode
+
+
+def _count_on_helper_threads():
     x = torch.randn(16, 16)
     box = []
     with AtenCounter() as counter:

@@ -775,17 +775,19 @@ class AtenCounter:
 _ACTIVE_COUNTER: list[AtenCounter | None] = [None]  # the counter of the judged call in progress, if any
 
 
-def install_thread_counting() -> None:
+def install_thread_counting() -> Callable[[], None]:
     """Make every Python thread started from now on count its aten ops into the active AtenCounter: torch work
     handed to a helper thread (threading, a ThreadPoolExecutor) during a judged call counts as the call's own.
     A dispatch mode is thread-local, so each new thread runs its whole life under a forwarding mode of its own. The
-    worker calls this before it loads a candidate; idempotent."""
+    sandboxed worker calls this before it loads a candidate (never a process that runs anything else: every later
+    thread carries the mode). Idempotent; returns the undo."""
     import threading
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    if getattr(threading.Thread._bootstrap_inner, "_llm4llm_counting", False):
-        return
+    inner = threading.Thread._bootstrap_inner
+    if getattr(inner, "_llm4llm_counting", False):
+        return lambda: None
 
     class _ThreadMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -795,14 +797,17 @@ def install_thread_counting() -> None:
                 counter.seen(func, out, helper_thread=True)
             return out
 
-    inner = threading.Thread._bootstrap_inner
-
     def bootstrap_inner(self, _inner=inner):
         with _ThreadMode():
             _inner(self)
 
     bootstrap_inner._llm4llm_counting = True
     threading.Thread._bootstrap_inner = bootstrap_inner
+
+    def undo() -> None:
+        threading.Thread._bootstrap_inner = inner
+
+    return undo
 
 
 HELD_CALLS = 4  # the worker keeps the outputs of this many earlier calls alive to recognise a reused buffer
@@ -892,7 +897,6 @@ class CandidateSession:
 
     def load(self) -> dict:
         install_launch_hook()
-        install_thread_counting()
         workdir = Path(tempfile.mkdtemp(prefix="cand-"))
         try:
             module = load_candidate(self.source, workdir, self.name)
