@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -731,9 +732,40 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         _print_table(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
 
 
+def _end_children() -> None:
+    """Kill every process below this one (Prefect's ephemeral API server, the script's children, sandboxed
+    workers); only descendants, so a Prefect worker that started this command is not touched."""
+    from llm4llm.verify.sandbox import descendants
+
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _stopped(signum: int, _frame) -> None:
+    sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}; ended every process this command started\n")
+    sys.stderr.flush()
+    _end_children()
+    os._exit(128 + signum)
+
+
+def _install_stop_handlers() -> None:
+    """SIGTERM (a scheduler, `kill`) ends the command and everything it started at once: Python's default would
+    exit without any cleanup, orphaning Prefect's uvicorn server. Ctrl-C keeps its KeyboardInterrupt (commands
+    report what a stopped run kept), and whatever is still running below this process at exit is ended."""
+    import atexit
+
+    signal.signal(signal.SIGTERM, _stopped)
+    atexit.register(_end_children)
+
+
 def main() -> None:  # pragma: no cover - console entry
+    _install_stop_handlers()
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
+    _install_stop_handlers()
     sys.exit(app())

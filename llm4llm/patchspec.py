@@ -12,9 +12,13 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     dims (exact where all cases agree, else the observed range), contiguity, and the state adapter of the cache the
     task was captured on. Anything outside falls back to the original forward."""
     shapes: dict[str, list] = {}
+    ragged = False  # an input whose rank differs between cases has no box: only its verified shapes are admitted
     for name in spec.input_names:
         sigs = [c.inputs[name].shape for c in spec.cases if name in c.inputs]
-        if not sigs or len({len(s) for s in sigs}) != 1:
+        if not sigs:
+            continue
+        if len({len(s) for s in sigs}) != 1:
+            ragged = True
             continue
         dims = []
         for d in range(len(sigs[0])):
@@ -30,12 +34,12 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
     # span a declared serving regime (its corners verified): then the box of `shapes` is what was verified
     signatures = []
     for c in spec.cases:
-        sig = {n: list(c.inputs[n].shape) for n in shapes if n in c.inputs}
+        sig = {n: list(c.inputs[n].shape) for n in spec.input_names if n in c.inputs}
         if sig and sig not in signatures:
             signatures.append(sig)
     state = (spec.recipe or {}).get("state") or {}
     return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
-                 signatures=signatures if len(signatures) > 1 and not spec.regime else [],
+                 signatures=signatures if ragged or (len(signatures) > 1 and not spec.regime) else [],
                  state_adapter=state.get("adapter"), batch_buckets=_batch_buckets(spec))
 
 

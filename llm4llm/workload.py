@@ -6,6 +6,8 @@ an exception inside the user's code surfaces as a `ScriptError` carrying the scr
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import difflib
 import hashlib
@@ -16,6 +18,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import tomllib
 import traceback
 from pathlib import Path
@@ -152,6 +155,9 @@ class Workload(BaseModel):
     # One call of the script's build / inputs / run longer than this stops the process that made it (and every
     # process it started) with one error line: a run() that never returns must not hang a run or a served worker.
     script_timeout_s: float = Field(default=1800.0, ge=0)  # 0: no limit
+    # While one call of the script runs longer than this, a line on stderr every this many seconds says which
+    # stage and function it is in and for how long (a run() that never returns is otherwise silent until the limit)
+    script_heartbeat_s: float = Field(default=30.0, ge=0)  # 0: none
 
     # Lossy kernels (TileMix's INT8 attention tiles) are searched and deployed only with this opt-in and a budget
     allow_lossy: bool = False
@@ -295,6 +301,43 @@ def _time_limit(args: tuple) -> float:
     return float(wl.script_timeout_s) if wl is not None else 0.0
 
 
+# The stage whose script calls are running (profile, extract, accept, evaluate), for the heartbeat's line
+SCRIPT_STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("llm4llm_script_stage", default="")
+
+
+@contextlib.contextmanager
+def script_stage(name: str):
+    token = SCRIPT_STAGE.set(name)
+    try:
+        yield
+    finally:
+        SCRIPT_STAGE.reset(token)
+
+
+class _Heartbeat(threading.Thread):
+    """Every `every_s` while one script call runs: one line on stderr with the stage, the call and the elapsed
+    time, and the limit that will stop it."""
+
+    def __init__(self, what: str, every_s: float, limit_s: float):
+        super().__init__(daemon=True, name="llm4llm-script-heartbeat")
+        self.what, self.every_s, self.limit_s = what, every_s, limit_s
+        self.stage = SCRIPT_STAGE.get()
+        self.stopped = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        where = f"{self.stage}: " if self.stage else ""
+        limit = (f"stopped at {self.limit_s:.0f} s (script_timeout_s)" if self.limit_s > 0
+                 else "no time limit (script_timeout_s = 0)")
+        while not self.stopped.wait(self.every_s):
+            sys.stderr.write(f"llm4llm: {where}the workload script's {self.what} still running after "
+                             f"{time.monotonic() - self.t0:.0f} s; {limit}\n")
+            sys.stderr.flush()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Call a function of the user's script: its exceptions become ScriptError (with its traceback), running out
     of GPU memory becomes DeviceError, a call longer than the workload's script_timeout_s ends the process
@@ -304,6 +347,10 @@ def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     if timer is not None:
         timer.daemon = True
         timer.start()
+    wl = next((a for a in args if isinstance(a, Workload)), None)
+    beat = _Heartbeat(f"{_qualname(fn)}()", wl.script_heartbeat_s, limit) if wl and wl.script_heartbeat_s else None
+    if beat is not None:
+        beat.start()
     try:
         return fn(*args, **kwargs)
     except torch.cuda.OutOfMemoryError as exc:
@@ -320,6 +367,8 @@ def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     finally:
         if timer is not None:
             timer.cancel()
+        if beat is not None:
+            beat.stop()
 
 
 def config_fields(model_type: str) -> set[str]:

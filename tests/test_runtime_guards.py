@@ -154,3 +154,21 @@ def test_guard_for_records_the_cases_joint_signatures():
     g = guard_for(spec, "cpu")
     assert g.shapes == {"x": [(1, 2), (3, 5), 80]}
     assert g.signatures == [{"x": [2, 3, 80]}, {"x": [1, 5, 80]}]
+
+
+def test_an_input_whose_rank_varies_is_guarded_by_its_verified_shapes():
+    """Cases with x of rank 2 and of rank 3 give x no per-dim box; the guard must still admit only the two verified
+    shapes (it used to leave x unguarded: any shape took the kernel); anything else falls back, and dispatch
+    counts the fallback under this reason."""
+    from llm4llm.patchspec import guard_for
+    from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
+
+    spec = TaskSpec(family="norm", module_class="m.C", instances=["a"], phase="prefill", input_names=["x"],
+                    weight_names=[], output_names=["out"], dtype="float32",
+                    cases=[CaseSig(inputs={"x": TensorSig(shape=list(s), dtype="float32")}) for s in
+                           [(6, 80), (2, 3, 80)]])
+    g = guard_for(spec, "cpu")
+    assert is_supported(g, {"x": torch.empty(6, 80)})[0] and is_supported(g, {"x": torch.empty(2, 3, 80)})[0]
+    for unseen in [(7, 80), (2, 4, 80), (1, 1, 1, 80)]:
+        ok, why = is_supported(g, {"x": torch.empty(*unseen)})
+        assert not ok and why.startswith("signature:"), (unseen, why)

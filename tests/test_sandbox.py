@@ -102,9 +102,10 @@ def test_cuda_and_triton_work_inside_the_sandbox():
 
 
 def test_a_candidate_passing_the_static_gate_is_contained(tmp_path):
-    """Through the real pool: a correct candidate that also reaches os (torch.cuda.os passes the static gate) and
-    tries to run a shell, write outside its dir and read a secret passes as a kernel, and none of it happened."""
-    from test_verify import build_rmsnorm_task, cheat_source
+    """Through the real pool, the static gate lifted (it refuses torch.cuda.os): a correct candidate that also
+    reaches os and tries to run a shell, write outside its dir and read a secret passes as a kernel, and none of it
+    happened."""
+    from test_verify import build_rmsnorm_task, cheat_source, static_gate_lifted
 
     from llm4llm.verify import VerifierPool
 
@@ -121,7 +122,7 @@ def test_a_candidate_passing_the_static_gate_is_contained(tmp_path):
     return {{"out": out}}''')
     os.environ["SANDBOXTEST_API_KEY"] = "sk-SANDBOXTESTSECRET-0123456789"
     try:
-        with VerifierPool("cpu", draws=1, spare=False) as pool:
+        with VerifierPool("cpu", draws=1, spare=False) as pool, static_gate_lifted():
             v = pool.verify(task_dir, src)
     finally:
         os.environ.pop("SANDBOXTEST_API_KEY")

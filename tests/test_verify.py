@@ -2,6 +2,7 @@
 gate, restarts after a timeout, and the correct candidate passing every CPU gate with no timing."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,21 @@ def build_rmsnorm_task(root: Path) -> Path:
 
 def cheat_source(name: str) -> str:
     return (CHEATS / f"{name}.py").read_text()
+
+
+@contextmanager
+def static_gate_lifted():
+    """The pool's static gate passes everything in this process: for candidates whose route the static gate
+    refuses (`# behind_static`), to test the runtime layer behind it as well (defence in depth)."""
+    from llm4llm.verify import worker
+    from llm4llm.verify.static_check import StaticReport
+
+    orig = worker.check_task_source
+    worker.check_task_source = lambda source, spec: StaticReport(True)
+    try:
+        yield
+    finally:
+        worker.check_task_source = orig
 
 
 _SHARED: dict = {}

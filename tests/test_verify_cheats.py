@@ -1,6 +1,8 @@
 """Adversarial suite: every fixture in tests/cheats/ goes through the real spawned worker and must get the failure
 class its header names (`# expect: <class> [<class> ...]`; `# gpu` marks GPU-only fixtures; `# timeout_s: N`;
-`# options: <verify option> ...`, each set to True, e.g. rehearse_timing: the timed calls run on the CPU too)."""
+`# options: <verify option> ...`, each set to True, e.g. rehearse_timing: the timed calls run on the CPU too;
+`# behind_static`: the static gate refuses its route, and with the gate lifted the runtime layer behind it still
+gets the class named)."""
 from __future__ import annotations
 
 import re
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from llm4llm.verify import VerifierPool
-from test_verify import CHEATS, shared_pool, shared_task_dir
+from test_verify import CHEATS, shared_pool, shared_task_dir, static_gate_lifted
 
 
 def _header(path: Path) -> dict:
@@ -18,7 +20,8 @@ def _header(path: Path) -> dict:
     options = re.search(r"^# options: (.+)$", text, re.M)
     return {"expect": expect, "gpu": bool(re.search(r"^# gpu$", text, re.M)),
             "timeout_s": float(timeout.group(1)) if timeout else None,
-            "options": dict.fromkeys(options.group(1).split(), True) if options else {}}
+            "options": dict.fromkeys(options.group(1).split(), True) if options else {},
+            "behind_static": bool(re.search(r"^# behind_static$", text, re.M))}
 
 
 FIXTURES = sorted(p for p in CHEATS.glob("*.py") if _header(p)["expect"] != ["pass"])
@@ -53,7 +56,12 @@ def test_every_fixture_names_a_known_failure_class():
 @pytest.mark.parametrize("path", list(_params()))
 def test_cheat_is_rejected_for_the_right_reason(pool, task_dir, path):
     h = _header(path)
-    v = pool.verify(task_dir, path.read_text(), timeout_s=h["timeout_s"], **h["options"])
+    if h["behind_static"]:
+        assert pool.verify(task_dir, path.read_text()).failure_class == "static"
+        with static_gate_lifted():
+            v = pool.verify(task_dir, path.read_text(), timeout_s=h["timeout_s"], **h["options"])
+    else:
+        v = pool.verify(task_dir, path.read_text(), timeout_s=h["timeout_s"], **h["options"])
     assert not v.passed and v.utility == 0.0
     assert v.failure_class in h["expect"], f"{path.stem}: got {v.failure_class}: {v.message[-800:]}"
     assert v.gates and not v.gates[-1].passed and v.gates[-1].detail == v.message

@@ -27,10 +27,10 @@ _FIFO_SCRIPT = """
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from test_verify import build_rmsnorm_task, cheat_source
+from test_verify import build_rmsnorm_task, cheat_source, static_gate_lifted
 from llm4llm.verify import VerifierPool
 task = build_rmsnorm_task(Path(sys.argv[2]))
-with VerifierPool("cpu", timeout_s=60.0, draws=2) as pool:
+with VerifierPool("cpu", timeout_s=60.0, draws=2) as pool, static_gate_lifted():
     v = pool.verify(task, cheat_source("answer_fifo"))
 print(json.dumps({"passed": v.passed, "class": v.failure_class, "message": v.message}))
 """

@@ -48,8 +48,10 @@ Candidate contract (checked by an AST gate, then by correctness and timing gates
 - Allowed imports only: {imports}. Nothing else (no transformers, no torch.nn / torch.nn.functional).
 - Outside kernels, torch is for allocation, views and metadata only ({torch_allowed}, tensor .view/.reshape/
   .contiguous/.stride/.shape/.to ...). No torch compute (matmul, sum, softmax, exp, .mean(), @ ...).
-- Do not mention the reference module's class name. No getattr/eval/exec/open, no dunder attributes.
-- Never modify the input tensors in place; never cache outputs between calls; use the current CUDA stream.
+- Do not mention the reference module's class name. No getattr/eval/exec/open, no dunder attributes, no modules
+  reached through attributes of allowed ones (`torch.cuda.os`), no assignment to attributes of imported modules.
+- Never modify the input tensors in place; never cache outputs between calls; return fresh output tensors on every
+  call (never an input, a weight or a buffer kept from an earlier call); use the current CUDA stream.
 - Handle every observed shape below (masks for non-power-of-2 sizes); accumulate in float32 for half inputs.
 - Write for the GPU compiler, not only the interpreter: without a GPU the kernels run in Triton's interpreter and
   are also compiled for sm_90 (a variable keeps one type and shape across runtime branches; constexpr sizes).

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from llm4llm.stages.common import _build, _free, _write_json
 from llm4llm.stages.profile import load_profile, run_profile
+from llm4llm.workload import script_stage
 
 
+@script_stage("extract")
 def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0,
                 static_cache: bool = False) -> str:
     """Re-run the workload with capture hooks on the profiled hotspots and write task artifacts; returns the path

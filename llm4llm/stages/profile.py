@@ -9,8 +9,10 @@ from pathlib import Path
 
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
 from llm4llm.stages.common import _build, _free, _write_json, new_run_id
+from llm4llm.workload import script_stage
 
 
+@script_stage("profile")
 def run_profile(workload_path: str, data_dir: str) -> str:
     """Build the model through the user's script, profile it per phase; write `profile.json` under a new run dir
     and return its path. Nothing touches the database here."""

@@ -14,6 +14,12 @@ How each cheat is caught:
 - side streams: on CUDA the candidate runs under a non-default stream and each Triton launch records the stream
   current at launch time; a launch on any other stream fails the gate.
 - cached results: every draw has different inputs; a wrong output bit-identical to an earlier one is cached_output.
+- output ownership: every call's outputs must be fresh memory: an output sharing storage with an input, a weight, or
+  an output of one of the last HELD_CALLS calls (which the worker keeps alive, so the allocator cannot hand the same
+  address back legitimately) is output_aliased. Only a `state_out.<name>` may be its state buffer (in-place state).
+- torch doing the work: every judged call runs under a dispatch-mode counter, on the calling thread and on every
+  Python thread the candidate starts (`install_thread_counting`); the parent judges each call's counts. After the
+  timed calls, one draw per case is judged again, so a candidate that changes behaviour after N calls is caught.
 - timing-only shortcuts (correct on the judged calls, wrong or skipped while timed): every timed call runs on fresh
   inputs (timing.fill_fresh), and a random sample of timed calls, chosen after each call returned
   (timing.TimedSample), is compared with the reference like the draws (`check_timed_samples`): timed_output_mismatch.
@@ -40,7 +46,8 @@ from llm4llm.verify.static_check import check_source, check_task_source, forbidd
 from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
 from llm4llm.verify.verdict import NO_GPU, GateResult, Verdict, source_hash
 
-CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "canaries", "inputs_unmodified",
+CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "output_ownership", "canaries",
+               "inputs_unmodified",
                "poisoned_outputs", "no_cached_output", "correctness")
 log = logging.getLogger(__name__)
 # LLM4LLM_TIMED_CHECK=off: the sampled timed outputs are not judged (the gate says so in every verdict); for
@@ -719,7 +726,8 @@ def _library_launcher() -> str | None:
 
 class AtenCounter:
     """Counts the aten ops a call runs outside Triton (a TorchDispatchMode): the heavy ones, and the elements the
-    other non-free ones produce."""
+    other non-free ones produce. While it is active (`with counter:`), ops on the candidate's own Python threads are
+    counted too (`install_thread_counting`)."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -729,22 +737,110 @@ class AtenCounter:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                name = _aten_name(func)
-                if name not in FREE_ATEN:
-                    launcher = _library_launcher()
-                    if launcher in BLAS_LAUNCHERS:
-                        counter.blas[name] = counter.blas.get(name, 0) + 1
-                    elif launcher is None:
-                        counter.ops[name] = counter.ops.get(name, 0) + 1
-                        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                            if isinstance(t, torch.Tensor):
-                                counter.elements += t.numel()
+                counter.seen(func, out)
                 return out
 
-        self.mode, self.ops, self.elements, self.blas = _Mode(), {}, 0, {}
+        self.mode, self.ops, self.elements, self.blas, self.threads = _Mode(), {}, 0, {}, 0
+
+    def seen(self, func, out, helper_thread: bool = False) -> None:
+        name = _aten_name(func)
+        if name in FREE_ATEN:
+            return
+        launcher = _library_launcher()
+        if launcher in BLAS_LAUNCHERS:
+            self.blas[name] = self.blas.get(name, 0) + 1
+        elif launcher is None:
+            self.ops[name] = self.ops.get(name, 0) + 1
+            self.threads += helper_thread
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self.elements += t.numel()
+
+    def __enter__(self) -> "AtenCounter":
+        _ACTIVE_COUNTER[0] = self
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.mode.__exit__(*exc)
+        finally:
+            _ACTIVE_COUNTER[0] = None
 
     def report(self) -> dict:
-        return {"ops": dict(self.ops), "elements": int(self.elements), "library_blas": dict(self.blas)}
+        return {"ops": dict(self.ops), "elements": int(self.elements), "library_blas": dict(self.blas),
+                "helper_thread_ops": int(self.threads)}
+
+
+_ACTIVE_COUNTER: list[AtenCounter | None] = [None]  # the counter of the judged call in progress, if any
+
+
+def install_thread_counting() -> Callable[[], None]:
+    """Make every Python thread started from now on count its aten ops into the active AtenCounter: torch work
+    handed to a helper thread (threading, a ThreadPoolExecutor) during a judged call counts as the call's own.
+    A dispatch mode is thread-local, so each new thread runs its whole life under a forwarding mode of its own. The
+    sandboxed worker calls this before it loads a candidate (never a process that runs anything else: every later
+    thread carries the mode). Idempotent; returns the undo."""
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inner = threading.Thread._bootstrap_inner
+    if getattr(inner, "_llm4llm_counting", False):
+        return lambda: None
+
+    class _ThreadMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            counter = _ACTIVE_COUNTER[0]
+            if counter is not None:
+                counter.seen(func, out, helper_thread=True)
+            return out
+
+    def bootstrap_inner(self, _inner=inner):
+        with _ThreadMode():
+            _inner(self)
+
+    bootstrap_inner._llm4llm_counting = True
+    threading.Thread._bootstrap_inner = bootstrap_inner
+
+    def undo() -> None:
+        threading.Thread._bootstrap_inner = inner
+
+    return undo
+
+
+HELD_CALLS = 4  # the worker keeps the outputs of this many earlier calls alive to recognise a reused buffer
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.data_ptr() + s.nbytes()) if s.nbytes() else None
+
+
+def _overlaps(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def ownership_failure(outs: dict[str, torch.Tensor], g: Guarded, held: list[dict[str, torch.Tensor]]) -> str | None:
+    """Why the outputs of a call are not the caller's own fresh memory (None: they are). `held`: earlier calls'
+    outputs, still alive, so sharing their storage means the candidate hands out one buffer on every call (a caller
+    holding the previous result sees it overwritten). An output sharing an input's or a weight's storage returns
+    the caller's own tensor as a result. Only `state_out.<name>` may live in state buffer `<name>` (updated in place,
+    as stateful tasks declare)."""
+    bufs = {name: _storage_span(buf) for name, buf, *_ in g.buffers}
+    for n, t in outs.items():
+        span = _storage_span(t)
+        for name, b in bufs.items():
+            if _overlaps(span, b) and not (n.startswith("state_out.") and name == f"state.{n[len('state_out.'):]}"):
+                return (f"output {n!r} shares storage with {name}: outputs must be fresh memory, not the caller's "
+                        f"tensors")
+        for age, prev in enumerate(reversed(held), 1):
+            hit = next((p for p, pt in prev.items() if _overlaps(span, _storage_span(pt))), None)
+            if hit is not None:
+                return (f"output {n!r} shares storage with output {hit!r} of the call {age} call(s) earlier, which "
+                        f"the caller still holds: a reused output buffer overwrites results the caller kept")
+    return None
 
 
 def torch_work_failure(report: dict | None, out_elements: int, family: str | None = None) -> str | None:
@@ -752,17 +848,19 @@ def torch_work_failure(report: dict | None, out_elements: int, family: str | Non
     `family`: the task's; the library's cuBLAS projections are glue only in BLAS_GLUE_FAMILIES."""
     if not report:
         return None
+    threads = report.get("helper_thread_ops") or 0
+    where = f" ({threads} of them on helper threads)" if threads else ""
     blas = report.get("library_blas") or {}
     if blas and family not in BLAS_GLUE_FAMILIES:
         return (f"torch computed outside Triton: the library's cuBLAS projection (linear(impl='cublas')) ran {blas}; "
                 f"it is glue only beside an attention kernel, not in a {family} task")
     heavy = {k: v for k, v in report.get("ops", {}).items() if k.startswith(HEAVY_ATEN)}
     if heavy:
-        return f"torch computed outside Triton: heavy aten ops {heavy}"
+        return f"torch computed outside Triton: heavy aten ops {heavy}{where}"
     share = report.get("elements", 0) / max(1, out_elements)
     if share > TORCH_WORK_SHARE:
         return (f"torch computed outside Triton: aten ops {report.get('ops')} produced {share:.0%} of the outputs' "
-                f"elements (allowed: {TORCH_WORK_SHARE:.0%} for glue)")
+                f"elements (allowed: {TORCH_WORK_SHARE:.0%} for glue){where}")
     return None
 
 
@@ -790,6 +888,12 @@ class CandidateSession:
         self.canary = Canary(canary_seed)
         self.name = f"llm4llm_candidate_{source_hash(source)[:16]}"
         self.entry: Callable | None = None
+        self.held: list[dict[str, torch.Tensor]] = []  # the last HELD_CALLS calls' outputs, kept alive
+
+    def _hold(self, out: Any) -> None:
+        if isinstance(out, dict):
+            kept = {n: t for n, t in out.items() if isinstance(t, torch.Tensor)}
+            self.held = [*self.held, kept][-HELD_CALLS:]
 
     def load(self) -> dict:
         install_launch_hook()
@@ -804,24 +908,23 @@ class CandidateSession:
             return {"fail": ["compile", "compile", "the module defines no callable `entry`"]}
         t0 = time.perf_counter()
         try:
-            call_candidate(self.entry, guard(self.draws[0], self.canary), self.task.spec.static, self.dev,
-                           first_call=True)
+            out, _ = call_candidate(self.entry, guard(self.draws[0], self.canary), self.task.spec.static, self.dev,
+                                    first_call=True)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
+        self._hold(out)
         return {"ok": f"first call {time.perf_counter() - t0:.2f}s"}
 
-    def call(self, key: list[int], poison: float, meta: dict, path: str, dispatch: bool = False) -> dict:
+    def call(self, key: list[int], poison: float, meta: dict, path: str, **_: Any) -> dict:
+        """One judged call of draw `key`: its aten ops counted (every thread), its outputs checked for ownership
+        and written to `path` with the canary buffers, for the parent to judge."""
         d = self.by_key[tuple(key)]
         g = guard(d, self.canary)
         expected = meta_tensors(meta)
-        counter = AtenCounter() if dispatch else None
+        counter = AtenCounter()
         try:
             try:
-                if counter is not None:
-                    with counter.mode:
-                        out, stream = call_candidate(self.entry, g, self.task.spec.static, self.dev, ref=expected,
-                                                     poison=poison)
-                else:
+                with counter:
                     out, stream = call_candidate(self.entry, g, self.task.spec.static, self.dev, ref=expected,
                                                  poison=poison)
             except RuntimeError as e:
@@ -833,6 +936,10 @@ class CandidateSession:
                                   "a Triton kernel was launched on a stream other than the caller's current stream")
             outs = _check_shapes(out, {n: torch.empty(t.shape, dtype=t.dtype, device=self.dev)
                                        for n, t in expected.items()}, self.dev)
+            shared = ownership_failure(outs, g, self.held)
+            self._hold(out)
+            if shared:
+                raise GateFailure("output_ownership", "output_aliased", shared)
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             from safetensors.torch import save_file
@@ -856,7 +963,7 @@ class CandidateSession:
                                        and any(b[0] == k for b in big)}))
             except GateFailure as f:
                 return {"fail": [f.gate, f.failure_class, f.message]}
-        return {"ok": True, "launches": LAUNCHES.count, "dispatch": counter.report() if counter else None}
+        return {"ok": True, "launches": LAUNCHES.count, "dispatch": counter.report()}
 
     def time(self, fresh_seed: int | None = None, path: str | None = None) -> dict:
         """Time the candidate (on the CPU: rehearse the timed calls, for their outputs only); with `path`, write
@@ -909,27 +1016,29 @@ class RemoteJudge(Judge):
     rpc: Callable[[dict], dict] | None = None
     work: Path | None = None
     canary: Canary = field(default_factory=Canary)
-    dispatch_done: bool = False
+    dispatch_ops: dict[str, int] = field(default_factory=dict)
     dispatch_note: str = ""
 
     def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
         name = f"call-{draw.key[0]}-{draw.key[1]}-{self.runs}.safetensors"
-        first = not self.dispatch_done
         reply = self.rpc({"op": "call", "key": list(draw.key), "poison": poison, "meta": out_meta(draw.ref),
-                          "path": name, "dispatch": first})
+                          "path": name})
         if "fail" in reply:
             gate, cls, msg = reply["fail"][:3]
             raise GateFailure(gate, cls, msg, poisoned=bool(reply.get("poisoned")))
         self.runs += 1
         saved = _load_answer(self.work, name, self.rpc)
-        if first:
-            self.dispatch_done = True
-            out_elems = sum(r.numel() for r in draw.ref.values())
-            why = torch_work_failure(reply.get("dispatch"), out_elems, self.task.spec.family)
-            if why:
-                raise GateFailure("does_the_work", "torch_compute", why)
-            ops = (reply.get("dispatch") or {}).get("ops") or {}
-            self.dispatch_note = f"aten ops outside Triton: {ops}" if ops else "no compute aten ops outside Triton"
+        # every judged call: a candidate that hands the work to torch only from its Nth call is caught on that call
+        out_elems = sum(r.numel() for r in draw.ref.values())
+        why = torch_work_failure(reply.get("dispatch"), out_elems, self.task.spec.family)
+        if why:
+            raise GateFailure("does_the_work", "torch_compute", f"{why} (judged call {self.runs})")
+        ops = (reply.get("dispatch") or {}).get("ops") or {}
+        for op, k in ops.items():
+            self.dispatch_ops[op] = self.dispatch_ops.get(op, 0) + k
+        self.dispatch_note = (f"aten ops outside Triton over {self.runs} judged calls: {self.dispatch_ops}"
+                              if self.dispatch_ops else f"no compute aten ops outside Triton in {self.runs} judged "
+                                                        f"calls (every thread)")
         outs = {}
         for n in draw.ref:
             if f"out.{n}" not in saved:
@@ -1037,14 +1146,26 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
                     GateResult(name="timing_in_context", passed=True, detail=why)]
         return v.finish(), False
-    return _judge_timed(v, task, dev, rpc, work, all_draws, lossy)
+    return _judge_timed(v, task, dev, rpc, work, all_draws, lossy, judge)
+
+
+def _judge_after_timing(judge: "RemoteJudge", all_draws: list[Draw]) -> str:
+    """Judge one draw of each case again, chosen here at random, after the timed calls: the judged calls are then
+    interleaved with the timed ones, so a candidate that behaves only for its first N calls meets a judged call
+    (correctness, ownership, aten counts) after it changed. Raises GateFailure."""
+    import secrets
+
+    cases = sorted({d.key[0] for d in all_draws})
+    for k in cases:
+        judge.judge(secrets.choice([d for d in all_draws if d.key[0] == k]))
+    return f"{len(cases)} draw(s) judged again after the timed calls"
 
 
 def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict], dict], work: Path,
-                 all_draws: list[Draw], lossy: dict | None) -> tuple[Verdict, bool]:
+                 all_draws: list[Draw], lossy: dict | None, judge: "RemoteJudge") -> tuple[Verdict, bool]:
     """judge_remote's timing half: the worker times the candidate (on the CPU: rehearses the timed calls) on fresh
     inputs from a seed chosen here, and sends back a random sample of the timed calls' outputs, judged here
-    (`check_timed_samples`); then, on a GPU, the physical floor."""
+    (`check_timed_samples`); the judged calls again (`_judge_after_timing`); then, on a GPU, the physical floor."""
     import secrets
 
     name = f"timed-{secrets.token_hex(4)}.safetensors"
@@ -1078,7 +1199,14 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
             detail = check_timed_samples(task, dev, list(r.get("samples") or []), tensors, lossy=lossy)
         except GateFailure as f:
             return v.fail(f.gate, f.failure_class, f.message), False
-    v.gates.append(GateResult(name="timed_outputs", passed=True, detail=detail))
+    try:
+        again = _judge_after_timing(judge, all_draws)
+    except RuntimeError as e:
+        f = _classify_exception(e, first_call=False)
+        return v.fail(f.gate, f.failure_class, f.message), f.poisoned
+    except GateFailure as f:
+        return v.fail(f.gate, f.failure_class, f.message), f.poisoned
+    v.gates.append(GateResult(name="timed_outputs", passed=True, detail=f"{detail}; {again}"))
     if dev.type != "cuda":
         return v.finish(), False
     floor = physical_floor_failure(v, task, all_draws, dev)

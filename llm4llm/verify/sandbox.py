@@ -65,7 +65,7 @@ _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_u
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE = 1, 38, 22, 4
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x10000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
     1, 2, 4, 32, 4096, 8192, 16384, 1 << 18)
 
@@ -216,7 +216,8 @@ def sandboxed_popen(target: str, *, box: Path, pass_fds: tuple[int, ...] = (), a
            "parent": 0 if wrapper else os.getpid(),
            "needed": sorted(set(needed_paths()) | {os.path.realpath(p) for p in extra_needed or [] if os.path.exists(p)}), "readonly": readonly or [],
            "exec": exec_allowlist(), "devgids": device_gids(),
-           "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""})}
+           "hide": sorted({"/root", os.path.expanduser("~")} - {"/", ""}),
+           "cover": git_dirs(_project_root())}
     env = clean_env(box, {**(extra_env or {}), SANDBOX_ENV: json.dumps(cfg)})
     boot = "from llm4llm.verify.sandbox import boot; boot()"
     return subprocess.Popen([*(wrapper or []), sys.executable, "-c", boot, *(args or [])], env=env, cwd=str(box / "work"),
@@ -508,9 +509,10 @@ def apply(cfg: dict[str, Any]) -> dict[str, str]:
         _pdeathsig(parent)
     root = os.geteuid() == 0
     if "netns" in want:
-        _try("netns", lambda: _unshare(CLONE_NEWNET, "unshare(CLONE_NEWNET)"))
+        _try("netns", _net_ipc_ns)
     if "mountns" in want:
-        _try("mountns", lambda: _mount_ns(box, cfg["needed"], cfg.get("readonly", []), cfg.get("hide", ["/root"])))
+        _try("mountns", lambda: _mount_ns(box, cfg["needed"], cfg.get("readonly", []), cfg.get("hide", ["/root"]),
+                                          cfg.get("cover", [])))
     if "uid" in want:
         if not root:
             _warn("uid", f"not started as root (uid {os.geteuid()}): runs as that uid")
@@ -553,6 +555,52 @@ def _unshare(flags: int, what: str) -> None:
         raise _err(what)
 
 
+def _net_ipc_ns() -> str:
+    """A network namespace and, with it, an IPC namespace: SysV shared memory, semaphores and message queues (and
+    POSIX message queues) a candidate creates die with its worker instead of reaching the next candidate's."""
+    if _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0:
+        return "with its own IPC namespace"
+    _unshare(CLONE_NEWNET, "unshare(CLONE_NEWNET)")
+    return f"IPC namespace shared: {_err('unshare(CLONE_NEWIPC)')}"
+
+
+def git_dirs(root: str) -> list[str]:
+    """The git metadata of the project tree at `root`: its `.git` (a directory, or a worktree's file) and, for a
+    worktree, the repository's own git dir the file points to (config, remotes, every branch's objects)."""
+    dot = os.path.join(root, ".git")
+    if os.path.isdir(dot):
+        return [dot]
+    if not os.path.isfile(dot):
+        return []
+    out = [dot]
+    try:
+        line = Path(dot).read_text(errors="replace").strip()
+    except OSError:
+        return out
+    if line.startswith("gitdir:"):
+        gd = os.path.realpath(os.path.join(root, line.removeprefix("gitdir:").strip()))
+        common = os.path.dirname(os.path.dirname(gd)) if os.path.basename(os.path.dirname(gd)) == "worktrees" else gd
+        out += [p for p in (common,) if os.path.isdir(p)]
+    return out
+
+
+def _cover(path: str) -> None:
+    """Make `path` empty and read-only in this mount namespace: a directory under an empty tmpfs, a file under
+    /dev/null."""
+    if os.path.isdir(path):
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0555,size=4k")
+    elif os.path.isfile(path):
+        _mount("/dev/null", path, None, MS_BIND)
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def _private_proc() -> None:
+    """A procfs of its own with hidepid=invisible: once the uid drops, other users' processes (the parent, the
+    user's shells and their command lines) are not listed or readable; the worker's own entries stay, as CUDA
+    needs them."""
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | (1 << 3), "hidepid=invisible")  # 1 << 3: MS_NOEXEC
+
+
 def _mount(src, target, fstype, flags, data=None) -> None:
     enc = lambda s: s.encode() if isinstance(s, str) else s  # noqa: E731
     if _libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
@@ -566,9 +614,10 @@ def _other_can_enter(path: str) -> bool:
         return False
 
 
-def _mount_ns(box: Path, needed: list[str], readonly: list[str], hide: list[str]) -> str:
-    """Hide HOME-like dirs behind an empty tmpfs (binding back only what Python needs below them) and make the
-    project tree and data dirs read-only, in a private mount namespace."""
+def _mount_ns(box: Path, needed: list[str], readonly: list[str], hide: list[str], cover: list[str] = ()) -> str:
+    """Hide HOME-like dirs behind an empty tmpfs (binding back only what Python needs below them), make the
+    project tree and data dirs read-only, empty the paths in `cover` (the project's git metadata), and mount a
+    procfs that lists only the worker's own uid's processes, in a private mount namespace."""
     _unshare(CLONE_NEWNS, "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     notes = []
@@ -595,6 +644,15 @@ def _mount_ns(box: Path, needed: list[str], readonly: list[str], hide: list[str]
             _mount(p, p, None, MS_BIND | MS_REC)
             _mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
             notes.append(f"{p} read-only")
+    for p in cover:
+        if os.path.exists(p) and not str(box).startswith(p.rstrip("/") + "/"):
+            _cover(p)
+            notes.append(f"{p} empty")
+    try:
+        _private_proc()
+        notes.append("/proc: other users' processes hidden")
+    except OSError as e:  # an older kernel or a container that refuses a new procfs: the rest still holds
+        notes.append(f"/proc shared ({e})")
     return "; ".join(notes)
 
 

@@ -42,6 +42,42 @@ COMPUTE_METHODS = {
     "mul_", "add_", "sub_", "div_", "pow_", "exp_", "rsqrt_", "sqrt_", "addcmul", "lerp", "conv1d", "conv2d",
     "scaled_dot_product_attention", "cos", "sin",
 }
+# Modules an allowed module imported for itself are reachable as its attributes (`torch.cuda.os`,
+# `triton.runtime.jit.inspect`): attribute names of such modules are refused wherever they appear (the base may be
+# a local the checker cannot resolve), and a chain it can resolve is walked through the real objects, so that an
+# alias (`import os as _os`) or a module this list misses is refused as well (`_foreign_module`).
+DENIED_ATTRS = {
+    "os", "_os", "sys", "_sys", "subprocess", "inspect", "builtins", "importlib", "ctypes", "gc", "threading",
+    "_thread", "socket", "shutil", "pathlib", "signal", "multiprocessing", "pickle", "marshal", "runpy", "tempfile",
+    "concurrent", "asyncio", "pty", "fcntl", "mmap", "resource", "sysconfig", "site", "posix", "io", "codecs",
+    "weakref", "atexit", "faulthandler", "tracemalloc", "operator", "types", "linecache", "dis", "code", "codeop",
+    "pdb", "traceback", "copyreg",
+    # frames and code objects: a frame's globals are the harness's (the judge's counters, its hooks)
+    "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame", "tb_frame",
+    "tb_next", "co_code", "co_consts", "func_globals", "gi_code", "cr_code",
+}
+# roots whose submodules a resolved chain may pass through
+ALLOWED_ROOTS = ("torch", "triton", "math", "functools", "typing", "dataclasses", "kernels_runtime")
+
+
+def _foreign_module(dotted: str) -> str | None:
+    """The first module outside ALLOWED_ROOTS that `dotted` reaches through attributes of an allowed module (None:
+    it reaches none). Walks only modules already imported here: the check never imports a candidate's names."""
+    import sys
+    import types
+
+    parts = dotted.split(".")
+    obj = sys.modules.get(parts[0])
+    for i, name in enumerate(parts[1:], 1):
+        if obj is None:
+            return None
+        try:
+            obj = sys.modules.get(".".join(parts[:i + 1])) or getattr(obj, name, None)
+        except Exception:  # noqa: BLE001 - a lazy attribute that fails to resolve reaches nothing
+            return None
+        if isinstance(obj, types.ModuleType) and obj.__name__.split(".")[0] not in ALLOWED_ROOTS:
+            return f"{'.'.join(parts[:i + 1])} (module {obj.__name__})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,6 +154,8 @@ class _Checker(ast.NodeVisitor):
         parts = dotted.split(".")
         if parts[0] == "torch" and len(parts) > 1 and parts[1] not in TORCH_ALLOWED:
             raise _Violation(node, f"{dotted}: torch is for allocation and views only")
+        if (foreign := _foreign_module(dotted)) is not None:
+            raise _Violation(node, f"{foreign}: a module outside the allowed imports, reached through an attribute")
 
     def _check_name(self, node: ast.AST, name: str):
         if name in self.forbidden_names:
@@ -133,6 +171,12 @@ class _Checker(ast.NodeVisitor):
             raise _Violation(node, f"dunder attribute {node.attr!r} is not allowed in a candidate")
         if node.attr in self.forbidden_names:
             raise _Violation(node, f"{node.attr!r} refers to the reference module")
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and self.resolve(node.value) is not None:
+            raise _Violation(node, f"assigning {self.resolve(node)}: a candidate may not rebind what imported modules "
+                                   f"hold (the timing and counting hooks of the judge live there)")
+        if node.attr in DENIED_ATTRS:
+            raise _Violation(node, f"attribute {node.attr!r} is not allowed in a candidate (a module or frame outside "
+                                   f"the allowed imports)")
         self._check_dotted(node, self.resolve(node))
         self.generic_visit(node)
 

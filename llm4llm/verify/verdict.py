@@ -14,6 +14,7 @@ FailureClass = Literal[
     "torch_compute",  # torch ops, not the candidate's Triton kernels, did the work (the does_the_work gate)
     "impossible_time",  # a timed latency below the physical floor (bytes / HBM bandwidth)
     "timed_output_mismatch",  # a randomly sampled timed call's outputs differ from the reference (timed_outputs)
+    "output_aliased",  # an output shares storage with an input, a weight or an earlier call's output (output_ownership)
 ]
 
 NO_GPU = "skipped: no GPU"

@@ -58,12 +58,14 @@ def _worker_main(conn, device: str) -> None:
     import torch
 
     from llm4llm.verify.candidate import install_launch_hook
+    from llm4llm.verify.gates import install_thread_counting
     from llm4llm.verify.sandbox import layers_from_env
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.cuda.init()
     install_launch_hook()
+    install_thread_counting()  # before any candidate: its helper threads count into the judged call's counter
     send_json(conn, {"ready": os.getpid(), "sandbox": layers_from_env()})
     _serve(conn)
     # Skip interpreter teardown (Triton/torch atexit work can take seconds); the worker owns nothing to flush.

