@@ -563,19 +563,9 @@ def apply(
         bundle = load_bundle(bundle, strict=strict)
     check_environment(model, bundle)
     specs = bundle.patches
-    changes = version_changes(bundle)
-    if changes:
-        policy = _version_policy(strict)
-        what = f"bundle {bundle.name or bundle.digest()}: verified with {', '.join(changes)}"
-        if policy == "refuse":
-            raise BundleMismatchError(f"{what}; set {VERSION_CHANGE_ENV}=apply to install it anyway")
-        if policy == "fallback":
-            log.warning("llm4llm: %s; not applied, the model keeps its original forward (%s=apply installs it)",
-                        what, VERSION_CHANGE_ENV)
-            report = PatchReport(bundle=bundle.name or bundle.digest(), _dispatches={})
-            report.skipped.extend(SkippedPatch(p.patch_id, f"versions: {', '.join(changes)}") for p in specs)
-            return report
-        log.warning("llm4llm: %s; applied anyway (%s=apply)", what, VERSION_CHANGE_ENV)
+    unverified = _on_version_change(bundle, strict)
+    if unverified is not None:
+        return unverified
     if patches is not None:
         known = {p.patch_id for p in specs}
         unknown = sorted(set(patches) - known)
@@ -611,6 +601,26 @@ def apply(
         report.decode_graphs = _enable_graphs(model, explicit=decode_graphs is True, static_cache=static,
                                               buckets=tuple(bundle.batch_buckets))
     return report
+
+
+def _on_version_change(bundle: PatchBundle, strict: bool) -> PatchReport | None:
+    """apply()'s answer to a torch / Triton release other than the bundle's: None to go on installing, a report of
+    every patch skipped (the fallback policy), or BundleMismatchError (refuse)."""
+    changes = version_changes(bundle)
+    if not changes:
+        return None
+    policy = _version_policy(strict)
+    what = f"bundle {bundle.name or bundle.digest()}: verified with {', '.join(changes)}"
+    if policy == "refuse":
+        raise BundleMismatchError(f"{what}; set {VERSION_CHANGE_ENV}=apply to install it anyway")
+    if policy == "fallback":
+        log.warning("llm4llm: %s; not applied, the model keeps its original forward (%s=apply installs it)",
+                    what, VERSION_CHANGE_ENV)
+        report = PatchReport(bundle=bundle.name or bundle.digest(), _dispatches={})
+        report.skipped.extend(SkippedPatch(p.patch_id, f"versions: {', '.join(changes)}") for p in bundle.patches)
+        return report
+    log.warning("llm4llm: %s; applied anyway (%s=apply)", what, VERSION_CHANGE_ENV)
+    return None
 
 
 def layer_dispatch(module: torch.nn.Module, bundle: PatchBundle, patch_ids: list[str], path: str = "") -> Dispatch:
