@@ -4,6 +4,7 @@
 
 - inputs: the call's tensor arguments, positional ones named by the forward's signature; tuples/lists flatten to
   `name.0`, `name.1`, dicts to `name.<key>`. None arguments are absent from `inputs` (the recipe keeps their place).
+  An optional tensor node (merge_recipes) stands for an argument some calls pass as None: absent, it is None.
 - static: JSON values: the call's non-tensor arguments (by argument name) and the module's scalar attributes
   (`variance_epsilon`, `head_dim`, `q_norm.variance_epsilon`, `attn_implementation`, `act_fn.__class__`, ...).
 - weights: the module's parameters and buffers by qualified name.
@@ -914,6 +915,8 @@ def boundary_names(module: torch.nn.Module, call: BoundaryCall | None = None) ->
 def _rebuild(node: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict[str, Any], cache: Any) -> Any:
     kind = node["kind"]
     if kind == "tensor":
+        if node.get("optional") and node["name"] not in inputs:
+            return None
         if node["name"] not in inputs:
             raise KeyError(f"boundary: expected tensor {node['name']!r}, got names {sorted(inputs)}")
         return inputs[node["name"]]
@@ -929,6 +932,63 @@ def _rebuild(node: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict
     if kind == "dict":
         return {k: _rebuild(n, inputs, static, cache) for k, n in node["items"].items()}
     raise ValueError(f"boundary recipe: expected a known node kind, got {kind!r}")
+
+
+def merge_recipes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """One recipe rebuilding the calls of both `a` and `b`, or None where they differ other than by an argument that
+    is None in one and a tensor in the other (HF passes no attention mask for an unpadded batch and a bool one for a
+    padded batch): that argument becomes an optional tensor node, rebuilt as None for inputs without it. Everything
+    else (state, outputs, static nodes, nesting) must be equal."""
+    if {k: v for k, v in a.items() if k not in ("args", "kwargs")} != \
+            {k: v for k, v in b.items() if k not in ("args", "kwargs")}:
+        return None
+    if len(a["args"]) != len(b["args"]) or set(a["kwargs"]) != set(b["kwargs"]):
+        return None
+    args = [_merge_node(x, y) for x, y in zip(a["args"], b["args"])]
+    kwargs = {k: _merge_node(v, b["kwargs"][k]) for k, v in a["kwargs"].items()}
+    if any(n is None for n in (*args, *kwargs.values())):
+        return None
+    return {**a, "args": args, "kwargs": kwargs}
+
+
+def _merge_node(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    if a == b:
+        return a
+    kinds = {a["kind"], b["kind"]}
+    if kinds == {"tensor", "none"}:
+        return {**(a if a["kind"] == "tensor" else b), "optional": True}
+    if kinds == {"tensor"}:  # one side optional already
+        return {**a, "optional": True} if a["name"] == b["name"] else None
+    if len(kinds) != 1 or a["kind"] not in ("tuple", "list", "dict") or len(a["items"]) != len(b["items"]):
+        return None
+    if a["kind"] == "dict":
+        if set(a["items"]) != set(b["items"]):
+            return None
+        items: Any = {k: _merge_node(v, b["items"][k]) for k, v in a["items"].items()}
+        ok = all(n is not None for n in items.values())
+    else:
+        items = [_merge_node(x, y) for x, y in zip(a["items"], b["items"])]
+        ok = all(n is not None for n in items)
+    return {**a, "items": items} if ok else None
+
+
+def recipe_inputs(recipe: dict[str, Any]) -> list[str]:
+    """The input names a recipe reads, in argument order (its optional ones included)."""
+    names: list[str] = []
+
+    def walk(node):
+        if node["kind"] == "tensor":
+            names.append(node["name"])
+        elif node["kind"] in ("tuple", "list"):
+            for n in node["items"]:
+                walk(n)
+        elif node["kind"] == "dict":
+            for n in node["items"].values():
+                walk(n)
+
+    for node in (*recipe.get("args", ()), *recipe.get("kwargs", {}).values()):
+        walk(node)
+    return names
 
 
 def rebuild_call(recipe: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict[str, Any],

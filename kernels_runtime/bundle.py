@@ -65,6 +65,9 @@ class Guard(BaseModel):
     # the batch sizes (dim 0 of the inputs) a decode kernel was verified at: a serving regime's buckets
     # (kernels_runtime.buckets); a call at another batch falls back. Empty: not checked.
     batch_buckets: list[int] = Field(default_factory=list)
+    # inputs a call may pass as None (absent from its inputs), each way verified: HF's attention mask, None for an
+    # unpadded batch and a bool tensor for a padded one. Their shapes are checked where they are given.
+    optional: list[str] = Field(default_factory=list)
 
     @field_validator("min_capability", mode="before")
     @classmethod

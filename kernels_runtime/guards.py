@@ -85,10 +85,14 @@ def missing_input(name: str) -> str:
     return f"shape {name}: expected an input named {name}, got none"
 
 
-def check_shapes(specs: Mapping[str, Sequence[Any]], inputs: Mapping[str, Any]) -> tuple[bool, str]:
+def check_shapes(specs: Mapping[str, Sequence[Any]], inputs: Mapping[str, Any],
+                 optional: Sequence[str] = ()) -> tuple[bool, str]:
+    """Every input of `specs` has its dims; one named in `optional` may be absent (passed as None)."""
     for name, spec in specs.items():
         t = inputs.get(name)
         if t is None:
+            if name in optional:
+                continue
             return False, missing_input(name)
         ok, reason = check_shape(name, spec, tuple(t.shape))
         if not ok:
@@ -96,12 +100,16 @@ def check_shapes(specs: Mapping[str, Sequence[Any]], inputs: Mapping[str, Any]) 
     return OK
 
 
-def check_signatures(signatures: Sequence[Mapping[str, Sequence[int]]], inputs: Mapping[str, Any]) -> tuple[bool, str]:
-    """The call's shapes equal one verified joint signature (empty: not checked)."""
+def check_signatures(signatures: Sequence[Mapping[str, Sequence[int]]], inputs: Mapping[str, Any],
+                     optional: Sequence[str] = ()) -> tuple[bool, str]:
+    """The call's shapes equal one verified joint signature (empty: not checked), the optional inputs it passes
+    included (a signature verified without one admits no call with it)."""
     if not signatures:
         return OK
+    given = [n for n in optional if inputs.get(n) is not None]
     for sig in signatures:
-        if all(n in inputs and tuple(inputs[n].shape) == tuple(shape) for n, shape in sig.items()):
+        if all(n in inputs and tuple(inputs[n].shape) == tuple(shape) for n, shape in sig.items()) \
+                and all(n in sig for n in given):
             return OK
     got = {n: list(inputs[n].shape) for n in signatures[0] if n in inputs}
     return False, f"signature: expected one of the {len(signatures)} verified shape signatures, got {got}"
@@ -163,8 +171,8 @@ def is_supported(guard: Guard, call: Any) -> tuple[bool, str]:
         lambda: check_device(guard.device_types, device_type),
         lambda: check_capability(guard.min_capability, device_type, capability()) if guard.min_capability else OK,
         lambda: check_dtype(guard.dtypes, inputs),
-        lambda: check_shapes(guard.shapes, inputs),
-        lambda: check_signatures(guard.signatures, inputs),
+        lambda: check_shapes(guard.shapes, inputs, guard.optional),
+        lambda: check_signatures(guard.signatures, inputs, guard.optional),
         lambda: check_batch(guard.batch_buckets, inputs),
         lambda: check_contiguous(guard.contiguous, inputs),
     )

@@ -203,9 +203,10 @@ class _Kernel:
         self.in_place = bool(getattr(self.fn, "__globals__", {}).get("STATE_IN_PLACE", False))
         self.config = self.spec.config  # read per call
         self.bare_out = self.spec.outputs is None  # a lone "out" is returned as it is (_pack_outputs' common case)
-        # guarded inputs that a call may pass as keyword None (HF's attention_mask under the dynamic cache): such a
-        # call is refused before binding, the costliest step of a fallback, with the reason the guard would give
-        self.required_kwargs = tuple(n for n in g.shapes if "." not in n)
+        # guarded inputs that a call may pass as keyword None (HF's attention_mask under the dynamic cache) and that
+        # were verified only as tensors: such a call is refused before binding, the costliest step of a fallback,
+        # with the reason the guard would give
+        self.required_kwargs = tuple(n for n in g.shapes if "." not in n and n not in g.optional)
         self.state_adapter = g.state_adapter
 
 

@@ -6,7 +6,9 @@
    kept, up to `max_cases`, and every signature is counted.
 3. Deployability, each failure with its reason: the state is adaptable and every argument nameable; the call
    writes no tensor attribute on the module that no state adapter owns (hidden state); the call boundary is
-   stable (one argument structure and the same static values over all calls of a phase); the captured calls are
+   stable (one argument structure and the same static values over all calls of a phase, where structures that
+   differ only by an argument passed as None or as a tensor count as one: `merge_optional_inputs`); the captured
+   calls are
    reproducible (call_reference run twice on the captured inputs matches the captured outputs and state, bitwise
    or within the dtype's tolerance). The fallback is always the original forward.
 4. Grouping: instances of one class, family and phase with the same argument structure, static values (apart from
@@ -31,8 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from kernels_runtime.boundary import (MODULE_ADAPTERS, BoundaryCall, UnsupportedBoundary, call_reference,
-                                      capture_boundary, find_cache, hidden_state_writes, record_outputs,
-                                      tensor_attributes, weights_of)
+                                      capture_boundary, find_cache, hidden_state_writes, merge_recipes,
+                                      recipe_inputs, record_outputs, tensor_attributes, weights_of)
 from kernels_runtime.phase import CURRENT_PHASE, PHASES, PhaseTracker
 from kernels_runtime.tolerances import TOLERANCES, compare
 from llm4llm.records import ModuleRecord, ProfileResult
@@ -53,6 +55,7 @@ class _Observed:
     structures: Counter = field(default_factory=Counter)  # structure key -> calls
     sigs: dict[str, CaseSig] = field(default_factory=dict)  # shape key -> signature and count, first-seen order
     calls: list[BoundaryCall] = field(default_factory=list)  # captured, one per kept signature
+    call_structures: list[str] = field(default_factory=list)  # the structure key of each captured call
     error: str = ""
 
 
@@ -91,20 +94,21 @@ class _Recorder:
             obs.error = _reason(exc)
             self._pending[path].append(None)
             return
-        skey = call.shape_key()
-        obs.structures[call.structure_key()] += 1
+        skey, structure = call.shape_key(), call.structure_key()
+        obs.structures[structure] += 1
         keep = skey not in obs.sigs and len(obs.calls) < self.max_cases
         if skey not in obs.sigs:
             obs.sigs[skey] = CaseSig(inputs=_sigs(call.inputs), state=_sigs(call.state), calls=0)
         obs.sigs[skey].calls += 1
         attrs = tensor_attributes(module)
-        self._pending[path].append((obs, call.cloned() if keep else call, keep, skey, attrs))  # state-in cloned now
+        kept = call.cloned() if keep else call  # state-in cloned now, before the call writes it
+        self._pending[path].append((obs, kept, keep, skey, structure, attrs))
 
     def _post(self, path, module, args, kwargs, output):
         item = self._pending[path].pop() if self._pending[path] else None
         if item is None:
             return
-        obs, call, keep, skey, attrs = item
+        obs, call, keep, skey, structure, attrs = item
         written = hidden_state_writes(attrs, tensor_attributes(module))
         if written:
             obs.error = f"unsupported boundary: the call writes state kept on the module ({', '.join(written)}) " \
@@ -119,6 +123,7 @@ class _Recorder:
             obs.sigs[skey].outputs = _sigs(call.reference())
         if keep:
             obs.calls.append(call)
+            obs.call_structures.append(structure)
 
 
 def _reason(exc: Exception) -> str:
@@ -148,6 +153,31 @@ def check_stable(obs: _Observed) -> str:
             diffs.append(f"{part} {json.dumps(a['recipe'][part])} vs {json.dumps(b['recipe'][part])}")
     return (f"unstable call boundary: {len(obs.structures)} argument structures in one phase "
             f"({n1} and {n2} calls of the two most common; {'; '.join(diffs) or 'recipe differs'})")
+
+
+def merge_optional_inputs(obs: _Observed) -> None:
+    """Make the calls of one phase one boundary where their argument structures differ only by an argument passed
+    as None by some calls and as a tensor by others (HF's attention mask: None for an unpadded batch, a bool tensor
+    for a padded one): every captured call then takes one merged recipe (boundary.merge_recipes: the argument an
+    optional input, None for a case without it) and the phase counts one structure. Only where every structure has a
+    captured call, so that the verifier judges each kind of call and the guard admits none unjudged, and where the
+    static values and state agree; otherwise nothing changes and check_stable names the difference."""
+    if len(obs.structures) <= 1 or set(obs.structures) - set(obs.call_structures):
+        return
+    payloads = [json.loads(k) for k in obs.structures]
+    if any(p["static"] != payloads[0]["static"] or p["state"] != payloads[0]["state"] for p in payloads):
+        return
+    merged = obs.calls[0].recipe
+    for call in obs.calls[1:]:
+        merged = merge_recipes(merged, call.recipe)
+        if merged is None:
+            return
+    for call in obs.calls:
+        call.recipe = copy.deepcopy(merged)
+    key = json.dumps({"recipe": merged, "static": payloads[0]["static"], "state": payloads[0]["state"]},
+                     sort_keys=True, default=str)
+    obs.structures = Counter({key: sum(obs.structures.values())})
+    obs.call_structures = [key] * len(obs.calls)
 
 
 def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repeats: int = 2) -> str:
@@ -241,7 +271,7 @@ def _spec_for(group: list[_Instance], hardware: dict, workload_name: str, run_id
         module_class=_class_path(rep.module),
         instances=[inst.path for inst in group],
         phase=rep.record.phase,
-        input_names=list(first.inputs) if first else [],
+        input_names=recipe_inputs(first.recipe) if first else [],  # an optional input too, wherever it came first
         weight_names=list(weights_of(rep.module)),
         state_names=_union(list(c.state) for c in calls),
         output_names=_union(list(c.reference()) for c in calls),
@@ -366,6 +396,7 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     for rec in sorted(records, key=lambda r: (r.phase, order[r.module_path])):
         obs = recorder.observed.get((rec.module_path, rec.phase), _Observed())
         module = modules[rec.module_path]
+        merge_optional_inputs(obs)
         reason = obs.error or ("" if obs.calls else "no call captured in this phase")
         reason = reason or check_stable(obs) or check_reproducible(module, obs.calls)
         instances.append(_Instance(rec.module_path, module, rec, obs, reason))

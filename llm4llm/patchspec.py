@@ -38,9 +38,11 @@ def guard_for(spec: TaskSpec, device_type: str) -> Guard:
         if sig and sig not in signatures:
             signatures.append(sig)
     state = (spec.recipe or {}).get("state") or {}
+    # inputs some verified cases had as None (extract.merge_optional_inputs): the guard admits their absence
+    optional = [n for n in spec.input_names if any(n not in c.inputs for c in spec.cases)]
     return Guard(dtypes=dtypes, device_types=[device_type], min_capability=cap or None, shapes=shapes,
                  signatures=signatures if ragged or (len(signatures) > 1 and not spec.regime) else [],
-                 state_adapter=state.get("adapter"), batch_buckets=_batch_buckets(spec))
+                 state_adapter=state.get("adapter"), batch_buckets=_batch_buckets(spec), optional=optional)
 
 
 def _batch_buckets(spec: TaskSpec) -> list[int]:

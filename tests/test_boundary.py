@@ -189,3 +189,31 @@ def test_unadaptable_state_and_arguments_are_unsupported():
         capture_boundary(toy, (x, Cache(layers=[StaticIndexedLayer(max_cache_len=8)])), {})
     with pytest.raises(UnsupportedBoundary, match="argument scale: expected a tensor"):
         capture_boundary(toy, (x,), {"scale": object()})
+
+
+def test_merge_recipes_makes_a_none_or_tensor_argument_optional_and_nothing_else():
+    """Two calls that differ only by an argument passed as None or as a tensor share one recipe, which rebuilds a
+    call without that input as None and one with it as the tensor; any other difference does not merge."""
+    from kernels_runtime.boundary import merge_recipes, rebuild_call, recipe_inputs
+
+    t = lambda n: {"kind": "tensor", "name": n}  # noqa: E731
+    masked = {"args": [t("x")], "kwargs": {"attention_mask": t("attention_mask"), "past_key_values": {"kind": "cache"},
+                                          "pe": {"kind": "tuple", "items": [t("pe.0"), t("pe.1")]}},
+              "state": {"adapter": "DynamicLayer"}}
+    plain = {**masked, "kwargs": {**masked["kwargs"], "attention_mask": {"kind": "none"}}}
+    merged = merge_recipes(plain, masked)
+    assert merged == merge_recipes(masked, plain) and merge_recipes(merged, plain) == merged
+    assert merged["kwargs"]["attention_mask"] == {**t("attention_mask"), "optional": True}
+    assert recipe_inputs(merged) == ["x", "attention_mask", "pe.0", "pe.1"]
+    x, m = torch.zeros(2), torch.ones(2, dtype=torch.bool)
+    inputs = {"x": x, "pe.0": x, "pe.1": x}
+    assert rebuild_call(merged, inputs, {}, "cache")[1]["attention_mask"] is None
+    assert rebuild_call(merged, {**inputs, "attention_mask": m}, {}, "cache")[1]["attention_mask"] is m
+    with pytest.raises(KeyError):  # a required tensor is still required
+        rebuild_call(merged, {"attention_mask": m}, {}, "cache")
+    other_state = {**plain, "state": {"adapter": "StaticLayer", "max_cache_len": 19}}
+    renamed = {**masked, "kwargs": {**masked["kwargs"], "attention_mask": t("mask")}}
+    nested = {**masked, "kwargs": {**masked["kwargs"], "pe": {"kind": "none"}}}  # a tuple is not one tensor
+    fewer = {**masked, "args": []}
+    for b in (other_state, renamed, nested, fewer):
+        assert merge_recipes(masked, b) is None

@@ -181,3 +181,106 @@ def test_prefill_template_refuses_an_eager_mask(tiny_extracted):
     odd = spec.model_copy(update={"cases": [case], "input_names": [*spec.input_names, "attention_mask"]})
     for name in ("attention.prefill_flash", "attention.decode_splitkv", "attention.decode_fused_qkv"):
         assert "bool mask (SDPA)" in _template(name).applies_fn(odd), name
+
+
+# ------------------------------------------------------------------------------------- the dynamic cache's tasks
+# The regime's shortest prompt gives an unpadded batch, for which HF passes no attention mask (None); its padded
+# batches pass a bool one. Both kinds of call are one task, the mask an optional input.
+
+def _dynamic_task(tiny_extracted, workload, phase):
+    d = next((d for d in tiny_extracted(workload) if d.name.startswith(f"attention-{phase}-")), None)
+    assert d is not None, f"no deployable attention {phase} task from {workload}"
+    return d, load_task(d)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_padded_workload_yields_deployable_dynamic_cache_attention_tasks(tiny_extracted, phase):
+    """tiny-llama-padded on the dynamic cache: the prefill and decode attention tasks are deployable, their cases
+    hold padded calls (a bool mask) and unpadded ones (no mask), the recipe rebuilds a case without the mask as
+    mask=None, and the guard admits both."""
+    from kernels_runtime.boundary import rebuild_call
+    from llm4llm.patchspec import guard_for
+
+    _, task = _dynamic_task(tiny_extracted, "tiny-llama-padded", phase)
+    assert task.spec.deployable and "attention_mask" in task.spec.input_names
+    masked = [c for c in task.cases if "attention_mask" in c.inputs]
+    plain = [c for c in task.cases if "attention_mask" not in c.inputs]
+    assert masked and plain
+    assert all(c.inputs["attention_mask"].dtype == torch.bool and not bool(c.inputs["attention_mask"].all())
+               for c in masked)
+    _, kwargs = rebuild_call(task.spec.recipe, plain[0].inputs, task.spec.static)
+    assert kwargs["attention_mask"] is None
+    _, kwargs = rebuild_call(task.spec.recipe, masked[0].inputs, task.spec.static)
+    assert kwargs["attention_mask"] is masked[0].inputs["attention_mask"]
+    assert guard_for(task.spec, "cpu").optional == ["attention_mask"]
+
+
+def test_verifier_passes_prefill_attention_on_padded_and_unpadded_cases(tiny_extracted, tmp_path):
+    """The reference of each case is the module's own forward (mask=None where the batch had no padding), and
+    attention.prefill_flash matches it on every case and passes the verifier's gates."""
+    from llm4llm.verify.candidate import load_candidate, unload_candidate
+    from llm4llm.verify.gates import run_gates
+
+    task_dir, task = _dynamic_task(tiny_extracted, "tiny-llama-padded", "prefill")
+    module, ref = task.load_module(), task.reference()
+    tpl = _template("attention.prefill_flash")
+    assert tpl.why_not(task.spec) is None
+    source = tpl.render(task.spec, tpl.default(task.spec))
+    mod = load_candidate(source, tmp_path, "padded_prefill_candidate")
+    try:
+        for case in task.cases:
+            mask = case.inputs.get("attention_mask")
+            kwargs = {n: case.inputs[n] for n in ("hidden_states", "position_ids")}
+            with torch.inference_mode():
+                own = torch.func.functional_call(module, case.weights, (), {
+                    **kwargs, "attention_mask": mask,
+                    "position_embeddings": (case.inputs["position_embeddings.0"],
+                                            case.inputs["position_embeddings.1"])})
+            assert_close(own[0], case.ref["out"])
+            assert_close(ref(dict(case.inputs), dict(case.weights), {}, dict(task.spec.static))["out"],
+                         case.ref["out"])
+            out = mod.entry(dict(case.inputs), dict(case.weights), {}, dict(task.spec.static))
+            assert_close(out["out"], case.ref["out"], name=f"prefill ({'padded' if mask is not None else 'no mask'})")
+    finally:
+        unload_candidate("padded_prefill_candidate")
+    v, _ = run_gates(str(task_dir), source, device="cpu", draws=1, timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"
+
+
+def test_patched_prefill_and_decode_attention_on_padded_and_unpadded_batches_match_eager(tiny_extracted):
+    """In the model: a bundle with the prefill and dynamic-cache decode attention patches, generate over the padded
+    batch and over an unpadded one (the regime's shortest prompt): every attention call takes a kernel (none falls
+    back), and the teacher-forced logits of every row equal the unpatched model's."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from kernels_runtime.patch import report_of
+    from llm4llm.accept import reference_tokens, teacher_forced_logits
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    bundle = PatchBundle(name="padded-attention")
+    for phase, name in (("prefill", "attention.prefill_flash"), ("decode", "attention.decode_splitkv")):
+        _, task = _dynamic_task(tiny_extracted, "tiny-llama-padded", phase)
+        tpl = _template(name)
+        bundle.add_patch(task_patch_spec(task.spec, phase, 1.0, "cpu"), source=tpl.render(task.spec,
+                                                                                         tpl.default(task.spec)))
+    wl = load_workload(WORKLOADS / "tiny-llama-padded.toml")
+    script = load_script(wl)
+    model = call_script(script.build, wl)
+    steps = wl.decode_len
+    batches = [call_script(script.inputs, w) for w in (wl, wl.model_copy(update={"prompt_len": 6}))]
+    assert not bool(batches[0]["attention_mask"].all()) and bool(batches[1]["attention_mask"].all())
+    tokens = [reference_tokens(model, b, steps)[0] for b in batches]
+    refs = [teacher_forced_logits(model, b, t, steps) for b, t in zip(batches, tokens)]
+    kernels_runtime.apply(model, bundle, strict=True)
+    try:
+        for batch, toks, ref, kind in zip(batches, tokens, refs, ("padded", "unpadded")):
+            got = teacher_forced_logits(model, batch, toks, steps)
+            for step, (g, r) in enumerate(zip(got, ref)):
+                assert_close(g, r, name=f"{kind} logits step {step}")
+        counters = report_of(model)
+    finally:
+        kernels_runtime.revert(model)
+    assert sorted(counters) == [f"model.layers.{i}.self_attn" for i in range(2)], counters
+    for c in counters.values():
+        assert c == {"kernel": {"prefill": 2, "decode": 2 * (steps - 1)}, "fallback": {}}, c

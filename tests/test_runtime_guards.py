@@ -96,6 +96,23 @@ def test_shape_missing_input():
     assert not ok and reason == "shape x: expected an input named x, got none"
 
 
+def test_an_optional_input_may_be_absent_and_is_checked_when_given():
+    """An input verified both as None and as a tensor (HF's attention mask, unpadded and padded batches): its absence
+    is admitted, its shape checked where given; a signature verified without it admits no call that passes it."""
+    x, mask = FakeTensor((3, 6, 64)), FakeTensor((3, 1, 6, 6), dtype=torch.bool)
+    shapes = {"x": [3, [6, 16], 64], "attention_mask": [3, 1, 16, 16]}
+    assert is_supported(Guard(shapes=shapes, optional=["attention_mask"]), call(x=x))[0]
+    assert not is_supported(Guard(shapes=shapes), call(x=x))[0]  # never verified without it
+    ok, why = is_supported(Guard(shapes=shapes, optional=["attention_mask"]), call(x=x, attention_mask=mask))
+    assert not ok and why.startswith("shape attention_mask: expected [3, 1, 16, 16]"), why
+    sigs = [{"x": [3, 6, 64]}, {"x": [3, 16, 64], "attention_mask": [3, 1, 16, 16]}]
+    g = Guard(shapes=shapes, signatures=sigs, optional=["attention_mask"])
+    assert is_supported(g, call(x=x))[0]
+    assert is_supported(g, call(x=FakeTensor((3, 16, 64)), attention_mask=FakeTensor((3, 1, 16, 16))))[0]
+    ok, why = is_supported(g, call(x=x, attention_mask=FakeTensor((3, 1, 16, 16))))
+    assert not ok and why.startswith("signature:"), why
+
+
 def test_check_shape_unbounded_range_formats():
     assert check_shape("x", [[2, None]], (1,)) == (False, "shape x: expected [2..], got [1]")
 
