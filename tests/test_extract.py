@@ -213,3 +213,43 @@ def test_extract_from_the_real_profiler(tmp_path):
     for phase in ("prefill", "decode"):
         attn, = find(specs, "LlamaAttention", phase)
         assert attn.deployable and len(attn.instances) == 2 and attn.hardware == profile.hardware
+
+
+def _masked_or_not(mask: bool, eps: float = 1e-6):
+    from kernels_runtime.boundary import BoundaryCall
+
+    node = {"kind": "tensor", "name": "attention_mask"} if mask else {"kind": "none"}
+    inputs = {"x": torch.zeros(2, 3), **({"attention_mask": torch.ones(2, 3, dtype=torch.bool)} if mask else {})}
+    return BoundaryCall(inputs, {}, {"eps": eps}, {"args": [{"kind": "tensor", "name": "x"}],
+                                                   "kwargs": {"attention_mask": node}, "state": None})
+
+
+def test_a_mask_or_none_is_one_boundary_only_where_each_kind_of_call_was_captured():
+    """Calls passing a tensor or None for one argument merge into one structure (the argument optional) when a case
+    of each kind was captured and nothing else differs; a kind never captured (the verifier could not judge it), or
+    another static value, keeps the phase unstable."""
+    from collections import Counter
+
+    from llm4llm.extract import _Observed, check_stable, merge_optional_inputs
+
+    def observed(calls, captured):
+        obs = _Observed(structures=Counter(c.structure_key() for c in calls))
+        for c in captured:
+            obs.calls.append(c.cloned())
+            obs.call_structures.append(c.structure_key())
+            obs.calls[-1].recipe["outputs"] = {"kind": "tensor", "name": "out"}
+        return obs
+
+    masked, plain = _masked_or_not(True), _masked_or_not(False)
+    both = observed([masked, plain, plain], [masked, plain])
+    merge_optional_inputs(both)
+    assert check_stable(both) == "" and sum(both.structures.values()) == 3
+    assert [c.recipe["kwargs"]["attention_mask"] for c in both.calls] == \
+        [{"kind": "tensor", "name": "attention_mask", "optional": True}] * 2
+    unjudged = observed([masked, plain], [masked])
+    merge_optional_inputs(unjudged)
+    assert check_stable(unjudged).startswith("unstable call boundary: 2 argument structures")
+    other = _masked_or_not(False, eps=1e-5)
+    static = observed([masked, other], [masked, other])
+    merge_optional_inputs(static)
+    assert "static eps" in check_stable(static)
