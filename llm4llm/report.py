@@ -18,8 +18,9 @@ from typing import Any, Callable, Protocol
 
 import pandas as pd
 
-# an artifact's reason cell is cut here (with an ellipsis), so the Prefect UI's table keeps its other columns in view
-REASON_CHARS = 80
+# The Prefect UI's markdown tables do not wrap their cells: at a 1400-pixel window a row of ids and numbers already
+# fills the artifact's width, so an acceptance reason goes in a numbered list under the table, cut here (ellipsis)
+REASON_CHARS = 160
 # a grouped row of identical decisions names this many of its tasks, then how many more
 GROUP_NAMES = 3
 # mode -> colour, so one mode reads the same in every plot
@@ -569,22 +570,24 @@ def leaderboard(trials: pd.DataFrame, per_task: int = 3) -> pd.DataFrame:
 def _artifact_leaderboard(trials: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard in the columns an artifact's width keeps in view (the phase is in the task id)."""
     b = leaderboard(trials)
-    return pd.DataFrame({"task": b["task_id"].map(lambda t: _short(t, 32)), "candidate": b["candidate_id"].str[:8],
+    return pd.DataFrame({"task": b["task_id"].map(lambda t: _short(t, 40)), "candidate": b["candidate_id"].str[:8],
                          "template": b["template"].map(lambda t: clip(t, 32)), "score": b["score"],
                          "p50_ms": b["ctx_p50_ms"], "ref_p50_ms": b["ref_ctx_p50_ms"], "max_err": b["max_abs_err"]})
 
 
-def _artifact_decisions(a: pd.DataFrame) -> pd.DataFrame:
-    """The acceptance decisions, grouped (grouped_decisions), in the columns an artifact's width keeps in view: short
-    ids, the gain in %, the reason cut at REASON_CHARS."""
+def _artifact_decisions(a: pd.DataFrame) -> str:
+    """The acceptance decisions, grouped (grouped_decisions), as a table of what the Prefect UI keeps in view (row
+    number, count, short ids, decision, gain in %, latency before -> after) and each row's reason in a numbered list
+    under it, cut at REASON_CHARS."""
     g = grouped_decisions(a)
     ms = lambda v: "" if pd.isna(v) else f"{v:.1f}"  # noqa: E731
-    return pd.DataFrame({"n": g["count"], "task": g["task_id"].map(lambda t: clip(t, 40)),
-                         "candidate": g["candidate_id"].fillna("").str[:8], "decision": g["decision"],
-                         "gain_%": g["gain"] * 100,
-                         "e2e_ms": [f"{ms(b)} -> {ms(x)}" if pd.notna(b) else "" for b, x in
-                                    zip(g["e2e_before_ms"], g["e2e_after_ms"])],
-                         "reason": g["reason"].map(lambda r: clip(r, REASON_CHARS))})
+    table = pd.DataFrame({"#": range(1, len(g) + 1), "n": g["count"], "task": g["task_id"].map(lambda t: clip(t, 40)),
+                          "candidate": g["candidate_id"].fillna("").str[:8], "decision": g["decision"],
+                          "gain_%": g["gain"] * 100,
+                          "e2e_ms": [f"{ms(b)} -> {ms(x)}" if pd.notna(b) else "" for b, x in
+                                     zip(g["e2e_before_ms"], g["e2e_after_ms"])]})
+    reasons = [f"{i}. {clip(r, REASON_CHARS) or '(no reason recorded)'}" for i, r in enumerate(g["reason"], 1)]
+    return markdown_table(table) + "\n\nReasons, by row:\n\n" + "\n".join(reasons)
 
 
 ARTIFACTS = ("hotspots", "leaderboard", "acceptance", "e2e")
@@ -606,7 +609,7 @@ def markdown(kind: str, reader: Reader, run_id: str) -> str:
     if kind == "acceptance":
         a = reader.frame("acceptances", run_id)
         n = int((a["decision"] == "accepted").sum()) if not a.empty else 0
-        table = markdown_table(_artifact_decisions(a)) if not a.empty else "_no decisions_"
+        table = _artifact_decisions(a) if not a.empty else "_no decisions_"
         return f"## Acceptance of run `{run_id}`\n\n{n} accepted, {len(a) - n} rejected.\n\n" + table
     if kind == "e2e":
         e = reader.frame("e2e", run_id)
