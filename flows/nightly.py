@@ -13,15 +13,22 @@ from tasks.service import decide_service, revalidate_current
 
 
 @flow(name="nightly-workload", log_prints=True)
-def nightly_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
+def nightly_workload(workload_path: str, config: OptimizeConfig = OptimizeConfig(), db_path: str | None = None,
                      data_dir: str | None = None) -> dict:
     """One night: (1) the bundle in service re-validated against tonight's torch, triton, driver, GPU and workload
     (in-model correctness; latency on a GPU, skipped and said so on the CPU); (2) the closed loop, a run of kind
     `nightly` with its own run id even when the profile comes from the cache, each task's search warm-started from
     its stored experience;
     (3) keep / replace / rollback, the reason in DuckDB (service_decisions), the bundle that enters service copied
-    to a new version dir and `current` pointed at it. The whole night holds the device's GPU slot."""
-    cfg = config if config is not None else OptimizeConfig()
+    to a new version dir and `current` pointed at it. The whole night holds the device's GPU slot.
+
+    Args:
+        workload_path: the workload's TOML file (examples/workloads/*.toml), as the worker's host sees it
+        config: every setting of tonight's closed loop (the default is what `llm4llm optimize` runs without options)
+        db_path: DuckDB file the night writes (empty: $LLM4LLM_DB, else $LLM4LLM_HOME/llm4llm.duckdb)
+        data_dir: where profiles, tasks, candidates and bundles go (empty: $LLM4LLM_HOME, else ./.llm4llm)
+    """
+    cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
     accept_cfg = cfg.accept.build()
     with gpu_slot(describe_workload(workload_path)["device"]):

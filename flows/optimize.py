@@ -43,7 +43,7 @@ def _coverage_artifact(run_id: str, db_path: str | None) -> None:
 
 
 @flow(name="optimize-workload", log_prints=True)
-def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, db_path: str | None = None,
+def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfig(), db_path: str | None = None,
                       data_dir: str | None = None, kind: RunKind | None = None) -> dict:
     """The closed loop over one workload: profile -> extract -> plan -> search -> accept -> evaluate, inside
     `config.time_budget_s` counted from now (or from when the CLI command started: llm4llm.planner.RUN_STARTED).
@@ -69,11 +69,19 @@ def optimize_workload(workload_path: str, config: OptimizeConfig | None = None, 
     None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, torch_compile (rows are
     written as each is measured: the compiled baseline, slowest to build, last). config.search.rounds: a task
     rejected at deployment is searched again from its experience in the next round. config.scale: where the
-    searches run (local, or fanned out over Ray, one GPU per task search; docs/scale-out.md)."""
+    searches run (local, or fanned out over Ray, one GPU per task search; docs/scale-out.md).
+
+    Args:
+        workload_path: the workload's TOML file (examples/workloads/*.toml), as the worker's host sees it
+        config: every setting of the run (the default is what `llm4llm optimize` runs without options)
+        db_path: DuckDB file the run writes (empty: $LLM4LLM_DB, else $LLM4LLM_HOME/llm4llm.duckdb)
+        data_dir: where profiles, tasks, candidates and bundles go (empty: $LLM4LLM_HOME, else ./.llm4llm)
+        kind: what started the run: nightly, manual, on-change or cli (empty: from the deployment that started it)
+    """
     from kernels_runtime.ops._common import interpret_without_gpu
 
     interpret_without_gpu()  # a served run (a worker's flow-run process) has no CLI to set Triton's interpreter
-    cfg = config if config is not None else OptimizeConfig()
+    cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
     run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())
     with gpu_slot(describe_workload(workload_path)["device"]), run_log():

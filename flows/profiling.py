@@ -34,7 +34,15 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
     """Profile a workload per phase, as a run of its own; returns {"run_id", "profile_path", "workload"}. A
     profile served from the cache is recorded again under a new run id (`runs.profile_of` names the run that
     measured it), so every run keeps its own rows. kind: what started the run (default: the deployment that
-    started this flow run, else cli). Run on its own it ends the run; as a subflow it leaves that to its parent."""
+    started this flow run, else cli). Run on its own it ends the run; as a subflow it leaves that to its parent.
+
+    Args:
+        workload_path: the workload's TOML file (examples/workloads/*.toml), as the worker's host sees it
+        db_path: DuckDB file the run writes (empty: $LLM4LLM_DB, else $LLM4LLM_HOME/llm4llm.duckdb)
+        data_dir: where profiles and their artifacts go (empty: $LLM4LLM_HOME, else ./.llm4llm)
+        refresh: measure again instead of serving a cached profile of the same workload
+        kind: what started the run: nightly, manual, on-change or cli (empty: from the deployment that started it)
+    """
     from prefect.runtime import flow_run
 
     data_dir = _defaults(data_dir)

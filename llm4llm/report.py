@@ -18,6 +18,11 @@ from typing import Any, Callable, Protocol
 
 import pandas as pd
 
+# The Prefect UI's markdown tables do not wrap their cells: at a 1400-pixel window a row of ids and numbers already
+# fills the artifact's width, so an acceptance reason goes in a numbered list under the table, cut here (ellipsis)
+REASON_CHARS = 160
+# a grouped row of identical decisions names this many of its tasks, then how many more
+GROUP_NAMES = 3
 # mode -> colour, so one mode reads the same in every plot
 MODE_COLOURS = {"episodic": "#1f77b4", "sample": "#ff7f0e", "iter": "#2ca02c"}
 VARIANT_ORDER = ("eager", "torch_compile", "eager_graphs", "patched", "patched_graphs")
@@ -104,8 +109,38 @@ def _spread(v) -> str:
     return f"{min(s):.1f}-{max(s):.1f}" if s else ""
 
 
+def clip(text, n: int) -> str:
+    """`text` in at most n characters, an ellipsis marking a cut."""
+    text = "" if text is None or (isinstance(text, float) and pd.isna(text)) else str(text)
+    return text if len(text) <= n else text[: n - 1].rstrip() + "…"
+
+
 def _short(task_id: str, n: int = 28) -> str:
-    return task_id if len(task_id) <= n else task_id[: n - 1] + "…"
+    return clip(task_id, n)
+
+
+def grouped_decisions(a: pd.DataFrame) -> pd.DataFrame:
+    """The acceptance rows in the order tried, with a `count` column: a decision whose gain was measured keeps its
+    own row (it carries numbers), and the unmeasured ones that share a decision and a reason (a crash that stopped
+    every trial, say) become one row at the place of the first, naming its first GROUP_NAMES tasks."""
+    a = a.reset_index(drop=True)
+    measured = a["gain"].notna()
+    key = a["decision"].astype(str) + "\0" + a["reason"].fillna("").astype(str)
+    rows = []
+    for i, row in a.iterrows():
+        if measured[i]:
+            rows.append(row.to_dict() | {"count": 1})
+            continue
+        same = a.index[~measured & (key == key[i])]
+        if same[0] != i:
+            continue
+        out = row.to_dict() | {"count": len(same)}
+        if len(same) > 1:
+            names = [_short(t, 24) for t in a.loc[same[:GROUP_NAMES], "task_id"]]
+            more = f" +{len(same) - GROUP_NAMES} more" if len(same) > GROUP_NAMES else ""
+            out |= {"task_id": ", ".join(names) + more, "candidate_id": ""}
+        rows.append(out)
+    return pd.DataFrame(rows, columns=["count", *a.columns])
 
 
 def _no_data(ax, text: str) -> None:
@@ -252,22 +287,31 @@ def acceptance(ctx: ReportContext) -> Block:
     a = ctx.df("acceptances")
     if a.empty:
         return Block(notes=["no acceptance decisions for this run"])
+    n_acc = int((a["decision"] == "accepted").sum())
+    notes = [f"{n_acc} accepted, {len(a) - n_acc} rejected, in the order tried"]
+    measured = a[a["gain"].notna()]
+    figures = [_gain_plot(measured)] if not measured.empty else []
+    if measured.empty:
+        notes.append("no trial reached a latency measurement: nothing to plot")
+    cols = ["count", "task_id", "family", "phase", "candidate_id", "decision", "gain", "e2e_before_ms",
+            "e2e_after_ms", "in_model_max_abs_err", "metric", "reason"]
+    return Block(notes=notes, figures=figures, tables=[("decisions", grouped_decisions(a)[cols])])
+
+
+def _gain_plot(a: pd.DataFrame):
+    """One bar per decision whose end-to-end gain was measured, green where accepted."""
     fig = _figure(11.0, 0.35 * len(a) + 1.4)
     ax = fig.subplots()
     labels = [f"{_short(t)} / {c[:8]}" for t, c in zip(a["task_id"], a["candidate_id"])]
-    gains = a["gain"].fillna(0.0) * 100
+    gains = a["gain"] * 100
     ax.barh(labels, gains, color=["#55a868" if d == "accepted" else "#c44e52" for d in a["decision"]])
-    for i, (g, d, has) in enumerate(zip(gains, a["decision"], a["gain"].notna())):
-        ax.text(g, i, f" {d}" + ("" if has else " (no latency measured)"), va="center", fontsize=7)
+    for i, (g, d) in enumerate(zip(gains, a["decision"])):
+        ax.text(g, i, f" {d}", va="center", fontsize=7)
     ax.axvline(0, color="#999", lw=1)
     ax.invert_yaxis()
     ax.set_xlabel("end-to-end gain of the trial, % (green: accepted, red: rejected)")
     ax.tick_params(axis="y", labelsize=7)
-    n_acc = int((a["decision"] == "accepted").sum())
-    cols = ["task_id", "family", "phase", "candidate_id", "decision", "gain", "e2e_before_ms", "e2e_after_ms",
-            "in_model_max_abs_err", "metric", "reason"]
-    return Block(notes=[f"{n_acc} accepted, {len(a) - n_acc} rejected, in the order tried"], figures=[fig],
-                 tables=[("decisions", a[cols])])
+    return fig
 
 
 def e2e_table(e: pd.DataFrame) -> pd.DataFrame:
@@ -523,6 +567,30 @@ def leaderboard(trials: pd.DataFrame, per_task: int = 3) -> pd.DataFrame:
                 "max_abs_err"]]
 
 
+def _artifact_leaderboard(trials: pd.DataFrame) -> pd.DataFrame:
+    """The leaderboard in the columns an artifact's width keeps in view at a 1400-pixel window (the phase is in the
+    task id; the reference's time is in the score)."""
+    b = leaderboard(trials)
+    return pd.DataFrame({"task": b["task_id"].map(lambda t: _short(t, 40)), "candidate": b["candidate_id"].str[:8],
+                         "template": b["template"].map(lambda t: clip(t, 32)), "score": b["score"],
+                         "p50_ms": b["ctx_p50_ms"], "max_err": b["max_abs_err"]})
+
+
+def _artifact_decisions(a: pd.DataFrame) -> str:
+    """The acceptance decisions, grouped (grouped_decisions), as a table of what the Prefect UI keeps in view (row
+    number, count, short ids, decision, gain in %, latency before -> after) and each row's reason in a numbered list
+    under it, cut at REASON_CHARS."""
+    g = grouped_decisions(a)
+    ms = lambda v: "" if pd.isna(v) else f"{v:.1f}"  # noqa: E731
+    table = pd.DataFrame({"#": range(1, len(g) + 1), "n": g["count"], "task": g["task_id"].map(lambda t: clip(t, 40)),
+                          "candidate": g["candidate_id"].fillna("").str[:8], "decision": g["decision"],
+                          "gain_%": g["gain"] * 100,
+                          "e2e_ms": [f"{ms(b)} -> {ms(x)}" if pd.notna(b) else "" for b, x in
+                                     zip(g["e2e_before_ms"], g["e2e_after_ms"])]})
+    reasons = [f"{i}. {clip(r, REASON_CHARS) or '(no reason recorded)'}" for i, r in enumerate(g["reason"], 1)]
+    return markdown_table(table) + "\n\nReasons, by row:\n\n" + "\n".join(reasons)
+
+
 ARTIFACTS = ("hotspots", "leaderboard", "acceptance", "e2e")
 
 
@@ -537,13 +605,13 @@ def markdown(kind: str, reader: Reader, run_id: str) -> str:
         t = reader.frame("trials", run_id)
         timed = "" if t.empty or t["pooled"].notna().any() else "\n\nNo trial was timed (CPU): scores are 0."
         return f"## Leaderboard of run `{run_id}`\n\nBest passing candidates per task (score: speedup over the " \
-               f"search's pooled reference).{timed}\n\n" + (markdown_table(leaderboard(t)) if not t.empty
+               f"search's pooled reference).{timed}\n\n" + (markdown_table(_artifact_leaderboard(t)) if not t.empty
                                                              else "_no searches_")
     if kind == "acceptance":
         a = reader.frame("acceptances", run_id)
         n = int((a["decision"] == "accepted").sum()) if not a.empty else 0
-        return f"## Acceptance of run `{run_id}`\n\n{n} accepted, {len(a) - n} rejected.\n\n" + markdown_table(
-            a[["task_id", "candidate_id", "decision", "gain", "e2e_before_ms", "e2e_after_ms", "reason"]])
+        table = _artifact_decisions(a) if not a.empty else "_no decisions_"
+        return f"## Acceptance of run `{run_id}`\n\n{n} accepted, {len(a) - n} rejected.\n\n" + table
     if kind == "e2e":
         e = reader.frame("e2e", run_id)
         return f"## End to end, run `{run_id}`\n\nMedians; range: min-max of the timed runs.\n\n" + (

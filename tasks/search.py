@@ -15,8 +15,13 @@ from llm4llm.stages import search as search_stage
 from tasks.common import infrastructure_only
 
 
+def _search_run_name(parameters: dict) -> str:
+    """`search-<task id>`: the task dir's own name, not its absolute path (the UI's run list stays readable)."""
+    return f"search-{Path(parameters['task_dir']).name}"
+
+
 @task(name="search-task", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
-      task_run_name="search-{task_dir}")
+      task_run_name=_search_run_name)
 def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, data_dir: str, device: str,
                 run_id: str | None, llm: dict | None = None, decode_timing: str = "launch",
                 trials: int | None = None, deadline: float | None = None) -> dict:

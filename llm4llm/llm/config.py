@@ -26,26 +26,41 @@ class LLMConfigError(Llm4llmError):
 
 
 class LLMConfig(BaseModel):
+    """The LLM proposer's settings (an `[llm]` table, `LLM4LLM_LLM_*` variables, `--llm-*` flags)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = ""  # any litellm model string: openai/gpt-5, anthropic/claude-..., hosted_vllm/<name>, ollama/<name>
-    api_base: str | None = None  # e.g. http://127.0.0.1:8000/v1 for a local vLLM server
-    temperature: float = Field(0.7, ge=0.0, le=2.0)
-    max_tokens: int = Field(8192, gt=0)  # per completion
-    samples_per_step: int = Field(4, gt=0)  # n the search asks for per step when the workload does not say
-    concurrency: int = Field(4, gt=0)  # simultaneous requests
-    max_total_tokens: int | None = Field(None, gt=0)  # prompt + completion over the proposer's life
-    max_cost_usd: float | None = Field(None, gt=0)  # litellm's price table; unknown models cost 0 (tokens still count)
-    timeout_s: float = Field(600.0, gt=0)  # per request
-    max_retries: int = Field(4, ge=0)  # on 429, 5xx, timeouts, connection errors
-    backoff_s: float = Field(2.0, ge=0)  # first retry delay; doubles per attempt, capped at backoff_max_s
-    backoff_max_s: float = Field(60.0, ge=0)
-    seed_with_builtin: bool = True  # show the built-in family kernel in the prompt as a starting point
-    hybrid_share: float = Field(0.5, ge=0.0, le=1.0)  # fraction of the search budget the LLM takes in hybrid mode
-    corrections: str | None = None  # extra API-correction rules: a .toml or .py file (LLM4LLM_CORRECTIONS too)
-    disabled_corrections: list[str] = Field(default_factory=list)  # built-in rule ids to switch off
-    transcript_path: str | None = None  # JSONL; may hold {task_id} and {episode}
-    extra: dict[str, Any] = Field(default_factory=dict)  # to litellm.completion as is (top_p, reasoning_effort)
+    model: str = Field("", description="any litellm model string: openai/gpt-5, anthropic/claude-..., "
+                                       "hosted_vllm/<name>, ollama/<name>")
+    api_base: str | None = Field(None, description="the provider's base URL, e.g. http://127.0.0.1:8000/v1 for a "
+                                                   "local vLLM server (empty: the provider's default)")
+    temperature: float = Field(0.7, ge=0.0, le=2.0, description="sampling temperature")
+    max_tokens: int = Field(8192, gt=0, description="completion tokens per request")
+    samples_per_step: int = Field(4, gt=0, description="candidates the search asks for per step when the "
+                                                       "workload does not say")
+    concurrency: int = Field(4, gt=0, description="simultaneous requests")
+    max_total_tokens: int | None = Field(None, gt=0, description="prompt + completion tokens over the proposer's "
+                                                                 "life (empty: no limit)")
+    max_cost_usd: float | None = Field(None, gt=0, description="spend limit in USD by litellm's price table; "
+                                                               "unknown models cost 0, their tokens still count "
+                                                               "(empty: no limit)")
+    timeout_s: float = Field(600.0, gt=0, description="seconds per request")
+    max_retries: int = Field(4, ge=0, description="retries on 429, 5xx, timeouts and connection errors")
+    backoff_s: float = Field(2.0, ge=0, description="first retry delay in seconds; doubles per attempt, up to "
+                                                    "backoff_max_s")
+    backoff_max_s: float = Field(60.0, ge=0, description="longest retry delay in seconds")
+    seed_with_builtin: bool = Field(True, description="show the built-in family kernel in the prompt as a "
+                                                      "starting point")
+    hybrid_share: float = Field(0.5, ge=0.0, le=1.0, description="fraction of the search budget the LLM takes "
+                                                                 "with proposer hybrid")
+    corrections: str | None = Field(None, description="extra API-correction rules: a .toml or .py file (also "
+                                                      "LLM4LLM_CORRECTIONS)")
+    disabled_corrections: list[str] = Field(default_factory=list, description="ids of built-in correction rules "
+                                                                              "to switch off")
+    transcript_path: str | None = Field(None, description="JSONL file of every request and reply; may hold "
+                                                          "{task_id} and {episode}")
+    extra: dict[str, Any] = Field(default_factory=dict, description="passed to litellm.completion as is (top_p, "
+                                                                    "reasoning_effort, ...); no credentials")
 
     @field_validator("extra")
     @classmethod
