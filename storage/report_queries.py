@@ -82,9 +82,11 @@ def acceptances(db: Database, run_id: str):
 
 
 def e2e(db: Database, run_id: str):
-    """The run's end-to-end rows (the optimize flow writes them under `<run>-e2e`), in the order measured."""
+    """The run's end-to-end rows (the optimize flow writes them under `<run>-e2e`), in the order measured, each at
+    its (batch_size, prompt_len) point."""
     return db.query_df(
-        "SELECT run_id, variant, prefill_ms, decode_ms_per_token, total_ms, total_samples_ms, tokens_per_s, "
+        "SELECT run_id, variant, batch_size, prompt_len, prefill_ms, decode_ms_per_token, decode_ms_p20, "
+        "decode_ms_p80, decode_tokens_per_s, total_ms, total_samples_ms, tokens_per_s, gpu_step_ms, hbm_floor_ms, "
         "peak_mem_mb, compile_s, repeats, gpu_name, notes, created_at FROM e2e_results "
         "WHERE run_id IN (?, ? || '-e2e') ORDER BY created_at",
         [run_id, run_id],
