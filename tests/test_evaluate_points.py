@@ -29,15 +29,26 @@ def _tiny_workload(tmp_path, extra: str = "", decode_len: int = 3) -> Path:
     return path
 
 
+def _in_this_process(fn, *args, poll=None, outputs=None, readable=None, box=None, **kwargs):
+    """isolation.in_subprocess without the sandboxed child (tests/test_evaluate_bundle_box.py covers that; a fresh
+    process costs this test its imports again): fn writes its outputs where the parent reads them, then one poll."""
+    try:
+        return fn(*args, **(outputs or {}), **kwargs)
+    finally:
+        poll()
+
+
 def test_two_batch_sizes_are_rows_of_their_point_in_duckdb_and_one_table(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
+    from llm4llm import isolation
     from llm4llm.cli import app
 
+    monkeypatch.setattr(isolation, "in_subprocess", _in_this_process)
     monkeypatch.setenv("COLUMNS", "120")
     db = tmp_path / "db.duckdb"
-    res = CliRunner().invoke(app, ["evaluate", str(_tiny_workload(tmp_path)), "--batch-sizes", "1,3", "--prompt-lens",
-                                   "6", "--variants", "eager,patched", "--repeats", "2", "--db", str(db)])
+    res = CliRunner().invoke(app, ["evaluate", str(_tiny_workload(tmp_path, decode_len=2)), "--batch-sizes", "1,3",
+                                   "--prompt-lens", "6", "--variants", "eager,patched", "--repeats", "2", "--db", str(db)])
     assert res.exit_code == 0, res.output
     with Database(db) as d:
         rows = d.query("SELECT batch_size, prompt_len, variant, decode_ms_per_token, decode_ms_p20, decode_ms_p80, "
