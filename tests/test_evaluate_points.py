@@ -157,7 +157,8 @@ def test_point_rows_order_points_and_show_the_step_against_its_floor():
 def _run_with_e2e(db: Database, run_id: str, points: list[tuple[int, int]]) -> None:
     repo.record_profile_run(db, {"run_id": run_id, "workload_hash": "w", "workload_name": "tiny", "kind": "cli",
                                  "status": "ok", "started_at": datetime(2026, 12, 6), "device": "cuda"},
-                            {"workload_hash": "w", "name": "tiny", "path": "/w/tiny.toml", "config": {}}, [])
+                            {"workload_hash": "w", "name": "tiny", "path": "/w/tiny.toml",
+                             "config": {"batch_size": 8, "prompt_len": 128}}, [])
     repo.record_e2e(db, [{"run_id": run_id, "workload_hash": "w", "variant": v, "batch_size": b, "prompt_len": p,
                           "total_ms": 10.0 * b, "decode_ms_per_token": ms, "decode_ms_p20": ms * 0.9,
                           "decode_ms_p80": ms * 1.1, "decode_tokens_per_s": b * 1e3 / ms, "gpu_step_ms": ms * 0.9,
@@ -166,6 +167,8 @@ def _run_with_e2e(db: Database, run_id: str, points: list[tuple[int, int]]) -> N
 
 
 def test_the_report_plots_throughput_against_batch_only_with_several_batch_sizes(tmp_path):
+    """The plot and its table where a run has rows at several batch sizes, no section where it has one; the
+    history keeps to each workload's own point."""
     from llm4llm.report import SECTIONS, render_report
     from storage.report_queries import ReportReader
 
@@ -177,12 +180,17 @@ def test_the_report_plots_throughput_against_batch_only_with_several_batch_sizes
         reader = ReportReader(db)
         several = _parse(render_report(reader, "several"))
         one = _parse(render_report(reader, "one"))
+        history = reader.frame("e2e_history", "tiny")
     assert "throughput" in [s.key for s in SECTIONS]
     plot = several["throughput"]
     assert len(plot["imgs"]) == 1 and _is_png(plot["imgs"][0])
     assert plot["tables"] == {"throughput per point": 1 + 10}
     assert several["e2e"]["tables"]["end to end"] == 1 + 10
     assert "throughput" not in one and "e2e" in one
+    # the history compares runs at the workload's own point (batch 8, prompt 128) only
+    assert sorted(zip(history["run_id"], history["variant"])) == [("one", "eager"), ("one", "patched_graphs"),
+                                                                   ("several", "eager"), ("several", "patched_graphs")]
+    assert set(history["total_ms"]) == {80.0}
 
 
 def test_rows_from_before_the_points_keep_their_workloads_point(tmp_path):
