@@ -218,3 +218,64 @@ def test_rows_from_before_the_points_keep_their_workloads_point(tmp_path):
                               "prompt_len": 64, "total_ms": 1.0} for b in (1, 4)])
         assert db.query("SELECT batch_size, total_ms FROM e2e_results WHERE run_id = 'r0' ORDER BY batch_size") == \
             [(1, 1.0), (4, 1.0)]
+
+
+FAKE = '''
+import time
+import torch
+
+SEEN = []
+
+
+def build(workload):
+    return torch.nn.Linear(4, 4)
+
+
+def inputs(workload):
+    SEEN.append((workload.batch_size, workload.prompt_len))
+    return torch.zeros(workload.batch_size, 4)
+
+
+def run(model, workload, inputs):
+    time.sleep(0.002 * model.cost * inputs.shape[0] * (1 if workload.decode_len == 1 else 3))
+'''
+
+
+def test_each_variant_is_set_up_once_and_measured_afresh_at_every_point(tmp_path, monkeypatch):
+    """Two points share one set-up per variant; each point's rows hold that point's runs only (every round of it),
+    its ratio paired within the point."""
+    (tmp_path / "s.py").write_text(FAKE)
+    (tmp_path / "wl.toml").write_text(TINY.replace('"../scripts/hf_generate.py"', '"s.py"'))
+    set_up = []
+
+    def setup(variant, model, clean, wl, script, bundle):
+        m = clean() if variant != "eager" else model
+        m.cost = {"eager": 2.0, "patched": 1.0}[variant]
+        set_up.append((variant, wl.batch_size))
+        setup.script = script
+        return ev._Slot(variant, m)
+
+    monkeypatch.setattr(ev, "_setup", setup)
+    rows = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager", "patched"), repeats=4,
+                                batch_sizes=(1, 4))
+    assert set_up == [("eager", 1), ("patched", 1)]
+    assert setup.script.SEEN == [(1, 16), (4, 16)]
+    assert [(r.variant, r.batch_size, r.prompt_len) for r in rows] == [("eager", 1, 16), ("patched", 1, 16),
+                                                                       ("eager", 4, 16), ("patched", 4, 16)]
+    one, four = rows[0], rows[2]
+    assert len(one.samples_ms) == len(four.samples_ms) == len(four.prefill_samples_ms) == 4
+    assert min(four.samples_ms) > max(one.samples_ms)  # batch 4's runs only: 4x the sleep of batch 1's
+    assert 1.5 < rows[3].vs_eager < 2.6 and rows[3].decode_tokens_per_s == pytest.approx(4e3 / rows[3].decode_ms_per_token)
+
+
+def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):
+    vs = ev._Variants(None, lambda: None, None, None, lambda r: None, max_s=10.0, deadline=None)
+    assert vs.budget(2) == 5.0
+    vs.spent_s = 4.0
+    assert vs.budget(3) == 2.0
+    monkeypatch.setattr(ev.time, "time", lambda: 1000.0)
+    vs.deadline = 1003.0  # sooner than what max_s leaves
+    assert vs.budget(3) == 1.0
+    vs.deadline = 990.0  # past: no time, yet _rounds still runs one interleaved round
+    assert vs.budget(1) == 0.0
+    assert ev._Variants(None, lambda: None, None, None, lambda r: None, None, None).budget(2) is None
