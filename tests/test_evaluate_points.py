@@ -47,8 +47,9 @@ def test_two_batch_sizes_are_rows_of_their_point_in_duckdb_and_one_table(tmp_pat
     monkeypatch.setattr(isolation, "in_subprocess", _in_this_process)
     monkeypatch.setenv("COLUMNS", "120")
     db = tmp_path / "db.duckdb"
-    res = CliRunner().invoke(app, ["evaluate", str(_tiny_workload(tmp_path, decode_len=2)), "--batch-sizes", "1,3",
-                                   "--prompt-lens", "6", "--variants", "eager,patched", "--repeats", "2", "--db", str(db)])
+    res = CliRunner().invoke(app, ["evaluate", str(_tiny_workload(tmp_path, decode_len=3)), "--batch-sizes", "1,3",
+                                   "--prompt-lens", "6", "--variants", "eager,patched", "--repeats", "2",
+                                   "--db", str(db)])
     assert res.exit_code == 0, res.output
     with Database(db) as d:
         rows = d.query("SELECT batch_size, prompt_len, variant, decode_ms_per_token, decode_ms_p20, decode_ms_p80, "
@@ -59,7 +60,8 @@ def test_two_batch_sizes_are_rows_of_their_point_in_duckdb_and_one_table(tmp_pat
             assert step is None and notes == "skipped: no bundle"
             continue
         assert len(json.loads(samples)) == 2 and p20 <= step <= p80
-        assert tok == pytest.approx(b * 1e3 / step)  # batch x decoded tokens / decode time
+        # batch x decoded tokens / decode time (a CPU's noise can exceed a tiny step: then it reads 0, no rate)
+        assert tok == pytest.approx(b * 1e3 / step) if step else tok is None
     table = res.output[res.output.index("end to end per point"):].splitlines()
     assert max(len(line) for line in table if "│" in line or "┃" in line) <= 120
     body = [line for line in table if line.startswith("│")]
@@ -265,7 +267,8 @@ def test_each_variant_is_set_up_once_and_measured_afresh_at_every_point(tmp_path
     one, four = rows[0], rows[2]
     assert len(one.samples_ms) == len(four.samples_ms) == len(four.prefill_samples_ms) == 4
     assert min(four.samples_ms) > max(one.samples_ms)  # batch 4's runs only: 4x the sleep of batch 1's
-    assert 1.5 < rows[3].vs_eager < 2.6 and rows[3].decode_tokens_per_s == pytest.approx(4e3 / rows[3].decode_ms_per_token)
+    ours = rows[3]
+    assert 1.5 < ours.vs_eager < 2.6 and ours.decode_tokens_per_s == pytest.approx(4e3 / ours.decode_ms_per_token)
 
 
 def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):
