@@ -419,6 +419,63 @@ def _print_e2e(rows: list[dict]) -> None:
         console.print(f"  {line}", highlight=False)
 
 
+def _sizes(option: str, text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """A comma-separated list of sizes >= 1; one error line (exit 2) otherwise."""
+    from llm4llm.errors import Llm4llmError
+
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) > 0 for t in items):
+        raise Llm4llmError(f"{option}: expected comma-separated whole numbers >= 1, got {text!r}")
+    return tuple(int(t) for t in items)
+
+
+def _points(workload: Path, batch_sizes: Optional[str], prompt_lens: Optional[str]) -> tuple:
+    """--batch-sizes and --prompt-lens as sizes (`regime`: the workload regime's batch buckets), checked against the
+    workload: one error line (exit 2) before anything is built."""
+    from llm4llm.errors import Llm4llmError
+    from llm4llm.evaluate import too_long
+    from llm4llm.workload import load_workload
+
+    if batch_sizes is None and prompt_lens is None:
+        return None, None
+    wl = load_workload(workload)
+    if batch_sizes is not None and batch_sizes.strip() == "regime":
+        if wl.regime is None:
+            raise Llm4llmError(f"--batch-sizes regime: expected a workload that declares a regime, got none in "
+                               f"{workload}")
+        sizes = wl.regime.batch_buckets()
+    else:
+        sizes = _sizes("--batch-sizes", batch_sizes)
+    prompts = _sizes("--prompt-lens", prompt_lens)
+    long = too_long(wl, prompts or ())
+    if long:
+        raise Llm4llmError(f"--prompt-lens: expected prompt lengths + decode_len ({wl.decode_len}) within the model's "
+                           f"positions, got {long}")
+    return sizes, prompts
+
+
+def _print_points(rows: list[dict]) -> None:
+    """The e2e rows of several (batch, prompt) points as one table, point by point; notes under it."""
+    import pandas as pd
+
+    from llm4llm.evaluate import point_rows
+
+    headers = {"batch_size": "batch", "prompt_len": "prompt", "ms_per_step": "ms/step", "tokens_per_s": "tok/s",
+               "vs_compile": "vs compile", "vs_eager": "vs eager", "x_floor": "x floor"}
+    df = pd.DataFrame(point_rows(rows))
+    _print_table(_df_table(df, "end to end per point", headers=headers,
+                           whole=("variant", "ms_per_step", "vs_compile", "vs_eager")))
+    console.print("  ms/step: a decode step, median (p20-p80) over the rounds; tok/s: batch x decoded tokens / decode "
+                  "time; x floor: the step's GPU time (graph variants) over weights + KV cache read at the measured "
+                  "copy bandwidth", highlight=False)
+    for r in sorted(rows, key=lambda r: (r.get("prompt_len") or 0, r.get("batch_size") or 0)):
+        if r.get("notes"):
+            console.print(f"  {r.get('batch_size')}x{r.get('prompt_len')} {r['variant']}: {r['notes']}",
+                          highlight=False)
+
+
 @app.command()
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
            run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
@@ -487,9 +544,16 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
                  help="comma-separated: eager, patched (kernels only), torch_compile; on a GPU also "
                       "eager_graphs, patched_graphs (decode steps replayed from CUDA graphs); liger "
                       "(Liger-Kernel's patch of the architecture, where installed and supported)"),
+             batch_sizes: Optional[str] = typer.Option(
+                 None, "--batch-sizes", help="comma-separated batch sizes to measure at (e.g. 1,8,32), or `regime`: "
+                                             "the batch buckets of the workload's [regime] (default: its batch_size)"),
+             prompt_lens: Optional[str] = typer.Option(
+                 None, "--prompt-lens", help="comma-separated prompt lengths (default: the workload's prompt_len); "
+                                             "each batch is padded as the workload's [regime] says"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """End to end, in one process, interleaved: eager vs torch.compile (HF static-cache compiled generate) vs patched;
-    each ratio is taken round by round and shown as median (p20-p80)."""
+    each ratio is taken round by round and shown as median (p20-p80). With --batch-sizes / --prompt-lens, at each
+    (batch, prompt) point: ms per decode step, decode tokens/s and the step's GPU time over its HBM floor too."""
     _quiet_prefect(verbose)
     with _user_errors():
         _check_db_path(db)
@@ -505,10 +569,15 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
             except (BundleError, OSError) as e:
                 raise TaskError(f"bundle {bundle}: expected a readable patch bundle, got {e}") from e
 
+        sizes, prompts = _points(workload, batch_sizes, prompt_lens)
         with console.status(f"evaluating {workload} ..."):
             out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,
-                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")), max_s=max_s)
-        _print_e2e(out["rows"])
+                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")), max_s=max_s,
+                               batch_sizes=sizes, prompt_lens=prompts)
+        if sizes or prompts:
+            _print_points(out["rows"])
+        else:
+            _print_e2e(out["rows"])
 
 
 @app.command()

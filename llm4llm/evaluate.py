@@ -2,8 +2,10 @@
 process, interleaved.
 
 Timing is wall clock around the script's `run`, synchronized on the GPU: it includes HF generate's host time, which
-is what a user waits for. Prefill is a run with one new token; decode per token is the rest divided by the
-remaining steps.
+is what a user waits for. Prefill is a run with one new token; a decode step is the rest divided by the
+remaining steps, taken round by round (the median and p20-p80 of those). `--batch-sizes/--prompt-lens` measure the
+same at several (batch, prompt) points, one after another, with the decode throughput (batch x decoded tokens / decode
+time) and the step's floor: the weights and the KV cache a step of that batch reads, at the measured copy bandwidth.
 
 Every variant is set up once on its own copy of the model (the copies share the weights: only module objects are
 duplicated), then the variants are timed in rounds, one run of each per round in a rotated order (A B C, B C A, ...).
@@ -71,9 +73,18 @@ class E2EResult:
     # decode_ms_per_token: the host's share (generate's loop, dispatch) that no kernel removes
     gpu_step_ms: float | None = None
     host_overhead_ms: float | None = None
-    # Decode-token floor: the model's weight bytes at the copy bandwidth measured in this process
+    # Decode-step floor: the model's weight bytes plus the KV cache a mean decode step of this batch reads, at the
+    # copy bandwidth measured in this process
     hbm_floor_ms: float | None = None
     copy_gbps: float | None = None
+    # The point measured (the workload's batch_size and prompt_len, or one of `evaluate --batch-sizes/--prompt-lens`)
+    batch_size: int | None = None
+    prompt_len: int | None = None
+    # One decode step's ms in each timed round ((full run - prefill run) / steps): p20-p80 around
+    # decode_ms_per_token; and the decode throughput, batch_size tokens a step
+    decode_ms_p20: float | None = None
+    decode_ms_p80: float | None = None
+    decode_tokens_per_s: float | None = None
 
     def to_row(self) -> dict:
         d = asdict(self)
@@ -102,6 +113,37 @@ def table_rows(rows: list[dict]) -> list[dict]:
         return r.get(k)
 
     return [{k: cell(r, k) for k in TABLE_COLUMNS} for r in rows]
+
+
+POINT_COLUMNS = ("batch_size", "prompt_len", "variant", "ms_per_step", "tokens_per_s", "vs_compile", "vs_eager",
+                 "x_floor")
+
+
+def point_rows(rows: list[dict]) -> list[dict]:
+    """e2e rows at several (batch, prompt) points as `evaluate --batch-sizes/--prompt-lens` prints them, point by
+    point: the decode step's ms as `median (p20-p80)` over the rounds, the decode throughput (batch x decoded
+    tokens / decode time), each ratio as `median (p20-p80)`, and the step's GPU time over its floor."""
+    def cell(r: dict, k: str):
+        if k == "ms_per_step":
+            m, lo, hi = (r.get(c) for c in ("decode_ms_per_token", "decode_ms_p20", "decode_ms_p80"))
+            return "" if m is None else _num(m) + (f" ({_num(lo)}-{_num(hi)})" if lo is not None and hi is not None
+                                                  else "")
+        if k == "tokens_per_s":
+            return "" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.0f}"
+        if k in ("vs_eager", "vs_compile"):
+            return ratio_cell(r.get(k), r.get(f"{k}_p20"), r.get(f"{k}_p80"))
+        if k == "x_floor":
+            step, floor = r.get("gpu_step_ms"), r.get("hbm_floor_ms")
+            return f"{step / floor:.2f}x" if step and floor else ""
+        return r.get(k)
+
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].get("prompt_len") or 0, rows[i].get("batch_size") or 0))
+    return [{k: cell(rows[i], k) for k in POINT_COLUMNS} for i in order]
+
+
+def _num(ms: float) -> str:
+    """A time in 3 to 4 digits whatever its scale (a CPU step takes seconds, a GPU step milliseconds)."""
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
 def ratio_cell(median: float | None, p20: float | None, p80: float | None) -> str:
@@ -182,11 +224,20 @@ def _result(label, workload, totals, prefills, compile_s, peak, notes: str = "")
     total = statistics.median(totals)
     pre = statistics.median(prefills) if prefills else None
     steps = max(workload.decode_len - 1, 1)
-    decode = max(total - pre, 0.0) / steps if pre is not None else None
+    # a decode step per round (a full run less the prefill run beside it), so a noisy host's median and its spread
+    # come from the same pairs
+    per_round = [max(t - p, 0.0) / steps for t, p in zip(totals, prefills)]
+    decode = statistics.median(per_round) if per_round else None
     new_tokens = workload.batch_size * workload.decode_len
-    return E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, len(totals),
-                     "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
-                     notes, samples_ms=list(totals), prefill_samples_ms=list(prefills))
+    res = E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, len(totals),
+                    "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
+                    notes, samples_ms=list(totals), prefill_samples_ms=list(prefills),
+                    batch_size=workload.batch_size, prompt_len=workload.prompt_len)
+    if per_round:
+        res.decode_ms_p20, res.decode_ms_p80 = quantile(per_round, 0.2), quantile(per_round, 0.8)
+    if decode:
+        res.decode_tokens_per_s = workload.batch_size / (decode / 1e3)
+    return res
 
 
 # ------------------------------------------------------------------------------------------------- variant slots
@@ -228,6 +279,11 @@ class _Slot:
 
     def run_prefill(self, run_fn, workload, batch) -> float:
         return self._run(run_fn, workload.model_copy(update={"decode_len": 1}), batch)
+
+    def new_point(self) -> None:
+        """Forget the measurements of the previous point; the set-up variant (its copy, patches, graphs, compile
+        mode) carries over."""
+        self.totals, self.prefills, self.cpu, self.compile_s = [], [], [], None
 
 
 def clone_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
@@ -339,20 +395,26 @@ def _version(dist: str) -> str:
 # ---------------------------------------------------------------------------------------------------- evaluation
 def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants: tuple[str, ...] = VARIANTS,
                       repeats: int = DEFAULT_ROUNDS, results_path: str | None = None,
-                      max_s: float | None = None, deadline: float | None = None) -> list[E2EResult]:
+                      max_s: float | None = None, deadline: float | None = None,
+                      batch_sizes: tuple[int, ...] | None = None,
+                      prompt_lens: tuple[int, ...] | None = None) -> list[E2EResult]:
     """Build the model once through the script, set each variant up on its own weight-sharing copy, and time the
-    variants in `repeats` interleaved rounds, in this process.
+    variants in `repeats` interleaved rounds, in this process, at each point of batch_sizes x prompt_lens (default:
+    the workload's own batch_size and prompt_len; the script builds each point's inputs, padded as the workload's
+    regime says). Returns one row per variant per point, point by point.
 
-    Round 0 runs each variant right after its setup (so a variant that dies in its warm-up still leaves the rows of
-    those before it); rounds 1.. rotate the order. results_path: after every round each variant's row (with the GPU
-    and library versions) is appended there as a JSON line, the newest line of a variant replacing its earlier ones,
-    so a run stopped midway keeps what it measured.
+    Round 0 of a point runs each variant right after its warm-up at that point (so a variant that dies in its
+    warm-up still leaves the rows of those before it); rounds 1.. rotate the order. Each variant is set up once, at
+    the first point; one that cannot be set up has a row saying why at every point. results_path: after every round
+    each variant's row (with the GPU and library versions) is appended there as a JSON line, the newest line of a
+    (variant, batch_size, prompt_len) replacing its earlier ones, so a run stopped midway keeps what it measured.
 
-    max_s: a time budget for the interleaved rounds (from the end of round 0): a round starts only if one more like
-    the slowest so far still fits, and the last one taken records the decode step's GPU time, so a run on a slow
-    host ends with fewer rounds instead of being killed before its floor and step time (as a qwen3-4b optimize once
-    was). At least one interleaved round runs when repeats > 1. deadline: Unix time by which
-    the rounds end (the run's time budget): it shortens max_s to what is left when round 0 is done."""
+    max_s: a time budget for the interleaved rounds of all points (from the end of round 0), shared evenly by the
+    points still to run: a round starts only if one more like the slowest so far still fits, and the last one taken
+    records the decode step's GPU time, so a run on a slow host ends with fewer rounds instead of being killed before
+    its floor and step time (as a qwen3-4b optimize once was). At least one interleaved round runs per point when
+    repeats > 1. deadline: Unix time by which the rounds end (the run's time budget): it shortens max_s to what is
+    left."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     unknown = [v for v in variants if v not in ALL_VARIANTS]
@@ -361,52 +423,146 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     if repeats < 1:
         raise ValueError(f"repeats: expected at least 1 round, got {repeats}")
     wl = load_workload(workload_path)
+    points = at_points(wl, batch_sizes, prompt_lens)
     script = load_script(wl)
     model = call_script(script.build, wl)
-    batch = call_script(script.inputs, wl)
-    copies = {v: clone_sharing_weights(model) for v in variants if v not in ("eager", "torch_compile")}
-    clean = iter(copies.values())
-    slots: dict[str, _Slot] = {}
-    failed: dict[str, E2EResult] = {}
+    copies = iter([clone_sharing_weights(model) for v in variants if v not in ("eager", "torch_compile")])
     emit = (lambda r: _append_row(results_path, r, wl.device)) if results_path else (lambda r: None)
+    vs = _Variants(model, lambda: next(copies), script, bundle, emit, max_s, deadline)
+    results: list[E2EResult] = []
     try:
-        for variant in variants:  # round 0: set up, warm up, one timed run each
-            try:
-                slot = _setup(variant, model, lambda: next(clean), wl, script, bundle)
-                _warm(slot, script.run, wl, batch)
-                slot.time_full(script.run, wl, batch)
-                slot.prefills.append(slot.run_prefill(script.run, wl, batch))
-                slots[variant] = slot
-            except _Skip as e:
-                failed[variant] = E2EResult(variant, None, None, None, None, None, notes=str(e))
-            except Exception as e:  # one variant failing (a static cache the architecture lacks) is a row too
-                failed[variant] = E2EResult(variant, None, None, None, None, None,
-                                            notes=f"failed: {_first_line(e, 700)}")
-                if wl.device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-            emit(failed[variant] if variant in failed else _slot_result(slots[variant], wl, slots))
-        if wl.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        if deadline is not None:
-            left = max(0.0, deadline - time.time())
-            max_s = left if max_s is None else min(max_s, left)
-        _rounds(list(slots.values()), repeats, max_s, script.run, wl, batch,
-                lambda: [emit(_slot_result(slot, wl, slots)) for slot in slots.values()])
-        try:
-            floor = _hbm_floor(model, wl.device)
-        except Exception as e:  # noqa: BLE001 - the rounds are measured: a failing extra loses only the extra
-            floor = None
-            print(f"evaluate: no HBM floor ({_first_line(e)})")
-        results = []
-        for variant in variants:
-            res = failed.get(variant) or _slot_result(slots[variant], wl, slots, _peak(wl.device), floor)
-            results.append(res)
-            if variant in slots:
-                emit(res)
+        for k, point in enumerate(points):
+            results += _evaluate_point(vs, variants, point, repeats, len(points) - k)
         return results
     finally:
-        for slot in slots.values():
+        for slot in vs.slots.values():
             slot.teardown()
+
+
+def at_points(wl, batch_sizes: tuple[int, ...] | None = None, prompt_lens: tuple[int, ...] | None = None) -> list:
+    """The workload at each (batch size, prompt length) of batch_sizes x prompt_lens, prompt length by prompt length
+    (an axis not given: the workload's own value). ValueError (one line) for a size below 1 or a prompt that leaves
+    the model's positions no room for decode_len tokens. A point may lie outside the workload's regime: a bundle
+    falls back there, which is worth measuring too (the row says so)."""
+    from llm4llm.workload import max_positions
+
+    bs, ps = tuple(batch_sizes or (wl.batch_size,)), tuple(prompt_lens or (wl.prompt_len,))
+    for name, sizes in (("batch_sizes", bs), ("prompt_lens", ps)):
+        bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+        if bad:
+            raise ValueError(f"{name}: expected whole numbers >= 1, got {bad}")
+    long = too_long(wl, ps)
+    if long:
+        raise ValueError(f"prompt_lens: expected prompt_len + decode_len ({wl.decode_len}) within the model's "
+                         f"max_position_embeddings ({max_positions(wl.model)}), got {long}")
+    return [wl.model_copy(update={"batch_size": b, "prompt_len": p}) for p in dict.fromkeys(ps)
+            for b in dict.fromkeys(bs)]
+
+
+def too_long(wl, prompt_lens: tuple[int, ...]) -> list[int]:
+    """The prompt lengths that leave the model's positions no room for the workload's decode_len tokens."""
+    from llm4llm.workload import max_positions
+
+    limit = max_positions(wl.model)
+    return [p for p in prompt_lens if limit is not None and p + wl.decode_len > limit]
+
+
+@dataclass
+class _Variants:
+    """The variants of one evaluation: each set up once on its own copy, then measured point after point."""
+
+    model: Any
+    clean: Callable[[], Any]  # a fresh weight-sharing copy, one per variant that changes modules
+    script: Any
+    bundle: str | None
+    emit: Callable[[E2EResult], Any]
+    max_s: float | None
+    deadline: float | None
+    slots: dict[str, _Slot] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)  # a variant that could not be set up: why (its rows' notes)
+    spent_s: float = 0.0  # in interleaved rounds so far
+    gbps: float | None = None  # the copy bandwidth, measured once
+
+    def start(self, variant: str, wl, batch) -> _Slot | E2EResult:
+        """Round 0 of `variant` at this point (set up at its first point, warmed up, timed once), or its row
+        saying why it cannot run here."""
+        if variant in self.broken:
+            return _failed_row(variant, wl, self.broken[variant])
+        try:
+            slot = self.slots.get(variant)
+            if slot is None:
+                slot = self.slots[variant] = _setup(variant, self.model, self.clean, wl, self.script, self.bundle)
+            slot.new_point()
+            _warm(slot, self.script.run, wl, batch)
+            slot.time_full(self.script.run, wl, batch)
+            slot.prefills.append(slot.run_prefill(self.script.run, wl, batch))
+            return slot
+        except _Skip as e:
+            self.broken[variant] = str(e)
+            return _failed_row(variant, wl, str(e))
+        except Exception as e:  # one variant failing (a static cache the architecture lacks, an OOM) is a row too
+            note = f"failed: {_first_line(e, 700)}"
+            if variant not in self.slots:
+                self.broken[variant] = note
+            if wl.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return _failed_row(variant, wl, note)
+
+    def budget(self, points_left: int) -> float | None:
+        """This point's share of what is left of max_s and of the deadline."""
+        left = None if self.max_s is None else self.max_s - self.spent_s
+        if self.deadline is not None:
+            to_deadline = self.deadline - time.time()
+            left = to_deadline if left is None else min(left, to_deadline)
+        return None if left is None else max(left, 0.0) / points_left
+
+    def floor(self, wl, batch) -> tuple[float, float] | None:
+        try:
+            if wl.device.startswith("cuda") and self.gbps is None:
+                self.gbps = copy_bandwidth_gbps(wl.device)
+            return _hbm_floor(self.model, wl.device, decode_kv_tokens(batch, wl), self.gbps)
+        except Exception as e:  # noqa: BLE001 - the rounds are measured: a failing extra loses only the extra
+            print(f"evaluate: no HBM floor ({_first_line(e)})")
+            return None
+
+
+def _failed_row(variant: str, wl, notes: str) -> E2EResult:
+    return E2EResult(variant, None, None, None, None, None, notes=notes, batch_size=wl.batch_size,
+                     prompt_len=wl.prompt_len)
+
+
+def _evaluate_point(vs: _Variants, variants: tuple[str, ...], wl, repeats: int, points_left: int) -> list[E2EResult]:
+    """Every variant at the point `wl` describes: round 0, the interleaved rounds, then each variant's row."""
+    from llm4llm.workload import call_script
+
+    batch = call_script(vs.script.inputs, wl)
+    live: dict[str, _Slot] = {}
+    failed: dict[str, E2EResult] = {}
+    for variant in variants:
+        out = vs.start(variant, wl, batch)
+        if isinstance(out, E2EResult):
+            failed[variant] = out
+            vs.emit(out)
+        else:
+            live[variant] = out
+            vs.emit(_slot_result(out, wl, live))
+    if wl.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    _rounds(list(live.values()), repeats, vs.budget(points_left), vs.script.run, wl, batch,
+            lambda: [vs.emit(_slot_result(slot, wl, live)) for slot in live.values()])
+    vs.spent_s += time.perf_counter() - t0
+    floor = vs.floor(wl, batch) if live else None
+    outside = wl.regime.contains(wl.batch_size, wl.prompt_len) if wl.regime is not None else None
+    results = []
+    for variant in variants:
+        res = failed.get(variant) or _slot_result(live[variant], wl, live, _peak(wl.device), floor)
+        if outside:
+            res.notes = f"outside the regime ({outside}); {res.notes}"[:500]
+        results.append(res)
+        if variant in live:
+            vs.emit(res)
+    return results
 
 
 def _rounds(order: list[_Slot], repeats: int, max_s: float | None, run_fn, wl, batch,
@@ -533,14 +689,49 @@ def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2**30) -> float:
     return 2 * nbytes / (statistics.median(times[2:]) * 1e-3) / 1e9
 
 
-def _hbm_floor(model: torch.nn.Module, device: str) -> tuple[float, float] | None:
-    """(ms per decode token, GB/s): the model's weight bytes, each read once a step, at the copy bandwidth measured
-    here. None off the GPU."""
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of K and V one cached position holds over all of the model's attention layers, in the model's dtype
+    (0 for a model without attention heads in its config: Mamba's state is not a cache that grows). Layers a config
+    marks as other than attention (`layer_types`) hold none; a sliding window's cap is not counted."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not heads:
+        return 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = getattr(cfg, "layer_types", None)
+    layers = sum("attention" in str(t) for t in types) if types else cfg.num_hidden_layers
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_kv_tokens(inputs: Any, wl) -> float:
+    """Cached positions a mean decode step reads over the batch: each row's prompt (its unpadded length where the
+    inputs carry an attention mask [batch, prompt]) plus, on average over the decode_len - 1 steps, decode_len / 2
+    tokens written since."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == wl.batch_size:
+        prompt = float(mask.sum())
+    else:
+        prompt = float(wl.batch_size * wl.prompt_len)
+    return prompt + wl.batch_size * wl.decode_len / 2
+
+
+def decode_floor_bytes(model: torch.nn.Module, kv_tokens: float) -> float:
+    """Bytes a decode step must read at least: every weight once, and the KV cache of `kv_tokens` positions."""
+    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    return weights + kv_tokens * kv_bytes_per_token(model)
+
+
+def _hbm_floor(model: torch.nn.Module, device: str, kv_tokens: float = 0.0,
+               gbps: float | None = None) -> tuple[float, float] | None:
+    """(ms per decode step, GB/s): decode_floor_bytes at the copy bandwidth measured here (`gbps` where already
+    measured). None off the GPU."""
     if not device.startswith("cuda"):
         return None
-    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
-    gbps = copy_bandwidth_gbps(device)
-    return weights / (gbps * 1e9) * 1e3, gbps
+    gbps = gbps or copy_bandwidth_gbps(device)
+    return decode_floor_bytes(model, kv_tokens) / (gbps * 1e9) * 1e3, gbps
 
 
 def _graph_step_ms(model: torch.nn.Module) -> float | None:

@@ -317,13 +317,15 @@ def _gain_plot(a: pd.DataFrame):
 def e2e_table(e: pd.DataFrame) -> pd.DataFrame:
     """The end-to-end rows with the total's spread over the timed runs and the ratio to eager's median."""
     e = e.copy()
-    eager = e.loc[e["variant"] == "eager", "total_ms"]
-    base = float(eager.iloc[-1]) if len(eager) and pd.notna(eager.iloc[-1]) else None
+    point = list(zip(e["batch_size"], e["prompt_len"]))
+    eager = {p: t for p, v, t in zip(point, e["variant"], e["total_ms"]) if v == "eager" and pd.notna(t)}
     e["total_range_ms"] = e["total_samples_ms"].map(_spread)
     e["runs"] = e["total_samples_ms"].map(lambda v: len(_samples(v)))
-    e["speedup_vs_eager"] = [base / t if base and pd.notna(t) and t > 0 else None for t in e["total_ms"]]
-    cols = ["variant", "total_ms", "total_range_ms", "runs", "speedup_vs_eager", "prefill_ms",
-            "decode_ms_per_token", "tokens_per_s", "peak_mem_mb", "compile_s", "gpu_name", "notes"]
+    e["speedup_vs_eager"] = [eager[p] / t if p in eager and pd.notna(t) and t > 0 else None
+                             for p, t in zip(point, e["total_ms"])]
+    cols = ["batch_size", "prompt_len", "variant", "total_ms", "total_range_ms", "runs", "speedup_vs_eager",
+            "prefill_ms", "decode_ms_per_token", "tokens_per_s", "decode_tokens_per_s", "peak_mem_mb", "compile_s",
+            "gpu_name", "notes"]
     return e[cols]
 
 
@@ -335,6 +337,9 @@ def end_to_end(ctx: ReportContext) -> Block:
     e = e.sort_values("variant", key=lambda s: s.map(_variant_rank), kind="stable")
     table = e2e_table(e)
     measured = e[e["total_ms"].notna()]
+    several = len(set(zip(measured["batch_size"], measured["prompt_len"]))) > 1
+    labels = [f"{v}\n{b}x{p}" if several else v
+              for v, b, p in zip(measured["variant"], measured["batch_size"], measured["prompt_len"])]
     fig = _figure(11.0, 3.6)
     ax_t, ax_d = fig.subplots(1, 2)
     for i, r in enumerate(measured.itertuples()):
@@ -345,7 +350,7 @@ def end_to_end(ctx: ReportContext) -> Block:
         ax_t.scatter([i] * len(s), s, s=10, color="#333", zorder=3)
         ax_d.bar(i, r.decode_ms_per_token or 0.0, color="#4c72b0" if "patched" not in r.variant else "#55a868")
     for ax in (ax_t, ax_d):
-        ax.set_xticks(range(len(measured)), list(measured["variant"]), rotation=15, fontsize=8)
+        ax.set_xticks(range(len(measured)), labels, rotation=15, fontsize=8)
     if len(measured) and measured["total_ms"].max() > 10 * measured["total_ms"].min():
         ax_t.set_yscale("log")
     ax_t.set_ylabel("total ms")
@@ -355,6 +360,46 @@ def end_to_end(ctx: ReportContext) -> Block:
              "dots: each run. Every variant was measured in one process."]
     notes += [f"{r.variant}: {r.notes}" for r in skipped.itertuples()]
     return Block(notes=notes, figures=[fig], tables=[("end to end", table)])
+
+
+@section("throughput", "Throughput against batch size")
+def throughput(ctx: ReportContext) -> Block | None:
+    """Decode tokens/s against batch size, one line per variant and prompt length; left out unless the run has
+    measured rows at more than one batch size (`llm4llm evaluate --batch-sizes`)."""
+    e = ctx.df("e2e")
+    e = e[e["decode_tokens_per_s"].notna()] if not e.empty else e
+    if e.empty or e["batch_size"].nunique() < 2:
+        return None
+    fig = _figure(11.0, 4.0)
+    ax_t, ax_s = fig.subplots(1, 2)
+    styles = {p: ls for p, ls in zip(sorted(e["prompt_len"].unique()), ("-", "--", "-.", ":") * 4)}
+    variants = sorted(e["variant"].unique(), key=_variant_rank)
+    colours = {v: f"C{i}" for i, v in enumerate(variants)}
+    for (variant, prompt), d in sorted(e.groupby(["variant", "prompt_len"]), key=lambda kv: _variant_rank(kv[0][0])):
+        d = d.sort_values("batch_size")
+        tok = d["decode_tokens_per_s"]
+        # the step's p80 is the throughput's p20 and the other way round
+        lo = (d["batch_size"] * 1e3 / d["decode_ms_p80"]).fillna(tok)
+        hi = (d["batch_size"] * 1e3 / d["decode_ms_p20"]).fillna(tok)
+        kw = dict(color=colours[variant], ls=styles[prompt], marker="o", ms=3, label=f"{variant}, prompt {prompt}")
+        ax_t.errorbar(d["batch_size"], tok, yerr=[(tok - lo).clip(lower=0), (hi - tok).clip(lower=0)], capsize=3,
+                      **kw)
+        ax_s.plot(d["batch_size"], d["decode_ms_per_token"], **kw)
+    for ax in (ax_t, ax_s):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+    ax_t.set_ylabel("decode tokens/s (batch x tokens / decode time)")
+    ax_s.set_ylabel("ms per decode step (median)")
+    ax_t.legend(fontsize=6, ncol=2)
+    cols = ["batch_size", "prompt_len", "variant", "decode_ms_per_token", "decode_ms_p20", "decode_ms_p80",
+            "decode_tokens_per_s", "tokens_per_s", "gpu_step_ms", "hbm_floor_ms"]
+    table = e.sort_values(["prompt_len", "batch_size"], kind="stable")[cols].assign(
+        x_floor=lambda d: d["gpu_step_ms"] / d["hbm_floor_ms"])
+    return Block(notes=["Whiskers: the p20-p80 of the decode step over the interleaved rounds. tokens_per_s in the "
+                        "table is end to end (prefill included); x_floor: the step's GPU time over weights + the KV "
+                        "cache read at the copy bandwidth (graph variants on a GPU)."],
+                 figures=[fig], tables=[("throughput per point", table)])
 
 
 SERVICE_COLOURS = {"replace": "#55a868", "rollback": "#c44e52"}  # a night that changed the bundle in service

@@ -82,9 +82,11 @@ def acceptances(db: Database, run_id: str):
 
 
 def e2e(db: Database, run_id: str):
-    """The run's end-to-end rows (the optimize flow writes them under `<run>-e2e`), in the order measured."""
+    """The run's end-to-end rows (the optimize flow writes them under `<run>-e2e`), in the order measured, each at
+    its (batch_size, prompt_len) point."""
     return db.query_df(
-        "SELECT run_id, variant, prefill_ms, decode_ms_per_token, total_ms, total_samples_ms, tokens_per_s, "
+        "SELECT run_id, variant, batch_size, prompt_len, prefill_ms, decode_ms_per_token, decode_ms_p20, "
+        "decode_ms_p80, decode_tokens_per_s, total_ms, total_samples_ms, tokens_per_s, gpu_step_ms, hbm_floor_ms, "
         "peak_mem_mb, compile_s, repeats, gpu_name, notes, created_at FROM e2e_results "
         "WHERE run_id IN (?, ? || '-e2e') ORDER BY created_at",
         [run_id, run_id],
@@ -92,16 +94,20 @@ def e2e(db: Database, run_id: str):
 
 
 def e2e_history(db: Database, workload_name: str):
-    """Every end-to-end row of every version of a workload (by name: an edited config is the same workload),
-    oldest first, with the acceptance counts of the run it evaluated; `run_started`: that run's start (else the
-    row's)."""
+    """Every end-to-end row of every version of a workload (by name: an edited config is the same workload) at that
+    version's own (batch_size, prompt_len) point (a run measured at other points too keeps those out of the history:
+    runs are compared like with like), oldest first, with the acceptance counts of the run it evaluated;
+    `run_started`: that run's start (else the row's)."""
     return db.query_df(
         "WITH acc AS (SELECT run_id, count(*) FILTER (WHERE decision = 'accepted') AS accepted, "
         "count(*) FILTER (WHERE decision = 'rejected') AS rejected FROM acceptances GROUP BY run_id) "
         "SELECT e.run_id, e.variant, e.total_ms, e.total_samples_ms, e.prefill_ms, e.decode_ms_per_token, "
         "e.gpu_name, e.workload_hash, e.notes, e.created_at, coalesce(r.started_at, e.created_at) AS run_started, "
         "acc.accepted, acc.rejected FROM e2e_results e "
-        "JOIN (SELECT DISTINCT workload_hash FROM workloads WHERE name = ?) w USING (workload_hash) "
+        "JOIN (SELECT workload_hash, coalesce(TRY_CAST(config_json ->> 'batch_size' AS INTEGER), 1) AS b, "
+        "TRY_CAST(config_json ->> 'prompt_len' AS INTEGER) AS p FROM workloads WHERE name = ?) w "
+        "ON w.workload_hash = e.workload_hash AND (e.batch_size = 0 OR p IS NULL OR (e.batch_size = b AND "
+        "e.prompt_len = p)) "
         "LEFT JOIN runs r ON r.run_id = regexp_replace(e.run_id, '-e2e$', '') "
         "LEFT JOIN acc ON acc.run_id = regexp_replace(e.run_id, '-e2e$', '') "
         "ORDER BY run_started, e.created_at, e.variant",

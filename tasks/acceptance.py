@@ -79,9 +79,11 @@ def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) 
 
 def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None,
-                 max_s: float | None = None, deadline: float | None = None) -> dict:
-    """The workload end to end (llm4llm.stages.evaluate.run_evaluate), each variant's `e2e_results` row written as
-    it is measured. Returns {"run_id", "rows"}: each variant's newest row."""
+                 max_s: float | None = None, deadline: float | None = None,
+                 batch_sizes: tuple[int, ...] | None = None, prompt_lens: tuple[int, ...] | None = None) -> dict:
+    """The workload end to end (llm4llm.stages.evaluate.run_evaluate) at each point of batch_sizes x prompt_lens
+    (default: the workload's own), each variant's `e2e_results` row written as it is measured. Returns {"run_id",
+    "rows"}: each variant's newest row at each point."""
     from llm4llm.stages.common import describe_workload, new_run_id
     from storage import repo
     from storage.db import Database
@@ -98,6 +100,7 @@ def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None 
             repo.record_e2e(db, rows_of(measured))
 
     latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
-                                         on_measured=record, max_s=max_s, deadline=deadline)
+                                         on_measured=record, max_s=max_s, deadline=deadline,
+                                         batch_sizes=batch_sizes, prompt_lens=prompt_lens)
     return {"run_id": run_id, "rows": rows_of(latest)}
 

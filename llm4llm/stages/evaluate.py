@@ -14,14 +14,17 @@ from llm4llm import isolation
 def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = ("eager", "patched", "torch_compile"),
                  on_measured: Callable[[list[dict]], None] | None = None, max_s: float | None = None,
-                 deadline: float | None = None) -> list[dict]:
-    """Measure the workload's variants; returns each variant's newest measurements (llm4llm.evaluate's rows), in
-    the order the variants were first measured. on_measured: called with each batch of new rows as they arrive.
-    max_s, deadline: the interleaved rounds' time budget and end (llm4llm.evaluate.evaluate_workload)."""
+                 deadline: float | None = None, batch_sizes: tuple[int, ...] | None = None,
+                 prompt_lens: tuple[int, ...] | None = None) -> list[dict]:
+    """Measure the workload's variants; returns the newest measurements (llm4llm.evaluate's rows) of each variant at
+    each point, in the order first measured. on_measured: called with each batch of new rows as they arrive.
+    max_s, deadline: the interleaved rounds' time budget and end; batch_sizes, prompt_lens: the points
+    (llm4llm.evaluate.evaluate_workload)."""
     from llm4llm.evaluate import evaluate_workload
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
-    latest: dict[str, dict] = {}  # variant -> its newest row (the child re-sends a variant's row after each round)
+    # (variant, batch, prompt) -> its newest row (the child re-sends a variant's row at a point after each round)
+    latest: dict[tuple, dict] = {}
     seen = [0]
     with tempfile.TemporaryDirectory(prefix="llm4llm-e2e-") as tmp:
         stream = Path(tmp) / "rows.jsonl"
@@ -37,7 +40,7 @@ def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int 
                 if on_measured is not None:
                     on_measured(new)
                 seen[0] += len(new)
-                latest.update((r["variant"], r) for r in new)
+                latest.update(((r["variant"], r.get("batch_size"), r.get("prompt_len")), r) for r in new)
 
         # the bundle (candidate code) as a read-only copy in the child's private dir: the bundle store's own dirs
         # need not be reachable by the sandbox's uid (a layer the child would otherwise lose)
@@ -45,6 +48,7 @@ def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int 
         inside = str(copy_readonly(Path(bundle).resolve(), box / "ro" / "bundle")) if bundle else None
         isolation.in_subprocess(evaluate_workload, str(Path(workload_path).resolve()), bundle=inside,
                                 variants=variants, repeats=repeats, max_s=max_s, deadline=deadline,
+                                batch_sizes=batch_sizes, prompt_lens=prompt_lens,
                                 outputs={"results_path": str(stream)},
                                 poll=take_new, readable=isolation.workload_paths(workload_path), box=box)
     return list(latest.values())
