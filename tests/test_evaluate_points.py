@@ -196,7 +196,7 @@ def test_the_report_plots_throughput_against_batch_only_with_several_batch_sizes
 
 
 def test_rows_from_before_the_points_keep_their_workloads_point(tmp_path):
-    """A file migrated from before 017: each e2e row takes its workload's batch_size and prompt_len (0 where the
+    """A file migrated from before 016: each e2e row takes its workload's batch_size and prompt_len (0 where the
     workload is unknown), and a run may then hold one row per variant per point."""
     from storage.db import _migrations
 
@@ -205,7 +205,7 @@ def test_rows_from_before_the_points_keep_their_workloads_point(tmp_path):
     con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name VARCHAR, "
                 "applied_at TIMESTAMP DEFAULT current_timestamp)")
     for version, name, sql in _migrations():
-        if version < 17:
+        if version < 16:
             con.execute(sql)
             con.execute("INSERT INTO schema_version (version, name) VALUES (?, ?)", [version, name])
     con.execute("INSERT INTO workloads (workload_hash, name, path, config_json) VALUES ('w', 'a', '/a.toml', ?)",

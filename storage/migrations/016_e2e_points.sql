@@ -3,7 +3,7 @@
 -- rebuilt (DuckDB cannot alter a primary key). Earlier rows measured their workload's own point and take it from
 -- the workload's config; 0 marks a row whose point is not recorded (a bench script's rows). Also new: the decode
 -- step's p20-p80 over the rounds and the decode throughput (batch x decoded tokens / decode time).
-CREATE TABLE e2e_results_017 (
+CREATE TABLE e2e_results_rebuilt (
     run_id          VARCHAR NOT NULL,
     workload_hash   VARCHAR NOT NULL,
     variant         VARCHAR NOT NULL,
@@ -35,7 +35,7 @@ CREATE TABLE e2e_results_017 (
     decode_tokens_per_s DOUBLE,
     PRIMARY KEY (run_id, variant, batch_size, prompt_len)
 );
-INSERT INTO e2e_results_017 (run_id, workload_hash, variant, batch_size, prompt_len, prefill_ms, decode_ms_per_token,
+INSERT INTO e2e_results_rebuilt (run_id, workload_hash, variant, batch_size, prompt_len, prefill_ms, decode_ms_per_token,
     total_ms, tokens_per_s, peak_mem_mb, compile_s, repeats, gpu_name, versions_json, notes, created_at,
     total_samples_ms, prefill_samples_ms, vs_eager, vs_eager_p20, vs_eager_p80, vs_compile, vs_compile_p20,
     vs_compile_p80, gpu_step_ms, host_overhead_ms, hbm_floor_ms, copy_gbps, cpu_samples_ms, vs_eager_cpu,
@@ -50,4 +50,4 @@ SELECT e.run_id, e.workload_hash, e.variant,
     e.vs_eager_cpu_p80
 FROM e2e_results e LEFT JOIN workloads w USING (workload_hash);
 DROP TABLE e2e_results;
-ALTER TABLE e2e_results_017 RENAME TO e2e_results;
+ALTER TABLE e2e_results_rebuilt RENAME TO e2e_results;
