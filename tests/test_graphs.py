@@ -278,7 +278,7 @@ def test_a_bundle_of_graphs_alone(tmp_path, monkeypatch):
     assert kernels_runtime.revert(model) == 0
     import kernels_runtime.patch as patch_mod
 
-    monkeypatch.setattr(patch_mod, "_enable_graphs", lambda m, explicit, static_cache=False:
+    monkeypatch.setattr(patch_mod, "_enable_graphs", lambda m, explicit, static_cache=False, buckets=():
                         f"on{' (static KV cache)' if static_cache else ''}")
     assert kernels_runtime.apply(model, back).decode_graphs == "on (static KV cache)"
     kernels_runtime.revert(model)
