@@ -72,7 +72,8 @@ def test_batch_task_gets_the_rows_key_and_batch_one_does_not(batch_layer, tiny_e
     spec = batch_layer[1].spec
     assert sorted({c.inputs["hidden_states"].shape[0] for c in spec.cases}) == [1, 3, 20]
     tpl = _template(NAME)
-    assert tpl.space(spec)["fma_max_m"] == [16, 8, 4, 2, 1] and tpl.default(spec)["fma_max_m"] == 16
+    assert tpl.space(spec)["fma_max_m"] == [1, 2, 4, 8, 16] and tpl.default(spec)["fma_max_m"] == 1
+    assert tpl.space(spec)["dot_stages"] == [4, 3, 2] and tpl.default(spec)["dot_stages"] == 4
     one = load_task(next(d for d in tiny_extracted("tiny-qwen3+static")
                          if d.name.startswith("decoder_layer-decode-"))).spec
     assert "fma_max_m" not in tpl.space(one)

@@ -47,6 +47,10 @@ DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_sta
 MAX_FMA_M = 16
 MAX_ROWS = 64
 DOT_MIN_M = 16  # tl.dot's smallest tile along M: fewer rows are padded (masked) up to it
+# The tl.dot path's pipeline depth (DOT_STAGES, a launcher argument): Triton's pipeliner keeps that many weight
+# tiles in flight through shared memory, where the register PREFETCH of the FMA path (and PDL's early first tile)
+# would stop it; at 1 stage the pass is latency-bound (docs/results/2026-12-06-h100-batch: 2-3x slower).
+DOT_STAGES = 4
 MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
 
 
@@ -529,7 +533,7 @@ def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
-            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M):
+            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
@@ -544,8 +548,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     _check_rows(FMA_MAX_M)
     M, K = x2.shape
     DOT = _dot_path(M, DOT, FMA_MAX_M)
-    if DOT:
+    if DOT:  # pipelined by Triton (DOT_STAGES tiles in flight), not by the register prefetch
         BLOCK_N, BLOCK_K = _dot_tiles(BLOCK_N, BLOCK_K)
+        num_stages, PREFETCH = max(1, int(DOT_STAGES)), False
     ns = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     nbs = [triton.cdiv(n, BLOCK_N) for n in ns]
     ntot = sum(ns)
@@ -590,7 +595,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              EVEN_K=K % k_per == 0, ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(),
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
-             PREFETCH=bool(PREFETCH or PDL), PDL=pdl_on(PDL),
+             PREFETCH=bool(PREFETCH or (PDL and not DOT)), PDL=pdl_on(PDL),
              NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
              L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
              TIMELINE=ts is not None),
@@ -619,12 +624,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
          l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-         FMA_MAX_M: int = MAX_FMA_M) -> torch.Tensor:
+         FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
     asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only).
-    FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`)."""
+    FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`), DOT_STAGES tiles in flight."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -640,7 +645,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
                               PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA, TMA_PRE=TMA_PRE,
-                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M)
+                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -654,7 +659,8 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
                           eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
                           PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
-                          FMA_MAX_M: int = MAX_FMA_M) -> tuple[torch.Tensor, torch.Tensor]:
+                          FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
     down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s."""
@@ -673,7 +679,7 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
                               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch,
-                              FMA_MAX_M=FMA_MAX_M)
+                              FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
@@ -687,7 +693,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
                    paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-                   FMA_MAX_M: int = MAX_FMA_M) -> torch.Tensor:
+                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (FMA or tl.dot
     path alike) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
@@ -705,7 +711,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     y = torch.empty((M, I), device=x.device, dtype=x.dtype)
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M)
+              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
+              DOT_STAGES=DOT_STAGES)
     bk = _dot_tiles(BLOCK_N, BLOCK_K)[1] if _dot_path(M, DOT, FMA_MAX_M) else BLOCK_K  # the K tile _stream uses
     if M and paired and BLOCK_N >= 2 and _split_of(K, bk, SPLIT_K)[0] == 1:
         _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA,
@@ -725,7 +732,8 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
                   PREFETCH: bool = False, PDL: bool = False,
-                  FMA_MAX_M: int = MAX_FMA_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
@@ -754,7 +762,8 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     if M:
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M)
+                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
+              DOT_STAGES=DOT_STAGES)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

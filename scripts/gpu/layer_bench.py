@@ -3,6 +3,7 @@ runs, layer after layer, from one CUDA graph, against the weight-streaming floor
 
     python scripts/gpu/layer_bench.py --out layers.jsonl [--models qwen3-4b,llama-3.2-3b] [--max-s 200]
     python scripts/gpu/layer_bench.py --out layers.jsonl --only default --timeline default   # critical path per kernel
+    python scripts/gpu/layer_bench.py --out b.jsonl --models qwen3-4b --batch 1,8,32   # decode batches, left-padded
     python scripts/gpu/layer_bench.py --device cpu --models tiny --out x.jsonl   # smoke run under the interpreter
 
 Per model shape (published configs, seeded random bf16 weights; every layer its own weights, so a step streams all
@@ -15,6 +16,10 @@ in this process. Checks, per variant: the graph replay's output equals the eager
 matches the first variant's within the bf16 tolerance (kernels_runtime.tolerances); a variant whose only change is
 PDL, PREFETCH or an L2 prefetch must equal its base bit for bit. Variants: the template's default and seeds
 (llm4llm.search.templates.decode_fused), then the launch-count and prefetch/PDL points below.
+--batch B (B > 1): B rows a step, left-padded as `generate` pads a batch (row r's first pad_r keys masked in HF's
+[B, 1, 1, cache] bool mask, row 0 unpadded; per-row rotary angles), the variants then the batch's own: the
+template's batch default, `fma_max_m` below B (FMA rows before tl.dot tiles), and tl.dot tile points; the floor
+then adds the KV bytes the step reads (every row's cache up to --pos).
 """
 from __future__ import annotations
 
@@ -45,24 +50,44 @@ def q(vals, p):
     return s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]
 
 
-def spec_of(s: dict, sms: int):
-    """The static values decoder_layer.decode_static's default and seeds read, as the extraction records them."""
+def spec_of(s: dict, sms: int, B: int = 1):
+    """The static values decoder_layer.decode_static's default and seeds read, as the extraction records them; at a
+    batch one case of B rows (what gives the template its batch keys)."""
     static = {"self_attn.q_proj.in_features": s["H"], "self_attn.q_proj.out_features": s["hq"] * s["D"],
               "self_attn.k_proj.out_features": s["hkv"] * s["D"], "self_attn.head_dim": s["D"],
               "mlp.hidden_size": s["H"], "mlp.intermediate_size": s["I"]}
-    # no captured cases: the bench's step is batch 1, so the default and seeds are the batch-1 ones
+    # batch 1: no captured cases, so the default and seeds are the batch-1 ones
+    cases = [SimpleNamespace(inputs={"hidden_states": torch.empty(B, 1, s["H"], device="meta")})] if B > 1 else []
     return SimpleNamespace(static=static, hardware={"sm_count": sms, "capability": "9.0"}, family="decoder_layer",
-                           phase="decode", dtype="bfloat16", input_names=[], cases=[])
+                           phase="decode", dtype="bfloat16", input_names=["hidden_states"] if cases else [],
+                           cases=cases, recipe=None)
 
 
-def variants(s: dict, sms: int) -> dict[str, dict]:
+def batch_variants(base: dict, B: int) -> dict[str, dict]:
+    """A decode batch's own points on the batch default (tl.dot past 1 row, DOT_STAGES tiles in flight): more FMA
+    rows before tl.dot takes over (`fma_max_m`), the pipeline depth (`dot_stages`), and the tl.dot tiles (BLOCK_N
+    rows of weight, BLOCK_K deep, warps, a K split) on every stage."""
+    stages = ("qkv_", "o_", "gu_", "dn_")
+    out = {f"fma{v}": {**base, "fma_max_m": v} for v in (2, 4, 8, 16) if v < B}
+    out.update({f"st{v}": {**base, "dot_stages": v} for v in (2, 3) if v != base.get("dot_stages")})
+    for name, kv in (("n32", {"BLOCK_N": 32}), ("n32k128", {"BLOCK_N": 32, "BLOCK_K": 128}), ("k128", {"BLOCK_K": 128}),
+                     ("w8", {"num_warps": 8}), ("sk2", {"SPLIT_K": 2})):
+        out[f"dot_{name}"] = {**base, **{p + k: v for p in stages for k, v in kv.items()}}
+    out["dot_sk2_od"] = {**base, "o_SPLIT_K": 2, "dn_SPLIT_K": 2}  # the sweep's best: o_proj and down split in 2
+    out["nopdl"] = {**base, "pdl": False}
+    return out
+
+
+def variants(s: dict, sms: int, B: int = 1) -> dict[str, dict]:
     """name -> layer config: the template's default (the four-GEMV layer with PDL), its seeds, then one change at a
     time on the default (the names of docs/results/2026-12-02-h200-c say which)."""
-    tpl, spec = layer_template(), spec_of(s, sms)
+    tpl, spec = layer_template(), spec_of(s, sms, B)
     base = tpl.default(spec)
     out = {"default": dict(base)}
     for i, sd in enumerate(tpl.seeds(spec)):
         out[f"seed{i}"] = sd
+    if B > 1:
+        return {**out, **batch_variants(base, B)}
     stages = ("qkv_", "o_", "gu_", "dn_")
     out["nopdl"] = {**base, "pdl": False}
     out["o_reduce_nopdl"] = {**base, "post_norm": "o_reduce", "pdl": False}  # five launches: norm in o_proj's reduction
@@ -210,8 +235,9 @@ def timeline(entry, x, layers, cos, sin, before, replays: int = 5) -> list[dict]
     return out
 
 
-def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
-    """Per layer the (weights, state, static) the template's entry takes, named as the extraction names them."""
+def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt, B: int = 1):
+    """Per layer the (weights, state, static) the template's entry takes, named as the extraction names them; the
+    rotary (cos, sin) per row, and at B > 1 the left-padded batch's [B, 1, 1, cache] bool mask (else None)."""
     g = torch.Generator(device=device).manual_seed(0)  # on the device: billions of weights
 
     def w(n, k):
@@ -225,8 +251,8 @@ def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
               "post_attention_layernorm.variance_epsilon": EPS, "self_attn.q_norm.variance_epsilon": EPS}
     layers = []
     for _ in range(n_layers):
-        kc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
-        vc = torch.randn(1, hkv, cache, D, generator=g, device=device).to(dt)
+        kc = torch.randn(B, hkv, cache, D, generator=g, device=device).to(dt)
+        vc = torch.randn(B, hkv, cache, D, generator=g, device=device).to(dt)
         kc[:, :, pos:], vc[:, :, pos:] = 0, 0
         weights = {"self_attn.q_proj.weight": w(hq * D, H), "self_attn.k_proj.weight": w(hkv * D, H),
                    "self_attn.v_proj.weight": w(hkv * D, H), "self_attn.o_proj.weight": w(H, hq * D),
@@ -237,10 +263,16 @@ def make_layers(s: dict, n_layers: int, cache: int, pos: int, device: str, dt):
         n = torch.tensor(pos, dtype=torch.int64, device=device)
         state = {"key_cache": kc, "value_cache": vc, "cache_len": n}
         layers.append((weights, state, static))
-    ang = torch.rand(1, 1, D // 2, generator=g, device=device) * 6.28
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dt).view(1, 1, D)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dt).view(1, 1, D)
-    return layers, cos, sin
+    ang = torch.rand(B, 1, D // 2, generator=g, device=device) * 6.28
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dt).view(B, 1, D)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dt).view(B, 1, D)
+    mask = None
+    if B > 1:  # row r's first pad_r positions are padding (row 0 none); keys past the write position not yet seen
+        pads = torch.randint(0, max(1, pos // 2), (B,), generator=g, device=device)
+        pads[0] = 0
+        j = torch.arange(cache, device=device)
+        mask = ((j[None] >= pads[:, None]) & (j[None] <= pos)).view(B, 1, 1, cache)
+    return layers, cos, sin, mask
 
 
 def layer_template():
@@ -261,6 +293,13 @@ def reset(layers, pos: int) -> None:
     """Each layer's length back to `pos`: the entry advances it, and every run and replay times the same step."""
     for _, state, _ in layers:
         state["cache_len"].fill_(pos)
+
+
+def with_mask(entry, mask):
+    """The entry called with the batch's attention mask among its inputs (as the extraction records it)."""
+    if mask is None:
+        return entry
+    return lambda inputs, weights, state, static: entry({**inputs, "attention_mask": mask}, weights, state, static)
 
 
 def step(x, layers, cos, sin, entry):
@@ -287,12 +326,12 @@ def graph_of(fn, before):
     return g, out
 
 
-def build_variants(vs, spec, x, layers, cos, sin, pos, gpu):
+def build_variants(vs, spec, x, layers, cos, sin, pos, gpu, mask=None):
     """Each variant's step run eagerly and captured in a graph; -> (graphs, eager outputs, problems)."""
     runs, outs, bad = {}, {}, {}
     for name, cfg in vs.items():
         try:
-            entry = template_entry(spec, cfg)
+            entry = with_mask(template_entry(spec, cfg), mask)
             reset(layers, pos)
             eager = step(x, layers, cos, sin, entry)
             if gpu:
@@ -354,25 +393,29 @@ def print_table(model, s, wbytes, floor_us, rows):
             print(f"{r['variant']:<22} {'-':>26} {'-':>9} {'-':>8}  {ok}", flush=True)
 
 
-def bench_model(model, args, meta, sms, gpu, dt):
+def bench_model(model, args, meta, sms, gpu, dt, B: int = 1):
     s = SHAPES[model]
     cache, pos = (args.cache, args.pos) if gpu else (16, 9)
-    layers, cos, sin = make_layers(s, s["L"], cache, pos, args.device, dt)
+    layers, cos, sin, mask = make_layers(s, s["L"], cache, pos, args.device, dt, B)
     wbytes = sum(t.numel() * t.element_size() for weights, _, _ in layers for k, t in weights.items()
                  if k.endswith("proj.weight"))
-    floor_us = wbytes / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
-    x = torch.randn(1, 1, s["H"], generator=torch.Generator().manual_seed(1)).to(dt).to(args.device)
-    vs, spec = variants(s, sms), spec_of(s, sms)
+    # the KV bytes a step reads: every row's keys and values up to the write position (padding included: the
+    # kernels skip masked keys' math, not their tiles)
+    kvbytes = sum(2 * B * state["key_cache"].shape[1] * (pos + 1) * state["key_cache"].shape[3]
+                  * state["key_cache"].element_size() for _, state, _ in layers)
+    floor_us = (wbytes + kvbytes) / (meta["copy_GBps"] * 1e9) * 1e6 if gpu else float("nan")
+    x = torch.randn(B, 1, s["H"], generator=torch.Generator().manual_seed(1)).to(dt).to(args.device)
+    vs, spec = variants(s, sms, B), spec_of(s, sms, B)
     if args.only:
         names = args.only.split(",")
         vs = {**{k: v for k, v in vs.items() if k in names},
               **{k: tma_variant(k, vs["default"]) for k in names if k not in vs and TMA_NAME.fullmatch(k)}}
-    runs, outs, bad = build_variants(vs, spec, x, layers, cos, sin, pos, gpu)
+    runs, outs, bad = build_variants(vs, spec, x, layers, cos, sin, pos, gpu, mask)
     timelines = {}
     for name in (args.timeline.split(",") if gpu and args.timeline else []):
         if name in vs and name not in bad:
             try:
-                timelines[name] = timeline(template_entry(spec, vs[name]), x, layers, cos, sin,
+                timelines[name] = timeline(with_mask(template_entry(spec, vs[name]), mask), x, layers, cos, sin,
                                            lambda: reset(layers, pos))
             except Exception as exc:  # noqa: BLE001 - a timeline that cannot be taken costs the breakdown only
                 timelines[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -388,7 +431,8 @@ def bench_model(model, args, meta, sms, gpu, dt):
     rows = []
     for name, cfg in vs.items():
         ts = times.get(name) or []
-        row = dict(model=model, variant=name, layers=s["L"], weight_bytes=wbytes, floor_us=floor_us,
+        row = dict(model=model, batch=B, variant=name, layers=s["L"], weight_bytes=wbytes, kv_bytes=kvbytes,
+                   floor_us=floor_us,
                    ok=name not in bad, problem=bad.get(name), config=cfg, **meta)
         if ts:
             p50 = statistics.median(ts)
@@ -399,7 +443,7 @@ def bench_model(model, args, meta, sms, gpu, dt):
         if name in timelines:
             row["timeline"] = timelines[name]
         rows.append(row)
-    print_table(model, s, wbytes, floor_us, rows)
+    print_table(f"{model} batch {B}", s, wbytes + kvbytes, floor_us, rows)
     for name, tln in timelines.items():
         if isinstance(tln, str):
             print(f"{model} {name} timeline: {tln}", flush=True)
@@ -426,6 +470,7 @@ def main() -> int:
     ap.add_argument("--cache", type=int, default=640, help="static cache positions a layer")
     ap.add_argument("--pos", type=int, default=575, help="the length before the token (the write position)")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--batch", default="1", help="comma-separated decode batch sizes (rows a step, left-padded)")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--max-s", type=float, default=200.0, help="stop starting new models after this many seconds")
     ap.add_argument("--profile", default="", help="comma-separated variants to break down kernel by kernel")
@@ -449,11 +494,15 @@ def main() -> int:
             if time.time() - t0 > args.max_s:
                 print(f"time limit: skipped {model}", flush=True)
                 continue
-            for row in bench_model(model, args, meta, sms, gpu, torch.bfloat16):
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            if gpu:
-                torch.cuda.empty_cache()
+            for B in (int(b) for b in args.batch.split(",")):
+                if time.time() - t0 > args.max_s:
+                    print(f"time limit: skipped {model} batch {B}", flush=True)
+                    continue
+                for row in bench_model(model, args, meta, sms, gpu, torch.bfloat16, B):
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                if gpu:
+                    torch.cuda.empty_cache()
     return 0
 
 

@@ -32,10 +32,13 @@ OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm")
 # reduction, for batches > 1 where the reduction path leaves bandwidth unused; an option the search tries, no default.
 STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 4096], "SPLIT_K": [1, 2, 4, 8],
          "num_warps": [4, 8], "DOT": [False, True], "PREFETCH": [False, True]}
-# At a decode batch (a task whose cases have more than one row) one key for every GEMV stage: `fma_max_m`, the most
-# rows the FMA reduction takes before tl.dot tiles take over (kernels_runtime.ops.gemv's FMA_MAX_M; first: its
-# default, MAX_FMA_M). One config then picks the path per batch bucket by M; batch-1 tasks' spaces do not change.
-FMA_ROWS = [16, 8, 4, 2, 1]
+# At a decode batch (a task whose cases have more than one row) two keys for every GEMV stage: `fma_max_m`, the
+# most rows the FMA reduction takes before tl.dot tiles take over (kernels_runtime.ops.gemv's FMA_MAX_M), and
+# `dot_stages`, the tl.dot path's pipeline depth (DOT_STAGES). First: the default. One config then picks the path
+# per batch bucket by M; batch-1 tasks' spaces do not change. Default 1 row: the FMA reduction of 8 rows spills
+# (a qwen3-4b step 29 ms at batch 8 against 6.7 ms on tl.dot, docs/results/2026-12-06-h100-batch).
+FMA_ROWS = [1, 2, 4, 8, 16]
+DOT_STAGES = [4, 3, 2]
 MAX_ROWS = 64  # kernels_runtime.ops.gemv.MAX_ROWS: the rows one weight pass serves
 
 # Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
@@ -47,6 +50,8 @@ def _stage(prefix):
     kw["PDL"] = bool(CONFIG.get("pdl", False))
     if "fma_max_m" in CONFIG:
         kw["FMA_MAX_M"] = CONFIG["fma_max_m"]
+    if "dot_stages" in CONFIG:
+        kw["DOT_STAGES"] = CONFIG["dot_stages"]
     return kw
 
 
@@ -68,9 +73,12 @@ def task_rows(spec: TaskSpec) -> int:
 
 
 def rows_space(spec: TaskSpec) -> dict[str, list]:
-    """`fma_max_m` for a task with batches (the values below its largest batch, and the default); {} at batch 1."""
+    """`fma_max_m` (the values below its largest batch, and the default) and `dot_stages` for a task with batches;
+    {} at batch 1."""
     rows = task_rows(spec)
-    return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows]} if rows > 1 else {}
+    if rows <= 1:
+        return {}
+    return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows], "dot_stages": list(DOT_STAGES)}
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
