@@ -65,9 +65,11 @@ class BoundaryCall:
         """Every input and state tensor's dtype and shape (the CaseSig key)."""
         return shape_key(self.inputs, self.state)
 
-    def cloned(self) -> BoundaryCall:
-        return BoundaryCall(_clone_all(self.inputs), _clone_all(self.state), copy.deepcopy(self.static),
-                            copy.deepcopy(self.recipe), _clone_all(self.outputs), _clone_all(self.state_out))
+    def cloned(self, to: str | torch.device | None = None) -> BoundaryCall:
+        """A copy of every tensor (on `to`, e.g. "cpu", where given: the extraction keeps its cases in host memory,
+        so the captures of a serving regime's corners do not fill the GPU the workload runs on)."""
+        return BoundaryCall(_clone_all(self.inputs, to), _clone_all(self.state, to), copy.deepcopy(self.static),
+                            copy.deepcopy(self.recipe), _clone_all(self.outputs, to), _clone_all(self.state_out, to))
 
 
 def shape_key(inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str:
@@ -83,7 +85,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _clone_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _clone_all(tensors: dict[str, torch.Tensor], to: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    if to is not None:
+        return {k: v.detach().to(to, copy=True) for k, v in tensors.items()}
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
@@ -835,16 +839,17 @@ class CallBinder:
 
 
 def record_outputs(call: BoundaryCall, module: torch.nn.Module, outputs: Any, cache: Any = None, *,
-                   clone: bool = True) -> BoundaryCall:
-    """Fill `call.outputs` and `call.state_out` after the module ran; `cache` is the cache object of the call."""
+                   clone: bool = True, to: str | torch.device | None = None) -> BoundaryCall:
+    """Fill `call.outputs` and `call.state_out` after the module ran; `cache` is the cache object of the call.
+    clone: copies (on `to` where given, as `BoundaryCall.cloned`)."""
     named, node = flatten_outputs(outputs)
     call.recipe["outputs"] = node
     state_spec = call.recipe.get("state")
     state_out = {}
     if state_spec is not None:
         state_out = adapter_by_name(state_spec["adapter"]).read_out(module, cache, state_spec)
-    call.outputs = _clone_all(named) if clone else named
-    call.state_out = _clone_all(state_out) if clone else dict(state_out)
+    call.outputs = _clone_all(named, to) if clone else named
+    call.state_out = _clone_all(state_out, to) if clone else dict(state_out)
     return call
 
 

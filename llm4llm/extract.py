@@ -101,7 +101,9 @@ class _Recorder:
             obs.sigs[skey] = CaseSig(inputs=_sigs(call.inputs), state=_sigs(call.state), calls=0)
         obs.sigs[skey].calls += 1
         attrs = tensor_attributes(module)
-        kept = call.cloned() if keep else call  # state-in cloned now, before the call writes it
+        # state-in copied now, before the call writes it; kept cases live in host memory (a serving regime's corners,
+        # batch 32 x 2048 tokens, captured on every hotspot's module, would not fit beside the model on the GPU)
+        kept = call.cloned(to="cpu") if keep else call
         self._pending[path].append((obs, kept, keep, skey, structure, attrs))
 
     def _post(self, path, module, args, kwargs, output):
@@ -115,7 +117,7 @@ class _Recorder:
                         f"and no state adapter owns it"
             return
         try:
-            record_outputs(call, module, output, find_cache(args, kwargs), clone=keep)
+            record_outputs(call, module, output, find_cache(args, kwargs), clone=keep, to="cpu")
         except Exception as exc:
             obs.error = _reason(exc)
             return
