@@ -290,7 +290,22 @@ def _evaluate(run: _Run, bundle: str | None, graphs: bool) -> dict:
         # is the slowest step, and a run stopped by a time limit then still has the patched numbers
         variants = (["eager", "patched_graphs", "eager_graphs", "torch_compile"] if graphs
                     else ["eager", "patched", "torch_compile"])
-    settings = run.cfg.evaluate.model_copy(update={"variants": list(variants)})
+    settings = run.cfg.evaluate.model_copy(update={"variants": list(variants),
+                                                   "batch_sizes": eval_batches(run.workload_path, run.cfg.evaluate)})
     with run.stage("evaluate"):
         return evaluate_e2e(run.workload_path, run.db_path, bundle, settings, run.run_id + "-e2e",
                             deadline=run.clock.deadline_wall(reserve_s=10.0))
+
+
+def eval_batches(workload_path: str, settings) -> list[int] | None:
+    """The batches the run's evaluation measures at: the settings' own, else for a workload with a [regime] its
+    representative batch (batch_size) and the regime's largest decode bucket (where a serving bundle's gain is
+    decided too), else None (the workload's batch_size)."""
+    from llm4llm.workload import load_workload
+
+    if settings.batch_sizes is not None:
+        return list(settings.batch_sizes)
+    wl = load_workload(workload_path, check_device=False)
+    if wl.regime is None:
+        return None
+    return list(dict.fromkeys([wl.batch_size, max(wl.regime.batch_buckets())]))

@@ -129,6 +129,17 @@ class EvaluateSettings(_Settings):
                                                         "only if one more still fits at the slowest round's pace, "
                                                         "and the last one taken still measures the decode step; "
                                                         "none: all `repeats` rounds")
+    batch_sizes: list[int] | None = Field(None, description="decode batches to measure at (none: the workload's "
+                                                            "batch_size and, with a [regime], its largest batch too)")
+    prompt_lens: list[int] | None = Field(None, description="prompt lengths to measure at (none: the workload's "
+                                                            "prompt_len)")
+
+    @field_validator("batch_sizes", "prompt_lens")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(x < 1 for x in v)):
+            raise ValueError(f"expected positive integers, got {v}")
+        return v
 
 
 class OptimizeConfig(_Settings):

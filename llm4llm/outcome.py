@@ -22,16 +22,27 @@ def _ms(row: dict | None) -> str:
     return f"{v:.1f} ms" if v is not None and v == v else "-"
 
 
-def result_line(rows: list[dict]) -> str:
-    """The run's end-to-end result, from its e2e rows (one per variant)."""
+def result_lines(rows: list[dict]) -> list[str]:
+    """One result line per measured point (batch size, prompt length), in the order measured: one line, as
+    `result_line`, where the run measured one point."""
+    points = list(dict.fromkeys((r.get("batch_size"), r.get("prompt_len")) for r in rows))
+    if len(points) <= 1:
+        return [result_line(rows)]
+    return [result_line([r for r in rows if (r.get("batch_size"), r.get("prompt_len")) == (b, p)],
+                        at=f"batch {b}, prompt {p}") for b, p in points]
+
+
+def result_line(rows: list[dict], at: str = "") -> str:
+    """The run's end-to-end result, from its e2e rows (one per variant) at one point (`at` names it)."""
+    head = f"result at {at}:" if at else "result:"
     by = {r["variant"]: r for r in rows}
     ours = next((by[v] for v in SERVED if v in by and by[v].get("total_ms") is not None
                  and by[v].get("total_ms") == by[v].get("total_ms")), None)
     if ours is None:
         why = next((by[v].get("notes") for v in SERVED if v in by and by[v].get("notes")), "")
         base = f"eager {_ms(by.get('eager'))}, torch.compile {_ms(by.get('torch_compile'))}"
-        return f"result: no patched run to compare ({why or 'no bundle'}); {base}"
-    parts = [f"result: {ours['variant']} {_ms(ours)} a request"]
+        return f"{head} no patched run to compare ({why or 'no bundle'}); {base}"
+    parts = [f"{head} {ours['variant']} {_ms(ours)} a request"]
     vs_c, vs_e = _ratio(ours, "vs_compile"), _ratio(ours, "vs_eager")
     if vs_c:
         parts.append(f"{vs_c} torch.compile ({_ms(by.get('torch_compile'))})")
@@ -49,7 +60,7 @@ def summary_lines(rows: list[dict] | None, bundle: str | None, accepted: list[st
     """The closing lines of a run."""
     lines = []
     if rows:
-        lines.append(result_line(rows))
+        lines += result_lines(rows)
     if bundle:
         what = ", ".join(accepted) if accepted else "decode graphs only"
         lines.append(f"bundle: {bundle} ({what})")

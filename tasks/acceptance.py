@@ -28,7 +28,9 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, se
 
     variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
     out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
-                       run_id=run_id, max_s=settings.max_s, deadline=deadline)
+                       run_id=run_id, max_s=settings.max_s, deadline=deadline,
+                       batch_sizes=tuple(settings.batch_sizes) if settings.batch_sizes else None,
+                       prompt_lens=tuple(settings.prompt_lens) if settings.prompt_lens else None)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out

@@ -282,3 +282,40 @@ def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):
     vs.deadline = 990.0  # past: no time, yet _rounds still runs one interleaved round
     assert vs.budget(1) == 0.0
     assert ev._Variants(None, lambda: None, None, None, lambda r: None, None, None).budget(2) is None
+
+
+def test_optimize_evaluates_a_regime_at_its_representative_and_largest_batch(tmp_path):
+    """The run's evaluation (flows/optimize.eval_batches): a workload with a [regime] is measured at its batch_size
+    and at the regime's largest decode bucket; without a regime at its batch_size alone (None); batches the
+    settings name win."""
+    from flows.optimize import eval_batches
+    from llm4llm.config import EvaluateSettings
+
+    serving = _tiny_workload(tmp_path, "[regime]\nbatch_sizes = {min = 1, max = 32}\nprompt_lens = [16]\n")
+    text = serving.read_text().replace("batch_size = 1", "batch_size = 8")
+    serving.write_text(text)
+    assert eval_batches(str(serving), EvaluateSettings()) == [8, 32]
+    assert eval_batches(str(serving), EvaluateSettings(batch_sizes=[4])) == [4]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert eval_batches(str(_tiny_workload(plain)), EvaluateSettings()) is None
+    with pytest.raises(ValueError):
+        EvaluateSettings(batch_sizes=[0])
+
+
+def test_the_closing_lines_give_one_result_per_point():
+    """Rows at two points end the run with one result line each, named by its point; rows at one point keep the
+    single unnamed line."""
+    from llm4llm.outcome import summary_lines
+
+    def row(variant, b, ms, vs=None):
+        return {"variant": variant, "batch_size": b, "prompt_len": 512, "total_ms": ms, "vs_compile": vs,
+                "vs_compile_p20": vs, "vs_compile_p80": vs, "repeats": 3}
+
+    rows = [row("patched_graphs", 8, 300.0, 1.4), row("torch_compile", 8, 420.0),
+            row("patched_graphs", 32, 700.0, 1.3), row("torch_compile", 32, 910.0)]
+    lines = summary_lines(rows, None, [], {}, 10.0, None, "cuda")
+    assert lines[0].startswith("result at batch 8, prompt 512: patched_graphs 300.0 ms") and "1.40x" in lines[0]
+    assert lines[1].startswith("result at batch 32, prompt 512: patched_graphs 700.0 ms") and "1.30x" in lines[1]
+    one = summary_lines(rows[:2], None, [], {}, 10.0, None, "cuda")
+    assert one[0].startswith("result: patched_graphs 300.0 ms")
