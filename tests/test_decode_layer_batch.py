@@ -74,9 +74,12 @@ def test_batch_task_gets_the_rows_key_and_batch_one_does_not(batch_layer, tiny_e
     tpl = _template(NAME)
     assert tpl.space(spec)["fma_max_m"] == [1, 2, 4, 8, 16] and tpl.default(spec)["fma_max_m"] == 1
     assert tpl.space(spec)["dot_stages"] == [4, 3, 2] and tpl.default(spec)["dot_stages"] == 4
+    # the cache split is left to the op per call (rows x KV heads) at a batch; batch 1 keeps the fixed split
+    assert tpl.default(spec)["attn_num_splits"] is None
     one = load_task(next(d for d in tiny_extracted("tiny-qwen3+static")
                          if d.name.startswith("decoder_layer-decode-"))).spec
     assert "fma_max_m" not in tpl.space(one)
+    assert isinstance(tpl.default(one)["attn_num_splits"], int)
 
 
 @pytest.mark.parametrize("fma_max_m,dot_rows", [(16, {20}), (2, {3, 20})])

@@ -85,3 +85,16 @@ def sm90_capable(spec: TaskSpec) -> bool:
         return cap is None or int(str(cap).split(".")[0]) >= 9
     except ValueError:
         return False
+
+
+def task_rows(spec: TaskSpec) -> int:
+    """The most rows (tokens: batch x new positions) a captured case feeds the task's first input."""
+    name = spec.input_names[0] if spec.input_names else None
+    return max((_prod(c.inputs[name].shape[:-1]) for c in spec.cases if name in c.inputs), default=1)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out

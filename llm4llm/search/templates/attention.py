@@ -12,7 +12,8 @@ step's own row) to its kernel, which reads it on the device and excludes each ro
 cannot read are refused (`mask_problem`), never attended causally."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count
+from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count,
+                                              task_rows)
 from llm4llm.search.templates.base import Template, header
 from llm4llm.taskspec import TaskSpec
 
@@ -350,10 +351,14 @@ def _static_seeds(spec: TaskSpec) -> list[dict]:
 def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
     """The attn_ keys of attention_decode_static that split the cache so that (KV heads x splits) programs fill the
     task's GPU (32-position blocks); {} where the static values do not give the KV heads. `prefix`: where the
-    attention's static values sit (a decoder layer's `self_attn.`)."""
+    attention's static values sit (a decoder layer's `self_attn.`). A task with decode batches keeps the split
+    unset: the op then splits per call by its rows (`default_num_splits`: rows x KV heads x splits near its
+    target), where one fixed split for batch 1 would cut a batch of 32 rows into 8192 programs of a few keys."""
     head_dim, kv_width = spec.static.get(prefix + "head_dim"), spec.static.get(prefix + "k_proj.out_features")
     if not (isinstance(head_dim, int) and isinstance(kv_width, int) and head_dim > 0):
         return {}
+    if task_rows(spec) > 1:
+        return {"attn_num_splits": None, "attn_BLOCK_N": 32}
     heads, sms = max(1, kv_width // head_dim), sm_count(spec)
     return {"attn_num_splits": next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64), "attn_BLOCK_N": 32}
 

@@ -18,7 +18,7 @@ docs/hardware.md names the measurements behind each default).
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count
+from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count, task_rows
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
                                                 STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
                                                 cache_splits, mask_problem, module_softcap, static_mask_problem)
@@ -64,12 +64,6 @@ def _mlp_prefetch(weights):
 
 def _stage_space(prefix: str) -> dict[str, list]:
     return {prefix + k: list(v) for k, v in STAGE.items()}
-
-
-def task_rows(spec: TaskSpec) -> int:
-    """The most rows (tokens: batch x new positions) a captured case feeds the task's first input."""
-    name = spec.input_names[0] if spec.input_names else None
-    return max((_prod(c.inputs[name].shape[:-1]) for c in spec.cases if name in c.inputs), default=1)
 
 
 def rows_space(spec: TaskSpec) -> dict[str, list]:
@@ -470,11 +464,6 @@ def _lm_applies(spec: TaskSpec) -> str | None:
     return None
 
 
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 def _lm_default(spec):
