@@ -185,11 +185,15 @@ def gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym
 
 def interpret_without_gpu() -> None:
     """Make Triton run under its interpreter when this process has no GPU (must run before triton compiles
-    anything). The CLI, the acceptance/evaluation subprocess and the CPU verifier worker all call this."""
+    anything), with kernels_runtime.interp's speed-ups when it does. The CLI, a served flow run and the sandboxed
+    acceptance/evaluation subprocess call this."""
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kernels_runtime.interp import enable_fast_interpreter
+
+    enable_fast_interpreter()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,9 +272,3 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
         return jit_fn[grid](*args, **constexprs, **options)
     return kernel
 
-
-# Triton's interpreter: its scan a slice at a time and no re-patching of triton.language per device-function call
-# (same bits, far faster; the CPU path only: kernels_runtime/ops/_interp_fast.py)
-from kernels_runtime.ops import _interp_fast  # noqa: E402
-
-_interp_fast.install()
