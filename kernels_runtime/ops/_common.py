@@ -1,4 +1,12 @@
-"""Helpers shared by the Triton ops."""
+"""Helpers shared by the Triton ops.
+
+Two development aids here are opt-in and inert by default:
+- the kernel timeline (`TIMELINE`, `timeline_rows`, `stamp`): the instrumented decode kernels take a
+  `TIMELINE: tl.constexpr = False`, so they compile without the stamps; their launchers pay one dict lookup
+  (`TIMELINE["buf"] is None`) until a caller (scripts/gpu/layer_bench.py --timeline) sets a buffer;
+- the interpreter speed-ups (`_interp_fast`): installed only by `kernels_runtime.interp.enable_fast_interpreter()`,
+  never by importing this module.
+"""
 from __future__ import annotations
 
 import inspect
@@ -102,9 +110,9 @@ def pdl_launch(PDL: bool) -> dict:
 # A measuring aid for chains of dependent decode kernels (PDL overlaps them, so a profiler's per-kernel durations
 # do not add up to the step): while `TIMELINE["buf"]` is an int64 CUDA tensor [rows, 4], each instrumented launch
 # takes the next rows, one per program, and every program writes %globaltimer (ns) when it starts, when it leaves
-# PDL's wait (its start when it has none), when it ends, and its SM id. Off (the default) a kernel compiles without
-# it. Sites are taken in launch order, so a step captured in a CUDA graph rewrites the same rows on every replay.
-# scripts/gpu/layer_bench.py --timeline reads them.
+# PDL's wait (its start when it has none), when it ends, and its SM id. Off (the default: nothing but a measuring
+# script sets `buf`) a kernel compiles without it. Sites are taken in launch order, so a step captured in a CUDA
+# graph rewrites the same rows on every replay. scripts/gpu/layer_bench.py --timeline reads them.
 TIMELINE: dict = {"buf": None, "next": 0, "sites": []}
 
 
