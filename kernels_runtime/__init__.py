@@ -8,7 +8,9 @@ A user's serving code adopts a bundle with one call:
     kernels_runtime.revert(model)
     kernels_runtime.enable_decode_graphs(model)                # decode steps replayed from CUDA graphs
 
-Names are imported on first use, so `import kernels_runtime` stays light.
+Names are imported on first use, so `import kernels_runtime` stays light; importing it (or any op) patches nothing
+outside it: Triton's interpreter gets kernels_runtime's speed-ups only through
+`kernels_runtime.enable_fast_interpreter()` (kernels_runtime/interp.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ _EXPORTS = {
     "is_supported": "guards",
     "enable_decode_graphs": "graphs", "disable_decode_graphs": "graphs", "decode_graphs_of": "graphs",
     "enable_batch_buckets": "buckets", "disable_batch_buckets": "buckets", "batch_buckets_of": "buckets",
+    "enable_fast_interpreter": "interp",
 }
 
 __all__ = sorted(_EXPORTS)

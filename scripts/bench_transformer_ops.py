@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
+    from kernels_runtime.interp import enable_fast_interpreter
+
+    enable_fast_interpreter()  # --tiny (a no-op on the GPU)
     models, prompt_len, decode_len = (
         (TINY_MODELS, TINY_PROMPT_LEN, TINY_DECODE_LEN) if args.tiny else (MODELS, PROMPT_LEN, DECODE_LEN)
     )

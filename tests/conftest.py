@@ -12,6 +12,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest  # noqa: E402
 
+from kernels_runtime.interp import enable_fast_interpreter  # noqa: E402
+
+# Under the interpreter the suite runs with kernels_runtime's interpreter speed-ups (an opt-in: importing
+# kernels_runtime leaves Triton untouched); tests/test_interp_fast.py compares them against Triton's own
+enable_fast_interpreter()
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():

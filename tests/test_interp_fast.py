@@ -156,3 +156,34 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch):
     assert getattr(_interp_fast._STATE, "active", None) is None
     assert getattr(_interp_fast._STATE, "pending", None) is None
     assert interpreter._patch_lang is _interp_fast.patch_lang_once
+
+
+def test_importing_kernels_runtime_leaves_the_interpreter_alone_until_asked():
+    """Importing kernels_runtime and its ops patches nothing in Triton; enable_fast_interpreter() does, and
+    LLM4LLM_FAST_INTERP=0 declines it (a fresh process: this one's conftest has opted in)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from triton.runtime import interpreter\n"
+        "from triton.runtime.interpreter import GridExecutor, ScanOps\n"
+        "before = (ScanOps.generic_scan, interpreter._patch_lang, GridExecutor.__call__)\n"
+        "import kernels_runtime, kernels_runtime.ops.gemv, kernels_runtime.ops.selective_scan, kernels_runtime.patch\n"
+        "from kernels_runtime.interp import enable_fast_interpreter, fast_interpreter_enabled\n"
+        "assert (ScanOps.generic_scan, interpreter._patch_lang, GridExecutor.__call__) == before, 'patched on import'\n"
+        "assert not fast_interpreter_enabled()\n"
+        "on = kernels_runtime.enable_fast_interpreter()\n"
+        "now = (ScanOps.generic_scan, interpreter._patch_lang, GridExecutor.__call__)\n"
+        "print(on, fast_interpreter_enabled(), sum(a is not b for a, b in zip(now, before)))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    env.pop("LLM4LLM_FAST_INTERP", None)
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True", "3"]
+    env["LLM4LLM_FAST_INTERP"] = "0"
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "False", "0"]

@@ -1,4 +1,12 @@
-"""Helpers shared by the Triton ops."""
+"""Helpers shared by the Triton ops.
+
+Two development aids here are opt-in and inert by default:
+- the kernel timeline (`TIMELINE`, `timeline_rows`, `stamp`): the instrumented decode kernels take a
+  `TIMELINE: tl.constexpr = False`, so they compile without the stamps; their launchers pay one dict lookup
+  (`TIMELINE["buf"] is None`) until a caller (scripts/gpu/layer_bench.py --timeline) sets a buffer;
+- the interpreter speed-ups (`_interp_fast`): installed only by `kernels_runtime.interp.enable_fast_interpreter()`,
+  never by importing this module.
+"""
 from __future__ import annotations
 
 import inspect
@@ -102,9 +110,9 @@ def pdl_launch(PDL: bool) -> dict:
 # A measuring aid for chains of dependent decode kernels (PDL overlaps them, so a profiler's per-kernel durations
 # do not add up to the step): while `TIMELINE["buf"]` is an int64 CUDA tensor [rows, 4], each instrumented launch
 # takes the next rows, one per program, and every program writes %globaltimer (ns) when it starts, when it leaves
-# PDL's wait (its start when it has none), when it ends, and its SM id. Off (the default) a kernel compiles without
-# it. Sites are taken in launch order, so a step captured in a CUDA graph rewrites the same rows on every replay.
-# scripts/gpu/layer_bench.py --timeline reads them.
+# PDL's wait (its start when it has none), when it ends, and its SM id. Off (the default: nothing but a measuring
+# script sets `buf`) a kernel compiles without it. Sites are taken in launch order, so a step captured in a CUDA
+# graph rewrites the same rows on every replay. scripts/gpu/layer_bench.py --timeline reads them.
 TIMELINE: dict = {"buf": None, "next": 0, "sites": []}
 
 
@@ -185,11 +193,15 @@ def gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym
 
 def interpret_without_gpu() -> None:
     """Make Triton run under its interpreter when this process has no GPU (must run before triton compiles
-    anything). The CLI, the acceptance/evaluation subprocess and the CPU verifier worker all call this."""
+    anything), with kernels_runtime.interp's speed-ups when it does. The CLI, a served flow run and the sandboxed
+    acceptance/evaluation subprocess call this."""
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kernels_runtime.interp import enable_fast_interpreter
+
+    enable_fast_interpreter()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,9 +280,3 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
         return jit_fn[grid](*args, **constexprs, **options)
     return kernel
 
-
-# Triton's interpreter: its scan a slice at a time and no re-patching of triton.language per device-function call
-# (same bits, far faster; the CPU path only: kernels_runtime/ops/_interp_fast.py)
-from kernels_runtime.ops import _interp_fast  # noqa: E402
-
-_interp_fast.install()

@@ -18,6 +18,8 @@ already patched the same modules for its whole duration, and the repeat sets the
 it changes nothing: a helper whose `triton.language` modules are patched already in the running launch (by the
 launch, or by an earlier helper's never-restored patch) is called without it. A helper called outside a launch, or
 the first to see a module not patched yet, takes the interpreter's own path.
+
+Nothing here runs on import: `kernels_runtime.interp.enable_fast_interpreter()` installs the fixes on request.
 """
 from __future__ import annotations
 
@@ -108,6 +110,11 @@ def launch_call(self, *args, **kwargs):
         return _ORIGINAL["grid_call"](self, *args, **kwargs)
     finally:
         _STATE.pending, _STATE.active = None, None
+
+
+def installed() -> bool:
+    """Whether `install` has patched this process's interpreter."""
+    return "generic_scan" in _ORIGINAL
 
 
 def install() -> bool:

@@ -20,6 +20,12 @@ removes the norm launch in front of a projection (post_attention_layernorm befor
 Numerics follow transformers 5.17 (LlamaAttention / Qwen3Attention / LlamaMLP, bf16 modules): each nn.Linear
 output is rounded to the activation dtype before the next op, each elementwise op of the eager code rounds.
 The accumulation order differs from cuBLAS's (fp32 either way).
+
+This module is the public one (templates and bundles import `kernels_runtime.ops.gemv`): the references, the
+launchers and `_stream`, which picks a weight pass's kernel. The kernels live by what they do: `gemv_stream.py`
+(`_gemv_kernel` and its row and tile choices), `gemv_tma.py` (`_gemv_tma_kernel`, batch 1 by TMA), `gemv_reduce.py`
+(the split-K reductions and their epilogues). Every launch happens here, through this module's `launch`.
+The kernels' `TIMELINE` constexpr is off unless a measuring script sets `_common.TIMELINE["buf"]` (an opt-in).
 """
 from __future__ import annotations
 
@@ -30,373 +36,22 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels_runtime.ops._common import (_TL, TIMELINE, cast_out, interpreting, l2_prefetch, l2_prefetch_bytes,
-                                         l2_prefetch_on, launch, pdl_launch, pdl_on, pdl_wait, rnd, stamp,
+from kernels_runtime.ops._common import (_TL, TIMELINE, interpreting, l2_prefetch_on, launch, pdl_launch, pdl_on,
                                          timeline_rows)
+# The kernels live in modules by what they do; every launch happens here (a spy on this module's `launch` or
+# `_gemv_tma_kernel` sees them all), and the names callers import from here stay importable from here.
+from kernels_runtime.ops.gemv_reduce import (MAX_ROW, _qkv_reduce_kernel, _reduce_block, _reduce_kernel,
+                                             _residual_rmsnorm_reduce_kernel, _split_sum, _swiglu_reduce_kernel)
+from kernels_runtime.ops.gemv_stream import (DOT_MIN_M, DOT_STAGES, MAX_FMA_M, MAX_ROWS, _check_cfg, _check_rows,
+                                             _dot_path, _dot_tiles, _gemv_kernel, _l2_targets, _norm_row,
+                                             _rows_per_program, _split_of)
+from kernels_runtime.ops.gemv_tma import _gemv_tma_kernel, _tma_fits, _tma_tile
 
 # Hand-picked starting points for a 132-SM HBM3 GPU (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per
 # program.
 CONFIG_SPACE: dict[str, list] = {"BLOCK_N": [4, 8, 16, 32, 64], "BLOCK_K": [64, 128, 256, 512, 1024, 2048, 4096],
                                  "SPLIT_K": [1, 2, 4, 8, 16], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DEFAULT = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
-# Rows one program takes, so that each weight tile is read once for the whole decode batch. The FMA path keeps a
-# [BLOCK_M, BLOCK_N, BLOCK_K] fp32 product in registers, so it takes at most MAX_FMA_M rows (FMA_MAX_M, a launcher
-# argument the search tunes per batch, lowers that); more rows take the tl.dot path, whose [BLOCK_M, BLOCK_N]
-# accumulator holds up to MAX_ROWS rows (a serving batch). Past MAX_ROWS (a prefill-sized call reaching a decode
-# kernel) row blocks of MAX_ROWS re-read the weights: correct, at GEMM-by-GEMV speed.
-MAX_FMA_M = 16
-MAX_ROWS = 64
-DOT_MIN_M = 16  # tl.dot's smallest tile along M: fewer rows are padded (masked) up to it
-# The tl.dot path's pipeline depth (DOT_STAGES, a launcher argument): Triton's pipeliner keeps that many weight
-# tiles in flight through shared memory, where the register PREFETCH of the FMA path (and PDL's early first tile)
-# would stop it; at 1 stage the pass is latency-bound (docs/results/2026-12-06-h100-batch: 2-3x slower).
-DOT_STAGES = 4
-MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
-
-
-@triton.jit
-def _gemv_kernel(
-    # Pointers
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr, ts_ptr,
-    # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1);
-    # the bytes of pf0 / pf1 to prefetch into L2
-    PF0_BYTES, PF1_BYTES, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
-    # Strides
-    stride_xm, stride_pm, stride_rm, eps,
-    # Meta-parameters
-    PRO_NORM: tl.constexpr, DIRECT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
-    SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
-    TIMELINE: tl.constexpr = False,
-):
-    # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
-    # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
-    # the gate): the program also streams the same rows of the up weight (w1_ptr) and stores silu(gate) * up.
-    # PREFETCH: the next weight tile is loaded before the current one is used (two tiles in flight a program).
-    # ONE_TILE (a program's K range is one BLOCK_K tile): with PDL the program's whole weight slab is loaded before
-    # the wait, so a GEMV behind a latency-bound kernel (o_proj behind attention) streams while that kernel runs.
-    # PDL (programmatic dependent launch, sm_90+): the kernel may start while the previous one drains; it lets the
-    # next kernel start the same way, loads its first weight tile (weights are never written), then waits for the
-    # previous kernel before it reads anything that kernel wrote and before it writes anything.
-    # L2PF (1 or 2 tensors): the programs ask the L2 for the first PF0_BYTES of pf0 (and PF1_BYTES of pf1), the
-    # weights of a later kernel, before the wait: with this pass reading its own weights from L2 (prefetched by the
-    # kernel before), HBM would otherwise idle.
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_ts = pid_n + tl.num_programs(0) * (split + tl.num_programs(1) * tl.program_id(2))  # TIMELINE's row
-    stamp(ts_ptr, pid_ts, 0, TIMELINE)
-    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    m_ok = rm < M
-    in1 = pid_n >= NB1
-    in2 = pid_n >= NB2
-    w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w0_ptr))  # this program's weight: no concatenated copy
-    n_seg = tl.where(in2, N2, tl.where(in1, N1, N0))
-    col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
-    nb = pid_n - tl.where(in2, NB2, tl.where(in1, NB1, 0))
-    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of this weight
-    n_ok = rn < n_seg
-    rk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    if SWIGLU:
-        u_rows = w1_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1] the same rows of the up weight
-    k_lo = split * K_PER
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:  # the first tile, before waiting on the previous kernel
-        if EVEN_K:
-            f_ok = rk < BLOCK_K
-        else:
-            f_ok = ((k_lo + rk) < K) & (rk < K_PER)
-        w_nxt = tl.load(w_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
-        if SWIGLU:
-            u_nxt = tl.load(u_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0.0)
-    if L2PF > 0:
-        parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        part = (tl.program_id(2) * tl.num_programs(1) + split) * tl.num_programs(0) + pid_n
-        l2_prefetch(pf0_ptr, PF0_BYTES, part, parts, LANES)
-        if L2PF > 1:
-            l2_prefetch(pf1_ptr, PF1_BYTES, part, parts, LANES)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    stamp(ts_ptr, pid_ts, 1, TIMELINE)
-    if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
-        if NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
-            rr = tl.arange(0, NORM_ROW)
-            xs = tl.load(x_rows + rr[None, :], mask=m_ok[:, None] & (rr < K)[None, :], other=0.0).to(tl.float32)
-            ss = tl.sum(xs * xs, axis=1)
-        else:
-            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & ((k0 + rk) < K)[None, :],
-                             other=0.0).to(tl.float32)
-                ss += tl.sum(xs * xs, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-    if DOT:  # the tensor cores over a 16..64-row x tile (rows past M masked): Triton pipelines dot operands' loads
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
-            acc2_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if SWIGLU:
-            acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if SWIGLU:
-            acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K_PER, BLOCK_K):
-        kk = k_lo + k0 + rk
-        if EVEN_K:  # the split divides K into whole tiles: no mask along K, so the loads stay 16 bytes wide
-            k_ok = rk < BLOCK_K
-        else:
-            k_ok = (kk < K) & ((k0 + rk) < K_PER)
-        if PREFETCH and ONE_TILE:  # the program's whole K slab was loaded before the wait: nothing to load ahead
-            w = w_nxt
-            if SWIGLU:
-                u = u_nxt
-        elif PREFETCH:  # this tile was loaded one step ago; load the next (a uniform mask past the split's end)
-            w = w_nxt
-            if EVEN_K:
-                n_ok_k = rk < K_PER - k0 - BLOCK_K  # all or none: the split holds whole tiles
-            else:
-                n_ok_k = ((kk + BLOCK_K) < K) & ((k0 + BLOCK_K + rk) < K_PER)
-            w_nxt = tl.load(w_rows + (kk + BLOCK_K)[None, :], mask=n_ok[:, None] & n_ok_k[None, :], other=0.0)
-            if SWIGLU:
-                u = u_nxt
-                u_nxt = tl.load(u_rows + (kk + BLOCK_K)[None, :], mask=n_ok[:, None] & n_ok_k[None, :], other=0.0)
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if SWIGLU:
-                u = tl.load(u_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
-            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
-        if DOT:
-            xd = x.to(w.dtype)  # exact: x is a value of the activation dtype (loaded, or rounded by rnd)
-            if UPCAST_DOT:
-                acc2 = tl.dot(xd.to(tl.float32), tl.trans(w.to(tl.float32)), acc2, input_precision="ieee")
-                if SWIGLU:
-                    acc2_u = tl.dot(xd.to(tl.float32), tl.trans(u.to(tl.float32)), acc2_u, input_precision="ieee")
-            else:
-                acc2 = tl.dot(xd, tl.trans(w), acc2, input_precision=DOT_PRECISION)
-                if SWIGLU:
-                    acc2_u = tl.dot(xd, tl.trans(u), acc2_u, input_precision=DOT_PRECISION)
-        elif BLOCK_M == 1:
-            w = w.to(tl.float32)
-            acc += w * x
-            if SWIGLU:
-                acc_u += u.to(tl.float32) * x
-        else:
-            acc3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
-            if SWIGLU:
-                acc3_u += u.to(tl.float32)[None, :, :] * x[:, None, :]
-    if DOT:
-        out = acc2
-        if SWIGLU:
-            out_u = acc2_u
-    elif BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-        if SWIGLU:
-            out_u = tl.sum(acc_u, axis=1)[None, :]
-    else:
-        out = tl.sum(acc3, axis=2)  # [BM, BN]
-        if SWIGLU:
-            out_u = tl.sum(acc3_u, axis=2)
-    mask = m_ok[:, None] & n_ok[None, :]
-    if SWIGLU:  # LlamaMLP's roundings: each projection, silu, then the product
-        g = rnd(out, ACT_DTYPE)
-        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
-        y = act * rnd(out_u, ACT_DTYPE)
-        tl.store(p_ptr + rm[:, None] * stride_pm + rn[None, :], cast_out(y, p_ptr.dtype.element_ty, RNE), mask=mask)
-    elif DIRECT:
-        if HAS_RES:  # nn.Linear's output rounded first, then the residual added in fp32
-            out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask,
-                                                other=0.0).to(tl.float32)
-        tl.store(p_ptr + rm[:, None] * stride_pm + (col0 + rn)[None, :], cast_out(out, p_ptr.dtype.element_ty, RNE),
-                 mask=mask)
-    else:
-        offs = (split * M + rm.to(tl.int64))[:, None] * NTOT + (col0 + rn)[None, :]
-        tl.store(p_ptr + offs, out, mask=mask)
-    stamp(ts_ptr, pid_ts, 2, TIMELINE)
-
-
-@triton.jit
-def _tma_tile(acc, acc_u, w, u, x_ptr, nw_ptr, kk, K, rstd, PRO_NORM: tl.constexpr, SWIGLU: tl.constexpr,
-              ACT_DTYPE: tl.constexpr):
-    # one weight tile (and its up tile) times x's slice kk, HF's RMSNorm roundings where the norm is fused
-    k_ok = kk < K
-    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
-        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        x = rnd(nw * rnd(x * rstd, ACT_DTYPE), ACT_DTYPE)
-    acc += w.to(tl.float32) * x[None, :]  # past K: the descriptor's zero fill
-    if SWIGLU:
-        acc_u += u.to(tl.float32) * x[None, :]
-    return acc, acc_u
-
-
-@triton.jit
-def _gemv_tma_kernel(
-    x_ptr, nw_ptr, a_desc, b_desc, y_ptr, r_ptr, ts_ptr, N, K, eps,
-    PRO_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_ROW: tl.constexpr,
-    PDL: tl.constexpr = False, PRE: tl.constexpr = False, LATE: tl.constexpr = False,
-    TIMELINE: tl.constexpr = False,
-):
-    # One x row (batch 1), no K split: y[n] = w0[n] . x (+ residual) or, SWIGLU, silu(w0[n] . x) * (w1[n] . x), with
-    # `_gemv_kernel`'s roundings. The weight tiles come by TMA into shared memory, STAGES of them in flight a
-    # program (Triton's pipeliner), where `_gemv_kernel` holds its tiles in registers: more bytes in flight an SM
-    # (qwen3-4b's gate/up: 27.9 us against 35.2 standalone). The descriptors are
-    # made on the host (kernel parameters): device-made ones sit in triton's global scratch, which the next kernel,
-    # launched early by PDL, may overwrite (a PDL chain replayed from a graph hung that way).
-    # PRE (with PDL): the first weight tile is loaded before the wait, as `_gemv_kernel` does, so the pass streams
-    # while the kernel before drains. LATE (with PDL): the next kernel is let launch only after this one's loop, so
-    # its programs do not take shared memory and SM slots while this pass still has programs to place.
-    stamp(ts_ptr, tl.program_id(0), 0, TIMELINE)
-    n0 = tl.program_id(0) * BLOCK_N
-    if PDL and not LATE:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PRE:
-        w_first = a_desc.load([n0, 0])
-        u_first = w_first
-        if SWIGLU:
-            u_first = b_desc.load([n0, 0])
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernel's output
-    stamp(ts_ptr, tl.program_id(0), 1, TIMELINE)
-    rstd = 0.0
-    if PRO_NORM:
-        rr = tl.arange(0, NORM_ROW)
-        xs = tl.load(x_ptr + rr, mask=rr < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = acc
-    if SWIGLU:
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = 0
-    if PRE:
-        acc, acc_u = _tma_tile(acc, acc_u, w_first, u_first, x_ptr, nw_ptr, rk, K, rstd, PRO_NORM, SWIGLU,
-                               ACT_DTYPE)
-        k_start = BLOCK_K
-    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
-        w = a_desc.load([n0, k0])
-        u = w
-        if SWIGLU:
-            u = b_desc.load([n0, k0])
-        acc, acc_u = _tma_tile(acc, acc_u, w, u, x_ptr, nw_ptr, k0 + rk, K, rstd, PRO_NORM, SWIGLU, ACT_DTYPE)
-    if PDL and LATE:
-        tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=1)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    if SWIGLU:
-        g = rnd(out, ACT_DTYPE)
-        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
-        out = act * rnd(tl.sum(acc_u, axis=1), ACT_DTYPE)
-    elif HAS_RES:
-        out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, cast_out(out, y_ptr.dtype.element_ty, RNE), mask=n_ok)
-    stamp(ts_ptr, tl.program_id(0), 2, TIMELINE)
-
-
-@triton.jit
-def _split_sum(p_ptr, row, cols, mask, M, NTOT, SPLIT):
-    # sum over the split partials p[s, row, cols] in a fixed order (deterministic)
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(p_ptr + (s * M + row) * NTOT + cols, mask=mask, other=0.0)
-    return acc
-
-
-@triton.jit
-def _reduce_kernel(p_ptr, r_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_ym,
-                   HAS_RES: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    out = _split_sum(p_ptr, row, cols, mask, M, N, SPLIT)
-    if HAS_RES:
-        out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + cols, cast_out(out, y_ptr.dtype.element_ty, RNE), mask=mask)
-
-
-@triton.jit
-def _swiglu_reduce_kernel(p_ptr, y_ptr, M, N, SPLIT, stride_ym,
-                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    # y = silu(gate) * up, gate = p[:, row, :N], up = p[:, row, N:]; each eager op's rounding (LlamaMLP)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    g = rnd(_split_sum(p_ptr, row, cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
-    u = rnd(_split_sum(p_ptr, row, N + cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
-    act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
-    tl.store(y_ptr + row * stride_ym + cols, cast_out(act * u, y_ptr.dtype.element_ty, RNE), mask=mask)
-
-
-@triton.jit
-def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, h_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_hm,
-                                    stride_ym, eps, ACT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
-                                    RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    # one program per row: h = residual + out (in the residual's dtype, as the eager add), y = RMSNorm(h)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    out = rnd(_split_sum(p_ptr, row, cols, mask, M, N, SPLIT), ACT_DTYPE)
-    h = rnd(out + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32), RES_DTYPE)
-    tl.store(h_ptr + row * stride_hm + cols, cast_out(h, h_ptr.dtype.element_ty, RNE), mask=mask)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = nw * rnd(h * rstd, RES_DTYPE)
-    tl.store(y_ptr + row * stride_ym + cols, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask)
-
-
-@triton.jit
-def _qkv_reduce_kernel(p_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, y_ptr, M, HQ, HKV, SPLIT, NTOT, stride_cm,
-                       stride_sm, stride_ym, eps, HALF,
-                       HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, ACT_DTYPE: tl.constexpr, RNE: tl.constexpr,
-                       BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    # Grid (M, HQ + 2 HKV): one head of q, k or v. q/k: RMSNorm over the head (Qwen3's q_norm / k_norm), then
-    # q * cos + rotate_half(q) * sin with rotate_half(q) = [-q2, q1] (HF's apply_rotary_pos_emb, each op rounded).
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    is_q = head < HQ
-    is_v = head >= HQ + HKV
-    d = tl.arange(0, BLOCK_H)
-    mask = d < HALF
-    c1 = head * 2 * HALF + d  # the head's first half; its second half is c1 + HALF
-    x1 = rnd(_split_sum(p_ptr, row, c1, mask, M, NTOT, SPLIT), ACT_DTYPE)
-    x2 = rnd(_split_sum(p_ptr, row, c1 + HALF, mask, M, NTOT, SPLIT), ACT_DTYPE)
-    y1, y2 = x1, x2
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        nw_ptr = tl.where(is_q, qn_ptr, kn_ptr)
-        w1 = tl.load(nw_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(nw_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        y1 = rnd(w1 * rnd(x1 * rstd, ACT_DTYPE), ACT_DTYPE)
-        y2 = rnd(w2 * rnd(x2 * rstd, ACT_DTYPE), ACT_DTYPE)
-    if HAS_ROPE:
-        cs1 = tl.load(cos_ptr + row * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
-        cs2 = tl.load(cos_ptr + row * stride_cm + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        sn1 = tl.load(sin_ptr + row * stride_sm + d, mask=mask, other=0.0).to(tl.float32)
-        sn2 = tl.load(sin_ptr + row * stride_sm + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        r1 = rnd(rnd(y1 * cs1, ACT_DTYPE) + rnd(-y2 * sn1, ACT_DTYPE), ACT_DTYPE)
-        r2 = rnd(rnd(y2 * cs2, ACT_DTYPE) + rnd(y1 * sn2, ACT_DTYPE), ACT_DTYPE)
-        y1, y2 = r1, r2
-    y1 = tl.where(is_v, x1, y1)  # v: the projection only
-    y2 = tl.where(is_v, x2, y2)
-    dt = y_ptr.dtype.element_ty
-    tl.store(y_ptr + row * stride_ym + c1, cast_out(y1, dt, RNE), mask=mask)
-    tl.store(y_ptr + row * stride_ym + c1 + HALF, cast_out(y2, dt, RNE), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -459,14 +114,6 @@ def qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, head_dim, q_norm_w=None, k_norm_w
 # Launchers
 
 
-def _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K):
-    for name, v in (("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K)):
-        if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
-            raise ValueError(f"gemv: expected {name} a power of two, got {v!r}")
-    if not (isinstance(SPLIT_K, int) and SPLIT_K >= 1):
-        raise ValueError(f"gemv: expected SPLIT_K an int >= 1, got {SPLIT_K!r}")
-
-
 def _rows2(t, K, name):
     t2 = t.reshape(-1, K)
     if t2.stride(-1) != 1:
@@ -482,53 +129,6 @@ def _weights(ws, K, dtype):
             raise ValueError("gemv: expected contiguous weights (nn.Linear layout)")
         if w.dtype != dtype:
             raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
-
-
-def _tma_fits(M: int, K: int, ws, direct: bool, DOT: bool, BLOCK_N: int, BLOCK_K: int, dtype) -> bool:
-    """The TMA pass takes one x row, a weight pass that writes its output (no K split, no DOT), weight rows of a
-    multiple of 16 bytes and TMA's box limits (<= 256 a side, >= 16 bytes along K). A batch (M > 1) goes to the
-    register or tl.dot pass by design, with the same fusions: `_gemv_tma_kernel` holds one x row, and whether TMA
-    tiles pay against tl.dot's pipelined operand loads at M > 1 is for a GPU to measure."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (M == 1 and direct and not DOT and len(ws) == 1 and dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (K * size) % 16 == 0 and BLOCK_K * size >= 16 and BLOCK_K <= 256 and BLOCK_N <= 256)
-
-
-def _split_of(K: int, BLOCK_K: int, SPLIT_K: int) -> tuple[int, int]:
-    """(programs along K, K a program covers in whole BLOCK_K tiles), no empty split."""
-    split = max(1, min(SPLIT_K, triton.cdiv(K, BLOCK_K)))
-    k_per = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
-    return triton.cdiv(K, k_per), k_per
-
-
-def _dot_path(M: int, DOT: bool, FMA_MAX_M: int = MAX_FMA_M) -> bool:
-    """tl.dot where asked (DOT) or where M passes the FMA path's row limit (FMA_MAX_M, at most MAX_FMA_M)."""
-    return bool(DOT) or M > min(FMA_MAX_M, MAX_FMA_M)
-
-
-def _dot_tiles(BLOCK_N: int, BLOCK_K: int) -> tuple[int, int]:
-    """The tl.dot path's weight tile: at least 16 rows, 16..256 deep (w tiles of at most 16 KB a stage)."""
-    return max(16, BLOCK_N), max(16, min(BLOCK_K, 256))
-
-
-def _rows_per_program(M: int, dot: bool) -> int:
-    """BLOCK_M: every row of the call in one program (each weight tile read once) up to the path's limit; tl.dot's
-    tile is at least DOT_MIN_M rows."""
-    if dot:
-        return min(MAX_ROWS, max(DOT_MIN_M, triton.next_power_of_2(M)))
-    return triton.next_power_of_2(M)
-
-
-def _check_rows(FMA_MAX_M) -> None:
-    if not (isinstance(FMA_MAX_M, int) and 0 <= FMA_MAX_M <= MAX_FMA_M):
-        raise ValueError(f"gemv: expected FMA_MAX_M an int in 0..{MAX_FMA_M}, got {FMA_MAX_M!r}")
-
-
-def _norm_row(pro_norm: bool, block_m: int, K: int) -> int:
-    """The norm prologue's one-load width (the row padded to a power of two) for one row up to 8192 wide (32 fp32
-    registers a thread at 4 warps for 4096); 0: the per-tile loop."""
-    width = triton.next_power_of_2(K)
-    return width if pro_norm and block_m == 1 and width <= 8192 else 0
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
@@ -601,23 +201,6 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              TIMELINE=ts is not None),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
-
-
-def _l2_targets(pairs) -> list[tuple[torch.Tensor | None, int]]:
-    """Two (tensor, bytes) slots from up to two (tensor, bytes) pairs (bytes None: the whole tensor), the ones
-    with bytes first; (None, 0) where empty."""
-    out = []
-    for t, n in pairs or ():
-        n = l2_prefetch_bytes(t, n, "gemv")
-        if n:
-            out.append((t, n))
-    if len(out) > 2:
-        raise ValueError(f"gemv: expected at most two l2_prefetch tensors, got {len(out)}")
-    return out + [(None, 0)] * (2 - len(out))
-
-
-def _reduce_block(n: int) -> int:
-    return min(1024, triton.next_power_of_2(max(n, 16)))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,

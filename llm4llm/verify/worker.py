@@ -55,6 +55,9 @@ def _worker_main(conn, device: str) -> None:
     if device == "cpu":
         # Candidates on the CPU run under Triton's interpreter (correctness only; the CPU never times anything).
         os.environ["TRITON_INTERPRET"] = "1"
+        from kernels_runtime.interp import enable_fast_interpreter
+
+        enable_fast_interpreter()
     import torch
 
     from llm4llm.verify.candidate import install_launch_hook

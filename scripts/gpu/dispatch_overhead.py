@@ -71,8 +71,10 @@ def main() -> int:
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+    from kernels_runtime.interp import enable_fast_interpreter
     from kernels_runtime.ops.rmsnorm import rmsnorm
 
+    enable_fast_interpreter()  # the smoke run (a no-op on the GPU)
     dev, dt = args.device, torch.bfloat16
     cfg = LlamaConfig(hidden_size=2560, intermediate_size=9728)
     rows = []

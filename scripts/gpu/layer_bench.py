@@ -477,6 +477,9 @@ def main() -> int:
     ap.add_argument("--timeline", default="", help="comma-separated variants to time program by program (the "
                     "kernels' %%globaltimer stamps: each kernel's share of the layer's critical path)")
     args = ap.parse_args()
+    from kernels_runtime.interp import enable_fast_interpreter
+
+    enable_fast_interpreter()  # --device cpu under TRITON_INTERPRET=1 (a no-op on the GPU)
     t0 = time.time()
     gpu = args.device.startswith("cuda")
     meta = dict(torch=torch.__version__, device=args.device, cache=args.cache, pos=args.pos)

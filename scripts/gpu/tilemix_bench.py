@@ -737,6 +737,9 @@ def main() -> None:
     ap.add_argument("--template", default="sink_local", help="layer: TileMix routing template")
     ap.add_argument("--coverage", type=float, default=0.75, help="layer: INT8 coverage")
     a = ap.parse_args()
+    from kernels_runtime.interp import enable_fast_interpreter
+
+    enable_fast_interpreter()  # layer --device cpu under TRITON_INTERPRET=1 (a no-op on the GPU)
     db = None
     if a.db:
         db = {"db_path": a.db, "bench_id": a.bench_id or time.strftime("tilemix-%Y%m%dT%H%M%SZ", time.gmtime()),

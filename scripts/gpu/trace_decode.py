@@ -73,8 +73,10 @@ def main() -> int:
     if args.skip_eager and not args.bundle:  # before the model is built: a usage error costs no model load
         ap.error("--skip-eager: expected --bundle (nothing else to trace)")
     import kernels_runtime
+    from kernels_runtime.interp import enable_fast_interpreter
     from llm4llm.workload import call_script, load_script, load_workload
 
+    enable_fast_interpreter()  # a CPU smoke run (a no-op on the GPU)
     os.makedirs(args.out, exist_ok=True)
     wl = load_workload(args.workload).model_copy(update={"decode_len": args.decode_len})
     script = load_script(wl)
