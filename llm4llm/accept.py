@@ -567,6 +567,10 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                 kernels_runtime.apply(base_model, accepted, strict=True)
         elif last.baseline_after_ms is not None:  # the latest measurement of the state the next trial starts from
             current = last.baseline_after_ms
+    regime = _regime_gate(r, accepted, base_model) if accepted.patches else None
+    if regime is not None:
+        decisions.append(regime[0])
+        accepted = regime[1]
     bundle_path = None
     if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches
         bundle_path = str(save_bundle(accepted, bundle_dir))
@@ -692,6 +696,61 @@ def _measure_as(model, bundle: PatchBundle, latency: Callable[[], float | None])
 
 
 GRAPHS_TASK = "decode-graphs"  # the acceptances row of the graph decision (task_id; candidate_id says which cache)
+REGIME_TASK = "regime-largest-batch"  # the acceptances row of the check at a regime's largest decode batch
+
+
+def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, PatchBundle] | None:
+    """A serving regime's second gain check (the first is the representative point's, per patch): the accepted
+    bundle against the model without its kernels (its decode graphs kept) at the regime's largest decode bucket,
+    interleaved. A bundle measurably slower there (past delta) keeps the buckets up to the workload's batch only:
+    larger batches fall back to the model's own forward (counted), the rest keep the kernels. None where there is
+    nothing to check: on the CPU, without a regime, or when the largest bucket is the workload's own batch."""
+    import kernels_runtime
+
+    buckets = sorted(bundle.batch_buckets)
+    if not r.on_gpu or r.wl.regime is None or not buckets or buckets[-1] <= r.wl.batch_size or base_model is None:
+        return None
+    from llm4llm.workload import call_script
+
+    big = buckets[-1]
+    wl = r.wl.model_copy(update={"batch_size": big})
+    batch = call_script(r.script.inputs, wl)
+    base = bundle.model_copy(update={"patches": []})
+    for model, b in ((r.model, bundle), (base_model, base)):
+        kernels_runtime.revert(model)
+        kernels_runtime.disable_decode_graphs(model)
+        if b.patches or b.decode_graphs:
+            kernels_runtime.apply(model, b, strict=True)
+    try:
+        trials, bases = interleave(r.model, base_model, wl, batch, r.script.run, max(3, r.cfg.interleave_rounds))
+    finally:
+        for model in (r.model, base_model):
+            kernels_runtime.revert(model)
+    return regime_decision(bundle, big, r.wl.batch_size, trials, bases, r.cfg.delta)
+
+
+def regime_decision(bundle: PatchBundle, big: int, own: int, trials: list[float], bases: list[float],
+                    delta: float) -> tuple[Decision, PatchBundle]:
+    """The decision of _regime_gate from its interleaved totals, and the bundle to ship (narrowed where rejected)."""
+    gain, lo, hi = interleaved_gain(trials, bases)
+    after, before = statistics.median(trials), statistics.median(bases)
+    numbers = (f"at batch {big}: {after:.1f} ms with the bundle, {before:.1f} ms without its kernels "
+               f"(gain {gain:+.2%}, p20-p80 {lo:+.2%}..{hi:+.2%}, {len(trials)} interleaved rounds)")
+    if gain >= -delta:
+        return Decision(REGIME_TASK, f"batch-{big}", "accepted", f"no loss {numbers}", "", None, before, after,
+                        gain, 0.0), bundle
+    keep = [b for b in bundle.batch_buckets if b <= own]
+    return Decision(REGIME_TASK, f"batch-{big}", "rejected",
+                    f"slower past delta {delta:.0%} {numbers}: the bundle keeps batch buckets {keep}, larger "
+                    f"batches fall back", "", None, before, after, gain, 0.0), narrow_buckets(bundle, keep)
+
+
+def narrow_buckets(bundle: PatchBundle, keep: list[int]) -> PatchBundle:
+    """The bundle with its batch buckets, and every patch guard's, cut to `keep`."""
+    patches = [p.model_copy(update={"guard": p.guard.model_copy(update={
+        "batch_buckets": [b for b in p.guard.batch_buckets if b in keep]})}) if p.guard.batch_buckets else p
+        for p in bundle.patches]
+    return bundle.model_copy(update={"batch_buckets": list(keep), "patches": patches})
 
 
 def decide_graphs(check: LogitsCheck | None, before: float, after: float | None, how: str, cfg: AcceptConfig, *,

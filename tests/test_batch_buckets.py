@@ -195,3 +195,26 @@ def test_decode_graphs_are_captured_per_bucket_and_a_batch_past_them_runs_eagerl
     assert stats["calls"]["eager: batch 5 is not a verified bucket [1, 2, 4]"] == 2, stats  # both decode steps
     assert wrapper.counts == {"padded 3 -> 4": 1, "bucket 4": 1,
                               "batch: expected at most 4 (verified buckets [1, 2, 4]), got 5": 1}
+
+
+def test_a_bundle_slower_at_the_regimes_largest_batch_keeps_only_the_smaller_buckets():
+    """Acceptance's second gain check (llm4llm.accept.regime_decision): from the interleaved totals at the regime's
+    largest bucket, a bundle no slower than its model without kernels (within delta) ships as it is; one slower
+    past delta keeps the buckets up to the workload's batch, in the bundle and in every patch guard that has
+    buckets, so a batch of 32 falls back there; on the CPU (nothing timed) there is no check."""
+    from kernels_runtime.bundle import PatchBundle, PatchSpec
+    from llm4llm.accept import REGIME_TASK, _regime_gate, regime_decision
+
+    bundle = PatchBundle(name="serving", batch_buckets=[1, 2, 4, 8, 16, 32])
+    bundle.add_patch(PatchSpec(patch_id="layer", module_class="m.Layer", phase="decode", instances=["l.0"],
+                               kernel="", guard=Guard(batch_buckets=[1, 2, 4, 8, 16, 32])))
+    bundle.add_patch(PatchSpec(patch_id="norm", module_class="m.Norm", phase="prefill", instances=["n.0"], kernel=""))
+    kept, same = regime_decision(bundle, 32, 8, [101.0, 99.0, 100.5], [100.0, 100.0, 100.0], 0.02)
+    assert kept.task_id == REGIME_TASK and kept.decision == "accepted" and same is bundle
+    slow, narrowed = regime_decision(bundle, 32, 8, [120.0, 118.0, 125.0], [100.0, 101.0, 99.0], 0.02)
+    assert slow.decision == "rejected" and "batch 32" in slow.reason and slow.gain < -0.02
+    assert narrowed.batch_buckets == [1, 2, 4, 8]
+    assert narrowed.patches[0].guard.batch_buckets == [1, 2, 4, 8] and narrowed.patches[1].guard.batch_buckets == []
+    assert bundle.batch_buckets[-1] == 32  # the accepted bundle itself is left as it was
+    cpu = SimpleNamespace(on_gpu=False, wl=SimpleNamespace(regime=object(), batch_size=8))
+    assert _regime_gate(cpu, bundle, object()) is None
