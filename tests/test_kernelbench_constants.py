@@ -156,16 +156,21 @@ def test_registered_buffer_and_tensor_attribute(tmp_path):
     _matches_the_model(REGISTERED_BUFFER, code)
 
 
-def test_tensor_made_in_forward_is_a_buffer(tmp_path):
+@pytest.mark.parametrize("template", ["kb.fused_tail", "kb.conv_epilogue"])
+def test_tensor_made_in_forward_is_a_buffer(tmp_path, template):
     """`torch.tensor([...], device=x.device)` in forward: its values written into ModelNew's constructor as a
-    buffer, viewed and broadcast like a weight inside the softmax's kernel."""
+    buffer, viewed and broadcast like a weight; the view is bound before the first kernel, so the implicit-GEMM
+    conv can apply it in its epilogue (the graph has the view after the conv)."""
     from llm4llm.kernelbench.templates import TEMPLATES, render_source
 
     spec = _task(tmp_path, "3_Conv2d_ChannelScale_Softmax.py", FORWARD_TENSOR)
-    t = {x.name: x for x in TEMPLATES}["kb.fused_tail"]
+    t = {x.name: x for x in TEMPLATES}[template]
     assert t.why_not(spec) is None
-    code = render_source(spec, t.default(spec), rewrite=False)
+    code = render_source(spec, {**t.default(spec), "BP": 32, "CK": 16, "BCO": 16}, rewrite=False)
     assert "torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float32)" in code
+    forward = code.split("def forward")[1].splitlines()
+    view = next(i for i, line in enumerate(forward) if ".view((1, 4, 1, 1))" in line)
+    assert view < next(i for i, line in enumerate(forward) if "_k1[" in line)
     _matches_the_model(FORWARD_TENSOR, code)
 
 

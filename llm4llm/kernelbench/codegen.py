@@ -1216,6 +1216,7 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
     lines = g.plan.lines
     drop, skip = _dropouts(gm)
     _bind_placeholders(g, param_names, n_inputs)
+    skip = skip | _bind_constants(g)
     for n in gm.graph.nodes:
         if n.op in ("placeholder",) or n in skip:
             continue
@@ -1229,9 +1230,6 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
             break
         if not g.users[n]:
             continue  # running-statistics updates and other values nothing reads
-        if n.op == "get_attr":
-            _constant_buffer(g, n)
-            continue
         if n in drop:
             _dropout(g, n, *drop[n])
             continue
@@ -1310,14 +1308,32 @@ def _constant_buffer(g: Gen, n) -> None:
     g.plan.kinds.append("constant buffer")
 
 
+def _bind_constants(g: Gen) -> set:
+    """Tensor constants, and their copies and views, bound before the first kernel is planned, as the placeholders
+    are: an epilogue fuses only operands already stored, and a constant's view comes after the heavy op in the
+    graph. Returns the nodes bound."""
+    bound: set = set()
+    for n in g.gm.graph.nodes:
+        if not g.users[n]:
+            continue
+        if n.op == "get_attr":
+            _constant_buffer(g, n)
+        elif g.kind(n) in ("identity", "view") and isinstance(n.args[0], torch.fx.Node) and n.args[0] in bound:
+            if g.kind(n) == "identity":
+                g.bufs[n] = g.bufs[n.args[0]]  # a copy of a constant (lift_fresh_copy): nothing writes either
+            else:
+                _view(g, n)
+        else:
+            continue
+        bound.add(n)
+    return bound
+
+
 def _stored(g: Gen, a) -> Buf:
     """Make sure node a is a stored tensor (a pointwise chain gets a kernel of its own)."""
     if a in g.bufs:
         return g.bufs[a]
     k = g.kind(a)
-    if k == "identity" and a.args[0] in g.bufs and g.kind(a.args[0]) == "constant":
-        g.bufs[a] = g.bufs[a.args[0]]  # a copy of a constant buffer (lift_fresh_copy): nothing writes either
-        return g.bufs[a]
     if k in ("pointwise", "identity"):
         g.pointwise_kernel(a)
         return g.bufs[a]
