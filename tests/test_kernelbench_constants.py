@@ -73,6 +73,27 @@ def get_init_inputs():
     return [3, 4, 3]
 '''
 
+NESTED_ATTRIBUTE = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, features):
+        super(Model, self).__init__()
+        self.blocks = nn.ModuleList([nn.Linear(features, features)])
+        self.blocks[0].gate = torch.linspace(-1.0, 1.0, features)
+
+    def forward(self, x):
+        block = self.blocks[0]
+        return torch.sigmoid(block(x) * block.gate)
+
+def get_inputs():
+    return [torch.rand(3, 8)]
+
+def get_init_inputs():
+    return [8]
+'''
+
 UNKNOWN_CONSTANT = '''
 import torch
 import torch.nn as nn
@@ -154,6 +175,20 @@ def test_registered_buffer_and_tensor_attribute(tmp_path):
     assert "= self.offset" in forward and "= self.alpha" in forward and "self.gain" not in forward
     assert "torch.as_tensor(self.gain)" in code and "persistent=False" in code
     _matches_the_model(REGISTERED_BUFFER, code)
+
+
+def test_attribute_of_an_unnamed_submodule(tmp_path):
+    """A plain tensor attribute under a ModuleList entry (`blocks.0.gate`), and that entry's parameters: reached
+    through get_submodule, since `self.blocks.0` is no Python."""
+    from llm4llm.kernelbench.templates import TEMPLATES, render_source
+
+    spec = _task(tmp_path, "5_Gemm_Gate_Sigmoid.py", NESTED_ATTRIBUTE)
+    t = {x.name: x for x in TEMPLATES}["kb.fused_tail"]
+    assert t.why_not(spec) is None
+    code = render_source(spec, t.default(spec), rewrite=False)
+    assert "torch.as_tensor(self.get_submodule('blocks.0').gate)" in code
+    assert "= self.get_submodule('blocks.0').weight" in code.split("def forward")[1]
+    _matches_the_model(NESTED_ATTRIBUTE, code)
 
 
 @pytest.mark.parametrize("template", ["kb.fused_tail", "kb.conv_epilogue"])

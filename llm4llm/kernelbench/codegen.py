@@ -1263,14 +1263,22 @@ def _bind_placeholders(g: Gen, param_names: list[str], n_inputs: int) -> None:
         if i < len(param_names):
             var = f"p{i}"
             if not n.meta.get(ATTRIBUTE_META):
-                g.plan.lines.append(f"{var} = self.{param_names[i]}")
+                g.plan.lines.append(f"{var} = {_attribute(param_names[i])}")
             elif g.users[n]:
-                g.plan.init.append(f"self.register_buffer('_kb_{var}', torch.as_tensor(self.{param_names[i]}).to("
-                                   f"torch.float32).clone().contiguous(), persistent=False)")
+                g.plan.init.append(f"self.register_buffer('_kb_{var}', torch.as_tensor({_attribute(param_names[i])})"
+                                   f".to(torch.float32).clone().contiguous(), persistent=False)")
                 g.plan.lines.append(f"{var} = self._kb_{var}")
         else:
             var = f"x{i - len(param_names)}"
         g.bufs[n] = Buf(var, shape, _strides(shape))
+
+
+def _attribute(path: str) -> str:
+    """`self.<path>`, through get_submodule where a module on the path has no identifier name (`blocks.0.c`)."""
+    prefix, _, name = path.rpartition(".")
+    if all(p.isidentifier() for p in path.split(".")):
+        return f"self.{path}"
+    return f"self.get_submodule({prefix!r}).{name}"
 
 
 def constant_value(gm: torch.fx.GraphModule, n) -> torch.Tensor | None:
