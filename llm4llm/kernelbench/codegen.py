@@ -10,6 +10,12 @@ pointwise chain of the same shape computes that chain before its store (epilogue
 
 Shapes and strides are baked into the kernels as literals: a KernelBench problem has one input shape, and the
 candidate checks it at the top of forward. Nothing here is trusted: every rendering is judged by the verifier.
+
+Constants of the forward are covered generically. A one-element tensor constant whose value the capture knows
+(`torch.tensor(2.0)` in forward) is folded into the expressions that use it as a literal (`fold_scalar_constants`),
+so it lands in the fused epilogue's code. Any other tensor constant (a few values made in forward, a plain tensor
+attribute of the model) becomes a non-persistent buffer of `ModelNew`, registered at the end of its constructor, and
+is read by the kernels like a weight; registered buffers and parameters already arrive as placeholders.
 """
 from __future__ import annotations
 
@@ -94,10 +100,19 @@ def _pow(x, p):
 '''
 
 
+# Placeholder meta key the capture sets on a plain tensor attribute of the model (neither parameter nor buffer): the
+# candidate reads it through a buffer of its own, which `.to(device)` moves with the module.
+ATTRIBUTE_META = "kb_attribute"
+# A tensor constant is written into the candidate's source value by value: up to this many elements.
+CONSTANT_MAX_NUMEL = 4096
+
+
 def _lit(v: Any) -> str:
     if isinstance(v, bool):
         return "1.0" if v else "0.0"
     if isinstance(v, (int, float)):
+        if isinstance(v, float) and math.isnan(v):
+            return "float('nan')"
         if isinstance(v, float) and math.isinf(v):
             return "float('inf')" if v > 0 else "float('-inf')"
         return repr(float(v))
@@ -136,6 +151,7 @@ class Plan:
     kernels: list[str] = field(default_factory=list)
     heavy: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    init: list[str] = field(default_factory=list)  # lines appended to ModelNew's constructor (constant buffers)
 
 
 @dataclass
@@ -182,6 +198,8 @@ class Gen:
             return "input"
         if n.op == "output":
             return "output"
+        if n.op == "get_attr":
+            return "constant"
         t = n.target
         if t is operator.getitem:
             return "getitem"
@@ -1198,11 +1216,10 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
     lines = g.plan.lines
     drop, skip = _dropouts(gm)
     _bind_placeholders(g, param_names, n_inputs)
+    skip = skip | _bind_constants(g)
     for n in gm.graph.nodes:
         if n.op in ("placeholder",) or n in skip:
             continue
-        if n.op == "get_attr":
-            raise Unsupported("graph constants")
         if n.op == "output":
             outs = n.args[0]
             outs = outs if isinstance(outs, (list, tuple)) else [outs]
@@ -1235,7 +1252,9 @@ def generate(gm: torch.fx.GraphModule, param_names: list[str], n_inputs: int, cf
 
 
 def _bind_placeholders(g: Gen, param_names: list[str], n_inputs: int) -> None:
-    """Parameters become `p{i} = self.<name>` lines, inputs the forward's arguments `x{i}`."""
+    """Parameters become `p{i} = self.<name>` lines, inputs the forward's arguments `x{i}`. A plain tensor attribute
+    the forward reads is copied, in the constructor, into a non-persistent fp32 buffer (moved with the module, absent
+    from the state dict the verifier binds), and read from there."""
     ph = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
     if len(ph) != len(param_names) + n_inputs:
         raise Unsupported(f"expected {len(param_names) + n_inputs} placeholders, got {len(ph)}")
@@ -1243,10 +1262,79 @@ def _bind_placeholders(g: Gen, param_names: list[str], n_inputs: int) -> None:
         shape = _shape(n)
         if i < len(param_names):
             var = f"p{i}"
-            g.plan.lines.append(f"{var} = self.{param_names[i]}")
+            if not n.meta.get(ATTRIBUTE_META):
+                g.plan.lines.append(f"{var} = {_attribute(param_names[i])}")
+            elif g.users[n]:
+                g.plan.init.append(f"self.register_buffer('_kb_{var}', torch.as_tensor({_attribute(param_names[i])})"
+                                   f".to(torch.float32).clone().contiguous(), persistent=False)")
+                g.plan.lines.append(f"{var} = self._kb_{var}")
         else:
             var = f"x{i - len(param_names)}"
         g.bufs[n] = Buf(var, shape, _strides(shape))
+
+
+def _attribute(path: str) -> str:
+    """`self.<path>`, through get_submodule where a module on the path has no identifier name (`blocks.0.c`)."""
+    prefix, _, name = path.rpartition(".")
+    if all(p.isidentifier() for p in path.split(".")):
+        return f"self.{path}"
+    return f"self.get_submodule({prefix!r}).{name}"
+
+
+def constant_value(gm: torch.fx.GraphModule, n) -> torch.Tensor | None:
+    """The value of a get_attr constant when the capture knows it: a real tensor (made from data in forward), or a
+    fake one that carries its constant (fake mode keeps one-element constants). None for a fake tensor of unknown
+    value."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    v = getattr(gm, n.target)
+    if isinstance(v, FakeTensor):
+        v = v.constant
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _pylit(v: float) -> str:
+    """A Python (not Triton) literal: inf and nan as float(...) calls."""
+    return repr(v) if math.isfinite(v) else f"float('{v}')"
+
+
+def _constant_buffer(g: Gen, n) -> None:
+    """A tensor constant of the graph as a non-persistent fp32 buffer of ModelNew, written value by value into its
+    constructor; the kernels read it like a weight."""
+    v = constant_value(g.gm, n)
+    if v is None:
+        raise Unsupported(f"graph constant {n.target} of unknown value")
+    if v.numel() > CONSTANT_MAX_NUMEL:
+        raise Unsupported(f"graph constant of {v.numel()} elements (at most {CONSTANT_MAX_NUMEL} written out)")
+    shape = tuple(int(s) for s in v.shape)
+    values = ", ".join(_pylit(float(x)) for x in v.detach().double().flatten().tolist())
+    var = f"c{len(g.plan.init)}"
+    g.plan.init.append(f"self.register_buffer('_kb_{var}', torch.tensor([{values}], dtype=torch.float32).view("
+                       f"{shape!r}), persistent=False)")
+    g.plan.lines.append(f"{var} = self._kb_{var}")
+    g.bufs[n] = Buf(var, shape, _strides(shape))
+    g.plan.kinds.append("constant buffer")
+
+
+def _bind_constants(g: Gen) -> set:
+    """Tensor constants, and their copies and views, bound before the first kernel is planned, as the placeholders
+    are: an epilogue fuses only operands already stored, and a constant's view comes after the heavy op in the
+    graph. Returns the nodes bound."""
+    bound: set = set()
+    for n in g.gm.graph.nodes:
+        if not g.users[n]:
+            continue
+        if n.op == "get_attr":
+            _constant_buffer(g, n)
+        elif g.kind(n) in ("identity", "view") and isinstance(n.args[0], torch.fx.Node) and n.args[0] in bound:
+            if g.kind(n) == "identity":
+                g.bufs[n] = g.bufs[n.args[0]]  # a copy of a constant (lift_fresh_copy): nothing writes either
+            else:
+                _view(g, n)
+        else:
+            continue
+        bound.add(n)
+    return bound
 
 
 def _stored(g: Gen, a) -> Buf:
@@ -1395,6 +1483,39 @@ def rewrite_gemm_sum(gm: torch.fx.GraphModule) -> int:
         count += 1
     if count:
         graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
+_SCALAR_USERS = set(_BINARY) | {aten.where.self}
+
+
+def fold_scalar_constants(gm: torch.fx.GraphModule) -> int:
+    """A one-element tensor constant of known value (`x * torch.tensor(2.0)`) becomes a Python scalar in the
+    arguments of the pointwise ops that read it (through copies and views), so its literal is inlined into the
+    kernel that computes them, epilogues included. Where an op has no tensor operand left, or the constant feeds
+    anything else, the constant stays and is stored as a buffer. Returns how many uses it folded."""
+    count = 0
+
+    def fold(node, value) -> None:
+        nonlocal count
+        for u in list(node.users):
+            if u.op != "call_function":
+                continue
+            if u.target in IDENTITY or u.target in VIEWS:
+                fold(u, value)
+            elif u.target in _SCALAR_USERS and not u.kwargs:
+                first = 1 if u.target == aten.where.self else 0  # where's condition stays a tensor
+                args = tuple(value if a is node and i >= first else a for i, a in enumerate(u.args))
+                if any(isinstance(a, torch.fx.Node) for a in args):
+                    u.args = args
+                    count += 1
+
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and (v := constant_value(gm, n)) is not None and v.numel() == 1:
+            fold(n, v.item())
+    if count:
+        gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
 

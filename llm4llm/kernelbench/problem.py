@@ -183,20 +183,36 @@ def init_source(source: str) -> str:
     raise ProblemError("problem: expected `class Model` with an `__init__`")
 
 
+def tensor_attributes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Plain tensor attributes of the model's modules (`self.c = torch.randn(...)`): neither parameters nor
+    buffers, yet read by forward like them."""
+    return {f"{prefix}{'.' if prefix else ''}{k}": v for prefix, m in model.named_modules()
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+
+
 def capture(source: str):
-    """The forward as an aten graph (make_fx under fake tensors) with its parameter names, in placeholder order."""
+    """The forward as an aten graph (make_fx under fake tensors) with its parameter names, in placeholder order:
+    parameters, buffers, then plain tensor attributes (their placeholders marked with codegen.ATTRIBUTE_META, since
+    `.to(device)` leaves them where they are); the graph's own constants stay get_attr nodes."""
     from torch._decomp import core_aten_decompositions
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from llm4llm.kernelbench.codegen import ATTRIBUTE_META
 
     mod = load_module(source)
     with FakeTensorMode():
         model = build_model(mod, "cpu")
         inputs = inputs_for(mod, SEED, "cpu")
         params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        attrs = tensor_attributes(model)
 
         def fn(p, *args):
             return torch.func.functional_call(model, p, args)
 
-        gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(params, *inputs)
-    return gm, list(params), len(inputs), [tuple(x.shape) for x in inputs]
+        gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")({**params, **attrs},
+                                                                                              *inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in placeholders[len(params):len(params) + len(attrs)]:
+        n.meta[ATTRIBUTE_META] = True
+    return gm, [*params, *attrs], len(inputs), [tuple(x.shape) for x in inputs]

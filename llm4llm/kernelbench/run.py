@@ -14,11 +14,12 @@ MODES = ("episodic", "sample", "iter")
 
 
 def kb_proposer(kind: str, seed: int = 0, llm=None):
-    """The built-in proposer over the KernelBench templates; llm / hybrid through the project's LLM proposer."""
+    """The built-in proposer over the KernelBench templates (a seeded sample over fusion scopes and tiles,
+    llm4llm/kernelbench/proposer.py); llm / hybrid through the project's LLM proposer."""
+    from llm4llm.kernelbench.proposer import KBProposer
     from llm4llm.kernelbench.templates import TEMPLATES
-    from llm4llm.search.builtin import LibraryProposer
 
-    lib = LibraryProposer(seed=seed, templates=TEMPLATES)
+    lib = KBProposer(seed=seed, templates=TEMPLATES)
     if kind == "library":
         return lib
     from llm4llm.llm.config import LLMConfig, load_llm_config
@@ -27,7 +28,7 @@ def kb_proposer(kind: str, seed: int = 0, llm=None):
     cfg = llm if isinstance(llm, LLMConfig) else load_llm_config(None, flags=dict(llm or {}))
     # The LLM's seed kernel (seed_with_builtin) is a KernelBench template's ModelNew, from an instance of its own so
     # that showing it does not use up the hybrid's library candidates.
-    llm_prop = LLMProposer(cfg, builtin=LibraryProposer(seed=seed, templates=TEMPLATES))
+    llm_prop = LLMProposer(cfg, builtin=KBProposer(seed=seed, templates=TEMPLATES))
     return llm_prop if kind == "llm" else HybridProposer(llm_prop, lib, cfg.hybrid_share)
 
 

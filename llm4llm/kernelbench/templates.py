@@ -18,8 +18,10 @@ The config space is the kernels' tiles and warps; the search explores it like an
 """
 from __future__ import annotations
 
+import ast
 import copy
 import hashlib
+import textwrap
 from typing import Any
 
 from llm4llm.kernelbench import codegen
@@ -44,6 +46,7 @@ def build_plan(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> tuple[code
     gm = copy.deepcopy(gm)
     gm.graph.eliminate_dead_code()  # unused statistics and indices (impure ops such as bernoulli_ stay)
     applied = []
+    codegen.fold_scalar_constants(gm)  # before the rewrites: a folded scalar is a scaling they can move
     if rewrite:
         if codegen.rewrite_gemm_sum(gm):
             applied.append("gemm_sum_to_gemv")
@@ -67,8 +70,18 @@ def render_source(spec: TaskSpec, cfg: dict[str, Any], rewrite: bool) -> str:
     body = ["        " + line for line in plan.lines]
     return "\n".join([doc, "import torch", "import torch.nn as nn", "import triton", "import triton.language as tl",
                       codegen.HELPERS, *plan.kernels, "", "", "class ModelNew(nn.Module):",
-                      init_source(spec.static["source"]), "",
+                      _extend_init(init_source(spec.static["source"]), plan.init), "",
                       f"    def forward(self, {args}):", *checks, *body, ""])
+
+
+def _extend_init(init: str, lines: list[str]) -> str:
+    """The problem's `__init__` (source text) with `lines` appended at its body's indentation."""
+    if not lines:
+        return init
+    fn = ast.parse(textwrap.dedent(init)).body[0]
+    first = init.splitlines()[fn.body[0].lineno - 1]
+    pad = first[:len(first) - len(first.lstrip())]
+    return "\n".join([init.rstrip("\n"), *(pad + line for line in lines)])
 
 
 def _space(spec: TaskSpec) -> dict[str, list]:

@@ -68,7 +68,7 @@ class LibraryProposer:
         last = feedback[-1] if feedback else None
         picks: list[tuple[str, dict, str | None]] = []
         while len(picks) < n and pool:
-            first = _untried_template(pool, templates, task, evidence, picks)
+            first = self._first_pick(pool, templates, task, evidence, picks)
             if first is not None:  # every applicable template gets one known-safe try before any is exploited
                 pick, parent = first, None
             elif best is not None and rng.random() >= self.explore:
@@ -76,7 +76,7 @@ class LibraryProposer:
             elif best is None and last is not None and not last.passed and last.template in templates:
                 pick, parent = _repair(pool, last, templates[last.template], task, rng), last
             else:
-                pick, parent = _explore(pool, templates, task, evidence, picks, rng), None
+                pick, parent = self._explore_pick(pool, templates, task, evidence, picks, rng), None
             pool.remove(pick)
             picks.append((pick[0], pick[1], getattr(parent, "candidate_id", None)))
         out = []
@@ -85,6 +85,14 @@ class LibraryProposer:
             source = templates[name].render(task, config)
             out.append(Candidate(source=source, config=config, template=name, proposer=self.name, parent=parent))
         return out
+
+    # The two policy steps a family's proposer may replace (llm4llm/kernelbench/proposer.py): the point taken before
+    # any exploitation, and the exploration pick.
+    def _first_pick(self, pool, templates, task, evidence, picks) -> tuple[str, dict] | None:
+        return _untried_template(pool, templates, task, evidence, picks)
+
+    def _explore_pick(self, pool, templates, task, evidence, picks, rng) -> tuple[str, dict]:
+        return _explore(pool, templates, task, evidence, picks, rng)
 
 
 class _Best:
