@@ -8,6 +8,8 @@
 #    dispatch: scripts/gpu/dispatch_overhead.py;
 #    trace:WORKLOAD[:MAX_S]: scripts/gpu/trace_decode.py, eager vs the bundle an earlier optimize step made; traces go
 #    into the logs tarball;
+#    readme:WORKLOAD[:MAX_S]: the README's command as a user types it (`llm4llm optimize W.toml`, no flags; OPT_ARGS
+#    are not added), its rows into $OUT/e2e.duckdb;
 #    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate, e.g. eager,eager_graphs; EVAL_ARGS: extra options, e.g.
 #    "--bundle docs/results/.../bundle_W --repeats 7" (a bundle an earlier call brought back in its logs);
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu;
@@ -42,6 +44,12 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" ${EVAL_ARGS:-} > "$OUT/logs/evaluate_$w.log" 2>&1
       echo "evaluate $w rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$OUT/logs/evaluate_$w.log" ;;
+    readme)
+      t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
+      if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
+      LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
+        > "$OUT/logs/readme_$w.log" 2>&1
+      echo "readme $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; tail -8 "$OUT/logs/readme_$w.log" ;;
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
@@ -49,7 +57,7 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${E2E_MAX_S:+--e2e-max-s $E2E_MAX_S} $extra > "$OUT/logs/optimize_$w.log" 2>&1
       echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
-    *) echo "unknown step $step: expected dispatch, trace, evaluate, gputest or optimize" ;;
+    *) echo "unknown step $step: expected dispatch, trace, evaluate, gputest, readme or optimize" ;;
   esac
 done | tee "$OUT/logs/steps.txt"
 python3 - "$OUT/e2e.duckdb" <<'PY' 2>&1 | tee "$OUT/logs/summary.txt"
