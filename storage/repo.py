@@ -328,11 +328,13 @@ def kb_results(db: Database, kb_run_id: str):
     return db.query_df("SELECT * FROM kernelbench_results WHERE kb_run_id = ? ORDER BY mode, problem_id", [kb_run_id])
 
 
-def kb_summary(db: Database, kb_run_id: str):
+def kb_summary(db: Database, kb_run_id: str, resamples: int = 2000):
     """Per mode: problems, pass rate, fast_1 (correct and faster than eager), fast_compile (correct and faster than
     torch.compile), the geometric and the arithmetic mean of the speedups over the passing problems, and the
-    geo-mean over all problems with a failed one counted as 1.0 (the reference kept)."""
-    return db.query_df(
+    geo-mean over all problems with a failed one counted as 1.0 (the reference kept). Degenerate problems (the
+    output ignores the inputs, migration 017) are counted and left out of `geo_eager_real` / `geo_compile_real`,
+    whose spread over the problems is `*_p05` / `*_p95` (a seeded bootstrap of the problems, `resamples` draws)."""
+    df = db.query_df(
         "SELECT mode, count(*) AS problems, avg(passed::INT) AS pass_rate, "
         "avg((passed AND speedup_eager > 1)::INT) AS fast_1, "
         "avg((passed AND speedup_compile > 1)::INT) AS fast_compile, "
@@ -341,8 +343,28 @@ def kb_summary(db: Database, kb_run_id: str):
         "exp(avg(CASE WHEN passed THEN ln(speedup_compile) END)) AS geo_compile, "
         "avg(CASE WHEN passed THEN speedup_compile END) AS mean_compile, "
         "exp(avg(ln(CASE WHEN passed THEN speedup_eager ELSE 1.0 END))) AS geo_eager_fail_as_1, "
-        "exp(avg(CASE WHEN compile_ms IS NOT NULL THEN ln(eager_ms / compile_ms) END)) AS geo_compile_over_eager "
+        "exp(avg(CASE WHEN compile_ms IS NOT NULL THEN ln(eager_ms / compile_ms) END)) AS geo_compile_over_eager, "
+        "count(*) FILTER (WHERE degenerate) AS degenerate "
         "FROM kernelbench_results WHERE kb_run_id = ? GROUP BY mode ORDER BY mode", [kb_run_id])
+    real = db.query_df(
+        "SELECT mode, speedup_eager, speedup_compile FROM kernelbench_results "
+        "WHERE kb_run_id = ? AND passed AND NOT coalesce(degenerate, false)", [kb_run_id])
+    for col in ("eager", "compile"):
+        stats = {m: _geo_spread(g[f"speedup_{col}"].dropna().tolist(), resamples) for m, g in real.groupby("mode")}
+        for i, key in enumerate(("real", "p05", "p95")):
+            df[f"geo_{col}_{key}"] = [stats.get(m, (None, None, None))[i] for m in df["mode"]]
+    return df
+
+
+def _geo_spread(values: list[float], resamples: int, seed: int = 0) -> tuple:
+    """(geo-mean, its 5th and 95th percentile over a seeded bootstrap of the values); Nones without values."""
+    import numpy as np
+
+    logs = np.log(np.asarray([v for v in values if v and v > 0], dtype=float))
+    if not len(logs):
+        return None, None, None
+    draws = np.random.default_rng(seed).choice(logs, size=(resamples, len(logs)), replace=True).mean(axis=1)
+    return float(np.exp(logs.mean())), float(np.exp(np.quantile(draws, 0.05))), float(np.exp(np.quantile(draws, 0.95)))
 
 
 def kb_curves(db: Database, kb_run_id: str):

@@ -99,6 +99,7 @@ class CandidateRow(TypedDict):
     origin: str  # migration 007
     speedup_compile: float | None
     kb_means_json: dict | None
+    kb_degenerate: bool | None  # migration 017
 
 
 class EpisodeRow(TypedDict):
@@ -242,7 +243,7 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
         "utility": float(v.get("utility") or 0.0), "gates_json": v.get("gates", []),
         "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
         "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
-        "kb_means_json": v.get("kb_means_ms"),
+        "kb_means_json": v.get("kb_means_ms"), "kb_degenerate": v.get("kb_degenerate"),
     }
 
 

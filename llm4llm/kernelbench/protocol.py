@@ -18,6 +18,7 @@ the same inputs; the speedups are reference mean / candidate mean.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, Callable
 
@@ -36,7 +37,11 @@ PERF_TRIALS = int(os.environ.get("LLM4LLM_KB_TRIALS", "100"))
 FLUSH_BYTES = 256 << 20
 BUDGET_MS = float(os.environ.get("LLM4LLM_KB_TIME_MS", "4000"))  # trials are cut where 100 would take longer
 LOCK_PATH = os.environ.get("LLM4LLM_KB_GPU_LOCK")  # set when several runs share one GPU: timed work is exclusive
-_BASELINES: dict[tuple[str, str], dict[str, Any]] = {}  # (task, device) -> eager/compile timings in this worker
+_BASELINES: dict[tuple[str, str], dict[str, Any]] = {}  # (task, device) -> eager/compiled models, inputs, trials
+# The candidate is timed interleaved with eager and torch.compile: ROUNDS rounds of (its trials / ROUNDS) each, the
+# order rotated round by round, the speedups the median of the rounds' ratios (eager drifts within a call by more
+# than the margins compared; a baseline timed once, minutes before the candidate, carries that drift into the ratio)
+ROUNDS = int(os.environ.get("LLM4LLM_KB_ROUNDS", "3"))
 
 
 def _sync() -> None:
@@ -206,6 +211,7 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
         v.max_abs_err = judge.max_abs
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.max_abs_err = judge.max_abs
+    v.kb_degenerate = trials.constant
     _append_passed_before(v, None, runs=judge.runs, cases=1, draws=TRIALS, dev=dev)
     v.gates[-1] = GateResult(name="correctness", passed=True,
                              detail=f"KernelBench: {TRIALS} trials (seeds from {SEED}) + the seed-{SEED} inputs, "
@@ -239,6 +245,20 @@ class _Trials:
         self.problem, self.input_names, self.ref_model, self.weights, self.dev = (problem, input_names, ref_model,
                                                                                    weights, dev)
         self.seeds = [SEED, *trial_seeds(TRIALS)]
+        # the problem's output does not depend on its inputs (every trial's reference the first's, within 1e-6):
+        # KernelBench's degenerate problems, whose speedups measure how fast a constant is written, reported apart
+        self.constant: bool | None = None
+        self._first: torch.Tensor | None = None
+
+    def note_reference(self, ref: torch.Tensor) -> None:
+        """Track whether every trial's reference output equals the first trial's."""
+        if self._first is None and self.constant is None:
+            self._first, self.constant = (ref if ref.numel() < (1 << 24) else ref.cpu()), True
+        elif self.constant:
+            first = self._first.to(ref.device)
+            self.constant = first.shape == ref.shape and bool(torch.allclose(ref, first, atol=1e-6, rtol=1e-6))
+            if not self.constant:
+                self._first = None
 
     def draw(self, i: int) -> Draw:
         """Trial i's inputs (drawn on the device: KernelBench draws them on the CPU, other values of the same law)
@@ -249,6 +269,7 @@ class _Trials:
         with torch.no_grad():
             set_seed(self.seeds[i])
             d.ref = {"out": self.ref_model(*inputs).detach()}
+        self.note_reference(d.ref["out"])
         return d
 
 
@@ -336,6 +357,8 @@ def _trials_for(ms: float, trials: int) -> int:
 
 
 def baselines(spec, problem, ref_model, dev, trials: int) -> dict[str, Any]:
+    """The problem's inputs, its trial count (KernelBench's 100, fewer for a long call: `_trials_for`) and its
+    torch.compile'd model (None, with the error, where compile fails), once per task in this worker."""
     key = (spec.task_id, str(dev))
     if key in _BASELINES:
         return _BASELINES[key]
@@ -344,9 +367,7 @@ def baselines(spec, problem, ref_model, dev, trials: int) -> dict[str, Any]:
         inputs = inputs_for(problem, SEED, dev)
     with gpu_lock():
         probe = time_cuda_events(ref_model, inputs, dev, 3, warmup=1)
-        n = _trials_for(_mean(probe), trials)
-        eager = time_cuda_events(ref_model, inputs, dev, n)
-    out: dict[str, Any] = {"eager": eager, "trials": n, "inputs": inputs}
+    out: dict[str, Any] = {"trials": _trials_for(_mean(probe), trials), "inputs": inputs, "compiled": None}
     t0 = time.perf_counter()
     try:
         from torch import _dynamo
@@ -356,13 +377,33 @@ def baselines(spec, problem, ref_model, dev, trials: int) -> dict[str, Any]:
         with torch.no_grad():  # the compile itself (CPU work) outside the GPU lock
             compiled(*inputs)
         torch.cuda.synchronize(dev)
-        out["compile_s"] = time.perf_counter() - t0
-        with gpu_lock():
-            out["compile"] = time_cuda_events(compiled, inputs, dev, n)
+        out["compile_s"], out["compiled"] = time.perf_counter() - t0, compiled
     except Exception as e:  # noqa: BLE001 - a problem torch.compile cannot take has no compile baseline
-        out["compile"], out["compile_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        out["compile_error"] = f"{type(e).__name__}: {e}"[:300]
     _BASELINES[key] = out
     return out
+
+
+def interleaved_times(fns: dict[str, Callable], inputs: list, dev, trials: int, rounds: int = ROUNDS
+                      ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """Each fn's trials over `rounds` rounds (trials // rounds each, at least 10), the order rotated every round
+    (A B C, B C A, ...): (all times per fn, each round's mean per fn)."""
+    names = list(fns)
+    per = max(10, trials // max(1, rounds))
+    times: dict[str, list[float]] = {k: [] for k in names}
+    means: list[dict[str, float]] = []
+    for r in range(max(1, rounds)):
+        got = {}
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            got[k] = time_cuda_events(fns[k], inputs, dev, per)
+            times[k] += got[k]
+        means.append({k: _mean(v) for k, v in got.items()})
+    return times, means
+
+
+def round_ratios(means: list[dict[str, float]], base: str) -> list[float]:
+    """Per round: base's mean over the candidate's (a speedup over `base`)."""
+    return [m[base] / m["candidate"] for m in means]
 
 
 def _time(v: Verdict, spec, problem, ref_model, new_model, dev, trials: int) -> None:
@@ -371,20 +412,30 @@ def _time(v: Verdict, spec, problem, ref_model, new_model, dev, trials: int) -> 
     with torch.no_grad():  # Triton autotuning and first launches outside the lock
         new_model(*inputs)
     torch.cuda.synchronize(dev)
+    fns = {"candidate": new_model, "eager": ref_model}
+    if base["compiled"] is not None:
+        fns["compile"] = base["compiled"]
     with gpu_lock():
-        cand = time_cuda_events(new_model, inputs, dev, n)
-    eager, comp = base["eager"], base.get("compile")
+        times, means = interleaved_times(fns, inputs, dev, n)
+    cand, eager, comp = times["candidate"], times["eager"], times.get("compile")
     v.candidate_cold = v.candidate_in_context = _latency(cand)
     v.reference_cold = v.reference_in_context = _latency(eager)
-    v.speedup_cold = v.speedup_in_context = _mean(eager) / _mean(cand)
-    v.kb_means_ms = {"candidate": _mean(cand), "eager": _mean(eager),
-                     "compile": _mean(comp) if comp else None}
+    by_eager = round_ratios(means, "eager")
+    v.speedup_cold = v.speedup_in_context = statistics.median(by_eager)
+    v.kb_means_ms = {"candidate": _mean(cand), "eager": _mean(eager), "compile": _mean(comp) if comp else None,
+                     "rounds": float(len(means)), "speedup_eager_min": min(by_eager),
+                     "speedup_eager_max": max(by_eager)}
     if comp:
+        by_compile = round_ratios(means, "compile")
         v.reference_compile = _latency(comp)
-        v.speedup_compile = _mean(comp) / _mean(cand)
-    detail = (f"KernelBench cuda_event: {WARMUP} warm-up, {n} trials, L2 flushed ({FLUSH_BYTES >> 20} MB) before "
-              f"each; mean candidate {_mean(cand):.4g} ms, eager {_mean(eager):.4g} ms, torch.compile "
-              + (f"{_mean(comp):.4g} ms" if comp else f"failed: {base.get('compile_error')}"))
+        v.speedup_compile = statistics.median(by_compile)
+        v.kb_means_ms.update(speedup_compile_min=min(by_compile), speedup_compile_max=max(by_compile))
+    n = len(cand)
+    detail = (f"KernelBench cuda_event: {WARMUP} warm-up, {n} trials in {len(means)} interleaved rounds, L2 flushed "
+              f"({FLUSH_BYTES >> 20} MB) before each; mean candidate {_mean(cand):.4g} ms, eager {_mean(eager):.4g} "
+              f"ms (x{v.speedup_cold:.3g}, rounds {min(by_eager):.3g}-{max(by_eager):.3g}), torch.compile "
+              + (f"{_mean(comp):.4g} ms (x{v.speedup_compile:.3g})" if comp
+                 else f"failed: {base.get('compile_error')}"))
     v.gates.append(GateResult(name="timing_cold", passed=True, detail=detail))
     v.gates.append(GateResult(name="timing_in_context", passed=True,
                               detail="KernelBench has one timing mode: the cold timing above"))

@@ -84,7 +84,9 @@ def _fill_best(row: dict, df) -> None:
     best = (timed.sort_values("speedup_cold", ascending=False) if not timed.empty else ok).iloc[0]
     means = best.get("kb_means_json")
     means = json.loads(means) if isinstance(means, str) else (means or {})
+    flags = [bool(x) for x in ok["kb_degenerate"].dropna()] if "kb_degenerate" in ok else []
     row.update(passed=True, best_candidate_id=best["candidate_id"], origin=best.get("origin"),
+               degenerate=any(flags) if flags else None,
                eager_ms=means.get("eager"), compile_ms=means.get("compile"), candidate_ms=means.get("candidate"),
                speedup_eager=_num(best.get("speedup_cold")), speedup_compile=_num(best.get("speedup_compile")),
                gpu_name=best.get("gpu_name"))

@@ -56,6 +56,7 @@ class Verdict(BaseModel):
     reference_compile: Latency | None = None
     speedup_compile: float | None = None
     kb_means_ms: dict[str, float | None] | None = None
+    kb_degenerate: bool | None = None  # every trial's reference output the same: the output ignores the inputs
     worker_pid: int | None = None
     device_name: str = ""
     timing_source: Literal["cuda_events", "none: cpu"] = "none: cpu"
