@@ -26,6 +26,7 @@ def main(db_path: str, out: str, kb_run_id: str | None = None) -> None:
         res = repo.kb_results(db, kb_run_id)
         summary = repo.kb_summary(db, kb_run_id)
         curves = repo.kb_curves(db, kb_run_id)
+        bands = repo.kb_curve_bands(db, kb_run_id)
         cands = db.query_df(
             "SELECT c.candidate_id, c.task_id, s.mode, c.iteration, c.template, c.origin, c.config_json, c.passed, "
             "c.failure_class, substr(c.message, 1, 300) AS message, c.max_abs_err, c.speedup_cold AS speedup_eager, "
@@ -35,6 +36,7 @@ def main(db_path: str, out: str, kb_run_id: str | None = None) -> None:
     export = {"kb_run_id": kb_run_id, "summary": json.loads(summary.to_json(orient="records", date_format="iso")),
               "problems": json.loads(res.to_json(orient="records", date_format="iso")),
               "curves": json.loads(curves.to_json(orient="records", date_format="iso")),
+              "curve_bands": json.loads(bands.to_json(orient="records")),
               "candidates": json.loads(cands.to_json(orient="records", date_format="iso"))}
     (out_dir / "results.json").write_text(json.dumps(export, indent=1))
 
@@ -52,15 +54,16 @@ def main(db_path: str, out: str, kb_run_id: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "speedup_per_problem.png", dpi=120)
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for mode, g in curves.groupby("mode"):
-        ax.plot(g["trial"], g["geo_best"], marker="o", label=mode)
+    for mode, g in bands.groupby("mode"):  # the band: a bootstrap of the problems, 5-95 %
+        line, = ax.plot(g["trial"], g["geo_best"], marker="o", label=mode)
+        ax.fill_between(g["trial"], g["geo_p05"], g["geo_p95"], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("trial")
     ax.set_ylabel("geo-mean best speedup over eager so far")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "search_curves.png", dpi=120)
     cols = ["problem", "passed", "trials", "origin", "eager_ms", "compile_ms", "candidate_ms", "speedup_eager",
-            "speedup_compile"]
+            "speedup_compile", "degenerate"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in res.sort_values("problem_id").iterrows():
         cells = []

@@ -382,6 +382,26 @@ def kb_curves(db: Database, kb_run_id: str):
         "SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(best, 1.0)))) AS geo_best, "
         "avg(solved) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
         [kb_run_id])
+def kb_curve_bands(db: Database, kb_run_id: str, resamples: int = 2000):
+    """kb_curves with a 5-95 % band per mode and trial: the geo-mean of the best speedup so far (nothing passing
+    yet: 1.0) over a seeded bootstrap of the problems, so that two search modes' curves are told apart from the
+    problems' own spread."""
+    per = db.query_df(
+        "WITH t AS (SELECT s.mode, s.task_id, c.iteration, "
+        "  CASE WHEN c.passed THEN c.speedup_cold END AS sp FROM candidates c JOIN searches s USING (search_id) "
+        "  WHERE s.run_id = ?) "
+        "SELECT mode, task_id, iteration + 1 AS trial, coalesce(max(sp) OVER (PARTITION BY mode, task_id "
+        "  ORDER BY iteration ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 1.0) AS best FROM t", [kb_run_id])
+    rows = []
+    for (mode, trial), g in per.groupby(["mode", "trial"], sort=True):
+        geo, lo, hi = _geo_spread(g["best"].tolist(), resamples)
+        rows.append({"mode": mode, "trial": int(trial), "problems": len(g), "geo_best": geo, "geo_p05": lo,
+                     "geo_p95": hi})
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=["mode", "trial", "problems", "geo_best", "geo_p05", "geo_p95"])
+
+
 # ---- template applicability and coverage (migration 006) ------------------------------------------------------
 
 def record_template_checks(db: Database, rows: Iterable[dict]) -> None:

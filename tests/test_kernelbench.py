@@ -330,7 +330,10 @@ def test_run_passes_and_records_origins(kb_run):
         cands = repo.candidate_rows(d)
         curves = repo.kb_curves(d, kb_run_id)
         summary = repo.kb_summary(d, kb_run_id)
+        bands = repo.kb_curve_bands(d, kb_run_id, resamples=200)
     assert dict(zip(res["problem"], res["origin"])) == {"2_Gemm_Divide_Sum.py": "rewrite"}
+    assert list(bands["trial"]) == [1] and bands.iloc[0]["geo_p05"] <= bands.iloc[0]["geo_best"] <= \
+        bands.iloc[0]["geo_p95"]
     assert set(cands["origin"]) == {"rewrite"} and cands["passed"].all()
     gates = cands.iloc[0]["gates_json"]
     assert "KernelBench: 5 trials" in str(gates) and "precision" in str(gates)
