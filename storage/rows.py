@@ -1,17 +1,13 @@
 """What the core's results become in DuckDB: one typed row per table (the columns of storage/migrations/), built
 from profiles, task indexes, verdicts, searches and LLM calls. Rows are TypedDicts, so repo.py writes them as they
-are and a search away from the flow returns them as plain data. The core's types are imported lazily: storage imports
-without torch."""
+are and a search away from the flow returns them as plain data. Storage imports nothing of the core: the core's
+results (ProfileResult, Verdict, SearchResult, AcceptanceResult, LLMCall) are read by their fields."""
 from __future__ import annotations
 
 import json
 import uuid
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypedDict
-
-if TYPE_CHECKING:
-    from llm4llm.accept import AcceptanceResult
-    from llm4llm.records import ModuleRecord, ProfileResult
+from typing import Any, TypedDict
 
 
 class RunRow(TypedDict):
@@ -164,11 +160,11 @@ PROFILE_COLUMNS = ("phase", "module_path", "class_name", "family", "depth", "cal
                    "hotspot_score", "in_shapes", "out_shapes")
 
 
-def run_row(payload: dict, result: ProfileResult, run_id: str, started: str, profile_of: str | None,
+def run_row(payload: dict, result, run_id: str, started: str, profile_of: str | None,
             artifact_dir: str, kind: str = "cli", flow_run_id: str | None = None) -> RunRow:
-    """A run's `runs` row, written when its profile is: `payload` is profile.json's header (workload hash and
-    name); `kind` what started the run (llm4llm.config.RunKind); the run is `running` until it ends
-    (storage.repo.finish_run)."""
+    """A run's `runs` row, written when its profile is: `result` a llm4llm.records.ProfileResult, `payload`
+    profile.json's header (workload hash and name); `kind` what started the run (llm4llm.config.RunKind); the run
+    is `running` until it ends (storage.repo.finish_run)."""
     hw, phases = result.hardware, result.phases
     return {
         "run_id": run_id,
@@ -194,7 +190,8 @@ def run_row(payload: dict, result: ProfileResult, run_id: str, started: str, pro
     }
 
 
-def profile_row(record: ModuleRecord) -> ProfileRow:
+def profile_row(record) -> ProfileRow:
+    """A `profiles` row from a llm4llm.records.ModuleRecord."""
     return {k: getattr(record, k) for k in PROFILE_COLUMNS}  # type: ignore[return-value]
 
 
@@ -219,9 +216,7 @@ def task_row(entry: dict) -> TaskRow:
 def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int, iteration: int,
                   source_path: str) -> CandidateRow:
     """A `candidates` row from a Candidate and its Verdict (pydantic, dataclass-like or dict)."""
-    from llm4llm.search.types import verdict_dict
-
-    v = verdict_dict(verdict)
+    v = _fields(verdict)
 
     def lat(key, q):
         d = v.get(key) or {}
@@ -245,6 +240,15 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
         "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
         "kb_means_json": v.get("kb_means_ms"), "kb_degenerate": v.get("kb_degenerate"),
     }
+
+
+def _fields(verdict) -> dict[str, Any]:
+    """A verdict's fields as JSON-able data, as llm4llm.search.types.verdict_dict writes them in transcripts."""
+    if isinstance(verdict, dict):
+        return dict(verdict)
+    if hasattr(verdict, "model_dump"):
+        return verdict.model_dump(mode="json")
+    return {k: v for k, v in vars(verdict).items() if not k.startswith("_")}
 
 
 def candidate_origin(candidate) -> str:
@@ -302,10 +306,8 @@ def patch_row(run_id: str, workload_hash: str, bundle_path: str, manifest: dict)
 
 
 def llm_call_row(call, search_id: str | None = None, task_id: str | None = None) -> LLMCallRow:
-    """An `llm_calls` row from an LLMCall (its `db_row`) or a dict of the same fields; the error text is redacted
-    again (nothing key-like reaches DuckDB)."""
-    from llm4llm.llm.redact import redact
-
+    """An `llm_calls` row from an LLMCall (its `db_row`, whose error text the core has redacted: nothing key-like
+    reaches DuckDB) or a dict of the same fields."""
     if hasattr(call, "db_row"):
         row = call.db_row(search_id)
     else:
@@ -317,8 +319,6 @@ def llm_call_row(call, search_id: str | None = None, task_id: str | None = None)
                "attempt": d.get("attempt")}
     if task_id is not None:
         row["task_id"] = task_id
-    if row.get("error"):
-        row["error"] = redact(str(row["error"]))
     return row
 
 
@@ -385,8 +385,9 @@ class AcceptanceRow(TypedDict):
     gain: float | None
 
 
-def decision_rows(result: AcceptanceResult, run_id: str) -> list[AcceptanceRow]:
-    """One acceptances row per decision, the decode-graphs gate first (task_id GRAPHS_TASK) where it ran."""
+def decision_rows(result, run_id: str) -> list[AcceptanceRow]:
+    """One acceptances row per decision of a llm4llm.accept.AcceptanceResult, the decode-graphs gate first
+    (task_id GRAPHS_TASK) where it ran."""
     head = [result.graph_decision] if result.graph_decision is not None else []
     return [
         {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,

@@ -88,7 +88,7 @@ def test_an_ephemeral_server_that_does_not_start_is_one_error(capsys):
     the CLI says what to set instead of printing Prefect's traceback. Any other RuntimeError is not swallowed."""
     import typer
 
-    from llm4llm import cli
+    from cli import main as cli
 
     with pytest.raises(typer.Exit) as e, cli._user_errors():
         raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
@@ -118,7 +118,7 @@ def test_a_database_whose_directory_cannot_be_created_is_one_error(tmp_path):
 def test_sql_runs_queries_only(tmp_path, monkeypatch, query):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
     from storage.db import Database
 
     Database(tmp_path / "db.duckdb").close()
@@ -143,7 +143,7 @@ def test_watch_says_what_it_watches_when_it_starts(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import deployments.triggers as triggers
-    from llm4llm.cli import app
+    from cli.main import app
 
     started = []
     monkeypatch.setattr(triggers, "watch", lambda paths, state, *a: started.append((paths, state)))

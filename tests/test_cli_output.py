@@ -10,7 +10,7 @@ from datetime import datetime
 import pytest
 from typer.testing import CliRunner
 
-from llm4llm.cli import app
+from cli.main import app
 from storage import repo
 from storage.db import Database
 
@@ -88,7 +88,7 @@ def test_an_unknown_run_is_one_error_and_a_run_without_tasks_says_so(db):
 
 @pytest.mark.parametrize("columns", [80, 160])
 def test_e2e_table_prints_empty_values_as_a_dash(capsys, monkeypatch, columns):
-    from llm4llm import cli
+    from cli import main as cli
 
     monkeypatch.setenv("COLUMNS", str(columns))
     cli._print_e2e([{"variant": "patched_graphs", "prefill_ms": 31.0, "decode_ms_per_token": float("nan"),
@@ -114,7 +114,8 @@ def test_optimize_help_lists_choices_and_cuts_no_option_name():
 
 def test_the_help_choices_are_the_configs():
     """The choices the help lists are the ones OptimizeConfig accepts."""
-    from llm4llm import cli, config
+    from cli import main as cli
+    from llm4llm import config
 
     assert cli.MODES == typing.get_args(config.SearchMode)
     assert cli.PROPOSERS == typing.get_args(config.ProposerKind)

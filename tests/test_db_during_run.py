@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llm4llm.cli import app
+from cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "workloads" / "tiny-llama.toml"

@@ -42,7 +42,7 @@ def test_two_batch_sizes_are_rows_of_their_point_in_duckdb_and_one_table(tmp_pat
     from typer.testing import CliRunner
 
     from llm4llm import isolation
-    from llm4llm.cli import app
+    from cli.main import app
 
     monkeypatch.setattr(isolation, "in_subprocess", _in_this_process)
     monkeypatch.setenv("COLUMNS", "120")
@@ -80,7 +80,7 @@ def test_two_batch_sizes_are_rows_of_their_point_in_duckdb_and_one_table(tmp_pat
 def test_bad_points_are_one_line_before_anything_runs(tmp_path, args, expected):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     db = tmp_path / "db.duckdb"
     res = CliRunner().invoke(app, ["evaluate", str(EXAMPLES / "workloads" / "tiny-llama.toml"), *args, "--db",

@@ -144,7 +144,7 @@ def test_bad_input_leaves_no_run(prefect_harness, tmp_path, case):
 def test_cli_reports_bad_input_in_one_line(prefect_harness, tmp_path):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     path = _bad_workload(tmp_path, None, **{"decode_len = 4\n": ""})
     res = CliRunner().invoke(app, ["profile", str(path), "--db", str(tmp_path / "db.duckdb")])
@@ -181,7 +181,7 @@ def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tm
 def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     res = CliRunner().invoke(app, ["evaluate", str(EXAMPLES / "tiny-llama.toml"), "--bundle", str(tmp_path / "nope"),
                                    "--db", str(tmp_path / "db.duckdb")])
@@ -240,7 +240,7 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
 def test_cli_rejects_bad_acceptance_options_before_any_run(tmp_path, flag, value):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     res = CliRunner().invoke(app, ["optimize", str(EXAMPLES / "tiny-llama.toml"), flag, value,
                                    "--db", str(tmp_path / "db.duckdb")])
@@ -253,7 +253,7 @@ def test_cli_family_restricts_the_search_to_that_family(prefect_harness, tmp_pat
     norm decode tasks ranked below attention and MLP, whose kernels lose to cuBLAS/SDPA under graph replay)."""
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     db = tmp_path / "db.duckdb"
     res = CliRunner().invoke(app, ["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir",

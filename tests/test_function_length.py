@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("llm4llm", "kernels_runtime", "flows", "tasks", "storage", "deployments", "scripts")
+PACKAGES = ("llm4llm", "kernels_runtime", "flows", "tasks", "storage", "deployments", "scripts", "cli")
 LIMIT = 80
 
 

@@ -384,7 +384,7 @@ def test_prefill_graphed(tmp_path, adapters, graphed):
 def test_decode_graphs_choice_is_one_error(tmp_path):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
     from llm4llm.stages.graphs import decode_graphs_plan
 
     with pytest.raises(ValueError, match="decode_graphs: expected one of"):
@@ -593,7 +593,7 @@ def test_static_cache_option_sets_and_restores_generation_config(prompt):
 def test_evaluate_rejects_an_unknown_variant_before_building_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
     from llm4llm.evaluate import evaluate_workload
 
     wl = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "workloads" / "tiny-mamba.toml")

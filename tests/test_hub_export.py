@@ -124,7 +124,7 @@ def test_apply_falls_back_once_on_a_torch_release_change(monkeypatch, caplog):
 def test_export_command(tmp_path, hub_rmsnorm):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     path = save_bundle(_mixed_bundle(), tmp_path / "b")
     res = CliRunner().invoke(app, ["export", str(path), str(tmp_path / "hub")])

@@ -218,7 +218,7 @@ def test_hybrid_search_shares_the_budget(tiny_run):
 def test_cli_search_with_the_llm_proposer(prefect_harness, tiny_run):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     with srv.ScriptedLLM([srv.good()]) as server:
         res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--task", tiny_run["task_id"],
@@ -240,7 +240,7 @@ def test_cli_search_with_the_llm_proposer(prefect_harness, tiny_run):
 def test_cli_refuses_an_llm_search_without_a_model(tiny_run):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--proposer", "llm", "--db",
                                    tiny_run["db"], "--data-dir", tiny_run["data_dir"]])
@@ -257,7 +257,7 @@ def test_cli_search_passes_decode_timing(tiny_run, monkeypatch):
     from typer.testing import CliRunner
 
     import flows.search
-    from llm4llm.cli import app
+    from cli.main import app
 
     got = {}
     monkeypatch.setattr(flows.search, "search_tasks", lambda run, **kw: got.update(kw, run=run) or [])

@@ -24,7 +24,7 @@ def _cli(args: list[str]):
     from prefect.logging.configuration import setup_logging
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
 
     setup_logging(incremental=False)
     try:
@@ -127,7 +127,7 @@ def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path)
         return {"run_id": "r", "profile_path": None}
 
     monkeypatch.setattr(opt, "optimize_workload", fake)
-    monkeypatch.setattr("llm4llm.cli._print_run", lambda out, db: None)
+    monkeypatch.setattr("cli.main._print_run", lambda out, db: None)
     res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--time-budget", budget, "--db",
                 str(tmp_path / "db.duckdb")])
     assert res.exit_code == 0, res.output

@@ -171,7 +171,7 @@ def _is_png(src: str) -> bool:
 def test_report_of_a_workload_has_every_plot_and_table(two_nights, tmp_path):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
     from llm4llm.report import SECTIONS
 
     out = tmp_path / "r.html"
@@ -274,7 +274,7 @@ def test_a_section_is_one_decorated_function(two_nights):
 def test_markdown_artifacts_and_cli_errors(two_nights):
     from typer.testing import CliRunner
 
-    from llm4llm.cli import app
+    from cli.main import app
     from llm4llm.report import ARTIFACTS, artifact_key, markdown
 
     with Database(two_nights, read_only=True) as db:

@@ -62,7 +62,7 @@ def test_module_call_computes_what_the_harness_computes_and_restores_state(decod
     dev = torch.device("cpu")
     case = task.cases[0]
     module = task.load_module(dev).eval()
-    run, prepare = timing._module_runner(task, module)  # module_call's runner, on a module this test can inspect
+    run, prepare = timing.module_runner(task, module)  # module_call's runner, on a module this test can inspect
     held = dict(vars(module))  # module-held state (RecurrentGemma's conv1d_state) must be back after cleanup
     call, cleanup = prepare(case.inputs, case.weights, case.state, task.spec.static)
     try:

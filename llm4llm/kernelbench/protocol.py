@@ -25,9 +25,8 @@ from typing import Any, Callable
 import torch
 
 from llm4llm.kernelbench.problem import SEED, build_model, inputs_for, load_module, set_seed, trial_seeds
-from llm4llm.verify.gates import (CHECK_GATES, Draw, GateFailure, Judge, _append_passed_before,
-                                  _classify_exception, _nonfinite_where_ref_finite, call_candidate, check_rewritten,
-                                  guard, same_bits)
+from llm4llm.verify.judge import (CHECK_GATES, Draw, GateFailure, Judge, append_passed_before, call_candidate,
+                                  check_rewritten, classify_exception, guard, nonfinite_where_ref_finite, same_bits)
 from llm4llm.verify.verdict import NO_GPU, GateResult, Latency, Verdict
 
 ATOL = RTOL = 1e-4
@@ -150,7 +149,7 @@ class KBJudge(Judge):
         if bad:
             again, _ = self.run_once(draw, 3.0)
             check_rewritten(outs, again)
-            nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
+            nonfinite = nonfinite_where_ref_finite(outs, draw.ref)
             if nonfinite:
                 raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")
             for key, prev in self.history:
@@ -207,12 +206,12 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
     try:
         _judge_trials(judge, trials, flags)
     except GateFailure as f:
-        _append_passed_before(v, f.gate if f.gate in CHECK_GATES else None)
+        append_passed_before(v, f.gate if f.gate in CHECK_GATES else None)
         v.max_abs_err = judge.max_abs
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.max_abs_err = judge.max_abs
     v.kb_degenerate = trials.constant
-    _append_passed_before(v, None, runs=judge.runs, cases=1, draws=TRIALS, dev=dev)
+    append_passed_before(v, None, runs=judge.runs, cases=1, draws=TRIALS, dev=dev)
     v.gates[-1] = GateResult(name="correctness", passed=True,
                              detail=f"KernelBench: {TRIALS} trials (seeds from {SEED}) + the seed-{SEED} inputs, "
                                     f"allclose atol=rtol={ATOL}, fp32, TF32 off; {judge.runs} calls")
@@ -228,7 +227,7 @@ def _build_models(problem, module, dev: torch.device, flags: tuple):
         ref_model = build_model(problem, dev)
         new_model = build_model(problem, dev, cls=module.ModelNew)
     except BaseException as e:  # noqa: BLE001
-        f = _classify_exception(e, first_call=True)
+        f = classify_exception(e, first_call=True)
         raise GateFailure(f.gate, f.failure_class, f"building ModelNew(*get_init_inputs()) failed: {f.message}",
                           f.poisoned) from None
     if precision_flags() != flags:
@@ -282,7 +281,7 @@ def _judge_trials(judge: KBJudge, trials: _Trials, flags: tuple) -> None:
             with gpu_lock():
                 judge.judge(trials.draw(i))
         except RuntimeError as e:
-            failure = _classify_exception(e, first_call=False)
+            failure = classify_exception(e, first_call=False)
             if failure.failure_class not in ("gpu_fault", "oom"):
                 raise
             raise failure from None
@@ -305,7 +304,7 @@ def _timing_gates(v: Verdict, spec, problem, ref_model, new_model, dev: torch.de
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     except RuntimeError as e:
-        f = _classify_exception(e, first_call=False)
+        f = classify_exception(e, first_call=False)
         return v.fail("timing_cold", f.failure_class, f.message), f.poisoned
     return v.finish(), False
 

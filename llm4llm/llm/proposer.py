@@ -64,11 +64,12 @@ class LLMCall:
         return asdict(self)
 
     def db_row(self, search_id: str | None = None) -> dict[str, Any]:
-        """The `llm_calls` table's columns (storage/migrations/001_init.sql)."""
+        """The `llm_calls` table's columns (storage/migrations/001_init.sql), the error text redacted again (an
+        extraction error may quote the answer): nothing key-like reaches DuckDB."""
         return {"call_id": self.call_id, "search_id": search_id, "task_id": self.task_id, "model": self.model,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "cost_usd": self.cost_usd, "latency_ms": self.latency_ms, "status": self.status,
-                "error": self.error or None, "attempt": self.attempt}
+                "error": redact(self.error) if self.error else None, "attempt": self.attempt}
 
 
 @dataclass

@@ -39,54 +39,22 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_runtime.tolerances import FLOOR_FACTOR, compare, compare_floor, compare_lossy, rel_l2
+from kernels_runtime.tolerances import compare_lossy
+from llm4llm.kernelbench.protocol import run_kb
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
-from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
+from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, append_passed_before, call_candidate,
+                                  canary_fill, check_guards, check_shapes, classify_exception, compare_outputs, guard,
+                                  nonfinite_where_ref_finite)
+from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
+from llm4llm.verify.timing import flat_outputs, fresh_draw, module_runner, time_task
 from llm4llm.verify.verdict import NO_GPU, GateResult, Verdict, source_hash
 
-CHECK_GATES = ("launches_triton", "current_stream", "output_shape_dtype", "output_ownership", "canaries",
-               "inputs_unmodified",
-               "poisoned_outputs", "no_cached_output", "correctness")
 log = logging.getLogger(__name__)
 # LLM4LLM_TIMED_CHECK=off: the sampled timed outputs are not judged (the gate says so in every verdict); for
 # debugging the check itself on a new GPU, like LLM4LLM_SANDBOX_OFF for the sandbox
 TIMED_CHECK_ENV = "LLM4LLM_TIMED_CHECK"
-CANARY_MIN = 256  # canary margin in elements on each side; a multiple of 64 keeps views 16-byte aligned
-CUDA_FAULTS = ("illegal memory access", "illegal instruction", "misaligned address", "device-side assert",
-               "unspecified launch failure", "an illegal", "cuda error", "cudaerror", "hardware exception")
-
-
-class GateFailure(Exception):
-    def __init__(self, gate: str, failure_class: str, message: str, poisoned: bool = False):
-        super().__init__(message)
-        self.gate, self.failure_class, self.message, self.poisoned = gate, failure_class, message, poisoned
-
-
-@dataclass
-class Draw:
-    """One call to judge: the data, and the reference's result for it."""
-
-    key: tuple[int, int]  # (case index, draw index); draw 0 is the captured call
-    inputs: dict[str, torch.Tensor]
-    weights: dict[str, torch.Tensor]
-    state: dict[str, torch.Tensor]
-    ref: dict[str, torch.Tensor] = field(default_factory=dict)
-    # 16-bit tasks only: the same reference with module, weights, inputs and state upcast to fp32 (the floor's anchor);
-    # None where the task is not 16-bit or the upcast reference could not be computed
-    ref32: dict[str, torch.Tensor] | None = None
-
-
-@dataclass
-class Guarded:
-    """A draw's tensors as views inside canary buffers, with pristine copies to check them against."""
-
-    inputs: dict[str, torch.Tensor]
-    weights: dict[str, torch.Tensor]
-    state: dict[str, torch.Tensor]
-    buffers: list[tuple[str, torch.Tensor, int, int, torch.Tensor]]  # name, buffer, pad, numel, margins copy
-    originals: dict[str, torch.Tensor]  # inputs and weights, which must come back unmodified
 
 
 # ---------------------------------------------------------------------------------------------------- the reference
@@ -180,287 +148,6 @@ def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable
 
 # ------------------------------------------------------------------------------------------------ guarded buffers
 
-@dataclass(frozen=True)
-class Canary:
-    """Per-candidate canary layout: extra margin (in 64-element steps) and fill values drawn from the judge's seed,
-    so a kernel cannot recognise canary views by a fixed offset or value and skip the work on plain tensors."""
-
-    seed: int = 0
-
-    def pad(self, name: str, n: int) -> int:
-        base = max(CANARY_MIN, -(-min(n, 1 << 16) // 64) * 64)
-        if not self.seed:
-            return base
-        return base + 64 * (_mix(self.seed, name) % 16)
-
-    def value(self, dtype: torch.dtype):
-        if dtype == torch.bool:
-            return True
-        k = _mix(self.seed, str(dtype)) % 997 if self.seed else 0
-        if dtype.is_floating_point:
-            return -1234.5 - 0.5 * k
-        return (173 - k % 50) if dtype == torch.uint8 else -91 - k % 20
-
-
-def _mix(seed: int, name: str) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
-
-
-def _canary_fill(buf: torch.Tensor, canary: Canary | None = None) -> None:
-    buf.fill_((canary or Canary()).value(buf.dtype))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.numel() else t
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
-
-
-def guard(draw: Draw, canary: Canary | None = None) -> Guarded:
-    canary = canary or Canary()
-    buffers, views, originals = [], {"inputs": {}, "weights": {}, "state": {}}, {}
-    for kind in views:
-        for name, t in getattr(draw, kind).items():
-            n = t.numel()
-            pad = canary.pad(f"{kind}.{name}", n)
-            buf = torch.empty(n + 2 * pad, dtype=t.dtype, device=t.device)
-            _canary_fill(buf, canary)
-            view = buf[pad:pad + n].view(t.shape)
-            view.copy_(t)
-            margins = torch.cat([buf[:pad], buf[pad + n:]]).clone()
-            buffers.append((f"{kind}.{name}", buf, pad, n, margins))
-            views[kind][name] = view
-            if kind != "state":
-                originals[f"{kind}.{name}"] = t.clone()
-    return Guarded(views["inputs"], views["weights"], views["state"], buffers, originals)
-
-
-def _poison_allocator(ref: dict[str, torch.Tensor], value: float, device: torch.device) -> None:
-    """Leave freed blocks of each output's size (and, on CUDA, a large one) filled with `value`, so that the
-    candidate's `torch.empty` is likely to return memory holding it."""
-    blocks = []
-    for t in ref.values():
-        fill = value if t.is_floating_point() else (True if t.dtype == torch.bool else -7)
-        blocks += [torch.full(t.shape, fill, dtype=t.dtype, device=device) for _ in range(2)]
-    if device.type == "cuda":
-        blocks.append(torch.full((16 << 20,), value, dtype=torch.float32, device=device))
-    del blocks
-
-
-# --------------------------------------------------------------------------------------------------- one call
-
-def _classify_exception(e: BaseException, first_call: bool) -> GateFailure:
-    from triton.compiler.errors import CompilationError
-
-    tb = "".join(traceback.format_exception(e))[-6000:]
-    msg = f"{type(e).__name__}: {e}"
-    low = msg.lower()
-    try:
-        from triton.runtime.errors import InterpreterError
-    except ImportError:  # pragma: no cover - older Triton
-        InterpreterError = CompilationError  # noqa: N806
-    if isinstance(e, CompilationError) or (first_call and isinstance(e, InterpreterError)):
-        return GateFailure("compile", "compile", f"Triton compilation failed:\n{tb}")
-    if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in low \
-            or "can't allocate memory" in low or "not enough memory" in low:  # the CPU allocator's words too
-        return GateFailure("compile" if first_call else "correctness", "oom", msg[:2000])
-    if any(k in low for k in CUDA_FAULTS):
-        return GateFailure("compile" if first_call else "correctness", "gpu_fault", msg[:2000], poisoned=True)
-    return GateFailure("compile" if first_call else "correctness", "runtime_error", f"candidate raised:\n{tb}")
-
-
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _candidate_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """One non-default stream per device, reused: CUDA's caching allocator pools blocks per stream, so the poisoned
-    blocks must be freed on the stream the candidate allocates on."""
-    if device.type != "cuda":
-        return None
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
-
-
-def call_candidate(entry: Callable, g: Guarded, static: dict, device: torch.device, first_call: bool = False,
-                   ref: dict[str, torch.Tensor] | None = None, poison: float = float("nan")):
-    """Call `entry` under a non-default stream (CUDA) and wait for that stream only; with `ref`, prime the allocator
-    with `poison` first. Returns (outputs, stream id)."""
-    LAUNCHES.reset()
-    stream = _candidate_stream(device)
-    try:
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                if ref is not None:
-                    _poison_allocator(ref, poison, device)
-                out = entry(g.inputs, g.weights, g.state, copy.deepcopy(static))
-            stream.synchronize()
-        else:
-            if ref is not None:
-                _poison_allocator(ref, poison, device)
-            out = entry(g.inputs, g.weights, g.state, copy.deepcopy(static))
-    except BaseException as e:  # noqa: BLE001 - SystemExit from a candidate is a runtime error too
-        raise _classify_exception(e, first_call) from None
-    return out, (stream.cuda_stream if stream is not None else None)
-
-
-def _check_shapes(out: Any, expected: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    if not isinstance(out, dict):
-        raise GateFailure("output_shape_dtype", "shape_dtype", f"entry: expected a dict of tensors, got {type(out)}")
-    for name, r in expected.items():
-        if name not in out:
-            raise GateFailure("output_shape_dtype", "shape_dtype",
-                              f"output {name!r}: expected in the returned dict, got keys {sorted(out)}")
-        t = out[name]
-        if not isinstance(t, torch.Tensor):
-            raise GateFailure("output_shape_dtype", "shape_dtype", f"output {name!r}: expected a tensor, got {type(t)}")
-        got, exp = (tuple(t.shape), t.dtype, t.device.type), (tuple(r.shape), r.dtype, device.type)
-        if got != exp:
-            raise GateFailure("output_shape_dtype", "shape_dtype",
-                              f"output {name!r}: expected (shape, dtype, device) {exp}, got {got}")
-    return {n: out[n] for n in expected}
-
-
-def _check_guards(g: Guarded) -> None:
-    for name, buf, pad, n, margins in g.buffers:
-        now = torch.cat([buf[:pad], buf[pad + n:]])
-        if not same_bits(now, margins):
-            bad = int((_bits(now) != _bits(margins)).sum())
-            raise GateFailure("canaries", "out_of_bounds",
-                              f"{name}: {bad} canary bytes around the tensor were overwritten (write out of bounds)")
-    views = {**{f"inputs.{k}": v for k, v in g.inputs.items()}, **{f"weights.{k}": v for k, v in g.weights.items()}}
-    mutated = [k for k, orig in g.originals.items() if not same_bits(views[k], orig)]
-    if mutated:
-        raise GateFailure("inputs_unmodified", "input_mutated", f"candidate modified its inputs: {mutated}")
-
-
-def check_rewritten(outs: dict[str, torch.Tensor], again: dict[str, torch.Tensor]) -> None:
-    """A second run under another poison must give the same bits: outputs that differ read memory the candidate
-    never wrote."""
-    unwritten = {n: int((_bits(outs[n]).view(-1) != _bits(again[n]).view(-1)).sum()) for n in outs
-                 if outs[n].dtype == again[n].dtype}
-    unwritten = {n: c for n, c in unwritten.items() if c}
-    if unwritten:
-        raise GateFailure("poisoned_outputs", "unwritten_output",
-                          f"outputs depend on the prior contents of their memory (bytes never written): {unwritten}")
-
-
-def _nonfinite_where_ref_finite(outs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
-    return [n for n, t in outs.items() if t.is_floating_point()
-            and bool((~torch.isfinite(t) & torch.isfinite(ref[n])).any())]
-
-
-@dataclass
-class Judge:
-    """Runs the candidate over the draws and applies the per-call checks."""
-
-    entry: Callable
-    task: Task
-    device: torch.device
-    history: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = field(default_factory=list)
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    runs: int = 0
-    floor_passes: int = 0  # outputs (over all draws) that failed the table but passed the rounding floor
-    floor_worst: tuple[float, str] = (-1.0, "")  # (got rel-L2 / floor rel-L2, note) of the tightest floor pass
-    # the candidate's LOSSY declaration, honoured only when the task's workload opted in (spec.accuracy_budget)
-    lossy: dict | None = None
-    lossy_worst: tuple[float, str] = (-1.0, "")
-
-    def run_once(self, draw: Draw, poison: float) -> tuple[dict[str, torch.Tensor], Guarded]:
-        g = guard(draw)
-        out, stream = call_candidate(self.entry, g, self.task.spec.static, self.device, ref=draw.ref, poison=poison)
-        self.runs += 1
-        if LAUNCHES.count == 0:
-            raise GateFailure("launches_triton", "no_triton", "entry returned without launching a Triton kernel")
-        if stream is not None and any(s != stream for s in LAUNCHES.streams):
-            raise GateFailure("current_stream", "side_stream",
-                              "a Triton kernel was launched on a stream other than the caller's current stream")
-        outs = _check_shapes(out, draw.ref, self.device)
-        _check_guards(g)
-        kept = {n: t.detach().clone() for n, t in outs.items()}
-        if self.device.type == "cuda":
-            # the outputs' blocks go back to the candidate stream's pool: finish reading them before it reuses them
-            torch.cuda.synchronize(self.device)
-        return kept, g
-
-    def judge(self, draw: Draw) -> None:
-        outs, _ = self.run_once(draw, float("nan"))
-        reports, floored = compare_outputs(self.task, outs, draw.ref, draw.ref32)
-        for n in floored:
-            self._note_floor(n, draw, outs[n])
-        if self.lossy is not None:  # opted in: judged by the lossy bound (acceptance enforces the budget in-model)
-            for n, r in reports.items():
-                if not r.ok:
-                    reports[n] = compare_lossy(outs[n], draw.ref[n], (draw.ref32 or {}).get(n))
-                    if reports[n].ok and rel_l2(outs[n], draw.ref[n]) > self.lossy_worst[0]:
-                        self.lossy_worst = (rel_l2(outs[n], draw.ref[n]), f"{n}: {reports[n].reason} "
-                                                                          f"(case {draw.key[0]}, draw {draw.key[1]})")
-        nonfinite = _nonfinite_where_ref_finite(outs, draw.ref)
-        if nonfinite or not all(r.ok for r in reports.values()):
-            again, _ = self.run_once(draw, 3.0)
-            check_rewritten(outs, again)
-            if nonfinite:
-                raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")
-            for key, prev in self.history:
-                if key != draw.key and all(same_bits(outs[n], prev[n]) for n in outs):
-                    raise GateFailure("no_cached_output", "cached_output",
-                                      f"draw {draw.key}: outputs are bit-identical to those returned for draw {key} "
-                                      f"(different inputs)")
-            bad = {n: r for n, r in reports.items() if not r.ok}
-            self._errs(reports)
-            raise GateFailure("correctness", "wrong_output", "; ".join(f"{n}: {r.reason}" for n, r in bad.items())
-                              + f" (case {draw.key[0]}, draw {draw.key[1]})")
-        self._errs(reports)
-        self.history.append((draw.key, outs))
-
-    def _note_floor(self, name: str, draw: Draw, out: torch.Tensor) -> None:
-        self.floor_passes += 1
-        floor = rel_l2(draw.ref[name], draw.ref32[name])
-        got = rel_l2(out, draw.ref32[name])
-        ratio = got / floor if floor > 0 else float("inf")
-        if ratio > self.floor_worst[0]:
-            note = (f"{name}: rel-L2 vs fp32 {got:.3g} <= {FLOOR_FACTOR:g} x {floor:.3g} "
-                    f"(case {draw.key[0]}, draw {draw.key[1]})")
-            self.floor_worst = (ratio, note)
-
-    def floor_detail(self) -> str:
-        lossy = (f"; lossy candidate {self.lossy} of an opted-in workload: worst {self.lossy_worst[1]}"
-                 if self.lossy is not None and self.lossy_worst[0] >= 0 else "")
-        if not self.floor_passes:
-            return lossy
-        return (f"; {self.floor_passes} output(s) passed by the rounding floor instead (tightest: "
-                f"{self.floor_worst[1]})" + lossy)
-
-    def _errs(self, reports) -> None:
-        finite = [r for r in reports.values() if math.isfinite(r.max_abs)]
-        self.max_abs = max([self.max_abs, *(r.max_abs for r in finite)])
-        self.max_rel = max([self.max_rel, *(r.max_rel for r in finite)])
-
-
-def compare_outputs(task: Task, outs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                    ref32: dict[str, torch.Tensor] | None) -> tuple[dict[str, Any], list[str]]:
-    """The correctness comparison of one call: each output against TOLERANCES (the task's compute dtype where
-    coarser), and on 16-bit tasks, where the table rejects it, against the rounding floor (`ref32`, the fp32
-    anchor). Returns the reports by name and the names that passed by the floor."""
-    tdt = {n: tolerance_dtype(task.spec.dtype, r.dtype) for n, r in ref.items()}
-    reports = {n: compare(outs[n], ref[n], tdt[n]) for n in ref}
-    floored = []
-    if ref32 is not None:  # 16-bit task: an output the table rejects may still sit within the rounding floor
-        for n, r in reports.items():
-            if not r.ok and n in ref32:
-                reports[n] = compare_floor(outs[n], ref[n], ref32[n], tdt[n])
-                if reports[n].ok:
-                    floored.append(n)
-    return reports, floored
-
-
 # ------------------------------------------------------------------------------------------------------ the run
 
 def _device_name(device: torch.device) -> str:
@@ -490,8 +177,6 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
                 return v.fail("compile", "compile", "executing the source failed:\n"
                               + "".join(traceback.format_exception(e))[-6000:]), False
             if task.spec.reference == "kernelbench":  # a ModelNew judged by KernelBench's protocol on top
-                from llm4llm.kernelbench.protocol import run_kb
-
                 return run_kb(v, task, module, dev, timing)
             entry = getattr(module, "entry", None)
             if not callable(entry):
@@ -521,16 +206,16 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
             try:
                 judge.judge(d)
             except RuntimeError as e:  # a CUDA fault can surface at a later synchronisation, in the checks
-                failure = _classify_exception(e, first_call=False)
+                failure = classify_exception(e, first_call=False)
                 if failure.failure_class not in ("gpu_fault", "oom"):
                     raise
                 raise failure from None
     except GateFailure as f:
-        _append_passed_before(v, f.gate)
+        append_passed_before(v, f.gate)
         v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
-    _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
+    append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
                           floor=judge.floor_detail())
     if memcheck:
         from llm4llm.verify.sanitizer import memcheck_gate
@@ -544,8 +229,6 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         v.gates += [GateResult(name="timing_cold", passed=True, detail=why),
                     GateResult(name="timing_in_context", passed=True, detail=why)]
         return v.finish(), False
-    from llm4llm.verify.timing import time_task
-
     samples: list = []
     try:
         time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing != "launch",
@@ -558,29 +241,6 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     return v.finish(), False
 
-
-def _append_passed_before(v: Verdict, failing: str | None, runs: int = 0, cases: int = 0, draws: int = 0,
-                          dev: torch.device | None = None, floor: str = "") -> None:
-    """Record the per-call gates that passed (all of them, or those before the failing one)."""
-    details = {
-        "current_stream": "launches on the caller's stream" if dev is None or dev.type == "cuda"
-        else "skipped: no GPU (no streams on the CPU)",
-        "correctness": f"{runs} calls: {cases} captured case(s) + {draws} fresh draws each, TOLERANCES[dtype]" + floor,
-    }
-    for name in CHECK_GATES:
-        if name == failing:
-            return
-        v.gates.append(GateResult(name=name, passed=True, detail=details.get(name, "")))
-
-
-def tolerance_dtype(task_dtype: str, tensor_dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype whose TOLERANCES row judges an output: the task's compute dtype when it is coarser than the
-    tensor's (HF keeps some state in fp32, e.g. Mamba's ssm_state, but computes it from bf16 activations, so
-    fp32's 1e-4 would reject every correct bf16 kernel); otherwise the tensor's own dtype."""
-    compute = getattr(torch, task_dtype, None)
-    if tensor_dtype == torch.float32 and compute in (torch.bfloat16, torch.float16):
-        return compute
-    return None
 
 
 # ------------------------------------------------------------------------------------------ timed-call samples
@@ -603,11 +263,9 @@ def _module_outputs(task: Task, dev: torch.device, inputs: dict, state: dict, up
                     cache: dict) -> dict[str, torch.Tensor]:
     """The task's module called as the timing calls it (timing.module_call, its own weights), its output tensors
     by `timing.flat_outputs` name; upcast: module and floats in fp32 (the rounding floor's anchor)."""
-    from llm4llm.verify.timing import _module_runner, flat_outputs
-
     if upcast not in cache:
         module = task.load_module(dev).eval()
-        cache[upcast] = _module_runner(task, module.float() if upcast else module)
+        cache[upcast] = module_runner(task, module.float() if upcast else module)
     run, prepare = cache[upcast]
     up = _upcast if upcast else (lambda d: d)
     call, cleanup = prepare({n: t.clone() for n, t in up(inputs).items()}, {},
@@ -626,8 +284,6 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
     reference computed here; the worker sent only the seed and the outputs. A bare-entry call is compared with the
     task's reference (all outputs, state_out.* included), a call through kernels_runtime's dispatch with the
     module's own forward (its returned tensors). Raises GateFailure(timed_output_mismatch); returns the detail."""
-    from llm4llm.verify.timing import fresh_draw
-
     if not meta:  # cold timing always runs back to back, so every timing offers calls to a sample
         raise GateFailure("timed_outputs", "timed_output_mismatch", "no sampled timed call came back from the worker")
     ref_fn = reference_fn(task, dev)
@@ -661,7 +317,7 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
         reports, _ = compare_outputs(task, outs, ref, ref32)
         if lossy is not None:  # an opted-in lossy candidate: the lossy bound, as its draws were judged
             reports = {n: r if r.ok else compare_lossy(outs[n], ref[n], (ref32 or {}).get(n)) for n, r in reports.items()}
-        nonfinite = _nonfinite_where_ref_finite(outs, ref)
+        nonfinite = nonfinite_where_ref_finite(outs, ref)
         bad = {n: r.reason for n, r in reports.items() if not r.ok}
         if nonfinite or bad:
             why = "; ".join([*(f"{n}: {r}" for n, r in bad.items()),
@@ -928,13 +584,13 @@ class CandidateSession:
                     out, stream = call_candidate(self.entry, g, self.task.spec.static, self.dev, ref=expected,
                                                  poison=poison)
             except RuntimeError as e:
-                raise _classify_exception(e, first_call=False) from None
+                raise classify_exception(e, first_call=False) from None
             if LAUNCHES.count == 0:
                 raise GateFailure("launches_triton", "no_triton", "entry returned without launching a Triton kernel")
             if stream is not None and any(s != stream for s in LAUNCHES.streams):
                 raise GateFailure("current_stream", "side_stream",
                                   "a Triton kernel was launched on a stream other than the caller's current stream")
-            outs = _check_shapes(out, {n: torch.empty(t.shape, dtype=t.dtype, device=self.dev)
+            outs = check_shapes(out, {n: torch.empty(t.shape, dtype=t.dtype, device=self.dev)
                                        for n, t in expected.items()}, self.dev)
             shared = ownership_failure(outs, g, self.held)
             self._hold(out)
@@ -958,7 +614,7 @@ class CandidateSession:
                if f"buf.{name}" not in tensors]
         if big:  # large weights: checked here (the parent gets the verdict of this check only)
             try:
-                _check_guards(Guarded({}, dict(g.weights), {}, big,
+                check_guards(Guarded({}, dict(g.weights), {}, big,
                                       {k: v for k, v in g.originals.items() if k.startswith("weights.")
                                        and any(b[0] == k for b in big)}))
             except GateFailure as f:
@@ -968,8 +624,6 @@ class CandidateSession:
     def time(self, fresh_seed: int | None = None, path: str | None = None) -> dict:
         """Time the candidate (on the CPU: rehearse the timed calls, for their outputs only); with `path`, write
         the sampled timed calls' outputs there for the parent (`check_timed_samples`)."""
-        from llm4llm.verify.timing import time_task
-
         v = Verdict(source_hash=source_hash(self.source), task_id=self.task.spec.task_id)
         samples: list = []
         try:
@@ -1044,9 +698,9 @@ class RemoteJudge(Judge):
             if f"out.{n}" not in saved:
                 raise GateFailure("output_shape_dtype", "shape_dtype", f"output {n!r}: missing from the worker's answer")
             outs[n] = saved[f"out.{n}"].to(self.device)
-        outs = _check_shapes(outs, draw.ref, self.device)
+        outs = check_shapes(outs, draw.ref, self.device)
         g = self._guarded(draw, saved)
-        _check_guards(g)
+        check_guards(g)
         return outs, g
 
     def _guarded(self, draw: Draw, saved: dict[str, torch.Tensor]) -> Guarded:
@@ -1064,7 +718,7 @@ class RemoteJudge(Judge):
                 if buf.numel() != n + 2 * pad or buf.dtype != t.dtype:
                     raise GateFailure("canaries", "out_of_bounds", f"{key}: the returned buffer has another layout")
                 margins = torch.empty(2 * pad, dtype=t.dtype, device=self.device)
-                _canary_fill(margins, self.canary)
+                canary_fill(margins, self.canary)
                 buffers.append((key, buf, pad, n, margins))
                 views[kind][name] = buf[pad:pad + n].view(t.shape)
                 if kind != "state":
@@ -1129,16 +783,16 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
             try:
                 judge.judge(d)
             except RuntimeError as e:
-                failure = _classify_exception(e, first_call=False)
+                failure = classify_exception(e, first_call=False)
                 if failure.failure_class not in ("gpu_fault", "oom"):
                     raise
                 raise failure from None
     except GateFailure as f:
-        _append_passed_before(v, f.gate if f.gate != "does_the_work" else "launches_triton")
+        append_passed_before(v, f.gate if f.gate != "does_the_work" else "launches_triton")
         v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
-    _append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
+    append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
                           floor=judge.floor_detail())
     v.gates.append(GateResult(name="does_the_work", passed=True, detail=judge.dispatch_note))
     if not timing or (dev.type != "cuda" and not rehearse):
@@ -1202,7 +856,7 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     try:
         again = _judge_after_timing(judge, all_draws)
     except RuntimeError as e:
-        f = _classify_exception(e, first_call=False)
+        f = classify_exception(e, first_call=False)
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned

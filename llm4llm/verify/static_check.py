@@ -257,15 +257,3 @@ def check_source(source: str, forbidden_names: tuple[str, ...] | set[str] = ()) 
 def forbidden_names_for(module_class: str) -> tuple[str, ...]:
     """The reference's names a candidate may not mention: the class's short name and its import path."""
     return tuple(n for n in {module_class.rsplit(".", 1)[-1], module_class} if n)
-
-
-def check_task_source(source: str, spec) -> StaticReport:
-    """The static gate for a task: KernelBench tasks take a `ModelNew` (llm4llm/kernelbench/static.py), every
-    other task the `entry` contract above."""
-    if (big := oversize(source)) is not None:
-        return big
-    if getattr(spec, "reference", "") == "kernelbench":
-        from llm4llm.kernelbench.static import check_modelnew
-
-        return check_modelnew(source)
-    return check_source(source, forbidden_names_for(spec.module_class))

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from llm4llm.verify.judge import classify_exception
 from llm4llm.verify.verdict import GateResult, Latency, Verdict
 
 FLUSH_BYTES = 256 << 20
@@ -62,7 +63,7 @@ Args = tuple[dict, dict, dict, dict]
 Prepare = Callable[..., tuple[tuple, Callable[[], None]]]  # (*Args) -> (call arguments, cleanup after the call)
 
 
-def _module_runner(task, module: torch.nn.Module) -> tuple[Callable, Prepare]:
+def module_runner(task, module: torch.nn.Module) -> tuple[Callable, Prepare]:
     from kernels_runtime.boundary import adapter_by_name, rebuild_call
 
     spec = task.spec
@@ -153,7 +154,7 @@ def module_call(task, device: torch.device) -> tuple[Callable, Prepare]:
     """(run, prepare) timing the task's module as the model calls it. prepare(inputs, weights, state, static) builds
     the call outside the timed region (a fresh cache holding `state`, the original (args, kwargs)) and returns it with
     the cleanup that restores module-held state; run(call) is the forward alone."""
-    return _module_runner(task, task.load_module(device).eval())
+    return module_runner(task, task.load_module(device).eval())
 
 
 def patched_call(task, source: str, device: torch.device) -> tuple[Callable, Prepare, Callable[[], int]]:
@@ -187,7 +188,7 @@ def patched_replicas(task, source: str, device: torch.device, copies: int
     bundle = PatchBundle(name="verifier-timing")
     bundle.add_patch(pspec.model_copy(update={"instances": [f"m{i}" for i in range(copies)]}), source=source)
     kernels_runtime.apply(holder, bundle, strict=True)
-    runners = [_module_runner(task, module) for module in modules]
+    runners = [module_runner(task, module) for module in modules]
 
     def kernel_calls() -> int:
         return sum(sum(c["kernel"].values()) for c in report_of(holder).values())
@@ -729,8 +730,6 @@ class _TaskTimer:
     def time_case(self, k: int, mode: str, graph: bool, how_mode: dict) -> tuple[Latency, Latency]:
         """(candidate, reference) latencies of case k in `mode`: under graph replay where asked and capturable
         (`how_mode` records how), else back to back."""
-        from llm4llm.verify.gates import _classify_exception
-
         args = [(d.inputs, d.weights, d.state, self.task.spec.static) for d in self.draws if d.key[0] == k]
         if graph:
             try:
@@ -738,7 +737,7 @@ class _TaskTimer:
                 how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
                 return c, r
             except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
-                failure = _classify_exception(e, first_call=False)
+                failure = classify_exception(e, first_call=False)
                 if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
                     failure.gate = f"timing_{mode}"
                     failure.message = f"under CUDA-graph timing: {failure.message}"
@@ -748,7 +747,7 @@ class _TaskTimer:
         try:
             c = self.candidate.time(timer)
         except Exception as e:  # noqa: BLE001
-            failure = _classify_exception(e, first_call=False)
+            failure = classify_exception(e, first_call=False)
             failure.gate = f"timing_{mode}"
             raise failure from None
         return c, self.reference(k, mode, timer)

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from llm4llm import childlog
-from llm4llm.verify.static_check import check_source, check_task_source, forbidden_names_for
+from llm4llm.verify.static_check import check_source, forbidden_names_for
+from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
 
 START_TIMEOUT_S = 300.0  # a fresh worker imports torch and Triton (and initialises CUDA) before it is ready

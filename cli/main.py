@@ -1,4 +1,5 @@
-"""`llm4llm` command line: profile, extract, search, inspect runs and tasks."""
+"""`llm4llm` command line: profile, extract, search, inspect runs and tasks. On top of every layer: it may import
+flows/, tasks/, deployments/, storage/ and the core, and nothing imports it (.importlinter's `layers`)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llm4llm import cli_tables, progress
+from cli import tables as cli_tables
+from llm4llm import progress
 from llm4llm.scale import scale_options
 
 # click's plain help: it wraps the help text and never cuts an option's name (rich's panels do at 80 columns)
@@ -830,11 +832,6 @@ def _install_stop_handlers() -> None:
     atexit.register(_end_children)
 
 
-def main() -> None:  # pragma: no cover - console entry
+def main() -> None:  # pragma: no cover - `python -m cli` and `python -m llm4llm.cli`
     _install_stop_handlers()
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _install_stop_handlers()
-    sys.exit(app())
+    app(prog_name="llm4llm")  # usage lines name the command, not the module path
