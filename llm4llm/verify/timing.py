@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from llm4llm.outcomes import FailureClass
 from llm4llm.verify.verdict import GateResult, Latency, Verdict
 
 FLUSH_BYTES = 256 << 20
@@ -739,7 +740,7 @@ class _TaskTimer:
                 return c, r
             except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
                 failure = _classify_exception(e, first_call=False)
-                if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
+                if failure.failure_class == FailureClass.GPU_FAULT:  # the CUDA context is gone: no fallback timing
                     failure.gate = f"timing_{mode}"
                     failure.message = f"under CUDA-graph timing: {failure.message}"
                     raise failure from None
