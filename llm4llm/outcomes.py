@@ -85,3 +85,29 @@ class EpisodeEnd(StrEnum):
 
 # endings after which no further episode starts
 FINAL_ENDS = frozenset({EpisodeEnd.EXHAUSTED, EpisodeEnd.STOPPED})
+
+
+class PlanAction(StrEnum):
+    """What the run's plan does with a task (PlanItem.action; the plans table's action)."""
+
+    SEARCHED = "searched"  # searched earlier in this run (it still stands for the modules inside it)
+    SEARCH = "search"
+    FALLBACK = "fallback"  # searched only if the task it sits inside fails
+    SKIP = "skip"
+
+
+class PlanWhy(StrEnum):
+    """Why the plan gave a task its action (PlanItem.why; PlanItem.reason says it in words). Not stored."""
+
+    NOT_DEPLOYABLE = "not_deployable"
+    FAMILY_NOT_ASKED = "family_not_asked"
+    PHASE_NOT_ASKED = "phase_not_asked"
+    NOTHING_ACCEPTED = "nothing_accepted"  # searched whole, nothing accepted: its children count in full
+    SEARCHED = "searched"
+    NOT_COVERED = "not_covered"  # no built-in template computes what it does
+    IN_TOP = "in_top"
+    BEYOND_TOP = "beyond_top"
+    INSIDE_TARGET = "inside_target"
+    FAMILY_LOSES = "family_loses"
+    BELOW_DELTA = "below_delta"
+    EXPECTED_SAVING = "expected_saving"

@@ -94,3 +94,19 @@ def test_the_search_stops_on_the_kind_of_ending(tmp_path: Path, monkeypatch):
     result = episode.run_search(tmp_path, proposer, lambda *a: None, budget=10, archive_dir=tmp_path / "a")
     assert [e.ended for e in result.episodes] == [EpisodeEnd.STUCK, EpisodeEnd.STOPPED]
     assert result.episodes[-1].ended_by == "stopped: time share spent"
+
+
+def test_the_plan_reads_its_kinds_not_its_reasons():
+    """An undeployable task whose own reason says "not covered" is neither counted as uncovered nor hidden in the
+    negligible tail: the plan reads PlanWhy, not the words."""
+    from llm4llm import planner
+    from llm4llm.outcomes import PlanAction, PlanWhy
+
+    odd = planner.TaskView("odd", "mlp", "decode", ["m.0"], 1e-6, deployable=False, reason="not covered by x")
+    bare = planner.TaskView("bare", "norm", "decode", ["n.0"], 0.5)
+    items = planner.rank_tasks([odd, bare], delta=0.02, covers={"bare": False})
+    by = {i.task_id: i for i in items}
+    assert (by["odd"].action, by["odd"].why) == (PlanAction.SKIP, PlanWhy.NOT_DEPLOYABLE)
+    assert by["bare"].why == PlanWhy.NOT_COVERED and not by["odd"].negligible
+    assert "(bare)" in planner._why_nothing(items) and "odd" not in planner._why_nothing(items)
+    assert by["odd"].row("r", 0)["action"] == "skip" and "why" not in by["odd"].row("r", 0)
