@@ -1,7 +1,7 @@
 """The closed sets of outcomes that code decides on: the verifier's failure classes, an acceptance decision and the
-gate that made it, why a search episode ended, and what the plan does with a task and why. Each is a StrEnum, so a member is its string everywhere it is
-stored or shown (DuckDB rows, JSON transcripts, tests comparing to "rejected"); the human-readable reason beside it
-is for display only, and nothing branches on that text.
+gate that made it, why a search episode ended, and what the plan does with a task and why. Each is a StrEnum, so a
+member is its string everywhere it is stored or shown (DuckDB rows, JSON transcripts, tests comparing to
+"rejected"); the human-readable reason beside it is for display only, and nothing branches on that text.
 
 Imported by the packages that produce and consume these values (llm4llm.verify, llm4llm.search, llm4llm.accept,
 llm4llm.stages, llm4llm.planner); it imports nothing of the project itself."""
