@@ -35,6 +35,7 @@ from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, loa
 from kernels_runtime.patch import verified_on
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.evaluate import clone_sharing_weights
+from llm4llm.outcomes import NOT_RETRIED, AcceptDecision, DecidedBy
 from llm4llm.patchspec import task_patch_spec
 from llm4llm.taskspec import TaskSpec
 
@@ -117,9 +118,12 @@ class Proposal:
 
 @dataclass
 class Decision:
+    """One acceptance decision. `decision` and `decided_by` are what code reads; `reason` says the same in words,
+    with its numbers, for people (the acceptances row, the CLI)."""
+
     task_id: str
     candidate_id: str
-    decision: str  # accepted | rejected
+    decision: AcceptDecision
     reason: str
     metric: str  # the metric and its numbers, e.g. "logits_rel_l2_floor: rel-L2 0.039 vs floor 0.052 x 1 (...)"
     in_model_err: float | None
@@ -132,6 +136,19 @@ class Decision:
     in_model_floor: float | None = None  # the deciding step's noise floor (logits_rel_l2_floor)
     baseline_after_ms: float | None = None  # the model without the trial, measured again right after it
     lossy: dict | None = None  # a lossy trial: its routing, the budget and what was measured against it
+    decided_by: DecidedBy = field(kw_only=True)  # the step of the trial that decided
+
+    def __post_init__(self):
+        self.decision, self.decided_by = AcceptDecision(self.decision), DecidedBy(self.decided_by)
+
+    @property
+    def accepted(self) -> bool:
+        return self.decision == AcceptDecision.ACCEPTED
+
+    def retried(self) -> bool:
+        """Whether the task goes back to search with this decision as experience: a rejection that says something
+        about the candidate (not one the CPU's missing latency gate made)."""
+        return self.decision == AcceptDecision.REJECTED and self.decided_by not in NOT_RETRIED
 
 
 def expected_impact(p: Proposal, spec: TaskSpec) -> float:
@@ -591,14 +608,14 @@ def _start_fresh(r: _Run, base_model, current: float | None):
                                          "decode graphs: not on the CPU (nothing is timed there)")
     if cfg.decode_graphs and r.on_gpu:
         graph_decision, graphed = _graphs_gate(r, current)
-        graphs_note = f"decode graphs {'on' if graph_decision.decision == 'accepted' else 'off'}: " \
+        graphs_note = f"decode graphs {'on' if graph_decision.accepted else 'off'}: " \
                       f"{graph_decision.reason}"
-        if graph_decision.decision == "accepted":
+        if graph_decision.accepted:
             current = graphed
             if base_model is not None:
                 kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
         print(f"accept: {graphs_note}")
-    graphs = graph_decision is not None and graph_decision.decision == "accepted"
+    graphs = graph_decision is not None and graph_decision.accepted
     # a regime's decode batch buckets: every decode task was extracted and verified at each (Regime.points)
     buckets = list(r.wl.regime.batch_buckets()) if r.wl.regime is not None else []
     bundle = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
@@ -648,14 +665,14 @@ def _task_trials(r: _Run, p: Proposal, spec: TaskSpec, impact: float, accepted: 
 
     cfg, budget, lossy = r.cfg, r.wl.lossy_budget(), lossy_of(p)
     if lossy is not None and budget is None:  # never accepted without the workload's opt-in
-        return [Decision(spec.task_id, p.candidate_id, "rejected",
+        return [Decision(spec.task_id, p.candidate_id, AcceptDecision.REJECTED,
                          f"lossy candidate {lossy or '(by its source)'}: the workload has not opted in "
                          f"(allow_lossy = true and an [accuracy_budget])", r.metric, None, current, None, None,
-                         impact)], None
+                         impact, decided_by=DecidedBy.LOSSY_NOT_ALLOWED)], None
     skip = not_worth_a_trial(p, cfg, r.on_gpu)
     if skip:
-        return [Decision(spec.task_id, p.candidate_id, "rejected", skip, r.metric, None, current, None, None,
-                         impact)], None
+        return [Decision(spec.task_id, p.candidate_id, AcceptDecision.REJECTED, skip, r.metric, None, current, None,
+                         None, impact, decided_by=DecidedBy.NOT_TRIED)], None
     decisions = []
     for q in (lossy_descent(p, spec) if lossy is not None else [p]):
         trial = PatchBundle.from_json(accepted.to_json())
@@ -672,11 +689,11 @@ def _task_trials(r: _Run, p: Proposal, spec: TaskSpec, impact: float, accepted: 
                         interleaved=interleaved, budget=budget if lossy is not None else None)
         decisions.append(decision)
         kernels_runtime.revert(r.model)
-        if decision.decision == "accepted":
+        if decision.accepted:
             if lossy is not None:
                 trial.patches[-1].lossy["measured"] = decision.lossy
             return decisions, trial
-        if lossy is None or not decision.reason.startswith("in-model"):
+        if lossy is None or decision.decided_by != DecidedBy.IN_MODEL:
             break  # over the budget: the next lower coverage; anything else ends this task's trials
     return decisions, None
 
@@ -738,11 +755,12 @@ def regime_decision(bundle: PatchBundle, big: int, own: int, trials: list[float]
                f"(gain {gain:+.2%}, p20-p80 {lo:+.2%}..{hi:+.2%}, {len(trials)} interleaved rounds)")
     if gain >= -delta:
         return Decision(REGIME_TASK, f"batch-{big}", "accepted", f"no loss {numbers}", "", None, before, after,
-                        gain, 0.0), bundle
+                        gain, 0.0, decided_by=DecidedBy.LATENCY), bundle
     keep = [b for b in bundle.batch_buckets if b <= own]
     return Decision(REGIME_TASK, f"batch-{big}", "rejected",
                     f"slower past delta {delta:.0%} {numbers}: the bundle keeps batch buckets {keep}, larger "
-                    f"batches fall back", "", None, before, after, gain, 0.0), narrow_buckets(bundle, keep)
+                    f"batches fall back", "", None, before, after, gain, 0.0, decided_by=DecidedBy.LATENCY), \
+        narrow_buckets(bundle, keep)
 
 
 def narrow_buckets(bundle: PatchBundle, keep: list[int]) -> PatchBundle:
@@ -760,20 +778,23 @@ def decide_graphs(check: LogitsCheck | None, before: float, after: float | None,
     delta. `check` None: the graphed run failed (`how` says how)."""
     cand = "cuda-graphs+static-cache" if static_cache else "cuda-graphs"
 
-    def decision(verdict, reason, gain=None):
+    def decision(verdict, by, reason, gain=None):
         return Decision(GRAPHS_TASK, cand, verdict, reason, check.summary if check is not None else "",
                         check.err if check is not None else None, before, after, gain, 0.0, {},
-                        check.limit if check is not None else None, check.floor if check is not None else None)
+                        check.limit if check is not None else None, check.floor if check is not None else None,
+                        decided_by=by)
 
     if check is None or after is None:
-        return decision("rejected", how)
+        return decision(AcceptDecision.REJECTED, DecidedBy.RUNTIME, how)
     if not check.ok:
-        return decision("rejected", f"in-model correctness with graphs: {check.detail} ({how})")
+        return decision(AcceptDecision.REJECTED, DecidedBy.IN_MODEL,
+                        f"in-model correctness with graphs: {check.detail} ({how})")
     gain = (before - after) / before
     numbers = f"unpatched {before:.1f} ms without, {after:.1f} ms with ({how}); {check.detail}"
     if gain < cfg.delta:
-        return decision("rejected", f"end-to-end gain {gain:+.2%} below delta {cfg.delta:.0%}: {numbers}", gain)
-    return decision("accepted", f"end-to-end gain {gain:+.2%}: {numbers}", gain)
+        return decision(AcceptDecision.REJECTED, DecidedBy.LATENCY,
+                        f"end-to-end gain {gain:+.2%} below delta {cfg.delta:.0%}: {numbers}", gain)
+    return decision(AcceptDecision.ACCEPTED, DecidedBy.LATENCY, f"end-to-end gain {gain:+.2%}: {numbers}", gain)
 
 
 def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple[list[float], list[float]]:
@@ -819,15 +840,24 @@ class _Trial:
     before: float | None
     again: float | None = None
 
-    def decide(self, decision: str, reason: str, check: LogitsCheck | None = None, after: float | None = None,
+    def reject(self, by: DecidedBy, reason: str, check: LogitsCheck | None = None, after: float | None = None,
                gain: float | None = None, counters: dict | None = None) -> Decision:
+        return self._decide(AcceptDecision.REJECTED, by, reason, check, after, gain, counters)
+
+    def accept(self, reason: str, check: LogitsCheck, after: float, gain: float, counters: dict) -> Decision:
+        """Only the latency gate, the last, accepts."""
+        return self._decide(AcceptDecision.ACCEPTED, DecidedBy.LATENCY, reason, check, after, gain, counters)
+
+    def _decide(self, decision: AcceptDecision, by: DecidedBy, reason: str, check: LogitsCheck | None,
+                after: float | None, gain: float | None, counters: dict | None) -> Decision:
         measured = None if self.budget is None or check is None else {"max_logit_deviation": check.err,
                                                                        "token_agreement": check.agreement}
         return Decision(self.spec.task_id, self.p.candidate_id, decision, reason,
                         check.summary if check is not None else self.cfg.resolved_metric(self.wl.torch_dtype),
                         check.err if check is not None else None, self.before, after, gain, self.impact,
                         counters or {}, check.limit if check is not None else None,
-                        check.floor if check is not None else None, baseline_after_ms=self.again, lossy=measured)
+                        check.floor if check is not None else None, baseline_after_ms=self.again, lossy=measured,
+                        decided_by=by)
 
 
 def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, current, impact,
@@ -847,7 +877,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
         if wl.device.startswith("cuda"):
             torch.cuda.synchronize()
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
-        return t.decide("rejected", f"runtime: {type(e).__name__}: {str(e)[:300]}")
+        return t.reject(DecidedBy.RUNTIME, f"runtime: {type(e).__name__}: {str(e)[:300]}")
     counters = report.totals()
     if budget is not None:  # a lossy trial answers to the workload's accuracy budget, not to the noise floor
         check = budget_check(ref_logits, new_logits, budget,
@@ -865,7 +895,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
 
 def _correct_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> Decision | None:
     if not check.ok:
-        return t.decide("rejected", f"in-model correctness: {check.detail}", check, counters=counters)
+        return t.reject(DecidedBy.IN_MODEL, f"in-model correctness: {check.detail}", check, counters=counters)
     return None
 
 
@@ -874,9 +904,9 @@ def _kernel_ran_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> D
     patch whose module another patch's kernel replaces (the mixer under an accepted block kernel) runs 0 times, and
     its "gain" would be the baseline's noise."""
     if report.calls_of(t.bundle.patches[-1].patch_id) == 0:
-        return t.decide("rejected", f"shape coverage: this candidate's kernel never ran in-model (its calls fell "
-                                    f"back or another patch's kernel took them: {report.counters()})", check,
-                        counters=counters)
+        return t.reject(DecidedBy.SHAPE_COVERAGE, f"shape coverage: this candidate's kernel never ran in-model (its "
+                                                  f"calls fell back or another patch's kernel took them: "
+                                                  f"{report.counters()})", check, counters=counters)
     return None
 
 
@@ -884,7 +914,8 @@ def _tokens_gate(t: _Trial, report, check: LogitsCheck, counters: dict) -> Decis
     if t.cfg.check_tokens:
         forced_free, _ = reference_tokens(t.model, t.batch, t.wl.decode_len)
         if not torch.equal(forced_free, t.tokens):
-            return t.decide("rejected", "greedy tokens differ from the unpatched model", check, counters=counters)
+            return t.reject(DecidedBy.TOKENS, "greedy tokens differ from the unpatched model", check,
+                            counters=counters)
     return None
 
 
@@ -902,8 +933,8 @@ def _interleaved_gate(t: _Trial, interleaved: Callable[[], tuple[list[float], li
     try:
         trials, bases = interleaved()
     except Exception as e:  # noqa: BLE001 - a failure while timing costs this candidate only
-        return t.decide("rejected", f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}", check,
-                        counters=counters)
+        return t.reject(DecidedBy.RUNTIME, f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}",
+                        check, counters=counters)
     gain, lo, hi = interleaved_gain(trials, bases)
     t.before = t.again = statistics.median(bases)
     after = statistics.median(trials)
@@ -912,9 +943,9 @@ def _interleaved_gate(t: _Trial, interleaved: Callable[[], tuple[list[float], li
            f"({min(trials):.1f}-{max(trials):.1f})")
     detail = _with_graphs(t, check.detail)
     if gain < t.cfg.delta:
-        return t.decide("rejected", f"end-to-end gain {how} below delta {t.cfg.delta:.0%}; {detail}", check, after,
-                        gain, counters)
-    return t.decide("accepted", f"end-to-end gain {how}; {detail}", check, after, gain, counters)
+        return t.reject(DecidedBy.LATENCY, f"end-to-end gain {how} below delta {t.cfg.delta:.0%}; {detail}", check,
+                        after, gain, counters)
+    return t.accept(f"end-to-end gain {how}; {detail}", check, after, gain, counters)
 
 
 def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: float | None,
@@ -926,8 +957,9 @@ def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: flo
     after = latency()
     detail = _with_graphs(t, check.detail)
     if after is None:
-        return t.decide("rejected", f"latency gate skipped on the CPU: no CPU timing may accept a patch "
-                                    f"(in-model correctness ok: {detail})", check, counters=counters)
+        return t.reject(DecidedBy.LATENCY_SKIPPED, f"latency gate skipped on the CPU: no CPU timing may accept a "
+                                                   f"patch (in-model correctness ok: {detail})", check,
+                        counters=counters)
     cfg, bracket, need, gain = t.cfg, "", t.cfg.delta, None
     if rebaseline is not None and current is not None:
         t.again = rebaseline()
@@ -943,8 +975,8 @@ def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: flo
                         trials.append(_measure_as(t.model, t.bundle, latency))
                         base.append(rebaseline())
                 except Exception as e:  # noqa: BLE001 - it ran once already: a failure now costs this candidate only
-                    return t.decide("rejected", f"runtime (measuring a noisy bracket again): {type(e).__name__}: "
-                                                f"{str(e)[:300]}", check, counters=counters)
+                    return t.reject(DecidedBy.RUNTIME, f"runtime (measuring a noisy bracket again): "
+                                                       f"{type(e).__name__}: {str(e)[:300]}", check, counters=counters)
                 if all(x is not None for x in trials + base):  # the median bracketed gain decides, against delta
                     gains = [1 - x / ((b0 + b1) / 2) for x, b0, b1 in zip(trials, base, base[1:])]
                     gain, need = statistics.median(gains), cfg.delta
@@ -957,6 +989,6 @@ def _bracketed_gate(t: _Trial, latency: Callable[[], float | None], current: flo
         gain = (t.before - after) / t.before
     if gain < need:
         below = f"delta {cfg.delta:.0%}" if need == cfg.delta else f"the baseline's drift {need:.1%}"
-        return t.decide("rejected", f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check, after,
-                        gain, counters)
-    return t.decide("accepted", f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain, counters)
+        return t.reject(DecidedBy.LATENCY, f"end-to-end gain {gain:+.2%}{bracket} below {below}; {detail}", check,
+                        after, gain, counters)
+    return t.accept(f"end-to-end gain {gain:+.2%}{bracket}; {detail}", check, after, gain, counters)

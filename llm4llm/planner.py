@@ -27,6 +27,8 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from llm4llm.outcomes import PlanAction, PlanWhy
+
 # when the user's command started (Unix time): a run's budget counts from there, start-up included (the CLI sets it)
 RUN_STARTED: ContextVar[float | None] = ContextVar("llm4llm_run_started", default=None)
 
@@ -121,7 +123,8 @@ class TaskView:
 
 @dataclass
 class PlanItem:
-    """One task's place in the plan. action: search | skip | fallback (searched only if `parent` fails)."""
+    """One task's place in the plan. action: search | skip | fallback (searched only if `parent` fails); `why` is
+    what code reads of the reason, `reason` says it in words."""
 
     task_id: str
     family: str
@@ -129,14 +132,24 @@ class PlanItem:
     score: float
     speedup: float  # the speedup the planner expects of its best candidate
     saving: float  # expected end-to-end saving, a fraction of the workload's time
-    action: str
+    action: PlanAction
     reason: str
     trials: int = 0
     parent: str | None = None
     artifact_path: str | None = None
+    why: PlanWhy | None = None
+
+    def decide(self, action: PlanAction, why: PlanWhy, reason: str) -> None:
+        self.action, self.why, self.reason = action, why, reason
+
+    @property
+    def negligible(self) -> bool:
+        """A skipped task under 0.01 % of the time, not skipped for being undeployable: the plan's long tail."""
+        return self.action == PlanAction.SKIP and self.saving < 1e-4 and self.why != PlanWhy.NOT_DEPLOYABLE
 
     def row(self, run_id: str, rank: int) -> dict:
-        return {"run_id": run_id, "rank": rank, **{k: v for k, v in asdict(self).items() if k != "artifact_path"}}
+        return {"run_id": run_id, "rank": rank,
+                **{k: v for k, v in asdict(self).items() if k not in ("artifact_path", "why")}}
 
 
 @dataclass
@@ -159,7 +172,7 @@ class Plan:
     later: tuple[str, ...] = ("accept", "evaluate")  # the stages after the search that the budget keeps time for
 
     def targets(self) -> list[PlanItem]:
-        return [i for i in self.items if i.action == "search"]
+        return [i for i in self.items if i.action == PlanAction.SEARCH]
 
     def expected_saving(self) -> float:
         return sum(i.saving for i in self.targets())
@@ -178,14 +191,14 @@ class Plan:
                      f"{kept}; a trial ~{est.trial_s:.0f} s, from {est.source})")
         out = [head]
         for i in self.items:
-            if targets_only and i.action != "search":
+            if targets_only and i.action != PlanAction.SEARCH:
                 continue
-            if i.action == "skip" and i.saving < 1e-4 and "not deployable" not in i.reason:
+            if i.negligible:
                 continue  # the long tail of negligible tasks: counted below
-            what = f"{i.trials} trials" if i.action == "search" else i.action
+            what = f"{i.trials} trials" if i.action == PlanAction.SEARCH else i.action
             out.append(f"  {what:>10}  {i.task_id:<40} score {i.score:.3f}  x{i.speedup:.2f} -> "
                        f"{i.saving:6.2%}  {i.reason}")
-        tail = sum(1 for i in self.items if i.action == "skip" and i.saving < 1e-4 and "not deployable" not in i.reason)
+        tail = sum(1 for i in self.items if i.negligible)
         if tail and not targets_only:
             out.append(f"  {'skip':>10}  {tail} more task(s) under 0.01 % of the time each")
         out += [f"  note: {n}" for n in self.notes]
@@ -248,32 +261,33 @@ def rank_tasks(tasks: list[TaskView], *, delta: float, history: dict | None = No
                         reverse=True)
     for t in ranked:
         s = expected_speedup(t.family, t.phase, history)
-        item = PlanItem(t.task_id, t.family, t.phase, t.score, s, saving_of(t.score, s), "skip", "",
+        item = PlanItem(t.task_id, t.family, t.phase, t.score, s, saving_of(t.score, s), PlanAction.SKIP, "",
                         artifact_path=t.artifact_path)
         items.append(item)
+        skip = PlanAction.SKIP
         if not t.deployable:
-            item.reason = f"not deployable: {t.reason[:120]}"
+            item.decide(skip, PlanWhy.NOT_DEPLOYABLE, f"not deployable: {t.reason[:120]}")
         elif families and t.family not in families:
-            item.reason = "family not asked for (--family)"
+            item.decide(skip, PlanWhy.FAMILY_NOT_ASKED, "family not asked for (--family)")
         elif phases and t.phase not in phases:
-            item.reason = "phase not asked for (--phase)"
+            item.decide(skip, PlanWhy.PHASE_NOT_ASKED, "phase not asked for (--phase)")
         elif t.task_id in excluded:
-            item.reason = "searched whole: nothing accepted"
+            item.decide(skip, PlanWhy.NOTHING_ACCEPTED, "searched whole: nothing accepted")
         elif t.task_id in searched:
-            item.action, item.reason = "searched", "searched earlier in this run"
+            item.decide(PlanAction.SEARCHED, PlanWhy.SEARCHED, "searched earlier in this run")
             chosen.append(t)
         elif covers.get(t.task_id) is False:
-            item.reason = "no built-in template computes what it does (not covered)"
+            item.decide(skip, PlanWhy.NOT_COVERED, "no built-in template computes what it does (not covered)")
         elif top is not None:
             if len(chosen) < top:
-                item.action, item.reason = "search", f"among the top {top} asked for"
+                item.decide(PlanAction.SEARCH, PlanWhy.IN_TOP, f"among the top {top} asked for")
                 chosen.append(t)
             else:
-                item.reason = f"beyond the top {top}"
+                item.decide(skip, PlanWhy.BEYOND_TOP, f"beyond the top {top}")
         else:
             _decide(item, t, chosen, delta)
     # targets first (in order of saving), then the fall-backs, then what is skipped
-    order = {"searched": 0, "search": 1, "fallback": 2, "skip": 3}
+    order = {a: k for k, a in enumerate(PlanAction)}
     return sorted(items, key=lambda i: (order[i.action], -(i.score if top is not None else i.saving)))
 
 
@@ -282,16 +296,20 @@ def _decide(item: PlanItem, t: TaskView, chosen: list[TaskView], delta: float) -
     parents = [c for c in chosen if c.phase == t.phase and covered_fraction(t, c.instances) > 0]
     outside = 1.0 - max((covered_fraction(t, c.instances) for c in parents), default=0.0)
     if parents and outside <= 0.05:
-        item.action, item.parent = "fallback", parents[0].task_id
-        item.reason = f"inside {parents[0].task_id}, searched whole; searched only if that fails"
+        item.parent = parents[0].task_id
+        item.decide(PlanAction.FALLBACK, PlanWhy.INSIDE_TARGET,
+                    f"inside {parents[0].task_id}, searched whole; searched only if that fails")
         return
     item.saving *= outside
     if item.speedup <= 1.0:
-        item.reason = f"its family usually loses to the library here (x{item.speedup:.2f})"
+        item.decide(PlanAction.SKIP, PlanWhy.FAMILY_LOSES,
+                    f"its family usually loses to the library here (x{item.speedup:.2f})")
     elif item.saving < delta:
-        item.reason = f"at most {item.saving:.2%} end to end, below delta {delta:.0%}"
+        item.decide(PlanAction.SKIP, PlanWhy.BELOW_DELTA,
+                    f"at most {item.saving:.2%} end to end, below delta {delta:.0%}")
     else:
-        item.action, item.reason = "search", "largest expected saving" if not chosen else "expected saving"
+        item.decide(PlanAction.SEARCH, PlanWhy.EXPECTED_SAVING,
+                    "largest expected saving" if not chosen else "expected saving")
         chosen.append(t)
 
 
@@ -346,7 +364,7 @@ def make_plan(tasks: list[TaskView], *, device: str, run_s: float, delta: float,
         if search_s < est.trial_s * MIN_TRIALS:
             notes.append(f"the budget leaves {search_s:.0f} s for the search, less than {MIN_TRIALS} trials: each "
                          f"target still gets its template's default (raise --time-budget for more)")
-    targets = [i for i in items if i.action == "search"]
+    targets = [i for i in items if i.action == PlanAction.SEARCH]
     split_trials(targets, search_s, est.trial_s, trials)
     if not targets:
         notes.append(_why_nothing(items))
@@ -354,7 +372,7 @@ def make_plan(tasks: list[TaskView], *, device: str, run_s: float, delta: float,
 
 
 def _why_nothing(items: list[PlanItem]) -> str:
-    uncovered = [i.task_id for i in items if "not covered" in i.reason]
+    uncovered = [i.task_id for i in items if i.why == PlanWhy.NOT_COVERED]
     if uncovered:
         return (f"nothing to search: no built-in template covers the tasks that matter ({', '.join(uncovered[:4])}); "
                 "`--proposer llm` can write for any task (docs/llm.md)")

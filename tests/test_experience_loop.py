@@ -36,7 +36,7 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
     spec = load_spec(Path(task_dir))
     first = LibraryProposer(seed=0).propose(spec, [], [], 1)[0]
     decision = Decision(spec.task_id, first.id, "rejected", "in-model correctness: logits_rel_l2_floor 0.2 (limit 0.03)",
-                        "logits_rel_l2_floor", 0.2, None, None, None, 0.1)
+                        "logits_rel_l2_floor", 0.2, None, None, None, 0.1, decided_by="in_model")
     exp = rejection_experience(decision, Proposal(task_dir, first.id, first.source, 1.5, dict(first.config),
                                                  first.template))
     assert exp.failing and exp.failing[0].template == first.template and "rejected at deployment" in exp.notes[0]

@@ -123,7 +123,7 @@ def test_a_rejected_coverage_step_is_remembered_at_its_coverage():
     assert step.config == {**p.config, "tm_coverage": 0.5} and step.candidate_id == "c1@0.5"
     assert proposal_of({"c1": p}, "c1") is p and proposal_of({"c1": p}, "c2@0.5") is None
     d = acc.Decision("t", "c1@0.5", "rejected", "in-model correctness: accuracy_budget: ...", "", None, None, None,
-                     None, 0.0)
+                     None, 0.0, decided_by="in_model")
     [failing] = rejection_experience(d, step).failing
     assert failing.template == NAME and failing.config["tm_coverage"] == 0.5
 

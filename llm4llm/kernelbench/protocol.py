@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from llm4llm.kernelbench.problem import SEED, build_model, inputs_for, load_module, set_seed, trial_seeds
+from llm4llm.outcomes import FATAL_TO_WORKER, FailureClass
 from llm4llm.verify.judge import (CHECK_GATES, Draw, GateFailure, Judge, append_passed_before, call_candidate,
                                   check_rewritten, classify_exception, guard, nonfinite_where_ref_finite, same_bits)
 from llm4llm.verify.verdict import NO_GPU, GateResult, Latency, Verdict
@@ -151,13 +152,14 @@ class KBJudge(Judge):
             check_rewritten(outs, again)
             nonfinite = nonfinite_where_ref_finite(outs, draw.ref)
             if nonfinite:
-                raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")
+                raise GateFailure("poisoned_outputs", FailureClass.NAN_INF,
+                                  f"NaN/Inf where the reference is finite: {nonfinite}")
             for key, prev in self.history:
                 if key != draw.key and all(same_bits(outs[n], prev[n].to(outs[n].device)) for n in outs):
-                    raise GateFailure("no_cached_output", "cached_output",
+                    raise GateFailure("no_cached_output", FailureClass.CACHED_OUTPUT,
                                       f"trial {draw.key}: outputs are bit-identical to those of trial {key} "
                                       f"(different inputs)")
-            raise GateFailure("correctness", "wrong_output", "; ".join(bad) + f" (trial {draw.key[1]})")
+            raise GateFailure("correctness", FailureClass.WRONG_OUTPUT, "; ".join(bad) + f" (trial {draw.key[1]})")
         # earlier outputs, for the cached-result check: small ones whole, large ones on the host
         self.history.append((draw.key, {n: t if t.numel() < (1 << 24) else t.cpu() for n, t in outs.items()}))
 
@@ -180,7 +182,7 @@ def _run_kb(v: Verdict, task, module, dev: torch.device, timing: bool, perf_tria
     flags = strict_fp32()
     problem = load_module(spec.static["source"], f"kb_ref_{spec.task_id.replace('-', '_')}")
     if not isinstance(getattr(module, "ModelNew", None), type):
-        return v.fail("compile", "compile", "the module defines no class `ModelNew`"), False
+        return v.fail("compile", FailureClass.COMPILE, "the module defines no class `ModelNew`"), False
     t0 = time.perf_counter()
     try:
         ref_model, new_model = _build_models(problem, module, dev, flags)
@@ -231,7 +233,8 @@ def _build_models(problem, module, dev: torch.device, flags: tuple):
         raise GateFailure(f.gate, f.failure_class, f"building ModelNew(*get_init_inputs()) failed: {f.message}",
                           f.poisoned) from None
     if precision_flags() != flags:
-        raise GateFailure("precision", "precision_changed", f"importing or building the candidate changed the fp32 "
+        raise GateFailure("precision", FailureClass.PRECISION_CHANGED,
+                          f"importing or building the candidate changed the fp32 "
                           f"precision settings {flags} -> {precision_flags()} (TF32 or reduced-precision matmul)")
     return ref_model, new_model
 
@@ -282,11 +285,11 @@ def _judge_trials(judge: KBJudge, trials: _Trials, flags: tuple) -> None:
                 judge.judge(trials.draw(i))
         except RuntimeError as e:
             failure = classify_exception(e, first_call=False)
-            if failure.failure_class not in ("gpu_fault", "oom"):
+            if failure.failure_class not in FATAL_TO_WORKER:
                 raise
             raise failure from None
         if precision_flags() != flags:
-            raise GateFailure("precision", "precision_changed",
+            raise GateFailure("precision", FailureClass.PRECISION_CHANGED,
                               f"the forward changed the fp32 precision settings {flags} -> {precision_flags()}")
 
 

@@ -16,13 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from llm4llm.outcomes import FailureClass
 from llm4llm.search.templates.base import Template
 from llm4llm.taskspec import TaskSpec
 
-MISMATCH = ("wrong_output", "nan_inf", "shape_dtype")  # failure classes that mean "computes something else"
+# failure classes that mean "computes something else"
+MISMATCH = frozenset({FailureClass.WRONG_OUTPUT, FailureClass.NAN_INF, FailureClass.SHAPE_DTYPE})
 # failures that say nothing about the template (the worker, the machine, a time limit): the check is inconclusive;
 # any other failure of the default (it raised on the module's own call, it does not compile) rules the template out
-INCONCLUSIVE = ("timeout", "worker_crash", "interrupted", "oom", "gpu_fault")
+INCONCLUSIVE = frozenset({FailureClass.TIMEOUT, FailureClass.WORKER_CRASH, FailureClass.INTERRUPTED,
+                          FailureClass.OOM, FailureClass.GPU_FAULT})
 NOT_COVERED = "not covered by the built-in library"
 
 CheckVerify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like, correctness on the captured cases

@@ -12,12 +12,11 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from llm4llm.search.experience import Point, derive_rules, points_from_experience, points_from_feedback
+from llm4llm.search.experience import (NUMERIC_CLASSES, Point, derive_rules, points_from_experience,
+                                       points_from_feedback)
 from llm4llm.search.templates.base import Template
 from llm4llm.search.types import Candidate, Experience, Feedback, config_key
 from llm4llm.taskspec import TaskSpec
-
-NUMERIC_FAILURES = ("wrong_output", "nan_inf")
 
 
 class LibraryProposer:
@@ -143,7 +142,7 @@ def _implicated(last: Feedback, t: Template, spec: TaskSpec) -> list[str]:
     named = [k for k in space if k.lower() in msg]
     if named:
         return named
-    if last.failure_class in NUMERIC_FAILURES:
+    if last.failure_class in NUMERIC_CLASSES:
         picked = [k for k, vals in space.items() if not all(_num(v) for v in vals)]
     else:
         picked = [k for k, vals in space.items() if all(_num(v) for v in vals) and
@@ -157,7 +156,7 @@ def _repair(pool, last: Feedback, t: Template, spec: TaskSpec, rng) -> tuple[str
     same = [(name, c) for name, c in pool if name == t.name]
     moved = [(name, c) for name, c in same if any(c[k] != last.config.get(k) for k in keys)
              and all(c[k] == last.config.get(k) for k in c if k not in keys)]
-    if last.failure_class not in NUMERIC_FAILURES:  # resources and the like: shrink, never grow
+    if last.failure_class not in NUMERIC_CLASSES:  # resources and the like: shrink, never grow
         smaller = [(name, c) for name, c in moved if all(not _num(c[k]) or c[k] <= last.config[k] for k in keys)]
         moved = smaller or moved
     cands = moved or same or pool

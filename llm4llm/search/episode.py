@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
+from llm4llm.outcomes import FINAL_ENDS, EpisodeEnd
 from llm4llm.search.experience import distil, signature_of
 from llm4llm.search.proposer import Proposer
 from llm4llm.search.types import Candidate, Experience, Feedback, verdict_dict
@@ -41,12 +43,25 @@ class Trial(BaseModel):
     iteration: int  # 0-based index within the whole search
 
 
+@dataclass(frozen=True)
+class Ending:
+    """Why an episode ended: the kind, which decides what follows, and its detail for people (the repeated failure
+    signature, the stop rule's reason)."""
+
+    kind: EpisodeEnd
+    detail: str = ""
+
+    def __str__(self) -> str:  # "length" | "exhausted" | "stuck: <signature>" | "stopped: <reason>"
+        return f"{self.kind}: {self.detail}" if self.detail else str(self.kind)
+
+
 class EpisodeRecord(BaseModel):
     index: int
     trials: list[str]  # candidate ids
     experience: Experience
     transcript: str  # path of the archived JSON transcript
-    ended_by: str  # "length" | "stuck: <signature>" | "budget" | "exhausted"
+    ended: EpisodeEnd
+    ended_by: str  # str(Ending): the kind with its detail, for people
 
 
 class SearchResult(BaseModel):
@@ -111,7 +126,7 @@ def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode
             record = run.close_episode(k, experiences, ended)
             result.episodes.append(record)
             experiences.append(record.experience)
-            if ended == "exhausted" or ended.startswith("stopped"):
+            if ended.kind in FINAL_ENDS:
                 break
             k += 1
     result.trials = run.trials
@@ -156,14 +171,15 @@ class _Run:
         self.tried: set[str] = set()
         self.episode_trials: list[Trial] = []
 
-    def episode(self, k: int, experiences: list[Experience], *, length: int, step: int, stop_when_stuck: bool) -> str:
+    def episode(self, k: int, experiences: list[Experience], *, length: int, step: int,
+                stop_when_stuck: bool) -> Ending:
         """Generate -> verify -> decide until `length` trials; returns why the episode ended."""
         self.episode_trials = []
         empty = 0
         while len(self.episode_trials) < length:
             why = self.stop(self.trials) if self.stop is not None and self.trials else None
             if why:
-                return f"stopped: {why}"
+                return Ending(EpisodeEnd.STOPPED, why)
             want = min(step, length - len(self.episode_trials))
             feedback = [t.feedback for t in self.episode_trials]
             fresh = [c for c in self.proposer.propose(self.spec, list(experiences), feedback, want)
@@ -171,17 +187,17 @@ class _Run:
             if not fresh:
                 empty += 1
                 if empty >= EMPTY_RETRIES:
-                    return "exhausted"
+                    return Ending(EpisodeEnd.EXHAUSTED)
                 continue
             for i, c in enumerate(fresh):
                 why = self.stop(self.trials) if self.stop is not None and self.trials and i else None
                 if why:
-                    return f"stopped: {why}"
+                    return Ending(EpisodeEnd.STOPPED, why)
                 self._trial(c, k)
             stuck = self._stuck()
             if stop_when_stuck and stuck and len(self.episode_trials) < length:
-                return f"stuck: {stuck}"
-        return "length"
+                return Ending(EpisodeEnd.STUCK, stuck)
+        return Ending(EpisodeEnd.LENGTH)
 
     def _trial(self, candidate: Candidate, k: int) -> None:
         iteration = len(self.trials)
@@ -204,14 +220,14 @@ class _Run:
         return f"{tail[-1].feedback.failure_class}: {signature_of(tail[-1].feedback.message)}" if len(sigs) == 1 \
             else None
 
-    def close_episode(self, k: int, prior: list[Experience], ended: str) -> EpisodeRecord:
-        notes = [f"ended by {ended}"] if ended != "length" else []
+    def close_episode(self, k: int, prior: list[Experience], ended: Ending) -> EpisodeRecord:
+        notes = [f"ended by {ended}"] if ended.kind != EpisodeEnd.LENGTH else []
         exp = distil(self.spec, [t.feedback for t in self.episode_trials], episode=k, prior=prior, notes=notes)
         path = self.archive / f"{self.name}-e{k}.json"
-        transcript = {"task_id": self.spec.task_id, "episode": k, "ended_by": ended,
+        transcript = {"task_id": self.spec.task_id, "episode": k, "ended_by": str(ended),
                       "proposer": self.proposer.name, "experience_in": [e.model_dump(mode="json") for e in prior],
                       "trials": [t.model_dump(mode="json") for t in self.episode_trials],
                       "experience_out": exp.model_dump(mode="json")}
         path.write_text(json.dumps(transcript, indent=1, default=str))
         return EpisodeRecord(index=k, trials=[t.candidate.id for t in self.episode_trials], experience=exp,
-                             transcript=str(path), ended_by=ended)
+                             transcript=str(path), ended=ended.kind, ended_by=str(ended))

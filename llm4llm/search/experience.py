@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from llm4llm.outcomes import FailureClass
 from llm4llm.search.types import (BestRegion, Experience, FailingConfig, FailureRule, Feedback, ValidConfig,
                                   config_key)
 from llm4llm.taskspec import TaskSpec
@@ -16,7 +17,9 @@ KEEP_FAILING = 6
 SIGNATURE_CHARS = 80
 # Failures that grow with tile sizes / stages: a value above every passing one generalises upward.
 RESOURCE_HINTS = ("out of resources", "shared memory", "registers", "too large", "exceeds", "oom")
-NUMERIC_CLASSES = ("wrong_output", "nan_inf")
+NUMERIC_CLASSES = frozenset({FailureClass.WRONG_OUTPUT, FailureClass.NAN_INF})
+# failures of the kind that larger tiles or more stages cause
+RESOURCE_CLASSES = frozenset({FailureClass.COMPILE, FailureClass.OOM})
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ def derive_rules(points: list[Point]) -> list[FailureRule]:
     evidence each time, so a later pass with the value retracts them."""
     rules: dict[tuple, FailureRule] = {}
     passing = [p for p in points if p.passed]
-    failing = [p for p in points if not p.passed and p.failure_class != "interrupted"]  # stopped from outside
+    # a worker stopped from outside says nothing about the config
+    failing = [p for p in points if not p.passed and p.failure_class != FailureClass.INTERRUPTED]
     for f in failing:
         for key, value in f.config.items():
             same_t = [p for p in passing if p.template == f.template and key in p.config]
@@ -94,7 +98,7 @@ def _num(v: Any) -> bool:
 
 
 def _resource(p: Point) -> bool:
-    return p.failure_class in ("compile", "oom") or any(h in p.signature for h in RESOURCE_HINTS)
+    return p.failure_class in RESOURCE_CLASSES or any(h in p.signature for h in RESOURCE_HINTS)
 
 
 def _differs_only_in(a: dict, b: dict, key: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llm4llm import isolation
+from llm4llm.outcomes import AcceptDecision
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
 
@@ -26,12 +27,11 @@ class AcceptOutcome:
 
     def summary(self) -> dict:
         r = self.result
-        retry = sorted({d.task_id for d in r.decisions if d.decision == "rejected"
-                        and not d.reason.startswith("latency gate skipped")})
-        return {"bundle": r.bundle_dir, "accepted": sum(d.decision == "accepted" for d in r.decisions),
+        retry = sorted({d.task_id for d in r.decisions if d.retried()})
+        return {"bundle": r.bundle_dir, "accepted": sum(d.accepted for d in r.decisions),
                 "retry_tasks": retry,
-                "accepted_tasks": [d.task_id for d in r.decisions if d.decision == "accepted"],
-                "rejected": sum(d.decision == "rejected" for d in r.decisions), "timing": r.timing,
+                "accepted_tasks": [d.task_id for d in r.decisions if d.accepted],
+                "rejected": sum(d.decision == AcceptDecision.REJECTED for d in r.decisions), "timing": r.timing,
                 "baseline_ms": r.baseline_ms, "final_ms": r.final_ms, "metric": r.metric,
                 "floor": r.floor_note, "graphs": r.graphs}
 
@@ -99,6 +99,6 @@ def _outcome(workload_path: str, run_id: str, proposals: list, result) -> Accept
     wl = describe_workload(workload_path)
     by_id = {p.candidate_id: p for p in proposals}
     rejections = [(i, d.task_id, json.loads(rejection_experience(d, proposal_of(by_id, d.candidate_id)).to_json()))
-                  for i, d in enumerate(result.decisions) if d.decision == "rejected"]
+                  for i, d in enumerate(result.decisions) if d.decision == AcceptDecision.REJECTED]
     manifest = json.loads((Path(result.bundle_dir) / "manifest.json").read_text()) if result.bundle_dir else None
     return AcceptOutcome(run_id, wl["workload_hash"], result, rejections, manifest)

@@ -41,6 +41,7 @@ import torch
 
 from kernels_runtime.tolerances import compare_lossy
 from llm4llm.kernelbench.protocol import run_kb
+from llm4llm.outcomes import FATAL_TO_WORKER, FailureClass
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, append_passed_before, call_candidate,
@@ -165,7 +166,7 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
                 device_name=_device_name(dev), timing_source="cuda_events" if dev.type == "cuda" else "none: cpu")
     rep = check_task_source(source, task.spec)
     if not rep.ok:
-        return v.fail("static", "static", rep.reason), False
+        return v.fail("static", FailureClass.STATIC, rep.reason), False
     v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
     install_launch_hook()
     name = f"llm4llm_candidate_{v.source_hash[:16]}"
@@ -174,13 +175,13 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
             try:
                 module = load_candidate(source, Path(tmp), name)
             except BaseException as e:  # noqa: BLE001
-                return v.fail("compile", "compile", "executing the source failed:\n"
+                return v.fail("compile", FailureClass.COMPILE, "executing the source failed:\n"
                               + "".join(traceback.format_exception(e))[-6000:]), False
             if task.spec.reference == "kernelbench":  # a ModelNew judged by KernelBench's protocol on top
                 return run_kb(v, task, module, dev, timing)
             entry = getattr(module, "entry", None)
             if not callable(entry):
-                return v.fail("compile", "compile", "the module defines no callable `entry`"), False
+                return v.fail("compile", FailureClass.COMPILE, "the module defines no callable `entry`"), False
             lossy = getattr(module, "LOSSY", None) if task.spec.accuracy_budget else None
             return _run_loaded(v, task, entry, dev, draws, seed, timing, memcheck, source, decode_timing,
                                lossy=dict(lossy) if isinstance(lossy, dict) else None)
@@ -207,7 +208,7 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
                 judge.judge(d)
             except RuntimeError as e:  # a CUDA fault can surface at a later synchronisation, in the checks
                 failure = classify_exception(e, first_call=False)
-                if failure.failure_class not in ("gpu_fault", "oom"):
+                if failure.failure_class not in FATAL_TO_WORKER:
                     raise
                 raise failure from None
     except GateFailure as f:
@@ -222,7 +223,7 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
 
         g = memcheck_gate(str(task.path), source, str(dev))
         if not g.passed:
-            return v.fail("memcheck", "out_of_bounds", g.detail), False
+            return v.fail("memcheck", FailureClass.OUT_OF_BOUNDS, g.detail), False
         v.gates.append(g)
     if dev.type != "cuda" or not timing:
         why = NO_GPU if dev.type != "cuda" else "skipped: timing off"
@@ -285,7 +286,8 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
     task's reference (all outputs, state_out.* included), a call through kernels_runtime's dispatch with the
     module's own forward (its returned tensors). Raises GateFailure(timed_output_mismatch); returns the detail."""
     if not meta:  # cold timing always runs back to back, so every timing offers calls to a sample
-        raise GateFailure("timed_outputs", "timed_output_mismatch", "no sampled timed call came back from the worker")
+        raise GateFailure("timed_outputs", FailureClass.TIMED_OUTPUT_MISMATCH,
+                          "no sampled timed call came back from the worker")
     ref_fn = reference_fn(task, dev)
     ref32_fn = reference_fn(task, dev, upcast=True) if is_16bit(task) else None
     modules: dict = {}
@@ -312,7 +314,7 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
         outs = {n: tensors[f"s{j}.{n}"].to(dev) for n in ref if f"s{j}.{n}" in tensors}
         missing = [n for n in ref if n not in outs]
         if missing:
-            raise GateFailure("timed_outputs", "timed_output_mismatch",
+            raise GateFailure("timed_outputs", FailureClass.TIMED_OUTPUT_MISMATCH,
                               f"{where}: outputs {missing} missing from the sampled call's answer")
         reports, _ = compare_outputs(task, outs, ref, ref32)
         if lossy is not None:  # an opted-in lossy candidate: the lossy bound, as its draws were judged
@@ -322,7 +324,7 @@ def check_timed_samples(task: Task, dev: torch.device, meta: list[dict], tensors
         if nonfinite or bad:
             why = "; ".join([*(f"{n}: {r}" for n, r in bad.items()),
                              *([f"NaN/Inf where the reference is finite: {nonfinite}"] if nonfinite else [])])
-            raise GateFailure("timed_outputs", "timed_output_mismatch",
+            raise GateFailure("timed_outputs", FailureClass.TIMED_OUTPUT_MISMATCH,
                               f"{where}: a timed call's outputs differ from the reference on its fresh inputs "
                               f"(the calls judged before timing were right): {why}")
     runs = {(m["case"], m["mode"], m["via"]): m["of"] for m in meta}
@@ -586,16 +588,17 @@ class CandidateSession:
             except RuntimeError as e:
                 raise classify_exception(e, first_call=False) from None
             if LAUNCHES.count == 0:
-                raise GateFailure("launches_triton", "no_triton", "entry returned without launching a Triton kernel")
+                raise GateFailure("launches_triton", FailureClass.NO_TRITON,
+                                  "entry returned without launching a Triton kernel")
             if stream is not None and any(s != stream for s in LAUNCHES.streams):
-                raise GateFailure("current_stream", "side_stream",
+                raise GateFailure("current_stream", FailureClass.SIDE_STREAM,
                                   "a Triton kernel was launched on a stream other than the caller's current stream")
             outs = check_shapes(out, {n: torch.empty(t.shape, dtype=t.dtype, device=self.dev)
                                        for n, t in expected.items()}, self.dev)
             shared = ownership_failure(outs, g, self.held)
             self._hold(out)
             if shared:
-                raise GateFailure("output_ownership", "output_aliased", shared)
+                raise GateFailure("output_ownership", FailureClass.OUTPUT_ALIASED, shared)
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             from safetensors.torch import save_file
@@ -643,8 +646,8 @@ class CandidateSession:
         return {"ok": v.model_dump(mode="json"), "samples": meta}
 
 
-def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, str, str] = (
-        "output_shape_dtype", "shape_dtype", "the worker's outputs")) -> dict[str, torch.Tensor]:
+def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, FailureClass, str] = (
+        "output_shape_dtype", FailureClass.SHAPE_DTYPE, "the worker's outputs")) -> dict[str, torch.Tensor]:
     """The tensors of the worker's answer file `work/name`, read as llm4llm.verify.answer allows (a regular file,
     a size limit, before the candidate's deadline, which `rpc` carries). Raises GateFailure: a file that is not
     a regular one is the candidate tampering with the harness (worker_crash), a mangled one a wrong answer
@@ -656,7 +659,7 @@ def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, str, str] 
     try:
         data = read_answer(work, name, deadline=getattr(rpc, "deadline", None))
     except AnswerError as e:
-        raise GateFailure("answer", "worker_crash", str(e)) from None
+        raise GateFailure("answer", FailureClass.WORKER_CRASH, str(e)) from None
     try:
         return load(data)
     except Exception as e:  # noqa: BLE001 - a mangled answer is the candidate process's doing
@@ -686,7 +689,7 @@ class RemoteJudge(Judge):
         out_elems = sum(r.numel() for r in draw.ref.values())
         why = torch_work_failure(reply.get("dispatch"), out_elems, self.task.spec.family)
         if why:
-            raise GateFailure("does_the_work", "torch_compute", f"{why} (judged call {self.runs})")
+            raise GateFailure("does_the_work", FailureClass.TORCH_COMPUTE, f"{why} (judged call {self.runs})")
         ops = (reply.get("dispatch") or {}).get("ops") or {}
         for op, k in ops.items():
             self.dispatch_ops[op] = self.dispatch_ops.get(op, 0) + k
@@ -696,7 +699,8 @@ class RemoteJudge(Judge):
         outs = {}
         for n in draw.ref:
             if f"out.{n}" not in saved:
-                raise GateFailure("output_shape_dtype", "shape_dtype", f"output {n!r}: missing from the worker's answer")
+                raise GateFailure("output_shape_dtype", FailureClass.SHAPE_DTYPE,
+                                  f"output {n!r}: missing from the worker's answer")
             outs[n] = saved[f"out.{n}"].to(self.device)
         outs = check_shapes(outs, draw.ref, self.device)
         g = self._guarded(draw, saved)
@@ -712,11 +716,13 @@ class RemoteJudge(Judge):
                 if f"buf.{key}" not in saved:
                     if kind == "weights":
                         continue  # large: checked in the worker
-                    raise GateFailure("canaries", "out_of_bounds", f"{key}: its buffer is missing from the answer")
+                    raise GateFailure("canaries", FailureClass.OUT_OF_BOUNDS,
+                                      f"{key}: its buffer is missing from the answer")
                 n, pad = t.numel(), self.canary.pad(key, t.numel())
                 buf = saved[f"buf.{key}"].to(self.device)
                 if buf.numel() != n + 2 * pad or buf.dtype != t.dtype:
-                    raise GateFailure("canaries", "out_of_bounds", f"{key}: the returned buffer has another layout")
+                    raise GateFailure("canaries", FailureClass.OUT_OF_BOUNDS,
+                                      f"{key}: the returned buffer has another layout")
                 margins = torch.empty(2 * pad, dtype=t.dtype, device=self.device)
                 canary_fill(margins, self.canary)
                 buffers.append((key, buf, pad, n, margins))
@@ -784,7 +790,7 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
                 judge.judge(d)
             except RuntimeError as e:
                 failure = classify_exception(e, first_call=False)
-                if failure.failure_class not in ("gpu_fault", "oom"):
+                if failure.failure_class not in FATAL_TO_WORKER:
                     raise
                 raise failure from None
     except GateFailure as f:
@@ -839,9 +845,9 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
                     for m in ("cold", "in_context")]
     bad = next((g for g in timed.gates if not g.passed), None)
     if bad is not None:
-        return v.fail(bad.name, "timeout" if "time" in bad.name else "runtime_error", bad.detail), False
+        return v.fail(bad.name, FailureClass.TIMEOUT if "time" in bad.name else FailureClass.RUNTIME_ERROR, bad.detail), False
     try:
-        tensors = _load_answer(work, name, rpc, ("timed_outputs", "timed_output_mismatch",
+        tensors = _load_answer(work, name, rpc, ("timed_outputs", FailureClass.TIMED_OUTPUT_MISMATCH,
                                                  "the sampled timed outputs")) if r.get("samples") else {}
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), False
@@ -865,7 +871,7 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         return v.finish(), False
     floor = physical_floor_failure(v, task, all_draws, dev)
     if floor:
-        return v.fail("physical_floor", "impossible_time", floor), False
+        return v.fail("physical_floor", FailureClass.IMPOSSIBLE_TIME, floor), False
     v.gates.append(GateResult(name="physical_floor", passed=True, detail="timed latencies above the HBM floor"))
     return v.finish(), False
 

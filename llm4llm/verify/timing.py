@@ -35,10 +35,12 @@ import functools
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from llm4llm.outcomes import FailureClass
 from llm4llm.verify.judge import classify_exception
 from llm4llm.verify.verdict import GateResult, Latency, Verdict
 
@@ -660,7 +662,7 @@ def time_task(v: Verdict, task, entry: Callable, draws: list, device: torch.devi
     all_weights = [float(max(c.calls, 1)) for c in task.spec.cases]
     timed = sorted(range(len(task.cases)), key=lambda k: -all_weights[k])[:MAX_TIMED_CASES]
     weights = [all_weights[k] for k in timed]
-    how_mode: dict[str, str] = {}
+    how_mode: dict[str, HowTimed] = {}
     for mode in ("cold", "in_context"):
         pairs = [timer.time_case(k, mode, graph and mode == "in_context", how_mode) for k in timed]
         _record_mode(v, mode, _weighted([c for c, _ in pairs], weights), _weighted([r for _, r in pairs], weights),
@@ -727,22 +729,23 @@ class _TaskTimer:
         if sampler is not None:
             self.samples.append(sampler)
 
-    def time_case(self, k: int, mode: str, graph: bool, how_mode: dict) -> tuple[Latency, Latency]:
+    def time_case(self, k: int, mode: str, graph: bool, how_mode: dict[str, HowTimed]) -> tuple[Latency, Latency]:
         """(candidate, reference) latencies of case k in `mode`: under graph replay where asked and capturable
         (`how_mode` records how), else back to back."""
         args = [(d.inputs, d.weights, d.state, self.task.spec.static) for d in self.draws if d.key[0] == k]
         if graph:
             try:
                 c, r, detail = self.graph_pair(args, k)
-                how_mode[mode] = f"GPU time under CUDA-graph replay, {detail}"
+                how_mode[mode] = HowTimed(True, f"GPU time under CUDA-graph replay, {detail}")
                 return c, r
             except Exception as e:  # noqa: BLE001 - timed back to back instead, and said so
                 failure = classify_exception(e, first_call=False)
-                if failure.failure_class == "gpu_fault":  # the CUDA context is gone: no fallback timing
+                if failure.failure_class == FailureClass.GPU_FAULT:  # the CUDA context is gone: no fallback timing
                     failure.gate = f"timing_{mode}"
                     failure.message = f"under CUDA-graph timing: {failure.message}"
                     raise failure from None
-                how_mode[mode] = f"back to back: graph capture failed: {type(e).__name__}: {str(e)[:150]}"
+                how_mode[mode] = HowTimed(False, f"back to back: graph capture failed: {type(e).__name__}: "
+                                                 f"{str(e)[:150]}")
         timer = functools.partial(self.back_to_back, args, mode, k)
         try:
             c = self.candidate.time(timer)
@@ -812,7 +815,16 @@ class _TaskTimer:
         return c, r, f"{copies} weight copy, alternating with the reference"
 
 
-def _record_mode(v: Verdict, mode: str, c: Latency, r: Latency, how: str, how_mode: str | None) -> None:
+@dataclass(frozen=True)
+class HowTimed:
+    """How a mode was timed where graph replay was asked for: `replayed` decides the suspect check, `text` is shown
+    in the timing gate's detail."""
+
+    replayed: bool
+    text: str
+
+
+def _record_mode(v: Verdict, mode: str, c: Latency, r: Latency, how: str, how_mode: HowTimed | None) -> None:
     """One mode's weighted latencies and speedup on `v`, and its gate; graph replay slower than the candidate's
     cold back-to-back time is flagged as suspect."""
     speedup = r.p50 / c.p50 if c.p50 > 0 else None
@@ -822,10 +834,10 @@ def _record_mode(v: Verdict, mode: str, c: Latency, r: Latency, how: str, how_mo
     ratio = f"{speedup:.3f}x" if speedup is not None else "no speedup (zero candidate time)"
     suspect = ""
     cold = v.candidate_cold
-    if (how_mode or "").startswith("GPU time") and cold is not None and c.p50 > SUSPECT_RATIO * cold.p50:
+    if how_mode is not None and how_mode.replayed and cold is not None and c.p50 > SUSPECT_RATIO * cold.p50:
         # a call back to back (host gaps, L2 flushed) bounds its GPU time from above: replay should not exceed it
         suspect = f"; suspect: above the candidate's back-to-back cold p50 {cold.p50:.4f} ms"
     v.gates.append(GateResult(name=f"timing_{mode}", passed=True,
                               detail=f"p50 {c.p50:.4f} ms ({how}"
-                                     + (f"; {how_mode}" if how_mode is not None else "")
+                                     + (f"; {how_mode.text}" if how_mode is not None else "")
                                      + f") vs reference {r.p50:.4f} ms: {ratio}{suspect}"))

@@ -6,16 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FailureClass = Literal[
-    "static", "compile", "runtime_error", "timeout", "gpu_fault", "oom", "wrong_output", "nan_inf", "shape_dtype",
-    "unwritten_output", "input_mutated", "cached_output", "side_stream", "out_of_bounds", "no_triton", "worker_crash",
-    "interrupted",  # the worker was stopped from outside (SIGTERM/SIGINT/SIGHUP): says nothing about the candidate
-    "precision_changed",  # the candidate changed TF32 / reduced-precision settings (KernelBench tasks, fp32)
-    "torch_compute",  # torch ops, not the candidate's Triton kernels, did the work (the does_the_work gate)
-    "impossible_time",  # a timed latency below the physical floor (bytes / HBM bandwidth)
-    "timed_output_mismatch",  # a randomly sampled timed call's outputs differ from the reference (timed_outputs)
-    "output_aliased",  # an output shares storage with an input, a weight or an earlier call's output (output_ownership)
-]
+from llm4llm.outcomes import FailureClass
 
 NO_GPU = "skipped: no GPU"
 
@@ -67,10 +58,14 @@ class Verdict(BaseModel):
     # when its best candidate is near it (llm4llm.planner.NEAR_FLOOR)
     floor_ms: float | None = None
 
-    def fail(self, gate: str, failure_class: FailureClass, message: str) -> "Verdict":
-        """Record a failing gate; the verdict is then final (later gates do not run)."""
+    def fail(self, gate: str, failure_class: FailureClass | str, message: str) -> "Verdict":
+        """Record a failing gate; the verdict is then final (later gates do not run). A class given as a string (a
+        worker's reply) that names no FailureClass is recorded as worker_crash, the string kept in the message."""
+        fc = FailureClass.of(failure_class)
+        if fc != failure_class:
+            message = f"unknown failure class {failure_class!r}: {message}"
         self.gates.append(GateResult(name=gate, passed=False, detail=message))
-        self.passed, self.failure_class, self.message, self.utility = False, failure_class, message, 0.0
+        self.passed, self.failure_class, self.message, self.utility = False, fc, message, 0.0
         return self
 
     def finish(self) -> "Verdict":

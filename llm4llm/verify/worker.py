@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llm4llm import childlog
+from llm4llm.outcomes import FailureClass
 from llm4llm.verify.static_check import check_source, forbidden_names_for
 from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
@@ -271,9 +272,9 @@ class VerifierPool:
         try:  # the parse is bounded (size, nesting) in the gate; a parser failure still must not end the search
             rep = check_task_source(source, spec)
         except (RecursionError, MemoryError) as e:
-            return v.fail("static", "static", f"the source could not be parsed: {type(e).__name__}")
+            return v.fail("static", FailureClass.STATIC, f"the source could not be parsed: {type(e).__name__}")
         if not rep.ok:
-            return v.fail("static", "static", rep.reason)
+            return v.fail("static", FailureClass.STATIC, rep.reason)
         key = str(Path(task_dir).resolve())
         self._hashes[key] = check_artifacts(Path(task_dir), self._hashes.get(key))
         w = self._ready()
@@ -295,12 +296,12 @@ class VerifierPool:
             got = self._judge(v, spec, Path(task_dir), local, source, opts, rpc, w)
         except _WorkerTimeout:
             self._next()
-            return v.fail("worker", "timeout", f"no verdict within {limit:.1f}s: worker killed and replaced")
+            return v.fail("worker", FailureClass.TIMEOUT, f"no verdict within {limit:.1f}s: worker killed and replaced")
         except _WorkerDied:
             return self._crashed(v, w, time.monotonic() - t0, dog)
         except _HarnessError as e:
             self._next()
-            return v.fail("worker", "worker_crash", f"verifier error:\n{e}")
+            return v.fail("worker", FailureClass.WORKER_CRASH, f"verifier error:\n{e}")
         except BaseException:
             self._next()  # Ctrl-C or an error here: the worker's group goes with it
             raise
@@ -345,7 +346,7 @@ class VerifierPool:
             from llm4llm.verify.sanitizer import memcheck_gate
 
             g = memcheck_gate(str(local), source, self.device)
-            got = got.fail("memcheck", "out_of_bounds", g.detail) if not g.passed else got
+            got = got.fail("memcheck", FailureClass.OUT_OF_BOUNDS, g.detail) if not g.passed else got
             if g.passed:
                 got.gates.append(g)
         return got
@@ -362,7 +363,7 @@ class VerifierPool:
         timing = [x for x in v.gates if x.name.startswith("timing")]
         v.gates = [x for x in v.gates if not x.name.startswith("timing")]
         if not g.passed:
-            return v.fail(g.name, "compile", g.detail)
+            return v.fail(g.name, FailureClass.COMPILE, g.detail)
         v.gates += [g, *timing]
         return v.finish()
 
@@ -380,23 +381,24 @@ class VerifierPool:
             code = None
         self._next()
         if dog.tripped is not None:
-            return v.fail("worker", "oom", f"worker's resident memory reached {dog.tripped / 2**30:.2f} GiB, over "
-                                           f"the sandbox limit of {self.mem_limit / 2**30:.2f} GiB: killed after "
-                                           f"{elapsed:.1f}s")
+            return v.fail("worker", FailureClass.OOM,
+                          f"worker's resident memory reached {dog.tripped / 2**30:.2f} GiB, over the sandbox limit "
+                          f"of {self.mem_limit / 2**30:.2f} GiB: killed after {elapsed:.1f}s")
         if code == -signal.SIGKILL:
-            return v.fail("worker", "oom", f"worker killed by SIGKILL after {elapsed:.1f}s (likely out of memory)")
+            return v.fail("worker", FailureClass.OOM,
+                          f"worker killed by SIGKILL after {elapsed:.1f}s (likely out of memory)")
         if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             # stopped from outside (a time limit on the whole run, Ctrl-C): not a fault of the candidate, whose
             # config must not be remembered as one. Inside the sandbox seccomp refuses these signals, so the
             # candidate cannot have sent them; where seccomp is off it could have, and the message says so.
             sure = str((v.sandbox or {}).get("seccomp", "")).startswith("on")
-            return v.fail("worker", "interrupted", f"worker stopped by {signal.Signals(-code).name} after "
-                                                    f"{elapsed:.1f}s (from outside: not the candidate's fault"
-                                                    + ("" if sure else "; seccomp is off, so the candidate could "
-                                                       "have sent it itself") + ")")
+            return v.fail("worker", FailureClass.INTERRUPTED,
+                          f"worker stopped by {signal.Signals(-code).name} after {elapsed:.1f}s (from outside: not "
+                          f"the candidate's fault"
+                          + ("" if sure else "; seccomp is off, so the candidate could have sent it itself") + ")")
         if code is not None and code < 0 and self.device.startswith("cuda"):
-            return v.fail("worker", "gpu_fault", f"worker died of signal {-code} after {elapsed:.1f}s")
-        return v.fail("worker", "worker_crash", f"worker died (exit code {code}) after {elapsed:.1f}s")
+            return v.fail("worker", FailureClass.GPU_FAULT, f"worker died of signal {-code} after {elapsed:.1f}s")
+        return v.fail("worker", FailureClass.WORKER_CRASH, f"worker died (exit code {code}) after {elapsed:.1f}s")
 
     def close(self) -> None:
         if self._w is not None and self._w.alive():
