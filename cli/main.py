@@ -52,7 +52,7 @@ def _choices(names: tuple[str, ...]) -> str:
 
 
 def _quiet_prefect(verbose: bool) -> None:
-    from kernels_runtime.ops._common import interpret_without_gpu
+    from kernels_runtime.interp import interpret_without_gpu
 
     interpret_without_gpu()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")

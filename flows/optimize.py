@@ -78,7 +78,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
         data_dir: where profiles, tasks, candidates and bundles go (empty: $LLM4LLM_HOME, else ./.llm4llm)
         kind: what started the run: nightly, manual, on-change or cli (empty: from the deployment that started it)
     """
-    from kernels_runtime.ops._common import interpret_without_gpu
+    from kernels_runtime.interp import interpret_without_gpu
 
     interpret_without_gpu()  # a served run (a worker's flow-run process) has no CLI to set Triton's interpreter
     cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings

@@ -32,7 +32,7 @@ def close_pools() -> None:
 
 
 def _run_child(fn, args, kwargs):
-    from kernels_runtime.ops._common import interpret_without_gpu
+    from kernels_runtime.interp import interpret_without_gpu
 
     interpret_without_gpu()
     return fn(*args, **kwargs)
@@ -74,7 +74,7 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
                                         sandboxed_popen)
 
-    from kernels_runtime.ops._common import interpret_without_gpu
+    from kernels_runtime.interp import interpret_without_gpu
 
     # before the child imports anything: it unpickles `fn` (importing its module, and Triton's kernels with it)
     # before _run_child runs, so a parent without the setting (a served flow run) would leave it too late

@@ -191,19 +191,6 @@ def gemv_store(acc, acc_u, b_ptr, r_ptr, y_ptr, row, rn, N, stride_rm, stride_ym
     tl.store(y_ptr + row * stride_ym + rn * stride_yn, cast_out(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
 
 
-def interpret_without_gpu() -> None:
-    """Make Triton run under its interpreter when this process has no GPU (must run before triton compiles
-    anything), with kernels_runtime.interp's speed-ups when it does. The CLI, a served flow run and the sandboxed
-    acceptance/evaluation subprocess call this."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels_runtime.interp import enable_fast_interpreter
-
-    enable_fast_interpreter()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Cached launches: bind the compiled kernel once per specialization, then call its launcher directly.
 #
