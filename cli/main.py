@@ -215,6 +215,10 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
              task_runner: str = TaskRunnerOpt, ray_address: Optional[str] = RayAddressOpt,
              ray_gpus_per_eval: float = RayGpusOpt,
              refresh: bool = typer.Option(False, help="ignore cached results"),
+             sets: Optional[list[str]] = typer.Option(
+                 None, "--set", metavar="SECTION.KEY=VALUE",
+                 help="any run setting by its path in llm4llm/config.py's OptimizeConfig, after the flags "
+                      "(repeatable), e.g. --set search.budget=30 --set evaluate.batch_sizes=[1,8,32]"),
              verbose: bool = typer.Option(False, "-v", "--verbose")) -> None:
     """Run the closed loop on a workload: profile -> extract -> plan -> search -> accept -> evaluate."""
     started = time.time()
@@ -236,7 +240,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
             "graphs": {"decode_graphs": decode_graphs},
             "scale": scale.model_dump(),
             "evaluate": {"variants": [v.strip() for v in e2e_variants.split(",")] if e2e_variants else None,
-                         "max_s": e2e_max_s}})
+                         "max_s": e2e_max_s}}, sets or [])
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
         _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
@@ -319,13 +323,18 @@ _FLAGS = {("time_budget_s",): "--time-budget", ("search", "families"): "--family
           ("stages",): "--stages"}
 
 
-def _config(values: dict):
-    """The run's OptimizeConfig from the flags; a value it refuses is one error line naming the flag (exit 2)."""
+def _config(values: dict, sets: list[str] = ()):
+    """The run's OptimizeConfig from the flags, then the `--set` overrides; a value it refuses is one error line
+    naming the flag (exit 2)."""
     from pydantic import ValidationError
 
-    from llm4llm.config import OptimizeConfig
+    from llm4llm.config import OptimizeConfig, apply_sets
     from llm4llm.errors import Llm4llmError
 
+    try:
+        values = apply_sets(values, list(sets))
+    except ValueError as e:
+        raise Llm4llmError(str(e)) from None
     try:
         return OptimizeConfig.model_validate(values)
     except ValidationError as e:

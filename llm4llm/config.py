@@ -161,3 +161,40 @@ class OptimizeConfig(_Settings):
     llm: LLMConfig | None = Field(None, description="the LLM proposer's settings (proposer llm or hybrid); API "
                                                     "keys come from the provider's environment variable, never "
                                                     "from here")
+
+
+def setting_paths(model: type[BaseModel] = OptimizeConfig, prefix: str = "") -> list[str]:
+    """Every setting of a run by its dotted path (`search.budget`, `accept.delta`, ...): what `--set` takes."""
+    out = []
+    for name, f in model.model_fields.items():
+        sub = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else None
+        out += setting_paths(sub, f"{prefix}{name}.") if sub is not None else [prefix + name]
+    return out
+
+
+def apply_sets(values: dict, sets: list[str]) -> dict:
+    """`values` (an OptimizeConfig's fields, nested by section) with each `PATH=VALUE` of `sets` written in, in
+    order; VALUE is read as JSON where it parses (30, 0.01, true, [1, 8, 32], null), else kept as text. A path that
+    is not a setting is a ValueError naming the closest ones."""
+    import difflib
+    import json
+
+    known = setting_paths()
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for item in sets:
+        path, eq, text = item.partition("=")
+        path = path.strip()
+        if not eq or path not in known:
+            near = difflib.get_close_matches(path, known, n=3) or known[:6]
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE with a known setting (did you mean "
+                             f"{', '.join(near)}?)")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        *sections, key = path.split(".")
+        node = out
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[key] = value
+    return out

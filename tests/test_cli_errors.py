@@ -160,3 +160,13 @@ def test_kernelbench_on_a_host_without_a_gpu_is_one_error(tmp_path):
     p = _cli("kernelbench", str(tmp_path / "kb"), "--db", str(tmp_path / "db.duckdb"))
     _one_error(p, "pass --device cpu")
     assert not (tmp_path / "db.duckdb").exists()
+
+
+def test_a_mistyped_set_is_one_error_naming_the_setting_it_meant(tmp_path):
+    """`optimize --set` takes any OptimizeConfig setting by its dotted path; a path that is not one is a single
+    error line with the closest settings, a value the setting refuses the setting's own message, before any stage."""
+    p = _cli("optimize", str(_workload(tmp_path)), "--set", "search.budgte=3", "--data-dir", str(tmp_path / "d"))
+    _one_error(p, "did you mean search.budget")
+    p = _cli("optimize", str(_workload(tmp_path)), "--set", "evaluate.batch_sizes=[0]", "--data-dir",
+             str(tmp_path / "d"))
+    _one_error(p, "expected positive integers")

@@ -83,3 +83,19 @@ def test_flow_parameter_schema_is_the_typed_form():
     search = defs["SearchSettings"]["properties"]
     assert search["proposer"]["enum"] == ["library", "llm", "hybrid"] and search["proposer"]["description"]
     assert defs["AcceptSettings"]["properties"]["metric"]["enum"][0] == "auto"
+
+
+def test_every_setting_is_reachable_by_its_path_and_set_writes_it_typed():
+    """`--set PATH=VALUE` (llm4llm.config.apply_sets): every nested setting has a dotted path; values parse as
+    JSON where they can (numbers, lists, booleans), else stay text; the result validates as the config."""
+    from llm4llm.config import OptimizeConfig, apply_sets, setting_paths
+
+    paths = setting_paths()
+    assert {"search.budget", "accept.delta", "evaluate.batch_sizes", "graphs.decode_graphs", "time_budget_s"} <= set(paths)
+    values = apply_sets({"search": {"mode": "episodic"}}, ["search.budget=30", "accept.delta=0.01",
+                                                           "evaluate.batch_sizes=[1,8,32]", "search.mode=sample"])
+    cfg = OptimizeConfig.model_validate(values)
+    assert (cfg.search.budget, cfg.accept.delta, cfg.evaluate.batch_sizes, cfg.search.mode) == (30, 0.01, [1, 8, 32],
+                                                                                                  "sample")
+    with pytest.raises(ValueError, match="did you mean accept.delta"):
+        apply_sets({}, ["accept.detla=0.1"])
