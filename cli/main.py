@@ -159,6 +159,20 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
         _print_hotspots(out["profile_path"], top)
 
 
+GRAPHS_HELP = ("GPU: the one-token decode steps replay from CUDA graphs (kernels_runtime.graphs): decode candidates "
+               "timed by GPU time under graph replay, acceptance gates them like a patch (logits, then delta), the "
+               "bundle ships with them. auto: on when all decode state sits in a static-address cache (Mamba, "
+               "Mamba2), a KV cache swapped for the static cache (Llama, Qwen3, RecurrentGemma's attention) or on "
+               "modules with a state adapter (RecurrentGemma's recurrent blocks)")
+
+
+def _default(path: str):
+    """A run setting's default, as llm4llm/config.py's OptimizeConfig declares it (the flags do not restate it)."""
+    from llm4llm.config import setting_default
+
+    return setting_default(path)
+
+
 @app.command()
 def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Optional[Path] = DbOpt,
              data_dir: Optional[Path] = DataOpt,
@@ -168,8 +182,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
                       "expected end-to-end saving and splits the search's share over them"),
              budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
-             mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
-             proposer: str = typer.Option("library", metavar=_choices(PROPOSERS),
+             mode: str = typer.Option(_default("search.mode"), metavar=_choices(MODES), help=MODE_HELP),
+             proposer: str = typer.Option(_default("search.proposer"), metavar=_choices(PROPOSERS),
                                           help=PROPOSER_HELP),
              top: Optional[int] = typer.Option(
                  None, help="search the top-N covered tasks by hotspot score (default: the plan's targets)"),
@@ -177,33 +191,28 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  None, help="search only tasks of this family (repeatable; before --top), e.g. norm, ssm_mixer"),
              phase: Optional[list[str]] = typer.Option(
                  None, help="search only tasks of this phase (repeatable; before --top): prefill | decode"),
-             delta: float = typer.Option(0.02, help="minimum end-to-end gain to accept a patch"),
+             delta: float = typer.Option(_default("accept.delta"), help="minimum end-to-end gain to accept a patch"),
              accept_metric: str = typer.Option(
-                 "auto", metavar=_choices(METRICS),
+                 _default("accept.metric"), metavar=_choices(METRICS),
                  help="in-model correctness metric (auto: logits_rel_l2_floor for 16-bit models, logits_rel_l2 for "
                       "fp32)"),
-             accept_tol_factor: float = typer.Option(3.0, help="fixed rel-L2 limit = factor x the dtype's rtol"),
+             accept_tol_factor: float = typer.Option(_default("accept.tol_factor"), help="fixed rel-L2 limit = factor x the dtype's rtol"),
              accept_floor_factor: float = typer.Option(
-                 2.0, help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
+                 _default("accept.floor_factor"), help="logits_rel_l2_floor: per-step limit = max(fixed limit, factor x the model's own "
                            "16-bit-vs-fp32 noise floor)"),
              accept_min_task_speedup: float = typer.Option(
-                 1.0, help="on the GPU, a candidate no faster than this in its task is rejected without an "
+                 _default("accept.min_task_speedup"), help="on the GPU, a candidate no faster than this in its task is rejected without an "
                            "in-model trial (0: try every candidate)"),
              accept_noisy_rounds: int = typer.Option(
-                 2, help="when the baseline drifts by more than delta around a trial, measure this many more "
+                 _default("accept.noisy_rounds"), help="when the baseline drifts by more than delta around a trial, measure this many more "
                          "(trial, baseline) pairs alternately and decide on the median bracketed gain (0: the drift "
                          "itself is the bar)"),
              accept_interleave_rounds: int = typer.Option(
-                 7, help="GPU: time each trial and the current bundle alternately in this many rounds (each on its "
+                 _default("accept.interleave_rounds"), help="GPU: time each trial and the current bundle alternately in this many rounds (each on its "
                          "own weight-sharing model copy) and decide on the median per-round gain (0: the bracket)"),
-             decode_graphs: str = typer.Option(
-                 "auto", metavar=_choices(GRAPHS), help="GPU: the one-token decode steps replay from CUDA graphs "
-                              "(kernels_runtime.graphs): decode candidates timed by GPU time under graph replay, "
-                              "acceptance gates them like a patch (logits, then delta), the bundle ships with them. "
-                              "auto: on when all decode state sits in a static-address cache (Mamba, Mamba2), a KV "
-                              "cache swapped for the static cache (Llama, Qwen3, RecurrentGemma's attention) or on "
-                              "modules with a state adapter (RecurrentGemma's recurrent blocks)"),
-             min_score: float = typer.Option(0.0, help="skip colder modules at extraction"),
+             decode_graphs: str = typer.Option(_default("graphs.decode_graphs"), metavar=_choices(GRAPHS),
+                                               help=GRAPHS_HELP),
+             min_score: float = typer.Option(_default("search.min_score"), help="skip colder modules at extraction"),
              llm_model: Optional[str] = typer.Option(None, help="litellm model string (proposer llm/hybrid)"),
              llm_api_base: Optional[str] = typer.Option(None),
              e2e_variants: Optional[str] = typer.Option(
@@ -211,7 +220,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                             "decode graphs eager,patched_graphs,eager_graphs,patched,torch_compile)"),
              e2e_max_s: Optional[float] = typer.Option(None, "--e2e-max-s", min=0.001,
                                                        help="time budget (s) for the evaluate stage's rounds"),
-             rounds: int = typer.Option(1, help="search+accept rounds: rejected tasks are searched again"),
+             rounds: int = typer.Option(_default("search.rounds"), help="search+accept rounds: rejected tasks are searched again"),
              task_runner: str = TaskRunnerOpt, ray_address: Optional[str] = RayAddressOpt,
              ray_gpus_per_eval: float = RayGpusOpt,
              refresh: bool = typer.Option(False, help="ignore cached results"),

@@ -198,3 +198,13 @@ def apply_sets(values: dict, sets: list[str]) -> dict:
             node = node.setdefault(s, {})
         node[key] = value
     return out
+
+
+def setting_default(path: str):
+    """The default of the setting at a dotted path (`accept.delta` -> 0.02), as its settings class declares it."""
+    model: type[BaseModel] = OptimizeConfig
+    *sections, key = path.split(".")
+    for s in sections:
+        model = model.model_fields[s].annotation
+    f = model.model_fields[key]
+    return f.default_factory() if f.default_factory is not None else f.default

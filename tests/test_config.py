@@ -99,3 +99,21 @@ def test_every_setting_is_reachable_by_its_path_and_set_writes_it_typed():
                                                                                                   "sample")
     with pytest.raises(ValueError, match="did you mean accept.delta"):
         apply_sets({}, ["accept.detla=0.1"])
+
+
+def test_the_optimize_flags_take_their_defaults_from_the_config():
+    """Each optimize flag that maps onto a setting shows the config's default: the CLI restates none of them."""
+    import typer.main
+
+    from cli.main import app
+    from llm4llm.config import setting_default
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["optimize"].params}
+    flags = {"delta": "accept.delta", "accept_metric": "accept.metric", "accept_tol_factor": "accept.tol_factor",
+             "accept_floor_factor": "accept.floor_factor", "accept_min_task_speedup": "accept.min_task_speedup",
+             "accept_noisy_rounds": "accept.noisy_rounds", "accept_interleave_rounds": "accept.interleave_rounds",
+             "decode_graphs": "graphs.decode_graphs", "min_score": "search.min_score", "rounds": "search.rounds",
+             "mode": "search.mode", "proposer": "search.proposer"}
+    for flag, path in flags.items():
+        assert params[flag] == setting_default(path), flag
+    assert setting_default("accept.delta") == 0.02 and setting_default("stages")[0] == "profile"
