@@ -222,10 +222,11 @@ def test_conv_as_implicit_gemm_matches_the_model(tmp_path, conv, ks, kwargs, pre
     problem = load_module(src)
     new = load_module(src + "\n" + code.split('"""', 2)[2])
     ref, cand = build_model(problem, "cpu"), build_model(new, "cpu", "ModelNew")
-    for seed in (5, 6):
-        x = inputs_for(problem, seed, "cpu")
-        with torch.no_grad():
-            torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
+    # one fresh draw (not the task's seed 42): an indexing or precision slip misses 1e-4 on any random input, and a
+    # second draw doubled the interpreter's time (~20 s for each 3-D transposed case)
+    x = inputs_for(problem, 5, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(cand(*x), ref(*x), atol=1e-4, rtol=1e-4)
     if "Transpose" in conv:
         (tmp_path / "8_ConvT.py").write_text(src.replace(kwargs, kwargs + ", dilation=2"))
         assert "transposed" in t.why_not(load_spec(make_task(tmp_path / "8_ConvT.py", tmp_path)))
