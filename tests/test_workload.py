@@ -50,7 +50,7 @@ def test_examples_present():
     assert {p.stem for p in TINY} == {"tiny-llama", "tiny-qwen3", "tiny-mamba", "tiny-mamba2", "tiny-recurrentgemma",
                                       "tiny-falcon-mamba", "tiny-gpt-neox", "tiny-llama-padded", "tiny-qwen3-padded"}
     assert {p.stem for p in REAL} == {"qwen3-4b", "llama-2-7b", "mamba-130m", "mamba2-2.7b", "recurrentgemma-2b",
-                                      "falcon-mamba-7b"}
+                                      "falcon-mamba-7b", "qwen3-4b-serving"}
     assert all(p.is_file() for p in LOSSY)
 
 
@@ -103,7 +103,11 @@ def test_tiny_examples_load(path):
 def test_real_examples_validate(path):
     w = load_workload(path, check_device=False)
     assert (w.device, w.dtype, w.torch_dtype) == ("cuda", "bfloat16", torch.bfloat16)
-    assert (w.batch_size, w.prompt_len, w.decode_len, w.seed) == (1, 512, 64, 0)
+    if w.regime is None:
+        assert (w.batch_size, w.prompt_len, w.decode_len, w.seed) == (1, 512, 64, 0)
+    else:  # the serving example: batch 8 representative of a regime of batches 1-32, left-padded
+        assert (w.batch_size, w.prompt_len, w.decode_len, w.seed) == (8, 512, 64, 0)
+        assert w.regime.batch_buckets() == (1, 2, 4, 8, 16, 32) and w.regime.padding == "left"
     assert "# checkpoint = " in path.read_text()
     if not torch.cuda.is_available():
         with pytest.raises(WorkloadError, match=r"field `device`: expected a machine with CUDA"):

@@ -21,7 +21,7 @@ MAX_ROWS = 64
 DOT_MIN_M = 16  # tl.dot's smallest tile along M: fewer rows are padded (masked) up to it
 # The tl.dot path's pipeline depth (DOT_STAGES, a launcher argument): Triton's pipeliner keeps that many weight
 # tiles in flight through shared memory, where the register PREFETCH of the FMA path (and PDL's early first tile)
-# would stop it; at 1 stage the pass is latency-bound (docs/results/2026-12-06-h100-batch: 2-3x slower).
+# would stop it; at 1 stage the pass is latency-bound (2-3x slower; docs/hardware.md names the measurement).
 DOT_STAGES = 4
 
 

@@ -36,7 +36,7 @@ STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 40
 # most rows the FMA reduction takes before tl.dot tiles take over (kernels_runtime.ops.gemv's FMA_MAX_M), and
 # `dot_stages`, the tl.dot path's pipeline depth (DOT_STAGES). First: the default. One config then picks the path
 # per batch bucket by M; batch-1 tasks' spaces do not change. Default 1 row: the FMA reduction of 8 rows spills
-# (a qwen3-4b step 29 ms at batch 8 against 6.7 ms on tl.dot, docs/results/2026-12-06-h100-batch).
+# (a qwen3-4b step 29 ms at batch 8 against 6.7 ms on tl.dot; docs/hardware.md names the measurement).
 FMA_ROWS = [1, 2, 4, 8, 16]
 DOT_STAGES = [4, 3, 2]
 MAX_ROWS = 64  # kernels_runtime.ops.gemv.MAX_ROWS: the rows one weight pass serves
