@@ -13,6 +13,7 @@ from flows.profiling import _defaults, extract_tasks, profile_workload, run_kind
 from flows.search import search_flow
 from llm4llm import planner, progress
 from llm4llm.config import OptimizeConfig, RunKind
+from llm4llm.evaluate import eval_batches
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
@@ -295,17 +296,3 @@ def _evaluate(run: _Run, bundle: str | None, graphs: bool) -> dict:
     with run.stage("evaluate"):
         return evaluate_e2e(run.workload_path, run.db_path, bundle, settings, run.run_id + "-e2e",
                             deadline=run.clock.deadline_wall(reserve_s=10.0))
-
-
-def eval_batches(workload_path: str, settings) -> list[int] | None:
-    """The batches the run's evaluation measures at: the settings' own, else for a workload with a [regime] its
-    representative batch (batch_size) and the regime's largest decode bucket (where a serving bundle's gain is
-    decided too), else None (the workload's batch_size)."""
-    from llm4llm.workload import load_workload
-
-    if settings.batch_sizes is not None:
-        return list(settings.batch_sizes)
-    wl = load_workload(workload_path, check_device=False)
-    if wl.regime is None:
-        return None
-    return list(dict.fromkeys([wl.batch_size, max(wl.regime.batch_buckets())]))

@@ -766,3 +766,17 @@ def _append_row(path: str, result: E2EResult, device: str) -> None:
 def _first_line(e: Exception, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:limit]
+
+
+def eval_batches(workload_path: str, settings) -> list[int] | None:
+    """The batches a run's evaluation measures at (`settings`: its EvaluateSettings): the settings' own, else for a
+    workload with a [regime] its representative batch (batch_size) and the regime's largest decode bucket (where a
+    serving bundle's gain is decided too), else None (the workload's batch_size)."""
+    from llm4llm.workload import load_workload
+
+    if settings.batch_sizes is not None:
+        return list(settings.batch_sizes)
+    wl = load_workload(workload_path, check_device=False)
+    if wl.regime is None:
+        return None
+    return list(dict.fromkeys([wl.batch_size, max(wl.regime.batch_buckets())]))

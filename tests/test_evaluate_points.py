@@ -285,10 +285,10 @@ def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):
 
 
 def test_optimize_evaluates_a_regime_at_its_representative_and_largest_batch(tmp_path):
-    """The run's evaluation (flows/optimize.eval_batches): a workload with a [regime] is measured at its batch_size
+    """The run's evaluation (llm4llm.evaluate.eval_batches): a workload with a [regime] is measured at its batch_size
     and at the regime's largest decode bucket; without a regime at its batch_size alone (None); batches the
     settings name win."""
-    from flows.optimize import eval_batches
+    from llm4llm.evaluate import eval_batches
     from llm4llm.config import EvaluateSettings
 
     serving = _tiny_workload(tmp_path, "[regime]\nbatch_sizes = {min = 1, max = 32}\nprompt_lens = [16]\n")

@@ -23,8 +23,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from layer_bench import graph_of  # noqa: E402  (warm-up on a side stream, then capture: the layer bench's)
 
 SHAPES = {"qwen3-4b": dict(H=2560, hq=32, hkv=8, D=128, I=9728), "llama-2-7b": dict(H=4096, hq=32, hkv=32, D=128,
                                                                                      I=11008)}
@@ -62,20 +65,6 @@ def cublas(op: str, x, w):
     return y
 
 
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def run_points(model: str, M: int, names, rounds: int, copies: int, time_it: bool) -> list[dict]:
     from kernels_runtime.tolerances import compare
 
@@ -104,7 +93,7 @@ def run_points(model: str, M: int, names, rounds: int, copies: int, time_it: boo
         graphs = {}
         for k, fn in variants.items():
             try:
-                graphs[k] = graph_of(lambda fn=fn: [fn(j) for j in range(copies)])
+                graphs[k] = graph_of(lambda fn=fn: [fn(j) for j in range(copies)], lambda: None)[0]
             except Exception as exc:  # noqa: BLE001 - a point that does not capture is reported, not fatal
                 bad[k] = f"capture: {type(exc).__name__}: {exc}"[:200]
         times = {k: [] for k in graphs}
