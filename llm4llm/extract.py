@@ -68,6 +68,9 @@ class _Recorder:
         self.observed: dict[tuple[str, str], _Observed] = defaultdict(_Observed)
         self._pending: dict[str, list] = defaultdict(list)
         self._handles: list = []
+        self._kept: set[tuple] = set()  # (class and weights, phase, shapes, structure) one instance already keeps
+        self._idents: dict[str, tuple] = {}
+        self._held_by: Counter = Counter()  # keys kept per (class and weights, phase): max_cases per task, as before
 
     def __enter__(self) -> _Recorder:
         for path, module in self.modules.items():
@@ -96,7 +99,9 @@ class _Recorder:
             return
         skey, structure = call.shape_key(), call.structure_key()
         obs.structures[structure] += 1
-        keep = skey not in obs.sigs and len(obs.calls) < self.max_cases
+        held = self._held_key(path, module, call, skey)
+        keep = skey not in obs.sigs and len(obs.calls) < self.max_cases and (
+            not obs.calls or (held not in self._kept and self._held_by[held[:2]] < self.max_cases))
         if skey not in obs.sigs:
             obs.sigs[skey] = CaseSig(inputs=_sigs(call.inputs), state=_sigs(call.state), calls=0)
         obs.sigs[skey].calls += 1
@@ -104,13 +109,26 @@ class _Recorder:
         # state-in copied now, before the call writes it; kept cases live in host memory (a serving regime's corners,
         # batch 32 x 2048 tokens, captured on every hotspot's module, would not fit beside the model on the GPU)
         kept = call.cloned(to="cpu") if keep else call
-        self._pending[path].append((obs, kept, keep, skey, structure, attrs))
+        self._pending[path].append((obs, kept, keep, skey, structure, attrs, held))
+
+    def _held_key(self, path, module, call, skey) -> tuple:
+        """What makes two instances' calls interchangeable as cases: class and weight shapes, phase, shapes and
+        structure. An instance keeps its own first call always (the reproducibility check and the task's grouping
+        read it), any other only if no instance keeps a call of that key yet. A task's cases come from its first
+        instance, with other instances' calls only for shapes it never saw (_group_calls): copies of one corner on
+        every layer are never read, and at a serving regime's largest corner (batch 32 x 2048 tokens, about 4 GB of
+        tensors a layer) they do not fit in host memory."""
+        ident = self._idents.get(path)
+        if ident is None:
+            weights = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(module).items())
+            ident = self._idents[path] = (_class_path(module), weights)
+        return ident, CURRENT_PHASE.get(), skey, call.structure_key(drop_instance_keys=True)
 
     def _post(self, path, module, args, kwargs, output):
         item = self._pending[path].pop() if self._pending[path] else None
         if item is None:
             return
-        obs, call, keep, skey, structure, attrs = item
+        obs, call, keep, skey, structure, attrs, held = item
         written = hidden_state_writes(attrs, tensor_attributes(module))
         if written:
             obs.error = f"unsupported boundary: the call writes state kept on the module ({', '.join(written)}) " \
@@ -126,6 +144,9 @@ class _Recorder:
         if keep:
             obs.calls.append(call)
             obs.call_structures.append(structure)
+            if held not in self._kept:
+                self._kept.add(held)
+                self._held_by[held[:2]] += 1
 
 
 def _reason(exc: Exception) -> str:

@@ -253,3 +253,34 @@ def test_a_mask_or_none_is_one_boundary_only_where_each_kind_of_call_was_capture
     static = observed([masked, other], [masked, other])
     merge_optional_inputs(static)
     assert "static eps" in check_stable(static)
+
+
+def test_one_instance_keeps_each_corner_and_the_task_still_covers_every_shape(tmp_path, monkeypatch):
+    """A serving regime's corners (here two prompt lengths) are kept once per class and weight shapes, not once per
+    layer: the other layers keep only their own first call (batch 32 x 2048 tokens on every layer of a 4B model is
+    more than a host's memory). The task's cases and the counted signatures are the same as before."""
+    import llm4llm.extract as extract_mod
+
+    kept: list[tuple[str, str, str]] = []
+    original = extract_mod._Recorder._post
+
+    def spy(self, path, module, args, kwargs, output):
+        before = {key: len(o.calls) for key, o in self.observed.items()}
+        original(self, path, module, args, kwargs, output)
+        for (p, phase), o in self.observed.items():
+            if p == path and len(o.calls) > before.get((p, phase), 0):
+                kept.append((p, phase, o.calls[-1].shape_key()))
+
+    monkeypatch.setattr(extract_mod._Recorder, "_post", spy)
+    model = tiny_model("llama")
+    layers = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaMLP"]
+    assert len(layers) >= 2
+    specs = extract_tasks(model, lambda: (generate(model, 16), generate(model, 24)), profile_of(model), tmp_path,
+                          workload_name="tiny", run_id="r1", families=["mlp"])
+    prefill, = find(specs, "LlamaMLP", "prefill")
+    assert len(prefill.cases) == 2 and len(prefill.observed) == 2  # both prompt lengths are cases of the task
+    prefill_kept = [(p, k) for p, phase, k in kept if phase == "prefill"]
+    assert sum(p == layers[0] for p, _ in prefill_kept) == 2  # the first layer keeps both corners
+    for later in layers[1:]:  # every other layer its first call only
+        assert sum(p == later for p, _ in prefill_kept) == 1
+    assert_task_reproduces(tmp_path / prefill.task_id)
