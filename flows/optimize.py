@@ -171,7 +171,7 @@ def _optimize(run: _Run, kind: str) -> dict:
     if "accept" in stages:
         _publish("acceptance", run.name, run.run_id, run.db_path)
         _coverage_artifact(run.run_id, run.db_path)
-        if out["acceptance"].get("graphs"):
+        if (out.get("acceptance") or {}).get("graphs"):  # no acceptance where the plan found nothing to search
             out["decode_graphs"] = out["acceptance"]["graphs"]
     if "evaluate" in stages and "acceptance" in out:
         out["e2e"] = _evaluate(run, out["acceptance"]["bundle"], graphs)

@@ -58,7 +58,8 @@ class BoundaryCall:
     def structure_key(self, drop_instance_keys: bool = False) -> str:
         """Argument structure (names, tensor vs None vs static, state names) and static values, as one string."""
         static = {k: v for k, v in self.static.items() if not (drop_instance_keys and _is_instance_key(k))}
-        payload = {"recipe": self.recipe, "static": static, "state": sorted(self.state)}
+        payload = {"recipe": structural_recipe(self.recipe, bool(self.state)), "static": static,
+                   "state": sorted(self.state)}
         return json.dumps(payload, sort_keys=True, default=str)
 
     def shape_key(self) -> str:
@@ -330,12 +331,11 @@ class StaticLayerAdapter(StateAdapter):
         return StaticLayer(max_cache_len=spec["max_cache_len"])
 
     def build(self, module, state, spec):
+        if state:  # the cache's size is the state's (SIZED_BY_STATE: one task's cases may differ in it)
+            spec = {**spec, "max_cache_len": int(state["key_cache"].shape[-2])}
         layer = self._new_layer(spec)
         if state:
             keys, values, n = state["key_cache"], state["value_cache"], state["cache_len"]
-            if keys.shape[-2] != spec["max_cache_len"]:
-                raise ValueError(f"{self.name}: expected key_cache with {spec['max_cache_len']} positions, "
-                                 f"got {tuple(keys.shape)}")
             layer.lazy_initialization(keys, values)
             layer.keys.copy_(keys)
             layer.values.copy_(values)
@@ -939,13 +939,27 @@ def _rebuild(node: dict[str, Any], inputs: dict[str, torch.Tensor], static: dict
     raise ValueError(f"boundary recipe: expected a known node kind, got {kind!r}")
 
 
-def merge_recipes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+# State-spec values that calls carrying state read from the state's own tensors (a static cache's size is its
+# key_cache's positions): calls on caches of different sizes (a serving regime's prompt lengths) are one boundary
+SIZED_BY_STATE = ("max_cache_len",)
+
+
+def structural_recipe(recipe: dict[str, Any], has_state: bool) -> dict[str, Any]:
+    """The recipe as a boundary's identity: without the state-spec values SIZED_BY_STATE where the call has state."""
+    if not has_state or not recipe.get("state"):
+        return recipe
+    return {**recipe, "state": {k: v for k, v in recipe["state"].items() if k not in SIZED_BY_STATE}}
+
+
+def merge_recipes(a: dict[str, Any], b: dict[str, Any], has_state: bool = False) -> dict[str, Any] | None:
     """One recipe rebuilding the calls of both `a` and `b`, or None where they differ other than by an argument that
     is None in one and a tensor in the other (HF passes no attention mask for an unpadded batch and a bool one for a
     padded batch): that argument becomes an optional tensor node, rebuilt as None for inputs without it. Everything
-    else (state, outputs, static nodes, nesting) must be equal."""
-    if {k: v for k, v in a.items() if k not in ("args", "kwargs")} != \
-            {k: v for k, v in b.items() if k not in ("args", "kwargs")}:
+    else (state, outputs, static nodes, nesting) must be equal, but for calls with state (`has_state`) the values
+    their state's tensors carry (SIZED_BY_STATE: `a`'s are kept)."""
+    sa, sb = structural_recipe(a, has_state), structural_recipe(b, has_state)
+    if {k: v for k, v in sa.items() if k not in ("args", "kwargs")} != \
+            {k: v for k, v in sb.items() if k not in ("args", "kwargs")}:
         return None
     if len(a["args"]) != len(b["args"]) or set(a["kwargs"]) != set(b["kwargs"]):
         return None

@@ -101,7 +101,8 @@ class _Recorder:
         obs.structures[structure] += 1
         held = self._held_key(path, module, call, skey)
         keep = skey not in obs.sigs and len(obs.calls) < self.max_cases and (
-            not obs.calls or (held not in self._kept and self._held_by[held[:2]] < self.max_cases))
+            structure not in obs.call_structures
+            or (held not in self._kept and self._held_by[held[:2]] < self.max_cases))
         if skey not in obs.sigs:
             obs.sigs[skey] = CaseSig(inputs=_sigs(call.inputs), state=_sigs(call.state), calls=0)
         obs.sigs[skey].calls += 1
@@ -113,8 +114,9 @@ class _Recorder:
 
     def _held_key(self, path, module, call, skey) -> tuple:
         """What makes two instances' calls interchangeable as cases: class and weight shapes, phase, shapes and
-        structure. An instance keeps its own first call always (the reproducibility check and the task's grouping
-        read it), any other only if no instance keeps a call of that key yet. A task's cases come from its first
+        structure. An instance keeps its own first call of each argument structure always (the reproducibility check,
+        merge_optional_inputs and the task's grouping read them), any other only if no instance keeps a call of that
+        key yet. A task's cases come from its first
         instance, with other instances' calls only for shapes it never saw (_group_calls): copies of one corner on
         every layer are never read, and at a serving regime's largest corner (batch 32 x 2048 tokens, about 4 GB of
         tensors a layer) they do not fit in host memory."""
@@ -192,7 +194,7 @@ def merge_optional_inputs(obs: _Observed) -> None:
         return
     merged = obs.calls[0].recipe
     for call in obs.calls[1:]:
-        merged = merge_recipes(merged, call.recipe)
+        merged = merge_recipes(merged, call.recipe, has_state=bool(call.state))
         if merged is None:
             return
     for call in obs.calls:
@@ -207,21 +209,35 @@ def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repea
     """"" when call_reference on each captured call's inputs and state-in reproduces its outputs and state-out
     `repeats` times, bitwise or within TOLERANCES of the output's dtype; else "not reproducible: ..."."""
     weights = weights_of(module)
+    device = _device_of(module)
     for k, call in enumerate(calls):
         ref = call.reference()
         for attempt in range(1, repeats + 1):
+            # the kept calls live in host memory (_Recorder), the module where the workload put it: one call's
+            # tensors at a time go to the module's device
+            inputs, state = _moved(call.inputs, device), _moved(call.state, device)
             try:
-                got = call_reference(module, weights, call.inputs, call.state, call.static, call.recipe)
+                got = call_reference(module, weights, inputs, state, call.static, call.recipe)
             except Exception as exc:
                 return f"not reproducible: the reference call raised {type(exc).__name__}: {exc}"
             if set(got) != set(ref):
                 return f"not reproducible: expected outputs {sorted(ref)}, the re-run returned {sorted(got)}"
             for name, expected in ref.items():
-                problem = _mismatch(got[name], expected)
+                problem = _mismatch(got[name].to(expected.device), expected)
                 if problem:
                     return f"not reproducible: {name} of case {k} differs from the captured call on re-run " \
                            f"{attempt} ({problem})"
     return ""
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    tensor = next(iter(module.parameters()), None)
+    tensor = tensor if tensor is not None else next(iter(module.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def _moved(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in tensors.items()}
 
 
 def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> str:

@@ -173,3 +173,14 @@ def test_a_sandboxed_child_runs_triton_when_its_parent_never_set_the_interpreter
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split("err")[-1]) < 1e-4
+
+
+def test_a_run_with_nothing_to_search_ends_with_its_summary(prefect_harness, tmp_path):
+    """A plan with no target (here no task can save a delta of 99 %) ends the command normally: the plan's reason,
+    no acceptance and no evaluation, the closing lines; before, the flow read the missing acceptance and raised."""
+    db = tmp_path / "db.duckdb"
+    res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
+                "--delta", "0.99", "--time-budget", "4m"])
+    assert res.exit_code == 0, res.output
+    assert "note: nothing to search: no task can save delta end to end" in res.output
+    assert "accept:" not in res.output and res.output.strip().splitlines()[-1].startswith("time: ")

@@ -284,3 +284,35 @@ def test_patched_prefill_and_decode_attention_on_padded_and_unpadded_batches_mat
     assert sorted(counters) == [f"model.layers.{i}.self_attn" for i in range(2)], counters
     for c in counters.values():
         assert c == {"kernel": {"prefill": 2, "decode": 2 * (steps - 1)}, "fallback": {}}, c
+
+
+def test_a_serving_regime_on_the_static_cache_is_one_decode_task_across_cache_sizes(tmp_path):
+    """A regime of batches 1-4 and prompts 6-16 around a point of 8 tokens: `generate` allocates a static cache per
+    point (11 positions at the point, 19 past the longest prompt), so the decode calls of one layer come on caches of
+    two sizes. They are one boundary (the size is the state's, not the recipe's), every layer keeps its own first call
+    only, and the decode-layer template passes the verifier on every case (each batch and cache size). Before, the
+    sizes split the layer's decode calls into two argument structures and the task was not deployable."""
+    from llm4llm.stages.extract import run_extract
+    from llm4llm.stages.profile import run_profile
+    from llm4llm.verify.gates import run_gates
+
+    text = (WORKLOADS / "tiny-qwen3-padded.toml").read_text()
+    text = text.replace("batch_sizes = [3]", "batch_sizes = {min = 1, max = 4}").replace("prompt_len = 16",
+                                                                                          "prompt_len = 8")
+    text = text.replace('script = "../scripts/', f'script = "{WORKLOADS.parent / "scripts"}/')
+    wl = tmp_path / "tiny-serving.toml"
+    wl.write_text(text)
+    data = tmp_path / "data"
+    run_extract(str(wl), run_profile(str(wl), str(data)), str(data), static_cache=True)
+    dirs = {d.name.rsplit("-", 1)[0]: d for d in (data / "tasks").iterdir() if (d / "spec.json").exists()}
+    for family in ("attention", "decoder_layer"):
+        assert f"{family}-decode" in dirs, sorted(dirs)
+    task_dir = dirs["decoder_layer-decode"]
+    task = load_task(task_dir)
+    sizes = {tuple(c.state["key_cache"].shape)[::2] for c in task.cases}  # (batch, cache positions)
+    assert {b for b, _ in sizes} == {1, 2, 3, 4} and len({s for _, s in sizes}) == 2, sizes
+    tpl = _template("decoder_layer.decode_static")
+    assert tpl.why_not(task.spec) is None
+    v, _ = run_gates(str(task_dir), tpl.render(task.spec, tpl.default(task.spec)), device="cpu", draws=1,
+                     timing=False)
+    assert v.passed, f"{v.failure_class}: {v.message}"

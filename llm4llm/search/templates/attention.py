@@ -216,15 +216,17 @@ def module_softcap(static: dict) -> float | None:
     return float(cap)
 
 
-def mask_problem(spec: TaskSpec, s_max: int | None = None) -> str | None:
+def mask_problem(spec: TaskSpec, static: bool = False) -> str | None:
     """Why the task's captured attention mask is not one the attention templates honour, or None: they read HF's
-    4-D bool mask [B, 1, S, L] (SDPA's form, the padding included; L = `s_max` on the static cache); an additive
-    float mask (eager attention, whose fully masked rows average every value where SDPA's give zeros) or a 2-D one
-    (flash attention) they refuse rather than attend causally."""
+    4-D bool mask [B, 1, S, L] (SDPA's form, the padding included; L = the case's cache size on the static cache);
+    an additive float mask (eager attention, whose fully masked rows average every value where SDPA's give zeros) or
+    a 2-D one (flash attention) they refuse rather than attend causally."""
     for case in spec.cases:
         m = case.inputs.get("attention_mask")
         if m is None:
             continue
+        cache = case.state.get("key_cache") if static else None
+        s_max = list(cache.shape)[-2] if cache is not None else None
         shape = list(m.shape)
         if m.dtype != "bool" or len(shape) != 4 or shape[1] != 1 or (s_max and shape[3] != s_max):
             return (f"attention mask: expected HF's [B, 1, S, {s_max or 'L'}] bool mask (SDPA), got {m.dtype} "
@@ -234,7 +236,7 @@ def mask_problem(spec: TaskSpec, s_max: int | None = None) -> str | None:
 
 def static_mask_problem(spec: TaskSpec) -> str | None:
     """mask_problem on the static cache: HF's [B, 1, 1, S_max] mask, the decode row."""
-    return mask_problem(spec, ((spec.recipe or {}).get("state") or {}).get("max_cache_len"))
+    return mask_problem(spec, static=True)
 
 
 def _applies(spec: TaskSpec) -> str | None:
