@@ -82,3 +82,23 @@ def test_a_bundle_over_a_regime_runs_its_kernels_at_another_in_regime_shape(tmp_
     text = str(report)
     assert report.totals()["fallback"] > 0 and "shape hidden_states: expected [1..3" in text
     assert "re-profile" in text
+
+
+@pytest.mark.parametrize("regime,decoded", [("", 2), ("decode_lens = [3, 9]\n", 3)])
+def test_extraction_decodes_few_tokens_at_the_regimes_extra_points(tmp_path, monkeypatch, regime, decoded):
+    """Extraction runs the representative point as the workload says (its decode_len), then each corner and
+    bucket with the fewest tokens the regime declares, or 2 (one decode step: the shapes a task needs) where it
+    declares none, not the workload's decode_len at every point."""
+    import llm4llm.stages.common as common
+    import llm4llm.workload as workload_mod
+
+    path = _workload(tmp_path, "batch_sizes = {min = 1, max = 3}\nprompt_lens = [4, 20]\n" + regime)
+    runs = []
+    real = workload_mod.call_script
+    monkeypatch.setattr(workload_mod, "call_script", lambda fn, *a: runs.append(a[1]) if fn.__name__ == "run"
+                        else real(fn, *a))
+    wl, _, run_fn = common._build(str(path), corners=True)
+    run_fn()
+    assert (runs[0].batch_size, runs[0].prompt_len, runs[0].decode_len) == (wl.batch_size, wl.prompt_len, 4)
+    assert [(w.batch_size, w.prompt_len, w.decode_len) for w in runs[1:]] == [
+        (1, 4, decoded), (1, 20, decoded), (3, 4, decoded), (3, 20, decoded), (2, 4, decoded)]

@@ -53,6 +53,9 @@ def new_run_id(name: str) -> str:
     return f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
+EXTRACT_DECODE_LEN = 2  # tokens decoded at a regime's extra points when the regime declares no decode lengths
+
+
 def _build(workload_path: str, corners: bool = False):
     """(workload, model, run_fn). corners: run_fn runs the representative point, then every corner and batch bucket
     of the workload's serving regime (llm4llm/regime.py: Regime.points), so extraction captures each task's calls at
@@ -64,8 +67,11 @@ def _build(workload_path: str, corners: bool = False):
     model = call_script(script.build, wl)
     points = [wl]
     if corners and wl.regime is not None:
+        # a regime without decode lengths of its own decodes 2 tokens at each point (one decode step past the
+        # prompt's: the shapes a task needs), not the workload's decode_len: 64 steps at each of 8 points made
+        # qwen3-4b-serving's extraction 2.5 minutes of its 8-minute budget
         points += [wl.model_copy(update={"batch_size": b, "prompt_len": n, "decode_len": d})
-                   for b, n, d in wl.regime.points(wl.decode_len)
+                   for b, n, d in wl.regime.points(EXTRACT_DECODE_LEN)
                    if (b, n, d) != (wl.batch_size, wl.prompt_len, wl.decode_len)]
     batches = [call_script(script.inputs, w) for w in points]
 
