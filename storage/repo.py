@@ -382,24 +382,67 @@ def kb_curves(db: Database, kb_run_id: str):
         "SELECT mode, iteration + 1 AS trial, count(*) AS problems, exp(avg(ln(coalesce(best, 1.0)))) AS geo_best, "
         "avg(solved) AS solved FROM b GROUP BY mode, iteration ORDER BY mode, iteration",
         [kb_run_id])
-def kb_curve_bands(db: Database, kb_run_id: str, resamples: int = 2000):
-    """kb_curves with a 5-95 % band per mode and trial: the geo-mean of the best speedup so far (nothing passing
-    yet: 1.0) over a seeded bootstrap of the problems, so that two search modes' curves are told apart from the
-    problems' own spread."""
-    per = db.query_df(
-        "WITH t AS (SELECT s.mode, s.task_id, c.iteration, "
-        "  CASE WHEN c.passed THEN c.speedup_cold END AS sp FROM candidates c JOIN searches s USING (search_id) "
-        "  WHERE s.run_id = ?) "
-        "SELECT mode, task_id, iteration + 1 AS trial, coalesce(max(sp) OVER (PARTITION BY mode, task_id "
-        "  ORDER BY iteration ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 1.0) AS best FROM t", [kb_run_id])
-    rows = []
-    for (mode, trial), g in per.groupby(["mode", "trial"], sort=True):
-        geo, lo, hi = _geo_spread(g["best"].tolist(), resamples)
-        rows.append({"mode": mode, "trial": int(trial), "problems": len(g), "geo_best": geo, "geo_p05": lo,
-                     "geo_p95": hi})
+
+
+# A run's best-so-far speedup over eager per mode, problem and trial (one `?`: the kb run id), at equal budget: every
+# problem of a mode (its `kernelbench_results` rows) at every trial 1..the mode's budget, its value the best of the
+# reference (1.0) and its passing trials up to that one, so a search that stopped early keeps its best and a problem
+# with no trial (no template covers it) stays at 1.0; `degenerate` from the problem's row.
+KB_BEST_SO_FAR = (
+    "r AS (SELECT mode, task_id, search_id, coalesce(degenerate, false) AS degenerate, "
+    "  greatest(max(budget) OVER (PARTITION BY mode), max(trials) OVER (PARTITION BY mode)) AS budget "
+    "  FROM kernelbench_results WHERE kb_run_id = ?), "
+    "g AS (SELECT mode, task_id, search_id, degenerate, unnest(range(1, budget + 1)) AS trial FROM r), "
+    "best AS (SELECT g.mode, g.task_id, g.trial, g.degenerate, "
+    "  greatest(1.0, coalesce(max(CASE WHEN c.passed THEN c.speedup_cold END), 1.0)) AS best "
+    "  FROM g LEFT JOIN candidates c ON c.search_id = g.search_id AND c.iteration < g.trial "
+    "  GROUP BY g.mode, g.task_id, g.trial, g.degenerate)")
+
+
+def kb_best_so_far(db: Database, kb_run_id: str, degenerate: bool = True):
+    """KB_BEST_SO_FAR's rows (mode, task_id, trial, degenerate, best) ordered by mode, trial and problem; without
+    `degenerate`, the degenerate problems are left out."""
+    return db.query_df(
+        f"WITH {KB_BEST_SO_FAR} SELECT mode, task_id, trial, degenerate, best FROM best "
+        "WHERE ? OR NOT degenerate ORDER BY mode, trial, task_id", [kb_run_id, degenerate])
+
+
+def kb_curve_bands(db: Database, kb_run_id: str, resamples: int = 2000, degenerate: bool = True):
+    """The search-mode ablation at equal budget with a 5-95 % band per mode and trial: the geo-mean over the
+    mode's problems of the best speedup over eager so far (kb_best_so_far: the reference counts 1.0, a finished
+    search keeps its best), over a seeded bootstrap of the problems. The draws are paired across trials (the same
+    resampled problems at each trial), so a curve and its band never go down; without `degenerate`, the
+    degenerate problems are left out (their speedup is how fast a constant is written)."""
     import pandas as pd
 
+    per = kb_best_so_far(db, kb_run_id, degenerate)
+    rows = []
+    for (mode, trial), g in per.groupby(["mode", "trial"], sort=True):
+        geo, lo, hi = _geo_spread(g.sort_values("task_id")["best"].tolist(), resamples)
+        rows.append({"mode": mode, "trial": int(trial), "problems": len(g), "geo_best": geo, "geo_p05": lo,
+                     "geo_p95": hi})
     return pd.DataFrame(rows, columns=["mode", "trial", "problems", "geo_best", "geo_p05", "geo_p95"])
+
+
+def kb_mode_contrasts(db: Database, kb_run_id: str, resamples: int = 2000, degenerate: bool = False):
+    """Each pair of search modes at the full budget, on the problems both ran: the geo-mean of the ratio of their
+    best speedups (kb_best_so_far at the last trial; above 1: `mode_a` found faster kernels) with its 5-95 % over
+    a seeded bootstrap of the problems. Paired by problem, so it separates two modes that the per-mode bands,
+    widened by the problems' own spread, cannot."""
+    import pandas as pd
+
+    per = kb_best_so_far(db, kb_run_id, degenerate)
+    last = per[per["trial"] == per.groupby("mode")["trial"].transform("max")]
+    wide = last.pivot_table(index="task_id", columns="mode", values="best")
+    modes = sorted(wide.columns)
+    rows = []
+    for i, a in enumerate(modes):
+        for b in modes[i + 1:]:
+            both = wide[[a, b]].dropna().sort_index()
+            geo, lo, hi = _geo_spread((both[a] / both[b]).tolist(), resamples)
+            rows.append({"mode_a": a, "mode_b": b, "problems": len(both), "geo_ratio": geo, "ratio_p05": lo,
+                         "ratio_p95": hi})
+    return pd.DataFrame(rows, columns=["mode_a", "mode_b", "problems", "geo_ratio", "ratio_p05", "ratio_p95"])
 
 
 # ---- template applicability and coverage (migration 006) ------------------------------------------------------

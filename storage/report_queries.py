@@ -3,15 +3,18 @@
 ReportReader."""
 from __future__ import annotations
 
+from storage import repo
 from storage.db import Database
 from storage.repo import POOLED_CANDIDATES
 
 
 def resolve_run(db: Database, run: str | None = None, workload: str | None = None) -> str | None:
-    """`run` when it exists; else the latest run of `workload` that got past profiling (searches, acceptances or
-    end-to-end rows), else its latest run; else the latest run with any of those."""
+    """`run` when it exists (a `runs` row, or a KernelBench run's `kb_run_id`); else the latest run of `workload`
+    that got past profiling (searches, acceptances or end-to-end rows), else its latest run; else the latest run
+    with any of those."""
     if run:
-        rows = db.query("SELECT run_id FROM runs WHERE run_id = ?", [run])
+        rows = db.query("SELECT run_id FROM runs WHERE run_id = ? UNION ALL "
+                        "SELECT DISTINCT kb_run_id FROM kernelbench_results WHERE kb_run_id = ?", [run, run])
         return rows[0][0] if rows else None
     rows = db.query(
         "SELECT r.run_id FROM runs r WHERE (? IS NULL OR r.workload_name = ?) ORDER BY "
@@ -159,6 +162,40 @@ def tilemix_frontier(db: Database, run_id: str, workload_name: str):
         "bench_id DESC LIMIT 1) ORDER BY seq_len, batch, template, coverage NULLS FIRST",
         [run_id, workload_name, run_id],
     )
+
+
+def kb_run(db: Database, run_id: str):
+    """One row when `run_id` is a KernelBench run (`kernelbench_results.kb_run_id`), else none: its problems,
+    modes, proposers, budgets, GPUs and when its rows were written."""
+    return db.query_df(
+        "SELECT kb_run_id, count(DISTINCT problem) AS problems, "
+        "string_agg(DISTINCT mode, ', ' ORDER BY mode) AS modes, string_agg(DISTINCT proposer, ', ') AS proposer, "
+        "string_agg(DISTINCT budget::VARCHAR, ', ') AS budget, "
+        "string_agg(DISTINCT gpu_name, ', ') AS gpu_name, min(created_at) AS first_row, max(created_at) AS last_row "
+        "FROM kernelbench_results WHERE kb_run_id = ? GROUP BY kb_run_id",
+        [run_id],
+    )
+
+
+def kb_summary(db: Database, run_id: str, resamples: int = 2000):
+    """repo.kb_summary: per mode, pass rate, fast_1 / fast_compile, the geo-means over eager and torch.compile
+    (with and without the degenerate problems, those without them with their bootstrap 5-95 %)."""
+    return repo.kb_summary(db, run_id, resamples)
+
+
+def kb_problems(db: Database, run_id: str):
+    """repo.kb_results: one row per problem and mode."""
+    return repo.kb_results(db, run_id)
+
+
+def kb_curve_bands(db: Database, run_id: str, resamples: int = 2000):
+    """repo.kb_curve_bands without the degenerate problems: the ablation's curves per mode at equal budget."""
+    return repo.kb_curve_bands(db, run_id, resamples, degenerate=False)
+
+
+def kb_mode_contrasts(db: Database, run_id: str, resamples: int = 2000):
+    """repo.kb_mode_contrasts without the degenerate problems: each pair of modes, paired by problem."""
+    return repo.kb_mode_contrasts(db, run_id, resamples, degenerate=False)
 
 
 class ReportReader:
