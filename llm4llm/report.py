@@ -53,6 +53,7 @@ class ReportContext:
     reader: Reader
     run_id: str
     workload: str
+    kind: str = "model"  # "kernelbench": a KernelBench run (`kernelbench_results`, no `runs` row)
     _cache: dict = field(default_factory=dict)
 
     def df(self, name: str, *args) -> pd.DataFrame:
@@ -65,21 +66,30 @@ class ReportContext:
         return self.workload if name in ("e2e_history", "run_history", "service_history") else self.run_id
 
 
+# the kinds of run a report is about: a model's run (a `runs` row) and a KernelBench run (its `kb_run_id`)
+RUN_KINDS = ("model", "kernelbench")
+
+
 @dataclass(frozen=True)
 class Section:
     key: str
     title: str
     build: Callable[[ReportContext], Block | None]  # None: the section has nothing for this run and is left out
+    kinds: tuple[str, ...] = ("model",)  # the kinds of run (RUN_KINDS) whose report has this section
 
 
 SECTIONS: list[Section] = []
 
 
-def section(key: str, title: str) -> Callable:
-    """Register a report section (in report order; a key registered again replaces the earlier one in place). A
-    section whose function returns None is left out of that report."""
+def section(key: str, title: str, kinds: tuple[str, ...] = ("model",)) -> Callable:
+    """Register a report section (in report order; a key registered again replaces the earlier one in place) for
+    the reports of the runs of `kinds`. A section whose function returns None is left out of that report."""
+    unknown = set(kinds) - set(RUN_KINDS)
+    if unknown:
+        raise ValueError(f"kinds: expected some of {RUN_KINDS}, got {sorted(unknown)}")
+
     def register(fn: Callable[[ReportContext], Block | None]) -> Callable[[ReportContext], Block | None]:
-        new = Section(key, title, fn)
+        new = Section(key, title, fn, tuple(kinds))
         for i, s in enumerate(SECTIONS):
             if s.key == key:
                 SECTIONS[i] = new
@@ -524,6 +534,120 @@ def tilemix_frontier(ctx: ReportContext) -> Block | None:
     return Block(notes=notes, figures=[fig], tables=[("frontier", f[cols])])
 
 
+KB_KINDS = ("model", "kernelbench")  # a KernelBench section shows wherever the run has KernelBench rows
+KB_SUMMARY_COLS = ["mode", "problems", "pass_rate", "fast_1", "fast_compile", "degenerate", "geo_eager_real",
+                   "geo_eager_p05", "geo_eager_p95", "geo_compile_real", "geo_compile_p05", "geo_compile_p95",
+                   "geo_eager", "geo_compile", "geo_eager_fail_as_1", "geo_compile_over_eager"]
+KB_PROBLEM_COLS = ["problem", "mode", "passed", "trials", "origin", "eager_ms", "compile_ms", "candidate_ms",
+                   "speedup_eager", "speedup_compile", "skipped_reason"]
+
+
+def _is_degenerate(df: pd.DataFrame) -> pd.Series:
+    return df["degenerate"].astype("boolean").fillna(False).astype(bool)
+
+
+def _kb_geo_panel(ax, summary: pd.DataFrame) -> None:
+    """Per mode, the geo-means over eager and over torch.compile without the degenerate problems, whiskers at
+    their bootstrap 5-95 %."""
+    xs = range(len(summary))
+    for off, col, colour in ((-0.2, "eager", "#4c72b0"), (0.2, "compile", "#dd8452")):
+        geo = summary[f"geo_{col}_real"].astype(float)
+        lo = (geo - summary[f"geo_{col}_p05"].astype(float)).clip(lower=0).fillna(0)
+        hi = (summary[f"geo_{col}_p95"].astype(float) - geo).clip(lower=0).fillna(0)
+        ax.bar([x + off for x in xs], geo.fillna(0), 0.4, yerr=[lo, hi], capsize=4, color=colour,
+               label=f"over {'eager' if col == 'eager' else 'torch.compile'}")
+    ax.axhline(1.0, color="#999", lw=1, ls="--")
+    ax.set_xticks(list(xs), [f"{m}\n{r:.0%} pass" for m, r in zip(summary["mode"], summary["pass_rate"])])
+    ax.set_ylabel("geo-mean speedup, passing problems\n(degenerate left out; 5-95 % bootstrap)")
+    ax.legend(fontsize=7)
+
+
+def _kb_problem_panel(ax, problems: pd.DataFrame) -> None:
+    """Each problem's speedup over eager per mode (log scale); degenerate problems hollow, apart on the right."""
+    ok = problems[problems["passed"] & problems["speedup_eager"].notna()]
+    order = list(dict.fromkeys(ok.sort_values(["degenerate_", "problem_id"])["problem_id"]))
+    x_of = {pid: i for i, pid in enumerate(order)}
+    for mode, d in ok.groupby("mode", sort=True):
+        colour = MODE_COLOURS.get(mode, "#7f7f7f")
+        for deg, dd in d.groupby("degenerate_"):
+            ax.scatter([x_of[p] for p in dd["problem_id"]], dd["speedup_eager"], s=18, label=None if deg else mode,
+                       facecolors="none" if deg else colour, edgecolors=colour)
+    n_deg = ok.loc[ok["degenerate_"], "problem_id"].nunique()
+    if n_deg:
+        ax.axvline(len(order) - n_deg - 0.5, color="#999", lw=1, ls=":")
+    ax.axhline(1.0, color="#999", lw=1, ls="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(order)), [str(p) for p in order], fontsize=6, rotation=90)
+    ax.set_xlabel("problem id (hollow, right of the dotted line: degenerate)")
+    ax.set_ylabel("best speedup over eager")
+    ax.legend(fontsize=7)
+
+
+@section("kernelbench", "KernelBench results", kinds=KB_KINDS)
+def kernelbench_results(ctx: ReportContext) -> Block | None:
+    """Pass rate and the geo-means over eager and torch.compile per search mode with their spread, each problem's
+    speedup, and the degenerate problems apart (out of the geo-means); left out without KernelBench rows."""
+    run = ctx.df("kb_run")
+    if run.empty:
+        return None
+    summary = ctx.df("kb_summary")
+    problems = ctx.df("kb_problems")
+    problems = problems.assign(degenerate_=_is_degenerate(problems))
+    deg = problems[problems["degenerate_"]]
+    fig = _figure(11.0, 4.2)
+    ax_g, ax_p = fig.subplots(1, 2, width_ratios=[2, 5])
+    _kb_geo_panel(ax_g, summary)
+    if problems["speedup_eager"].notna().any():
+        _kb_problem_panel(ax_p, problems)
+    else:
+        _no_data(ax_p, "no timed problem\n(on the CPU KernelBench's protocol checks correctness only)")
+    notes = [f"KernelBench run {ctx.run_id}: {run.iloc[0]['problems']} problem(s), mode(s) {run.iloc[0]['modes']}, "
+             f"proposer {run.iloc[0]['proposer']}, budget {run.iloc[0]['budget']}. Geo-means over the passing "
+             "problems without the degenerate ones (`*_real`), their 5-95 % over a seeded bootstrap of the "
+             "problems; `geo_eager` / `geo_compile` keep the degenerate ones, `geo_eager_fail_as_1` counts a "
+             "failed problem 1.0."]
+    if len(deg):
+        notes.append(f"{deg['problem'].nunique()} degenerate problem(s) (the output ignores the inputs): listed "
+                     "apart, left out of the geo-means and of the ablation curves.")
+    tables = [("summary per mode", summary[[c for c in KB_SUMMARY_COLS if c in summary]]),
+              ("problems", problems.loc[~problems["degenerate_"], KB_PROBLEM_COLS])]
+    if len(deg):
+        tables.insert(1, ("degenerate problems", deg[KB_PROBLEM_COLS]))
+    return Block(notes=notes, figures=[fig], tables=tables)
+
+
+@section("kb_ablation", "KernelBench search-mode ablation", kinds=KB_KINDS)
+def kernelbench_ablation(ctx: ReportContext) -> Block | None:
+    """Per search mode at equal budget, the geo-mean of the best speedup over eager so far against the trial, in
+    its bootstrap band; and each pair of modes at the full budget, paired by problem."""
+    if ctx.df("kb_run").empty:
+        return None
+    bands = ctx.df("kb_curve_bands")
+    if bands.empty:
+        return Block(notes=["no trial was recorded for this KernelBench run"])
+    contrasts = ctx.df("kb_mode_contrasts")
+    fig = _figure(11.0, 4.0)
+    ax = fig.subplots()
+    for mode, g in bands.groupby("mode", sort=True):
+        colour = MODE_COLOURS.get(mode, "#7f7f7f")
+        ax.plot(g["trial"], g["geo_best"], marker="o", color=colour, label=f"{mode} ({g['problems'].iloc[0]})")
+        ax.fill_between(g["trial"], g["geo_p05"], g["geo_p95"], color=colour, alpha=0.2)
+    ax.axhline(1.0, color="#999", lw=1, ls="--")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("trial (equal budget per problem and mode)")
+    ax.set_ylabel("geo-mean best speedup over eager so far")
+    ax.legend(fontsize=7, title="mode (problems)", title_fontsize=7)
+    notes = ["Each problem counts the best of the reference (1.0) and its passing trials so far; a search that "
+             "stopped early keeps its best. Bands: 5-95 % over a seeded bootstrap of the problems, paired across "
+             "trials. Degenerate problems are left out. The contrasts compare two modes on the same problems "
+             "(geo-mean of the ratio of their best speedups at the full budget, with its 5-95 %): a band that "
+             "excludes 1.0 separates the modes."]
+    if bands["mode"].nunique() < 2:
+        notes.append("one search mode only: no ablation (run `llm4llm kernelbench` with several --mode).")
+    tables = [("curves", bands)] + ([("mode contrasts", contrasts)] if not contrasts.empty else [])
+    return Block(notes=notes, figures=[fig], tables=tables)
+
+
 # ---- rendering --------------------------------------------------------------------------------------------------
 
 CSS = """
@@ -575,13 +699,21 @@ def render_block(s: Section, block: Block) -> str:
     return "".join(parts) + "</section>"
 
 
-def render_report(reader: Reader, run_id: str, sections: list[Section] | None = None) -> str:
-    """The whole report of one run as one HTML string (nothing external: plots are inline PNG)."""
+def report_context(reader: Reader, run_id: str) -> ReportContext:
+    """The context of a model's run (its `runs` row) or, without one, of a KernelBench run (its `kb_run_id`)."""
     run = reader.frame("run_overview", run_id)
-    if run.empty:
-        raise ValueError(f"run: expected an existing run id, got {run_id!r}")
-    ctx = ReportContext(reader, run_id, str(run.iloc[0]["workload_name"]))
-    chosen = sections if sections is not None else SECTIONS
+    if not run.empty:
+        return ReportContext(reader, run_id, str(run.iloc[0]["workload_name"]))
+    if not reader.frame("kb_run", run_id).empty:
+        return ReportContext(reader, run_id, "kernelbench", kind="kernelbench")
+    raise ValueError(f"run: expected an existing run id or KernelBench run id, got {run_id!r}")
+
+
+def render_report(reader: Reader, run_id: str, sections: list[Section] | None = None) -> str:
+    """The whole report of one run as one HTML string (nothing external: plots are inline PNG): the sections of
+    its kind of run (RUN_KINDS) that have something for it."""
+    ctx = report_context(reader, run_id)
+    chosen = [s for s in (sections if sections is not None else SECTIONS) if ctx.kind in s.kinds]
     shown = [(s, b) for s, b in ((s, s.build(ctx)) for s in chosen) if b is not None]
     body = "".join(render_block(s, b) for s, b in shown)
     nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s, _ in shown)

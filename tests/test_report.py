@@ -181,8 +181,9 @@ def test_report_of_a_workload_has_every_plot_and_table(two_nights, tmp_path):
     page = out.read_text()
     assert "<script" not in page and "http://" not in page and "https://" not in page  # nothing external
     sections = _parse(page)
-    # no frontier rows, and e2e rows at one batch size only: those two sections are left out
-    assert list(sections) == [s.key for s in SECTIONS if s.key not in ("tilemix", "throughput")]
+    # no frontier rows, e2e rows at one batch size only and no KernelBench rows: those sections are left out
+    assert list(sections) == [s.key for s in SECTIONS if s.key not in ("tilemix", "throughput", "kernelbench",
+                                                                       "kb_ablation")]
     assert "TileMix" not in page
     plots = {k: v["imgs"] for k, v in sections.items() if k != "overview"}
     assert all(len(v) == 1 and _is_png(v[0]) for v in plots.values()), {k: len(v) for k, v in plots.items()}
