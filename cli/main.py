@@ -712,12 +712,14 @@ def runs(db: Optional[Path] = DbOpt, limit: int = typer.Option(20)) -> None:
 
 
 @app.command()
-def report(run: Optional[str] = typer.Argument(None, help="run id (default: the latest optimized run)"),
+def report(run: Optional[str] = typer.Argument(None, help="run id or KernelBench run id (default: the latest "
+                                                           "optimized run)"),
            workload: Optional[str] = typer.Option(
                None, "--workload", help="workload name or TOML file: its latest optimized run, with its history"),
            out: Optional[Path] = typer.Option(None, "--out", help="HTML file (default $LLM4LLM_HOME/reports/RUN.html)"),
            db: Optional[Path] = DbOpt) -> None:
-    """Write a self-contained HTML report of a run: hotspots, speedups, search curves, acceptance, e2e, history."""
+    """Write a self-contained HTML report of a run: hotspots, speedups, search curves, acceptance, e2e, history; of
+    a KernelBench run: its geo-means with their spread, the degenerate problems apart and the search-mode ablation."""
     with _user_errors():
         from llm4llm.errors import Llm4llmError
         from tasks.reporting import write_report
@@ -819,6 +821,8 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         with _db(db) as d:
             summary = repo.kb_summary(d, kb_run_id)
         _print_table(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))
+        console.print(f"curves and spread: llm4llm report {kb_run_id}" + (f" --db {db}" if db else ""),
+                      highlight=False)
 
 
 def _end_children() -> None:
