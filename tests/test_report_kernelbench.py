@@ -168,3 +168,30 @@ def test_an_unknown_run_kind_is_refused():
 
     with pytest.raises(ValueError, match="kinds"):
         section("x", "X", kinds=("notebook",))
+
+
+def test_an_untimed_kernelbench_run_still_renders(tmp_path):
+    """A CPU run (`--device cpu`): every problem passes, nothing is timed; the results say so, the curves stay at
+    the reference (1.0) and one mode is no ablation."""
+    from llm4llm.report import kernelbench_ablation, kernelbench_results, report_context
+
+    path = tmp_path / "cpu.duckdb"
+    with Database(path) as db:
+        for pid in (1, 2):
+            sid = f"cpu-{pid}"
+            repo.record_search_start(db, {"search_id": sid, "task_id": f"t{pid}", "run_id": "kb-cpu",
+                                          "mode": "episodic", "proposer": "library", "budget": 2})
+            for i in range(2):
+                repo.record_candidate(db, {"candidate_id": f"c{pid}{i}", "task_id": f"t{pid}", "search_id": sid,
+                                           "episode": 0, "iteration": i, "proposer": "library", "passed": True,
+                                           "utility": 0.0})
+            repo.record_kb_result(db, {"kb_run_id": "kb-cpu", "problem": f"{pid}_P.py", "problem_id": pid,
+                                       "task_id": f"t{pid}", "search_id": sid, "mode": "episodic",
+                                       "proposer": "library", "budget": 2, "trials": 2, "passed": True})
+    with Database(path, read_only=True) as db:
+        ctx = report_context(ReportReader(db), "kb-cpu")
+        results, ablation = kernelbench_results(ctx), kernelbench_ablation(ctx)
+    assert len(results.figures) == 1 and "degenerate problems" not in dict(results.tables)
+    assert dict(results.tables)["summary per mode"]["pass_rate"].tolist() == [1.0]
+    bands = dict(ablation.tables)["curves"]
+    assert bands["geo_best"].tolist() == [1.0, 1.0] and any("one search mode only" in n for n in ablation.notes)
