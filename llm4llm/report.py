@@ -563,7 +563,8 @@ def _kb_geo_panel(ax, summary: pd.DataFrame) -> None:
 
 
 def _kb_problem_panel(ax, problems: pd.DataFrame) -> None:
-    """Each problem's speedup over eager per mode (log scale); degenerate problems hollow, apart on the right."""
+    """Each problem's speedup over eager per mode (log scale over a wide range); degenerate problems hollow, apart
+    on the right."""
     ok = problems[problems["passed"] & problems["speedup_eager"].notna()]
     order = list(dict.fromkeys(ok.sort_values(["degenerate_", "problem_id"])["problem_id"]))
     x_of = {pid: i for i, pid in enumerate(order)}
@@ -576,9 +577,10 @@ def _kb_problem_panel(ax, problems: pd.DataFrame) -> None:
     if n_deg:
         ax.axvline(len(order) - n_deg - 0.5, color="#999", lw=1, ls=":")
     ax.axhline(1.0, color="#999", lw=1, ls="--")
-    ax.set_yscale("log")
+    if ok["speedup_eager"].max() > 10 * ok["speedup_eager"].min():
+        ax.set_yscale("log")
     ax.set_xticks(range(len(order)), [str(p) for p in order], fontsize=6, rotation=90)
-    ax.set_xlabel("problem id (hollow, right of the dotted line: degenerate)")
+    ax.set_xlabel("problem id" + (" (hollow, right of the dotted line: degenerate)" if n_deg else ""))
     ax.set_ylabel("best speedup over eager")
     ax.legend(fontsize=7)
 
@@ -644,6 +646,10 @@ def kernelbench_ablation(ctx: ReportContext) -> Block | None:
              "excludes 1.0 separates the modes."]
     if bands["mode"].nunique() < 2:
         notes.append("one search mode only: no ablation (run `llm4llm kernelbench` with several --mode).")
+    elif bands["problems"].nunique() > 1:
+        counts = ", ".join(f"{m} {n}" for m, n in bands.groupby("mode")["problems"].first().items())
+        notes.append(f"the modes cover different problems ({counts}): compare them by the contrasts, which pair "
+                     "the problems both ran.")
     tables = [("curves", bands)] + ([("mode contrasts", contrasts)] if not contrasts.empty else [])
     return Block(notes=notes, figures=[fig], tables=tables)
 
