@@ -21,7 +21,7 @@ class TaskKind(Protocol):
     """One kind of task other than the model tasks: its candidate contract, end to end."""
 
     name: str  # the TaskSpec.reference it serves
-    candidate: str  # the name a candidate's source defines (a model task's: "entry")
+    target: Any  # what a candidate's source defines: an llm.extract.Target (a model task's: extract.ENTRY)
     final_instruction: str  # the prompt's last line
 
     def static_gate(self, source: str) -> Any:

@@ -3,15 +3,17 @@ so the verifier and the LLM call it without importing this package. The parts li
 (static.py), the benchmark's judging and timing protocol (protocol.py), the prompt (prompt.py)."""
 from __future__ import annotations
 
+import ast
 from typing import Any, Callable
 
 from llm4llm.kernelbench import prompt
 from llm4llm.kernelbench.problem import REFERENCE
+from llm4llm.llm.extract import Target
 
 
 class KernelBenchKind:
     name = REFERENCE
-    candidate = "ModelNew"
+    target = Target(ast.ClassDef, "ModelNew", "no_model_new", "class ModelNew(nn.Module)")
     final_instruction = prompt.FINAL_INSTRUCTION
 
     def static_gate(self, source: str):

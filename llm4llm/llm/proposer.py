@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from llm4llm.llm.config import LLMConfig, LLMConfigError
 from llm4llm.llm.corrections import Rule, apply_corrections, rule_set
-from llm4llm.llm.extract import ExtractionError, defines, extract_code
+from llm4llm.llm.extract import ENTRY, ExtractionError, Target, defines, extract_code
 from llm4llm.llm.prompt import PromptParts, build_messages
 from llm4llm.redact import redact, redact_obj
 from llm4llm.search.types import Candidate, Experience, Feedback, source_id
@@ -39,10 +39,10 @@ TEMPLATE = "llm"
 OnCall = Callable[["LLMCall"], None]
 
 
-def _candidate_name(task: TaskSpec) -> str:
+def _target(task: TaskSpec) -> Target:
     """What a candidate's source defines: its task kind's (KernelBench's `ModelNew`), else a model task's `entry`."""
     kind = kind_of(task)
-    return kind.candidate if kind is not None else "entry"
+    return kind.target if kind is not None else ENTRY
 
 
 @dataclass
@@ -240,7 +240,7 @@ class LLMProposer:
     def _candidate(self, task: TaskSpec, text: str, finish: str | None, call: LLMCall, episode: int,
                    iteration: int, parent: str | None) -> Candidate:
         try:
-            code = extract_code(text, finish, _candidate_name(task)).code
+            code = extract_code(text, finish, _target(task)).code
         except ExtractionError as e:
             call.error = e.message
             return self._failed(task, e.kind, e.message, call.call_id, episode, iteration, parent)
@@ -272,7 +272,7 @@ class LLMProposer:
     def _parts(self, task: TaskSpec, feedback: list[Feedback]) -> PromptParts:
         parts = PromptParts()
         if kind_of(task) is not None:  # a real candidate (a ModelNew), not a failure placeholder naming it
-            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), _candidate_name(task))]
+            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), _target(task))]
         else:
             known = [f for f in feedback if "def entry" in self._sources.get(f.candidate_id, "")]
         if known:
