@@ -16,9 +16,11 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-table 
 sys.path.insert(0, str(Path(__file__).parent))
 import llm_server as srv  # noqa: E402
 
+from llm4llm.kernelbench.kind import KIND  # noqa: E402
 from llm4llm.llm.extract import ExtractionError, extract_code  # noqa: E402
 from llm4llm.llm.prompt import build_messages  # noqa: E402
 
+KB_TARGET = KIND.target  # what a KernelBench answer must define: class ModelNew
 LEVEL2 = Path("/work/shared/kernelbench/level2")
 PROBLEM = "76_Gemm_Add_ReLU.py"  # GEMM (cuBLAS, allowed for KernelBench) + bias + ReLU (a Triton kernel)
 SIZES = {"batch_size": 4, "in_features": 16, "out_features": 8}  # the problem's 1024 x 8192 x 8192, shrunk
@@ -126,13 +128,13 @@ def test_other_tasks_keep_the_entry_prompt():
 
 def test_kernelbench_answers_must_define_modelnew():
     text = srv.fenced(MODEL_NEW)
-    assert extract_code(text, "stop", "ModelNew").code == MODEL_NEW
+    assert extract_code(text, "stop", KB_TARGET).code == MODEL_NEW
     with pytest.raises(ExtractionError) as e:  # an entry() answer is the wrong contract for KernelBench
-        extract_code(srv.fenced(srv.GOOD_SOURCE), "stop", "ModelNew")
+        extract_code(srv.fenced(srv.GOOD_SOURCE), "stop", KB_TARGET)
     assert e.value.kind == "no_model_new"
     assert e.value.message == "1 Python block(s), none defines class ModelNew(nn.Module)"
     with pytest.raises(ExtractionError) as e:
-        extract_code("I would fuse the bias and the ReLU.", "stop", "ModelNew")
+        extract_code("I would fuse the bias and the ReLU.", "stop", KB_TARGET)
     assert e.value.kind == "no_code" and "class ModelNew" in e.value.message
     assert extract_code(srv.fenced(srv.GOOD_SOURCE)).code == srv.GOOD_SOURCE  # entry stays the default
 

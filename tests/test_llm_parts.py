@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llm4llm.llm.corrections import (BUILTIN_RULES, TANH_HELPER, CorrectionsError, Rule, apply_corrections,
                                      load_rules_file, rule_set)
 from llm4llm.llm.extract import ExtractionError, extract_code
-from llm4llm.llm.redact import MASK, redact, redact_obj
+from llm4llm.redact import MASK, redact, redact_obj
 
 ENTRY = "import torch\n\ndef entry(inputs, weights, state, static):\n    return {}\n"
 

@@ -5,7 +5,7 @@ import urllib.parse
 
 import pytest
 
-from llm4llm.llm.redact import MASK, redact
+from llm4llm.redact import MASK, redact
 
 KEY = "sk-proj-Zq81mVt0dLr4Xy7NwPb2"
 ENV = {"OPENAI_API_KEY": KEY, "HOME": "/root"}

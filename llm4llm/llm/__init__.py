@@ -9,7 +9,7 @@ from llm4llm.llm.config import LLMConfig, LLMConfigError, load_llm_config
 from llm4llm.llm.corrections import BUILTIN_RULES, Rule, apply_corrections, load_rules_file, rule_set
 from llm4llm.llm.extract import ExtractionError, extract_code
 from llm4llm.llm.proposer import HybridProposer, LLMCall, LLMProposer
-from llm4llm.llm.redact import redact, redact_obj
+from llm4llm.redact import redact, redact_obj
 
 __all__ = ["LLMConfig", "LLMConfigError", "load_llm_config", "BUILTIN_RULES", "Rule", "apply_corrections",
            "load_rules_file", "rule_set", "ExtractionError", "extract_code", "HybridProposer", "LLMCall",

@@ -1,8 +1,8 @@
-"""Code out of an LLM answer: the fenced Python block that defines `entry` (KernelBench tasks: `class ModelNew`),
-else an unfenced fallback.
+"""Code out of an LLM answer: the fenced Python block that defines the candidate's `Target` (a model task's
+`entry`; a task kind's own, llm4llm/taskkind.py), else an unfenced fallback.
 
-Every way an answer can be unusable is an `ExtractionError` with a `kind` (empty, truncated, no_code, no_entry;
-no_model_new for a KernelBench answer);
+Every way an answer can be unusable is an `ExtractionError` with a `kind` (empty, truncated, no_code, or the
+target's missing kind: no_entry for a model task's answer);
 the proposer turns it into a candidate with empty source and `config["error"]`, which the verifier records as a
 failed (static) trial. Nothing here raises anything else.
 """
@@ -15,13 +15,6 @@ from dataclasses import dataclass
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+\-.]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 _FENCE_LINE = re.compile(r"^[ \t]*```", re.M)
 _PY_LANGS = {"", "python", "py", "python3", "triton"}
-_ENTRY = re.compile(r"^def entry\s*\(", re.M)
-_MODEL_NEW = re.compile(r"^class ModelNew\b", re.M)
-# What the answer must define, by target: (AST node type, name, fallback regex on a syntax error, error kind, wording)
-TARGETS = {
-    "entry": (ast.FunctionDef, "entry", _ENTRY, "no_entry", "entry(inputs, weights, state, static)"),
-    "ModelNew": (ast.ClassDef, "ModelNew", _MODEL_NEW, "no_model_new", "class ModelNew(nn.Module)"),
-}
 _CODE_START = re.compile(r"^(import |from |@triton|def |class |[A-Z_][A-Z0-9_]* = )", re.M)
 
 
@@ -33,30 +26,50 @@ class ExtractionError(Exception):
 
 
 @dataclass(frozen=True)
+class Target:
+    """What an answer must define at top level: a function or a class of this name; `missing` is the error kind of
+    an answer without it, `wording` how messages name it."""
+
+    node: type  # ast.FunctionDef or ast.ClassDef
+    name: str
+    missing: str
+    wording: str
+
+    @property
+    def fallback(self) -> re.Pattern:
+        """Its definition found by a regex, where the code does not parse."""
+        if self.node is ast.ClassDef:
+            return re.compile(rf"^class {self.name}\b", re.M)
+        return re.compile(rf"^def {self.name}\s*\(", re.M)
+
+
+ENTRY = Target(ast.FunctionDef, "entry", "no_entry", "entry(inputs, weights, state, static)")
+
+
+@dataclass(frozen=True)
 class Extracted:
     code: str
     how: str  # "fenced", "fenced-joined", "unfenced"
 
 
-def defines(code: str, target: str = "entry") -> bool:
-    """Whether `code` defines `target` at top level ("entry" or "ModelNew")."""
-    node_type, name, fallback = TARGETS[target][:3]
+def defines(code: str, target: Target = ENTRY) -> bool:
+    """Whether `code` defines `target` at top level."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, RecursionError, MemoryError):  # nested too deeply too
-        return bool(fallback.search(code))  # the compile gate reports the syntax error with its line
-    return any(isinstance(n, node_type) and n.name == name for n in tree.body)
+        return bool(target.fallback.search(code))  # the compile gate reports the syntax error with its line
+    return any(isinstance(n, target.node) and n.name == target.name for n in tree.body)
 
 
 def _has_kernel(code: str) -> bool:
     return "@triton." in code or "kernels_runtime" in code
 
 
-def extract_code(text: str | None, finish_reason: str | None = None, target: str = "entry") -> Extracted:
-    """The candidate source in `text`: the code defining `target` ("entry", or "ModelNew" for KernelBench tasks).
+def extract_code(text: str | None, finish_reason: str | None = None, target: Target = ENTRY) -> Extracted:
+    """The candidate source in `text`: the code defining `target` (a model task's `entry`, or a task kind's).
     `finish_reason == "length"` (the token limit cut the answer) is truncation even when a closed block precedes
     the cut: the model may have meant to revise it."""
-    missing_kind, wording = TARGETS[target][3:]
+    missing_kind, wording = target.missing, target.wording
     if text is None or not text.strip():
         raise ExtractionError("empty", "the model returned no text")
     if finish_reason == "length":

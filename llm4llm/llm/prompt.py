@@ -208,13 +208,14 @@ def feedback_section(feedback: list[Any]) -> str | None:
 
 def build_messages(task: TaskSpec, experience: list[Any], feedback: list[Any], parts: PromptParts | None = None
                    ) -> list[dict[str, str]]:
-    """The chat messages for one sample. KernelBench tasks get KernelBench's ModelNew contract and the problem's
-    source (llm4llm/llm/kb_prompt.py) in place of the entry() contract; everything after the task is shared."""
-    from llm4llm.llm import kb_prompt
+    """The chat messages for one sample. A task of another kind (llm4llm/taskkind.py; KernelBench's ModelNew
+    contract and the problem's source) gets its kind's system prompt, task section and last line in place of the
+    entry() contract's; everything after the task is shared."""
+    from llm4llm.taskkind import kind_of
 
-    kb = kb_prompt.is_kernelbench(task)
+    kind = kind_of(task)
     parts = parts or PromptParts()
-    sections = [kb_prompt.task_section(task) if kb else task_section(task)]
+    sections = [kind.task_section(task) if kind else task_section(task)]
     for s in (experience_section(experience), feedback_section(feedback)):
         if s:
             sections.append(s)
@@ -227,7 +228,7 @@ def build_messages(task: TaskSpec, experience: list[Any], feedback: list[Any], p
         for mod, text in ops_sources(parts.seed_source):
             seed += f"\nwhere {mod} is:\n```python\n" + _clip(text.rstrip(), SEED_CHARS) + "\n```"
         sections.append(seed)
-    sections.append(kb_prompt.FINAL_INSTRUCTION if kb else
+    sections.append(kind.final_instruction if kind else
                     "Write the complete candidate source now: one ```python block defining entry(...).")
-    system = kb_prompt.system_prompt() if kb else system_prompt()
+    system = kind.system_prompt() if kind else system_prompt()
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(sections)}]

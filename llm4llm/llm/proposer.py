@@ -28,15 +28,21 @@ from typing import Any, Callable
 
 from llm4llm.llm.config import LLMConfig, LLMConfigError
 from llm4llm.llm.corrections import Rule, apply_corrections, rule_set
-from llm4llm.llm.extract import ExtractionError, defines, extract_code
-from llm4llm.llm.kb_prompt import is_kernelbench
+from llm4llm.llm.extract import ENTRY, ExtractionError, Target, defines, extract_code
 from llm4llm.llm.prompt import PromptParts, build_messages
-from llm4llm.llm.redact import redact, redact_obj
+from llm4llm.redact import redact, redact_obj
 from llm4llm.search.types import Candidate, Experience, Feedback, source_id
+from llm4llm.taskkind import kind_of
 from llm4llm.taskspec import TaskSpec
 
 TEMPLATE = "llm"
 OnCall = Callable[["LLMCall"], None]
+
+
+def _target(task: TaskSpec) -> Target:
+    """What a candidate's source defines: its task kind's (KernelBench's `ModelNew`), else a model task's `entry`."""
+    kind = kind_of(task)
+    return kind.target if kind is not None else ENTRY
 
 
 @dataclass
@@ -234,7 +240,7 @@ class LLMProposer:
     def _candidate(self, task: TaskSpec, text: str, finish: str | None, call: LLMCall, episode: int,
                    iteration: int, parent: str | None) -> Candidate:
         try:
-            code = extract_code(text, finish, "ModelNew" if is_kernelbench(task) else "entry").code
+            code = extract_code(text, finish, _target(task)).code
         except ExtractionError as e:
             call.error = e.message
             return self._failed(task, e.kind, e.message, call.call_id, episode, iteration, parent)
@@ -265,8 +271,8 @@ class LLMProposer:
 
     def _parts(self, task: TaskSpec, feedback: list[Feedback]) -> PromptParts:
         parts = PromptParts()
-        if is_kernelbench(task):  # a real ModelNew, not a failure placeholder (whose comment names ModelNew)
-            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), "ModelNew")]
+        if kind_of(task) is not None:  # a real candidate (a ModelNew), not a failure placeholder naming it
+            known = [f for f in feedback if defines(self._sources.get(f.candidate_id, ""), _target(task))]
         else:
             known = [f for f in feedback if "def entry" in self._sources.get(f.candidate_id, "")]
         if known:

@@ -141,6 +141,7 @@ def candidate_launches(task_dir: str, source: str, dtype: torch.dtype | None = N
     import tempfile
     from pathlib import Path
 
+    from llm4llm.taskkind import kind_of
     from llm4llm.taskspec import load_task
     from llm4llm.verify.candidate import load_candidate, unload_candidate
 
@@ -155,25 +156,12 @@ def candidate_launches(task_dir: str, source: str, dtype: torch.dtype | None = N
     with tempfile.TemporaryDirectory(prefix="llm4llm-aot-") as tmp:
         module = load_candidate(source, Path(tmp), name)
         try:
-            if task.spec.reference == "kernelbench":
-                return capture_launches(_kernelbench_call(task, module))
+            if (kind := kind_of(task.spec)) is not None:  # its candidate is not an `entry`: the kind calls it
+                return capture_launches(kind.launch_call(task, module))
             return capture_launches(lambda: module.entry(cast(case.inputs), cast(case.weights), cast(case.state),
                                                          dict(task.spec.static)))
         finally:
             unload_candidate(name)
-
-
-def _kernelbench_call(task, module) -> Callable[[], Any]:
-    """A KernelBench candidate is a ModelNew, not an `entry` (and its task captures no cases): built as the
-    protocol builds it, on the CPU with its own seeded weights (launches depend on shapes, not values), called
-    through the protocol's `entry` adapter on the problem's seed-42 inputs, the ones KernelBench times."""
-    from llm4llm.kernelbench.problem import SEED, build_model, inputs_for, load_module
-    from llm4llm.kernelbench.protocol import make_entry
-
-    problem = load_module(task.spec.static["source"], f"kb_ref_aot_{task.spec.task_id.replace('-', '_')}")
-    entry = make_entry(build_model(problem, "cpu", cls=module.ModelNew), task.spec.input_names, functional=False)
-    inputs = dict(zip(task.spec.input_names, inputs_for(problem, SEED, "cpu")))
-    return lambda: entry(inputs, {}, {}, dict(task.spec.static))
 
 
 def template_launches(task_dir: str, template: str, dtype: torch.dtype | None = None) -> list[Launch]:

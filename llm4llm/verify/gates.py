@@ -40,8 +40,8 @@ from typing import Any, Callable
 import torch
 
 from kernels_runtime.tolerances import compare_lossy
-from llm4llm.kernelbench.protocol import run_kb
 from llm4llm.outcomes import FATAL_TO_WORKER, FailureClass
+from llm4llm.taskkind import kind_of
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, append_passed_before, call_candidate,
@@ -177,8 +177,8 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
             except BaseException as e:  # noqa: BLE001
                 return v.fail("compile", FailureClass.COMPILE, "executing the source failed:\n"
                               + "".join(traceback.format_exception(e))[-6000:]), False
-            if task.spec.reference == "kernelbench":  # a ModelNew judged by KernelBench's protocol on top
-                return run_kb(v, task, module, dev, timing)
+            if (kind := kind_of(task.spec)) is not None:  # a task of another kind: judged by its own protocol
+                return kind.judge(v, task, module, dev, timing)
             entry = getattr(module, "entry", None)
             if not callable(entry):
                 return v.fail("compile", FailureClass.COMPILE, "the module defines no callable `entry`"), False

@@ -52,7 +52,7 @@ NOBODY = 65534
 ALL_LAYERS = ("pdeathsig", "netns", "mountns", "uid", "landlock", "seccomp")
 
 # Variables a candidate process may see (exact names, or prefixes ending in "_"); everything else is dropped, and
-# so is any of these whose name or value looks secret (llm4llm.llm.redact decides).
+# so is any of these whose name or value looks secret (llm4llm.redact decides).
 ENV_ALLOW = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
              "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "CUDA_PATH",
              "CUDA_LAUNCH_BLOCKING", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CC", "CXX",
@@ -78,7 +78,7 @@ def _err(what: str) -> OSError:
 # ------------------------------------------------------------------------------------------------- the parent side
 
 def _secret_like(name: str, value: str) -> bool:
-    from llm4llm.llm.redact import is_secret_name, secret_env_values
+    from llm4llm.redact import is_secret_name, secret_env_values
 
     return is_secret_name(name) or value in secret_env_values()
 

@@ -100,7 +100,7 @@ def _serve(conn) -> None:
                 reply = session.call(**msg)
             elif op == "time":
                 reply = session.time(**msg)
-            elif op == "gates":  # KernelBench tasks: the benchmark's own protocol, judged in this process
+            elif op == "gates":  # tasks of a kind (llm4llm/taskkind.py): their own protocol, judged in this process
                 from llm4llm.verify.gates import run_gates
 
                 verdict, poisoned = run_gates(**msg)
@@ -199,24 +199,24 @@ class VerifierPool:
 
     # -- process management
     def _spawn(self) -> None:
+        from llm4llm.taskkind import all_kinds
         from llm4llm.verify.sandbox import make_box, sandboxed_popen
-
-        from llm4llm.kernelbench.protocol import LOCK_FD_ENV, open_gpu_lock
 
         box = make_box()
         ours, theirs = socket.socketpair()
-        lock = open_gpu_lock()  # the GPU lock shards share, handed over open: the child cannot reach its path
-        fds = (theirs.fileno(),) + ((lock.fileno(),) if lock else ())
+        # what each task kind hands a worker open (e.g. a GPU lock shared by shards): the child cannot reach its path
+        handed = [h for h in (k.worker_handover() for k in all_kinds()) if h[0] is not None]
+        fds = (theirs.fileno(),) + tuple(f.fileno() for f, _ in handed)
         try:
             proc = sandboxed_popen("llm4llm.verify.worker:sandbox_main", box=box, pass_fds=fds,
                                    args=[str(theirs.fileno()), self.device], readonly=_readonly_paths(),
                                    extra_env={"TORCHINDUCTOR_COMPILE_THREADS": "1",
-                                              **({LOCK_FD_ENV: str(lock.fileno())} if lock else {})},
+                                              **{k: v for _, env in handed for k, v in env.items()}},
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         finally:
             theirs.close()
-            if lock:
-                lock.close()
+            for f, _ in handed:
+                f.close()
         # candidate code's output goes to the bounded children's log, never the user's terminal
         childlog.drain(proc.stdout, f"verifier worker {proc.pid} ({self.device})", forward=False)
         self._w = _Worker(proc, Connection(ours.detach()), box)
@@ -321,18 +321,19 @@ class VerifierPool:
 
     def _judge(self, v: Verdict, spec, task_dir: Path, local: Path, source: str, opts: dict, rpc: "_Rpc",
                w: _Worker) -> Verdict:
-        """The gates, run through the worker: KernelBench's protocol inside it, else judged from here on what it
-        returns; then the optional memcheck."""
+        """The gates, run through the worker: a task kind's own protocol inside it, else judged from here on what
+        it returns; then the optional memcheck."""
         import torch
 
+        from llm4llm.taskkind import kind_of
         from llm4llm.taskspec import load_task
         from llm4llm.verify.gates import Canary, judge_remote, lossy_of_source
 
         draws, seed = rpc.job["draws"], rpc.job["seed"]
         task = load_task(task_dir)
-        if spec.reference == "kernelbench":
-            # KernelBench's protocol compares ModelNew with Model in one process, as the benchmark does: the
-            # judge runs in the sandboxed worker, not here (docs/threat-model.md)
+        if kind_of(spec) is not None:
+            # a task kind's protocol (one that compares the candidate with the reference in one process, as a
+            # benchmark does) runs in the sandboxed worker, not here (docs/threat-model.md)
             r = rpc({"op": "gates", "task_dir": str(local), "source": source, "device": self.device,
                      "draws": draws, "seed": seed, "timing": bool(opts["timing"])})
             got = Verdict.model_validate(r["verdict"])

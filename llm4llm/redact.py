@@ -1,4 +1,6 @@
-"""Masking of secrets in anything the LLM proposer persists (transcripts, call records, error messages).
+"""Masking of secrets in anything the LLM proposer persists (transcripts, call records, error messages), and the
+test of which variables are secret that the sandbox uses to keep them from a candidate's environment (at the core's
+top, so the verifier does not import the LLM package that imports it).
 
 API keys live in the environment only (litellm reads them there); this is the last line of defence for text that
 could echo one back: a provider error quoting the key, a user pasting one into a prompt, an exception's repr.

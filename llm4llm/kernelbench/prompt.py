@@ -12,7 +12,6 @@ from typing import Any
 
 from llm4llm.taskspec import TaskSpec
 
-KB_REFERENCE = "kernelbench"  # TaskSpec.reference of KernelBench tasks (llm4llm/kernelbench/problem.py REFERENCE)
 SOURCE_CHARS = 12_000
 FINAL_INSTRUCTION = ("Write the complete candidate source now: one ```python block defining "
                      "`class ModelNew(nn.Module)` (and its Triton kernels).")
@@ -44,11 +43,6 @@ Candidate contract (KernelBench's; checked by an AST gate, then by KernelBench's
 
 Answer with a short plan (at most a few sentences), then the complete source in ONE ```python fenced block defining
 `class ModelNew`."""
-
-
-def is_kernelbench(task: TaskSpec) -> bool:
-    """A KernelBench task: its candidates are ModelNew modules (the static gate dispatches on the same field)."""
-    return getattr(task, "reference", "") == KB_REFERENCE
 
 
 def protocol_text() -> str:
