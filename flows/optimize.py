@@ -12,6 +12,7 @@ from flows.progress import run_log
 from flows.profiling import _defaults, extract_tasks, profile_workload, run_kind
 from flows.search import search_flow
 from llm4llm import planner, progress
+from llm4llm.accept import GraphPlan
 from llm4llm.config import OptimizeConfig, RunKind
 from llm4llm.evaluate import eval_batches
 from llm4llm.outcome import summary_lines
@@ -109,6 +110,7 @@ class _Run:
         self.clock = planner.Clock(cfg.time_budget_s, started=time.monotonic() - (time.time() - started_wall))
         self.started_wall = started_wall
         self.run_id, self.name, self.device, self.decode_timing = None, "", "cpu", "launch"
+        self.graph_plan = GraphPlan()  # the run's CUDA-graph plan, which acceptance gates (set after extraction)
         self.index_path = self.profile_path = None
         self.workload: dict = {}
 
@@ -167,7 +169,8 @@ def _optimize(run: _Run, kind: str) -> dict:
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
     run.decode_timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
-    out.update(_search_and_accept(run, cfg.accept.build(decode_graphs=graphs, static_cache=static_cache)))
+    run.graph_plan = GraphPlan(decode_graphs=graphs, static_cache=static_cache)
+    out.update(_search_and_accept(run))
     if "accept" in stages:
         _publish("acceptance", run.name, run.run_id, run.db_path)
         _coverage_artifact(run.run_id, run.db_path)
@@ -193,7 +196,7 @@ def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> plan
     return plan
 
 
-def _search_and_accept(run: _Run, accept_cfg) -> dict:
+def _search_and_accept(run: _Run) -> dict:
     """Search the plan's targets and accept them: the most valuable first and alone (the first bundle early), then
     the rest on top of it; after each step the plan is made again with what is left (children of a module that
     failed whole become targets). Returns searches, the last acceptance summary (its bundle holds every step's
@@ -211,7 +214,7 @@ def _search_and_accept(run: _Run, accept_cfg) -> dict:
         searched += [w.task_id for w in wave]
         failed += [r["task_id"] for r in results if not r.get("best_candidate")]
         if "accept" in stages:
-            acc = _accept(run, accept_cfg, [w.task_id for w in wave], bundle)
+            acc = _accept(run, [w.task_id for w in wave], bundle)
             bundle = acc["bundle"] or bundle
             acc["bundle"] = bundle
             acc["accepted_tasks"] = (out.get("acceptance") or {}).get("accepted_tasks", []) + acc["accepted_tasks"]
@@ -223,7 +226,7 @@ def _search_and_accept(run: _Run, accept_cfg) -> dict:
             run.say(f"plan: {max(left, 0):.0f} s left for searching; on to evaluation")
             break
         plan = _plan(run, searched, failed)
-    out.update(_retry_rounds(run, accept_cfg, plan, out, bundle))
+    out.update(_retry_rounds(run, plan, out, bundle))
     _publish("leaderboard", run.name, run.run_id, run.db_path)
     return out
 
@@ -256,15 +259,15 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
     return results
 
 
-def _accept(run: _Run, accept_cfg, task_ids: list[str], base_bundle: str | None) -> dict:
+def _accept(run: _Run, task_ids: list[str], base_bundle: str | None) -> dict:
     with run.stage("accept", ", ".join(task_ids)):
-        acc = accept_patches(run.workload_path, run.run_id, accept_cfg, run.db_path, run.data_dir,
-                             task_ids=task_ids, base_bundle=base_bundle)
+        acc = accept_patches(run.workload_path, run.run_id, run.cfg.accept, run.db_path, run.data_dir,
+                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan)
     run.say(f"accept: {acc['accepted']} accepted, {acc['rejected']} rejected; bundle {acc['bundle'] or base_bundle}")
     return acc
 
 
-def _retry_rounds(run: _Run, accept_cfg, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
+def _retry_rounds(run: _Run, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
     """config.search.rounds > 1: tasks rejected in the model are searched again from their experience (the
     rejection included) and accepted on top of the bundle, while the budget lasts."""
     items = {i.task_id: i for i in plan.items}
@@ -276,7 +279,7 @@ def _retry_rounds(run: _Run, accept_cfg, plan: planner.Plan, out: dict, bundle: 
         for item in retry:
             item.trials = run.cfg.search.budget or planner.MIN_TRIALS
         out["searches"] += _search_wave(run, plan, retry)
-        acc = _accept(run, accept_cfg, [i.task_id for i in retry], bundle)
+        acc = _accept(run, [i.task_id for i in retry], bundle)
         bundle = acc["bundle"] or bundle
         acc.update(bundle=bundle, accepted_tasks=out["acceptance"]["accepted_tasks"] + acc["accepted_tasks"])
         out["acceptance"] = acc
