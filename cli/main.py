@@ -499,7 +499,7 @@ def _print_points(rows: list[dict]) -> None:
 @app.command()
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
            run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
-           budget: int = typer.Option(15),
+           budget: Optional[int] = typer.Option(None, help="trials per task (default: the planner's cap)"),
            mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
            proposer: str = typer.Option("library", metavar=_choices(PROPOSERS), help=PROPOSER_HELP),
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
@@ -524,10 +524,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         from storage import repo
 
         _check_proposer(proposer)
-        settings = _config({"search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
-                                       "timeout_s": timeout_s}}).search
         if decode_timing not in DECODE_TIMINGS:
             raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
+        settings = _config({"search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
+                                       "timeout_s": timeout_s, "decode_timing": decode_timing}}).search
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         with _db(db) as d:
             run = _resolve_run(d, run)
@@ -541,7 +541,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
             results = search_flow(scale)(run, settings=settings, db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
-                                   task_ids=task or None, llm=llm, decode_timing=decode_timing, scale=scale)
+                                   task_ids=task or None, llm=llm, scale=scale)
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")

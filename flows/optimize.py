@@ -109,7 +109,7 @@ class _Run:
         self.workload_path, self.cfg, self.db_path, self.data_dir = workload_path, cfg, db_path, data_dir
         self.clock = planner.Clock(cfg.time_budget_s, started=time.monotonic() - (time.time() - started_wall))
         self.started_wall = started_wall
-        self.run_id, self.name, self.device, self.decode_timing = None, "", "cpu", "launch"
+        self.run_id, self.name, self.device = None, "", "cpu"
         self.graph_plan = GraphPlan()  # the run's CUDA-graph plan, which acceptance gates (set after extraction)
         self.index_path = self.profile_path = None
         self.workload: dict = {}
@@ -168,7 +168,8 @@ def _optimize(run: _Run, kind: str) -> dict:
     run.say(f"decode graphs: {why}")
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
-    run.decode_timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
+    timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
+    run.cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"decode_timing": timing})})
     run.graph_plan = GraphPlan(decode_graphs=graphs, static_cache=static_cache)
     out.update(_search_and_accept(run))
     if "accept" in stages:
@@ -189,7 +190,7 @@ def _optimize(run: _Run, kind: str) -> dict:
 def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> planner.Plan:
     with run.stage("plan"):
         plan = plan_search(run.index_path, run.profile_path, run.run_id, run.workload, run.cfg, run.db_path,
-                           run.started_wall, run.decode_timing, searched=list(searched), excluded=list(excluded))
+                           run.started_wall, searched=list(searched), excluded=list(excluded))
     record_plan(run.run_id, plan, run.db_path)
     for line in plan.lines(run.clock.elapsed(), targets_only=bool(searched)):
         run.say(line)
@@ -239,7 +240,7 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
                                                  max(w.trials for w in wave)})
         return search_flow(cfg.scale)(run.run_id, settings, db_path=run.db_path, data_dir=run.data_dir,
                                       device=run.device, task_ids=[w.task_id for w in wave], llm=cfg.llm,
-                                      decode_timing=run.decode_timing, scale=cfg.scale)
+                                      scale=cfg.scale)
     results = []
     try:
         for k, item in enumerate(wave):
@@ -248,7 +249,7 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
             deadline = None if left is None else time.time() + max(0.0, left) * share
             with run.stage("search", item.task_id) as span:
                 r = search_task(item.artifact_path, cfg.search, run.db_path, run.data_dir, run.device, run.run_id,
-                                cfg.llm, run.decode_timing, trials=item.trials, deadline=deadline)
+                                cfg.llm, trials=item.trials, deadline=deadline)
                 span["trials"] = r["trials"]
             best = f"best {r['best_utility']:.2f}x" if r.get("best_utility") else "no speedup measured"
             run.say(f"search {item.task_id}: {r['trials']} trials, {r['pass_rate']:.0%} passed, {best}, "

@@ -13,13 +13,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm4llm.llm.config import LLMConfig
-from llm4llm.planner import DEFAULT_TIME_BUDGET_S
+from llm4llm.planner import DEFAULT_TIME_BUDGET_S, MAX_TRIALS
 from llm4llm.scale import ScaleOut
 
 Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
 STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
 SearchMode = Literal["episodic", "sample", "iter"]
 ProposerKind = Literal["library", "llm", "hybrid"]
+# how the verifier times candidates: back to back, or by GPU time under CUDA-graph replay (decode tasks; prefill
+# tasks too) — llm4llm.verify.worker.DECODE_TIMINGS
+DecodeTiming = Literal["launch", "graph", "graph_prefill"]
 Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv",
                  "decoder_layer", "lm_head"]
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
@@ -72,6 +75,15 @@ class SearchSettings(_Settings):
     warm_start: bool = Field(True, description="start each task's search from its stored experience (earlier "
                                                "searches and acceptance rejections of the same task)")
     seed: int = Field(0, ge=0, description="seed of the built-in proposer")
+    decode_timing: DecodeTiming = Field("launch", description="launch: candidates timed back to back | graph: "
+                                                              "decode candidates by GPU time under CUDA-graph "
+                                                              "replay | graph_prefill: prefill candidates too. "
+                                                              "`optimize` sets it from the run's graph plan (the "
+                                                              "model is timed as it will run)")
+
+    def trials(self) -> int:
+        """Verified trials per task when nothing plans them: `budget`, else the planner's cap."""
+        return self.budget if self.budget is not None else MAX_TRIALS
 
 
 class AcceptSettings(_Settings):

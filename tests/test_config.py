@@ -27,6 +27,9 @@ def test_choices_are_the_implementing_modules_own():
     assert _choices(C.Stage) == C.STAGES
     assert _choices(C.SearchMode) == _choices(Mode)
     assert _choices(C.ProposerKind) == ("library", "llm", "hybrid")
+    from llm4llm.verify.worker import DECODE_TIMINGS
+
+    assert _choices(C.DecodeTiming) == DECODE_TIMINGS
 
 
 def test_every_field_has_a_description():

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from llm4llm.config import SearchSettings
 from llm4llm.search import Experience, LibraryProposer, distil, run_search
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.types import Feedback
@@ -56,8 +57,8 @@ def task_dir(tmp_path):
 
 
 def search(task_dir, mode, budget=15, template=FAKE, seed=0, **kw):
-    return run_search(task_dir, LibraryProposer(seed=seed, templates=[template]), FakeVerifier(), mode=mode,
-                      budget=budget, archive_dir=task_dir.parent / "archive", **kw)
+    return run_search(task_dir, LibraryProposer(seed=seed, templates=[template]), FakeVerifier(),
+                      SearchSettings(mode=mode, budget=budget), archive_dir=task_dir.parent / "archive", **kw)
 
 
 def key(c):
@@ -344,7 +345,7 @@ def test_real_rmsnorm_task_two_trials_through_the_verifier(tmp_path):
     task_dir, _, _ = _rmsnorm_task(tmp_path)
     pool = pool_cls("cpu", 120)
     try:
-        res = run_search(task_dir, LibraryProposer(seed=0), pool.verify, mode="sample", budget=2,
+        res = run_search(task_dir, LibraryProposer(seed=0), pool.verify, SearchSettings(mode="sample", budget=2),
                          archive_dir=tmp_path / "archive")
     finally:
         getattr(pool, "close", lambda: None)()
@@ -371,8 +372,8 @@ class NoisyReferenceVerifier(FakeVerifier):
 
 def test_the_best_trial_is_the_fastest_against_the_searchs_pooled_reference(task_dir):
     verifier = NoisyReferenceVerifier()
-    result = run_search(task_dir, LibraryProposer(seed=0, templates=[FAKE]), verifier, mode="sample", budget=12,
-                        archive_dir=task_dir.parent / "archive")
+    result = run_search(task_dir, LibraryProposer(seed=0, templates=[FAKE]), verifier,
+                        SearchSettings(mode="sample", budget=12), archive_dir=task_dir.parent / "archive")
     passed = [t for t in result.trials if t.feedback.passed]
     assert any(t.candidate.config["num_warps"] == 1 for t in passed), "the lucky-reference trial must be sampled"
     fastest = min(passed, key=lambda t: t.verdict["candidate_in_context"]["p50"])
