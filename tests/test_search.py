@@ -489,3 +489,36 @@ def test_inactive_keys_never_make_two_trials_of_one_kernel(task_dir):
         tpl = next(x for x in TEMPLATES if x.name == name)
         assert tpl.inactive[("lin_impl", "cublas")] == ("lin_BLOCK_M", "lin_BLOCK_N", "lin_BLOCK_K", "lin_num_warps",
                                                         "lin_num_stages")
+
+
+def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypatch):
+    """One SearchSettings object goes from the caller to the verifier and the search loop: its timeout and decode
+    timing pick the verifier worker, its mode and trials shape the search (no setting is unpacked on the way)."""
+    import threading
+
+    from llm4llm import isolation
+    from llm4llm.stages import search as search_stage
+
+    pools, starts = [], []
+    verifier = FakeVerifier()
+    monkeypatch.setattr(isolation, "verifier_pool", lambda *a: pools.append(a) or (
+        type("Pool", (), {"verify": staticmethod(verifier)}), threading.Lock()))
+
+    class Recorder:
+        def start(self, *a):
+            starts.append(a)
+
+        def trial(self, candidate, verdict, *a):
+            return bool(verdict["passed"])
+
+        def end(self, *a):
+            pass
+
+    settings = SearchSettings(mode="sample", budget=3, timeout_s=7.0, decode_timing="graph")
+    out = search_stage.run_task_search(str(task_dir), str(tmp_path / "data"), Recorder(), settings,
+                                       proposer_obj=LibraryProposer(seed=0, templates=[FAKE]))
+    assert pools == [("cpu", 7.0, "graph")]
+    assert starts[0][3] == "sample" and starts[0][5] == 3 and out["trials"] == 3
+    from llm4llm.planner import MAX_TRIALS
+
+    assert SearchSettings().trials() == MAX_TRIALS and SearchSettings(budget=4).trials() == 4
