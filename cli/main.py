@@ -181,7 +181,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  "8m", "--time-budget",
                  help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
                       "expected end-to-end saving and splits the search's share over them"),
-             budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
+             budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most the "
+                                                            "planner's cap)"),
              mode: str = typer.Option(_default("search.mode"), metavar=_choices(MODES), help=MODE_HELP),
              proposer: str = typer.Option(_default("search.proposer"), metavar=_choices(PROPOSERS),
                                           help=PROPOSER_HELP),
@@ -500,13 +501,14 @@ def _print_points(rows: list[dict]) -> None:
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
            run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
            budget: Optional[int] = typer.Option(None, help="trials per task (default: the planner's cap)"),
-           mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
-           proposer: str = typer.Option("library", metavar=_choices(PROPOSERS), help=PROPOSER_HELP),
+           mode: str = typer.Option(_default("search.mode"), metavar=_choices(MODES), help=MODE_HELP),
+           proposer: str = typer.Option(_default("search.proposer"), metavar=_choices(PROPOSERS),
+                                        help=PROPOSER_HELP),
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
            top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
-           timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
+           timeout_s: float = typer.Option(_default("search.timeout_s"), help="per-candidate wall-clock limit"),
            decode_timing: str = typer.Option(
-               "launch", help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
+               _default("search.decode_timing"), help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
                               "replay (what `optimize` uses when the model's decode steps run from graphs) | "
                               "graph_prefill: prefill candidates too (Mamba, Mamba2: their prompt forward is "
                               "graphed as well)"),

@@ -55,7 +55,7 @@ class SearchSettings(_Settings):
     mode: SearchMode = Field("episodic", description="episodic (episodes with restart, the default), sample "
                                                      "(independent samples) or iter (one refinement chain)")
     budget: int | None = Field(None, ge=1, description="verified trials per task (empty: the plan's, by expected "
-                                                        "saving within the time budget; at most 15)")
+                                                        f"saving within the time budget; at most {MAX_TRIALS})")
     proposer: ProposerKind = Field("library", description="library: built-in Triton families (no API key); llm: "
                                                           "any litellm model (see `llm`); hybrid: both share the "
                                                           "budget")
