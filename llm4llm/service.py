@@ -140,12 +140,15 @@ def _rel(v: Validation) -> float | None:
 
 
 def decide(current: Validation | None, candidate: Validation | None, fallback: Validation | None,
-           delta: float = 0.02, *, fallback_version: int | None = None) -> ServiceDecision:
+           delta: float | None = None, *, fallback_version: int | None = None) -> ServiceDecision:
     """Keep, replace or roll back. `current`: the bundle in service re-validated tonight (None: none in service);
     `candidate`: tonight's accepted bundle re-validated (None: none accepted); `fallback`: the newest earlier version
     that passes tonight (None: none does). Tonight's bundle replaces a passing one only when it is faster by delta
-    relative to the unpatched model (both measured on a GPU); a failing bundle is replaced by tonight's, else rolled
-    back to the fallback, else to none."""
+    (None: AcceptSettings' default) relative to the unpatched model (both measured on a GPU); a failing bundle is
+    replaced by tonight's, else rolled back to the fallback, else to none."""
+    from llm4llm.config import AcceptSettings
+
+    delta = AcceptSettings().delta if delta is None else delta
     cand_ok = candidate is not None and candidate.ok
     if current is None:
         if cand_ok:
