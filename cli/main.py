@@ -181,7 +181,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                  "8m", "--time-budget",
                  help="wall-clock budget of the whole run, e.g. 8m, 90s, 1h, or off: the plan ranks tasks by "
                       "expected end-to-end saving and splits the search's share over them"),
-             budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most 15)"),
+             budget: Optional[int] = typer.Option(None, help="trials per task (default: the plan's, at most the "
+                                                            "planner's cap)"),
              mode: str = typer.Option(_default("search.mode"), metavar=_choices(MODES), help=MODE_HELP),
              proposer: str = typer.Option(_default("search.proposer"), metavar=_choices(PROPOSERS),
                                           help=PROPOSER_HELP),
@@ -499,14 +500,15 @@ def _print_points(rows: list[dict]) -> None:
 @app.command()
 def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task id (repeatable; default: all)"),
            run: Optional[str] = typer.Option(None, "--run", help=RUN_HELP),
-           budget: int = typer.Option(15),
-           mode: str = typer.Option("episodic", metavar=_choices(MODES), help=MODE_HELP),
-           proposer: str = typer.Option("library", metavar=_choices(PROPOSERS), help=PROPOSER_HELP),
+           budget: Optional[int] = typer.Option(None, help="trials per task (default: the planner's cap)"),
+           mode: str = typer.Option(_default("search.mode"), metavar=_choices(MODES), help=MODE_HELP),
+           proposer: str = typer.Option(_default("search.proposer"), metavar=_choices(PROPOSERS),
+                                        help=PROPOSER_HELP),
            device: Optional[str] = typer.Option(None, help="default: the run's device"),
            top: Optional[int] = typer.Option(None, help="only the top-N tasks by score"),
-           timeout_s: float = typer.Option(120.0, help="per-candidate wall-clock limit"),
+           timeout_s: float = typer.Option(_default("search.timeout_s"), help="per-candidate wall-clock limit"),
            decode_timing: str = typer.Option(
-               "launch", help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
+               _default("search.decode_timing"), help="launch: decode candidates timed back to back | graph: by GPU time under CUDA-graph "
                               "replay (what `optimize` uses when the model's decode steps run from graphs) | "
                               "graph_prefill: prefill candidates too (Mamba, Mamba2: their prompt forward is "
                               "graphed as well)"),
@@ -524,10 +526,10 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
         from storage import repo
 
         _check_proposer(proposer)
-        settings = _config({"search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
-                                       "timeout_s": timeout_s}}).search
         if decode_timing not in DECODE_TIMINGS:
             raise Llm4llmError(f"--decode-timing: expected one of {', '.join(DECODE_TIMINGS)}, got {decode_timing!r}")
+        settings = _config({"search": {"mode": mode, "budget": budget, "proposer": proposer, "top": top,
+                                       "timeout_s": timeout_s, "decode_timing": decode_timing}}).search
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         with _db(db) as d:
             run = _resolve_run(d, run)
@@ -541,7 +543,7 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
             results = search_flow(scale)(run, settings=settings, db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None,
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
-                                   task_ids=task or None, llm=llm, decode_timing=decode_timing, scale=scale)
+                                   task_ids=task or None, llm=llm, scale=scale)
         for r in results:
             console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
                           f"{r['best_utility']}, best {r['best_candidate']}")

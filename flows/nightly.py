@@ -30,11 +30,10 @@ def nightly_workload(workload_path: str, config: OptimizeConfig = OptimizeConfig
     """
     cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
-    accept_cfg = cfg.accept.build()
     with gpu_slot(describe_workload(workload_path)["device"]):
-        current = revalidate_current(workload_path, db_path, accept_cfg)
+        current = revalidate_current(workload_path, db_path, cfg.accept)
         out = optimize_workload(workload_path, cfg, db_path=db_path, data_dir=data_dir, kind="nightly")
         candidate = (out.get("acceptance") or {}).get("bundle")
         out["service"] = decide_service(workload_path, out["run_id"], candidate, current, db_path, data_dir,
-                                        accept_cfg)
+                                        cfg.accept)
     return out

@@ -12,6 +12,7 @@ from flows.progress import run_log
 from flows.profiling import _defaults, extract_tasks, profile_workload, run_kind
 from flows.search import search_flow
 from llm4llm import planner, progress
+from llm4llm.accept import GraphPlan
 from llm4llm.config import OptimizeConfig, RunKind
 from llm4llm.evaluate import eval_batches
 from llm4llm.outcome import summary_lines
@@ -108,7 +109,8 @@ class _Run:
         self.workload_path, self.cfg, self.db_path, self.data_dir = workload_path, cfg, db_path, data_dir
         self.clock = planner.Clock(cfg.time_budget_s, started=time.monotonic() - (time.time() - started_wall))
         self.started_wall = started_wall
-        self.run_id, self.name, self.device, self.decode_timing = None, "", "cpu", "launch"
+        self.run_id, self.name, self.device = None, "", "cpu"
+        self.graph_plan = GraphPlan()  # the run's CUDA-graph plan, which acceptance gates (set after extraction)
         self.index_path = self.profile_path = None
         self.workload: dict = {}
 
@@ -166,8 +168,10 @@ def _optimize(run: _Run, kind: str) -> dict:
     run.say(f"decode graphs: {why}")
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
-    run.decode_timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
-    out.update(_search_and_accept(run, cfg.accept.build(decode_graphs=graphs, static_cache=static_cache)))
+    timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
+    run.cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"decode_timing": timing})})
+    run.graph_plan = GraphPlan(decode_graphs=graphs, static_cache=static_cache)
+    out.update(_search_and_accept(run))
     if "accept" in stages:
         _publish("acceptance", run.name, run.run_id, run.db_path)
         _coverage_artifact(run.run_id, run.db_path)
@@ -186,14 +190,14 @@ def _optimize(run: _Run, kind: str) -> dict:
 def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> planner.Plan:
     with run.stage("plan"):
         plan = plan_search(run.index_path, run.profile_path, run.run_id, run.workload, run.cfg, run.db_path,
-                           run.started_wall, run.decode_timing, searched=list(searched), excluded=list(excluded))
+                           run.started_wall, searched=list(searched), excluded=list(excluded))
     record_plan(run.run_id, plan, run.db_path)
     for line in plan.lines(run.clock.elapsed(), targets_only=bool(searched)):
         run.say(line)
     return plan
 
 
-def _search_and_accept(run: _Run, accept_cfg) -> dict:
+def _search_and_accept(run: _Run) -> dict:
     """Search the plan's targets and accept them: the most valuable first and alone (the first bundle early), then
     the rest on top of it; after each step the plan is made again with what is left (children of a module that
     failed whole become targets). Returns searches, the last acceptance summary (its bundle holds every step's
@@ -211,7 +215,7 @@ def _search_and_accept(run: _Run, accept_cfg) -> dict:
         searched += [w.task_id for w in wave]
         failed += [r["task_id"] for r in results if not r.get("best_candidate")]
         if "accept" in stages:
-            acc = _accept(run, accept_cfg, [w.task_id for w in wave], bundle)
+            acc = _accept(run, [w.task_id for w in wave], bundle)
             bundle = acc["bundle"] or bundle
             acc["bundle"] = bundle
             acc["accepted_tasks"] = (out.get("acceptance") or {}).get("accepted_tasks", []) + acc["accepted_tasks"]
@@ -223,7 +227,7 @@ def _search_and_accept(run: _Run, accept_cfg) -> dict:
             run.say(f"plan: {max(left, 0):.0f} s left for searching; on to evaluation")
             break
         plan = _plan(run, searched, failed)
-    out.update(_retry_rounds(run, accept_cfg, plan, out, bundle))
+    out.update(_retry_rounds(run, plan, out, bundle))
     _publish("leaderboard", run.name, run.run_id, run.db_path)
     return out
 
@@ -236,7 +240,7 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
                                                  max(w.trials for w in wave)})
         return search_flow(cfg.scale)(run.run_id, settings, db_path=run.db_path, data_dir=run.data_dir,
                                       device=run.device, task_ids=[w.task_id for w in wave], llm=cfg.llm,
-                                      decode_timing=run.decode_timing, scale=cfg.scale)
+                                      scale=cfg.scale)
     results = []
     try:
         for k, item in enumerate(wave):
@@ -245,7 +249,7 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
             deadline = None if left is None else time.time() + max(0.0, left) * share
             with run.stage("search", item.task_id) as span:
                 r = search_task(item.artifact_path, cfg.search, run.db_path, run.data_dir, run.device, run.run_id,
-                                cfg.llm, run.decode_timing, trials=item.trials, deadline=deadline)
+                                cfg.llm, trials=item.trials, deadline=deadline)
                 span["trials"] = r["trials"]
             best = f"best {r['best_utility']:.2f}x" if r.get("best_utility") else "no speedup measured"
             run.say(f"search {item.task_id}: {r['trials']} trials, {r['pass_rate']:.0%} passed, {best}, "
@@ -256,15 +260,15 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
     return results
 
 
-def _accept(run: _Run, accept_cfg, task_ids: list[str], base_bundle: str | None) -> dict:
+def _accept(run: _Run, task_ids: list[str], base_bundle: str | None) -> dict:
     with run.stage("accept", ", ".join(task_ids)):
-        acc = accept_patches(run.workload_path, run.run_id, accept_cfg, run.db_path, run.data_dir,
-                             task_ids=task_ids, base_bundle=base_bundle)
+        acc = accept_patches(run.workload_path, run.run_id, run.cfg.accept, run.db_path, run.data_dir,
+                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan)
     run.say(f"accept: {acc['accepted']} accepted, {acc['rejected']} rejected; bundle {acc['bundle'] or base_bundle}")
     return acc
 
 
-def _retry_rounds(run: _Run, accept_cfg, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
+def _retry_rounds(run: _Run, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
     """config.search.rounds > 1: tasks rejected in the model are searched again from their experience (the
     rejection included) and accepted on top of the bundle, while the budget lasts."""
     items = {i.task_id: i for i in plan.items}
@@ -276,7 +280,7 @@ def _retry_rounds(run: _Run, accept_cfg, plan: planner.Plan, out: dict, bundle: 
         for item in retry:
             item.trials = run.cfg.search.budget or planner.MIN_TRIALS
         out["searches"] += _search_wave(run, plan, retry)
-        acc = _accept(run, accept_cfg, [i.task_id for i in retry], bundle)
+        acc = _accept(run, [i.task_id for i in retry], bundle)
         bundle = acc["bundle"] or bundle
         acc.update(bundle=bundle, accepted_tasks=out["acceptance"]["accepted_tasks"] + acc["accepted_tasks"])
         out["acceptance"] = acc

@@ -15,41 +15,36 @@ from tasks.search import (close_pools, record_search, remote_search_input, searc
 @flow(name="search-tasks", log_prints=True)
 def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: str | None = None,
                  data_dir: str | None = None, device: str = "cpu", task_ids: list[str] | None = None,
-                 llm: LLMConfig | dict | None = None, decode_timing: str = "launch",
-                 scale: ScaleOut | None = None) -> list[dict]:
+                 llm: LLMConfig | dict | None = None, scale: ScaleOut | None = None) -> list[dict]:
     """Fan out one search per task of a run (`settings`: llm4llm.config.SearchSettings; its families and top pick
     the tasks unless task_ids names them). Timing is one job per GPU at a time: all searches share the device's
-    single verifier worker, whose lock serializes them. decode_timing: "launch" (back to back), "graph" (GPU time
-    under CUDA-graph replay, for a run whose decode steps replay from graphs) or "graph_prefill" (prefill tasks too,
-    where the prompt forward replays from graphs as well). With `scale.task_runner == "ray"` (run this flow through
-    `search_flow(scale)`), each search is a Ray task holding its own GPU and verifier worker, and returns its rows,
-    which this flow writes: DuckDB keeps one writer."""
+    single verifier worker, whose lock serializes them (the settings' decode_timing says how it times). With
+    `scale.task_runner == "ray"` (run this flow through `search_flow(scale)`), each search is a Ray task holding its
+    own GPU and verifier worker, and returns its rows, which this flow writes: DuckDB keeps one writer."""
     with run_log():  # each trial's line in the search task run's Prefect log
-        return _search_tasks(run_id, settings, db_path, data_dir, device, task_ids, llm, decode_timing, scale)
+        return _search_tasks(run_id, settings, db_path, data_dir, device, task_ids, llm, scale)
 
 
 def _search_tasks(run_id: str, settings: SearchSettings | None, db_path: str | None, data_dir: str | None,
-                  device: str, task_ids: list[str] | None, llm: LLMConfig | dict | None, decode_timing: str,
+                  device: str, task_ids: list[str] | None, llm: LLMConfig | dict | None,
                   scale: ScaleOut | None) -> list[dict]:
     s = settings if settings is not None else SearchSettings(top=None)
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm
-    dirs = searchable_tasks(run_id, db_path, task_ids, s.families, s.top, s.proposer, device, s.timeout_s,
-                            decode_timing, phases=s.phases)
+    dirs = searchable_tasks(run_id, db_path, s, device, task_ids)
     if scale is not None and scale.task_runner == "ray":
-        kw = dict(mode=s.mode, budget=s.budget, proposer=s.proposer, device=device, timeout_s=s.timeout_s,
-                  seed=s.seed, run_id=run_id, llm=llm, decode_timing=decode_timing)
+        kw = dict(settings=s, device=device, run_id=run_id, llm=llm)
         results = _search_remote(dirs, scale, db_path, data_dir, kw)
     else:
         try:
-            futures = [search_task.submit(d, s, db_path, data_dir, device, run_id, llm, decode_timing) for d in dirs]
+            futures = [search_task.submit(d, s, db_path, data_dir, device, run_id, llm) for d in dirs]
             results = [f.result() for f in futures]
         finally:
             close_pools()
     if results:
         create_table_artifact(key="search", table=[{k: r.get(k) for k in ("task_id", "trials", "pass_rate",
                                                                       "best_utility", "ended_by")} for r in results],
-                              description=f"Search results of run {run_id} ({s.mode}, budget {s.budget})")
+                              description=f"Search results of run {run_id} ({s.mode}, budget {s.trials()})")
     return results
 
 

@@ -6,7 +6,7 @@ the unpatched model (a logits processor that allows only the reference token), a
 compared. Token identity is not the metric: on random weights near-flat logits flip tokens on rounding-level
 differences (../shared/DESIGN.md); token agreement is an extra check only where real weights are loaded.
 
-Metrics (AcceptConfig.metric; "auto" picks logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32):
+Metrics (AcceptSettings.metric, llm4llm.config; "auto" picks logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32):
 - logits_rel_l2: per step ||patched - unpatched|| / ||unpatched|| <= tol_factor x TOLERANCES[dtype].rtol (fixed).
 - logits_rel_l2_floor: the same rel-L2, calibrated by the model's own precision noise floor. floor_t = rel-L2 of the
   unpatched model in its dtype vs an upcast copy of itself (same weights in fp32, or fp64 for an fp32 model; same
@@ -34,6 +34,7 @@ from kernels_runtime.buckets import pad_rows
 from kernels_runtime.bundle import PatchBundle, PatchSpec, library_versions, load_bundle, save_bundle
 from kernels_runtime.patch import verified_on
 from kernels_runtime.tolerances import tolerance_for
+from llm4llm.config import AcceptSettings
 from llm4llm.evaluate import clone_sharing_weights
 from llm4llm.outcomes import NOT_RETRIED, AcceptDecision, DecidedBy
 from llm4llm.patchspec import task_patch_spec
@@ -43,60 +44,17 @@ METRICS = ("logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs")
 METRIC_CHOICES = ("auto",) + METRICS
 
 
-@dataclass
-class AcceptConfig:
-    delta: float = 0.02  # minimum end-to-end gain (fraction of the current latency)
-    # auto: logits_rel_l2_floor for 16-bit models, logits_rel_l2 for fp32; or one of METRICS
-    metric: str = "auto"
-    tol_factor: float = 3.0  # fixed rel-L2 limit = tol_factor x TOLERANCES[dtype].rtol
-    # logits_rel_l2_floor: per-step limit = max(fixed limit, floor_factor x floor_t). 2, not 1: the patched and the
-    # unpatched model are two equally valid roundings, each about one floor from fp32, so about sqrt(2) floors apart,
-    # while a bug lands far outside (docs/results/acceptance-defaults.md).
-    floor_factor: float = 2.0
-    repeats: int = 5
-    check_tokens: bool = False  # greedy-token agreement too (meaningful with real weights only)
-    # On the GPU, a candidate whose task-level in-context speedup is at most this is rejected without an in-model
-    # trial: each trial costs several end-to-end runs, and a candidate no faster on its task is not expected to gain
-    # end to end (docs/results/acceptance-defaults.md). 0 tries every candidate. The CPU has no timings: all tried.
-    min_task_speedup: float = 1.0
-    # Measure (and ship) the model with its one-token decode steps replayed from CUDA graphs (kernels_runtime.graphs):
-    # the baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records
-    # it. Off the GPU there is nothing to replay and nothing is timed: the setting is ignored and the result says so.
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the run decided about CUDA graphs before acceptance (not a setting: llm4llm.stages.graphs derives it
+    from the `graphs.decode_graphs` setting, the device and the tasks). decode_graphs: measure (and ship) the model
+    with its one-token decode steps replayed from CUDA graphs (kernels_runtime.graphs), gated like a patch: the
+    baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records it;
+    off the GPU nothing is replayed or timed, and the result says so. static_cache: with decode_graphs, generate
+    with transformers' static KV cache (Llama, Qwen3, RecurrentGemma: graphable only so)."""
+
     decode_graphs: bool = False
-    # With decode_graphs: generate with transformers' static KV cache (Llama, Qwen3, RecurrentGemma: graphable only so).
     static_cache: bool = False
-    # When the baseline drifts by more than delta around a trial, that many more (trial, baseline) pairs are measured
-    # alternately and the median of the bracketed gains decides (each trial against the baselines either side of
-    # it), so that a drift larger than any real gain cannot reject every patch (docs/results/acceptance-defaults.md).
-    # 0: the drift itself is the bar.
-    noisy_rounds: int = 2
-    # On the GPU the latency gate interleaves: the trial and the current bundle, each on its own weight-sharing copy
-    # of the model and warmed up once, are timed alternately (T B, B T, ...) for this many rounds, and the median of
-    # the per-round gains decides. Back-to-back measurements read the host's drift as a gain or a loss.
-    # 0: the bracketed gate above (one trial measurement between two baselines).
-    interleave_rounds: int = 7
-
-    def __post_init__(self):
-        if self.metric not in METRIC_CHOICES:
-            raise ValueError(f"metric: expected one of {METRIC_CHOICES}, got {self.metric!r}")
-        if not 0 <= self.delta < 1:
-            raise ValueError(f"delta: expected a fraction in [0, 1), got {self.delta}")
-        if not (isinstance(self.min_task_speedup, (int, float)) and math.isfinite(self.min_task_speedup)
-                and self.min_task_speedup >= 0):
-            raise ValueError(f"min_task_speedup: expected a finite number >= 0, got {self.min_task_speedup!r}")
-        if not (isinstance(self.noisy_rounds, int) and 0 <= self.noisy_rounds <= 10):
-            raise ValueError(f"noisy_rounds: expected an integer in [0, 10], got {self.noisy_rounds!r}")
-        if not (isinstance(self.interleave_rounds, int) and 0 <= self.interleave_rounds <= 50):
-            raise ValueError(f"interleave_rounds: expected an integer in [0, 50], got {self.interleave_rounds!r}")
-        for name in ("tol_factor", "floor_factor"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
-
-    def resolved_metric(self, dtype: torch.dtype) -> str:
-        if self.metric != "auto":
-            return self.metric
-        return "logits_rel_l2" if dtype in (torch.float32, torch.float64) else "logits_rel_l2_floor"
 
 
 @dataclass
@@ -169,7 +127,7 @@ def rank(proposals: list[Proposal]) -> list[tuple[Proposal, TaskSpec, float]]:
     return sorted(scored, key=lambda t: t[2], reverse=True)
 
 
-def not_worth_a_trial(p: Proposal, cfg: AcceptConfig, on_gpu: bool) -> str | None:
+def not_worth_a_trial(p: Proposal, cfg: AcceptSettings, on_gpu: bool) -> str | None:
     """Why a candidate is rejected without an in-model trial (None: try it). Only on the GPU: the CPU has no
     timings, so every candidate is tried there (and none is accepted)."""
     if on_gpu and p.speedup <= cfg.min_task_speedup:
@@ -433,7 +391,7 @@ class LogitsCheck:
         return iter((self.ok, self.err, self.detail))
 
 
-def compare_logits(ref: list[torch.Tensor], new: list[torch.Tensor], dtype: torch.dtype, cfg: AcceptConfig,
+def compare_logits(ref: list[torch.Tensor], new: list[torch.Tensor], dtype: torch.dtype, cfg: AcceptSettings,
                    floor: NoiseFloor | list[float] | None = None) -> LogitsCheck:
     """Compare the patched (`new`) with the unpatched (`ref`) teacher-forced logits step by step under the configured
     metric; the deciding step is the one with the highest error / limit. NaN/Inf never pass."""
@@ -509,11 +467,12 @@ class _Run:
     script: Any
     model: Any
     batch: dict
-    cfg: AcceptConfig
+    cfg: AcceptSettings
     tokens: torch.Tensor
     ref_logits: list[torch.Tensor]
     floor: NoiseFloor | None
     metric: str
+    graphs: GraphPlan = GraphPlan()
 
     @property
     def on_gpu(self) -> bool:
@@ -528,7 +487,7 @@ class _Run:
                        split=False).total_ms
 
 
-def reference_run(wl, cfg: AcceptConfig):
+def reference_run(wl, cfg: AcceptSettings):
     """The unpatched side that acceptance and the nightly re-validation compare a bundle to, built through the
     workload's own script: (script, model, batch, metric, greedy tokens, teacher-forced logits, the bf16-vs-fp32
     noise floor when the metric uses one, else None)."""
@@ -544,25 +503,26 @@ def reference_run(wl, cfg: AcceptConfig):
     return script, model, batch, metric, tokens, ref_logits, floor
 
 
-def _prepare(workload_path: str, cfg: AcceptConfig) -> _Run:
+def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan) -> _Run:
     from llm4llm.workload import load_workload
 
     wl = load_workload(workload_path)
     script, model, batch, metric, tokens, ref_logits, floor = reference_run(wl, cfg)
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
-    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric)
+    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric, graphs)
 
 
-def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptConfig | None = None,
-           run_id: str = "", base_bundle: str | None = None) -> AcceptanceResult:
+def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptSettings | None = None,
+           graphs: GraphPlan | None = None, run_id: str = "", base_bundle: str | None = None) -> AcceptanceResult:
     """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact).
     base_bundle: a bundle accepted earlier in this run (its patches and its decode-graphs decision): the trials
-    start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now."""
+    start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now.
+    graphs: the run's CUDA-graph plan (default: none)."""
     import kernels_runtime
 
-    cfg = cfg or AcceptConfig()
-    r = _prepare(workload_path, cfg)
+    cfg = cfg or AcceptSettings()
+    r = _prepare(workload_path, cfg, graphs or GraphPlan())
     current = baseline = r.latency()
     # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
     base_model = clone_sharing_weights(r.model) if r.on_gpu and cfg.interleave_rounds > 0 else None
@@ -603,24 +563,24 @@ def _start_fresh(r: _Run, base_model, current: float | None):
     decision, its note, the latency the first trial starts from)."""
     import kernels_runtime
 
-    cfg = r.cfg
-    graph_decision, graphs_note = None, ("" if not cfg.decode_graphs else
+    plan = r.graphs
+    graph_decision, graphs_note = None, ("" if not plan.decode_graphs else
                                          "decode graphs: not on the CPU (nothing is timed there)")
-    if cfg.decode_graphs and r.on_gpu:
+    if plan.decode_graphs and r.on_gpu:
         graph_decision, graphed = _graphs_gate(r, current)
         graphs_note = f"decode graphs {'on' if graph_decision.accepted else 'off'}: " \
                       f"{graph_decision.reason}"
         if graph_decision.accepted:
             current = graphed
             if base_model is not None:
-                kernels_runtime.enable_decode_graphs(base_model, static_cache=cfg.static_cache)
+                kernels_runtime.enable_decode_graphs(base_model, static_cache=plan.static_cache)
         print(f"accept: {graphs_note}")
     graphs = graph_decision is not None and graph_decision.accepted
     # a regime's decode batch buckets: every decode task was extracted and verified at each (Regime.points)
     buckets = list(r.wl.regime.batch_buckets()) if r.wl.regime is not None else []
     bundle = PatchBundle(name=f"{r.wl.name}", library_versions=library_versions(),
                          gpu=torch.cuda.get_device_name() if r.on_gpu else "cpu", decode_graphs=graphs,
-                         static_cache=graphs and cfg.static_cache, batch_buckets=buckets, **verified_on(r.model))
+                         static_cache=graphs and plan.static_cache, batch_buckets=buckets, **verified_on(r.model))
     return bundle, graph_decision, graphs_note, current
 
 
@@ -644,17 +604,17 @@ def _graphs_gate(r: _Run, current: float | None) -> tuple[Decision, float | None
     decision and the graphed latency; the model is left without graphs."""
     import kernels_runtime
 
-    g = kernels_runtime.enable_decode_graphs(r.model, static_cache=r.cfg.static_cache)
+    g = kernels_runtime.enable_decode_graphs(r.model, static_cache=r.graphs.static_cache)
     try:
         check = compare_logits(r.ref_logits, teacher_forced_logits(r.model, r.batch, r.tokens, r.wl.decode_len),
                                r.wl.torch_dtype, r.cfg, r.floor)
         graphed = r.latency()
-        how = g.summary() + (", static KV cache" if r.cfg.static_cache else "")
+        how = g.summary() + (", static KV cache" if r.graphs.static_cache else "")
     except Exception as e:  # an error with graphs rejects them (a sticky CUDA fault ends this process: isolated)
         check, graphed, how = None, None, f"runtime: {type(e).__name__}: {str(e)[:300]}"
     finally:
         kernels_runtime.disable_decode_graphs(r.model)
-    return decide_graphs(check, current, graphed, how, r.cfg, static_cache=r.cfg.static_cache), graphed
+    return decide_graphs(check, current, graphed, how, r.cfg, static_cache=r.graphs.static_cache), graphed
 
 
 def _task_trials(r: _Run, p: Proposal, spec: TaskSpec, impact: float, accepted: PatchBundle, current: float | None,
@@ -771,7 +731,7 @@ def narrow_buckets(bundle: PatchBundle, keep: list[int]) -> PatchBundle:
     return bundle.model_copy(update={"batch_buckets": list(keep), "patches": patches})
 
 
-def decide_graphs(check: LogitsCheck | None, before: float, after: float | None, how: str, cfg: AcceptConfig, *,
+def decide_graphs(check: LogitsCheck | None, before: float, after: float | None, how: str, cfg: AcceptSettings, *,
                   static_cache: bool = False) -> Decision:
     """The decode-graphs gate, as for a patch: the unpatched model's teacher-forced logits with graphs (and the
     static cache, which changes the attention's padding) within the metric, then an end-to-end gain of at least
@@ -833,7 +793,7 @@ class _Trial:
     tokens: torch.Tensor
     ref_logits: list[torch.Tensor]
     wl: Any
-    cfg: AcceptConfig
+    cfg: AcceptSettings
     impact: float
     floor: NoiseFloor | None
     budget: dict | None

@@ -13,13 +13,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm4llm.llm.config import LLMConfig
-from llm4llm.planner import DEFAULT_TIME_BUDGET_S
+from llm4llm.planner import DEFAULT_TIME_BUDGET_S, MAX_TRIALS
 from llm4llm.scale import ScaleOut
 
 Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
 STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
 SearchMode = Literal["episodic", "sample", "iter"]
 ProposerKind = Literal["library", "llm", "hybrid"]
+# how the verifier times candidates: back to back, or by GPU time under CUDA-graph replay (decode tasks; prefill
+# tasks too) — llm4llm.verify.worker.DECODE_TIMINGS
+DecodeTiming = Literal["launch", "graph", "graph_prefill"]
 Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv",
                  "decoder_layer", "lm_head"]
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
@@ -52,7 +55,7 @@ class SearchSettings(_Settings):
     mode: SearchMode = Field("episodic", description="episodic (episodes with restart, the default), sample "
                                                      "(independent samples) or iter (one refinement chain)")
     budget: int | None = Field(None, ge=1, description="verified trials per task (empty: the plan's, by expected "
-                                                        "saving within the time budget; at most 15)")
+                                                        f"saving within the time budget; at most {MAX_TRIALS})")
     proposer: ProposerKind = Field("library", description="library: built-in Triton families (no API key); llm: "
                                                           "any litellm model (see `llm`); hybrid: both share the "
                                                           "budget")
@@ -72,6 +75,15 @@ class SearchSettings(_Settings):
     warm_start: bool = Field(True, description="start each task's search from its stored experience (earlier "
                                                "searches and acceptance rejections of the same task)")
     seed: int = Field(0, ge=0, description="seed of the built-in proposer")
+    decode_timing: DecodeTiming = Field("launch", description="launch: candidates timed back to back | graph: "
+                                                              "decode candidates by GPU time under CUDA-graph "
+                                                              "replay | graph_prefill: prefill candidates too. "
+                                                              "`optimize` sets it from the run's graph plan (the "
+                                                              "model is timed as it will run)")
+
+    def trials(self) -> int:
+        """Verified trials per task when nothing plans them: `budget`, else the planner's cap."""
+        return self.budget if self.budget is not None else MAX_TRIALS
 
 
 class AcceptSettings(_Settings):
@@ -83,17 +95,26 @@ class AcceptSettings(_Settings):
                                                "models, logits_rel_l2 for fp32")
     repeats: int = Field(5, ge=1, description="end-to-end runs per latency measurement")
     tol_factor: float = Field(3.0, gt=0, description="fixed rel-L2 limit = factor x the dtype's rtol")
+    # 2, not 1: the patched and the unpatched model are two equally valid roundings, each about one floor from fp32,
+    # so about sqrt(2) floors apart, while a bug lands far outside (docs/results/acceptance-defaults.md)
     floor_factor: float = Field(2.0, gt=0, description="logits_rel_l2_floor: per-step limit = max(fixed limit, "
                                                        "factor x the model's own 16-bit-vs-fp32 noise floor)")
+    # each in-model trial costs several end-to-end runs, and a candidate no faster on its task is not expected to
+    # gain end to end (docs/results/acceptance-defaults.md); the CPU has no timings: every candidate is tried there
     min_task_speedup: float = Field(1.0, ge=0, description="on the GPU, a candidate no faster than this in its task "
                                                            "is rejected without an in-model trial (0: try all)")
+    # a drift larger than any real gain must not reject every patch (docs/results/acceptance-defaults.md)
     noisy_rounds: int = Field(2, ge=0, le=10, description="when the baseline drifts by more than delta around a "
                                                           "trial, this many more (trial, baseline) pairs decide on "
                                                           "the median bracketed gain (0: the drift is the bar)")
+    # back-to-back measurements read the host's drift as a gain or a loss
     interleave_rounds: int = Field(7, ge=0, le=50, description="GPU: the trial and the current bundle are timed "
                                                                "alternately in this many rounds, each on its own "
                                                                "weight-sharing model copy, and the median per-round "
                                                                "gain decides (0: the bracketed gate above)")
+    check_tokens: bool = Field(False, description="greedy-token agreement too, after the logits (meaningful with "
+                                                  "real weights only: on random weights near-flat logits flip "
+                                                  "tokens on rounding-level differences)")
 
     @field_validator("tol_factor", "floor_factor", "min_task_speedup")
     @classmethod
@@ -102,11 +123,14 @@ class AcceptSettings(_Settings):
             raise ValueError(f"expected a finite number, got {v!r}")
         return v
 
-    def build(self, decode_graphs: bool = False, static_cache: bool = False):
-        """The acceptance stage's own AcceptConfig, with the run's graph plan."""
-        from llm4llm.accept import AcceptConfig
+    def resolved_metric(self, dtype) -> str:
+        """The metric in force for a model of this torch dtype: `auto` is logits_rel_l2 for fp32 (and fp64),
+        logits_rel_l2_floor for 16-bit models."""
+        import torch
 
-        return AcceptConfig(**self.model_dump(), decode_graphs=decode_graphs, static_cache=static_cache)
+        if self.metric != "auto":
+            return self.metric
+        return "logits_rel_l2" if dtype in (torch.float32, torch.float64) else "logits_rel_l2_floor"
 
 
 class GraphSettings(_Settings):

@@ -12,9 +12,9 @@ from llm4llm import childlog
 _POOLS: dict = {}
 
 
-def verifier_pool(device: str, timeout_s: float = 120.0, decode_timing: str = "launch"):
+def verifier_pool(device: str, timeout_s: float, decode_timing: str):
     """One verifier worker per device (and timing mode) in this (flow) process; its lock makes timing jobs on a GPU
-    one at a time."""
+    one at a time. timeout_s and decode_timing: the search's (SearchSettings), passed by the search stage."""
     import threading
 
     from llm4llm.verify.worker import VerifierPool

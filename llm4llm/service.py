@@ -68,17 +68,18 @@ def tonight_versions(device: str) -> dict:
 
 def revalidate(workload_path: str, bundle_path: str, cfg=None) -> Validation:
     """Check a bundle as acceptance checked it, tonight: teacher-forced logits of the patched model against the
-    unpatched one (cfg: llm4llm.accept.AcceptConfig, its metric and noise floor), at least one of its kernels running
+    unpatched one (cfg: llm4llm.config.AcceptSettings, its metric and noise floor), at least one of its kernels running
     in-model (a guard that now rejects every call, after a shape or GPU change, is a failure: the bundle does
     nothing), then on a GPU the end-to-end latency, unpatched and patched alternately in this one process (a bundle
     that makes the model slower than without it has regressed). On the CPU the latency gate is skipped and says so."""
     import kernels_runtime
     from kernels_runtime.bundle import BundleError, load_bundle
-    from llm4llm.accept import AcceptConfig, compare_logits, reference_run, teacher_forced_logits
+    from llm4llm.accept import compare_logits, reference_run, teacher_forced_logits
+    from llm4llm.config import AcceptSettings
     from llm4llm.evaluate import measure
     from llm4llm.workload import load_workload
 
-    cfg = cfg or AcceptConfig()
+    cfg = cfg or AcceptSettings()
     wl = load_workload(workload_path)
     versions = {"tonight": tonight_versions(wl.device)}
     try:
@@ -139,12 +140,15 @@ def _rel(v: Validation) -> float | None:
 
 
 def decide(current: Validation | None, candidate: Validation | None, fallback: Validation | None,
-           delta: float = 0.02, *, fallback_version: int | None = None) -> ServiceDecision:
+           delta: float | None = None, *, fallback_version: int | None = None) -> ServiceDecision:
     """Keep, replace or roll back. `current`: the bundle in service re-validated tonight (None: none in service);
     `candidate`: tonight's accepted bundle re-validated (None: none accepted); `fallback`: the newest earlier version
     that passes tonight (None: none does). Tonight's bundle replaces a passing one only when it is faster by delta
-    relative to the unpatched model (both measured on a GPU); a failing bundle is replaced by tonight's, else rolled
-    back to the fallback, else to none."""
+    (None: AcceptSettings' default) relative to the unpatched model (both measured on a GPU); a failing bundle is
+    replaced by tonight's, else rolled back to the fallback, else to none."""
+    from llm4llm.config import AcceptSettings
+
+    delta = AcceptSettings().delta if delta is None else delta
     cand_ok = candidate is not None and candidate.ok
     if current is None:
         if cand_ok:

@@ -6,17 +6,19 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from llm4llm.stages import accept as accept_stage, evaluate as evaluate_stage
-from llm4llm.accept import AcceptConfig
-from llm4llm.config import EvaluateSettings
+from llm4llm.accept import GraphPlan
+from llm4llm.config import AcceptSettings, EvaluateSettings
 from tasks.common import infrastructure_only
 
 
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
-def accept_patches(workload_path: str, run_id: str, cfg: AcceptConfig, db_path: str | None, data_dir: str,
-                   task_ids: list[str] | None = None, base_bundle: str | None = None) -> dict:
+def accept_patches(workload_path: str, run_id: str, cfg: AcceptSettings, db_path: str | None, data_dir: str,
+                   task_ids: list[str] | None = None, base_bundle: str | None = None,
+                   graphs: GraphPlan | None = None) -> dict:
     """task_ids: only these tasks' best candidates (default: every searched task's); base_bundle: an earlier step's
-    bundle of this run that the trials start from."""
-    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg, task_ids=task_ids, base_bundle=base_bundle)
+    bundle of this run that the trials start from; graphs: the run's CUDA-graph plan."""
+    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg, task_ids=task_ids, base_bundle=base_bundle,
+                          graphs=graphs)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
@@ -50,13 +52,15 @@ def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0,
     return accept_stage.proposals_of(df)
 
 
-def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str, cfg=None,
-                   task_ids: list[str] | None = None, base_bundle: str | None = None) -> dict:
+def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str,
+                   cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
+                   base_bundle: str | None = None, graphs: GraphPlan | None = None) -> dict:
     """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept), of `task_ids`
     alone when given, on top of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience
     for the next search round) go to DuckDB. Returns its summary."""
     proposals = best_proposals(run_id, db_path, min_utility=0.0, task_ids=task_ids)
-    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle)
+    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle,
+                                      graphs=graphs)
     record_acceptance(outcome, db_path)
     return outcome.summary()
 

@@ -11,6 +11,7 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
                     kb_run_id: str | None = None, on_problem=None) -> tuple[str, list[dict]]:
     """KernelBench problems through the search and the verifier (llm4llm.kernelbench.run.run_problems), every
     trial a `candidates` row, every problem a `kernelbench_results` row. Returns (kb run id, the problems' rows)."""
+    from llm4llm.config import SearchSettings
     from llm4llm.kernelbench.run import run_problems
     from storage import repo
     from storage.db import Database, data_home
@@ -18,8 +19,11 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
 
     data = str(Path(data_dir) if data_dir else data_home())
 
-    def search(task_dir: str, **options) -> dict:  # no prior experience: each problem is searched from scratch
-        return run_task_search(task_dir, db_path, data, use_prior=False, **options)
+    def search(task_dir: str, *, device: str, run_id: str, proposer_obj, **options) -> dict:
+        # no prior experience: each problem is searched from scratch
+        settings = SearchSettings(warm_start=False, **options)
+        return run_task_search(task_dir, db_path, data, settings, device=device, run_id=run_id,
+                               proposer_obj=proposer_obj)
 
     def trials(search_id: str):
         with Database(db_path) as db:

@@ -11,14 +11,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from llm4llm import planner
-from llm4llm.config import OptimizeConfig
+from llm4llm.config import OptimizeConfig, SearchSettings
 from tasks.search import check_applicability
 
 
 @task(name="plan-search", cache_policy=NO_CACHE)
 def plan_search(index_path: str, profile_path: str, run_id: str, workload: dict, cfg: OptimizeConfig,
-                db_path: str | None, started_wall: float, decode_timing: str = "launch",
-                searched: list[str] | None = None, excluded: list[str] | None = None) -> planner.Plan:
+                db_path: str | None, started_wall: float, searched: list[str] | None = None,
+                excluded: list[str] | None = None) -> planner.Plan:
     """The run's plan (llm4llm.planner.make_plan) after extraction, or again after an acceptance step (`searched`:
     tasks searched so far; `excluded`: tasks searched whole that found nothing or were rejected, whose children
     then count). Each target's template coverage is checked before it counts (most valuable first, one at a time:
@@ -41,15 +41,14 @@ def plan_search(index_path: str, profile_path: str, run_id: str, workload: dict,
                 plan.notes.append(f"expected speedups: this database's searches on {gpu} where it has them, else "
                                   "the measured priors")
             return plan
-        covers[unchecked[0].task_id] = _covered(unchecked[0], s.proposer, device, db_path, run_id, s.timeout_s,
-                                                decode_timing)
+        covers[unchecked[0].task_id] = _covered(unchecked[0], s, device, db_path, run_id)
 
 
-def _covered(item: planner.PlanItem, proposer: str, device: str, db_path: str | None, run_id: str,
-             timeout_s: float, decode_timing: str) -> bool:
+def _covered(item: planner.PlanItem, settings: SearchSettings, device: str, db_path: str | None,
+             run_id: str) -> bool:
     """Whether the proposer can write for the task: the LLM proposers can for any task; the built-in library when
     one of its templates computes what the module does, checked on the device (recorded checks are reused)."""
-    if proposer != "library":
+    if settings.proposer != "library":
         return True
     from llm4llm.search.builtin import LibraryProposer
     from llm4llm.taskspec import load_spec
@@ -57,7 +56,7 @@ def _covered(item: planner.PlanItem, proposer: str, device: str, db_path: str | 
     spec = load_spec(Path(item.artifact_path))
     if not LibraryProposer().templates_for(spec):
         return False
-    checks = check_applicability(item.artifact_path, db_path, run_id, device, timeout_s, decode_timing)
+    checks = check_applicability(item.artifact_path, db_path, run_id, device, settings)
     return any(c["applicable"] for c in checks)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from llm4llm import isolation, planner
+from llm4llm import isolation
 from llm4llm.config import SearchSettings
 from llm4llm.stages import search as search_stage
 from tasks.common import infrastructure_only
@@ -23,18 +23,16 @@ def _search_run_name(parameters: dict) -> str:
 @task(name="search-task", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       task_run_name=_search_run_name)
 def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, data_dir: str, device: str,
-                run_id: str | None, llm: dict | None = None, decode_timing: str = "launch",
-                trials: int | None = None, deadline: float | None = None) -> dict:
+                run_id: str | None, llm: dict | None = None, trials: int | None = None,
+                deadline: float | None = None) -> dict:
     """One task's search: `trials` (the plan's; default the settings' budget) until `deadline` (Unix time, the
     plan's share of the time budget). A failing candidate is data (a row), not a task failure: only infrastructure
     errors (the worker pool cannot start, the database is unavailable) fail and retry this task. The task run shows
     a progress artifact: trials verified of the budget, with the passes and the best so far."""
-    return run_task_search(task_dir, db_path, data_dir, mode=settings.mode,
-                           budget=trials or settings.budget or planner.MAX_TRIALS,
-                           proposer=settings.proposer, device=device, timeout_s=settings.timeout_s,
-                           seed=settings.seed, run_id=run_id, llm=llm, use_prior=settings.warm_start,
-                           decode_timing=decode_timing, deadline=deadline,
-                           planned=trials is not None or deadline is not None, progress_artifact=True)
+    planned = trials is not None or deadline is not None
+    settings = settings.model_copy(update={"budget": trials}) if trials else settings
+    return run_task_search(task_dir, db_path, data_dir, settings, device=device, run_id=run_id, llm=llm,
+                           deadline=deadline, planned=planned, progress_artifact=True)
 
 
 class ProgressArtifact:
@@ -89,14 +87,11 @@ class ProgressArtifact:
 
 
 @task(name="searchable-tasks")
-def searchable_tasks(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
-                     top: int | None, proposer: str = "library", device: str | None = None,
-                     timeout_s: float = 120.0, decode_timing: str = "launch",
-                     phases: list[str] | None = None) -> list[str]:
+def searchable_tasks(run_id: str, db_path: str | None, settings: SearchSettings, device: str | None = None,
+                     task_ids: list[str] | None = None) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
-    return searchable_task_dirs(run_id, db_path, task_ids, families, top, proposer, device, timeout_s,
-                                decode_timing, phases=phases)
+    return searchable_task_dirs(run_id, db_path, settings, device, task_ids)
 
 
 def _placement() -> dict:
@@ -119,9 +114,8 @@ def _placement() -> dict:
 
 @task(name="search-task-remote", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       cache_policy=NO_CACHE, task_run_name="search-remote-{task_id}")
-def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, budget: int, proposer: str,
-                       device: str, timeout_s: float, seed: int, run_id: str | None, llm: dict | None = None,
-                       decode_timing: str = "launch") -> dict:
+def search_task_remote(task_id: str, task: bytes, prior: list[dict], settings: SearchSettings, device: str,
+                       run_id: str | None, llm: dict | None = None) -> dict:
     """One task's search wherever the task runner puts it (a Ray worker holding one GPU): the task arrives as
     bytes, is searched on this worker's own device (Ray shows it only its GPUs, so `cuda` is the one it was given)
     and comes back as rows for the flow to write; nothing here touches DuckDB."""
@@ -136,10 +130,9 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], mode: str, 
     with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
         task_dir = unpack_dir(task, Path(tmp) / "task")
         rec = SearchRows()
-        summary, files = search_stage.search_away(str(task_dir), tmp, rec, mode=mode, budget=budget, proposer=proposer,
+        summary, files = search_stage.search_away(str(task_dir), tmp, rec, settings,
                                                   device="cuda" if device.startswith("cuda") else device,
-                                                  timeout_s=timeout_s, seed=seed, run_id=run_id, llm=llm,
-                                                  decode_timing=decode_timing, prior=prior)
+                                                  run_id=run_id, llm=llm, prior=prior)
         rows = rec.rows(summary, files)
     rows["placement"] = {**where, "started": started, "finished": time.time()}
     return rows
@@ -159,34 +152,32 @@ def close_pools() -> None:
     isolation.close_pools()
 
 
-def run_task_search(task_dir: str, db_path: str | None, data_dir: str, *, mode: str = "episodic", budget: int = 15,
-                    proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
-                    run_id: str | None = None, llm: dict | None = None, use_prior: bool = True,
-                    decode_timing: str = "launch", proposer_obj=None, deadline: float | None = None,
-                    planned: bool = False, progress_artifact: bool = False) -> dict:
-    """Search one task in this process (llm4llm.stages.search.run_task_search); every trial becomes a `candidates`
-    row as it is verified, every episode an `episodes` row and an `experience` record. use_prior: start from the
-    task's stored experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g.
-    ablations). progress_artifact: keep a Prefect progress artifact of the search (inside a task run). Returns the
+def run_task_search(task_dir: str, db_path: str | None, data_dir: str, settings: SearchSettings | None = None, *,
+                    device: str = "cpu", run_id: str | None = None, llm: dict | None = None, proposer_obj=None,
+                    deadline: float | None = None, planned: bool = False, progress_artifact: bool = False) -> dict:
+    """Search one task in this process under `settings` (default: SearchSettings' defaults)
+    (llm4llm.stages.search.run_task_search); every trial becomes a `candidates` row as it is verified, every
+    episode an `episodes` row and an `experience` record. settings.warm_start: start from the task's stored
+    experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g. ablations).
+    progress_artifact: keep a Prefect progress artifact of the search (inside a task run). Returns the
     search's summary."""
     from llm4llm.taskspec import load_spec
     from storage.db import Database
     from storage.recorders import DuckDBSearchRecorder
 
+    settings = settings if settings is not None else SearchSettings()
     task_id = load_spec(Path(task_dir)).task_id
 
     def check(d: str) -> list[dict]:
-        return check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+        return check_applicability(d, db_path, run_id, device, settings)
 
     with Database(db_path) as db:
-        prior = prior_experience(db, task_id) if use_prior else []
+        prior = prior_experience(db, task_id) if settings.warm_start else []
         recorder = DuckDBSearchRecorder(db)
         recorder = ProgressArtifact(recorder) if progress_artifact else recorder
-        return search_stage.run_task_search(task_dir, data_dir, recorder, mode=mode, budget=budget,
-                                            proposer=proposer, device=device, timeout_s=timeout_s, seed=seed,
-                                            run_id=run_id, llm=llm, prior=prior, decode_timing=decode_timing,
-                                            proposer_obj=proposer_obj, check=check, deadline=deadline,
-                                            planned=planned)
+        return search_stage.run_task_search(task_dir, data_dir, recorder, settings, device=device, run_id=run_id,
+                                            llm=llm, prior=prior, proposer_obj=proposer_obj, check=check,
+                                            deadline=deadline, planned=planned)
 
 
 def prior_experience(db, task_id: str) -> list:
@@ -242,11 +233,10 @@ def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
     return rows["summary"]
 
 
-def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] | None, families: list[str] | None,
-                         top: int | None, proposer: str = "library", device: str | None = None,
-                         timeout_s: float = 120.0, decode_timing: str = "launch",
-                         phases: list[str] | None = None) -> list[str]:
-    """The task dirs a search of the run fans out to (llm4llm.stages.search.searchable_task_dirs). With `device`,
+def searchable_task_dirs(run_id: str, db_path: str | None, settings: SearchSettings, device: str | None = None,
+                         task_ids: list[str] | None = None) -> list[str]:
+    """The task dirs a search of the run fans out to under `settings` (its families, phases, top and proposer)
+    (llm4llm.stages.search.searchable_task_dirs), of `task_ids` alone when given. With `device`,
     a template applies when its check on the device passes (check_applicability), else by the templates' scope."""
     from storage import repo
     from storage.db import Database
@@ -255,15 +245,14 @@ def searchable_task_dirs(run_id: str, db_path: str | None, task_ids: list[str] |
         df = repo.task_rows(db, run_id)
 
     def check(d: str) -> list[dict]:
-        return check_applicability(d, db_path, run_id, device, timeout_s, decode_timing)
+        return check_applicability(d, db_path, run_id, device, settings)
 
-    return search_stage.searchable_task_dirs(df, task_ids, families, top, proposer,
-                                             check if device is not None else None, phases=phases)
+    return search_stage.searchable_task_dirs(df, settings, task_ids, check if device is not None else None)
 
 
 def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, device: str,
-                        timeout_s: float = 120.0, decode_timing: str = "launch") -> list[dict]:
-    """The task's template checks: recorded ones of this code version when every template of its family has one,
+                        settings: SearchSettings) -> list[dict]:
+    """The task's template checks (run, when they must be, under the settings' timeout and decode timing): recorded ones of this code version when every template of its family has one,
     else run now in the device's verifier worker (llm4llm.stages.search.run_template_checks) and written to
     `template_checks`. Returns one dict per template of the family."""
     from llm4llm.stages.common import code_version
@@ -277,7 +266,7 @@ def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, 
     recorded = search_stage.recorded_checks(df.to_dict("records"), search_stage.family_templates(spec))
     if recorded is not None:
         return recorded
-    rows = search_stage.run_template_checks(task_dir, run_id, device, timeout_s, decode_timing)
+    rows = search_stage.run_template_checks(task_dir, run_id, device, settings)
     with Database(db_path) as db:
         repo.record_template_checks(db, rows)
     search_stage.report_inapplicable(spec.task_id, rows)

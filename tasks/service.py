@@ -5,18 +5,18 @@ from __future__ import annotations
 from prefect import task
 
 from llm4llm import nightly
-from llm4llm.accept import AcceptConfig
+from llm4llm.config import AcceptSettings
 from tasks.common import infrastructure_only
 
 
 @task(name="revalidate-current-bundle", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
-def revalidate_current(workload_path: str, db_path: str | None, cfg: AcceptConfig) -> dict | None:
+def revalidate_current(workload_path: str, db_path: str | None, cfg: AcceptSettings) -> dict | None:
     return current_validation(workload_path, db_path, cfg)
 
 
 @task(name="decide-service", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def decide_service(workload_path: str, run_id: str, candidate_bundle: str | None, current: dict | None,
-                   db_path: str | None, data_dir: str, cfg: AcceptConfig) -> dict:
+                   db_path: str | None, data_dir: str, cfg: AcceptSettings) -> dict:
     return service_decision(workload_path, run_id, candidate_bundle, dict(current) if current else None,
                             db_path, data_dir, cfg)
 
@@ -43,7 +43,7 @@ def service_decision(workload_path: str, run_id: str, candidate_bundle: str | No
     from storage import repo
     from storage.db import Database
 
-    cfg = cfg or AcceptConfig()
+    cfg = cfg or AcceptSettings()
     wl = describe_workload(workload_path)
     name = wl["name"]
     with Database(db_path) as db:

@@ -15,9 +15,10 @@ import kernels_runtime
 from kernels_runtime.bundle import Guard, PatchBundle, PatchSpec, Provenance, load_bundle, save_bundle
 from llm4llm import accept as acc
 from llm4llm.accept import (
-    METRICS, AcceptConfig, AcceptanceResult, NoiseFloor, Proposal, compare_logits, noise_floor, rank,
+    METRICS, AcceptanceResult, NoiseFloor, Proposal, compare_logits, noise_floor, rank,
     reference_tokens, teacher_forced_logits,
 )
+from llm4llm.config import AcceptSettings
 from llm4llm.patchspec import guard_for
 from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
 
@@ -89,7 +90,7 @@ def patched_logits(ref, source: str) -> list[torch.Tensor]:
         kernels_runtime.revert(ref.model)
 
 
-def try_once(ref, source: str, cfg: AcceptConfig):
+def try_once(ref, source: str, cfg: AcceptSettings):
     """accept()'s own trial step (_try) on the fixture model, with the CPU latency gate (latency() -> None)."""
     spec = SimpleNamespace(task_id="norm-decode-abc")
     p = SimpleNamespace(candidate_id="c1")
@@ -136,7 +137,7 @@ def test_floor_falls_back_when_the_copy_does_not_fit(ref, monkeypatch):
     assert not f.available and "does not fit" in f.note
     # the floor metric then applies the fixed limit and says so
     new = [l * 1.01 for l in ref.logits]
-    check = compare_logits(ref.logits, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2_floor"), f)
+    check = compare_logits(ref.logits, new, torch.bfloat16, AcceptSettings(metric="logits_rel_l2_floor"), f)
     assert check.ok and check.limit == pytest.approx(0.03)
     assert "floor unavailable" in check.detail and "fixed limit" in check.detail and "does not fit" in check.detail
 
@@ -173,23 +174,23 @@ def test_teacher_forcing_gives_the_same_tokens_through_both_models(ref):
 def test_correct_fp32_rmsnorm_is_accepted_in_model_under_the_floor(ref):
     new = patched_logits(ref, RMSNORM_FP32)
     assert any(not torch.equal(n, r) for n, r in zip(new, ref.logits))  # legitimately different rounding
-    floor_cfg = AcceptConfig()  # auto -> logits_rel_l2_floor for bf16
+    floor_cfg = AcceptSettings()  # auto -> logits_rel_l2_floor for bf16
     check = compare_logits(ref.logits, new, torch.bfloat16, floor_cfg, ref.floor)
     assert check.ok and check.metric == "logits_rel_l2_floor", check.detail
     assert "vs floor" in check.detail and check.floor is not None and check.floor > 0
-    fixed = compare_logits(ref.logits, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2"))
+    fixed = compare_logits(ref.logits, new, torch.bfloat16, AcceptSettings(metric="logits_rel_l2"))
     if fixed.ok:  # on a 2-layer model the fixed limit (0.03) is loose: then both pass
         assert check.ok
     # with the fixed limit out of the way the floor alone decides: a correct kernel sits within ~1.5x the bf16-vs-fp32
     # floor (two equally valid bf16 roundings), a buggy one far outside
-    calibrated = AcceptConfig(metric="logits_rel_l2_floor", tol_factor=1e-3, floor_factor=2.0)
+    calibrated = AcceptSettings(metric="logits_rel_l2_floor", tol_factor=1e-3, floor_factor=2.0)
     assert compare_logits(ref.logits, new, torch.bfloat16, calibrated, ref.floor).ok
     bug = patched_logits(ref, BUGS["eps_x100"])
     assert not compare_logits(ref.logits, bug, torch.bfloat16, calibrated, ref.floor).ok
 
 
 def test_cpu_latency_gate_never_accepts_a_correct_patch(ref):
-    d = try_once(ref, RMSNORM_FP32, AcceptConfig(delta=0.0))
+    d = try_once(ref, RMSNORM_FP32, AcceptSettings(delta=0.0))
     assert d.decision == "rejected"
     assert "no CPU timing may accept a patch" in d.reason and "in-model correctness ok" in d.reason
     assert "logits_rel_l2_floor" in d.reason and "vs floor" in d.reason
@@ -211,7 +212,7 @@ def test_a_trial_whose_own_kernel_never_runs_is_rejected_though_the_accepted_one
     spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
     wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
     try:
-        d = acc._try(ref.model, bundle, spec, p, ref.batch, ref.tokens, ref.logits, wl, AcceptConfig(delta=0.0),
+        d = acc._try(ref.model, bundle, spec, p, ref.batch, ref.tokens, ref.logits, wl, AcceptSettings(delta=0.0),
                      lambda: 90.0, 100.0, 0.1, floor=ref.floor, rebaseline=lambda: 100.0)
         report = kernels_runtime.apply(ref.model, bundle, strict=True)  # already applied: the same live counters
         assert report.calls_of("rmsnorm-decode") == 0 < report.calls_of("rmsnorm-prefill")
@@ -235,7 +236,7 @@ def test_latency_gate_brackets_the_trial_with_the_baseline(ref, current, trial, 
     calls = []
     try:
         d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
-                     AcceptConfig(delta=0.02, noisy_rounds=0), lambda: calls.append("trial") or trial, current, 0.1,
+                     AcceptSettings(delta=0.02, noisy_rounds=0), lambda: calls.append("trial") or trial, current, 0.1,
                      floor=ref.floor, rebaseline=lambda: calls.append("again") or again)
     finally:
         kernels_runtime.revert(ref.model)
@@ -261,7 +262,7 @@ def test_a_noisy_bracket_is_measured_again_alternately(ref, current, trials, bas
     calls, t, b = [], iter(trials), iter(baselines)
     try:
         d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
-                     AcceptConfig(delta=0.02), lambda: calls.append("trial") or next(t), current, 0.1,
+                     AcceptSettings(delta=0.02), lambda: calls.append("trial") or next(t), current, 0.1,
                      floor=ref.floor, rebaseline=lambda: calls.append("again") or next(b))
     finally:
         kernels_runtime.revert(ref.model)
@@ -291,7 +292,7 @@ def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, 
     untouched = lambda: pytest.fail("the interleaved gate measured the one-shot latency")  # noqa: E731
     try:
         d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
-                     AcceptConfig(delta=0.02), untouched, 150.0, 0.1, floor=ref.floor, rebaseline=untouched,
+                     AcceptSettings(delta=0.02), untouched, 150.0, 0.1, floor=ref.floor, rebaseline=untouched,
                      interleaved=lambda: (trials, bases))
     finally:
         kernels_runtime.revert(ref.model)
@@ -319,7 +320,7 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path):
 
 def test_interleave_rounds_is_checked():
     with pytest.raises(ValueError, match="interleave_rounds"):
-        AcceptConfig(interleave_rounds=-1)
+        AcceptSettings(interleave_rounds=-1)
 
 
 def test_a_failure_while_measuring_a_noisy_bracket_again_rejects_the_candidate(ref):
@@ -332,7 +333,7 @@ def test_a_failure_while_measuring_a_noisy_bracket_again_rejects_the_candidate(r
 
     try:
         d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
-                     AcceptConfig(delta=0.02), trial, 120.0, 0.1, floor=ref.floor, rebaseline=lambda: 100.0)
+                     AcceptSettings(delta=0.02), trial, 120.0, 0.1, floor=ref.floor, rebaseline=lambda: 100.0)
     finally:
         kernels_runtime.revert(ref.model)
     assert d.decision == "rejected" and d.reason.startswith("runtime (measuring a noisy bracket again): StopIteration")
@@ -340,13 +341,13 @@ def test_a_failure_while_measuring_a_noisy_bracket_again_rejects_the_candidate(r
 
 def test_noisy_rounds_is_checked():
     with pytest.raises(ValueError, match="noisy_rounds"):
-        AcceptConfig(noisy_rounds=-1)
+        AcceptSettings(noisy_rounds=-1)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))
 @pytest.mark.parametrize("metric", METRICS)
 def test_buggy_kernel_is_rejected_under_every_metric(ref, bug, metric):
-    d = try_once(ref, BUGS[bug], AcceptConfig(metric=metric))
+    d = try_once(ref, BUGS[bug], AcceptSettings(metric=metric))
     assert d.decision == "rejected"
     assert d.reason.startswith(f"in-model correctness: {metric}:"), d.reason
     assert d.metric.startswith(metric) and d.in_model_err > d.in_model_limit
@@ -357,46 +358,46 @@ def test_non_finite_logits_never_pass(ref):
     bad[3][0, 7] = float("nan")
     huge = NoiseFloor([1e9] * DECODE_LEN, "float32 copy")
     for metric in METRICS:
-        cfg = AcceptConfig(metric=metric, tol_factor=1e6, floor_factor=1e6)
+        cfg = AcceptSettings(metric=metric, tol_factor=1e6, floor_factor=1e6)
         check = compare_logits(ref.logits, bad, torch.bfloat16, cfg, huge)
         assert not check.ok and "non-finite" in check.detail and check.detail.startswith(metric)
     inf = [l.clone() for l in ref.logits]
     inf[0][0, 0] = float("inf")
-    assert not compare_logits(ref.logits, inf, torch.bfloat16, AcceptConfig(), huge).ok
+    assert not compare_logits(ref.logits, inf, torch.bfloat16, AcceptSettings(), huge).ok
     # a floor with a non-finite step falls back to the fixed limit on that step, never to "anything goes"
     nan_floor = NoiseFloor([float("nan")] * DECODE_LEN, "float32 copy")
     off = [l * 1.5 for l in ref.logits]
-    assert not compare_logits(ref.logits, off, torch.bfloat16, AcceptConfig(), nan_floor).ok
+    assert not compare_logits(ref.logits, off, torch.bfloat16, AcceptSettings(), nan_floor).ok
 
 
 def test_floor_limit_is_per_step_max_of_fixed_and_factor_times_floor():
     ref_l = [torch.ones(1, 100), torch.ones(1, 100)]
     new = [torch.ones(1, 100) * 1.05, torch.ones(1, 100) * 1.02]  # rel-L2 0.05, 0.02
     floor = NoiseFloor([0.06, 0.001], "float32 copy")
-    ok = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(floor_factor=1.0), floor)
+    ok = compare_logits(ref_l, new, torch.bfloat16, AcceptSettings(floor_factor=1.0), floor)
     assert ok.ok and ok.step == 0 and ok.limit == pytest.approx(0.06) and ok.floor == pytest.approx(0.06)
     assert "rel-L2 0.05 vs floor 0.06 x 1" in ok.detail
-    default = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(), floor)  # factor 2: step 0 limit 0.12
+    default = compare_logits(ref_l, new, torch.bfloat16, AcceptSettings(), floor)  # factor 2: step 0 limit 0.12
     assert default.ok and default.step == 1 and default.limit == pytest.approx(0.03)  # deciding step: 0.02 / 0.03
-    tight = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(floor_factor=0.5), floor)
+    tight = compare_logits(ref_l, new, torch.bfloat16, AcceptSettings(floor_factor=0.5), floor)
     assert not tight.ok and tight.limit == pytest.approx(0.03)  # max(0.03, 0.5 x 0.06)
-    fixed = compare_logits(ref_l, new, torch.bfloat16, AcceptConfig(metric="logits_rel_l2"), floor)
+    fixed = compare_logits(ref_l, new, torch.bfloat16, AcceptSettings(metric="logits_rel_l2"), floor)
     assert not fixed.ok and fixed.floor is None  # the old fixed metric ignores the floor
     ok_, err, detail = ok  # still unpacks as (ok, err, detail)
     assert ok_ and err == pytest.approx(0.05)
 
 
 def test_accept_config():
-    assert AcceptConfig().resolved_metric(torch.bfloat16) == "logits_rel_l2_floor"
-    assert AcceptConfig().resolved_metric(torch.float16) == "logits_rel_l2_floor"
-    assert AcceptConfig().resolved_metric(torch.float32) == "logits_rel_l2"
-    assert AcceptConfig(metric="logits_max_abs").resolved_metric(torch.bfloat16) == "logits_max_abs"
+    assert AcceptSettings().resolved_metric(torch.bfloat16) == "logits_rel_l2_floor"
+    assert AcceptSettings().resolved_metric(torch.float16) == "logits_rel_l2_floor"
+    assert AcceptSettings().resolved_metric(torch.float32) == "logits_rel_l2"
+    assert AcceptSettings(metric="logits_max_abs").resolved_metric(torch.bfloat16) == "logits_max_abs"
     with pytest.raises(ValueError, match="metric"):
-        AcceptConfig(metric="tokens")
+        AcceptSettings(metric="tokens")
     with pytest.raises(ValueError, match="floor_factor"):
-        AcceptConfig(floor_factor=0)
+        AcceptSettings(floor_factor=0)
     with pytest.raises(ValueError, match="tol_factor"):
-        AcceptConfig(tol_factor=float("nan"))
+        AcceptSettings(tol_factor=float("nan"))
 
 
 # ------------------------------------------------------------------------------------------------ ranking / guards
@@ -462,16 +463,16 @@ def test_patch_spec_and_bundle_round_trip(tmp_path):
 def test_candidates_slower_than_the_module_are_not_tried_on_the_gpu():
     """On the GPU a candidate no faster than the module in its task costs several e2e runs and cannot gain: it is
     rejected with the reason, not tried. On the CPU (no timings) every candidate is tried; 0 tries all."""
-    cfg = acc.AcceptConfig()
+    cfg = AcceptSettings()
     slow = acc.Proposal(task_dir="t", candidate_id="c", source="", speedup=0.37)
     fast = acc.Proposal(task_dir="t", candidate_id="d", source="", speedup=1.34)
     reason = acc.not_worth_a_trial(slow, cfg, on_gpu=True)
     assert reason is not None and "0.37x" in reason and "min_task_speedup" in reason
     assert acc.not_worth_a_trial(fast, cfg, on_gpu=True) is None
     assert acc.not_worth_a_trial(slow, cfg, on_gpu=False) is None
-    assert acc.not_worth_a_trial(slow, acc.AcceptConfig(min_task_speedup=0), on_gpu=True) is None
+    assert acc.not_worth_a_trial(slow, AcceptSettings(min_task_speedup=0), on_gpu=True) is None
     with pytest.raises(ValueError, match="min_task_speedup"):
-        acc.AcceptConfig(min_task_speedup=float("nan"))
+        AcceptSettings(min_task_speedup=float("nan"))
 
 
 def test_torch_compile_falls_back_to_mode_default_and_says_so():

@@ -27,6 +27,9 @@ def test_choices_are_the_implementing_modules_own():
     assert _choices(C.Stage) == C.STAGES
     assert _choices(C.SearchMode) == _choices(Mode)
     assert _choices(C.ProposerKind) == ("library", "llm", "hybrid")
+    from llm4llm.verify.worker import DECODE_TIMINGS
+
+    assert _choices(C.DecodeTiming) == DECODE_TIMINGS
 
 
 def test_every_field_has_a_description():
@@ -43,13 +46,19 @@ def test_every_field_has_a_description():
     assert {"search", "accept", "graphs", "evaluate", "llm"} <= set(C.OptimizeConfig.model_fields)
 
 
-def test_defaults_match_the_acceptance_stage_and_round_trip():
-    from llm4llm.accept import AcceptConfig
+def test_acceptance_takes_the_settings_and_round_trips():
+    """Acceptance has one settings type, AcceptSettings (its defaults are the stage's); the run's graph plan is
+    passed beside it, not folded into a second settings class."""
+    import inspect
+
+    from llm4llm import accept as acc
 
     cfg = C.OptimizeConfig()
-    built = cfg.accept.build(decode_graphs=True)
-    ref = AcceptConfig(decode_graphs=True)
-    assert built == ref
+    assert not hasattr(acc, "AcceptConfig") and acc.AcceptSettings is C.AcceptSettings
+    params = inspect.signature(acc.accept).parameters
+    assert params["cfg"].annotation in ("AcceptSettings | None", C.AcceptSettings | None)
+    assert set(C.AcceptSettings.model_fields) & {"decode_graphs", "static_cache"} == set()
+    assert acc.GraphPlan() == acc.GraphPlan(decode_graphs=False, static_cache=False)
     assert C.OptimizeConfig.model_validate(cfg.model_dump()) == cfg
     assert C.OptimizeConfig.model_validate_json(cfg.model_dump_json()) == cfg
 

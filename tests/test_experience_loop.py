@@ -9,6 +9,7 @@ import pytest
 
 from llm4llm import isolation
 from llm4llm.accept import Decision, Proposal
+from llm4llm.config import SearchSettings
 from llm4llm.search.builtin import LibraryProposer
 from llm4llm.stages.experience import rejection_experience
 from llm4llm.stages.extract import run_extract
@@ -49,7 +50,8 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
     assert len(prior) == 1 and prior[0].failure_for(first.template, first.config)
     again = LibraryProposer(seed=0).propose(spec, prior, [], 1)[0]
     assert (again.template, again.config) != (first.template, first.config)
-    out = run_task_search(task_dir, db_path, str(root), mode="sample", budget=2, device="cpu", seed=0)
+    out = run_task_search(task_dir, db_path, str(root), SearchSettings(mode="sample", budget=2, seed=0),
+                          device="cpu")
     with Database(db_path) as db:
         tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out["search_id"])
     assert first.id not in set(tried["candidate_id"]) and len(tried) == 2

@@ -292,30 +292,33 @@ def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
     """With the library proposer alone, tasks no built-in template applies to (tiny-llama's rotary tasks) are left
     out before --top is taken, and named; the LLM proposers keep them (they can write for any task)."""
     from llm4llm.taskspec import load_spec
+    from llm4llm.config import SearchSettings
     from tasks.search import searchable_task_dirs
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]
-    rotary = searchable_task_dirs(run, db_path, None, ["rotary"], None, proposer="llm")
+    rotary = searchable_task_dirs(run, db_path, SearchSettings(families=["rotary"], proposer="llm"))
     assert rotary and all(load_spec(Path(d)).family == "rotary" for d in rotary)
-    assert searchable_task_dirs(run, db_path, None, ["rotary"], None, proposer="library") == []
+    assert searchable_task_dirs(run, db_path, SearchSettings(families=["rotary"], proposer="library")) == []
     assert "left out, no built-in template applies" in capsys.readouterr().out
-    everything = searchable_task_dirs(run, db_path, None, None, None, proposer="llm")
-    library = searchable_task_dirs(run, db_path, None, None, None, proposer="library")
+    everything = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm"))
+    library = searchable_task_dirs(run, db_path, SearchSettings(proposer="library"))
     assert library == [d for d in everything if d not in rotary]  # same order, hottest first
-    assert searchable_task_dirs(run, db_path, None, None, 2, proposer="library") == library[:2]
+    assert searchable_task_dirs(run, db_path, SearchSettings(top=2, proposer="library")) == library[:2]
 
 
 def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
     """`--phase decode` searches the decode tasks alone (the top N taken among them): a decode-bound deployment
     spends no search time on prefill tasks."""
     from llm4llm.taskspec import load_spec
+    from llm4llm.config import SearchSettings
     from tasks.search import searchable_task_dirs
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]
-    everything = searchable_task_dirs(run, db_path, None, None, None, proposer="llm")
-    decode = searchable_task_dirs(run, db_path, None, None, None, proposer="llm", phases=["decode"])
+    everything = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm"))
+    decode = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm", phases=["decode"]))
     assert decode and {load_spec(Path(d)).phase for d in decode} == {"decode"}
     assert decode == [d for d in everything if load_spec(Path(d)).phase == "decode"]  # same order
-    assert searchable_task_dirs(run, db_path, None, None, 1, proposer="llm", phases=["decode"]) == decode[:1]
+    first = SearchSettings(top=1, proposer="llm", phases=["decode"])
+    assert searchable_task_dirs(run, db_path, first) == decode[:1]

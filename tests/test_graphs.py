@@ -286,9 +286,10 @@ def test_a_bundle_of_graphs_alone(tmp_path, monkeypatch):
 
 def test_decode_graphs_are_gated_like_a_patch():
     """decide_graphs: logits first, then the end-to-end gain against delta; each outcome names its numbers."""
-    from llm4llm.accept import GRAPHS_TASK, AcceptConfig, LogitsCheck, decide_graphs
+    from llm4llm.accept import GRAPHS_TASK, LogitsCheck, decide_graphs
+    from llm4llm.config import AcceptSettings
 
-    cfg = AcceptConfig(delta=0.02)
+    cfg = AcceptSettings(delta=0.02)
     ok = LogitsCheck(True, 0.01, "rel-L2 0.01 vs floor 0.02 x 2", "logits_rel_l2_floor", summary="rel-L2 0.01")
     bad = LogitsCheck(False, 0.9, "rel-L2 0.9 vs floor 0.02 x 2", "logits_rel_l2_floor", summary="rel-L2 0.9")
     d = decide_graphs(ok, 2000.0, 500.0, "1 captured, 251 replays", cfg, static_cache=True)

@@ -73,6 +73,7 @@ def test_sample_and_iter_draw_different_candidates(task_dir):
     one's nearest tile configuration once it passes (explore 0: always exploit)."""
     from llm4llm.kernelbench.proposer import KBProposer
     from llm4llm.kernelbench.templates import TEMPLATES
+    from llm4llm.config import SearchSettings
     from llm4llm.search.episode import run_search
 
     def verify(_task_dir, source):
@@ -81,8 +82,8 @@ def test_sample_and_iter_draw_different_candidates(task_dir):
 
     drawn = {}
     for mode in ("sample", "iter"):
-        res = run_search(task_dir, KBProposer(seed=0, explore=0.0, templates=TEMPLATES), verify, mode=mode,
-                         budget=2, archive_dir=task_dir / f"archive-{mode}")
+        res = run_search(task_dir, KBProposer(seed=0, explore=0.0, templates=TEMPLATES), verify,
+                         SearchSettings(mode=mode, budget=2), archive_dir=task_dir / f"archive-{mode}")
         drawn[mode] = [(t.candidate.template, t.candidate.config) for t in res.trials]
     assert drawn["sample"][0] == drawn["iter"][0] and drawn["sample"][1] != drawn["iter"][1]
     assert drawn["sample"][1][0] != drawn["sample"][0][0]  # the next scope

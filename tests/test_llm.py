@@ -340,6 +340,7 @@ def build_rmsnorm_task(root: Path) -> Path:
 
 @pytest.mark.timeout(120)
 def test_episodic_search_through_http_finds_the_good_kernel(tmp_path):
+    from llm4llm.config import SearchSettings
     from llm4llm.search.episode import run_search
     from llm4llm.verify import VerifierPool
 
@@ -347,8 +348,8 @@ def test_episodic_search_through_http_finds_the_good_kernel(tmp_path):
     script = [srv.compile_error(), srv.wrong_numerics(), srv.old_api(), srv.good()]
     with srv.ScriptedLLM(script) as llm, VerifierPool("cpu", timeout_s=120.0, draws=2) as pool:
         p = proposer(llm, tmp_path, concurrency=2)
-        result = run_search(task_dir, p, pool.verify, mode="episodic", budget=4, samples_per_step=2, episode_len=4,
-                            archive_dir=tmp_path / "archive")
+        result = run_search(task_dir, p, pool.verify, SearchSettings(mode="episodic", budget=4), samples_per_step=2,
+                            episode_len=4, archive_dir=tmp_path / "archive")
     assert result.trials_used == 4 and len(p.calls) == 4
     by_class = sorted(t.feedback.failure_class or "passed" for t in result.trials)
     assert by_class == ["compile", "passed", "passed", "wrong_output"], [t.feedback for t in result.trials]

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llm_server as srv  # noqa: E402
 
 from llm4llm import isolation  # noqa: E402
+from llm4llm.config import SearchSettings  # noqa: E402
 from llm4llm.stages.common import describe_workload  # noqa: E402
 from llm4llm.stages.extract import run_extract  # noqa: E402
 from llm4llm.stages.profile import run_profile  # noqa: E402
@@ -125,8 +126,8 @@ def test_make_proposer_builds_and_the_hybrid_forwards_the_call_hook():
 def test_llm_search_through_run_task_search(tiny_run):
     script = [srv.compile_error(), srv.rate_limited(), srv.good()]  # then the default: prose without code
     with srv.ScriptedLLM(script) as server:
-        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=6,
-                              proposer="llm", run_id=tiny_run["run_id"],
+        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+                              SearchSettings(budget=6, proposer="llm"), run_id=tiny_run["run_id"],
                               llm=llm_options(server, max_total_tokens=400))
     # 150 tokens per answer: compile error, (429) good, no code = 450 >= 400, so the fourth request is never sent
     # and the search ends short of its budget of 6, cleanly.
@@ -181,8 +182,8 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
     reply = srv.Reply(status=401, error={"message": f"Incorrect API key provided: {KEY}", "type": "invalid_request"})
     with srv.ScriptedLLM([reply]) as server:
         with pytest.raises(LLMConfigError, match="AuthenticationError"):
-            run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=2,
-                            proposer="llm", llm=llm_options(server))
+            run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+                            SearchSettings(budget=2, proposer="llm"), llm=llm_options(server))
     [search] = rows(tiny_run["db"], "SELECT * FROM searches WHERE proposer = 'llm' AND trials = 0")
     assert search["finished_at"] is not None
     [call] = rows(tiny_run["db"], "SELECT * FROM llm_calls WHERE search_id = ?", [search["search_id"]])
@@ -195,8 +196,8 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
 @pytest.mark.timeout(120)
 def test_hybrid_search_shares_the_budget(tiny_run):
     with srv.ScriptedLLM([srv.good(), srv.wrong_numerics()]) as server:
-        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"], budget=4,
-                              proposer="hybrid", run_id=tiny_run["run_id"],
+        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+                              SearchSettings(budget=4, proposer="hybrid"), run_id=tiny_run["run_id"],
                               llm=llm_options(server, hybrid_share=0.5))
     sid = out["search_id"]
     assert out["trials"] == 4 and len(server.requests) == 2 and out["llm_calls"] == 2
@@ -264,4 +265,4 @@ def test_cli_search_passes_decode_timing(tiny_run, monkeypatch):
     res = CliRunner().invoke(app, ["search", "--run", tiny_run["run_id"], "--decode-timing", "graph", "--db",
                                    tiny_run["db"], "--data-dir", tiny_run["data_dir"]])
     assert res.exit_code == 0, res.output
-    assert got["decode_timing"] == "graph" and got["run"] == tiny_run["run_id"]
+    assert got["settings"].decode_timing == "graph" and got["run"] == tiny_run["run_id"]

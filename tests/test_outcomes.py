@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llm4llm.accept import AcceptanceResult, Decision
+from llm4llm.config import SearchSettings
 from llm4llm.outcomes import AcceptDecision, DecidedBy, EpisodeEnd, FailureClass
 from llm4llm.search.episode import Ending
 from llm4llm.stages.accept import AcceptOutcome
@@ -91,7 +92,8 @@ def test_the_search_stops_on_the_kind_of_ending(tmp_path: Path, monkeypatch):
                  Ending(EpisodeEnd.STOPPED, "time share spent"), Ending(EpisodeEnd.LENGTH)])
     monkeypatch.setattr(episode._Run, "episode", lambda self, *a, **k: next(ends))
     proposer = SimpleNamespace(name="fake")
-    result = episode.run_search(tmp_path, proposer, lambda *a: None, budget=10, archive_dir=tmp_path / "a")
+    result = episode.run_search(tmp_path, proposer, lambda *a: None, SearchSettings(budget=10),
+                                archive_dir=tmp_path / "a")
     assert [e.ended for e in result.episodes] == [EpisodeEnd.STUCK, EpisodeEnd.STOPPED]
     assert result.episodes[-1].ended_by == "stopped: time share spent"
 

@@ -148,6 +148,7 @@ def test_search_stops_near_the_floor_on_a_plateau_and_at_its_deadline():
 
 def test_run_search_ends_early_when_the_stop_says_so(tmp_path):
     """The stop is asked before every trial but the first; its reason ends the episode and the search."""
+    from llm4llm.config import SearchSettings
     from llm4llm.search.episode import run_search
     from llm4llm.search.types import Candidate
     from llm4llm.taskspec import TaskSpec
@@ -168,7 +169,8 @@ def test_run_search_ends_early_when_the_stop_says_so(tmp_path):
         return {"passed": True, "utility": 1.0, "speedup_in_context": 1.0}
 
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    result = run_search(tmp_path, Prop(), verify, budget=10, stop=lambda trials: "enough" if len(trials) >= 3 else None)
+    result = run_search(tmp_path, Prop(), verify, SearchSettings(budget=10),
+                        stop=lambda trials: "enough" if len(trials) >= 3 else None)
     assert result.trials_used == 3
     assert result.episodes[-1].ended_by == "stopped: enough"
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from llm4llm.config import SearchSettings
 from llm4llm.search import Experience, LibraryProposer, distil, run_search
 from llm4llm.search.templates.base import Template, header
 from llm4llm.search.types import Feedback
@@ -56,8 +57,8 @@ def task_dir(tmp_path):
 
 
 def search(task_dir, mode, budget=15, template=FAKE, seed=0, **kw):
-    return run_search(task_dir, LibraryProposer(seed=seed, templates=[template]), FakeVerifier(), mode=mode,
-                      budget=budget, archive_dir=task_dir.parent / "archive", **kw)
+    return run_search(task_dir, LibraryProposer(seed=seed, templates=[template]), FakeVerifier(),
+                      SearchSettings(mode=mode, budget=budget), archive_dir=task_dir.parent / "archive", **kw)
 
 
 def key(c):
@@ -344,7 +345,7 @@ def test_real_rmsnorm_task_two_trials_through_the_verifier(tmp_path):
     task_dir, _, _ = _rmsnorm_task(tmp_path)
     pool = pool_cls("cpu", 120)
     try:
-        res = run_search(task_dir, LibraryProposer(seed=0), pool.verify, mode="sample", budget=2,
+        res = run_search(task_dir, LibraryProposer(seed=0), pool.verify, SearchSettings(mode="sample", budget=2),
                          archive_dir=tmp_path / "archive")
     finally:
         getattr(pool, "close", lambda: None)()
@@ -371,8 +372,8 @@ class NoisyReferenceVerifier(FakeVerifier):
 
 def test_the_best_trial_is_the_fastest_against_the_searchs_pooled_reference(task_dir):
     verifier = NoisyReferenceVerifier()
-    result = run_search(task_dir, LibraryProposer(seed=0, templates=[FAKE]), verifier, mode="sample", budget=12,
-                        archive_dir=task_dir.parent / "archive")
+    result = run_search(task_dir, LibraryProposer(seed=0, templates=[FAKE]), verifier,
+                        SearchSettings(mode="sample", budget=12), archive_dir=task_dir.parent / "archive")
     passed = [t for t in result.trials if t.feedback.passed]
     assert any(t.candidate.config["num_warps"] == 1 for t in passed), "the lucky-reference trial must be sampled"
     fastest = min(passed, key=lambda t: t.verdict["candidate_in_context"]["p50"])
@@ -488,3 +489,36 @@ def test_inactive_keys_never_make_two_trials_of_one_kernel(task_dir):
         tpl = next(x for x in TEMPLATES if x.name == name)
         assert tpl.inactive[("lin_impl", "cublas")] == ("lin_BLOCK_M", "lin_BLOCK_N", "lin_BLOCK_K", "lin_num_warps",
                                                         "lin_num_stages")
+
+
+def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypatch):
+    """One SearchSettings object goes from the caller to the verifier and the search loop: its timeout and decode
+    timing pick the verifier worker, its mode and trials shape the search (no setting is unpacked on the way)."""
+    import threading
+
+    from llm4llm import isolation
+    from llm4llm.stages import search as search_stage
+
+    pools, starts = [], []
+    verifier = FakeVerifier()
+    monkeypatch.setattr(isolation, "verifier_pool", lambda *a: pools.append(a) or (
+        type("Pool", (), {"verify": staticmethod(verifier)}), threading.Lock()))
+
+    class Recorder:
+        def start(self, *a):
+            starts.append(a)
+
+        def trial(self, candidate, verdict, *a):
+            return bool(verdict["passed"])
+
+        def end(self, *a):
+            pass
+
+    settings = SearchSettings(mode="sample", budget=3, timeout_s=7.0, decode_timing="graph")
+    out = search_stage.run_task_search(str(task_dir), str(tmp_path / "data"), Recorder(), settings,
+                                       proposer_obj=LibraryProposer(seed=0, templates=[FAKE]))
+    assert pools == [("cpu", 7.0, "graph")]
+    assert starts[0][3] == "sample" and starts[0][5] == 3 and out["trials"] == 3
+    from llm4llm.planner import MAX_TRIALS
+
+    assert SearchSettings().trials() == MAX_TRIALS and SearchSettings(budget=4).trials() == 4

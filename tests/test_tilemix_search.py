@@ -13,7 +13,8 @@ import torch
 
 from kernels_runtime.bundle import PatchBundle, PatchSpec
 from llm4llm import accept as acc
-from llm4llm.accept import AcceptConfig, Proposal, budget_check, lossy_descent, lossy_of
+from llm4llm.accept import Proposal, budget_check, lossy_descent, lossy_of
+from llm4llm.config import AcceptSettings
 from llm4llm.search.builtin import LibraryProposer
 from llm4llm.search.templates import TEMPLATES
 from llm4llm.search.templates.tilemix import NAME
@@ -157,7 +158,7 @@ def test_acceptance_never_keeps_a_lossy_candidate_without_the_opt_in(prefill_tas
     spec = load_spec(prefill_task)
     config = _config(spec)
     p = Proposal(str(prefill_task), "c1", TILEMIX.render(spec, config), 5.0, config, NAME)
-    res = acc.accept(_workload(tmp_path, None), [p], str(tmp_path / "bundle"), cfg=AcceptConfig())
+    res = acc.accept(_workload(tmp_path, None), [p], str(tmp_path / "bundle"), cfg=AcceptSettings())
     [d] = res.decisions
     assert d.decision == "rejected" and "has not opted in" in d.reason and res.bundle_dir is None
 
@@ -168,7 +169,7 @@ def test_acceptance_holds_a_lossy_candidate_to_the_budget_walking_the_coverage_d
     p = Proposal(str(prefill_task), "c1", TILEMIX.render(spec, config), 5.0, config, NAME)
     # an opted-in run whose budget nothing lossy can meet: every coverage from the proposed one down is tried
     tight = _workload(tmp_path, "max_logit_deviation = 1e-9\n")
-    res = acc.accept(tight, [p], str(tmp_path / "b1"), cfg=AcceptConfig())
+    res = acc.accept(tight, [p], str(tmp_path / "b1"), cfg=AcceptSettings())
     assert [d.candidate_id for d in res.decisions] == ["c1", "c1@0.25"]  # 0.5, then the space's next lower
     for d in res.decisions:
         assert d.decision == "rejected" and d.reason.startswith("in-model correctness: accuracy_budget: logits")

@@ -1,5 +1,7 @@
 """The search loop over one task, in the paper's three modes, at one trial budget.
 
+The mode, the budget and the seed come from the run's SearchSettings (llm4llm.config).
+
 - "sample" (sample-N): one step of `budget` independent candidates, no feedback.
 - "iter" (iter-N): one trajectory of `budget` single candidates, each proposed with all feedback so far
   (iterate on the best, repair failures).
@@ -16,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
@@ -26,7 +28,10 @@ from llm4llm.search.proposer import Proposer
 from llm4llm.search.types import Candidate, Experience, Feedback, verdict_dict
 from llm4llm.taskspec import TaskSpec, load_spec
 
-Mode = Literal["episodic", "sample", "iter"]
+if TYPE_CHECKING:  # llm4llm.config imports the LLM settings, whose package imports this one
+    from llm4llm.config import SearchSettings
+
+Mode = Literal["episodic", "sample", "iter"]  # llm4llm.config.SearchMode
 Verify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like
 OnTrial = Callable[[Candidate, Any, int, int], None]  # (candidate, verdict, episode, iteration)
 # (the trials so far) -> why the search ends before its next trial, or None: the planner's time share and floor
@@ -86,16 +91,21 @@ class SearchResult(BaseModel):
         return self.best.candidate if self.best else None
 
 
-def run_search(task_dir: Path, proposer: Proposer, verify: Verify, *, mode: Mode = "episodic", budget: int = 15,
-               samples_per_step: int = 3, episode_len: int = 5, seed: int = 0, on_trial: OnTrial | None = None,
+def run_search(task_dir: Path, proposer: Proposer, verify: Verify, settings: SearchSettings | None = None, *,
+               samples_per_step: int = 3, episode_len: int = 5, on_trial: OnTrial | None = None,
                archive_dir: Path | None = None, prior: list[Experience] | None = None,
                stop: Stop | None = None) -> SearchResult:
-    """Search one task. `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode
-    (sample and iter runs archive their single trajectory as episode 0). `seed` names the run in the archive;
-    the proposer carries its own seed. `prior` is experience from earlier searches of this task (or acceptance
+    """Search one task in `settings.mode` for `settings.trials()` trials (default settings: episodic, the
+    planner's cap). `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode (sample
+    and iter runs archive their single trajectory as episode 0). `settings.seed` names the run in the archive; the
+    proposer carries its own seed. `prior` is experience from earlier searches of this task (or acceptance
     rejections recorded against it): every mode starts from it, as an episodic restart would. `stop` is asked
     before every trial but the first (llm4llm.planner: the task's share of the time budget is spent, or its best
     is near the physical floor); its reason ends the search early ("stopped: <reason>")."""
+    from llm4llm.config import SearchSettings
+
+    settings = settings if settings is not None else SearchSettings()
+    mode, budget, seed = settings.mode, settings.trials(), settings.seed
     if mode not in ("episodic", "sample", "iter"):
         raise ValueError(f"run_search: expected mode in ('episodic', 'sample', 'iter'), got {mode!r}")
     if budget < 1 or samples_per_step < 1 or episode_len < 1:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm4llm import isolation
+from llm4llm.config import AcceptSettings
 from llm4llm.outcomes import AcceptDecision
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
+
+if TYPE_CHECKING:
+    from llm4llm.accept import GraphPlan
 
 
 @dataclass
@@ -47,13 +51,13 @@ def proposals_of(rows) -> list:
             for r in rows.itertuples()]
 
 
-def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg=None,
-               base_bundle: str | None = None) -> AcceptOutcome:
-    """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (an
-    llm4llm.accept.AcceptConfig; OptimizeConfig.accept.build() makes one with the run's graph plan). base_bundle:
+def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg: AcceptSettings | None = None,
+               base_bundle: str | None = None, graphs: GraphPlan | None = None) -> AcceptOutcome:
+    """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (the run's
+    AcceptSettings; default: their defaults) and the run's CUDA-graph plan `graphs` (default: none). base_bundle:
     the bundle an earlier acceptance step of this run wrote; the trials start on top of it, and the bundle this
     step writes (a directory of its own, `<run id>.<k>`) holds it plus what is accepted now."""
-    from llm4llm.accept import AcceptConfig, accept
+    from llm4llm.accept import accept
     from llm4llm.taskspec import check_artifacts
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
@@ -72,7 +76,7 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
     result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
                                      outputs={"bundle_dir": str(bundle_dir)},
                                      readable=isolation.workload_paths(workload_path), box=box,
-                                     cfg=cfg if cfg is not None else AcceptConfig(), run_id=run_id,
+                                     cfg=cfg, graphs=graphs, run_id=run_id,
                                      base_bundle=inside_base)
     if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from llm4llm import isolation
+from llm4llm.config import SearchSettings
 from llm4llm.stages.common import code_version
 
 
@@ -59,18 +60,15 @@ def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
     return HybridProposer(LLMProposer(cfg), LibraryProposer(seed=seed, templates=templates), cfg.hybrid_share)
 
 
-def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, mode: str = "episodic",
-                    budget: int = 15, proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0,
-                    seed: int = 0, run_id: str | None = None, llm: dict | None = None, prior: list | None = None,
-                    decode_timing: str = "launch", proposer_obj=None, check: CheckFn | None = None,
+def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, settings: SearchSettings, *,
+                    device: str = "cpu", run_id: str | None = None, llm: dict | None = None,
+                    prior: list | None = None, proposer_obj=None, check: CheckFn | None = None,
                     deadline: float | None = None, planned: bool = False) -> dict:
-    """Search one task; every trial goes to `recorder` as it is verified (its source under the data dir), every
-    episode with its experience at the end. Returns a small summary. prior: the task's stored experience
-    (Experience records, oldest first). check: the task's template checks, which pick the built-in templates the
-    library and hybrid proposers may use (needed for them unless proposer_obj is given). decode_timing: "graph"
-    times decode candidates by GPU time under CUDA-graph replay (a run whose decode steps replay from graphs),
-    "graph_prefill" prefill candidates too (a run whose prompt forward replays from graphs as well), "launch" back
-    to back. planned: a search the run's plan sized (llm4llm.planner): it ends early when its best is near the
+    """Search one task under `settings` (its mode, proposer, trials, seed, per-candidate timeout and decode
+    timing); every trial goes to `recorder` as it is verified (its source under the data dir), every episode with
+    its experience at the end. Returns a small summary. prior: the task's stored experience (Experience records,
+    oldest first). check: the task's template checks, which pick the built-in templates the library and hybrid
+    proposers may use (needed for them unless proposer_obj is given). planned: a search the run's plan sized (llm4llm.planner): it ends early when its best is near the
     task's physical floor or stops improving, or by `deadline` (Unix time, its share of the time budget: no trial
     starts that would end after it at the search's pace so far; the first always runs) (llm4llm.planner.search_stop).
     Unplanned searches (`llm4llm search`, ablations) spend their whole budget."""
@@ -81,7 +79,7 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
     from llm4llm.taskspec import load_spec
 
     spec = load_spec(Path(task_dir))
-    templates = None
+    mode, budget, proposer, templates = settings.mode, settings.trials(), settings.proposer, None
     if proposer_obj is None and proposer in ("library", "hybrid"):  # the built-in templates that compute what this module does
         from llm4llm.search.templates import TEMPLATES
 
@@ -92,8 +90,8 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
                     "best_candidate": None, "best_utility": None, "episodes": 0, "ended_by": NOT_COVERED}
         if not templates:  # hybrid: the LLM writes for it alone
             proposer = "llm"
-    prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, seed, llm, templates)
-    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
+    prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, settings.seed, llm, templates)
+    pool, lock = isolation.verifier_pool(device, settings.timeout_s, settings.decode_timing)
     search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(data_dir) / "searches" / search_id
     cand_dir = Path(data_dir) / "candidates" / spec.task_id
@@ -121,8 +119,8 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, *, m
 
     progress.start(search_id, f"search {spec.task_id} ({mode})", budget)
     try:
-        result = run_search(Path(task_dir), prop, verify, mode=mode, budget=budget, seed=seed,
-                            on_trial=on_trial, archive_dir=archive_dir, prior=list(prior or []),
+        result = run_search(Path(task_dir), prop, verify, settings, on_trial=on_trial, archive_dir=archive_dir,
+                            prior=list(prior or []),
                             stop=search_stop(deadline) if planned else None, **search_kw)
     except BaseException:  # e.g. LLMConfigError (bad key or model): the search row is closed with what it did
         recorder.abort(search_id, counts["trials"], counts["passed"])
@@ -182,11 +180,10 @@ def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
 
 # ---- searches away from the flow (a task runner's workers: Ray, one GPU each) ----------------------------------
 
-def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, *, mode: str = "episodic", budget: int = 15,
-                proposer: str = "library", device: str = "cpu", timeout_s: float = 120.0, seed: int = 0,
-                run_id: str | None = None, llm: dict | None = None, decode_timing: str = "launch",
+def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, settings: SearchSettings, *,
+                device: str = "cpu", run_id: str | None = None, llm: dict | None = None,
                 prior: list[dict] | None = None) -> tuple[dict, dict]:
-    """Search one task away from the flow: every row goes to `recorder` (storage.recorders.SearchRows collects them
+    """Search one task under `settings` away from the flow: every row goes to `recorder` (storage.recorders.SearchRows collects them
     for the flow to write, so DuckDB keeps one writer however many machines evaluate). Verifies on a verifier worker
     of its own, started for this search and closed after it (a pooled Ray worker may hold another GPU next time);
     `work_dir` holds the transcripts until they are read back. prior: the task's experience records. Returns (the
@@ -197,10 +194,10 @@ def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, *, mode:
     from llm4llm.verify.worker import VerifierPool
 
     spec = load_spec(Path(task_dir))
-    prop = make_proposer(proposer, seed, llm)
-    search_id = f"{spec.task_id}-{mode}-{proposer}-{uuid.uuid4().hex[:8]}"
+    prop = make_proposer(settings.proposer, settings.seed, llm)
+    search_id = f"{spec.task_id}-{settings.mode}-{settings.proposer}-{uuid.uuid4().hex[:8]}"
     archive_dir = Path(work_dir) / "archive"
-    recorder.start(search_id, spec.task_id, run_id, mode, prop.name, budget)
+    recorder.start(search_id, spec.task_id, run_id, settings.mode, prop.name, settings.trials())
     search_kw = _llm_search_kw(prop, archive_dir, only_unset=False)
     llm_backed = bool(search_kw)
     if llm_backed:
@@ -209,10 +206,9 @@ def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, *, mode:
     def on_trial(candidate, verdict, episode, iteration):
         recorder.trial(candidate, verdict, spec.task_id, search_id, episode, iteration, "")
 
-    pool = VerifierPool(device, timeout_s, decode_timing=decode_timing)
+    pool = VerifierPool(device, settings.timeout_s, decode_timing=settings.decode_timing)
     try:
-        result = run_search(Path(task_dir), prop, pool.verify, mode=mode, budget=budget, seed=seed,
-                            on_trial=on_trial, archive_dir=archive_dir,
+        result = run_search(Path(task_dir), prop, pool.verify, settings, on_trial=on_trial, archive_dir=archive_dir,
                             prior=[Experience.model_validate(p) for p in prior or []], **search_kw)
     finally:
         pool.close()
@@ -221,11 +217,10 @@ def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, *, mode:
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None), files
 
 
-def searchable_task_dirs(tasks, task_ids: list[str] | None, families: list[str] | None, top: int | None,
-                         proposer: str = "library", check: CheckFn | None = None,
-                         phases: list[str] | None = None) -> list[str]:
+def searchable_task_dirs(tasks, settings: SearchSettings, task_ids: list[str] | None = None,
+                         check: CheckFn | None = None) -> list[str]:
     """The task dirs a search fans out to, from the run's `tasks` rows (a DataFrame): deployable tasks (of
-    `task_ids`, `families`, `phases`), hottest first, the top N of them. With the library proposer alone, tasks no
+    `task_ids`, the settings' `families` and `phases`), hottest first, the settings' `top` N of them. With the library proposer alone, tasks no
     built-in template applies to are left out before the top N is taken (a search of them would spend no trial),
     and each is named with why; the LLM proposers can write for any task. With `check` (the task's template
     checks), "applies" is decided by computation (hottest first until N tasks are covered), else by the templates'
@@ -233,6 +228,7 @@ def searchable_task_dirs(tasks, task_ids: list[str] | None, families: list[str] 
     from llm4llm.search.builtin import LibraryProposer
     from llm4llm.taskspec import load_spec
 
+    families, phases, top = settings.families, settings.phases, settings.top
     df = tasks[tasks["deployable"] & tasks["artifact_path"].notna()]
     if task_ids:
         df = df[df["task_id"].isin(task_ids)]
@@ -242,7 +238,7 @@ def searchable_task_dirs(tasks, task_ids: list[str] | None, families: list[str] 
         df = df[df["phase"].isin(phases)]
     df = df.sort_values("score", ascending=False)
     dirs = list(df["artifact_path"])
-    if proposer == "library":
+    if settings.proposer == "library":
         library, kept = LibraryProposer(), []
         for d in dirs:
             if top and len(kept) >= top:
@@ -281,16 +277,15 @@ def recorded_checks(records: list[dict], names: set[str]) -> list[dict] | None:
     return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in records if r["template"] in names]
 
 
-def run_template_checks(task_dir: str, run_id: str | None, device: str, timeout_s: float = 120.0,
-                        decode_timing: str = "launch") -> list[dict]:
-    """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker: correctness
-    on the captured cases only, no budget. Returns one `template_checks` row per template of its family."""
+def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings) -> list[dict]:
+    """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker (the
+    settings' timeout and decode timing pick it): correctness on the captured cases only, no budget. Returns one `template_checks` row per template of its family."""
     from llm4llm.search.applicability import check_templates
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_spec
 
     spec = load_spec(Path(task_dir))
-    pool, lock = isolation.verifier_pool(device, timeout_s, decode_timing)
+    pool, lock = isolation.verifier_pool(device, settings.timeout_s, settings.decode_timing)
 
     def verify(path, source):
         with lock:
