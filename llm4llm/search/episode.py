@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -28,8 +28,16 @@ from llm4llm.search.proposer import Proposer
 from llm4llm.search.types import Candidate, Experience, Feedback, verdict_dict
 from llm4llm.taskspec import TaskSpec, load_spec
 
-if TYPE_CHECKING:  # llm4llm.config imports the LLM settings, whose package imports this one
-    from llm4llm.config import SearchSettings
+
+class SearchSettings(Protocol):
+    """What the search reads of llm4llm.config.SearchSettings (not imported: llm4llm.config imports the LLM
+    settings, whose package imports this one)."""
+
+    mode: str
+    seed: int
+
+    def trials(self) -> int: ...
+
 
 Mode = Literal["episodic", "sample", "iter"]  # llm4llm.config.SearchMode
 Verify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like
@@ -91,20 +99,18 @@ class SearchResult(BaseModel):
         return self.best.candidate if self.best else None
 
 
-def run_search(task_dir: Path, proposer: Proposer, verify: Verify, settings: SearchSettings | None = None, *,
+def run_search(task_dir: Path, proposer: Proposer, verify: Verify, settings: SearchSettings, *,
                samples_per_step: int = 3, episode_len: int = 5, on_trial: OnTrial | None = None,
                archive_dir: Path | None = None, prior: list[Experience] | None = None,
                stop: Stop | None = None) -> SearchResult:
-    """Search one task in `settings.mode` for `settings.trials()` trials (default settings: episodic, the
-    planner's cap). `archive_dir` (default `<task_dir>/search`) receives one JSON transcript per episode (sample
-    and iter runs archive their single trajectory as episode 0). `settings.seed` names the run in the archive; the
+    """Search one task in `settings.mode` for `settings.trials()` trials (the caller's settings: this package does
+    not import llm4llm.config, whose LLM settings' package imports this one). `archive_dir` (default
+    `<task_dir>/search`) receives one JSON transcript per episode (sample and iter runs archive their single
+    trajectory as episode 0). `settings.seed` names the run in the archive; the
     proposer carries its own seed. `prior` is experience from earlier searches of this task (or acceptance
     rejections recorded against it): every mode starts from it, as an episodic restart would. `stop` is asked
     before every trial but the first (llm4llm.planner: the task's share of the time budget is spent, or its best
     is near the physical floor); its reason ends the search early ("stopped: <reason>")."""
-    from llm4llm.config import SearchSettings
-
-    settings = settings if settings is not None else SearchSettings()
     mode, budget, seed = settings.mode, settings.trials(), settings.seed
     if mode not in ("episodic", "sample", "iter"):
         raise ValueError(f"run_search: expected mode in ('episodic', 'sample', 'iter'), got {mode!r}")
