@@ -36,7 +36,7 @@ from kernels_runtime.boundary import (MODULE_ADAPTERS, BoundaryCall, Unsupported
                                       capture_boundary, find_cache, hidden_state_writes, merge_recipes,
                                       recipe_inputs, record_outputs, tensor_attributes, weights_of)
 from kernels_runtime.phase import CURRENT_PHASE, PHASES, PhaseTracker
-from kernels_runtime.tolerances import TOLERANCES, compare
+from kernels_runtime.tolerances import TOLERANCES, compare, tolerance_for
 from llm4llm.records import ModuleRecord, ProfileResult
 from llm4llm.taskspec import Case, CaseSig, DispatchTemplate, TaskSpec, TensorSig, write_task
 
@@ -240,13 +240,24 @@ def _moved(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     return {k: v.to(device) for k, v in tensors.items()}
 
 
+RERUN_ULPS = 2  # how far (in the dtype's ulps) a 16-bit re-run may move an element and still reproduce
+
+
 def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> str:
     if got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected):
         return ""
     if expected.dtype not in TOLERANCES:
         return f"{expected.dtype} values differ"
     report = compare(got, expected)
-    return "" if report.ok else report.reason
+    if report.ok or expected.dtype not in (torch.bfloat16, torch.float16) or got.shape != expected.shape:
+        return "" if report.ok else report.reason
+    # A 16-bit module's own run-to-run rounding: cuBLAS and SDPA pick kernels by the operands' addresses and sizes,
+    # so a re-run may move an element by an ulp or two (Qwen3's decode layer at batch 32 on an H100: 2 ulps at ~2.5,
+    # over the table's rtol). Up to RERUN_ULPS of the dtype's ulps is reproducible; the candidate's check is the
+    # verifier's (with its fp32 reference), not this one.
+    diff = (got.double() - expected.double()).abs()
+    limit = RERUN_ULPS * torch.finfo(expected.dtype).eps * expected.double().abs() + tolerance_for(expected.dtype).atol
+    return "" if bool(torch.isfinite(got).all()) and bool((diff <= limit).all()) else report.reason
 
 
 # ------------------------------------------------------------------------------------------------------ grouping

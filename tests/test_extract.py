@@ -284,3 +284,22 @@ def test_one_instance_keeps_each_corner_and_the_task_still_covers_every_shape(tm
     for later in layers[1:]:  # every other layer its first call only
         assert sum(p == later for p, _ in prefill_kept) == 1
     assert_task_reproduces(tmp_path / prefill.task_id)
+
+
+def test_a_16_bit_rerun_within_two_ulps_reproduces_and_more_does_not():
+    """A 16-bit module's re-run may move an element by an ulp or two (kernel choice by operand address): two ulps of
+    bf16 at 2 (0.03125, over the table's 0.01 + 0.01 x 2) reproduce; four do not, nor does any fp32 change outside
+    the table."""
+    from kernels_runtime.tolerances import compare
+    from llm4llm.extract import _mismatch
+
+    ref = torch.full((4, 8), 2.0, dtype=torch.bfloat16)
+    ulp = 2.0 ** (1 - 7)  # bf16's spacing in [2, 4)
+    two, four = ref.clone(), ref.clone()
+    two[1, 3] += 2 * ulp
+    four[1, 3] += 4 * ulp
+    assert float(two[1, 3]) - 2.0 == 0.03125
+    assert not compare(two, ref).ok and _mismatch(two, ref) == ""
+    assert "max abs err" in _mismatch(four, ref)
+    ref32 = ref.float()
+    assert "max abs err" in _mismatch(ref32 + 0.05, ref32)
