@@ -47,9 +47,18 @@ for step in ${STEPS:-dispatch}; do
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
+      # host and GPU memory every 10 s beside it (a serving regime's extraction once went past the host's memory)
+      ( while sleep 10; do echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB gpu" \
+          "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done ) > "$OUT/logs/readme_${w}_mem.log" 2>&1 &
+      mem=$!
       LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
         > "$OUT/logs/readme_$w.log" 2>&1
-      echo "readme $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; tail -8 "$OUT/logs/readme_$w.log" ;;
+      rc=$?; kill $mem 2>/dev/null
+      # the bundles it accepted (under $LLM4LLM_HOME), for `llm4llm evaluate --bundle` in a later call
+      find "$LLM4LLM_HOME" -maxdepth 4 -type f -name manifest.json -path '*bundle*' 2>/dev/null \
+        | xargs -r -n1 dirname | tar czf "$OUT/bundles_$w.tgz" -T - 2>/dev/null
+      echo "readme $w rc=$rc in $(( $(date +%s) - s ))s (limit ${t}s), peak host $(sort -k3 -n \
+        "$OUT/logs/readme_${w}_mem.log" | tail -1 | awk '{print $3}') GB"; tail -8 "$OUT/logs/readme_$w.log" ;;
     optimize)
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
