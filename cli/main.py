@@ -369,7 +369,7 @@ def _print_decisions(db: Optional[Path], run_id: str) -> None:
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
     """--decode-graphs and --e2e-variants: one error line (exit 2) that lists the choices, before any flow starts."""
     from llm4llm.errors import Llm4llmError
-    from llm4llm.stages.graphs import GRAPH_CHOICES
+    from llm4llm.graph_plan import GRAPH_CHOICES
 
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")

@@ -15,11 +15,11 @@ from llm4llm import planner, progress
 from llm4llm.accept import GraphPlan
 from llm4llm.config import OptimizeConfig, RunKind
 from llm4llm.evaluate import eval_batches
+from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
-from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from tasks.planning import plan_search, record_plan, record_stage_times
-from tasks.profiling import describe_workload, finish_run
+from tasks.profiling import describe, finish_run
 from tasks.reporting import coverage_table, publish_markdown
 from tasks.search import close_pools, search_task
 
@@ -67,7 +67,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
     replay from CUDA graphs (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay
     (the verifier's decode_timing="graph"; "graph_prefill", prefill candidates too, where the prompt forward on a
     Mamba/Mamba2 cache replays from a graph as well), acceptance's baseline and trials run with graphs, and the
-    bundle ships with them (stages.graphs.decode_graphs_plan says when auto turns them on). config.evaluate.variants:
+    bundle ships with them (llm4llm.graph_plan.decode_graphs_plan says when auto turns them on). config.evaluate.variants:
     None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, torch_compile (rows are
     written as each is measured: the compiled baseline, slowest to build, last). config.search.rounds: a task
     rejected at deployment is searched again from its experience in the next round. config.scale: where the
@@ -86,7 +86,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
     cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
     run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())
-    with gpu_slot(describe_workload(workload_path)["device"]), run_log():
+    with gpu_slot(describe(workload_path)["device"]), run_log():
         progress.use_clock(run.clock)
         error = None
         try:

@@ -12,7 +12,7 @@ from tasks.common import infrastructure_only, stage_cache_key
 
 
 @task(name="describe-workload", retries=0)
-def describe_workload(workload_path: str) -> dict:
+def describe(workload_path: str) -> dict:
     return common_stage.describe_workload(workload_path)
 
 
