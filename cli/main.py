@@ -579,7 +579,9 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     _quiet_prefect(verbose)
     with _user_errors():
         _check_db_path(db)
-        from tasks.acceptance import run_evaluate
+        from llm4llm.config import EvaluateSettings
+        from llm4llm.stages.evaluate import evaluate_recorded
+        from storage.store import Store
 
         _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
@@ -593,9 +595,11 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
 
         sizes, prompts = _points(workload, batch_sizes, prompt_lens)
         with console.status(f"evaluating {workload} ..."):
-            out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,
-                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")), max_s=max_s,
-                               batch_sizes=sizes, prompt_lens=prompts)
+            settings = EvaluateSettings(repeats=repeats, variants=[v.strip() for v in variants.split(",") if v.strip()],
+                                        max_s=max_s, batch_sizes=list(sizes) if sizes else None,
+                                        prompt_lens=list(prompts) if prompts else None)
+            out = evaluate_recorded(str(workload), Store(str(db) if db else None), settings,
+                                    bundle=str(bundle) if bundle else None)
         if sizes or prompts:
             _print_points(out["rows"])
         else:
@@ -682,9 +686,10 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
     import pandas as pd
 
-    from tasks.reporting import coverage_table
+    from llm4llm.coverage import coverage_of_run
+    from storage.store import Store
 
-    cov = coverage_table(run_id, str(db) if db else None)
+    cov = coverage_of_run(run_id, Store(str(db) if db else None))
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed
     if not rows:
         return

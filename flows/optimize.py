@@ -14,13 +14,14 @@ from flows.search import search_flow
 from llm4llm import planner, progress
 from llm4llm.accept import GraphPlan
 from llm4llm.config import OptimizeConfig, RunKind
+from llm4llm.coverage import coverage_of_run
 from llm4llm.evaluate import eval_batches
 from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.planning import plan_search, record_plan, record_stage_times
 from tasks.profiling import describe, finish_run
-from tasks.reporting import coverage_table, publish_markdown
+from tasks.reporting import publish_markdown
 from tasks.search import close_pools, search_task
 
 
@@ -32,10 +33,11 @@ def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) ->
 
 
 def _coverage_artifact(run_id: str, db_path: str | None) -> None:
-    """The run's template coverage (llm4llm.stages.search.coverage_table) as a Prefect table artifact."""
+    """The run's template coverage (llm4llm.coverage) as a Prefect table artifact."""
     from prefect.artifacts import create_table_artifact
+    from storage.store import Store
 
-    cov = coverage_table(run_id, db_path)
+    cov = coverage_of_run(run_id, Store(db_path))
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]
     if rows:
         shares = ", ".join(f"{p} {100 * s:.1f}%" for p, s in cov["phases"].items()) or "none"

@@ -8,6 +8,7 @@ from prefect.artifacts import create_table_artifact
 from llm4llm.stages import accept as accept_stage, evaluate as evaluate_stage
 from llm4llm.accept import GraphPlan
 from llm4llm.config import AcceptSettings, EvaluateSettings
+from storage.store import Store
 from tasks.common import infrastructure_only
 
 
@@ -28,11 +29,8 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, se
     deadline: Unix time by which the interleaved rounds end (the run's time budget)."""
     from llm4llm.evaluate import table_rows
 
-    variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
-    out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
-                       run_id=run_id, max_s=settings.max_s, deadline=deadline,
-                       batch_sizes=tuple(settings.batch_sizes) if settings.batch_sizes else None,
-                       prompt_lens=tuple(settings.prompt_lens) if settings.prompt_lens else None)
+    out = evaluate_stage.evaluate_recorded(workload_path, Store(db_path), settings, bundle=bundle, run_id=run_id,
+                                           deadline=deadline)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
@@ -81,32 +79,3 @@ def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) 
         if result.bundle_dir:
             repo.record_patch_bundle(db, patch_row(run_id, outcome.workload_hash, result.bundle_dir,
                                                    outcome.manifest))
-
-
-def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
-                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None,
-                 max_s: float | None = None, deadline: float | None = None,
-                 batch_sizes: tuple[int, ...] | None = None, prompt_lens: tuple[int, ...] | None = None) -> dict:
-    """The workload end to end (llm4llm.stages.evaluate.run_evaluate) at each point of batch_sizes x prompt_lens
-    (default: the workload's own), each variant's `e2e_results` row written as it is measured. Returns {"run_id",
-    "rows"}: each variant's newest row at each point."""
-    from llm4llm.stages.common import describe_workload, new_run_id
-    from storage import repo
-    from storage.db import Database
-    from storage.rows import e2e_row
-
-    wl = describe_workload(workload_path)
-    run_id = run_id or new_run_id(wl["name"] + "-eval")
-
-    def rows_of(measured: list[dict]) -> list[dict]:
-        return [e2e_row(run_id, wl["workload_hash"], m) for m in measured]
-
-    def record(measured: list[dict]) -> None:
-        with Database(db_path) as db:
-            repo.record_e2e(db, rows_of(measured))
-
-    latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
-                                         on_measured=record, max_s=max_s, deadline=deadline,
-                                         batch_sizes=batch_sizes, prompt_lens=prompt_lens)
-    return {"run_id": run_id, "rows": rows_of(latest)}
-

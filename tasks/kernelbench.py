@@ -1,5 +1,5 @@
 """`llm4llm kernelbench`'s database side: each problem searched and recorded like any local search
-(tasks.search.run_task_search, from scratch), its best trial read back, its `kernelbench_results` row written."""
+(llm4llm.stages.search.search_recorded, from scratch), its best trial read back, its `kernelbench_results` row written."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,16 +13,17 @@ def run_kernelbench(directory: str, *, problems: str | None = None, budget: int 
     trial a `candidates` row, every problem a `kernelbench_results` row. Returns (kb run id, the problems' rows)."""
     from llm4llm.config import SearchSettings
     from llm4llm.kernelbench.run import run_problems
+    from llm4llm.stages.search import search_recorded
     from storage import repo
     from storage.db import Database, data_home
-    from tasks.search import run_task_search
+    from storage.store import Store
 
     data = str(Path(data_dir) if data_dir else data_home())
 
     def search(task_dir: str, *, device: str, run_id: str, proposer_obj, **options) -> dict:
         # no prior experience: each problem is searched from scratch
         settings = SearchSettings(warm_start=False, **options)
-        return run_task_search(task_dir, db_path, data, settings, device=device, run_id=run_id,
+        return search_recorded(task_dir, Store(db_path), data, settings, device=device, run_id=run_id,
                                proposer_obj=proposer_obj)
 
     def trials(search_id: str):

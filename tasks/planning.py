@@ -12,7 +12,8 @@ from prefect.cache_policies import NO_CACHE
 
 from llm4llm import planner
 from llm4llm.config import OptimizeConfig, SearchSettings
-from tasks.search import check_applicability
+from llm4llm.stages import search as search_stage
+from storage.store import Store
 
 
 @task(name="plan-search", cache_policy=NO_CACHE)
@@ -56,7 +57,7 @@ def _covered(item: planner.PlanItem, settings: SearchSettings, device: str, db_p
     spec = load_spec(Path(item.artifact_path))
     if not LibraryProposer().templates_for(spec):
         return False
-    checks = check_applicability(item.artifact_path, db_path, run_id, device, settings)
+    checks = search_stage.check_applicability(item.artifact_path, Store(db_path), run_id, device, settings)
     return any(c["applicable"] for c in checks)
 
 

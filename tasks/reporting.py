@@ -1,6 +1,6 @@
 """The markdown artifacts a run publishes, one key per workload and kind (`<workload>-hotspots`, `-leaderboard`,
 `-acceptance`, `-e2e`), so the Prefect UI's artifact page keeps each workload's history under its own keys; and the
-plain functions that read a run's report and coverage from DuckDB for the flow and the CLI."""
+plain function that renders a run's report for the CLI."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,20 +24,6 @@ def publish_markdown(kind: str, workload_name: str, run_id: str, db_path: str | 
     key = artifact_key(workload_name, kind)
     create_markdown_artifact(key=key, markdown=text, description=f"{kind} of {workload_name}, run {run_id}")
     return key
-
-
-def coverage_table(run_id: str, db_path: str | None) -> dict:
-    """The run's template coverage (llm4llm.stages.search.coverage_table), from its rows in DuckDB. A plain
-    function, not a Prefect task: the optimize flow builds its `coverage` table artifact from it in its own process,
-    and the CLI's `tasks` prints it."""
-    from llm4llm.stages.search import coverage_table as table
-    from storage import repo
-    from storage.db import Database
-
-    with Database(db_path) as db:
-        cov = repo.coverage_rows(db, run_id)
-        checks = repo.template_check_rows(db, list(cov["task_id"]))
-    return table(cov, checks)
 
 
 def write_report(db_path: str | Path | None, run: str | None = None, workload: str | None = None,

@@ -1,0 +1,94 @@
+"""The repository a stage is handed for what it reads and writes (issue 41: each stage one function, a repository
+passed in for writes): storage.repo's queries on one database path, each call in its own short session (DuckDB has
+one writer per file, so no call holds the database between a stage's steps). Plain rows in, plain rows out: the core
+never imports storage, it calls these methods on the object it is given."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from storage import repo
+from storage.db import Database
+
+
+class Store:
+    """storage.repo on the database at `db_path` (None: the default database)."""
+
+    def __init__(self, db_path: str | None = None):
+        self.db_path = db_path
+
+    def __repr__(self) -> str:
+        return f"Store({self.db_path!r})"
+
+    # ---- search
+    @contextmanager
+    def search_recorder(self) -> Iterator:
+        """A SearchRecorder (llm4llm.stages.search) writing each row as it happens, on a session held for the
+        search."""
+        from storage.recorders import DuckDBSearchRecorder
+
+        with Database(self.db_path) as db:
+            yield DuckDBSearchRecorder(db)
+
+    def record_search_rows(self, rows: dict, data_dir: str) -> dict:
+        """Write what a search away from the flow returned (storage.recorders.SearchRows), in the flow: sources and
+        transcripts under the data dir (where a local search puts them), then every row in one transaction. Returns
+        the search's summary."""
+        search, task_id = rows["search"], rows["search"]["task_id"]
+        cand_dir = Path(data_dir) / "candidates" / task_id
+        archive = Path(data_dir) / "searches" / search["search_id"]
+        cand_dir.mkdir(parents=True, exist_ok=True)
+        archive.mkdir(parents=True, exist_ok=True)
+        candidates = []
+        for c in rows["candidates"]:
+            src = cand_dir / f"{c['row']['candidate_id']}.py"
+            src.write_text(c["source"])
+            candidates.append({**c["row"], "source_path": str(src)})
+        episodes = []
+        for e in rows["episodes"]:
+            row = dict(e["row"])
+            if e["transcript_name"] and e["transcript"] is not None:
+                (archive / e["transcript_name"]).write_text(e["transcript"])
+                row["transcript_path"] = str(archive / e["transcript_name"])
+            episodes.append((row, e["experience"]))
+        for name, text in rows.get("files", {}).items():
+            (archive / name).write_text(text)
+        with Database(self.db_path) as db:
+            repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
+        return rows["summary"]
+
+    def experience_records(self, task_id: str) -> list[dict]:
+        with Database(self.db_path) as db:
+            return repo.experience_records(db, task_id)
+
+    def template_check_records(self, task_ids: list[str], code_version: str | None = None) -> list[dict]:
+        with Database(self.db_path) as db:
+            return repo.template_check_rows(db, task_ids, code_version).to_dict("records")
+
+    def record_template_checks(self, rows: Iterable[dict]) -> None:
+        with Database(self.db_path) as db:
+            repo.record_template_checks(db, rows)
+
+    def task_rows(self, run_id: str | None = None):
+        """The run's `tasks` rows (a DataFrame)."""
+        with Database(self.db_path) as db:
+            return repo.task_rows(db, run_id)
+
+    def coverage_rows(self, run_id: str):
+        """(the run's coverage rows, its tasks' template checks), both DataFrames."""
+        with Database(self.db_path) as db:
+            cov = repo.coverage_rows(db, run_id)
+            return cov, repo.template_check_rows(db, list(cov["task_id"]))
+
+    # ---- evaluate
+    @staticmethod
+    def e2e_rows(run_id: str, workload_hash: str, measured: list[dict]) -> list[dict]:
+        """Measurements (llm4llm.evaluate's rows) as `e2e_results` rows; writes nothing."""
+        from storage.rows import e2e_row
+
+        return [e2e_row(run_id, workload_hash, m) for m in measured]
+
+    def record_e2e(self, rows: list[dict]) -> None:
+        with Database(self.db_path) as db:
+            repo.record_e2e(db, rows)
