@@ -81,6 +81,49 @@ class Store:
             cov = repo.coverage_rows(db, run_id)
             return cov, repo.template_check_rows(db, list(cov["task_id"]))
 
+    # ---- accept
+    def best_candidates(self, run_id: str, min_utility: float = 0.0):
+        with Database(self.db_path) as db:
+            return repo.best_candidates(db, run_id, min_utility)
+
+    def record_acceptance(self, outcome) -> None:
+        """An acceptance step's rows (llm4llm.stages.accept.AcceptOutcome): one per decision, one `episodes` row with
+        its experience per rejection (the run's pseudo-search `accept-<run id>`), and the bundle."""
+        from storage.rows import decision_rows, patch_row, rejection_episode_row
+
+        result, run_id = outcome.result, outcome.run_id
+        with Database(self.db_path) as db:
+            for row in decision_rows(result, run_id):
+                repo.record_acceptance(db, row)
+            for i, task_id, experience in outcome.rejections:
+                repo.record_episode(db, rejection_episode_row(run_id, i), experience, task_id)
+            if result.bundle_dir:
+                repo.record_patch_bundle(db, patch_row(run_id, outcome.workload_hash, result.bundle_dir,
+                                                       outcome.manifest))
+
+    # ---- the nightly service
+    def current_bundle(self, workload_name: str) -> dict | None:
+        with Database(self.db_path) as db:
+            return repo.current_bundle(db, workload_name)
+
+    def bundle_versions(self, workload_name: str) -> list[dict]:
+        with Database(self.db_path) as db:
+            return repo.bundle_versions(db, workload_name)
+
+    def next_bundle_version(self, workload_name: str) -> int:
+        with Database(self.db_path) as db:
+            return repo.next_bundle_version(db, workload_name)
+
+    def enter_service(self, row: dict) -> None:
+        with Database(self.db_path) as db:
+            repo.record_bundle_version(db, row)
+
+    def record_night(self, validations: list[dict], decision: dict) -> None:
+        """The night's validations and decision, and the workload's `current` pointer moved to its to_version."""
+        with Database(self.db_path) as db:
+            repo.record_service_night(db, validations, decision)
+            repo.set_current_bundle(db, decision["workload_name"], decision["to_version"], decision["run_id"])
+
     # ---- evaluate
     @staticmethod
     def e2e_rows(run_id: str, workload_hash: str, measured: list[dict]) -> list[dict]:

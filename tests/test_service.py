@@ -331,7 +331,7 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     version that fails tonight -> rollback to the last one that passes (v1), and with none that passes -> none."""
     from kernels_runtime.bundle import save_bundle
     from llm4llm import nightly, service
-    from tasks import service as service_tasks
+    from storage.store import Store
     from tests.test_runtime import RMSNORM_SOURCE, rmsnorm_bundle
 
     # in this process (the flow runs each check in its own): the same check, without a process start per bundle
@@ -344,8 +344,8 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     bad = str(save_bundle(rmsnorm_bundle(source=wrong), tmp_path / "bad"))
 
     def night(run_id: str, candidate: str | None) -> dict:
-        current = service_tasks.current_validation(str(w.cpu), db)
-        return service_tasks.service_decision(str(w.cpu), run_id, candidate, current, db, data)
+        current = nightly.validate_in_service(str(w.cpu), Store(db))
+        return nightly.decide_night(str(w.cpu), run_id, candidate, current, Store(db), data)
 
     home = Path(data) / "bundles" / "tiny-llama"
     first = night("n1", good)
