@@ -20,7 +20,8 @@ from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, pref
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.planning import plan_search, record_plan, record_stage_times
-from tasks.profiling import describe, finish_run
+from storage.store import Store
+from tasks.profiling import describe
 from tasks.reporting import publish_markdown
 from tasks.search import close_pools, search_task
 
@@ -100,7 +101,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
             progress.use_clock(None)
             run.record_times()
             if run.run_id is not None:
-                finish_run(run.run_id, run.db_path, error)
+                Store(run.db_path).finish_run(run.run_id, error)
 
 
 class _Run:

@@ -6,6 +6,7 @@ from prefect import flow
 
 from llm4llm.config import RunKind, kind_of_deployment
 from storage.db import data_home
+from storage.store import Store
 from tasks import extraction, profiling
 
 
@@ -53,7 +54,7 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
     run_id = profiling.record_profile(profile_path, workload, db_path, run_kind(kind), _root_flow_run_id())
     profiling.publish_hotspots(profile_path)
     if not flow_run.parent_flow_run_id:
-        profiling.finish_run(run_id, db_path)
+        Store(db_path).finish_run(run_id)
     return {"run_id": run_id, "profile_path": profile_path, "workload": workload}
 
 

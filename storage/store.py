@@ -4,6 +4,7 @@ one writer per file, so no call holds the database between a stage's steps). Pla
 never imports storage, it calls these methods on the object it is given."""
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,6 +21,38 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.db_path!r})"
+
+    # ---- runs: profile, extract, end
+    def has_run(self, run_id: str) -> bool:
+        with Database(self.db_path) as db:
+            return repo.get_run(db, run_id) is not None
+
+    def record_profile_run(self, payload: dict, result, run_id: str, started: str, profile_of: str | None,
+                           artifact_dir: str, kind: str, flow_run_id: str | None, workload: dict) -> None:
+        """The run's `runs` row and its profile rows (`result`: a llm4llm.records.ProfileResult), in one
+        transaction."""
+        from storage.rows import profile_row, run_row
+
+        run = run_row(payload, result, run_id, started, profile_of, artifact_dir, kind, flow_run_id)
+        with Database(self.db_path) as db:
+            repo.record_profile_run(db, run, workload, [profile_row(r) for r in result.records])
+
+    def record_task_index(self, index_path: str, run_id: str) -> int:
+        """The run's task index (`tasks.json`) as `tasks` rows; returns how many."""
+        from storage.rows import task_row
+
+        index = json.loads(Path(index_path).read_text())
+        with Database(self.db_path) as db:
+            return repo.record_tasks(db, run_id, [task_row(t) for t in index])
+
+    def finish_run(self, run_id: str, error: BaseException | None = None) -> None:
+        """The run ends: ok, failed (an exception) or stopped (Ctrl-C, a cancelled flow run), with the error's first
+        line."""
+        status = "ok" if error is None else "failed" if isinstance(error, Exception) else "stopped"
+        first = str(error).splitlines()[0] if error is not None and str(error) else ""
+        text = None if error is None else (type(error).__name__ + (f": {first}" if first else ""))[:500]
+        with Database(self.db_path) as db:
+            repo.finish_run(db, run_id, status, text)
 
     # ---- search
     @contextmanager

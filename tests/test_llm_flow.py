@@ -21,12 +21,9 @@ from llm4llm import isolation  # noqa: E402
 from llm4llm.config import SearchSettings  # noqa: E402
 from llm4llm.stages.common import describe_workload  # noqa: E402
 from llm4llm.stages.extract import run_extract  # noqa: E402
-from llm4llm.stages.profile import run_profile  # noqa: E402
-from llm4llm.stages.search import make_proposer  # noqa: E402
+from llm4llm.stages.profile import record_run, run_profile  # noqa: E402
+from llm4llm.stages.search import make_proposer, search_recorded  # noqa: E402
 from storage.db import Database  # noqa: E402
-from tasks.extraction import record_task_index  # noqa: E402
-from tasks.profiling import record_profile_rows  # noqa: E402
-from llm4llm.stages.search import search_recorded  # noqa: E402
 from storage.store import Store  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "tiny-llama.toml"
@@ -50,8 +47,8 @@ def tiny_run(tmp_path_factory):
     data_dir, db_path = root / "data", str(root / "l4l.duckdb")
     profile_path = run_profile(str(WORKLOAD), str(data_dir))
     index_path = run_extract(str(WORKLOAD), profile_path, str(data_dir))
-    run_id = record_profile_rows(profile_path, describe_workload(str(WORKLOAD)), db_path)
-    assert record_task_index(index_path, run_id, db_path) > 0
+    run_id = record_run(profile_path, describe_workload(str(WORKLOAD)), Store(db_path))
+    assert Store(db_path).record_task_index(index_path, run_id) > 0
     index = json.loads(Path(index_path).read_text())
     [norm] = [t for t in index if t["family"] == "norm" and t["phase"] == "prefill" and t["deployable"]]
     # The boundary the scripted kernel is written against (tests/llm_server.py RMSNORM_KERNEL).

@@ -240,7 +240,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
     from flows.nightly import nightly_workload
     from llm4llm import isolation
-    from tasks import profiling as profiling_tasks
+    from llm4llm.stages import profile as profile_stage
 
     def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, outputs=None, readable=None,
                         extra_env=None, box=None, **kwargs):
@@ -259,7 +259,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     cfg = OptimizeConfig(search={"budget": 1, "top": 1, "families": ["norm"]},
                          evaluate={"variants": ["eager"], "repeats": 1})
     one = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
-    real, calls = profiling_tasks.record_profile_rows, []
+    real, calls = profile_stage.record_run, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -267,7 +267,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
             raise OSError("injected: the database volume is unavailable")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profiling_tasks, "record_profile_rows", flaky)  # where the record-profile task looks it up
+    monkeypatch.setattr(profile_stage, "record_run", flaky)  # where the record-profile task looks it up
     two = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
     assert len(calls) == 2  # failed once, retried once
     assert one["run_id"] != two["run_id"] and one["profile_path"] == two["profile_path"]  # cached profile
