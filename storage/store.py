@@ -114,6 +114,33 @@ class Store:
             cov = repo.coverage_rows(db, run_id)
             return cov, repo.template_check_rows(db, list(cov["task_id"]))
 
+    # ---- plan
+    def family_best_speedups(self, gpu_name: str) -> list[dict]:
+        with Database(self.db_path) as db:
+            return repo.family_best_speedups(db, gpu_name)
+
+    def last_stage_seconds(self, workload_name: str, device_kind: str) -> dict[str, float]:
+        with Database(self.db_path) as db:
+            return repo.last_stage_seconds(db, workload_name, device_kind)
+
+    def record_plan_step(self, run_id: str, rows: list[dict]) -> None:
+        """The plan's rows as the run's next step."""
+        with Database(self.db_path) as db:
+            step = repo.plan_steps(db, run_id)
+            repo.record_plan(db, [r | {"step": step} for r in rows])
+
+    def record_stage_times(self, run_id: str, workload_name: str, device_kind: str, spans: list[dict]) -> None:
+        """The run's finished stage spans (llm4llm.planner.Clock.spans) as `stage_times` rows."""
+        from datetime import datetime, timezone
+
+        rows = [{"run_id": run_id, "workload_name": workload_name, "device": device_kind, "seq": k,
+                 "stage": s["stage"], "note": s.get("note") or "", "start_s": s["start_s"],
+                 "seconds": s["end_s"] - s["start_s"], "trials": s.get("trials"),
+                 "started_at": datetime.fromtimestamp(s["started_at"], timezone.utc).replace(tzinfo=None)}
+                for k, s in enumerate(spans) if s.get("end_s") is not None]
+        with Database(self.db_path) as db:
+            repo.record_stage_times(db, rows)
+
     # ---- accept
     def best_candidates(self, run_id: str, min_utility: float = 0.0):
         with Database(self.db_path) as db:
