@@ -114,6 +114,15 @@ class Store:
             cov = repo.coverage_rows(db, run_id)
             return cov, repo.template_check_rows(db, list(cov["task_id"]))
 
+    # ---- KernelBench
+    def candidate_rows(self, search_id: str):
+        with Database(self.db_path) as db:
+            return repo.candidate_rows(db, search_id=search_id)
+
+    def record_kb_result(self, row: dict) -> None:
+        with Database(self.db_path) as db:
+            repo.record_kb_result(db, row)
+
     # ---- plan
     def family_best_speedups(self, gpu_name: str) -> list[dict]:
         with Database(self.db_path) as db:
