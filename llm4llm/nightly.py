@@ -1,4 +1,4 @@
-"""Stage functions of the nightly run that the Prefect tasks wrap (tasks/service.py): re-validate the bundle in
+"""Stage functions of the nightly run that the Prefect tasks of tasks/service.py wrap: re-validate the bundle in
 service in an isolated process, decide keep / replace / rollback (llm4llm.service.decide), and move the `current`
 pointer of the bundle store. The bundles in service are read, tonight's bundle versioned when it enters service and
 the night recorded through the repository handed in (ServiceRepository: storage.store.Store on DuckDB)."""

@@ -1,6 +1,6 @@
-"""Prefect tasks of the search, and the plain functions they and the flow call: each reads what the search stage
-needs from DuckDB (the task's experience, recorded template checks, the run's tasks) and hands it in, and writes the
-rows the stage produces through storage/ (the stage opens no database)."""
+"""Prefect tasks of the search: each calls the search stage (llm4llm.stages.search) with the repository it reads and
+writes through (storage.store.Store; the stage opens no database). ProgressArtifact is the Prefect view of a local
+search; close_pools and remote_search_input are what the search flow calls in its own process."""
 from __future__ import annotations
 
 import json
@@ -93,48 +93,16 @@ def searchable_tasks(run_id: str, db_path: str | None, settings: SearchSettings,
     return search_stage.searchable_of_run(run_id, Store(db_path), settings, device, task_ids)
 
 
-def _placement() -> dict:
-    """Where this evaluation runs: host, process, and the GPUs Ray gave it (CUDA_VISIBLE_DEVICES is what the
-    verifier worker it spawns inherits)."""
-    import os
-    import socket
-
-    gpu_ids = None
-    try:
-        import ray
-
-        if ray.is_initialized():
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-    except ImportError:
-        pass
-    return {"host": socket.gethostname(), "pid": os.getpid(), "gpu_ids": gpu_ids,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-
 @task(name="search-task-remote", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       cache_policy=NO_CACHE, task_run_name="search-remote-{task_id}")
 def search_task_remote(task_id: str, task: bytes, prior: list[dict], settings: SearchSettings, device: str,
                        run_id: str | None, llm: dict | None = None) -> dict:
-    """One task's search wherever the task runner puts it (a Ray worker holding one GPU): the task arrives as
-    bytes, is searched on this worker's own device (Ray shows it only its GPUs, so `cuda` is the one it was given)
-    and comes back as rows for the flow to write; nothing here touches DuckDB."""
-    import tempfile
-    import time
-
-    from llm4llm.scale import unpack_dir
+    """One task's search wherever the task runner puts it (a Ray worker holding one GPU), its rows returned for the
+    flow to write (llm4llm.stages.search.search_packed)."""
     from storage.recorders import SearchRows
 
-    where = _placement()
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
-        task_dir = unpack_dir(task, Path(tmp) / "task")
-        rec = SearchRows()
-        summary, files = search_stage.search_away(str(task_dir), tmp, rec, settings,
-                                                  device="cuda" if device.startswith("cuda") else device,
-                                                  run_id=run_id, llm=llm, prior=prior)
-        rows = rec.rows(summary, files)
-    rows["placement"] = {**where, "started": started, "finished": time.time()}
-    return rows
+    return search_stage.search_packed(task, SearchRows(), settings, device=device, run_id=run_id, llm=llm,
+                                      prior=prior)
 
 
 @task(name="record-search", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only,

@@ -231,6 +231,28 @@ def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, settings
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None), files
 
 
+def search_packed(task: bytes, recorder: SearchRecorder, settings: SearchSettings, *, device: str,
+                  run_id: str | None = None, llm: dict | None = None, prior: list | None = None) -> dict:
+    """One task's search away from the flow (a Ray worker holding one GPU): the task arrives as bytes
+    (llm4llm.scale.pack_dir), is searched on this worker's own device (Ray shows it only its GPUs, so `cuda` is the
+    one it was given) and comes back as `recorder`'s rows (storage.recorders.SearchRows) for the flow to write, with
+    where and when it ran; nothing here touches DuckDB."""
+    import tempfile
+    import time
+
+    from llm4llm.scale import placement, unpack_dir
+
+    where, started = placement(), time.time()
+    with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
+        task_dir = unpack_dir(task, Path(tmp) / "task")
+        summary, files = search_away(str(task_dir), tmp, recorder, settings,
+                                     device="cuda" if device.startswith("cuda") else device, run_id=run_id, llm=llm,
+                                     prior=prior)
+        rows = recorder.rows(summary, files)
+    rows["placement"] = {**where, "started": started, "finished": time.time()}
+    return rows
+
+
 def searchable_task_dirs(tasks, settings: SearchSettings, task_ids: list[str] | None = None,
                          check: CheckFn | None = None) -> list[str]:
     """The task dirs a search fans out to, from the run's `tasks` rows (a DataFrame): deployable tasks (of
