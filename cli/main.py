@@ -369,7 +369,7 @@ def _print_decisions(db: Optional[Path], run_id: str) -> None:
 def _check_graphs(decode_graphs: str, e2e_variants: str | None) -> None:
     """--decode-graphs and --e2e-variants: one error line (exit 2) that lists the choices, before any flow starts."""
     from llm4llm.errors import Llm4llmError
-    from llm4llm.stages.graphs import GRAPH_CHOICES
+    from llm4llm.graph_plan import GRAPH_CHOICES
 
     if decode_graphs not in GRAPH_CHOICES:
         raise Llm4llmError(f"--decode-graphs: expected one of {', '.join(GRAPH_CHOICES)}, got {decode_graphs!r}")
@@ -579,7 +579,9 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
     _quiet_prefect(verbose)
     with _user_errors():
         _check_db_path(db)
-        from tasks.acceptance import run_evaluate
+        from llm4llm.config import EvaluateSettings
+        from llm4llm.stages.evaluate import evaluate_recorded
+        from storage.store import Store
 
         _check_variants("--variants", variants)
         if bundle is not None:  # an explicitly requested bundle fails loudly, before anything is built
@@ -593,9 +595,11 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
 
         sizes, prompts = _points(workload, batch_sizes, prompt_lens)
         with console.status(f"evaluating {workload} ..."):
-            out = run_evaluate(str(workload), str(db) if db else None, bundle=str(bundle) if bundle else None,
-                               repeats=repeats, variants=tuple(v.strip() for v in variants.split(",")), max_s=max_s,
-                               batch_sizes=sizes, prompt_lens=prompts)
+            settings = EvaluateSettings(repeats=repeats, variants=[v.strip() for v in variants.split(",") if v.strip()],
+                                        max_s=max_s, batch_sizes=list(sizes) if sizes else None,
+                                        prompt_lens=list(prompts) if prompts else None)
+            out = evaluate_recorded(str(workload), Store(str(db) if db else None), settings,
+                                    bundle=str(bundle) if bundle else None)
         if sizes or prompts:
             _print_points(out["rows"])
         else:
@@ -682,9 +686,10 @@ def _print_coverage(db: Optional[Path], run_id: str) -> None:
     inapplicable and why, what was tried and accepted, and the share of each phase an accepted patch covers."""
     import pandas as pd
 
-    from tasks.reporting import coverage_table
+    from llm4llm.coverage import coverage_of_run
+    from storage.store import Store
 
-    cov = coverage_table(run_id, str(db) if db else None)
+    cov = coverage_of_run(run_id, Store(str(db) if db else None))
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]  # tasks no search reached are not listed
     if not rows:
         return
@@ -713,6 +718,26 @@ def runs(db: Optional[Path] = DbOpt, limit: int = typer.Option(20)) -> None:
     _print_table(_df_table(df, "runs", cols, floats=1, headers=headers, whole=("started",)))
 
 
+def _write_report(db_path: str | Path | None, run: str | None = None, workload: str | None = None,
+                 out: str | Path | None = None) -> tuple[Path, str]:
+    """Render the report of `run` (or of `workload`'s latest optimized run) to `out` (default
+    `<data home>/reports/<run>.html`); returns (path, run_id). Opens the database read-only."""
+    from llm4llm.report import render_report
+    from storage import report_queries
+    from storage.db import Database, data_home
+
+    with Database(db_path, read_only=True) as db:
+        run_id = report_queries.resolve_run(db, run, workload)
+        if run_id is None:
+            what = f"run {run!r}" if run else (f"workload {workload!r}" if workload else "any run")
+            raise LookupError(f"{what}: nothing in {db.path} (see `llm4llm runs`)")
+        page = render_report(report_queries.ReportReader(db), run_id)
+    path = Path(out) if out else data_home() / "reports" / f"{run_id}.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path, run_id
+
+
 @app.command()
 def report(run: Optional[str] = typer.Argument(None, help="run id or KernelBench run id (default: the latest "
                                                            "optimized run)"),
@@ -724,14 +749,13 @@ def report(run: Optional[str] = typer.Argument(None, help="run id or KernelBench
     a KernelBench run: its geo-means with their spread, the degenerate problems apart and the search-mode ablation."""
     with _user_errors():
         from llm4llm.errors import Llm4llmError
-        from tasks.reporting import write_report
 
         if workload and workload.endswith(".toml") and Path(workload).is_file():
             from llm4llm.workload import load_workload
 
             workload = load_workload(workload, check_device=False).name
         try:
-            path, run_id = write_report(db, run=run, workload=workload, out=out)
+            path, run_id = _write_report(db, run=run, workload=workload, out=out)
         except (LookupError, RuntimeError) as e:  # no such run; a database that cannot be opened
             raise Llm4llmError(str(e)) from e
         console.print(f"report of run [bold]{run_id}[/]: {path}")
@@ -803,8 +827,10 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         _check_db_path(db)
         import pandas as pd
 
+        from llm4llm.stages.kernelbench import run_kernelbench
         from storage import repo
-        from tasks.kernelbench import run_kernelbench
+        from storage.db import data_home
+        from storage.store import Store
 
         _check_proposer(proposer)
         _check_kb_device(device)
@@ -816,10 +842,9 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
                           f"({row['trials']} trials{', ' + row['origin'] if row.get('origin') else ''})"
                           + (f" skipped: {row['skipped_reason']}" if row.get("skipped_reason") else ""))
 
-        kb_run_id, _ = run_kernelbench(str(directory), problems=problems, budget=budget, modes=list(mode),
-                                       proposer=proposer, device=device, db_path=str(db) if db else None,
-                                       data_dir=str(data_dir) if data_dir else None, timeout_s=timeout_s,
-                                       kb_run_id=run_id, on_problem=show)
+        kb_run_id, _ = run_kernelbench(str(directory), Store(str(db) if db else None), str(data_dir or data_home()),
+                                       problems=problems, budget=budget, modes=list(mode), proposer=proposer,
+                                       device=device, timeout_s=timeout_s, kb_run_id=run_id, on_problem=show)
         with _db(db) as d:
             summary = repo.kb_summary(d, kb_run_id)
         _print_table(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))

@@ -8,7 +8,7 @@ from flows.gpu import gpu_slot
 from flows.optimize import optimize_workload
 from flows.profiling import _defaults
 from llm4llm.config import OptimizeConfig
-from tasks.profiling import describe_workload
+from tasks.profiling import describe
 from tasks.service import decide_service, revalidate_current
 
 
@@ -30,7 +30,7 @@ def nightly_workload(workload_path: str, config: OptimizeConfig = OptimizeConfig
     """
     cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
-    with gpu_slot(describe_workload(workload_path)["device"]):
+    with gpu_slot(describe(workload_path)["device"]):
         current = revalidate_current(workload_path, db_path, cfg.accept)
         out = optimize_workload(workload_path, cfg, db_path=db_path, data_dir=data_dir, kind="nightly")
         candidate = (out.get("acceptance") or {}).get("bundle")

@@ -14,13 +14,15 @@ from flows.search import search_flow
 from llm4llm import planner, progress
 from llm4llm.accept import GraphPlan
 from llm4llm.config import OptimizeConfig, RunKind
+from llm4llm.coverage import coverage_of_run
 from llm4llm.evaluate import eval_batches
+from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from llm4llm.outcome import summary_lines
 from tasks.acceptance import accept_patches, evaluate_e2e
-from tasks.graphs import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from tasks.planning import plan_search, record_plan, record_stage_times
-from tasks.profiling import describe_workload, finish_run
-from tasks.reporting import coverage_table, publish_markdown
+from storage.store import Store
+from tasks.profiling import describe
+from tasks.reporting import publish_markdown
 from tasks.search import close_pools, search_task
 
 
@@ -32,10 +34,11 @@ def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) ->
 
 
 def _coverage_artifact(run_id: str, db_path: str | None) -> None:
-    """The run's template coverage (llm4llm.stages.search.coverage_table) as a Prefect table artifact."""
+    """The run's template coverage (llm4llm.coverage) as a Prefect table artifact."""
     from prefect.artifacts import create_table_artifact
+    from storage.store import Store
 
-    cov = coverage_table(run_id, db_path)
+    cov = coverage_of_run(run_id, Store(db_path))
     rows = [r for r in cov["tasks"] if r["status"] != "not checked"]
     if rows:
         shares = ", ".join(f"{p} {100 * s:.1f}%" for p, s in cov["phases"].items()) or "none"
@@ -67,7 +70,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
     replay from CUDA graphs (kernels_runtime.graphs): decode candidates are timed by GPU time under graph replay
     (the verifier's decode_timing="graph"; "graph_prefill", prefill candidates too, where the prompt forward on a
     Mamba/Mamba2 cache replays from a graph as well), acceptance's baseline and trials run with graphs, and the
-    bundle ships with them (stages.graphs.decode_graphs_plan says when auto turns them on). config.evaluate.variants:
+    bundle ships with them (llm4llm.graph_plan.decode_graphs_plan says when auto turns them on). config.evaluate.variants:
     None = eager, patched, torch_compile; with graphs eager, patched_graphs, eager_graphs, torch_compile (rows are
     written as each is measured: the compiled baseline, slowest to build, last). config.search.rounds: a task
     rejected at deployment is searched again from its experience in the next round. config.scale: where the
@@ -86,7 +89,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
     cfg = config if config is not None else OptimizeConfig()  # None: a caller that passes no settings
     data_dir = _defaults(data_dir)
     run = _Run(workload_path, cfg, db_path, data_dir, planner.RUN_STARTED.get() or time.time())
-    with gpu_slot(describe_workload(workload_path)["device"]), run_log():
+    with gpu_slot(describe(workload_path)["device"]), run_log():
         progress.use_clock(run.clock)
         error = None
         try:
@@ -98,7 +101,7 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
             progress.use_clock(None)
             run.record_times()
             if run.run_id is not None:
-                finish_run(run.run_id, run.db_path, error)
+                Store(run.db_path).finish_run(run.run_id, error)
 
 
 class _Run:

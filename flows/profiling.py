@@ -6,6 +6,7 @@ from prefect import flow
 
 from llm4llm.config import RunKind, kind_of_deployment
 from storage.db import data_home
+from storage.store import Store
 from tasks import extraction, profiling
 
 
@@ -46,14 +47,14 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
     from prefect.runtime import flow_run
 
     data_dir = _defaults(data_dir)
-    workload = profiling.describe_workload(workload_path)
+    workload = profiling.describe(workload_path)
     profile_path = profiling.profile.with_options(refresh_cache=refresh)(workload, data_dir)
     if not Path(profile_path).exists():  # a cached result whose artifact was deleted: run again
         profile_path = profiling.profile.with_options(refresh_cache=True)(workload, data_dir)
     run_id = profiling.record_profile(profile_path, workload, db_path, run_kind(kind), _root_flow_run_id())
     profiling.publish_hotspots(profile_path)
     if not flow_run.parent_flow_run_id:
-        profiling.finish_run(run_id, db_path)
+        Store(db_path).finish_run(run_id)
     return {"run_id": run_id, "profile_path": profile_path, "workload": workload}
 
 
@@ -64,7 +65,7 @@ def extract_tasks(workload_path: str, run_id: str, profile_path: str, db_path: s
     """Extract phase-aware tasks for a profiled run; returns {"run_id", "index_path", "tasks"}. static_cache: the
     decode tasks of KV-cache modules are captured on transformers' static cache (llm4llm.extract.extract_tasks)."""
     data_dir = _defaults(data_dir)
-    workload = profiling.describe_workload(workload_path)
+    workload = profiling.describe(workload_path)
     index_path = extraction.extract.with_options(refresh_cache=refresh)(workload, profile_path, data_dir, min_score,
                                                                          static_cache)
     if not Path(index_path).exists():

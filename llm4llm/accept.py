@@ -46,7 +46,7 @@ METRIC_CHOICES = ("auto",) + METRICS
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """What the run decided about CUDA graphs before acceptance (not a setting: llm4llm.stages.graphs derives it
+    """What the run decided about CUDA graphs before acceptance (not a setting: llm4llm.graph_plan derives it
     from the `graphs.decode_graphs` setting, the device and the tasks). decode_graphs: measure (and ship) the model
     with its one-token decode steps replayed from CUDA graphs (kernels_runtime.graphs), gated like a patch: the
     baseline is the unpatched model with graphs, each trial the patched one with graphs, and the bundle records it;

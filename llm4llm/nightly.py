@@ -1,13 +1,14 @@
-"""Stage functions of the nightly run that the Prefect tasks wrap (tasks/service.py): re-validate the bundle in
+"""Stage functions of the nightly run that the Prefect tasks of tasks/service.py wrap: re-validate the bundle in
 service in an isolated process, decide keep / replace / rollback (llm4llm.service.decide), and move the `current`
-pointer of the bundle store. tasks/service.py reads the bundles in service from DuckDB, versions tonight's bundle
-when it enters service and records the night."""
+pointer of the bundle store. The bundles in service are read, tonight's bundle versioned when it enters service and
+the night recorded through the repository handed in (ServiceRepository: storage.store.Store on DuckDB)."""
 from __future__ import annotations
 
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from llm4llm.service import ServiceDecision, Validation, decide
 
@@ -102,3 +103,59 @@ def point_current(home: Path, cur_version: int | None, new_version: int | None) 
     if new_version is not None or cur_version is not None:
         home.mkdir(parents=True, exist_ok=True)
         _point_current(home, new_version)
+
+
+class ServiceRepository(Protocol):
+    """Where the bundles in service are read and the night written (storage.store.Store on DuckDB)."""
+
+    def current_bundle(self, workload_name: str) -> dict | None: ...
+
+    def bundle_versions(self, workload_name: str) -> list[dict]: ...
+
+    def enter_service(self, row: dict) -> None:
+        """Record a bundle version (`row` with its `version`) entering service."""
+
+    def next_bundle_version(self, workload_name: str) -> int: ...
+
+    def record_night(self, validations: list[dict], decision: dict) -> None:
+        """Tonight's validations and decision, and the `current` pointer moved to decision's `to_version`."""
+
+
+def validate_in_service(workload_path: str, repo: ServiceRepository, cfg=None) -> dict | None:
+    """The bundle in service re-validated tonight (Validation.to_dict() with its version), or None if none is."""
+    from llm4llm.stages.common import describe_workload
+
+    return current_validation(workload_path, repo.current_bundle(describe_workload(workload_path)["name"]), cfg)
+
+
+def decide_night(workload_path: str, run_id: str, candidate_bundle: str | None, current: dict | None,
+                 repo: ServiceRepository, data_dir: str, cfg=None) -> dict:
+    """Tonight's keep / replace / rollback for the workload (night_decision). `current`: validate_in_service()'s
+    result (taken before tonight's search); `candidate_bundle`: tonight's accepted bundle dir (None if none). The
+    reason, every validation and the pointer go through `repo`; a bundle that enters service is copied to its own
+    version dir. `current` is not changed (the caller's copy may be a task's cached result)."""
+    from llm4llm.config import AcceptSettings
+    from llm4llm.stages.common import describe_workload
+
+    cfg = cfg or AcceptSettings()
+    wl = describe_workload(workload_path)
+    name = wl["name"]
+    night = night_decision(workload_path, candidate_bundle, dict(current) if current else None,
+                           repo.bundle_versions(name), cfg)
+    d, cur_version = night.decision, night.cur_version
+    home = bundle_home(data_dir, name)
+    if d.target == "candidate":
+        new_version = repo.next_bundle_version(name)
+        dst, digest = enter_service(home, new_version, candidate_bundle)
+        repo.enter_service({"workload_name": name, "version": new_version, "run_id": run_id,
+                            "workload_hash": wl["workload_hash"], "bundle_path": str(dst), "digest": digest})
+    else:
+        new_version = {"current": cur_version, "fallback": night.fb_version, None: None}[d.target]
+    repo.record_night(night.validation_rows(run_id, name),
+                      {"run_id": run_id, "workload_name": name, "decision": d.decision, "from_version": cur_version,
+                       "to_version": new_version, "reason": d.reason})
+    point_current(home, cur_version, new_version)
+    print(f"service: {d.decision} (v{cur_version} -> v{new_version}): {d.reason}")
+    return {"decision": d.decision, "from_version": cur_version, "to_version": new_version, "reason": d.reason,
+            "validations": [{"subject": s, "version": ver, "ok": v.ok, "latency": v.latency}
+                            for s, ver, v in night.checked]}

@@ -76,3 +76,21 @@ def unpack_dir(blob: bytes, into: str | Path) -> Path:
             raise ValueError(f"task archive: expected one top-level directory, got {sorted(names)}")
         tar.extractall(into, filter="data")
     return into / names.pop()
+
+
+def placement() -> dict:
+    """Where this evaluation runs: host, process, and the GPUs Ray gave it (CUDA_VISIBLE_DEVICES is what the
+    verifier worker it spawns inherits)."""
+    import os
+    import socket
+
+    gpu_ids = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+    except ImportError:
+        pass
+    return {"host": socket.gethostname(), "pid": os.getpid(), "gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -56,7 +56,7 @@ class DuckDBSearchRecorder:
 
 class SearchRows:
     """Every row collected as plain data (the search, its candidates with their sources, its episodes with
-    experience and transcripts, LLM calls), for the flow to write with tasks.search.record_search_rows."""
+    experience and transcripts, LLM calls), for the flow to write with storage.store.Store.record_search_rows."""
 
     def __init__(self):
         self.search: dict | None = None

@@ -1,5 +1,5 @@
-"""Prefect tasks of acceptance and end-to-end evaluation: the stages decide and measure, the rows they return are
-written to DuckDB here (the stages write none)."""
+"""Prefect tasks of acceptance and end-to-end evaluation: the stages decide and measure, and write their rows through
+the repository handed to them (storage.store.Store)."""
 from __future__ import annotations
 
 from prefect import task
@@ -8,6 +8,7 @@ from prefect.artifacts import create_table_artifact
 from llm4llm.stages import accept as accept_stage, evaluate as evaluate_stage
 from llm4llm.accept import GraphPlan
 from llm4llm.config import AcceptSettings, EvaluateSettings
+from storage.store import Store
 from tasks.common import infrastructure_only
 
 
@@ -17,8 +18,8 @@ def accept_patches(workload_path: str, run_id: str, cfg: AcceptSettings, db_path
                    graphs: GraphPlan | None = None) -> dict:
     """task_ids: only these tasks' best candidates (default: every searched task's); base_bundle: an earlier step's
     bundle of this run that the trials start from; graphs: the run's CUDA-graph plan."""
-    return run_acceptance(workload_path, run_id, db_path, data_dir, cfg, task_ids=task_ids, base_bundle=base_bundle,
-                          graphs=graphs)
+    return accept_stage.accept_recorded(workload_path, run_id, Store(db_path), data_dir, cfg, task_ids=task_ids,
+                                        base_bundle=base_bundle, graphs=graphs)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
@@ -28,85 +29,8 @@ def evaluate_e2e(workload_path: str, db_path: str | None, bundle: str | None, se
     deadline: Unix time by which the interleaved rounds end (the run's time budget)."""
     from llm4llm.evaluate import table_rows
 
-    variants = tuple(settings.variants or ("eager", "patched", "torch_compile"))
-    out = run_evaluate(workload_path, db_path, bundle=bundle, repeats=settings.repeats, variants=variants,
-                       run_id=run_id, max_s=settings.max_s, deadline=deadline,
-                       batch_sizes=tuple(settings.batch_sizes) if settings.batch_sizes else None,
-                       prompt_lens=tuple(settings.prompt_lens) if settings.prompt_lens else None)
+    out = evaluate_stage.evaluate_recorded(workload_path, Store(db_path), settings, bundle=bundle, run_id=run_id,
+                                           deadline=deadline)
     create_table_artifact(key="e2e", table=table_rows(out["rows"]),
                           description="End to end: eager vs torch.compile vs patched (and, when asked, with decode graphs)")
     return out
-
-
-def best_proposals(run_id: str, db_path: str | None, min_utility: float = 0.0,
-                   task_ids: list[str] | None = None) -> list:
-    """Each searched task's best passing candidate (of `task_ids` alone when given), ranked against its search's
-    pooled reference (storage.repo.best_candidates)."""
-    from storage import repo
-    from storage.db import Database
-
-    with Database(db_path) as db:
-        df = repo.best_candidates(db, run_id, min_utility)
-    if task_ids is not None:
-        df = df[df["task_id"].isin(task_ids)]
-    return accept_stage.proposals_of(df)
-
-
-def run_acceptance(workload_path: str, run_id: str, db_path: str | None, data_dir: str,
-                   cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
-                   base_bundle: str | None = None, graphs: GraphPlan | None = None) -> dict:
-    """Deployment-time acceptance of the run's best candidates (llm4llm.stages.accept.run_accept), of `task_ids`
-    alone when given, on top of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience
-    for the next search round) go to DuckDB. Returns its summary."""
-    proposals = best_proposals(run_id, db_path, min_utility=0.0, task_ids=task_ids)
-    outcome = accept_stage.run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle,
-                                      graphs=graphs)
-    record_acceptance(outcome, db_path)
-    return outcome.summary()
-
-
-def record_acceptance(outcome: accept_stage.AcceptOutcome, db_path: str | None) -> None:
-    """An acceptance step's rows: one per decision, one `episodes` row with its experience per rejection (the
-    run's pseudo-search `accept-<run id>`), and the bundle."""
-    from storage import repo
-    from storage.db import Database
-    from storage.rows import decision_rows, patch_row, rejection_episode_row
-
-    result, run_id = outcome.result, outcome.run_id
-    with Database(db_path) as db:
-        for row in decision_rows(result, run_id):
-            repo.record_acceptance(db, row)
-        for i, task_id, experience in outcome.rejections:
-            repo.record_episode(db, rejection_episode_row(run_id, i), experience, task_id)
-        if result.bundle_dir:
-            repo.record_patch_bundle(db, patch_row(run_id, outcome.workload_hash, result.bundle_dir,
-                                                   outcome.manifest))
-
-
-def run_evaluate(workload_path: str, db_path: str | None, *, bundle: str | None = None, repeats: int = 7,
-                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"), run_id: str | None = None,
-                 max_s: float | None = None, deadline: float | None = None,
-                 batch_sizes: tuple[int, ...] | None = None, prompt_lens: tuple[int, ...] | None = None) -> dict:
-    """The workload end to end (llm4llm.stages.evaluate.run_evaluate) at each point of batch_sizes x prompt_lens
-    (default: the workload's own), each variant's `e2e_results` row written as it is measured. Returns {"run_id",
-    "rows"}: each variant's newest row at each point."""
-    from llm4llm.stages.common import describe_workload, new_run_id
-    from storage import repo
-    from storage.db import Database
-    from storage.rows import e2e_row
-
-    wl = describe_workload(workload_path)
-    run_id = run_id or new_run_id(wl["name"] + "-eval")
-
-    def rows_of(measured: list[dict]) -> list[dict]:
-        return [e2e_row(run_id, wl["workload_hash"], m) for m in measured]
-
-    def record(measured: list[dict]) -> None:
-        with Database(db_path) as db:
-            repo.record_e2e(db, rows_of(measured))
-
-    latest = evaluate_stage.run_evaluate(workload_path, bundle=bundle, repeats=repeats, variants=variants,
-                                         on_measured=record, max_s=max_s, deadline=deadline,
-                                         batch_sizes=batch_sizes, prompt_lens=prompt_lens)
-    return {"run_id": run_id, "rows": rows_of(latest)}
-

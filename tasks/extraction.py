@@ -1,4 +1,5 @@
-"""Prefect tasks of extraction: the extract stage, its task index written to DuckDB here (the stage writes none)."""
+"""Prefect tasks of extraction: the extract stage, its task index written through storage.store.Store (the stage
+writes none)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from llm4llm.stages import extract as extract_stage
+from storage.store import Store
 from tasks.common import infrastructure_only, stage_cache_key
 
 
@@ -27,18 +29,7 @@ def extract(workload: dict, profile_path: str, data_dir: str, min_score: float =
 
 @task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)
 def record_tasks(index_path: str, run_id: str, db_path: str | None) -> int:
-    return record_task_index(index_path, run_id, db_path)
-
-
-def record_task_index(index_path: str, run_id: str, db_path: str | None) -> int:
-    """The run's task index (`tasks.json`) as `tasks` rows; returns how many."""
-    from storage import repo
-    from storage.db import Database
-    from storage.rows import task_row
-
-    index = json.loads(Path(index_path).read_text())
-    with Database(db_path) as db:
-        return repo.record_tasks(db, run_id, [task_row(t) for t in index])
+    return Store(db_path).record_task_index(index_path, run_id)
 
 
 @task(name="publish-tasks")

@@ -1,6 +1,6 @@
-"""Prefect tasks of the search, and the plain functions they and the flow call: each reads what the search stage
-needs from DuckDB (the task's experience, recorded template checks, the run's tasks) and hands it in, and writes the
-rows the stage produces through storage/ (the stage opens no database)."""
+"""Prefect tasks of the search: each calls the search stage (llm4llm.stages.search) with the repository it reads and
+writes through (storage.store.Store; the stage opens no database). ProgressArtifact is the Prefect view of a local
+search; close_pools and remote_search_input are what the search flow calls in its own process."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from llm4llm import isolation
 from llm4llm.config import SearchSettings
 from llm4llm.stages import search as search_stage
+from storage.store import Store
 from tasks.common import infrastructure_only
 
 
@@ -29,10 +30,8 @@ def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, da
     plan's share of the time budget). A failing candidate is data (a row), not a task failure: only infrastructure
     errors (the worker pool cannot start, the database is unavailable) fail and retry this task. The task run shows
     a progress artifact: trials verified of the budget, with the passes and the best so far."""
-    planned = trials is not None or deadline is not None
-    settings = settings.model_copy(update={"budget": trials}) if trials else settings
-    return run_task_search(task_dir, db_path, data_dir, settings, device=device, run_id=run_id, llm=llm,
-                           deadline=deadline, planned=planned, progress_artifact=True)
+    return search_stage.search_recorded(task_dir, Store(db_path), data_dir, settings, device=device, run_id=run_id,
+                                        llm=llm, trials=trials, deadline=deadline, wrap=ProgressArtifact)
 
 
 class ProgressArtifact:
@@ -91,58 +90,26 @@ def searchable_tasks(run_id: str, db_path: str | None, settings: SearchSettings,
                      task_ids: list[str] | None = None) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
-    return searchable_task_dirs(run_id, db_path, settings, device, task_ids)
-
-
-def _placement() -> dict:
-    """Where this evaluation runs: host, process, and the GPUs Ray gave it (CUDA_VISIBLE_DEVICES is what the
-    verifier worker it spawns inherits)."""
-    import os
-    import socket
-
-    gpu_ids = None
-    try:
-        import ray
-
-        if ray.is_initialized():
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-    except ImportError:
-        pass
-    return {"host": socket.gethostname(), "pid": os.getpid(), "gpu_ids": gpu_ids,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return search_stage.searchable_of_run(run_id, Store(db_path), settings, device, task_ids)
 
 
 @task(name="search-task-remote", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,
       cache_policy=NO_CACHE, task_run_name="search-remote-{task_id}")
 def search_task_remote(task_id: str, task: bytes, prior: list[dict], settings: SearchSettings, device: str,
                        run_id: str | None, llm: dict | None = None) -> dict:
-    """One task's search wherever the task runner puts it (a Ray worker holding one GPU): the task arrives as
-    bytes, is searched on this worker's own device (Ray shows it only its GPUs, so `cuda` is the one it was given)
-    and comes back as rows for the flow to write; nothing here touches DuckDB."""
-    import tempfile
-    import time
-
-    from llm4llm.scale import unpack_dir
+    """One task's search wherever the task runner puts it (a Ray worker holding one GPU), its rows returned for the
+    flow to write (llm4llm.stages.search.search_packed)."""
     from storage.recorders import SearchRows
 
-    where = _placement()
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
-        task_dir = unpack_dir(task, Path(tmp) / "task")
-        rec = SearchRows()
-        summary, files = search_stage.search_away(str(task_dir), tmp, rec, settings,
-                                                  device="cuda" if device.startswith("cuda") else device,
-                                                  run_id=run_id, llm=llm, prior=prior)
-        rows = rec.rows(summary, files)
-    rows["placement"] = {**where, "started": started, "finished": time.time()}
-    return rows
+    return search_stage.search_packed(task, SearchRows(), settings, device=device, run_id=run_id, llm=llm,
+                                      prior=prior)
 
 
 @task(name="record-search", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only,
       cache_policy=NO_CACHE)
 def record_search(rows: dict, db_path: str | None, data_dir: str) -> dict:
     """Write a remote search's rows, in the flow's process (DuckDB's one writer)."""
-    return record_search_rows(rows, db_path, data_dir) | {"placement": rows.get("placement")}
+    return Store(db_path).record_search_rows(rows, data_dir) | {"placement": rows.get("placement")}
 
 
 # ---- plain helpers the search flow calls in its process (not Prefect tasks: no run, retry or cache of their own)
@@ -152,122 +119,13 @@ def close_pools() -> None:
     isolation.close_pools()
 
 
-def run_task_search(task_dir: str, db_path: str | None, data_dir: str, settings: SearchSettings | None = None, *,
-                    device: str = "cpu", run_id: str | None = None, llm: dict | None = None, proposer_obj=None,
-                    deadline: float | None = None, planned: bool = False, progress_artifact: bool = False) -> dict:
-    """Search one task in this process under `settings` (default: SearchSettings' defaults)
-    (llm4llm.stages.search.run_task_search); every trial becomes a `candidates` row as it is verified, every
-    episode an `episodes` row and an `experience` record. settings.warm_start: start from the task's stored
-    experience (earlier searches and acceptance rejections; off for controlled comparisons, e.g. ablations).
-    progress_artifact: keep a Prefect progress artifact of the search (inside a task run). Returns the
-    search's summary."""
-    from llm4llm.taskspec import load_spec
-    from storage.db import Database
-    from storage.recorders import DuckDBSearchRecorder
-
-    settings = settings if settings is not None else SearchSettings()
-    task_id = load_spec(Path(task_dir)).task_id
-
-    def check(d: str) -> list[dict]:
-        return check_applicability(d, db_path, run_id, device, settings)
-
-    with Database(db_path) as db:
-        prior = prior_experience(db, task_id) if settings.warm_start else []
-        recorder = DuckDBSearchRecorder(db)
-        recorder = ProgressArtifact(recorder) if progress_artifact else recorder
-        return search_stage.run_task_search(task_dir, data_dir, recorder, settings, device=device, run_id=run_id,
-                                            llm=llm, prior=prior, proposer_obj=proposer_obj, check=check,
-                                            deadline=deadline, planned=planned)
-
-
-def prior_experience(db, task_id: str) -> list:
-    """The task's experience from earlier searches and acceptance rounds, oldest first (invalid records skipped), on
-    an open storage.db.Database."""
-    from llm4llm.stages.experience import experience_of
-    from storage import repo
-
-    return experience_of(repo.experience_records(db, task_id))
-
-
 def remote_search_input(task_dir: str, db_path: str | None) -> dict:
     """What search_task_remote takes for one task, read in the flow: the task directory as bytes (a worker on
     another machine does not see the flow's data directory) and the task's stored experience (it cannot read
     DuckDB)."""
     from llm4llm.scale import pack_dir
     from llm4llm.taskspec import load_spec
-    from storage.db import Database
 
     spec = load_spec(Path(task_dir))
-    with Database(db_path) as db:
-        prior = [json.loads(e.to_json()) for e in prior_experience(db, spec.task_id)]
+    prior = [json.loads(e.to_json()) for e in search_stage.prior_experience(Store(db_path), spec.task_id)]
     return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
-
-
-def record_search_rows(rows: dict, db_path: str | None, data_dir: str) -> dict:
-    """Write what a search away from the flow returned, in the flow: sources and transcripts under the data dir
-    (where a local search puts them), then every row in one transaction. Returns the search's summary."""
-    from storage import repo
-    from storage.db import Database
-
-    search, task_id = rows["search"], rows["search"]["task_id"]
-    cand_dir = Path(data_dir) / "candidates" / task_id
-    archive = Path(data_dir) / "searches" / search["search_id"]
-    cand_dir.mkdir(parents=True, exist_ok=True)
-    archive.mkdir(parents=True, exist_ok=True)
-    candidates = []
-    for c in rows["candidates"]:
-        src = cand_dir / f"{c['row']['candidate_id']}.py"
-        src.write_text(c["source"])
-        candidates.append({**c["row"], "source_path": str(src)})
-    episodes = []
-    for e in rows["episodes"]:
-        row = dict(e["row"])
-        if e["transcript_name"] and e["transcript"] is not None:
-            (archive / e["transcript_name"]).write_text(e["transcript"])
-            row["transcript_path"] = str(archive / e["transcript_name"])
-        episodes.append((row, e["experience"]))
-    for name, text in rows.get("files", {}).items():
-        (archive / name).write_text(text)
-    with Database(db_path) as db:
-        repo.record_search_result(db, search, candidates, episodes, rows["llm_calls"])
-    return rows["summary"]
-
-
-def searchable_task_dirs(run_id: str, db_path: str | None, settings: SearchSettings, device: str | None = None,
-                         task_ids: list[str] | None = None) -> list[str]:
-    """The task dirs a search of the run fans out to under `settings` (its families, phases, top and proposer)
-    (llm4llm.stages.search.searchable_task_dirs), of `task_ids` alone when given. With `device`,
-    a template applies when its check on the device passes (check_applicability), else by the templates' scope."""
-    from storage import repo
-    from storage.db import Database
-
-    with Database(db_path) as db:
-        df = repo.task_rows(db, run_id)
-
-    def check(d: str) -> list[dict]:
-        return check_applicability(d, db_path, run_id, device, settings)
-
-    return search_stage.searchable_task_dirs(df, settings, task_ids, check if device is not None else None)
-
-
-def check_applicability(task_dir: str, db_path: str | None, run_id: str | None, device: str,
-                        settings: SearchSettings) -> list[dict]:
-    """The task's template checks (run, when they must be, under the settings' timeout and decode timing): recorded ones of this code version when every template of its family has one,
-    else run now in the device's verifier worker (llm4llm.stages.search.run_template_checks) and written to
-    `template_checks`. Returns one dict per template of the family."""
-    from llm4llm.stages.common import code_version
-    from llm4llm.taskspec import load_spec
-    from storage import repo
-    from storage.db import Database
-
-    spec = load_spec(Path(task_dir))
-    with Database(db_path) as db:
-        df = repo.template_check_rows(db, [spec.task_id], code_version())
-    recorded = search_stage.recorded_checks(df.to_dict("records"), search_stage.family_templates(spec))
-    if recorded is not None:
-        return recorded
-    rows = search_stage.run_template_checks(task_dir, run_id, device, settings)
-    with Database(db_path) as db:
-        repo.record_template_checks(db, rows)
-    search_stage.report_inapplicable(spec.task_id, rows)
-    return rows

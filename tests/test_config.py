@@ -17,7 +17,7 @@ def test_choices_are_the_implementing_modules_own():
     from llm4llm.accept import METRIC_CHOICES
     from llm4llm.evaluate import ALL_VARIANTS
     from llm4llm.extract import TARGET_FAMILIES
-    from llm4llm.stages.graphs import GRAPH_CHOICES
+    from llm4llm.graph_plan import GRAPH_CHOICES
     from llm4llm.search.episode import Mode
 
     assert _choices(C.Metric) == METRIC_CHOICES

@@ -17,7 +17,8 @@ from llm4llm.stages.profile import run_profile
 from llm4llm.taskspec import load_spec
 from storage import repo
 from storage.db import Database
-from tasks.search import prior_experience, run_task_search
+from llm4llm.stages.search import prior_experience, search_recorded
+from storage.store import Store
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 
@@ -46,11 +47,11 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
         repo.record_episode(db, {"search_id": "accept-r1", "episode": 0, "trials": 1, "passed": 0,
                                  "best_utility": None, "transcript_path": None}, json.loads(exp.to_json()),
                             spec.task_id)
-        prior = prior_experience(db, spec.task_id)
+    prior = prior_experience(Store(db_path), spec.task_id)
     assert len(prior) == 1 and prior[0].failure_for(first.template, first.config)
     again = LibraryProposer(seed=0).propose(spec, prior, [], 1)[0]
     assert (again.template, again.config) != (first.template, first.config)
-    out = run_task_search(task_dir, db_path, str(root), SearchSettings(mode="sample", budget=2, seed=0),
+    out = search_recorded(task_dir, Store(db_path), str(root), SearchSettings(mode="sample", budget=2, seed=0),
                           device="cpu")
     with Database(db_path) as db:
         tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out["search_id"])

@@ -193,7 +193,9 @@ def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):
 def test_evaluate_keeps_the_variants_it_finished_when_the_process_dies(tmp_path):
     """Each variant's row lands in DuckDB as it is measured: a run stopped midway (on the H200 a time limit killed
     two optimize runs in their last variant, and every row of their evaluate was lost) keeps what it finished."""
-    from tasks.acceptance import run_evaluate
+    from llm4llm.config import EvaluateSettings
+    from llm4llm.stages.evaluate import evaluate_recorded
+    from storage.store import Store
 
     root = EXAMPLES.parent
     (tmp_path / "script.py").write_text((root / "scripts" / "hf_generate.py").read_text() + '''
@@ -211,14 +213,14 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
     (tmp_path / "wl.toml").write_text(toml)
     db_path = str(tmp_path / "db.duckdb")
     with pytest.raises(RuntimeError, match="died"):
-        run_evaluate(str(tmp_path / "wl.toml"), db_path, repeats=1, variants=("eager", "torch_compile"),
-                     run_id="r-killed")
+        evaluate_recorded(str(tmp_path / "wl.toml"), Store(db_path),
+                          EvaluateSettings(repeats=1, variants=["eager", "torch_compile"]), run_id="r-killed")
     with Database(db_path) as db:
         e2e = repo.table_df(db, "e2e_results")
     assert list(e2e["variant"]) == ["eager"] and list(e2e["run_id"]) == ["r-killed"]
     assert e2e["total_ms"].iloc[0] > 0 and e2e["workload_hash"].iloc[0]
-    out = run_evaluate(str(EXAMPLES / "tiny-llama.toml"), db_path, repeats=2, variants=("eager", "patched"),
-                       run_id="r-whole")
+    out = evaluate_recorded(str(EXAMPLES / "tiny-llama.toml"), Store(db_path),
+                            EvaluateSettings(repeats=2, variants=["eager", "patched"]), run_id="r-whole")
     assert [r["variant"] for r in out["rows"]] == ["eager", "patched"]
     with Database(db_path) as db:
         assert db.query("select count(*) from e2e_results where run_id = 'r-whole'")[0][0] == 2
@@ -293,18 +295,19 @@ def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
     out before --top is taken, and named; the LLM proposers keep them (they can write for any task)."""
     from llm4llm.taskspec import load_spec
     from llm4llm.config import SearchSettings
-    from tasks.search import searchable_task_dirs
+    from llm4llm.stages.search import searchable_of_run
+    from storage.store import Store
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]
-    rotary = searchable_task_dirs(run, db_path, SearchSettings(families=["rotary"], proposer="llm"))
+    rotary = searchable_of_run(run, Store(db_path), SearchSettings(families=["rotary"], proposer="llm"))
     assert rotary and all(load_spec(Path(d)).family == "rotary" for d in rotary)
-    assert searchable_task_dirs(run, db_path, SearchSettings(families=["rotary"], proposer="library")) == []
+    assert searchable_of_run(run, Store(db_path), SearchSettings(families=["rotary"], proposer="library")) == []
     assert "left out, no built-in template applies" in capsys.readouterr().out
-    everything = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm"))
-    library = searchable_task_dirs(run, db_path, SearchSettings(proposer="library"))
+    everything = searchable_of_run(run, Store(db_path), SearchSettings(proposer="llm"))
+    library = searchable_of_run(run, Store(db_path), SearchSettings(proposer="library"))
     assert library == [d for d in everything if d not in rotary]  # same order, hottest first
-    assert searchable_task_dirs(run, db_path, SearchSettings(top=2, proposer="library")) == library[:2]
+    assert searchable_of_run(run, Store(db_path), SearchSettings(top=2, proposer="library")) == library[:2]
 
 
 def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
@@ -312,13 +315,14 @@ def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
     spends no search time on prefill tasks."""
     from llm4llm.taskspec import load_spec
     from llm4llm.config import SearchSettings
-    from tasks.search import searchable_task_dirs
+    from llm4llm.stages.search import searchable_of_run
+    from storage.store import Store
 
     _, db_path, out = optimized
     run = out["tiny-llama"]["run_id"]
-    everything = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm"))
-    decode = searchable_task_dirs(run, db_path, SearchSettings(proposer="llm", phases=["decode"]))
+    everything = searchable_of_run(run, Store(db_path), SearchSettings(proposer="llm"))
+    decode = searchable_of_run(run, Store(db_path), SearchSettings(proposer="llm", phases=["decode"]))
     assert decode and {load_spec(Path(d)).phase for d in decode} == {"decode"}
     assert decode == [d for d in everything if load_spec(Path(d)).phase == "decode"]  # same order
     first = SearchSettings(top=1, proposer="llm", phases=["decode"])
-    assert searchable_task_dirs(run, db_path, first) == decode[:1]
+    assert searchable_of_run(run, Store(db_path), first) == decode[:1]

@@ -140,7 +140,8 @@ def test_architecture_through_optimize(prefect_harness, tmp_path, arch):
     """What was covered, found inapplicable (by running it) or rejected; no trial on an inapplicable template."""
     from flows.optimize import optimize_workload
     from llm4llm.config import STAGES, OptimizeConfig
-    from tasks.reporting import coverage_table
+    from llm4llm.coverage import coverage_of_run
+    from storage.store import Store
 
     cfg, families, top, last, must_cover, must_fail = ARCHS[arch]
     db_path = str(tmp_path / "l4l.duckdb")
@@ -164,7 +165,7 @@ def test_architecture_through_optimize(prefect_harness, tmp_path, arch):
         assert all(json.loads(c["pinned_json"]) == {"xproj_rms": True} for c in checks if c["applicable"])
     if last == "accept":  # the CPU never accepts (no CPU timing may), but the kernel ran in-model and matched
         assert acc and all(a["decision"] == "rejected" and "in-model correctness ok" in a["reason"] for a in acc), acc
-    cov = coverage_table(out["run_id"], db_path)
+    cov = coverage_of_run(out["run_id"], Store(db_path))
     searched = [r for r in cov["tasks"] if r["status"] == "searched"]
     assert searched and all(r["wrong_output"] == 0 for r in searched)
     for r in cov["tasks"]:

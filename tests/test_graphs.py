@@ -362,7 +362,7 @@ def _index(tmp_path, adapters):
     (["LinearAttentionLayer"], "cpu", True, False, False, "CUDA graphs need a CUDA device"),
 ])
 def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, static, why):
-    from llm4llm.stages.graphs import decode_graphs_plan
+    from llm4llm.graph_plan import decode_graphs_plan
 
     got, got_static, reason = decode_graphs_plan(_index(tmp_path, adapters), device, requested)
     assert got is on and got_static is static and why in reason, reason
@@ -377,7 +377,7 @@ def test_decode_graphs_plan(tmp_path, adapters, device, requested, on, static, w
 def test_prefill_graphed(tmp_path, adapters, graphed):
     """Prefill candidates are timed under graph replay only where kernels_runtime graphs the prompt forward: every
     task that keeps state keeps it in a PREFILL_LAYERS cache layer."""
-    from llm4llm.stages.graphs import prefill_graphed
+    from llm4llm.graph_plan import prefill_graphed
 
     assert prefill_graphed(_index(tmp_path, adapters)) is graphed
 
@@ -386,7 +386,7 @@ def test_decode_graphs_choice_is_one_error(tmp_path):
     from typer.testing import CliRunner
 
     from cli.main import app
-    from llm4llm.stages.graphs import decode_graphs_plan
+    from llm4llm.graph_plan import decode_graphs_plan
 
     with pytest.raises(ValueError, match="decode_graphs: expected one of"):
         decode_graphs_plan(_index(tmp_path, []), "cuda", "sometimes")

@@ -91,12 +91,13 @@ def kb_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def kb_run(kb_dir, tmp_path_factory):
-    from tasks.kernelbench import run_kernelbench
+    from llm4llm.stages.kernelbench import run_kernelbench
+    from storage.store import Store
 
     data = tmp_path_factory.mktemp("kbdata")
     db = str(data / "kb.duckdb")
-    kb_run_id, rows = run_kernelbench(str(kb_dir), problems="2", budget=1, proposer="library", device="cpu",
-                                      db_path=db, data_dir=str(data), timeout_s=300)
+    kb_run_id, rows = run_kernelbench(str(kb_dir), Store(db), str(data), problems="2", budget=1, proposer="library",
+                                      device="cpu", timeout_s=300)
     return kb_run_id, rows, db, data
 
 

@@ -95,3 +95,22 @@ def test_sql_lives_in_storage_only():
                 if SQL.search(line):
                     offenders.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)
+
+
+def _defined_functions(folder: Path) -> dict[str, str]:
+    import ast
+
+    names = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names[node.name] = str(path.relative_to(ROOT))
+    return names
+
+
+def test_no_task_is_named_like_a_stage_function():
+    """tasks/ holds the Prefect wrappers, llm4llm/stages/ the stages: a function of one named like one of the other
+    is the mirror issue 41 removed (a wrapper is named for the task it is: `search_task`, `describe`)."""
+    tasks, stages = _defined_functions(ROOT / "tasks"), _defined_functions(ROOT / "llm4llm" / "stages")
+    both = sorted(set(tasks) & set(stages))
+    assert not both, [(n, tasks[n], stages[n]) for n in both]

@@ -1,4 +1,4 @@
-"""The LLM proposer through the product's real entry points: `tasks.search.run_task_search` (the search stage with its rows written to DuckDB) and the `llm4llm search`
+"""The LLM proposer through the product's real entry points: `llm4llm.stages.search.search_recorded` (the search stage with its rows written to DuckDB through storage.store.Store) and the `llm4llm search`
 CLI (through the Prefect flow) on a real task extracted from examples/workloads/tiny-llama.toml, against a scripted
 local OpenAI-compatible server (tests/llm_server.py). Every trial is a `candidates` row, every request attempt an
 `llm_calls` row, the LLM's transcripts sit under the search's archive dir, budgets end the search cleanly, and the
@@ -21,12 +21,10 @@ from llm4llm import isolation  # noqa: E402
 from llm4llm.config import SearchSettings  # noqa: E402
 from llm4llm.stages.common import describe_workload  # noqa: E402
 from llm4llm.stages.extract import run_extract  # noqa: E402
-from llm4llm.stages.profile import run_profile  # noqa: E402
-from llm4llm.stages.search import make_proposer  # noqa: E402
+from llm4llm.stages.profile import record_run, run_profile  # noqa: E402
+from llm4llm.stages.search import make_proposer, search_recorded  # noqa: E402
 from storage.db import Database  # noqa: E402
-from tasks.extraction import record_task_index  # noqa: E402
-from tasks.profiling import record_profile_rows  # noqa: E402
-from tasks.search import run_task_search  # noqa: E402
+from storage.store import Store  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "tiny-llama.toml"
 KEY = "sk-test-SECRET123"
@@ -49,8 +47,8 @@ def tiny_run(tmp_path_factory):
     data_dir, db_path = root / "data", str(root / "l4l.duckdb")
     profile_path = run_profile(str(WORKLOAD), str(data_dir))
     index_path = run_extract(str(WORKLOAD), profile_path, str(data_dir))
-    run_id = record_profile_rows(profile_path, describe_workload(str(WORKLOAD)), db_path)
-    assert record_task_index(index_path, run_id, db_path) > 0
+    run_id = record_run(profile_path, describe_workload(str(WORKLOAD)), Store(db_path))
+    assert Store(db_path).record_task_index(index_path, run_id) > 0
     index = json.loads(Path(index_path).read_text())
     [norm] = [t for t in index if t["family"] == "norm" and t["phase"] == "prefill" and t["deployable"]]
     # The boundary the scripted kernel is written against (tests/llm_server.py RMSNORM_KERNEL).
@@ -120,13 +118,13 @@ def test_make_proposer_builds_and_the_hybrid_forwards_the_call_hook():
         make_proposer("llama", 0, {"model": MODEL})
 
 
-# ------------------------------------------------------------------------------------- run_task_search (llm)
+# ------------------------------------------------------------------------------------- search_recorded (llm)
 
 @pytest.mark.timeout(120)
 def test_llm_search_through_run_task_search(tiny_run):
     script = [srv.compile_error(), srv.rate_limited(), srv.good()]  # then the default: prose without code
     with srv.ScriptedLLM(script) as server:
-        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+        out = search_recorded(tiny_run["task_dir"], Store(tiny_run["db"]), tiny_run["data_dir"],
                               SearchSettings(budget=6, proposer="llm"), run_id=tiny_run["run_id"],
                               llm=llm_options(server, max_total_tokens=400))
     # 150 tokens per answer: compile error, (429) good, no code = 450 >= 400, so the fourth request is never sent
@@ -182,7 +180,7 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
     reply = srv.Reply(status=401, error={"message": f"Incorrect API key provided: {KEY}", "type": "invalid_request"})
     with srv.ScriptedLLM([reply]) as server:
         with pytest.raises(LLMConfigError, match="AuthenticationError"):
-            run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+            search_recorded(tiny_run["task_dir"], Store(tiny_run["db"]), tiny_run["data_dir"],
                             SearchSettings(budget=2, proposer="llm"), llm=llm_options(server))
     [search] = rows(tiny_run["db"], "SELECT * FROM searches WHERE proposer = 'llm' AND trials = 0")
     assert search["finished_at"] is not None
@@ -196,7 +194,7 @@ def test_bad_credentials_stop_the_search_and_close_its_row(tiny_run):
 @pytest.mark.timeout(120)
 def test_hybrid_search_shares_the_budget(tiny_run):
     with srv.ScriptedLLM([srv.good(), srv.wrong_numerics()]) as server:
-        out = run_task_search(tiny_run["task_dir"], tiny_run["db"], tiny_run["data_dir"],
+        out = search_recorded(tiny_run["task_dir"], Store(tiny_run["db"]), tiny_run["data_dir"],
                               SearchSettings(budget=4, proposer="hybrid"), run_id=tiny_run["run_id"],
                               llm=llm_options(server, hybrid_share=0.5))
     sid = out["search_id"]

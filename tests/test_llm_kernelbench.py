@@ -145,14 +145,15 @@ def test_kernelbench_answers_must_define_modelnew():
 def test_kernelbench_llm_run_passes_and_records_llm_origin(kb_dir, tmp_path):
     from storage import repo
     from storage.db import Database
-    from tasks.kernelbench import run_kernelbench
+    from llm4llm.stages.kernelbench import run_kernelbench
+    from storage.store import Store
 
     db = str(tmp_path / "kb.duckdb")
     with srv.ScriptedLLM([srv.good(), srv.Reply(srv.fenced(MODEL_NEW))]) as llm:  # the wrong contract, then a ModelNew
         flags = {"model": "openai/test-model", "api_base": llm.base_url, "concurrency": 1, "samples_per_step": 1,
                  "max_retries": 0, "timeout_s": 20}
-        kb_run_id, rows = run_kernelbench(str(kb_dir), budget=2, proposer="llm", device="cpu", db_path=db,
-                                          data_dir=str(tmp_path), timeout_s=120, llm=flags)
+        kb_run_id, rows = run_kernelbench(str(kb_dir), Store(db), str(tmp_path), budget=2, proposer="llm",
+                                          device="cpu", timeout_s=120, llm=flags)
     first, second = (r["body"]["messages"] for r in llm.requests)
     assert "class ModelNew(nn.Module)" in first[0]["content"] and "class Model(nn.Module)" in first[1]["content"]
     assert "built-in template kb." in first[1]["content"]  # the seed is a KernelBench template's ModelNew

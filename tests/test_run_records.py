@@ -13,7 +13,7 @@ from storage.db import Database
 def test_a_run_is_running_until_it_ends_ok_failed_or_stopped(tmp_path, error, status):
     from llm4llm.records import PhaseInfo, ProfileResult
     from storage.rows import run_row
-    from tasks.profiling import finish_run
+    from storage.store import Store
 
     path = tmp_path / "db.duckdb"
     result = ProfileResult(phases={"decode": PhaseInfo(phase="decode", forwards=3, time_ms=2.0, weight=1.0)}, records=[],
@@ -23,7 +23,7 @@ def test_a_run_is_running_until_it_ends_ok_failed_or_stopped(tmp_path, error, st
     with Database(path) as db:
         repo.record_profile_run(db, row, {"workload_hash": "w", "name": "tiny", "path": "t.toml", "config": {}}, [])
         assert repo.get_run(db, "r1")["status"] == "running"
-    finish_run("r1", str(path), error)
+    Store(str(path)).finish_run("r1", error)
     with Database(path, read_only=True) as db:
         run = repo.get_run(db, "r1")
     assert (run["status"], run["kind"], run["flow_run_id"]) == (status, "manual", "flow-run-1")

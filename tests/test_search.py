@@ -393,7 +393,8 @@ H200_BLOCK_TRIALS = [(30.76, 196.43), (21.48, 104.21), (17.67, 95.03), (30.88, 1
 
 
 def test_best_proposals_rank_by_the_searchs_pooled_reference_not_each_trials_own(tmp_path):
-    from tasks.acceptance import best_proposals
+    from llm4llm.stages.accept import best_proposals
+    from storage.store import Store
     from storage import repo
     from storage.db import Database
 
@@ -412,10 +413,10 @@ def test_best_proposals_rank_by_the_searchs_pooled_reference_not_each_trials_own
                                        "utility": ref / cand, "speedup_in_context": ref / cand,
                                        "ctx_p50_ms": cand / 1e3, "ref_ctx_p50_ms": ref / 1e3,
                                        "source_path": str(src), "max_abs_err": 1e-3})
-    (best,) = best_proposals("run1", db_path)
+    (best,) = best_proposals("run1", Store(db_path))
     assert best.candidate_id == "c2"
     assert best.speedup == pytest.approx(((104.21 + 113.31) / 2) / 17.67)
-    assert best_proposals("run1", db_path, min_utility=6.2) == []  # the pooled 6.16x, not c0's own 6.39x
+    assert best_proposals("run1", Store(db_path), min_utility=6.2) == []  # the pooled 6.16x, not c0's own 6.39x
 
 
 def test_every_template_gets_its_default_before_the_best_is_exploited(task_dir):

@@ -240,7 +240,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
 
     from flows.nightly import nightly_workload
     from llm4llm import isolation
-    from tasks import profiling as profiling_tasks
+    from llm4llm.stages import profile as profile_stage
 
     def in_this_process(fn, *args, timeout_s=None, poll=None, poll_every_s=None, outputs=None, readable=None,
                         extra_env=None, box=None, **kwargs):
@@ -259,7 +259,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     cfg = OptimizeConfig(search={"budget": 1, "top": 1, "families": ["norm"]},
                          evaluate={"variants": ["eager"], "repeats": 1})
     one = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
-    real, calls = profiling_tasks.record_profile_rows, []
+    real, calls = profile_stage.record_run, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -267,7 +267,7 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
             raise OSError("injected: the database volume is unavailable")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profiling_tasks, "record_profile_rows", flaky)  # where the record-profile task looks it up
+    monkeypatch.setattr(profile_stage, "record_run", flaky)  # where the record-profile task looks it up
     two = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
     assert len(calls) == 2  # failed once, retried once
     assert one["run_id"] != two["run_id"] and one["profile_path"] == two["profile_path"]  # cached profile
@@ -331,7 +331,7 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     version that fails tonight -> rollback to the last one that passes (v1), and with none that passes -> none."""
     from kernels_runtime.bundle import save_bundle
     from llm4llm import nightly, service
-    from tasks import service as service_tasks
+    from storage.store import Store
     from tests.test_runtime import RMSNORM_SOURCE, rmsnorm_bundle
 
     # in this process (the flow runs each check in its own): the same check, without a process start per bundle
@@ -344,8 +344,8 @@ def test_keep_replace_rollback_on_a_tiny_workload(tmp_path, monkeypatch):
     bad = str(save_bundle(rmsnorm_bundle(source=wrong), tmp_path / "bad"))
 
     def night(run_id: str, candidate: str | None) -> dict:
-        current = service_tasks.current_validation(str(w.cpu), db)
-        return service_tasks.service_decision(str(w.cpu), run_id, candidate, current, db, data)
+        current = nightly.validate_in_service(str(w.cpu), Store(db))
+        return nightly.decide_night(str(w.cpu), run_id, candidate, current, Store(db), data)
 
     home = Path(data) / "bundles" / "tiny-llama"
     first = night("n1", good)

@@ -38,7 +38,7 @@ def test_kv_decode_tasks_are_extracted_on_the_static_cache(static_run):
     """Decode attention comes from the static-cache run (preallocated K/V of the cache's full size, the length as a
     device tensor: the prompt's 16 positions); prefill attention stays on the dynamic cache; the plan asks for the
     static cache; only the static template takes the decode task."""
-    from llm4llm.stages.graphs import decode_graphs_plan
+    from llm4llm.graph_plan import decode_graphs_plan
 
     index, tasks = static_run
     dec, pre = tasks[("attention", "decode")], tasks[("attention", "prefill")]
@@ -180,7 +180,7 @@ def test_graph_timing_of_a_static_cache_task_stays_inside_the_cache(static_run, 
 
 
 def test_extraction_goes_to_the_static_cache_only_where_decode_graphs_may_run():
-    from llm4llm.stages.graphs import extract_on_static_cache
+    from llm4llm.graph_plan import extract_on_static_cache
 
     assert extract_on_static_cache("cuda", "auto") and extract_on_static_cache("cuda:1", True)
     assert not extract_on_static_cache("cuda", "off") and not extract_on_static_cache("cuda", False)

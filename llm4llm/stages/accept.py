@@ -1,12 +1,13 @@
 """The acceptance stage: the run's best candidates, accepted or rejected inside the model (in a sandboxed
-subprocess). It returns an AcceptOutcome: the decisions, the bundle's manifest and the rejections as experience, which
-tasks/acceptance.py writes to DuckDB."""
+subprocess). It returns an AcceptOutcome: the decisions, the bundle's manifest and the rejections as experience;
+accept_recorded reads the proposals from, and writes the outcome through, the repository it is handed
+(storage.store.Store on DuckDB)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llm4llm import isolation
 from llm4llm.config import AcceptSettings
@@ -38,6 +39,38 @@ class AcceptOutcome:
                 "rejected": sum(d.decision == AcceptDecision.REJECTED for d in r.decisions), "timing": r.timing,
                 "baseline_ms": r.baseline_ms, "final_ms": r.final_ms, "metric": r.metric,
                 "floor": r.floor_note, "graphs": r.graphs}
+
+
+class AcceptRepository(Protocol):
+    """What acceptance reads and writes (storage.store.Store on DuckDB): the stage opens no database."""
+
+    def best_candidates(self, run_id: str, min_utility: float = 0.0):
+        """Each searched task's best passing candidate (storage.repo.best_candidates), a DataFrame."""
+
+    def record_acceptance(self, outcome: AcceptOutcome) -> None:
+        """One row per decision, one `episodes` row with its experience per rejection, and the bundle."""
+
+
+def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0,
+                   task_ids: list[str] | None = None) -> list:
+    """Each searched task's best passing candidate (of `task_ids` alone when given), ranked against its search's
+    pooled reference, as Proposals."""
+    df = repo.best_candidates(run_id, min_utility)
+    if task_ids is not None:
+        df = df[df["task_id"].isin(task_ids)]
+    return proposals_of(df)
+
+
+def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, data_dir: str,
+                    cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
+                    base_bundle: str | None = None, graphs: GraphPlan | None = None) -> dict:
+    """Deployment-time acceptance of the run's best candidates (run_accept), of `task_ids` alone when given, on top
+    of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience for the next search
+    round) written through `repo`. Returns its summary."""
+    proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
+    outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs)
+    repo.record_acceptance(outcome)
+    return outcome.summary()
 
 
 def proposals_of(rows) -> list:

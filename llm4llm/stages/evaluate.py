@@ -1,18 +1,52 @@
 """The evaluate stage: the workload end to end (eager, patched, torch.compile, ...) in a sandboxed subprocess. Each
-variant's measurements go to `on_measured` as the child measures them (tasks/acceptance.py writes them to DuckDB
-there, so a run stopped midway keeps what it finished)."""
+variant's measurements go to `on_measured` as the child measures them (evaluate_recorded writes them through the
+repository it is handed, so a run stopped midway keeps what it finished)."""
 from __future__ import annotations
 
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from llm4llm import isolation
+from llm4llm.config import EvaluateSettings
+
+DEFAULT_VARIANTS = ("eager", "patched", "torch_compile")
+
+
+class EvaluateRepository(Protocol):
+    """Where the measurements go (storage.store.Store on DuckDB): the stage opens no database."""
+
+    def e2e_rows(self, run_id: str, workload_hash: str, measured: list[dict]) -> list[dict]:
+        """Measurements as `e2e_results` rows; writes nothing."""
+
+    def record_e2e(self, rows: list[dict]) -> None: ...
+
+
+def evaluate_recorded(workload_path: str, repo: EvaluateRepository, settings: EvaluateSettings | None = None, *,
+                      bundle: str | None = None, run_id: str | None = None, deadline: float | None = None) -> dict:
+    """The workload end to end (run_evaluate) under `settings` (its variants, default eager, patched, torch_compile;
+    repeats; max_s; the points batch_sizes x prompt_lens, default the workload's own), each variant's `e2e_results`
+    row written through `repo` as it is measured. deadline: Unix time by which the interleaved rounds end. Returns
+    {"run_id", "rows"}: each variant's newest row at each point."""
+    from llm4llm.stages.common import describe_workload, new_run_id
+
+    s = settings if settings is not None else EvaluateSettings()
+    wl = describe_workload(workload_path)
+    run_id = run_id or new_run_id(wl["name"] + "-eval")
+
+    def record(measured: list[dict]) -> None:
+        repo.record_e2e(repo.e2e_rows(run_id, wl["workload_hash"], measured))
+
+    latest = run_evaluate(workload_path, bundle=bundle, repeats=s.repeats, variants=tuple(s.variants or DEFAULT_VARIANTS),
+                          on_measured=record, max_s=s.max_s, deadline=deadline,
+                          batch_sizes=tuple(s.batch_sizes) if s.batch_sizes else None,
+                          prompt_lens=tuple(s.prompt_lens) if s.prompt_lens else None)
+    return {"run_id": run_id, "rows": repo.e2e_rows(run_id, wl["workload_hash"], latest)}
 
 
 def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int = 7,
-                 variants: tuple[str, ...] = ("eager", "patched", "torch_compile"),
+                 variants: tuple[str, ...] = DEFAULT_VARIANTS,
                  on_measured: Callable[[list[dict]], None] | None = None, max_s: float | None = None,
                  deadline: float | None = None, batch_sizes: tuple[int, ...] | None = None,
                  prompt_lens: tuple[int, ...] | None = None) -> list[dict]:

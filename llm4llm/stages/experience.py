@@ -1,6 +1,6 @@
 """Experience between search rounds: a task's stored experience records (earlier searches, acceptance rejections) as
 Experience, and an acceptance rejection turned into experience for the task's next search. The records are read
-from DuckDB by tasks/search.py."""
+through the search's repository (stages.search.prior_experience)."""
 from __future__ import annotations
 
 

@@ -1,5 +1,5 @@
 """The extract stage: capture the profiled hotspots as task artifacts and the run's task index (`tasks.json`). The index
-reaches DuckDB through tasks/extraction.py."""
+reaches DuckDB through storage.store.Store.record_task_index (the record-tasks task)."""
 from __future__ import annotations
 
 import json

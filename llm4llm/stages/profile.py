@@ -1,11 +1,12 @@
-"""The profile stage: profile the workload per phase into `profile.json`, read it back, rank its hotspots. Its rows
-reach DuckDB through tasks/profiling.py."""
+"""The profile stage: profile the workload per phase into `profile.json`, read it back, rank its hotspots, and start
+the run with its rows through the repository handed in (record_run; storage.store.Store on DuckDB)."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
 from llm4llm.stages.common import _build, _free, _write_json, new_run_id
@@ -40,6 +41,33 @@ def run_profile(workload_path: str, data_dir: str) -> str:
     _free(model, run_fn)
     progress.done(f"profile:{workload_path}")
     return str(path)
+
+
+class RunRepository(Protocol):
+    """Where a run starts (storage.store.Store on DuckDB): the stage opens no database."""
+
+    def has_run(self, run_id: str) -> bool: ...
+
+    def record_profile_run(self, payload: dict, result: ProfileResult, run_id: str, started: str,
+                           profile_of: str | None, artifact_dir: str, kind: str, flow_run_id: str | None,
+                           workload: dict) -> None:
+        """The run's `runs` row and its profile rows, in one transaction."""
+
+
+def record_run(profile_path: str, workload: dict, repo: RunRepository, kind: str = "cli",
+               flow_run_id: str | None = None) -> str:
+    """Start a run: its `runs` row (what started it: `kind`; the Prefect flow run) and its profile rows, through
+    `repo`. Every call is a run of its own: a profile that an earlier run recorded (served from the cache) is
+    recorded again under a new run id, its `profile_of` naming the run that measured it, so no run writes into
+    another's rows. Returns the run id."""
+    payload, result = load_profile(profile_path)
+    run_id, profile_of, started = payload["run_id"], None, payload["started_at"]
+    if repo.has_run(run_id):
+        run_id, profile_of = new_run_id(payload["workload_name"]), run_id
+        started = datetime.now(timezone.utc).replace(tzinfo=None).isoformat()
+    repo.record_profile_run(payload, result, run_id, started, profile_of, str(Path(profile_path).parent), kind,
+                            flow_run_id, workload)
+    return run_id
 
 
 def load_profile(profile_path: str) -> tuple[dict, ProfileResult]:

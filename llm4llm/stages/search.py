@@ -1,13 +1,13 @@
 """The search stage: proposers, one task's search (locally, each row handed to a SearchRecorder as it happens; or away
 from the flow, on a verifier worker of its own), which tasks a search fans out to, the built-in templates'
-applicability checks, and the run's template coverage. It reads and writes no database: tasks/search.py passes in
-what was stored (experience, recorded checks, the run's tasks) and a recorder that writes the rows
-(storage/recorders.py)."""
+applicability checks (the run's template coverage is llm4llm.coverage). It opens no database: the caller hands in a repository
+(SearchRepository: storage.store.Store) that reads what was stored (experience, recorded checks, the run's tasks)
+and gives the recorder that writes the rows (storage/recorders.py)."""
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 from llm4llm import isolation
 from llm4llm.config import SearchSettings
@@ -34,7 +34,21 @@ class SearchRecorder(Protocol):
         """Close the search's row with what it did before it failed."""
 
 
-# task dir -> the task's template checks (one dict per template of its family): tasks/search.check_applicability
+class SearchRepository(Protocol):
+    """What a search reads and writes, handed in (storage.store.Store on DuckDB): the stage opens no database."""
+
+    def search_recorder(self) -> ContextManager[SearchRecorder]: ...
+
+    def experience_records(self, task_id: str) -> list[dict]: ...
+
+    def template_check_records(self, task_ids: list[str], code_version: str | None = None) -> list[dict]: ...
+
+    def record_template_checks(self, rows: list[dict]) -> None: ...
+
+    def task_rows(self, run_id: str | None = None): ...
+
+
+# task dir -> the task's template checks (one dict per template of its family): check_applicability
 CheckFn = Callable[[str], list]
 
 
@@ -217,6 +231,28 @@ def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, settings
     return search_summary(search_id, spec.task_id, result, prop if llm_backed else None), files
 
 
+def search_packed(task: bytes, recorder: SearchRecorder, settings: SearchSettings, *, device: str,
+                  run_id: str | None = None, llm: dict | None = None, prior: list | None = None) -> dict:
+    """One task's search away from the flow (a Ray worker holding one GPU): the task arrives as bytes
+    (llm4llm.scale.pack_dir), is searched on this worker's own device (Ray shows it only its GPUs, so `cuda` is the
+    one it was given) and comes back as `recorder`'s rows (storage.recorders.SearchRows) for the flow to write, with
+    where and when it ran; nothing here touches DuckDB."""
+    import tempfile
+    import time
+
+    from llm4llm.scale import placement, unpack_dir
+
+    where, started = placement(), time.time()
+    with tempfile.TemporaryDirectory(prefix="llm4llm-remote-") as tmp:
+        task_dir = unpack_dir(task, Path(tmp) / "task")
+        summary, files = search_away(str(task_dir), tmp, recorder, settings,
+                                     device="cuda" if device.startswith("cuda") else device, run_id=run_id, llm=llm,
+                                     prior=prior)
+        rows = recorder.rows(summary, files)
+    rows["placement"] = {**where, "started": started, "finished": time.time()}
+    return rows
+
+
 def searchable_task_dirs(tasks, settings: SearchSettings, task_ids: list[str] | None = None,
                          check: CheckFn | None = None) -> list[str]:
     """The task dirs a search fans out to, from the run's `tasks` rows (a DataFrame): deployable tasks (of
@@ -309,42 +345,65 @@ def applicable_templates_of(templates, checks: list[dict]) -> list:
     return applicable_templates(templates, [TemplateCheck(**{k: c.get(k) for k in fields}) for c in checks])
 
 
-def coverage_table(cov, checks) -> dict:
-    """Per deployable task of a run (`cov`: its storage.repo.coverage_rows; `checks`: its tasks' template checks):
-    the built-in templates that compute what its module does, those found inapplicable and why, the templates tried,
-    trials (and wrong-output trials), whether a patch was accepted, and the task's share of its phase's time; per
-    phase, the share some accepted patch covers (instances of an accepted task nested in another accepted task's
-    instances are counted once). {"tasks": [...], "phases": {...}}."""
-    from llm4llm.search.applicability import NOT_COVERED
+
+def search_recorded(task_dir: str, repo: SearchRepository, data_dir: str, settings: SearchSettings | None = None, *,
+                    device: str = "cpu", run_id: str | None = None, llm: dict | None = None, proposer_obj=None,
+                    trials: int | None = None, deadline: float | None = None,
+                    wrap: Callable[[SearchRecorder], SearchRecorder] | None = None) -> dict:
+    """Search one task in this process under `settings` (default: SearchSettings' defaults) (run_task_search);
+    every trial goes to `repo`'s recorder as it is verified, every episode with its experience at the end.
+    settings.warm_start: start from the task's stored experience (earlier searches and acceptance rejections; off
+    for controlled comparisons, e.g. ablations). trials, deadline: the plan's (trials default the settings'
+    budget); either makes it a planned search. wrap: a recorder around the repository's (e.g. a progress view).
+    Returns the search's summary."""
     from llm4llm.taskspec import load_spec
 
-    by_task: dict[str, list[dict]] = {}
-    for r in checks.to_dict("records"):
-        by_task.setdefault(r["task_id"], []).append(r)
-    rows, covered_paths = [], {}
-    for r in cov.to_dict("records"):
-        if not r["deployable"]:
-            continue
-        cs = by_task.get(r["task_id"], [])
-        ok = [c["template"] for c in cs if c["applicable"]]
-        bad = [f"{c['template']} ({c['reason'][:160]})" for c in cs if not c["applicable"] and c["stage"] == "computation"]
-        share = float(r["time_ms"] or 0.0) / float(r["phase_ms"]) if r["phase_ms"] else 0.0
-        status = "accepted" if r["accepted"] else ("searched" if r["trials"] else
-                                                    ("not checked" if not cs else (NOT_COVERED if not ok else "")))
-        rows.append({"task_id": r["task_id"], "family": r["family"], "phase": r["phase"],
-                     "applicable": ", ".join(ok), "inapplicable": "; ".join(bad), "tried": r["templates_tried"],
-                     "trials": int(r["trials"]), "wrong_output": int(r["wrong_output"]), "accepted": bool(r["accepted"]),
-                     "phase_share": round(share, 4), "status": status})
-        if r["accepted"] and r["artifact_path"]:
-            try:
-                insts = load_spec(Path(r["artifact_path"])).instances
-            except Exception:  # noqa: BLE001 - a deleted artifact: its share is still the task's own
-                insts = [r["task_id"]]
-            covered_paths.setdefault(r["phase"], []).append((insts, float(r["time_ms"] or 0.0), r["phase_ms"]))
-    phases = {}
-    for phase, items in covered_paths.items():
-        outer = [i for i in items if not any(o is not i and all(any(p.startswith(q + ".") for q in o[0])
-                                                                for p in i[0]) for o in items)]
-        phases[phase] = round(sum(t for _, t, _ in outer) / float(items[0][2]), 4) if items[0][2] else 0.0
-    return {"tasks": rows, "phases": phases}
+    settings = settings if settings is not None else SearchSettings()
+    planned = trials is not None or deadline is not None
+    settings = settings.model_copy(update={"budget": trials}) if trials else settings
+    task_id = load_spec(Path(task_dir)).task_id
 
+    def check(d: str) -> list[dict]:
+        return check_applicability(d, repo, run_id, device, settings)
+
+    prior = prior_experience(repo, task_id) if settings.warm_start else []
+    with repo.search_recorder() as recorder:
+        return run_task_search(task_dir, data_dir, wrap(recorder) if wrap else recorder, settings, device=device,
+                               run_id=run_id, llm=llm, prior=prior, proposer_obj=proposer_obj, check=check,
+                               deadline=deadline, planned=planned)
+
+
+def prior_experience(repo: SearchRepository, task_id: str) -> list:
+    """The task's experience from earlier searches and acceptance rounds, oldest first (invalid records skipped)."""
+    from llm4llm.stages.experience import experience_of
+
+    return experience_of(repo.experience_records(task_id))
+
+
+def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | None, device: str,
+                        settings: SearchSettings) -> list[dict]:
+    """The task's template checks (run, when they must be, under the settings' timeout and decode timing): the
+    recorded ones of this code version when every template of its family has one, else run now in the device's
+    verifier worker (run_template_checks) and written through `repo`. Returns one dict per template of the
+    family."""
+    from llm4llm.taskspec import load_spec
+
+    spec = load_spec(Path(task_dir))
+    recorded = recorded_checks(repo.template_check_records([spec.task_id], code_version()), family_templates(spec))
+    if recorded is not None:
+        return recorded
+    rows = run_template_checks(task_dir, run_id, device, settings)
+    repo.record_template_checks(rows)
+    report_inapplicable(spec.task_id, rows)
+    return rows
+
+
+def searchable_of_run(run_id: str, repo: SearchRepository, settings: SearchSettings, device: str | None = None,
+                      task_ids: list[str] | None = None) -> list[str]:
+    """The task dirs a search of the run fans out to under `settings` (its families, phases, top and proposer)
+    (searchable_task_dirs over the run's `tasks` rows), of `task_ids` alone when given. With `device`, a template
+    applies when its check on the device passes (check_applicability), else by the templates' scope."""
+    def check(d: str) -> list[dict]:
+        return check_applicability(d, repo, run_id, device, settings)
+
+    return searchable_task_dirs(repo.task_rows(run_id), settings, task_ids, check if device is not None else None)
