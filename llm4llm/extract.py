@@ -252,7 +252,7 @@ def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> str:
     if report.ok or expected.dtype not in (torch.bfloat16, torch.float16) or got.shape != expected.shape:
         return "" if report.ok else report.reason
     # A 16-bit module's own run-to-run rounding: cuBLAS and SDPA pick kernels by the operands' addresses and sizes,
-    # so a re-run may move an element by an ulp or two (Qwen3's decode layer at batch 32 on an H100: 2 ulps at ~2.5,
+    # so a re-run may move an element by an ulp or two (Qwen3's decode layer at batch 32 on the GPU: 2 ulps near 2,
     # over the table's rtol). Up to RERUN_ULPS of the dtype's ulps is reproducible; the candidate's check is the
     # verifier's (with its fp32 reference), not this one.
     diff = (got.double() - expected.double()).abs()
