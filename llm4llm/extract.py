@@ -116,14 +116,12 @@ class _Recorder:
         """What makes two instances' calls interchangeable as cases: class and weight shapes, phase, shapes and
         structure. An instance keeps its own first call of each argument structure always (the reproducibility check,
         merge_optional_inputs and the task's grouping read them), any other only if no instance keeps a call of that
-        key yet. A task's cases come from its first
-        instance, with other instances' calls only for shapes it never saw (_group_calls): copies of one corner on
-        every layer are never read, and at a serving regime's largest corner (batch 32 x 2048 tokens, about 4 GB of
-        tensors a layer) they do not fit in host memory."""
+        key yet. A task's cases come from its first instance, with other instances' calls only for shapes it never
+        saw (_group_calls): copies of one corner on every layer are never read, and at a serving regime's largest
+        corner (batch 32 x 2048 tokens, about 4 GB of tensors a layer) they do not fit in host memory."""
         ident = self._idents.get(path)
         if ident is None:
-            weights = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(module).items())
-            ident = self._idents[path] = (_class_path(module), weights)
+            ident = self._idents[path] = (_class_path(module), _weight_sig(module))
         return ident, CURRENT_PHASE.get(), skey, call.structure_key(drop_instance_keys=True)
 
     def _post(self, path, module, args, kwargs, output):
@@ -209,7 +207,7 @@ def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repea
     """"" when call_reference on each captured call's inputs and state-in reproduces its outputs and state-out
     `repeats` times, bitwise or within TOLERANCES of the output's dtype; else "not reproducible: ..."."""
     weights = weights_of(module)
-    device = _device_of(module)
+    device = next(iter(weights.values())).device if weights else torch.device("cpu")
     for k, call in enumerate(calls):
         ref = call.reference()
         for attempt in range(1, repeats + 1):
@@ -228,12 +226,6 @@ def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repea
                     return f"not reproducible: {name} of case {k} differs from the captured call on re-run " \
                            f"{attempt} ({problem})"
     return ""
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    tensor = next(iter(module.parameters()), None)
-    tensor = tensor if tensor is not None else next(iter(module.buffers()), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def _moved(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -275,7 +267,7 @@ def _group_key(inst: _Instance) -> tuple:
     cls = _class_path(inst.module)
     if inst.reason:
         return (cls, inst.record.family, inst.record.phase, False, inst.reason.split(":", 1)[0])
-    weight_sig = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(inst.module).items())
+    weight_sig = _weight_sig(inst.module)
     structure = inst.obs.calls[0].structure_key(drop_instance_keys=True)
     # the observed shapes without their dtypes: instances called with the same shapes in another dtype (Mamba's first
     # residual block takes the bf16 embeddings, the others the fp32 residual stream) are one task whose cases cover
@@ -295,6 +287,10 @@ def _group_calls(group: list[_Instance]) -> list[tuple[_Instance, BoundaryCall]]
                 seen.add(key)
                 out.append((inst, c))
     return out
+
+
+def _weight_sig(module: torch.nn.Module) -> tuple:
+    return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in weights_of(module).items())
 
 
 def _class_path(module: torch.nn.Module) -> str:
