@@ -100,13 +100,13 @@ def reference_source(module_class: str) -> str | None:
 
 
 def ops_sources(source: str) -> list[tuple[str, str]]:
-    """(module, source) of each `kernels_runtime.ops` module a seed imports: the seed is often a thin wrapper and the
-    kernel worth showing lives there."""
+    """(module, source) of each `kernels_runtime.ops` or `kernels_runtime.hosts` module a seed imports: the seed is
+    often a thin wrapper and the kernel (or the template's host code) worth showing lives there."""
     import importlib.util
     import re
 
     out = []
-    for mod in dict.fromkeys(re.findall(r"^\s*(?:from|import)\s+(kernels_runtime\.ops\.\w+)", source, re.M)):
+    for mod in dict.fromkeys(re.findall(r"^\s*(?:from|import)\s+(kernels_runtime\.(?:ops|hosts)\.\w+)", source, re.M)):
         try:
             spec = importlib.util.find_spec(mod)
             if spec and spec.origin:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 ALLOWED_MODULES = {"torch", "triton", "triton.language", "math", "functools", "typing", "dataclasses", "__future__"}
 OPS_PACKAGE = "kernels_runtime.ops"
+# the built-in templates' host code (reviewed project code whose compute is in the ops): a rendered source imports it
+HOSTS_PACKAGE = "kernels_runtime.hosts"
 # A source larger than this is refused before it is parsed or sent to a worker: a kernel is a few kB, and parsing and
 # copying megabytes costs the search process gigabytes (an 8 MB source took it from 0.5 to 4 GiB; issue 39).
 MAX_SOURCE_BYTES = 1 << 20
@@ -92,7 +94,7 @@ class _Violation(Exception):
 
 
 def _allowed_module(name: str) -> bool:
-    return name in ALLOWED_MODULES or name == OPS_PACKAGE or name.startswith(OPS_PACKAGE + ".")
+    return name in ALLOWED_MODULES or any(name == p or name.startswith(p + ".") for p in (OPS_PACKAGE, HOSTS_PACKAGE))
 
 
 def _is_jit_decorator(resolved: str | None) -> bool:
@@ -121,12 +123,12 @@ class _Checker(ast.NodeVisitor):
         for a in node.names:
             if not _allowed_module(a.name):
                 raise _Violation(node, f"import of {a.name!r}: allowed are {sorted(ALLOWED_MODULES - {'__future__'})} "
-                                       f"and {OPS_PACKAGE}.*")
+                                       f"and {OPS_PACKAGE}.*, {HOSTS_PACKAGE}.*")
             if a.asname:
                 self.aliases[a.asname] = a.name
             else:
                 self.aliases[a.name.split(".")[0]] = a.name.split(".")[0]
-            if a.name.startswith(OPS_PACKAGE):
+            if a.name.startswith((OPS_PACKAGE, HOSTS_PACKAGE)):
                 self.has_kernel = True
 
     def visit_ImportFrom(self, node: ast.ImportFrom):
@@ -134,14 +136,14 @@ class _Checker(ast.NodeVisitor):
         if node.level or not _allowed_module(mod) and not (mod == "kernels_runtime" and
                                                            all(a.name == "ops" for a in node.names)):
             raise _Violation(node, f"import from {'.' * node.level}{mod!r}: allowed are "
-                                   f"{sorted(ALLOWED_MODULES - {'__future__'})} and {OPS_PACKAGE}.*")
+                                   f"{sorted(ALLOWED_MODULES - {'__future__'})} and {OPS_PACKAGE}.*, {HOSTS_PACKAGE}.*")
         for a in node.names:
             if a.name == "*":
                 raise _Violation(node, f"star import from {mod!r}")
             full = f"{mod}.{a.name}"
             self._check_dotted(node, full)
             self.aliases[a.asname or a.name] = full
-        if mod.startswith(OPS_PACKAGE) or mod == "kernels_runtime":
+        if mod.startswith((OPS_PACKAGE, HOSTS_PACKAGE)) or mod == "kernels_runtime":
             self.has_kernel = True
 
     def _check_dotted(self, node: ast.AST, dotted: str | None):

@@ -207,5 +207,19 @@ def header(template: str, spec: TaskSpec, imports: list[str], config: dict[str, 
                       f"CONFIG = {cfg}", STATIC_HELPER])
 
 
+def host_source(template: str, spec: TaskSpec, config: dict[str, Any], module: str, factory: str,
+                extra: str = "", **names: Any) -> str:
+    """A rendered source whose host code is `kernels_runtime.hosts.<module>.<factory>`: the docstring, the baked
+    config, the factory called once with it and the task's `names` (literals), and the contract's `entry`.
+    `extra`: module-level lines the runtime reads from the source itself (`LOSSY = {...}`, `STATE_IN_PLACE`)."""
+    doc = f'"""Candidate from template {template} for a {spec.family}/{spec.phase} task ({spec.dtype})."""'
+    cfg = repr({k: config[k] for k in sorted(config)})
+    args = "".join(f", {k}={v!r}" for k, v in names.items())
+    return "\n".join([doc, f"from kernels_runtime.hosts.{module} import {factory}", "", f"CONFIG = {cfg}",
+                      *([extra.rstrip()] if extra else []), f"_entry = {factory}(CONFIG{args})", "", "",
+                      "def entry(inputs, weights, state, static):", "    return _entry(inputs, weights, state, static)",
+                      ""])
+
+
 def short_class(spec: TaskSpec) -> str:
     return spec.module_class.rsplit(".", 1)[-1]

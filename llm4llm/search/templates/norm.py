@@ -4,11 +4,8 @@ RMSNorm (`MambaRMSNormGated`: `weight * rmsnorm(x * silu(gate)).to(input dtype)`
 as HF 5.17 does)."""
 from __future__ import annotations
 
-from llm4llm.search.templates.base import Template, header, short_class
+from llm4llm.search.templates.base import Template, host_source, short_class
 from llm4llm.taskspec import TaskSpec
-
-EPS_NAMES = '"variance_epsilon", "eps", "rms_norm_eps"'
-
 
 def _applies(spec: TaskSpec) -> str | None:
     if "Gemma" in short_class(spec):
@@ -29,32 +26,15 @@ def _applies_gemma(spec: TaskSpec) -> str | None:
 
 
 def _render_gemma(spec: TaskSpec, config: dict) -> str:
-    x = spec.input_names[0]
-    return header("norm.rmsnorm_gemma", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm"], config) + f'''
-
-def entry(inputs, weights, state, static):
-    eps = float(_static(static, {EPS_NAMES}))
-    return {{"out": rmsnorm(inputs["{x}"], weights["weight"], eps, num_warps=CONFIG["num_warps"], gemma=True)}}
-'''
+    return host_source("norm.rmsnorm_gemma", spec, config, "norm", "rmsnorm_op", x=spec.input_names[0], gemma=True)
 
 
 def _render_op(spec: TaskSpec, config: dict) -> str:
-    return header("norm.rmsnorm_op", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm"], config) + f'''
-
-def entry(inputs, weights, state, static):
-    eps = float(_static(static, {EPS_NAMES}))
-    return {{"out": rmsnorm(inputs["hidden_states"], weights["weight"], eps, num_warps=CONFIG["num_warps"])}}
-'''
+    return host_source("norm.rmsnorm_op", spec, config, "norm", "rmsnorm_op")
 
 
 def _render_rows(spec: TaskSpec, config: dict) -> str:
-    return header("norm.rmsnorm_rows", spec, ["from kernels_runtime.ops.rmsnorm import rmsnorm_rows"], config) + f'''
-
-def entry(inputs, weights, state, static):
-    eps = float(_static(static, {EPS_NAMES}))
-    return {{"out": rmsnorm_rows(inputs["hidden_states"], weights["weight"], eps, rows=CONFIG["ROWS"],
-                                 num_warps=CONFIG["num_warps"])}}
-'''
+    return host_source("norm.rmsnorm_rows", spec, config, "norm", "rmsnorm_rows_op")
 
 
 def _applies_gated(spec: TaskSpec) -> str | None:
@@ -67,13 +47,7 @@ def _applies_gated(spec: TaskSpec) -> str | None:
 
 
 def _render_gated(spec: TaskSpec, config: dict) -> str:
-    return header("norm.rmsnorm_gated", spec, ["from kernels_runtime.ops.rmsnorm import gated_rmsnorm"], config) + f'''
-
-def entry(inputs, weights, state, static):
-    eps = float(_static(static, {EPS_NAMES}))
-    return {{"out": gated_rmsnorm(inputs["hidden_states"], inputs.get("gate"), weights["weight"], eps,
-                                  rows=CONFIG["ROWS"], num_warps=CONFIG["num_warps"])}}
-'''
+    return host_source("norm.rmsnorm_gated", spec, config, "norm", "gated_rmsnorm_op")
 
 
 def _applies_layernorm(spec: TaskSpec) -> str | None:
@@ -87,14 +61,7 @@ def _applies_layernorm(spec: TaskSpec) -> str | None:
 
 
 def _render_layernorm(spec: TaskSpec, config: dict) -> str:
-    x = spec.input_names[0]
-    return header("norm.layernorm", spec, ["from kernels_runtime.ops.layernorm import layernorm"], config) + f'''
-
-def entry(inputs, weights, state, static):
-    eps = float(_static(static, "eps", {EPS_NAMES}))
-    return {{"out": layernorm(inputs["{x}"], weights["weight"], weights.get("bias"), eps, rows=CONFIG["ROWS"],
-                              num_warps=CONFIG["num_warps"])}}
-'''
+    return host_source("norm.layernorm", spec, config, "norm", "layernorm_op", x=spec.input_names[0])
 
 
 TEMPLATES = [
