@@ -546,6 +546,12 @@ class DecodeGraphs:
     # counted; () graphs every batch.
     buckets: tuple = ()
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the original forward's: generate reads it to decide whether to pass `position_ids` (per row, from a
+        # padded batch's attention mask); behind a bare (*args, **kwargs) the layers would get one row of positions
+        return inspect.signature(self.original)
+
     # ------------------------------------------------------------------------------------------------ call path
     def __call__(self, *args, **kwargs):
         if args:

@@ -414,7 +414,8 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     records the decode step's GPU time, so a run on a slow host ends with fewer rounds instead of being killed before
     its floor and step time (as a qwen3-4b optimize once was). At least one interleaved round runs per point when
     repeats > 1. deadline: Unix time by which the rounds end (the run's time budget): it shortens max_s to what is
-    left."""
+    left, and a point after the first is not started once it has passed (its rows say so): a run overruns its
+    budget by at most the first point's warm-ups."""
     from llm4llm.workload import call_script, load_script, load_workload
 
     unknown = [v for v in variants if v not in ALL_VARIANTS]
@@ -432,11 +433,19 @@ def evaluate_workload(workload_path: str, *, bundle: str | None = None, variants
     results: list[E2EResult] = []
     try:
         for k, point in enumerate(points):
+            if k and deadline is not None and time.time() >= deadline:
+                late = [_failed_row(v, point, PAST_DEADLINE) for v in variants]
+                results += [vs.emit(r) or r for r in late]
+                continue
             results += _evaluate_point(vs, variants, point, repeats, len(points) - k)
         return results
     finally:
         for slot in vs.slots.values():
             slot.teardown()
+
+
+PAST_DEADLINE = "not measured: the run's time budget ended before this point (raise --time-budget or evaluate it " \
+                "with `llm4llm evaluate --batch-sizes`)"
 
 
 def at_points(wl, batch_sizes: tuple[int, ...] | None = None, prompt_lens: tuple[int, ...] | None = None) -> list:

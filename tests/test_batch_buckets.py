@@ -218,3 +218,46 @@ def test_a_bundle_slower_at_the_regimes_largest_batch_keeps_only_the_smaller_buc
     assert bundle.batch_buckets[-1] == 32  # the accepted bundle itself is left as it was
     cpu = SimpleNamespace(on_gpu=False, wl=SimpleNamespace(regime=object(), batch_size=8))
     assert _regime_gate(cpu, bundle, object()) is None
+
+
+def test_decode_graphs_keep_generates_per_row_positions_of_a_left_padded_batch():
+    """generate derives each row's positions from the attention mask only when the model's forward takes
+    `position_ids` (it inspects the signature). The graphs' wrapper must show the original's signature: behind a
+    bare (*args, **kwargs) the layers got one row of positions ([1, 1, D] rotary tables) instead of the per-row
+    [B, 1, D] that extraction captured, so a decode-layer kernel guarded on extraction's shapes never ran in the
+    graphs (a serving regime's README run rejected it: "expected [8, 1, 128], got [1, 1, 128]"). Rotary is
+    shift-invariant, so the tokens agree either way; the shapes did not."""
+    import inspect
+
+    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
+    from tests.test_runtime_stateful import tiny
+
+    model = tiny("llama")
+    ids = torch.randint(1, 256, (3, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[1, :1] = 0, 0  # rows of 3, 5 and 6 tokens, left-padded
+    ids = ids * mask
+
+    def generate():
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                 cache_implementation="static", disable_compile=True, output_scores=True,
+                                 return_dict_in_generate=True)
+        return torch.stack(out.scores)
+
+    seen = []
+    model.model.layers[0].register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(tuple(kwargs["position_embeddings"][0].shape)), with_kwargs=True)
+    want = generate()
+    eager_rows = {s[0] for s in seen}
+    seen.clear()
+    graphs = enable_decode_graphs(model, backend="emulate", static_cache=True)
+    try:
+        assert "position_ids" in inspect.signature(model.forward).parameters
+        got = generate()
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+    assert stats["graphs"] == 1 and stats["replays"] >= 1, stats
+    assert eager_rows == {3} and {s[0] for s in seen} == {3}, seen
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

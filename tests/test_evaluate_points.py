@@ -8,6 +8,8 @@ from datetime import datetime
 from pathlib import Path
 
 import duckdb
+import time
+
 import pytest
 import torch
 
@@ -269,6 +271,23 @@ def test_each_variant_is_set_up_once_and_measured_afresh_at_every_point(tmp_path
     assert min(four.samples_ms) > max(one.samples_ms)  # batch 4's runs only: 4x the sleep of batch 1's
     ours = rows[3]
     assert 1.5 < ours.vs_eager < 2.6 and ours.decode_tokens_per_s == pytest.approx(4e3 / ours.decode_ms_per_token)
+
+
+def test_a_point_after_the_first_is_not_started_past_the_deadline(tmp_path, monkeypatch):
+    """A run's evaluation ends near its time budget: the first point is measured whatever the deadline (one
+    interleaved round at least), a later point is not started once the deadline has passed; its rows say why."""
+    (tmp_path / "s.py").write_text(FAKE)
+    (tmp_path / "wl.toml").write_text(TINY.replace('"../scripts/hf_generate.py"', '"s.py"'))
+    def setup(variant, model, clean, wl, script, bundle):
+        model.cost = 1.0
+        return ev._Slot(variant, model)
+
+    monkeypatch.setattr(ev, "_setup", setup)
+    rows = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager",), repeats=2, batch_sizes=(1, 4),
+                                deadline=time.time() - 1.0, results_path=None)
+    assert [(r.variant, r.batch_size) for r in rows] == [("eager", 1), ("eager", 4)]
+    assert rows[0].total_ms is not None and len(rows[0].samples_ms) == 2
+    assert rows[1].total_ms is None and rows[1].notes == ev.PAST_DEADLINE
 
 
 def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):

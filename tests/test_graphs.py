@@ -4,6 +4,8 @@ and copies into the recorded outputs. A real CUDA graph replays kernels only: wh
 capture is lost there, which the emulation cannot show; the GPU runs (docs/results) are the evidence for that."""
 from __future__ import annotations
 
+import inspect as _inspect
+
 import pytest
 import torch
 
@@ -517,11 +519,23 @@ def test_static_kv_cache_replays(prompt, model_type):
     assert stats["graphs"] == 1 and stats["refused"] == [] and stats["replays"] == 2 * (NEW_TOKENS - 1) - 1, stats
 
 
-def test_recurrent_gemma_replays_under_the_static_cache(prompt):
+def _hide_positions(monkeypatch):
+    """A caller that passes no position_ids: generate passes them only when forward's signature shows them, and the
+    wrapper shows the original's, so hide it."""
+    from kernels_runtime.graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "__signature__", property(lambda self: _inspect.signature(lambda *a, **k: 0)))
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["positions given", "positions counted"])
+def test_recurrent_gemma_replays_under_the_static_cache(prompt, monkeypatch, given):
     """RecurrentGemma under the static cache: recurrent blocks keep their state on themselves (adopted), attention
-    layers use StaticSlidingWindowLayer, whose Python counter the wrapper advances after each replay, and positions
-    come from that counter (passed in as position_ids). Once the window is full the layer rolls on a host branch:
-    those steps run eagerly. Generation matches eager throughout."""
+    layers use StaticSlidingWindowLayer, whose Python counter the wrapper advances after each replay. Positions are
+    generate's position_ids, or, from a caller that passes none, that counter's (passed in as position_ids). Once
+    the window is full the layer rolls on a host branch: those steps run eagerly. Generation matches eager
+    throughout."""
+    if not given:
+        _hide_positions(monkeypatch)
     model = tiny("recurrent_gemma", attention_window_size=8)
     long = dict(max_new_tokens=6)  # prompt 6 + 6 > window 8: the last steps meet a full window
 
@@ -534,7 +548,7 @@ def test_recurrent_gemma_replays_under_the_static_cache(prompt):
     def inspect(graphs):
         entry = next(iter(graphs.entries.values()))
         assert [s.attr for s in entry.module_slots] == ["conv1d_state", "recurrent_states"] * 2  # 2 recurrent blocks
-        assert entry.positions and "position_ids" in entry.static_inputs
+        assert entry.positions is not given and "position_ids" in entry.static_inputs
 
     stats = _graphed_like_eager(model, prompt, run, times=2, inspect=inspect)
     assert stats["graphs"] == 1 and stats["refused"] == [], stats
@@ -545,9 +559,11 @@ def test_recurrent_gemma_replays_under_the_static_cache(prompt):
 
 def test_recurrent_gemma_without_host_counted_positions_is_refused(prompt, monkeypatch):
     """What the position_ids hand-off is for: RecurrentGemma derives positions from the sliding-window layer's Python
-    counter, which a replay freezes; without them passed in, the second replay differs and the step stays eager."""
+    counter, which a replay freezes; from a caller that passes no position_ids, without them passed in, the second
+    replay differs and the step stays eager."""
     from kernels_runtime.graphs import DecodeGraphs
 
+    _hide_positions(monkeypatch)
     monkeypatch.setattr(DecodeGraphs, "pass_positions", False)
     model = tiny("recurrent_gemma", attention_window_size=8)
     graphs = enable_decode_graphs(model, backend="emulate")
