@@ -114,7 +114,7 @@ def test_static_layer_with_tma_gate_up_and_down_passes(layer_task):
     config = {**tpl.default(task.spec), "attn_num_splits": 4, "attn_BLOCK_N": 16, "gu_TMA": 4, "gu_BLOCK_N": 64,
               "gu_BLOCK_K": 128, "gu_TMA_PRE": True, "dn_TMA": 3, "dn_BLOCK_N": 8, "dn_BLOCK_K": 128}
     source = tpl.render(task.spec, config)
-    assert "TMA" in source
+    assert "'gu_TMA': 4" in source and "'dn_TMA': 3" in source  # the CONFIG line the host factory reads
     from kernels_runtime.ops import gemv as G
 
     launched = []

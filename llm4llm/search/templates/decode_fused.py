@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import occupancy_split, sm90_capable, sm_count, task_rows
 from llm4llm.search.templates.attention import (ATTN_DECODE, ATTN_STATIC, DECODE_OP, DECODE_STATIC_OP,
-                                                STATIC_ADAPTERS, STATIC_STEP, _STATIC_DEFAULT, _adapter,
-                                                cache_splits, mask_problem, module_softcap, static_mask_problem)
-from llm4llm.search.templates.attention import PRELUDE as ATTN_PRELUDE
-from llm4llm.search.templates.base import Template, header
+                                                STATIC_ADAPTERS, _STATIC_DEFAULT, _adapter, cache_splits,
+                                                mask_problem, module_softcap, static_mask_problem)
+from llm4llm.search.templates.base import Template, host_source
 from llm4llm.taskspec import TaskSpec
 
 GEMV = "kernels_runtime.ops.gemv"
+HOSTS = "decode_layer"  # kernels_runtime.hosts.decode_layer: the host code every rendered source imports
 OPS = ((GEMV, "gemv"), (GEMV, "gate_up_swiglu"), (GEMV, "gemv_residual_rmsnorm"), (GEMV, "qkv_norm_rope"))
 # DOT: tl.dot over x padded to 16 rows (the tensor cores, pipelined operand loads) instead of the fp32 FMA
 # reduction, for batches > 1 where the reduction path leaves bandwidth unused; an option the search tries, no default.
@@ -40,27 +40,6 @@ STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 40
 FMA_ROWS = [1, 2, 4, 8, 16]
 DOT_STAGES = [4, 3, 2]
 MAX_ROWS = 64  # kernels_runtime.ops.gemv.MAX_ROWS: the rows one weight pass serves
-
-# Pasted into rendered sources: the kwargs of each GEMV stage from CONFIG.
-STAGE_KWARGS = '''
-
-def _stage(prefix):
-    kw = {k[len(prefix):]: v for k, v in CONFIG.items() if k.startswith(prefix)}
-    kw["num_stages"] = CONFIG["num_stages"]
-    kw["PDL"] = bool(CONFIG.get("pdl", False))
-    if "fma_max_m" in CONFIG:
-        kw["FMA_MAX_M"] = CONFIG["fma_max_m"]
-    if "dot_stages" in CONFIG:
-        kw["DOT_STAGES"] = CONFIG["dot_stages"]
-    return kw
-
-
-def _mlp_prefetch(weights):
-    # l2pf_mlp_mb: o_proj asks the L2 for the first MB of gate/up (half each), the rows gate/up's first programs read
-    half = int(CONFIG.get("l2pf_mlp_mb") or 0) * (1 << 20) // 2
-    return ((weights["mlp.gate_proj.weight"], half), (weights["mlp.up_proj.weight"], half)) if half else ()
-'''
-
 
 def _stage_space(prefix: str) -> dict[str, list]:
     return {prefix + k: list(v) for k, v in STAGE.items()}
@@ -140,14 +119,7 @@ def _mlp_default(spec):
 
 
 def _mlp_render(spec, config):
-    return header("mlp.decode_gemv", spec, ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv"],
-                  config) + STAGE_KWARGS + '''
-
-def entry(inputs, weights, state, static):
-    x = inputs["x"]  # [B, 1, H]
-    h = gate_up_swiglu(x, weights["gate_proj.weight"], weights["up_proj.weight"], **_stage("gu_"))  # [B, 1, I]
-    return {"out": gemv(h, weights["down_proj.weight"], **_stage("dn_"))}
-'''
+    return host_source("mlp.decode_gemv", spec, config, HOSTS, "decode_mlp")
 
 
 # ------------------------------------------------------------------------------------------------------ attention
@@ -174,33 +146,6 @@ def _attn_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int, int]:
     return h, nq, nkv
 
 
-# The attention part shared by the attention and decoder-layer entries: q/k/v (+ norms + rotary) in one pass, the
-# past ++ new token (copies: the state-in is never modified), the split-KV decode attention.
-ATTN_STEP = '''
-
-def _attention(xin, inputs, weights, static, state, p, norm_w=None, norm_eps=1e-6):
-    B, S, _ = xin.shape
-    D = int(_static(static, p + "head_dim"))
-    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, 1, D]
-    qn, kn = weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight")
-    eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps")) if qn is not None else 1e-6
-    q, k, v = qkv_norm_rope(xin.reshape(B * S, -1), weights[p + "q_proj.weight"], weights[p + "k_proj.weight"],
-                            weights[p + "v_proj.weight"], cos.reshape(B * S, D), sin.reshape(B * S, D), D,
-                            q_norm_w=qn, k_norm_w=kn, eps=eps, norm_w=norm_w, norm_eps=norm_eps,
-                            **_stage("qkv_"))  # [B*S, H, D] views of one buffer
-    q = q.view(B, S, -1, D).transpose(1, 2)  # [B, Hq, 1, D]
-    k_all, _ = _with_past(state.get("key_cache"), k.view(B, S, -1, D).transpose(1, 2))  # [B, Hkv, S_past + 1, D]
-    v_all, _ = _with_past(state.get("value_cache"), v.view(B, S, -1, D).transpose(1, 2))
-    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # a padded batch's decode row [B, S_past + 1], or None
-    o = attention_decode(q, k_all, v_all, float(_static(static, p + "scaling")), kv_mask=kv_mask,
-                         **ATTN)  # [B, Hq, 1, D]
-    return o.transpose(1, 2).reshape(B * S, -1), k_all, v_all
-'''
-
-ATTN_IMPORTS = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope",
-                "from kernels_runtime.ops.attention_decode import attention_decode"]
-
-
 def _attn_space(spec):
     attn = {k: v for k, v in ATTN_DECODE.items() if k != "cache_update"}
     return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3], **rows_space(spec)}
@@ -214,15 +159,7 @@ def _attn_default(spec, prefix=""):
 
 
 def _attn_render(spec, config):
-    return header("attention.decode_fused_qkv", spec, ATTN_IMPORTS, config) + ATTN_PRELUDE + STAGE_KWARGS + \
-        ATTN_STEP + '''
-
-def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, 1, H]
-    o, k_all, v_all = _attention(x, inputs, weights, static, state, "")
-    out = gemv(o, weights["o_proj.weight"], **_stage("o_")).view(*x.shape[:-1], -1)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
-'''
+    return host_source("attention.decode_fused_qkv", spec, config, HOSTS, "decode_attention")
 
 
 # -------------------------------------------------------------------------------------------------- decoder layer
@@ -262,48 +199,19 @@ def _layer_default(spec):
             **_stage_default("dn_", h, i, sms)}
 
 
-def _layer_mlp(config) -> str:
-    """The entry's lines after the attention (o: [B, H*D] rows, x2 the residual rows): o_proj + the residual add +
-    post_attention_layernorm, gate/up + SwiGLU (g), h the residual of the down projection."""
-    if config["post_norm"] == "o_reduce":  # o_proj's reduction: residual add + the norm (one program per row)
-        mlp_in = '''    h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2, weights["post_attention_layernorm.weight"],
-                                  float(static["post_attention_layernorm.variance_epsilon"]),
-                                  l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
-    g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], **_stage("gu_"))
-'''
-    else:  # o_proj + residual; the norm folded into gate/up (every gate/up program reads the row for its rstd)
-        mlp_in = '''    h = gemv(o, weights["self_attn.o_proj.weight"], residual=x2, l2_prefetch=_mlp_prefetch(weights), **_stage("o_"))
-    g = gate_up_swiglu(h, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"],
-                       norm_w=weights["post_attention_layernorm.weight"],
-                       eps=float(static["post_attention_layernorm.variance_epsilon"]), **_stage("gu_"))
-'''
-    return mlp_in
-
-
 def _layer_render(spec, config):
-    return header("decoder_layer.decode_fused", spec, ATTN_IMPORTS, config) + ATTN_PRELUDE + STAGE_KWARGS + \
-        ATTN_STEP + '''
-
-def entry(inputs, weights, state, static):
-    # HF's pre-norm layer: h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_attention_layernorm(h))
-    x = inputs["hidden_states"]  # [B, 1, H]
-    x2 = x.reshape(-1, x.shape[-1])
-    o, k_all, v_all = _attention(x, inputs, weights, static, state, "self_attn.",
-                                 norm_w=weights["input_layernorm.weight"],
-                                 norm_eps=float(static["input_layernorm.variance_epsilon"]))
-''' + _layer_mlp(config) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
-    return {"out": out.view(x.shape), "state_out.key_cache": k_all, "state_out.value_cache": v_all}
-'''
+    return host_source("decoder_layer.decode_fused", spec, config, HOSTS, "decode_fused_layer")
 
 
 # ------------------------------------------------------------------------------------ decoder layer, static cache
 # decoder_layer.decode_static: the layer of decoder_layer.decode_fused on transformers' static KV cache (what decode
 # graphs run on): input_layernorm in the q/k/v GEMV's prologue (the raw projections, one pass over the three
 # weights), attention.decode_static's kernel for the q/k norms + rotary + the cache write at the device-side length
-# + split-KV attention (STATIC_STEP, the same call), then o_proj + residual + post_attention_layernorm, gate/up +
-# SwiGLU, down_proj + residual as decode_fused. Nothing is read on the host. The attention mask (every static-cache
-# call carries one) is honoured as attention.decode_static honours it: the kernel reads its decode row on the device
-# (a left-padded row's pad keys excluded); the forms it cannot read are refused (static_mask_problem).
+# + split-KV attention (kernels_runtime.hosts.attention_common.static_attention, the same call), then o_proj +
+# residual + post_attention_layernorm, gate/up + SwiGLU, down_proj + residual as decode_fused. Nothing is read on
+# the host. The attention mask (every static-cache call carries one) is honoured as attention.decode_static honours
+# it: the kernel reads its decode row on the device (a left-padded row's pad keys excluded); the forms it cannot
+# read are refused (static_mask_problem).
 
 ATTN_WEIGHTS = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                                      "q_norm.weight", "k_norm.weight")}
@@ -426,30 +334,7 @@ def _layer_static_seeds(spec: TaskSpec) -> list[dict]:
 
 
 def _layer_static_render(spec, config):
-    imports = ["from kernels_runtime.ops.gemv import gate_up_swiglu, gemv, gemv_residual_rmsnorm, qkv_norm_rope",
-               "from kernels_runtime.ops.attention_decode_static import attention_decode_static"]
-    return header("decoder_layer.decode_static", spec, imports, config) + ATTN_PRELUDE + STAGE_KWARGS + \
-        STATIC_STEP + '''
-
-def entry(inputs, weights, state, static):
-    # HF's pre-norm layer: h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_attention_layernorm(h))
-    x = inputs["hidden_states"]  # [B, 1, H]
-    B, S, _ = x.shape
-    x2 = x.reshape(-1, x.shape[-1])
-    D = int(_static(static, "self_attn.head_dim"))
-    # input_layernorm in the GEMV's prologue, the raw q/k/v (no rotary here: the attention kernel applies it)
-    q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
-                            weights["self_attn.v_proj.weight"], None, None, D,
-                            norm_w=weights["input_layernorm.weight"],
-                            norm_eps=float(static["input_layernorm.variance_epsilon"]),
-                            **_stage("qkv_"))  # [B*S, H, D] views of one buffer
-    q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
-    # q/k norms + rotary + the cache write at the device-side length + split-KV attention, the length advanced
-    o, state_out = _static_attention(q, k, v, inputs, weights, state, static, "self_attn.")  # [B, Hq, 1, D]
-    o = o.transpose(1, 2).reshape(B * S, -1)
-''' + _layer_mlp(config) + '''    out = gemv(g, weights["mlp.down_proj.weight"], residual=h, **_stage("dn_"))
-    return {"out": out.view(x.shape), **state_out}
-'''
+    return host_source("decoder_layer.decode_static", spec, config, HOSTS, "decode_static_layer")
 
 
 # -------------------------------------------------------------------------------------------------------- lm_head
@@ -472,11 +357,7 @@ def _lm_default(spec):
 
 
 def _lm_render(spec, config):
-    return header("lm_head.gemv", spec, ["from kernels_runtime.ops.gemv import gemv"], config) + STAGE_KWARGS + '''
-
-def entry(inputs, weights, state, static):
-    return {"out": gemv(inputs["input"], weights["weight"], **_stage("lm_"))}
-'''
+    return host_source("lm_head.gemv", spec, config, HOSTS, "lm_head")
 
 
 TEMPLATES = [
