@@ -173,3 +173,13 @@ def test_redact_masks_key_shapes_and_secret_env_values():
         assert secret not in out
     assert "/root" in out and " abc " in out and "prompt_tokens: 1234" in out and MASK in out
     assert redact_obj({"a": ["sk-zzzzzzzzzz", 3], "b": ("x",)}, env) == {"a": [MASK, 3], "b": ("x",)}
+
+
+def test_a_seed_shows_its_host_module_and_the_kernels_that_module_calls():
+    """A rendered template imports its host code from kernels_runtime.hosts; the kernels worth showing the model are
+    one import further (the seed itself is a few lines)."""
+    from llm4llm.llm.prompt import ops_sources
+
+    mods = [m for m, _ in ops_sources("from kernels_runtime.hosts.norm import rmsnorm_op\n")]
+    assert mods[0] == "kernels_runtime.hosts.norm" and "kernels_runtime.ops.rmsnorm" in mods, mods
+    assert "kernels_runtime.ops.layernorm" in mods and len(mods) == len(set(mods))

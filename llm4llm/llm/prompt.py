@@ -17,6 +17,7 @@ from llm4llm.taskspec import TaskSpec
 
 REFERENCE_CHARS = 12_000
 SEED_CHARS = 10_000
+SEED_MODULES = 4  # library modules shown with a seed (its host module first, then the kernels it calls)
 FEEDBACK_ITEMS = 8
 FEEDBACK_MESSAGE_CHARS = 1_200
 EXPERIENCE_CHARS = 4_000
@@ -100,20 +101,29 @@ def reference_source(module_class: str) -> str | None:
 
 
 def ops_sources(source: str) -> list[tuple[str, str]]:
-    """(module, source) of each `kernels_runtime.ops` or `kernels_runtime.hosts` module a seed imports: the seed is
-    often a thin wrapper and the kernel (or the template's host code) worth showing lives there."""
+    """(module, source) of each `kernels_runtime.ops` or `kernels_runtime.hosts` module a seed imports, and of the
+    modules such a host module imports in turn: the seed is often a thin wrapper, and the kernel (or the template's
+    host code and the kernels it calls) worth showing lives there."""
     import importlib.util
     import re
 
-    out = []
-    for mod in dict.fromkeys(re.findall(r"^\s*(?:from|import)\s+(kernels_runtime\.(?:ops|hosts)\.\w+)", source, re.M)):
+    pattern = re.compile(r"^\s*(?:from|import)\s+(kernels_runtime\.(?:ops|hosts)\.\w+)", re.M)
+    out, todo, seen = [], list(dict.fromkeys(pattern.findall(source))), set()
+    while todo:
+        mod = todo.pop(0)
+        if mod in seen:
+            continue
+        seen.add(mod)
         try:
             spec = importlib.util.find_spec(mod)
             if spec and spec.origin:
                 with open(spec.origin) as f:
-                    out.append((mod, f.read()))
+                    text = f.read()
         except (ImportError, OSError, ValueError):
             continue
+        out.append((mod, text))
+        if mod.startswith("kernels_runtime.hosts."):
+            todo += [m for m in pattern.findall(text) if m not in seen]
     return out
 
 
@@ -225,7 +235,7 @@ def build_messages(task: TaskSpec, experience: list[Any], feedback: list[Any], p
     if parts.seed_source:
         seed = f"# A working kernel to start from ({parts.seed_label}); beat it, do not copy it\n" \
                "```python\n" + _clip(parts.seed_source.rstrip(), SEED_CHARS) + "\n```"
-        for mod, text in ops_sources(parts.seed_source):
+        for mod, text in ops_sources(parts.seed_source)[:SEED_MODULES]:
             seed += f"\nwhere {mod} is:\n```python\n" + _clip(text.rstrip(), SEED_CHARS) + "\n```"
         sections.append(seed)
     sections.append(kind.final_instruction if kind else
