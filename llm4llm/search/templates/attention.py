@@ -5,11 +5,12 @@ state_out (a sliding-window cache keeps its last W - 1 positions), causal flash 
 window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
 transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
 device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
-the host that a graph would freeze (the same qkv_layout option; partial rotary too). Padded batches (left padding, as
-`generate` builds them): every template here passes the last query row of HF's 4-D bool mask (`_pad_keys`: HF
-builds it as the causal mask AND the 2-D padding mask, so that row is the padding mask; for a decode step it is the
-step's own row) to its kernel, which reads it on the device and excludes each row's pad keys; the mask forms they
-cannot read are refused (`mask_problem`), never attended causally."""
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). The host code of each is
+kernels_runtime/hosts/attention.py (the shared parts hosts/attention_common.py), which the rendered source imports.
+Padded batches (left padding, as `generate` builds them): every template here passes the last query row of HF's
+4-D bool mask (`pad_keys`: HF builds it as the causal mask AND the 2-D padding mask, so that row is the padding
+mask; for a decode step it is the step's own row) to its kernel, which reads it on the device and excludes each
+row's pad keys; the mask forms they cannot read are refused (`mask_problem`), never attended causally."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count,
@@ -75,6 +76,8 @@ ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128],
 ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
                "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
 
+# PRELUDE and STATIC_STEP: the string forms of kernels_runtime/hosts/attention_common.py, kept only while
+# decode_fused.py still pastes them (its conversion to the hosts module removes them).
 PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
 ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
 
@@ -268,7 +271,7 @@ def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
     return {"attn_num_splits": next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64), "attn_BLOCK_N": 32}
 
 
-# Pasted into rendered sources (after PRELUDE: ATTN) by every template that calls attention_decode_static: its
+# Pasted into rendered sources (after PRELUDE: ATTN) by decode_fused's templates (attention_decode_static's): its
 # call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
 # `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over the keys in [0, n] that
 # the call's attention mask lets the decode row see (a padded row's pad keys excluded; windowed by the module's
