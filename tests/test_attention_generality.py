@@ -160,10 +160,12 @@ def test_logit_soft_capping_follows_the_attention_implementation():
         assert (prefill.why_not(spec) is None) == (cap is None), prefill.why_not(spec)
     static_t = {t.name: t for t in TEMPLATES}["attention.decode_static"]
     spec = _spec(weights, adapter="StaticLayer", phase="decode")
-    ns: dict = {}
-    exec(static_t.render(spec, static_t.default(spec)), ns)  # the candidate's own rule, as the worker runs it
+    from kernels_runtime.hosts.attention_common import softcap
+
+    # the candidate's own rule, as the worker runs it: its host module's
+    assert "from kernels_runtime.hosts.attention import decode_static" in static_t.render(spec, static_t.default(spec))
     for impl, cap in (("eager", 50.0), ("sdpa", None), (None, 50.0)):
-        assert ns["_softcap"]({"config.attn_logit_softcapping": 50.0, "attn_implementation": impl}) == cap
+        assert softcap({"config.attn_logit_softcapping": 50.0, "attn_implementation": impl}) == cap
 
 
 # ---- tiny models through extraction, the applicability check and one trial ---------------------------------------
@@ -265,11 +267,13 @@ def test_attention_template_applies_and_a_trial_passes(attention_tasks, model_ty
         assert [g.name for g in v.gates if not g.passed] == [] and v.max_abs_err is not None and v.max_abs_err < 1e-4
 
 
-def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
+def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past(monkeypatch):
     """attention.prefill_flash's default attends a 16-bit prompt without a past or a window with
     attention_prefill_tma (TileMix's kernel with no INT8 tile, K/V by TMA on sm_90+): bit for bit attention_prefill
     at the same tiles under the interpreter, and exact, so acceptance does not take it for a lossy candidate; a
     past, a window, fp32 or flash_kernel = "pointer" go to attention_prefill."""
+    import kernels_runtime.ops.attention_prefill as attention_prefill_ops
+    from kernels_runtime.hosts.attention import flash_attend
     from kernels_runtime.ops.attention_prefill import attention_prefill
     from llm4llm.accept import Proposal, lossy_of
     from llm4llm.search.templates import TEMPLATES
@@ -294,18 +298,20 @@ def test_prefill_flash_takes_the_tma_kernel_for_a_prompt_without_a_past():
         ns: dict = {}
         exec(source, ns)
         calls = []
-        if kernel == "tma":
-            real = ns["attention_prefill_tma"]
-            ns["attention_prefill_tma"] = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+        real = attention_prefill_ops.attention_prefill_tma  # the host's factory imports it when the config says tma
+        monkeypatch.setattr(attention_prefill_ops, "attention_prefill_tma",
+                            lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        attend = flash_attend(ns["CONFIG"])  # the rendered entry's attention, built as its factory builds it
         plain = attention_prefill(q, k, v, 0.17, BLOCK_M=64, BLOCK_N=32)
-        assert torch.equal(ns["_attend"](q, k, v, 0.17, None), plain)
+        assert torch.equal(attend(q, k, v, 0.17, None), plain)
         assert len(calls) == (kernel == "tma")
         calls.clear()
-        ns["_attend"](q, k, v, 0.17, 8)  # a window
-        ns["_attend"](q.float(), k.float(), v.float(), 0.17, None)  # fp32
+        attend(q, k, v, 0.17, 8)  # a window
+        attend(q.float(), k.float(), v.float(), 0.17, None)  # fp32
         kp, vp = (torch.cat([torch.randn(1, 2, 3, 32).to(torch.bfloat16), t], 2) for t in (k, v))
-        ns["_attend"](q, kp, vp, 0.17, None)  # a prompt after 3 cached positions
+        attend(q, kp, vp, 0.17, None)  # a prompt after 3 cached positions
         assert calls == []
+        monkeypatch.undo()
     from kernels_runtime.ops.attention_prefill import attention_prefill_tma
 
     with pytest.raises(ValueError, match="without a past"):

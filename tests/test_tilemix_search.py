@@ -77,8 +77,12 @@ def test_verifier_judges_an_opted_in_candidate_by_the_lossy_bound_only(prefill_t
     v, _ = run_gates(str(opted), src, device="cpu", draws=1, timing=False)
     assert v.passed, v.message
     assert any("lossy: rel-L2 vs" in g.detail for g in v.gates), [g.detail for g in v.gates]
-    broken = src.replace("o = tilemix_attention(q, k_all, v_all,", "o = tilemix_attention(q, k_all, k_all,")
-    v, _ = run_gates(str(opted), broken, device="cpu", draws=1, timing=False)  # V replaced by K: far outside
+    # the output attends over V replaced by K's projection (the cache as it should be): far outside the bound
+    broken = src.replace("    return _entry(inputs, weights, state, static)",
+                         '    bad = _entry(inputs, {**weights, "v_proj.weight": weights["k_proj.weight"]}, state, static)\n'
+                         '    return {**_entry(inputs, weights, state, static), "out": bad["out"]}')
+    assert broken != src
+    v, _ = run_gates(str(opted), broken, device="cpu", draws=1, timing=False)
     assert not v.passed and v.failure_class == "wrong_output" and "lossy: rel-L2" in v.message
 
 
@@ -189,24 +193,28 @@ def test_bundle_records_the_routing_and_the_budget():
     assert again.patches[0].lossy == ps.lossy
 
 
-OLD_PAST = '''    k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
-    v_all, _ = _with_past(state.get("value_cache"), v)
-'''
+def _copied_past(state, k, v):
+    """The host's past step as it was first written: past ++ new into fresh buffers, a prompt without a past too."""
+    from kernels_runtime.hosts.attention_common import with_past
+
+    k_all, sp = with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
+    v_all, _ = with_past(state.get("value_cache"), v)
+    return k_all, v_all, sp
 
 
-def test_a_prompt_without_a_past_is_not_copied_and_gives_the_same_bits():
+def test_a_prompt_without_a_past_is_not_copied_and_gives_the_same_bits(monkeypatch):
     """The template's prompt path hands k, v to the kernel and the cache as they are: the same output and state
-    bits as the source that first copied them into fresh buffers (that source rebuilt from the rendering), and the
-    state-out is the rotary's own k and the projection's own v."""
+    bits as the host that first copied them into fresh buffers (its past step swapped back in), and the state-out is
+    the rotary's own k and the projection's own v."""
     from types import SimpleNamespace
+
+    import kernels_runtime.hosts.tilemix as host
 
     spec = SimpleNamespace(family="attention", phase="prefill", dtype="float32", static={}, hardware={})
     cfg = {**TILEMIX.default_fn(spec), "attn_BLOCK_M": 64, "attn_BLOCK_N": 64, "attn_num_warps": 4,
            "tm_coverage": 0.5}
     src = TILEMIX.render_fn(spec, cfg)
-    new_past = src[src.index("    if state.get(\"key_cache\") is None:"):src.index("    if sp == 0:")]
-    old_src = src.replace(new_past, OLD_PAST)
-    assert old_src != src and "_with_past(state.get(\"key_cache\"), k)" in new_past
+    assert "from kernels_runtime.hosts.tilemix import prefill_tilemix" in src
     g = torch.Generator().manual_seed(0)
     B, S, H, hq, hkv, D = 1, 96, 64, 4, 2, 32
     w = lambda o, i: torch.randn(o, i, generator=g) * i ** -0.5  # noqa: E731
@@ -218,9 +226,10 @@ def test_a_prompt_without_a_past_is_not_copied_and_gives_the_same_bits():
               "position_embeddings.1": ang.sin()[None]}
     static = {"head_dim": D, "scaling": D ** -0.5, "q_norm.variance_epsilon": 1e-6}
     outs = []
-    for source in (src, old_src):
+    for past in (host.prompt_or_past, _copied_past):
+        monkeypatch.setattr(host, "prompt_or_past", past)
         ns: dict = {"__name__": "tilemix_candidate"}
-        exec(compile(source, "<attention.prefill_tilemix>", "exec"), ns)  # noqa: S102
+        exec(compile(src, "<attention.prefill_tilemix>", "exec"), ns)  # noqa: S102
         outs.append(ns["entry"](inputs, weights, {}, static))
     new, old = outs
     for key in ("out", "state_out.key_cache", "state_out.value_cache"):

@@ -5,16 +5,17 @@ state_out (a sliding-window cache keeps its last W - 1 positions), causal flash 
 window where the module has one) or split-KV flash decoding (decode), the output projection (Triton linear). Under
 transformers' static KV cache (decode graphs), attention.decode_static: norms, rotary, the cache write at the
 device-side length and split-KV attention in one kernel (kernels_runtime/ops/attention_decode_static.py), nothing on
-the host that a graph would freeze (the same qkv_layout option; partial rotary too). Padded batches (left padding, as
-`generate` builds them): every template here passes the last query row of HF's 4-D bool mask (`_pad_keys`: HF
-builds it as the causal mask AND the 2-D padding mask, so that row is the padding mask; for a decode step it is the
-step's own row) to its kernel, which reads it on the device and excludes each row's pad keys; the mask forms they
-cannot read are refused (`mask_problem`), never attended causally."""
+the host that a graph would freeze (the same qkv_layout option; partial rotary too). The host code of each is
+kernels_runtime/hosts/attention.py (the shared parts hosts/attention_common.py), which the rendered source imports.
+Padded batches (left padding, as `generate` builds them): every template here passes the last query row of HF's
+4-D bool mask (`pad_keys`: HF builds it as the causal mask AND the 2-D padding mask, so that row is the padding
+mask; for a decode step it is the step's own row) to its kernel, which reads it on the device and excludes each
+row's pad keys; the mask forms they cannot read are refused (`mask_problem`), never attended causally."""
 from __future__ import annotations
 
 from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count,
                                               task_rows)
-from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates.base import Template, host_source
 from llm4llm.taskspec import TaskSpec
 
 ROTARY = ("kernels_runtime.ops.rotary", "rotary")
@@ -75,6 +76,8 @@ ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128],
 ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
                "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
 
+# PRELUDE and STATIC_STEP: the string forms of kernels_runtime/hosts/attention_common.py, kept only while
+# decode_fused.py still pastes them (its conversion to the hosts module removes them).
 PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
 ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
 
@@ -123,47 +126,12 @@ def _with_past(past, new, extra=0):
 '''
 
 
-# Pasted after PRELUDE by the templates with the qkv_layout key: QKV and O_PROJ are the module's names.
-QKV_PRELUDE = '''
-
-def _qkv(x, weights, static, B, S, D):
-    # q: [B, Hq, S, D], k/v: [B, Hkv, S, D], transposed views of the projections' outputs (no copies)
-    layout = CONFIG["qkv_layout"]
-    if layout == "split":
-        return tuple(_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
-    y = linear(x, weights[QKV + ".weight"], weights.get(QKV + ".bias"), **LIN)  # [B, S, (Hq + 2 Hkv) * D]
-    if layout == "heads":  # GPT-NeoX: view(B, S, H, 3D).transpose(1, 2).chunk(3, dim=-1)
-        y = y.view(B, S, -1, 3 * D).transpose(1, 2)  # [B, H, S, 3D]
-        return y[..., :D], y[..., D:2 * D], y[..., 2 * D:]
-    hkv = static.get("num_key_value_heads") or y.shape[-1] // (3 * D)  # Phi-3: [q | k | v] along the features
-    nq, nkv = y.shape[-1] - 2 * hkv * D, hkv * D
-    q, k, v = y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
-    return tuple(t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
-
-
-def _window(static):
-    # the module's window (Gemma-2), else its sliding cache layer's (Mistral keeps it on the config only)
-    w = static.get("sliding_window") or WINDOW
-    return int(w) if w else None
-
-
-def _kept(t, window):
-    # [B, Hkv, L, D] -> what the cache keeps: DynamicSlidingWindowLayer the last W - 1 positions (all while fewer)
-    return t[:, :, -window + 1:] if SLIDING_CACHE and window else t
-
-
-def _out(o, weights, B, S):
-    # o: [B, H, S, D] -> the output projection of [B, S, H * D]
-    return linear(o.transpose(1, 2).reshape(B, S, -1), weights[O_PROJ + ".weight"], weights.get(O_PROJ + ".bias"),
-                  **LIN)
-'''
-
-
-def _qkv_prelude(spec: TaskSpec) -> str:
+def _names(spec: TaskSpec) -> dict:
+    """The module's names the hosts' `Attention` takes: the fused q/k/v projection (None: split), the output
+    projection, and from the recipe's cache state the sliding layer's window and whether the cache keeps only it."""
     state = (spec.recipe or {}).get("state") or {}
-    return PRELUDE + f"\nQKV, O_PROJ = {_fused_name(spec)!r}, {_o_name(spec)!r}\n" + \
-        f"WINDOW, SLIDING_CACHE = {state.get('sliding_window')!r}, {state.get('adapter') == SLIDING_ADAPTER!r}\n" + \
-        QKV_PRELUDE
+    return {"qkv": _fused_name(spec), "o_proj": _o_name(spec), "window": state.get("sliding_window"),
+            "sliding_cache": state.get("adapter") == SLIDING_ADAPTER}
 
 
 def _fused_name(spec: TaskSpec) -> str | None:
@@ -265,74 +233,12 @@ def _applies_static(spec: TaskSpec) -> str | None:
     return f"attention.decode_static: {why}" if why else None
 
 
-def _imports(extra: list[str]) -> list[str]:
-    return ["from kernels_runtime.ops.linear import linear",
-            "from kernels_runtime.ops.rotary import rotary, qk_norm_rotary", *extra]
-
-
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    ops = "attention_prefill, attention_prefill_tma, tma_applies" if config.get("flash_kernel") == "tma" else \
-        "attention_prefill"
-    return header("attention.prefill_flash", spec, _imports([f"from kernels_runtime.ops.attention_prefill import "
-                                                             f"{ops}"]), config) + _qkv_prelude(spec) + '''
-
-def _attend(q, k_all, v_all, scale, window, kv_mask=None):
-    # a 16-bit prompt without a past, a window or padding (head_dim <= 128): the bf16 flash kernel whose fully
-    # visible K/V tiles come by TMA (sm_90+; pointers elsewhere); else, and with flash_kernel = "pointer",
-    # attention_prefill (the padded rows' pad keys excluded)
-    if CONFIG.get("flash_kernel") == "tma" and kv_mask is None and tma_applies(q, k_all, window):
-        return attention_prefill_tma(q, k_all, v_all, scale, **ATTN)
-    return attention_prefill(q, k_all, v_all, scale, sliding_window=window, kv_mask=kv_mask, **ATTN)
-
-
-def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, S, H]
-    B, S, _ = x.shape
-    D = _head_dim(static)
-    q, k, v = _qkv(x, weights, static, B, S, D)
-    q, k = _rope(q, k, inputs, weights, static)
-    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
-    v_all, _ = _with_past(state.get("value_cache"), v)
-    window = _window(static)
-    kv_mask = _pad_keys(inputs, B, k_all.shape[2], window)  # [B, S_past + S] or None
-    o = _attend(q, k_all, v_all, float(_static(static, "scaling")), window, kv_mask)  # [B, Hq, S, D]
-    out = _out(o, weights, B, S)
-    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
-'''
+    return host_source("attention.prefill_flash", spec, config, "attention", "prefill_flash", **_names(spec))
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.attention_decode import attention_decode, attention_decode_update"])
-    if config["cache_update"] == "fused":
-        body = '''    k_all, sp = _with_past(state.get("key_cache"), k, extra=1)  # [B, Hkv, S_past + 1, D]
-    v_all, _ = _with_past(state.get("value_cache"), v, extra=1)
-    lo = max(0, sp + 1 - window) if window else 0  # the window's first position
-    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # [B, S_past + 1] or None
-    # writes position S_past (through the views), attends over [lo, S_past]
-    o = attention_decode_update(q, k, v, k_all[:, :, lo:], v_all[:, :, lo:], sp - lo, scale,
-                                kv_mask=None if kv_mask is None else kv_mask[:, lo:], **ATTN)
-'''
-    else:
-        body = '''    k_all, _ = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + 1, D]
-    v_all, _ = _with_past(state.get("value_cache"), v)
-    lo = max(0, k_all.shape[2] - window) if window else 0  # the window's first position
-    kv_mask = _pad_keys(inputs, B, k_all.shape[2])  # [B, S_past + 1] or None
-    o = attention_decode(q, k_all[:, :, lo:], v_all[:, :, lo:], scale,
-                         kv_mask=None if kv_mask is None else kv_mask[:, lo:], **ATTN)
-'''
-    return header("attention.decode_splitkv", spec, imports, config) + _qkv_prelude(spec) + '''
-
-def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, 1, H]
-    B, S, _ = x.shape
-    D = _head_dim(static)
-    scale = float(_static(static, "scaling"))
-    q, k, v = _qkv(x, weights, static, B, S, D)
-    q, k = _rope(q, k, inputs, weights, static)  # q: [B, Hq, 1, D], k: [B, Hkv, 1, D]
-    window = _window(static)
-''' + body + '''    out = _out(o, weights, B, S)
-    return {"out": out, "state_out.key_cache": _kept(k_all, window), "state_out.value_cache": _kept(v_all, window)}
-'''
+    return host_source("attention.decode_splitkv", spec, config, "attention", "decode_splitkv", **_names(spec))
 
 
 _STATIC_DEFAULT = {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 128, "lin_num_warps": 4, "attn_BLOCK_N": 64,
@@ -365,7 +271,7 @@ def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
     return {"attn_num_splits": next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64), "attn_BLOCK_N": 32}
 
 
-# Pasted into rendered sources (after PRELUDE: ATTN) by every template that calls attention_decode_static: its
+# Pasted into rendered sources (after PRELUDE: ATTN) by decode_fused's templates (attention_decode_static's): its
 # call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
 # `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over the keys in [0, n] that
 # the call's attention mask lets the decode row see (a padded row's pad keys excluded; windowed by the module's
@@ -408,17 +314,9 @@ def _static_attention(q, k, v, inputs, weights, state, static, p=""):
 
 
 def _render_static(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.attention_decode_static import attention_decode_static"])
-    return header("attention.decode_static", spec, imports, config) + _qkv_prelude(spec) + STATIC_STEP + '''
-
-def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, 1, H]
-    B, S, _ = x.shape
-    D = _head_dim(static)
-    q, k, v = _qkv(x, weights, static, B, S, D)  # [B, H, 1, D] views
-    o, state_out = _static_attention(q, k, v, inputs, weights, state, static)  # [B, Hq, 1, D]
-    return {"out": _out(o, weights, B, S), **state_out}
-'''
+    names = _names(spec)
+    return host_source("attention.decode_static", spec, config, "attention", "decode_static", qkv=names["qkv"],
+                       o_proj=names["o_proj"])
 
 
 TEMPLATES = [

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LINEAR_OP
 from llm4llm.search.templates._linear import sm90_capable
-from llm4llm.search.templates.attention import (LIN_PREFILL, LIN_PREFILL_DEFAULT, LIN_PREFILL_INACTIVE, PRELUDE,
-                                                 QK_NORM_ROTARY, ROPE, ROTARY, _applies, _imports, _split_only)
-from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates.attention import (LIN_PREFILL, LIN_PREFILL_DEFAULT, LIN_PREFILL_INACTIVE,
+                                                 QK_NORM_ROTARY, ROPE, ROTARY, _applies, _split_only)
+from llm4llm.search.templates.base import Template, host_source
 from llm4llm.taskspec import TaskSpec
 
 TILEMIX_OP = ("kernels_runtime.ops.tilemix_attention", "tilemix_attention")
@@ -33,45 +33,9 @@ def _applies_tilemix(spec: TaskSpec) -> str | None:
 
 
 def _render(spec: TaskSpec, config: dict) -> str:
-    imports = _imports(["from kernels_runtime.ops.attention_prefill import attention_prefill",
-                        "from kernels_runtime.ops.tilemix_attention import tilemix_attention",
-                        "from kernels_runtime.ops.tilemix_masks import build_tile_mask"])
-    return header(NAME, spec, imports, config) + PRELUDE + '''
-LOSSY = {"kind": "tilemix", "template": CONFIG["tm_template"], "coverage": CONFIG["tm_coverage"]}
-_MASKS = {}  # the routing of a prompt length: static, built once
-
-
-def _mask(S, device):
-    if (S, str(device)) not in _MASKS:
-        _MASKS[(S, str(device))] = build_tile_mask(CONFIG["tm_template"], CONFIG["tm_coverage"], S, device=device)
-    return _MASKS[(S, str(device))]
-
-
-def entry(inputs, weights, state, static):
-    x = inputs["hidden_states"]  # [B, S, H]
-    B, S, _ = x.shape
-    D = int(_static(static, "head_dim"))
-    scale = float(_static(static, "scaling"))
-    q, k, v = (_proj(x, weights, n, B, S, D) for n in ("q_proj", "k_proj", "v_proj"))
-    q, k = _rope(q, k, inputs, weights, static)
-    if state.get("key_cache") is None:  # a prompt without a past: the kernel takes k, v through their strides
-        k_all, v_all, sp = k, v, 0  # and the cache keeps them as they are (no copy into a fresh buffer)
-    else:
-        k_all, sp = _with_past(state.get("key_cache"), k)  # [B, Hkv, S_past + S, D]
-        v_all, _ = _with_past(state.get("value_cache"), v)
-    if sp == 0:  # self-attention over the prompt: routed per tile group; TileMix routes an unpadded prompt's tiles,
-        # so a padded batch (HF's mask given) takes the exact kernel, each row's pad keys excluded
-        kv_mask = _pad_keys(inputs, B, S)  # [B, S] or None
-        if kv_mask is None:
-            o = tilemix_attention(q, k_all, v_all, _mask(S, q.device), scale, TMA=CONFIG.get("tm_tma", False),
-                                  **ATTN)  # [B, Hq, S, D]
-        else:
-            o = attention_prefill(q, k_all, v_all, scale, kv_mask=kv_mask, **ATTN)
-    else:  # a prefill that extends a cache: TileMix routes one prompt's own score matrix, so the plain kernel
-        o = attention_prefill(q, k_all, v_all, scale, kv_mask=_pad_keys(inputs, B, k_all.shape[2]), **ATTN)
-    out = linear(o.transpose(1, 2).reshape(B, S, -1), weights["o_proj.weight"], weights.get("o_proj.bias"), **LIN)
-    return {"out": out, "state_out.key_cache": k_all, "state_out.value_cache": v_all}
-'''
+    # LOSSY: the routing the candidate declares, read from the source (verify.gates.lossy_of_source) and the module
+    lossy = 'LOSSY = {"kind": "tilemix", "template": CONFIG["tm_template"], "coverage": CONFIG["tm_coverage"]}'
+    return host_source(NAME, spec, config, "tilemix", "prefill_tilemix", extra=lossy)
 
 
 def _tiles_default(spec: TaskSpec) -> dict:
