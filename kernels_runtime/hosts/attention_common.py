@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels_runtime.hosts import prefixed, static_value
+from kernels_runtime.ops.attention_decode_static import attention_decode_static
 from kernels_runtime.ops.linear import linear
 from kernels_runtime.ops.rotary import qk_norm_rotary, rotary
 
@@ -118,8 +119,6 @@ def static_attention(q, k, v, inputs, weights, state, static, config: dict, p: s
     cache, attends over the keys in [0, n] the call's mask lets the decode row see (a padded row's pad keys
     excluded; windowed by the module's sliding_window), advances n, all in place, so the state-out is the state-in
     tensors. Returns o [B, Hq, 1, D] and the state-out."""
-    from kernels_runtime.ops.attention_decode_static import attention_decode_static
-
     kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
     # the decode row of HF's [B, 1, 1, S_max] mask: read by the kernel, so a graph replay sees new values; checked
     # before anything is written

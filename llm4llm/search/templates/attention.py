@@ -13,7 +13,7 @@ mask; for a decode step it is the step's own row) to its kernel, which reads it 
 row's pad keys; the mask forms they cannot read are refused (`mask_problem`), never attended causally."""
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import (LIN_KWARGS, LINEAR_OP, occupancy_seeds, sm90_capable, sm_count,
+from llm4llm.search.templates._linear import (LINEAR_OP, occupancy_seeds, sm90_capable, sm_count,
                                               task_rows)
 from llm4llm.search.templates.base import Template, host_source
 from llm4llm.taskspec import TaskSpec
@@ -75,56 +75,6 @@ ATTN_DECODE = {"cache_update": ["fused", "copy"], "attn_BLOCK_N": [32, 64, 128],
                "attn_num_warps": [4, 8]}
 ATTN_STATIC = {"attn_BLOCK_N": [16, 32, 64, 128], "attn_num_splits": [None, 4, 8, 16, 32, 64],
                "attn_num_warps": [2, 4, 8], "attn_num_stages": [1, 2, 3]}
-
-# PRELUDE and STATIC_STEP: the string forms of kernels_runtime/hosts/attention_common.py, kept only while
-# decode_fused.py still pastes them (its conversion to the hosts module removes them).
-PRELUDE = LIN_KWARGS + '''ROPE = {k[5:]: v for k, v in CONFIG.items() if k.startswith("rope_")}
-ATTN = {k[5:]: v for k, v in CONFIG.items() if k.startswith("attn_")}
-
-
-def _proj(x, weights, name, B, S, D):
-    # [B, S, H*D] -> [B, H, S, D] (a transposed view, as HF lays it out)
-    return linear(x, weights[name + ".weight"], weights.get(name + ".bias"), **LIN).view(B, S, -1, D).transpose(1, 2)
-
-
-def _rope(q, k, inputs, weights, static):
-    cos, sin = inputs["position_embeddings.0"], inputs["position_embeddings.1"]  # [B, S, R], R < D: partial
-    if "q_norm.weight" in weights:
-        eps = float(_static(static, "q_norm.variance_epsilon", "q_norm.eps", "rms_norm_eps"))
-        return qk_norm_rotary(q, k, cos, sin, weights["q_norm.weight"], weights["k_norm.weight"], eps, **ROPE)
-    return rotary(q, k, cos, sin, **ROPE)
-
-
-def _head_dim(static):
-    return int(_static(static, "head_dim", "head_size"))
-
-
-def _pad_keys(inputs, B, kv_len, window=None):
-    # a padded batch's key mask [B, kv_len], read by the kernel on the device; None without a mask (causal only).
-    # HF's [B, 1, S, kv_len] bool mask is causal AND window AND padding-at-the-key, so its last row (a view) is the
-    # padding where nothing windows it, and a key is real where any row sees it (exact with a window too)
-    m = inputs.get("attention_mask")
-    if m is None:
-        return None
-    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:2]) != (B, 1) or m.shape[-1] != kv_len:
-        raise ValueError(f"attention mask: expected HF's [{B}, 1, S, {kv_len}] bool mask (SDPA), got "
-                         f"{tuple(m.shape)} {m.dtype}")
-    return m[:, 0].any(dim=1) if window and m.shape[2] > 1 else m[:, 0, -1]
-
-
-def _with_past(past, new, extra=0):
-    # [B, Hkv, S_past, D] ++ [B, Hkv, S, D] by copies into a new buffer (the state-in is never modified);
-    # `extra` > 0 leaves that many positions unwritten after the past instead of copying `new`.
-    sp = 0 if past is None else past.shape[2]
-    B, H, S, D = new.shape
-    out = torch.empty((B, H, sp + (extra or S), D), dtype=new.dtype, device=new.device)
-    if sp:
-        out[:, :, :sp].copy_(past)
-    if not extra:
-        out[:, :, sp:].copy_(new)
-    return out, sp
-'''
-
 
 def _names(spec: TaskSpec) -> dict:
     """The module's names the hosts' `Attention` takes: the fused q/k/v projection (None: split), the output
@@ -269,48 +219,6 @@ def cache_splits(spec: TaskSpec, prefix: str = "") -> dict:
         return {"attn_num_splits": None, "attn_BLOCK_N": 32}
     heads, sms = max(1, kv_width // head_dim), sm_count(spec)
     return {"attn_num_splits": next((n for n in (4, 8, 16, 32, 64) if heads * n >= sms), 64), "attn_BLOCK_N": 32}
-
-
-# Pasted into rendered sources (after PRELUDE: ATTN) by decode_fused's templates (attention_decode_static's): its
-# call on the projections q/k/v, the static values and weights read under the prefix `p` (a decoder layer's
-# `self_attn.`). Writes the rotated k and v at position n of the static cache, attends over the keys in [0, n] that
-# the call's attention mask lets the decode row see (a padded row's pad keys excluded; windowed by the module's
-# sliding_window), advances n: all in place, so the state-out is the state-in tensors.
-STATIC_STEP = '''
-
-def _opt(static, *names):
-    for n in names:
-        if static.get(n) is not None:
-            return static[n]
-    return None
-
-
-def _softcap(static, p=""):
-    # the cap the module applies: transformers' SDPA path ignores it (templates.attention.module_softcap)
-    if "sdpa" in str(static.get(p + "attn_implementation") or ""):
-        return None
-    return _opt(static, p + "attn_logit_softcapping", p + "config.attn_logit_softcapping")
-
-
-def _static_attention(q, k, v, inputs, weights, state, static, p=""):
-    # q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] (views) -> o [B, Hq, 1, D], the state-out (the state-in, written)
-    kc, vc, n = state["key_cache"], state["value_cache"], state["cache_len"]  # [B, Hkv, S_max, D], 0-d int64
-    # the decode row of HF's [B, 1, 1, S_max] mask: read by the kernel, so a graph replay sees new values; checked
-    # before anything is written
-    kv_mask = _pad_keys(inputs, q.shape[0], kc.shape[2])
-    norm = p + "q_norm.weight" in weights
-    eps = float(_static(static, p + "q_norm.variance_epsilon", p + "q_norm.eps", "rms_norm_eps")) if norm else 1e-6
-    window = _opt(static, p + "sliding_window")
-    cap = _softcap(static, p)
-    o = attention_decode_static(
-        q, k, v, kc, vc, n, inputs["position_embeddings.0"], inputs["position_embeddings.1"],
-        float(_static(static, p + "scaling")), q_norm_weight=weights.get(p + "q_norm.weight"),
-        k_norm_weight=weights.get(p + "k_norm.weight"), eps=eps, sliding_window=int(window) if window else None,
-        softcap=float(cap) if cap else None, kv_mask=kv_mask, PDL=bool(CONFIG.get("pdl", False)),
-        # o_proj's weight into L2 while the attention leaves HBM idle (l2pf_o: decoder_layer.decode_static)
-        l2_prefetch=weights.get(p + "o_proj.weight") if CONFIG.get("l2pf_o") else None, **ATTN)
-    return o, {"state_out.key_cache": kc, "state_out.value_cache": vc, "state_out.cache_len": n}
-'''
 
 
 def _render_static(spec: TaskSpec, config: dict) -> str:
