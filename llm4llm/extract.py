@@ -62,9 +62,10 @@ class _Observed:
 class _Recorder:
     """Forward hooks that name every call of the candidate instances, per phase."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module], max_cases: int):
+    def __init__(self, modules: dict[str, torch.nn.Module], max_cases: int, phases: tuple[str, ...] = PHASES):
         self.modules = modules
         self.max_cases = max_cases
+        self.phases = phases  # the phases whose calls are captured (the static-cache capture needs decode only)
         self.observed: dict[tuple[str, str], _Observed] = defaultdict(_Observed)
         self._pending: dict[str, list] = defaultdict(list)
         self._handles: list = []
@@ -87,7 +88,7 @@ class _Recorder:
 
     def _pre(self, path, module, args, kwargs):
         phase = CURRENT_PHASE.get()
-        obs = self.observed[(path, phase)] if phase is not None else None
+        obs = self.observed[(path, phase)] if phase in self.phases else None
         if obs is None or obs.error:
             self._pending[path].append(None)
             return
@@ -393,6 +394,18 @@ def candidate_records(model: torch.nn.Module, profile: ProfileResult, min_score:
 DYNAMIC_KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
+def _host_note(observed: dict[tuple[str, str], _Observed]) -> str:
+    """The cases kept in host memory and the process's peak resident memory: a serving regime's extraction once
+    rose to 109 of a host's 128 GB, and this line says how much of that its cases are."""
+    import resource
+
+    calls = [c for obs in observed.values() for c in obs.calls]
+    kept = sum(t.numel() * t.element_size() for c in calls
+               for d in (c.inputs, c.state, c.outputs, c.state_out) for t in d.values() if isinstance(t, torch.Tensor))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+    return f"{len(calls)} cases kept, {kept / 2 ** 30:.2f} GiB of tensors; process peak {peak:.1f} GiB resident"
+
+
 def _kv_decode_paths(observed: dict[tuple[str, str], _Observed]) -> list[str]:
     return [path for (path, phase), obs in observed.items()
             if phase == "decode" and obs.calls
@@ -408,12 +421,14 @@ def _capture_static(model: torch.nn.Module, run_fn: Callable[[], Any], modules: 
 
     saved = _static_generation(model)
     try:
-        with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
+        # decode calls only: a prompt's calls on the static cache carry the whole cache in and out (state at the
+        # regime's largest corner, every layer), and nothing reads them
+        with PhaseTracker(model), _Recorder(modules, max_cases, phases=("decode",)) as recorder:
             run_fn()
     finally:
         for k, v in saved.items():
             setattr(model.generation_config, k, v)
-    return {key: obs for key, obs in recorder.observed.items() if key[1] == "decode"}
+    return dict(recorder.observed)
 
 
 def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: ProfileResult, out_root: Path, *,
@@ -436,9 +451,11 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     modules = {r.module_path: named[r.module_path] for r in records}
     with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
         run_fn()
+    print(f"extract: {_host_note(recorder.observed)} after the capture")
     kv_paths = _kv_decode_paths(recorder.observed) if static_cache else []
     if kv_paths:
         static_obs = _capture_static(model, run_fn, {p: modules[p] for p in kv_paths}, max_cases)
+        print(f"extract: {_host_note(static_obs)} after the static-cache capture")
         for path in kv_paths:
             recorder.observed[(path, "decode")] = static_obs.get((path, "decode"), _Observed())
 

@@ -311,3 +311,21 @@ def test_a_16_bit_rerun_within_two_ulps_reproduces_and_more_does_not():
     near[0, 0] += 0.03125
     far[0, 0] += 0.0625
     assert _mismatch(near, small) == "" and "max abs err" in _mismatch(far, small)
+
+
+def test_the_static_cache_capture_records_decode_calls_only():
+    """The second capture (on the static cache) serves the KV decode tasks only; a prompt's calls there carry the
+    whole cache in and out at every layer (at a serving regime's largest corner, gigabytes of host memory), so they
+    are not captured at all."""
+    from kernels_runtime.phase import PhaseTracker
+    from llm4llm.extract import _Recorder
+    from tests.test_runtime_stateful import tiny
+
+    model = tiny("llama")
+    layers = {f"model.layers.{i}": layer for i, layer in enumerate(model.model.layers)}
+    prompt = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    with PhaseTracker(model), _Recorder(layers, max_cases=4, phases=("decode",)) as rec, torch.inference_mode():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    assert {phase for _, phase in rec.observed} == {"decode"}
+    assert all(obs.calls for obs in rec.observed.values()) and len(rec.observed) == len(layers)
