@@ -21,7 +21,7 @@ MIXER = "mixer."
 STATE_IN_PLACE = 'STATE_IN_PLACE = CONFIG["state_inplace"]'
 
 
-def renderer(template: str, module: str, factory: str, block: bool = False) -> Callable[[TaskSpec, dict], str]:
+def host_renderer(template: str, module: str, factory: str, block: bool = False) -> Callable[[TaskSpec, dict], str]:
     """render_fn of a mixer or block template: its host factory in kernels_runtime.hosts.<module>, a block's over
     the `mixer.` part of its weights and static values, STATE_IN_PLACE declared where the config chooses it."""
     names = {"prefix": MIXER} if block else {}

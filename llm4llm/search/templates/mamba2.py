@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from llm4llm.search.templates._linear import LINEAR_OP, linear_default, linear_space, occupancy_seeds
 from llm4llm.search.templates.base import Template
-from llm4llm.search.templates.blocks import block_applies, renderer
+from llm4llm.search.templates.blocks import block_applies, host_renderer
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -80,7 +80,8 @@ def _space_fused(spec: TaskSpec) -> dict[str, list]:
     lin = linear_space(spec)
     lin.pop("lin_TF32", None)
     return {**lin, "in_BLOCK_C": [16, 32, 64, 128], "in_BLOCK_H": [64, 128, 256, 512], "in_num_warps": [2, 4, 8],
-            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **_norm_space(spec), "state_inplace": [True, False],
+            "ssd_BLOCK_P": [16, 32, 64], "ssd_num_warps": [2, 4, 8], **_norm_space(spec),
+            "state_inplace": [True, False],
             "out_gnorm_fused": [True, False]}  # the gated norm in out_proj's GEMV (its own launch otherwise)
 
 
@@ -93,12 +94,12 @@ def _default_fused(spec: TaskSpec) -> dict:
             "state_inplace": True}  # the kernels update the cache's states: no write-back copies (2 launches a layer)
 
 
-_render_prefill = renderer("ssm_mixer.mamba2", "mamba2", "mamba2_prefill")
-_render_decode = renderer("ssm_mixer.mamba2_decode", "mamba2", "mamba2_decode")
-_render_block_prefill = renderer("ssm_block.mamba2", "mamba2", "mamba2_block_prefill", block=True)
-_render_decode_fused = renderer("ssm_mixer.mamba2_decode_fused", "mamba2", "mamba2_decode_fused")
-_render_block_decode_fused = renderer("ssm_block.mamba2_decode_fused", "mamba2", "mamba2_block_decode_fused",
-                                      block=True)
+_render_prefill = host_renderer("ssm_mixer.mamba2", "mamba2", "mamba2_prefill")
+_render_decode = host_renderer("ssm_mixer.mamba2_decode", "mamba2", "mamba2_decode")
+_render_block_prefill = host_renderer("ssm_block.mamba2", "mamba2", "mamba2_block_prefill", block=True)
+_render_decode_fused = host_renderer("ssm_mixer.mamba2_decode_fused", "mamba2", "mamba2_decode_fused")
+_render_block_decode_fused = host_renderer("ssm_block.mamba2_decode_fused", "mamba2", "mamba2_block_decode_fused",
+                                           block=True)
 
 TEMPLATES = [
     Template(name="ssm_mixer.mamba2", family="ssm_mixer", phases=("prefill",),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from llm4llm.search.templates._linear import (LINEAR_OP, linear_default, linear_space, occupancy_seeds, programs_block,
                                               sm_count)
 from llm4llm.search.templates.base import Template
-from llm4llm.search.templates.blocks import block_applies, renderer
+from llm4llm.search.templates.blocks import block_applies, host_renderer
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -115,12 +115,12 @@ def _applies_fused(spec: TaskSpec) -> str | None:
     return None
 
 
-_render_prefill = renderer("ssm_mixer.mamba", "ssm", "mamba_prefill")
-_render_decode = renderer("ssm_mixer.mamba_decode", "ssm", "mamba_decode")
-_render_block_prefill = renderer("ssm_block.mamba", "ssm", "mamba_block_prefill", block=True)
-_render_decode_fused = renderer("ssm_mixer.mamba_decode_fused", "ssm", "mamba_decode_fused")
-_render_block_decode_fused = renderer("ssm_block.mamba_decode_fused", "ssm", "mamba_block_decode_fused",
-                                      block=True)
+_render_prefill = host_renderer("ssm_mixer.mamba", "ssm", "mamba_prefill")
+_render_decode = host_renderer("ssm_mixer.mamba_decode", "ssm", "mamba_decode")
+_render_block_prefill = host_renderer("ssm_block.mamba", "ssm", "mamba_block_prefill", block=True)
+_render_decode_fused = host_renderer("ssm_mixer.mamba_decode_fused", "ssm", "mamba_decode_fused")
+_render_block_decode_fused = host_renderer("ssm_block.mamba_decode_fused", "ssm", "mamba_block_decode_fused",
+                                           block=True)
 
 XPROJ_OPTION = ("xproj_rms",)  # a property of the module (Falcon-Mamba or not), settled by the applicability check
 
