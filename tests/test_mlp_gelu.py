@@ -49,7 +49,7 @@ def test_gelu_mlps_pass_the_prefilter_and_swiglu_does_not_claim_them(up, down, a
         assert GELU.why_not(spec) is None and _gelu_form(spec) == form
         assert SWIGLU.why_not(spec) is not None
         src = GELU.render(spec, GELU.default(spec))
-        assert f'"{up}.weight"]' in src and f"{form!r}" in src and ".T" not in src
+        assert f"up={up!r}, down={down!r}, form={form!r}" in src and "transpose_up=False, transpose_down=False" in src
 
 
 def test_prefilter_reads_nn_gelu_and_conv1d_and_rules_out_the_rest():
@@ -59,7 +59,7 @@ def test_prefilter_reads_nn_gelu_and_conv1d_and_rules_out_the_rest():
                                                                         "act.approximate": "tanh"})) == "tanh"
     conv1d = _spec(_names("c_fc", "c_proj"), {"act.__class__": "NewGELUActivation", "c_fc.nf": 128, "c_proj.nf": 32})
     src = GELU.render(conv1d, GELU.default(conv1d))
-    assert '"c_fc.weight"].T' in src and '"c_proj.weight"].T' in src
+    assert "up='c_fc', down='c_proj'" in src and "transpose_up=True, transpose_down=True" in src
     bias_free = _spec(_names("dense_h_to_4h", "dense_4h_to_h", bias=False), {"act.__class__": "GELUActivation"})
     assert GELU.why_not(bias_free) is None
     assert "GELU activation" in GELU.why_not(_spec(_names("fc1", "fc2"), {"activation_fn.__class__": "SiLU"}))

@@ -1,88 +1,34 @@
 """ssm_block family: a state-space model's residual block (HF's MambaBlock / Mamba2Block: residual +
 mixer(norm(x.to(norm dtype))), the residual in fp32 with residual_in_fp32) rendered from its mixer's fused decode
 template: the block's RMSNorm goes into the mixer's first kernel (`proj_conv`'s `norm_w`), the residual add into
-out_proj's store (`linear`'s `residual`): the mixer's four launches and nothing else. Each mixer template renders a
-`_fused_step(x, mask, weights, state, static, norm_w=None, norm_eps=0.0, residual=None)` over the mixer's own weight
-and static names; the block's entry calls it on the `mixer.` part of its own.
+out_proj's store (`linear`'s `residual`): the mixer's four launches and nothing else. The host code is
+kernels_runtime.hosts.blocks (the mixer's and the block's entries around a mixer's step) and the mixer's host module
+(kernels_runtime.hosts.ssm, .mamba2: the steps over the mixer's own weight and static names); the block's entry calls
+the step on the `mixer.` part of its own.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from llm4llm.search.templates.base import header
+from llm4llm.search.templates.base import host_source
 from llm4llm.taskspec import TaskSpec
 
 MIXER = "mixer."
 
-_STATE_IN_PLACE = '''
-# state_inplace: the kernels write the new states over the cache's (kernels_runtime then copies nothing and never
-# falls back once this entry started); otherwise into fresh tensors, which the runtime copies into the cache
-STATE_IN_PLACE = CONFIG["state_inplace"]
-'''
-
-# Both block entries read the mixer's part of the block's weights and static values through this.
-_MIXER_PART = '''
-
-def _mixer_part(d):
-    # the mixer's weights and static values under the names its own template reads
-    return {k[len("mixer."):]: v for k, v in d.items() if k.startswith("mixer.")}
-'''
-
-# Pasted into a block's rendered source, after the mixer's `_fused_step`.
-BLOCK_ENTRY = _MIXER_PART + _STATE_IN_PLACE + '''
+# Declared by a rendered source whose config has `state_inplace`: kernels_runtime.patch reads STATE_IN_PLACE from the
+# candidate module. True: the kernels write the new states over the cache's (kernels_runtime then copies nothing and
+# never falls back once the entry started); otherwise into fresh tensors, which the runtime copies into the cache.
+STATE_IN_PLACE = 'STATE_IN_PLACE = CONFIG["state_inplace"]'
 
 
-def entry(inputs, weights, state, static):
-    # HF's block: residual + mixer(norm(x.to(norm dtype))), the residual in fp32 with residual_in_fp32. The norm runs
-    # inside the mixer's first kernel (it reads the whole row anyway), the add in out_proj's store.
-    x = inputs["hidden_states"]  # [B, 1, H]: the residual stream (fp32 past the first block with residual_in_fp32)
-    residual = x.float() if static["residual_in_fp32"] else x  # a copy in the first block only
-    out, conv_state, ssm_state = _fused_step(x, inputs.get("attention_mask"), _mixer_part(weights), state,
-                                             _mixer_part(static), norm_w=weights["norm.weight"],
-                                             norm_eps=static["norm.variance_epsilon"], residual=residual)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
-'''
-
-# Pasted into a mixer's rendered source after its `_fused_step`: the mixer's own entry.
-MIXER_ENTRY = _STATE_IN_PLACE + '''
-
-
-def entry(inputs, weights, state, static):
-    out, conv_state, ssm_state = _fused_step(inputs["hidden_states"], inputs.get("attention_mask"), weights, state,
-                                             static)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
-'''
-
-
-# The prefill counterparts: the mixer's `_prefill_step(x, mask, weights, static, residual=None)` (no state-in).
-BLOCK_PREFILL_ENTRY = _MIXER_PART + '''
-
-def entry(inputs, weights, state, static):
-    # HF's block over the prompt: one norm launch on the residual stream (cast to the norm's dtype inside it), the
-    # mixer's kernels, the residual add in out_proj's store
-    x = inputs["hidden_states"]  # [B, L, H]
-    nw = weights["norm.weight"]
-    xn = rmsnorm(x, nw, static["norm.variance_epsilon"], in_dtype=nw.dtype)
-    residual = x.float() if static["residual_in_fp32"] else x  # a copy in the first block only
-    out, conv_state, ssm_state = _prefill_step(xn, inputs.get("attention_mask"), _mixer_part(weights),
-                                               _mixer_part(static), residual=residual)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
-'''
-
-MIXER_PREFILL_ENTRY = '''
-
-def entry(inputs, weights, state, static):
-    out, conv_state, ssm_state = _prefill_step(inputs["hidden_states"], inputs.get("attention_mask"), weights, static)
-    return {"out": out, "state_out.conv_state": conv_state, "state_out.ssm_state": ssm_state}
-'''
-BLOCK_PREFILL_IMPORT = "from kernels_runtime.ops.rmsnorm import rmsnorm"
-
-
-def renderer(name: str, imports: list[str], *parts: str) -> Callable[[TaskSpec, dict], str]:
-    """render_fn of a mixer or block template: the header, then the source parts (prelude, entry, step) in order."""
+def host_renderer(template: str, module: str, factory: str, block: bool = False) -> Callable[[TaskSpec, dict], str]:
+    """render_fn of a mixer or block template: its host factory in kernels_runtime.hosts.<module>, a block's over
+    the `mixer.` part of its weights and static values, STATE_IN_PLACE declared where the config chooses it."""
+    names = {"prefix": MIXER} if block else {}
 
     def render(spec: TaskSpec, config: dict) -> str:
-        return header(name, spec, imports, config) + "".join(parts)
+        extra = STATE_IN_PLACE if "state_inplace" in config else ""
+        return host_source(template, spec, config, module, factory, extra=extra, **names)
 
     return render
 

@@ -11,11 +11,13 @@ mlp.gelu: GELU MLP `down(gelu(up(x)))`, biases optional (GPTNeoXMLP, FalconMLP: 
 fc1 / fc2; GPTJMLP, CodeGenMLP: fc_in / fc_out; GPT2MLP (Conv1D weights [in, out]), GPTNeoMLP, GPTBigCodeMLP,
 Starcoder2MLP: c_fc / c_proj), the GELU form (erf or tanh) read from the activation module's class
 (kernels_runtime.ops.gelu_mlp: the GELU in the up projection's epilogue, two launches).
+
+The host code of both is kernels_runtime.hosts.mlp.
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds
-from llm4llm.search.templates.base import Template, header
+from llm4llm.search.templates._linear import LINEAR_OP, linear_default, linear_space, occupancy_seeds
+from llm4llm.search.templates.base import Template, host_source
 from llm4llm.taskspec import TaskSpec
 
 SWIGLU = "kernels_runtime.ops.swiglu"
@@ -44,26 +46,8 @@ def _space(spec: TaskSpec) -> dict[str, list]:
 
 
 def _render(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear"]
-    if config["fusion"] == "gate_up_swiglu":
-        imports.append("from kernels_runtime.ops.swiglu import swiglu_fused")
-        mid = '    h = swiglu_fused(x, wg, wu)  # [..., I]\n'
-    elif config["fusion"] == "gate_up_linear":
-        mid = '    h = linear(x, wg, epilogue="silu", w_up=wu, **LIN)  # [..., I]\n'
-    else:
-        imports.append("from kernels_runtime.ops.swiglu import silu_and_mul")
-        mid = '    h = silu_and_mul(linear(x, wg, **LIN), linear(x, wu, **LIN))  # [..., I]\n'
-    if FUSED_GATE_UP in spec.weight_names:  # rows [gate | up] of one Linear: contiguous row views, no copy
-        split = ('    w = weights["gate_up_proj.weight"]  # [2I, H]\n'
-                 '    wg, wu = w[: w.shape[0] // 2], w[w.shape[0] // 2:]  # [I, H] each\n')
-    else:
-        split = '    wg, wu = weights["gate_proj.weight"], weights["up_proj.weight"]  # [I, H]\n'
-    return header("mlp.swiglu", spec, imports, config) + LIN_KWARGS + f'''
-
-def entry(inputs, weights, state, static):
-    x = inputs["{spec.input_names[0]}"]  # [..., H]
-{split}{mid}    return {{"out": linear(h, weights["down_proj.weight"], **LIN)}}  # [..., H]
-'''
+    return host_source("mlp.swiglu", spec, config, "mlp", "swiglu_op", x=spec.input_names[0],
+                       gate_up_proj=FUSED_GATE_UP in spec.weight_names)
 
 
 # ---------------------------------------------------------------------------------------------------------- gelu
@@ -107,16 +91,9 @@ def _gelu_applies(spec: TaskSpec) -> str | None:
 def _gelu_render(spec: TaskSpec, config: dict) -> str:
     up, down = _gelu_pair(spec)
     # Conv1D (GPT-2) stores [in, out] and records nf/nx: its transpose is the [out, in] view the op takes
-    t_up, t_down = (".T" if f"{p}.nf" in spec.static else "" for p in (up, down))
-    return header("mlp.gelu", spec, ["from kernels_runtime.ops.gelu_mlp import gelu_mlp"], config) + LIN_KWARGS + f'''
-
-def entry(inputs, weights, state, static):
-    x = inputs["{spec.input_names[0]}"]  # [..., H]
-    w_up, w_down = weights["{up}.weight"]{t_up}, weights["{down}.weight"]{t_down}  # [I, H], [H, I]
-    out = gelu_mlp(x, w_up, weights.get("{up}.bias"), w_down, weights.get("{down}.bias"), {_gelu_form(spec)!r},
-                   **LIN)  # [..., H]
-    return {{"out": out}}
-'''
+    return host_source("mlp.gelu", spec, config, "mlp", "gelu_mlp_op", up=up, down=down, form=_gelu_form(spec),
+                       x=spec.input_names[0], transpose_up=f"{up}.nf" in spec.static,
+                       transpose_down=f"{down}.nf" in spec.static)
 
 
 TEMPLATES = [

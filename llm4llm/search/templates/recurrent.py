@@ -1,7 +1,7 @@
 """recurrent_block family, RecurrentGemma `RecurrentGemmaRecurrentBlock` (Griffin/Hawk):
 y = gelu_tanh(linear_y(x)) (Triton linear with the GELU epilogue), x = linear_x(x) -> temporal conv (causal_conv1d
 with bias, no activation, state_len K - 1 in prefill; causal_conv1d_update in decode) -> RG-LRU (kernels_runtime.
-ops.rglru, with the `* y` multiply fused) -> linear_out.
+ops.rglru, with the `* y` multiply fused) -> linear_out. The host code is kernels_runtime.hosts.recurrent.
 
 Decode updates the conv and RG-LRU states in place by default (`state_inplace`; the runtime then copies nothing);
 otherwise the conv state is copied before the in-place conv update and the RG-LRU op returns its new fp32 state
@@ -10,9 +10,9 @@ task would carry state); the GELU variants are the tanh approximation (Recurrent
 """
 from __future__ import annotations
 
-from llm4llm.search.templates._linear import LIN_KWARGS, LINEAR_OP, linear_default, linear_space, occupancy_seeds
-from llm4llm.search.templates.base import Template, header
-from llm4llm.search.templates.ssm import HELPERS
+from llm4llm.search.templates._linear import LINEAR_OP, linear_default, linear_space, occupancy_seeds
+from llm4llm.search.templates.base import Template, host_source
+from llm4llm.search.templates.blocks import STATE_IN_PLACE
 from llm4llm.taskspec import TaskSpec
 
 CONV = ("kernels_runtime.ops.causal_conv1d", "causal_conv1d")
@@ -24,18 +24,6 @@ RG_WEIGHTS = {"linear_y.weight", "linear_x.weight", "linear_out.weight", "conv_1
 # the block's act_fn class (static `act_fn.__class__`) -> the linear op's epilogue
 ACTS = {"GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
         "GELUActivation": "gelu"}
-
-PRELUDE = LIN_KWARGS + HELPERS + '''
-
-RG = {k[3:]: v for k, v in CONFIG.items() if k.startswith("rg_")}
-
-
-def _lru(xc, pos, weights, h0, y, inplace=False):
-    return rglru(xc, pos, weights["rg_lru.recurrent_param"], weights["rg_lru.input_gate_weight"],
-                 weights["rg_lru.input_gate_bias"], weights["rg_lru.recurrent_gate_weight"],
-                 weights["rg_lru.recurrent_gate_bias"], state=h0, y_branch=y, inplace=inplace,
-                 **RG)  # y [B, L, W], h [B, W] fp32
-'''
 
 
 def _act(spec: TaskSpec) -> str | None:
@@ -77,54 +65,12 @@ def _default(spec: TaskSpec) -> dict:
 
 
 def _render_prefill(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear",
-               "from kernels_runtime.ops.causal_conv1d import causal_conv1d",
-               "from kernels_runtime.ops.rglru import rglru"]
-    return header("recurrent_block.rglru", spec, imports, config) + PRELUDE + f'''
-
-def entry(inputs, weights, state, static):
-    x, pos = inputs["input_states"], inputs["position_ids"]  # [B, L, Hd], [B, L]
-    y = linear(x, weights["linear_y.weight"], weights.get("linear_y.bias"), epilogue={_act(spec)!r}, **LIN)  # [B, L, W]
-    xb = linear(x, weights["linear_x.weight"], weights.get("linear_x.bias"), **LIN)  # [B, L, W]
-    conv_w = weights["conv_1d.weight"]  # [W, 1, K]
-    W, K = conv_w.shape[0], conv_w.shape[-1]
-    xc, conv_state = causal_conv1d(xb.transpose(1, 2), conv_w.view(W, K), weights.get("conv_1d.bias"), silu=False,
-                                   state_len=K - 1, BLOCK_C=CONFIG["conv_BLOCK_C"],
-                                   BLOCK_L=CONFIG["conv_BLOCK_L"])  # [B, W, L], [B, W, K - 1]
-    h, lru_state = _lru(xc.transpose(1, 2), pos, weights, None, y)
-    out = linear(h, weights["linear_out.weight"], weights.get("linear_out.bias"), **LIN)  # [B, L, Hd]
-    return {{"out": out, "state_out.conv_state": conv_state, "state_out.rg_lru_state": lru_state}}
-'''
+    return host_source("recurrent_block.rglru", spec, config, "recurrent", "rglru_prefill", epilogue=_act(spec))
 
 
 def _render_decode(spec: TaskSpec, config: dict) -> str:
-    imports = ["from kernels_runtime.ops.linear import linear",
-               "from kernels_runtime.ops.causal_conv1d import causal_conv1d_update",
-               "from kernels_runtime.ops.rglru import rglru"]
-    return header("recurrent_block.rglru_decode", spec, imports, config) + PRELUDE + f'''
-
-# state_inplace: the conv and RG-LRU states are updated where they are held (kernels_runtime then copies nothing and
-# never falls back once this entry started); a state that is not contiguous (HF's first one after prefill may be a
-# slice) or not fp32 is copied first, as without it
-STATE_IN_PLACE = CONFIG["state_inplace"]
-
-
-def entry(inputs, weights, state, static):
-    x, pos = inputs["input_states"], inputs["position_ids"]  # [B, 1, Hd], [B, 1]
-    Bsz = x.shape[0]
-    cs, hs = state["conv_state"], state["rg_lru_state"]
-    conv_state = cs if STATE_IN_PLACE and cs.is_contiguous() else _copy(cs)  # [B, W, K - 1], advanced in place below
-    in_place_lru = STATE_IN_PLACE and hs.is_contiguous() and hs.dtype == torch.float32
-    y = linear(x, weights["linear_y.weight"], weights.get("linear_y.bias"), epilogue={_act(spec)!r}, **LIN)  # [B, 1, W]
-    xb = linear(x[:, 0], weights["linear_x.weight"], weights.get("linear_x.bias"), **LIN)  # [B, W]
-    conv_w = weights["conv_1d.weight"]  # [W, 1, K]
-    W, K = conv_w.shape[0], conv_w.shape[-1]
-    xc = causal_conv1d_update(xb, conv_state, conv_w.view(W, K), weights.get("conv_1d.bias"), silu=False,
-                              BLOCK_C=CONFIG["conv_BLOCK_C"])  # [B, W]
-    h, lru_state = _lru(xc.view(Bsz, 1, W), pos, weights, hs, y, inplace=in_place_lru)
-    out = linear(h, weights["linear_out.weight"], weights.get("linear_out.bias"), **LIN)  # [B, 1, Hd]
-    return {{"out": out, "state_out.conv_state": conv_state, "state_out.rg_lru_state": lru_state}}
-'''
+    return host_source("recurrent_block.rglru_decode", spec, config, "recurrent", "rglru_decode", extra=STATE_IN_PLACE,
+                       epilogue=_act(spec))
 
 
 TEMPLATES = [
