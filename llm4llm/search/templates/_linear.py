@@ -14,9 +14,6 @@ DECODE = {"lin_GEMV_BLOCK_N": [16, 32, 64, 128], "lin_GEMV_BLOCK_K": [32, 64, 12
 PREFILL_DEFAULT = {"lin_BLOCK_M": 64, "lin_BLOCK_N": 64, "lin_BLOCK_K": 32, "lin_num_warps": 4, "lin_num_stages": 3}
 DECODE_DEFAULT = {"lin_GEMV_BLOCK_N": 64, "lin_GEMV_BLOCK_K": 64, "lin_num_warps": 4, "lin_num_stages": 2}
 
-# Pasted into rendered sources: the linear kwargs from CONFIG's lin_* keys.
-LIN_KWARGS = "LIN = {k[4:]: v for k, v in CONFIG.items() if k.startswith('lin_')}\n"
-
 
 def linear_space(spec: TaskSpec) -> dict[str, list]:
     space = dict(DECODE if spec.phase == "decode" else PREFILL)

@@ -200,7 +200,8 @@ def _importable(module: str, attr: str) -> bool:
 
 
 def header(template: str, spec: TaskSpec, imports: list[str], config: dict[str, Any]) -> str:
-    """Module docstring, imports, the baked config and the static helper of a rendered source."""
+    """Module docstring, imports, the baked config and the static helper of a self-contained source (one that
+    writes its own host code: the built-in templates render through `host_source` instead)."""
     doc = f'"""Candidate from template {template} for a {spec.family}/{spec.phase} task ({spec.dtype})."""'
     cfg = repr({k: config[k] for k in sorted(config)})
     return "\n".join([doc, "import torch", "import triton", "import triton.language as tl", *imports, "",
