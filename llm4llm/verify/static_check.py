@@ -259,3 +259,58 @@ def check_source(source: str, forbidden_names: tuple[str, ...] | set[str] = ()) 
 def forbidden_names_for(module_class: str) -> tuple[str, ...]:
     """The reference's names a candidate may not mention: the class's short name and its import path."""
     return tuple(n for n in {module_class.rsplit(".", 1)[-1], module_class} if n)
+
+
+def host_only(source: str) -> bool:
+    """Whether the source only calls the project's host code with literal settings: the form the built-in templates
+    render (base.host_source): a docstring, imports from kernels_runtime.hosts, module-level literals (CONFIG,
+    LOSSY) or items of them (STATE_IN_PLACE = CONFIG["..."]), `_entry = factory(CONFIG, name=literal, ...)` and
+    `def entry(inputs, weights, state, static): return _entry(inputs, weights, state, static)`. Such a source runs
+    no code of its own, so every kernel it compiles is the project's: its worker's Triton cache may be shared with
+    later workers (verify/kernel_cache.py); anyone may write this form, the rule is about what it can run."""
+    if oversize(source) is not None:
+        return False
+    try:
+        tree = parse_source(source)
+    except SyntaxError:
+        return False
+    literals: set[str] = set()
+
+    def literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in literals:
+            return literal(node.slice)
+        if isinstance(node, ast.Dict):
+            return all(k is not None and literal(k) for k in node.keys) and all(literal(v) for v in node.values)
+        try:
+            ast.literal_eval(node)
+            return True
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return False
+
+    factories: set[str] = set()
+    for k, node in enumerate(tree.body):
+        if k == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(HOSTS_PACKAGE + ".") \
+                and all(a.asname is None and a.name != "*" for a in node.names):
+            factories.update(a.name for a in node.names)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+            if name == "_entry" and isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+                    and value.func.id in factories and all(isinstance(a, ast.Name) and a.id in literals
+                                                           for a in value.args) \
+                    and all(kw.arg is not None and literal(kw.value) for kw in value.keywords):
+                continue
+            if name == "_entry" or not literal(value):
+                return False
+            literals.add(name)
+        elif isinstance(node, ast.FunctionDef) and node.name == "entry" and not node.decorator_list:
+            body = node.body
+            call = body[0].value if len(body) == 1 and isinstance(body[0], ast.Return) else None
+            params = [a.arg for a in node.args.args]
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_entry"
+                    and not call.keywords and [getattr(a, "id", None) for a in call.args] == params):
+                return False
+        else:
+            return False
+    return bool(factories)

@@ -28,7 +28,10 @@ from typing import Any
 
 from llm4llm import childlog
 from llm4llm.outcomes import FailureClass
-from llm4llm.verify.static_check import check_source, forbidden_names_for
+from llm4llm.verify.kernel_cache import default_dir as kernel_cache_dir
+from llm4llm.verify.kernel_cache import keep as keep_kernels
+from llm4llm.verify.kernel_cache import seed as seed_kernels
+from llm4llm.verify.static_check import check_source, forbidden_names_for, host_only
 from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.verdict import GateResult, Verdict, source_hash
 
@@ -178,7 +181,7 @@ class VerifierPool:
     def __init__(self, device: str = "cpu", timeout_s: float = 120.0, draws: int = 5, seed: int = 0,
                  timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S,
                  decode_timing: str = "launch", mem_limit_bytes: int | None = None, spare: bool = True,
-                 rehearse_timing: bool = False):
+                 rehearse_timing: bool = False, kernel_cache: str | Path | None = "default"):
         from llm4llm.verify.sandbox import default_mem_limit
 
         self.device = "cuda:0" if device == "cuda" else device
@@ -191,6 +194,9 @@ class VerifierPool:
                         "decode_timing": decode_timing, "rehearse_timing": rehearse_timing}
         self.mem_limit = mem_limit_bytes or default_mem_limit()
         self.spare = spare
+        # the project's compiled kernels, shared by workers (verify/kernel_cache.py); "default": by device and env
+        self.kernel_cache = kernel_cache_dir(self.device) if kernel_cache == "default" else (
+            Path(kernel_cache) if kernel_cache else None)
         self._w: _Worker | None = None
         self._hashes: dict[str, dict[str, str]] = {}  # task dir -> artifact hashes first seen
         self.restarts = 0
@@ -203,6 +209,10 @@ class VerifierPool:
         from llm4llm.verify.sandbox import make_box, sandboxed_popen
 
         box = make_box()
+        if self.kernel_cache is not None:
+            from llm4llm.verify.sandbox import NOBODY
+
+            seed_kernels(self.kernel_cache, box / "work" / ".triton", NOBODY if os.geteuid() == 0 else None)
         ours, theirs = socket.socketpair()
         # what each task kind hands a worker open (e.g. a GPU lock shared by shards): the child cannot reach its path
         handed = [h for h in (k.worker_handover() for k in all_kinds()) if h[0] is not None]
@@ -295,6 +305,7 @@ class VerifierPool:
             v.gates.append(GateResult(name="static", passed=True, detail="allowed imports and calls only"))
             got = self._judge(v, spec, Path(task_dir), local, source, opts, rpc, w)
         except _WorkerTimeout:
+            self._keep_kernels(w, source)  # what it compiled before the limit is worth as much
             self._next()
             return v.fail("worker", FailureClass.TIMEOUT, f"no verdict within {limit:.1f}s: worker killed and replaced")
         except _WorkerDied:
@@ -307,8 +318,14 @@ class VerifierPool:
             raise
         finally:
             dog.stop()
+        self._keep_kernels(w, source)
         self._next()
         return self._aot(got, Path(task_dir), source)
+
+    def _keep_kernels(self, w: _Worker, source: str) -> None:
+        """The worker's compiled kernels into the shared cache, where its candidate could run project code only."""
+        if self.kernel_cache is not None and host_only(source):
+            keep_kernels(w.box / "work" / ".triton", self.kernel_cache)
 
     def _load_job(self, local: Path, source: str, opts: dict) -> dict:
         """The worker's load message. Per candidate: the draws' seed, how many fresh draws, the canary layout (a
