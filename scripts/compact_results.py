@@ -38,12 +38,13 @@ def compact(folder: Path) -> int:
     removed = 0
     for table, parts in sources(folder).items():
         target = folder / "rows" / f"{table}.parquet"
-        if target.exists():
-            raise SystemExit(f"{target} exists already: fold by hand")
         target.parent.mkdir(exist_ok=True)
-        union = " UNION ALL BY NAME ".join(
-            f"SELECT '{call}' AS call, * FROM read_parquet('{f}')" for call, f in parts)
-        con.execute(f"COPY ({union}) TO '{target}' (FORMAT parquet, COMPRESSION zstd)")
+        selects = [f"SELECT '{call}' AS call, * FROM read_parquet('{f}')" for call, f in parts]
+        if target.exists():  # a later call of the same folder: its rows join the earlier calls'
+            selects.insert(0, f"SELECT * FROM read_parquet('{target}')")
+        tmp = target.with_suffix(".tmp.parquet")
+        con.execute(f"COPY ({' UNION ALL BY NAME '.join(selects)}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)")
+        tmp.replace(target)
         for _, f in parts:
             f.unlink()
             removed += 1
