@@ -102,3 +102,35 @@ def test_extraction_decodes_few_tokens_at_the_regimes_extra_points(tmp_path, mon
     assert (runs[0].batch_size, runs[0].prompt_len, runs[0].decode_len) == (wl.batch_size, wl.prompt_len, 4)
     assert [(w.batch_size, w.prompt_len, w.decode_len) for w in runs[1:]] == [
         (1, 4, decoded), (1, 20, decoded), (3, 4, decoded), (3, 20, decoded), (2, 4, decoded)]
+
+
+def test_a_candidates_verification_limit_grows_with_the_decode_batches_its_task_holds(tiny_extracted, monkeypatch):
+    """A serving regime's task holds every decode bucket, and each bucket's row tile is compiled apart: one
+    candidate's limit is the settings' timeout plus PER_BATCH_S a further batch size, for the search's trials and
+    the plan's template checks alike."""
+    from types import SimpleNamespace
+
+    from llm4llm import isolation
+    from llm4llm.config import SearchSettings
+    from llm4llm.outcomes import FailureClass
+    from llm4llm.stages import search as stage
+    from llm4llm.taskspec import load_spec
+    from llm4llm.verify.verdict import Verdict
+
+    def spec_of(*batches):
+        return SimpleNamespace(input_names=["hidden_states"], cases=[
+            SimpleNamespace(inputs={"hidden_states": SimpleNamespace(shape=[b, 1, 64])}) for b in batches])
+
+    assert stage.verify_limit(spec_of(8), 120.0) == 120.0
+    assert stage.verify_limit(spec_of(8, 1, 1, 32, 2, 4, 8, 16), 120.0) == 120.0 + 5 * stage.PER_BATCH_S
+    limits = []
+
+    class Pool:
+        def verify(self, path, source, timeout_s=None, **kw):
+            limits.append(timeout_s)
+            return Verdict(source_hash="x", task_id="t", device_name="cpu").fail("static", FailureClass.STATIC, "-")
+
+    monkeypatch.setattr(isolation, "verifier_pool", lambda *a: (Pool(), __import__("threading").Lock()))
+    task = next(d for d in tiny_extracted("tiny-llama") if load_spec(d).family == "norm")
+    stage.run_template_checks(str(task), None, "cpu", SearchSettings(timeout_s=50.0))
+    assert limits and set(limits) == {stage.verify_limit(load_spec(task), 50.0)}

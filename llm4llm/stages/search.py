@@ -113,9 +113,11 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, sett
     search_kw = _llm_search_kw(prop, archive_dir, only_unset=True)
     llm_backed = bool(search_kw)  # LLMProposer, or HybridProposer (forwards to its LLM)
 
+    limit = verify_limit(spec, settings.timeout_s)
+
     def verify(task_path, source):
         with lock:
-            return pool.verify(task_path, source)
+            return pool.verify(task_path, source, timeout_s=limit)
 
     recorder.start(search_id, spec.task_id, run_id, mode, prop.name, budget)
     if llm_backed:  # every request attempt is recorded as it happens (from worker threads)
@@ -313,6 +315,19 @@ def recorded_checks(records: list[dict], names: set[str]) -> list[dict] | None:
     return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in records if r["template"] in names]
 
 
+PER_BATCH_S = 20.0  # the verification limit's allowance for each further decode batch a task's cases hold
+
+
+def verify_limit(spec, base_s: float) -> float:
+    """One candidate's verification limit on this task: `base_s` (the settings' timeout) plus PER_BATCH_S for each
+    batch size past the first among its cases. A serving regime's task holds every decode bucket, and a GEMV is
+    compiled once per bucket's row tile: qwen3-4b's decode layer over batches 1-32 passed 120 s in compiles and
+    checks alone, where the same layer at one batch took 37 s."""
+    name = spec.input_names[0] if spec.input_names else None
+    batches = {c.inputs[name].shape[0] for c in spec.cases if name in c.inputs and c.inputs[name].shape}
+    return base_s + PER_BATCH_S * max(0, len(batches) - 1)
+
+
 def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings) -> list[dict]:
     """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker (the
     settings' timeout and decode timing pick it): correctness on the captured cases only, no budget. Returns one `template_checks` row per template of its family."""
@@ -323,9 +338,11 @@ def run_template_checks(task_dir: str, run_id: str | None, device: str, settings
     spec = load_spec(Path(task_dir))
     pool, lock = isolation.verifier_pool(device, settings.timeout_s, settings.decode_timing)
 
+    limit = verify_limit(spec, settings.timeout_s)
+
     def verify(path, source):
         with lock:
-            return pool.verify(path, source, draws=0, timing=False)
+            return pool.verify(path, source, draws=0, timing=False, timeout_s=limit)
 
     return [{**c.row(spec.task_id, run_id), "code_version": code_version()}
             for c in check_templates(Path(task_dir), spec, TEMPLATES, verify)]
