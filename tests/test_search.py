@@ -503,7 +503,7 @@ def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypa
     pools, starts = [], []
     verifier = FakeVerifier()
     monkeypatch.setattr(isolation, "verifier_pool", lambda *a: pools.append(a) or (
-        type("Pool", (), {"verify": staticmethod(verifier)}), threading.Lock()))
+        type("Pool", (), {"verify": staticmethod(lambda d, s, **kw: verifier(d, s))}), threading.Lock()))
 
     class Recorder:
         def start(self, *a):
