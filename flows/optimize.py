@@ -18,6 +18,7 @@ from llm4llm.coverage import coverage_of_run
 from llm4llm.evaluate import eval_batches
 from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, prefill_graphed
 from llm4llm.outcome import summary_lines
+from llm4llm.outcomes import DecodeTiming
 from tasks.acceptance import accept_patches, evaluate_e2e
 from tasks.planning import plan_search, record_plan, record_stage_times
 from storage.store import Store
@@ -171,7 +172,8 @@ def _optimize(run: _Run, kind: str) -> dict:
     run.say(f"decode graphs: {why}")
     out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
-    timing = ("graph_prefill" if prefill_graphed(run.index_path) else "graph") if graphs else "launch"
+    timing = (DecodeTiming.GRAPH_PREFILL if prefill_graphed(run.index_path) else DecodeTiming.GRAPH) if graphs \
+        else DecodeTiming.LAUNCH
     run.cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"decode_timing": timing})})
     run.graph_plan = GraphPlan(decode_graphs=graphs, static_cache=static_cache)
     out.update(_search_and_accept(run))

@@ -2,8 +2,9 @@
 deployments (the Prefect UI's run form) and the stages below them take, instead of each setting passed by hand.
 
 Where a run reads and writes (workload path, DuckDB file, artifact dir) is not part of it: those are the flow's own
-parameters. The choices are `Literal`s so the UI offers a list and a typo fails before anything runs; tests keep
-them equal to the tuples of the modules that implement them (accept.METRIC_CHOICES, extract.TARGET_FAMILIES, ...).
+parameters. The choices are `Literal`s (or a StrEnum of llm4llm.outcomes: DecodeTiming) so the UI offers a list and
+a typo fails before anything runs; tests keep them equal to the tuples of the modules that implement them
+(accept.METRIC_CHOICES, extract.TARGET_FAMILIES, ...).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm4llm.llm.config import LLMConfig
+from llm4llm.outcomes import DecodeTiming  # noqa: F401 - how the verifier times candidates (a StrEnum), a choice here
 from llm4llm.planner import DEFAULT_TIME_BUDGET_S, MAX_TRIALS
 from llm4llm.scale import ScaleOut
 
@@ -20,9 +22,6 @@ Stage = Literal["profile", "extract", "search", "accept", "evaluate"]
 STAGES: tuple[str, ...] = ("profile", "extract", "search", "accept", "evaluate")
 SearchMode = Literal["episodic", "sample", "iter"]
 ProposerKind = Literal["library", "llm", "hybrid"]
-# how the verifier times candidates: back to back, or by GPU time under CUDA-graph replay (decode tasks; prefill
-# tasks too) — llm4llm.verify.worker.DECODE_TIMINGS
-DecodeTiming = Literal["launch", "graph", "graph_prefill"]
 Family = Literal["norm", "mlp", "attention", "ssm_mixer", "ssm_block", "recurrent_block", "rotary", "conv",
                  "decoder_layer", "lm_head"]
 Metric = Literal["auto", "logits_rel_l2_floor", "logits_rel_l2", "logits_max_abs"]
@@ -75,11 +74,11 @@ class SearchSettings(_Settings):
     warm_start: bool = Field(True, description="start each task's search from its stored experience (earlier "
                                                "searches and acceptance rejections of the same task)")
     seed: int = Field(0, ge=0, description="seed of the built-in proposer")
-    decode_timing: DecodeTiming = Field("launch", description="launch: candidates timed back to back | graph: "
-                                                              "decode candidates by GPU time under CUDA-graph "
-                                                              "replay | graph_prefill: prefill candidates too. "
-                                                              "`optimize` sets it from the run's graph plan (the "
-                                                              "model is timed as it will run)")
+    decode_timing: DecodeTiming = Field(DecodeTiming.LAUNCH,
+                                        description="launch: candidates timed back to back | graph: decode "
+                                                    "candidates by GPU time under CUDA-graph replay | "
+                                                    "graph_prefill: prefill candidates too. `optimize` sets it from "
+                                                    "the run's graph plan (the model is timed as it will run)")
 
     def trials(self) -> int:
         """Verified trials per task when nothing plans them: `budget`, else the planner's cap."""

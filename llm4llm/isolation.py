@@ -8,11 +8,12 @@ import subprocess
 from pathlib import Path
 
 from llm4llm import childlog
+from llm4llm.outcomes import DecodeTiming
 
 _POOLS: dict = {}
 
 
-def verifier_pool(device: str, timeout_s: float, decode_timing: str):
+def verifier_pool(device: str, timeout_s: float, decode_timing: DecodeTiming | str):
     """One verifier worker per device (and timing mode) in this (flow) process; its lock makes timing jobs on a GPU
     one at a time. timeout_s and decode_timing: the search's (SearchSettings), passed by the search stage."""
     import threading

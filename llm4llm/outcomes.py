@@ -1,5 +1,6 @@
 """The closed sets of outcomes that code decides on: the verifier's failure classes, an acceptance decision and the
-gate that made it, why a search episode ended, and what the plan does with a task and why. Each is a StrEnum, so a
+gate that made it, why a search episode ended, and what the plan does with a task and why; and how the verifier
+times a candidate (a setting the verifier branches on). Each is a StrEnum, so a
 member is its string everywhere it is stored or shown (DuckDB rows, JSON transcripts, tests comparing to
 "rejected"); the human-readable reason beside it is for display only, and nothing branches on that text.
 
@@ -111,3 +112,12 @@ class PlanWhy(StrEnum):
     FAMILY_LOSES = "family_loses"
     BELOW_DELTA = "below_delta"
     EXPECTED_SAVING = "expected_saving"
+
+
+class DecodeTiming(StrEnum):
+    """How the verifier times candidates (SearchSettings.decode_timing; VerifierPool's decode_timing option, carried
+    to the worker as its string; llm4llm/verify/timing.py does the timing)."""
+
+    LAUNCH = "launch"  # calls back to back, as eager decoding runs them
+    GRAPH = "graph"  # decode tasks by GPU time under CUDA-graph replay, as decoding runs under kernels_runtime.graphs
+    GRAPH_PREFILL = "graph_prefill"  # prefill tasks that way too, where the prompt forward replays from graphs

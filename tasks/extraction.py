@@ -2,9 +2,6 @@
 writes none)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
@@ -34,8 +31,5 @@ def record_tasks(index_path: str, run_id: str, db_path: str | None) -> int:
 
 @task(name="publish-tasks")
 def publish_tasks(index_path: str) -> None:
-    index = json.loads(Path(index_path).read_text())
-    rows = [{"task_id": t["task_id"], "family": t["family"], "phase": t["phase"], "instances": len(t["instances"]),
-             "score": round(float(t.get("hotspot_score", 0.0)), 4), "deployable": t["deployable"],
-             "reason": t.get("reason", "")} for t in index]
-    create_table_artifact(key="tasks", table=rows, description="Extracted phase-aware tasks")
+    create_table_artifact(key="tasks", table=extract_stage.task_table(index_path),
+                          description="Extracted phase-aware tasks")

@@ -36,11 +36,5 @@ def record_profile(profile_path: str, workload: dict, db_path: str | None, kind:
 @task(name="publish-hotspots")
 def publish_hotspots(profile_path: str, top: int = 25) -> None:
     payload, result = profile_stage.load_profile(profile_path)
-    rows = [
-        {"rank": i + 1, "module": r.module_path or "<model>", "class": r.class_name, "family": r.family,
-         "phase": r.phase, "calls": r.calls, "time_ms": round(r.time_ms, 3), "share": round(r.share, 4),
-         "hotspot_score": round(r.hotspot_score, 4)}
-        for i, r in enumerate(profile_stage.hotspot_rows(result, top))
-    ]
-    create_table_artifact(key="hotspots", table=rows,
+    create_table_artifact(key="hotspots", table=profile_stage.hotspot_table(result, top),
                           description=f"Hotspots of {payload['workload_name']} (run {payload['run_id']})")

@@ -3,7 +3,6 @@ writes through (storage.store.Store; the stage opens no database). ProgressArtif
 search; close_pools and remote_search_input are what the search flow calls in its own process."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
@@ -109,7 +108,7 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], settings: S
       cache_policy=NO_CACHE)
 def record_search(rows: dict, db_path: str | None, data_dir: str) -> dict:
     """Write a remote search's rows, in the flow's process (DuckDB's one writer)."""
-    return Store(db_path).record_search_rows(rows, data_dir) | {"placement": rows.get("placement")}
+    return search_stage.record_packed_search(rows, Store(db_path), data_dir)
 
 
 # ---- plain helpers the search flow calls in its process (not Prefect tasks: no run, retry or cache of their own)
@@ -120,12 +119,5 @@ def close_pools() -> None:
 
 
 def remote_search_input(task_dir: str, db_path: str | None) -> dict:
-    """What search_task_remote takes for one task, read in the flow: the task directory as bytes (a worker on
-    another machine does not see the flow's data directory) and the task's stored experience (it cannot read
-    DuckDB)."""
-    from llm4llm.scale import pack_dir
-    from llm4llm.taskspec import load_spec
-
-    spec = load_spec(Path(task_dir))
-    prior = [json.loads(e.to_json()) for e in search_stage.prior_experience(Store(db_path), spec.task_id)]
-    return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
+    """What search_task_remote takes for one task, read in the flow (llm4llm.stages.search.packed_task_input)."""
+    return search_stage.packed_task_input(task_dir, Store(db_path))

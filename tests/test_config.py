@@ -1,6 +1,7 @@
 """OptimizeConfig: one typed settings object for the CLI, the flow and the deployments' UI form."""
 from __future__ import annotations
 
+import enum
 import typing
 
 import pytest
@@ -10,6 +11,9 @@ from llm4llm import config as C
 
 
 def _choices(tp) -> tuple:
+    """A Literal's values, or a StrEnum's (llm4llm.outcomes), as a tuple of strings."""
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tuple(m.value for m in tp)
     return typing.get_args(tp)
 
 

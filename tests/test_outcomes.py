@@ -112,3 +112,24 @@ def test_the_plan_reads_its_kinds_not_its_reasons():
     assert by["bare"].why == PlanWhy.NOT_COVERED and not by["odd"].negligible
     assert "(bare)" in planner._why_nothing(items) and "odd" not in planner._why_nothing(items)
     assert by["odd"].row("r", 0)["action"] == "skip" and "why" not in by["odd"].row("r", 0)
+
+
+def test_the_decode_timing_is_one_enum_that_reads_and_writes_its_strings(monkeypatch):
+    """DecodeTiming is the config field's type and what VerifierPool holds; plain strings go in (the CLI, the run
+    form, a JSON config), the same strings come out (the config's JSON, the options the worker is sent)."""
+    from pydantic import ValidationError
+
+    from llm4llm.outcomes import DecodeTiming
+    from llm4llm.verify.worker import DECODE_TIMINGS, VerifierPool
+
+    assert [t.value for t in DecodeTiming] == ["launch", "graph", "graph_prefill"] == list(DECODE_TIMINGS)
+    s = SearchSettings(decode_timing="graph_prefill")
+    assert s.decode_timing is DecodeTiming.GRAPH_PREFILL and SearchSettings().decode_timing == "launch"
+    assert json.loads(s.model_dump_json())["decode_timing"] == "graph_prefill"
+    with pytest.raises(ValidationError):
+        SearchSettings(decode_timing="sometimes")
+    monkeypatch.setattr(VerifierPool, "_spawn", lambda self: None)
+    for given in ("graph", DecodeTiming.GRAPH):
+        pool = VerifierPool("cpu", decode_timing=given)
+        assert pool.options["decode_timing"] is DecodeTiming.GRAPH
+        assert json.loads(json.dumps(pool.options))["decode_timing"] == "graph"

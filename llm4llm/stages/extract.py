@@ -52,3 +52,12 @@ def extract_to_temp(workload_path: str, prefix: str = "llm4llm-") -> list:
     run_extract(workload_path, run_profile(workload_path, data), data)
     root = Path(data) / "tasks"
     return [load_task(d, with_cases=False) for d in sorted(root.iterdir()) if (d / "spec.json").exists()]
+
+
+def task_table(index_path: str) -> list[dict]:
+    """The task index (run_extract's tasks.json) as table rows: one per task, its family, phase, instance count,
+    hotspot score, whether it is deployable and why not."""
+    index = json.loads(Path(index_path).read_text())
+    return [{"task_id": t["task_id"], "family": t["family"], "phase": t["phase"], "instances": len(t["instances"]),
+             "score": round(float(t.get("hotspot_score", 0.0)), 4), "deployable": t["deployable"],
+             "reason": t.get("reason", "")} for t in index]

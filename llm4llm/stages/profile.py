@@ -87,3 +87,10 @@ def hotspot_rows(result: ProfileResult, top: int | None = None) -> list[ModuleRe
     rows = [r for r in result.ranked() if r.depth > 0]
     return rows[:top] if top else rows
 
+
+def hotspot_table(result: ProfileResult, top: int | None = None) -> list[dict]:
+    """The ranked hotspots (hotspot_rows) as table rows: rank, module, class, family, phase, calls, time and share."""
+    return [{"rank": i + 1, "module": r.module_path or "<model>", "class": r.class_name, "family": r.family,
+             "phase": r.phase, "calls": r.calls, "time_ms": round(r.time_ms, 3), "share": round(r.share, 4),
+             "hotspot_score": round(r.hotspot_score, 4)}
+            for i, r in enumerate(hotspot_rows(result, top))]

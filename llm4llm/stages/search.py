@@ -47,6 +47,9 @@ class SearchRepository(Protocol):
 
     def task_rows(self, run_id: str | None = None): ...
 
+    def record_search_rows(self, rows: dict, data_dir: str) -> dict:
+        """Write the rows a search away from the flow returned; returns the search's summary."""
+
 
 # task dir -> the task's template checks (one dict per template of its family): check_applicability
 CheckFn = Callable[[str], list]
@@ -395,6 +398,26 @@ def prior_experience(repo: SearchRepository, task_id: str) -> list:
     from llm4llm.stages.experience import experience_of
 
     return experience_of(repo.experience_records(task_id))
+
+
+def packed_task_input(task_dir: str, repo: SearchRepository) -> dict:
+    """What a search away from the flow (search_packed, on a worker that sees neither the flow's data directory nor
+    DuckDB) takes for one task, read where the flow runs: the task id, the task directory as bytes and the task's
+    stored experience as JSON-ready dicts."""
+    import json
+
+    from llm4llm.scale import pack_dir
+    from llm4llm.taskspec import load_spec
+
+    spec = load_spec(Path(task_dir))
+    prior = [json.loads(e.to_json()) for e in prior_experience(repo, spec.task_id)]
+    return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
+
+
+def record_packed_search(rows: dict, repo: SearchRepository, data_dir: str) -> dict:
+    """Write the rows search_packed returned (in the flow's process: DuckDB has one writer); returns the search's
+    summary with where the search ran (`placement`, None when the rows do not say)."""
+    return repo.record_search_rows(rows, data_dir) | {"placement": rows.get("placement")}
 
 
 def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | None, device: str,

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from kernels_runtime.tolerances import compare_lossy
-from llm4llm.outcomes import FATAL_TO_WORKER, FailureClass
+from llm4llm.outcomes import FATAL_TO_WORKER, DecodeTiming, FailureClass
 from llm4llm.taskkind import kind_of
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
@@ -156,7 +156,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, seed: int = 0,
-              timing: bool = True, memcheck: bool = False, decode_timing: str = "launch",
+              timing: bool = True, memcheck: bool = False, decode_timing: DecodeTiming | str = DecodeTiming.LAUNCH,
               **_: Any) -> tuple[Verdict, bool]:
     """Judge one candidate. Returns the verdict and whether this process's CUDA context is poisoned (the worker
     must then be replaced)."""
@@ -190,7 +190,7 @@ def run_gates(task_dir: str, source: str, device: str = "cpu", draws: int = 5, s
 
 
 def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draws: int, seed: int, timing: bool,
-                memcheck: bool, source: str, decode_timing: str = "launch",
+                memcheck: bool, source: str, decode_timing: DecodeTiming | str = DecodeTiming.LAUNCH,
                 lossy: dict | None = None) -> tuple[Verdict, bool]:
     all_draws = make_draws(task, dev, draws, seed)
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
@@ -232,8 +232,8 @@ def _run_loaded(v: Verdict, task: Task, entry: Callable, dev: torch.device, draw
         return v.finish(), False
     samples: list = []
     try:
-        time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing != "launch",
-                  prefill_graph=decode_timing == "graph_prefill", samples=samples)
+        time_task(v, task, entry, all_draws, dev, source=source, decode_graph=decode_timing != DecodeTiming.LAUNCH,
+                  prefill_graph=decode_timing == DecodeTiming.GRAPH_PREFILL, samples=samples)
         meta, tensors = samples_payload(samples)
         v.gates.append(GateResult(name="timed_outputs", passed=True,
                                   detail=check_timed_samples(task, dev, meta, {n: t.to(dev) for n, t in
@@ -537,7 +537,7 @@ class CandidateSession:
     """Worker side: one candidate, its draws (inputs only), calls on the parent's request."""
 
     def __init__(self, task_dir: str, source: str, device: str, draws: int, seed: int, canary_seed: int,
-                 timing: bool = True, decode_timing: str = "launch", **_: Any):
+                 timing: bool = True, decode_timing: DecodeTiming | str = DecodeTiming.LAUNCH, **_: Any):
         self.dev = torch.device(device)
         self.task = load_task(Path(task_dir))
         self.source, self.timing, self.decode_timing = source, timing, decode_timing
@@ -632,8 +632,8 @@ class CandidateSession:
         try:
             cuda = self.dev.type == "cuda"  # a CPU rehearsal has no graphs
             time_task(v, self.task, self.entry, self.draws, self.dev, source=self.source,
-                      decode_graph=cuda and self.decode_timing != "launch",
-                      prefill_graph=cuda and self.decode_timing == "graph_prefill", fresh_seed=fresh_seed,
+                      decode_graph=cuda and self.decode_timing != DecodeTiming.LAUNCH,
+                      prefill_graph=cuda and self.decode_timing == DecodeTiming.GRAPH_PREFILL, fresh_seed=fresh_seed,
                       samples=samples)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llm4llm import childlog
-from llm4llm.outcomes import FailureClass
+from llm4llm.outcomes import DecodeTiming, FailureClass
 from llm4llm.verify.kernel_cache import default_dir as kernel_cache_dir
 from llm4llm.verify.kernel_cache import keep as keep_kernels
 from llm4llm.verify.kernel_cache import seed as seed_kernels
@@ -143,10 +143,8 @@ class _Worker:
         return self.proc.poll() is None
 
 
-# How decode tasks are timed (llm4llm/verify/timing.py): "launch", calls back to back as eager decoding runs them;
-# "graph", GPU time under CUDA-graph replay, as decoding runs under kernels_runtime.graphs; "graph_prefill", prefill
-# tasks that way too, where the model's prompt forward replays from graphs as well (Mamba, Mamba2).
-DECODE_TIMINGS = ("launch", "graph", "graph_prefill")
+# How decode tasks are timed (llm4llm/verify/timing.py): llm4llm.outcomes.DecodeTiming's values, as plain strings
+DECODE_TIMINGS: tuple[str, ...] = tuple(t.value for t in DecodeTiming)
 
 
 class _Rpc:
@@ -180,14 +178,15 @@ class VerifierPool:
 
     def __init__(self, device: str = "cpu", timeout_s: float = 120.0, draws: int = 5, seed: int = 0,
                  timing: bool = True, memcheck: bool = False, start_timeout_s: float = START_TIMEOUT_S,
-                 decode_timing: str = "launch", mem_limit_bytes: int | None = None, spare: bool = True,
-                 rehearse_timing: bool = False, kernel_cache: str | Path | None = "default"):
+                 decode_timing: DecodeTiming | str = DecodeTiming.LAUNCH, mem_limit_bytes: int | None = None,
+                 spare: bool = True, rehearse_timing: bool = False, kernel_cache: str | Path | None = "default"):
         from llm4llm.verify.sandbox import default_mem_limit
 
         self.device = "cuda:0" if device == "cuda" else device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        if decode_timing not in DECODE_TIMINGS:
+        if decode_timing not in DECODE_TIMINGS:  # a DecodeTiming or its string (a StrEnum equals its value)
             raise ValueError(f"decode_timing: expected one of {DECODE_TIMINGS}, got {decode_timing!r}")
+        decode_timing = DecodeTiming(decode_timing)
         # rehearse_timing: on the CPU, run the timed calls anyway (host clocks, numbers discarded) so that their
         # sampled outputs are checked (gates.judge_remote); on the GPU timing always runs them
         self.options = {"draws": draws, "seed": seed, "timing": timing, "memcheck": memcheck,
