@@ -4,6 +4,7 @@ and copies into the recorded outputs. A real CUDA graph replays kernels only: wh
 capture is lost there, which the emulation cannot show; the GPU runs (docs/results) are the evidence for that."""
 from __future__ import annotations
 
+import functools
 import inspect as _inspect
 
 import pytest
@@ -194,6 +195,7 @@ def test_module_state_cleared_between_runs_runs_eagerly(prompt):
         seen = {"n": 0}
         forward = model.forward
 
+        @functools.wraps(forward)  # generate reads the signature: the same one as the graphs' (the original's)
         def clear_before_decode(**kw):
             if kw["input_ids"].shape[1] == 1 and seen["n"] == 0:
                 seen["n"] += 1
