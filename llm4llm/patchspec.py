@@ -50,8 +50,7 @@ def _batch_buckets(spec: TaskSpec) -> list[int]:
     llm4llm/regime.py), each verified; the guard admits those only. Else [] (not checked)."""
     if not spec.regime or spec.phase != "decode" or not spec.input_names:
         return []
-    name = spec.input_names[0]
-    return sorted({c.inputs[name].shape[0] for c in spec.cases if name in c.inputs and c.inputs[name].shape})
+    return spec.batches()
 
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")

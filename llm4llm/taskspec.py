@@ -88,6 +88,11 @@ class TaskSpec(BaseModel):
     # them, which the verifier checked at its corners, instead of the exact signatures alone
     regime: bool = False
 
+    def batches(self) -> list[int]:
+        """The batch sizes (dim 0 of the first input) its captured cases hold, ascending."""
+        name = self.input_names[0] if self.input_names else None
+        return sorted({c.inputs[name].shape[0] for c in self.cases if name in c.inputs and c.inputs[name].shape})
+
     def content_id(self) -> str:
         """Content address: family, class, phase, names, static values and shapes; not run ids or scores."""
         payload = self.model_dump(include={"family", "module_class", "phase", "input_names", "weight_names",

@@ -25,6 +25,9 @@ def test_host_only_admits_the_templates_form_and_nothing_that_runs_code_of_its_o
     for bad in (HOST + "import os\n", HOST.replace("rmsnorm_op(CONFIG)", "rmsnorm_op(CONFIG, x=print('x'))"),
                 HOST.replace("return _entry(inputs", "return _entry(static"), HOST.replace("CONFIG = {", "CONFIG = f({"),
                 HOST.replace("kernels_runtime.hosts.norm", "kernels_runtime.ops.rmsnorm"),
+                # a name the hosts module imported (an op, torch), not one of its factories
+                HOST.replace("import rmsnorm_op", "import rmsnorm").replace("rmsnorm_op(CONFIG)", "rmsnorm(CONFIG)"),
+                HOST.replace("kernels_runtime.hosts.norm", "kernels_runtime.hosts.nowhere"),
                 cheat_source("correct_rmsnorm"), "def entry(:"):
         assert not host_only(bad), bad
     # every built-in template renders this form (their kernels may be shared)
@@ -87,3 +90,17 @@ def test_a_worker_adds_its_kernels_only_for_a_host_only_candidate(tmp_path, host
         assert (pool._w.box / "work" / ".triton" / "planted").exists() is host  # the next worker starts with it
     finally:
         pool.close()
+
+
+def test_a_misplaced_cache_costs_the_sharing_never_the_verdict(tmp_path, capfd):
+    """A cache path that is a file (a typo in LLM4LLM_KERNEL_CACHE): workers start and judge as without one."""
+    task = build_rmsnorm_task(tmp_path / "tasks")
+    (tmp_path / "cache").write_text("not a directory")
+    pool = VerifierPool("cpu", timeout_s=120.0, draws=1, timing=False, kernel_cache=tmp_path / "cache")
+    try:
+        (pool._w.box / "work" / ".triton" / "planted").mkdir(parents=True)
+        v = pool.verify(task, HOST.replace("STATE_IN_PLACE = CONFIG['num_warps']\n", ""))
+        assert v.passed, v.message
+    finally:
+        pool.close()
+    assert "kernel cache" in capfd.readouterr().err

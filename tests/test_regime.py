@@ -108,18 +108,18 @@ def test_a_candidates_verification_limit_grows_with_the_decode_batches_its_task_
     """A serving regime's task holds every decode bucket, and each bucket's row tile is compiled apart: one
     candidate's limit is the settings' timeout plus PER_BATCH_S a further batch size, for the search's trials and
     the plan's template checks alike."""
-    from types import SimpleNamespace
-
     from llm4llm import isolation
     from llm4llm.config import SearchSettings
     from llm4llm.outcomes import FailureClass
     from llm4llm.stages import search as stage
-    from llm4llm.taskspec import load_spec
+    from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig, load_spec
     from llm4llm.verify.verdict import Verdict
 
     def spec_of(*batches):
-        return SimpleNamespace(input_names=["hidden_states"], cases=[
-            SimpleNamespace(inputs={"hidden_states": SimpleNamespace(shape=[b, 1, 64])}) for b in batches])
+        return TaskSpec.model_construct(input_names=["hidden_states"], cases=[
+            CaseSig(inputs={"hidden_states": TensorSig(shape=[b, 1, 64], dtype="bfloat16")}) for b in batches])
+
+    assert spec_of(8, 1, 32, 1).batches() == [1, 8, 32]
 
     assert stage.verify_limit(spec_of(8), 120.0) == 120.0
     assert stage.verify_limit(spec_of(8, 1, 1, 32, 2, 4, 8, 16), 120.0) == 120.0 + 5 * stage.PER_BATCH_S

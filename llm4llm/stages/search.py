@@ -326,9 +326,7 @@ def verify_limit(spec, base_s: float) -> float:
     batch size past the first among its cases. A serving regime's task holds every decode bucket, and a GEMV is
     compiled once per bucket's row tile: qwen3-4b's decode layer over batches 1-32 passed 120 s in compiles and
     checks alone, where the same layer at one batch took 37 s."""
-    name = spec.input_names[0] if spec.input_names else None
-    batches = {c.inputs[name].shape[0] for c in spec.cases if name in c.inputs and c.inputs[name].shape}
-    return base_s + PER_BATCH_S * max(0, len(batches) - 1)
+    return base_s + PER_BATCH_S * max(0, len(spec.batches()) - 1)
 
 
 def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings) -> list[dict]:

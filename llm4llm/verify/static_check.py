@@ -261,6 +261,18 @@ def forbidden_names_for(module_class: str) -> tuple[str, ...]:
     return tuple(n for n in {module_class.rsplit(".", 1)[-1], module_class} if n)
 
 
+def _host_factory(module: str, name: str) -> bool:
+    """`name` is a function defined in the hosts module itself (not a name it imported: torch, an op)."""
+    import importlib
+    import inspect
+
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - no such module: not the templates' form
+        return False
+    return inspect.isfunction(fn) and fn.__module__ == module
+
+
 def host_only(source: str) -> bool:
     """Whether the source only calls the project's host code with literal settings: the form the built-in templates
     render (base.host_source): a docstring, imports from kernels_runtime.hosts, module-level literals (CONFIG,
@@ -293,6 +305,8 @@ def host_only(source: str) -> bool:
             continue
         if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(HOSTS_PACKAGE + ".") \
                 and all(a.asname is None and a.name != "*" for a in node.names):
+            if not all(_host_factory(node.module, a.name) for a in node.names):
+                return False
             factories.update(a.name for a in node.names)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name, value = node.targets[0].id, node.value

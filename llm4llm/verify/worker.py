@@ -211,7 +211,10 @@ class VerifierPool:
         if self.kernel_cache is not None:
             from llm4llm.verify.sandbox import NOBODY
 
-            seed_kernels(self.kernel_cache, box / "work" / ".triton", NOBODY if os.geteuid() == 0 else None)
+            try:
+                seed_kernels(self.kernel_cache, box / "work" / ".triton", NOBODY if os.geteuid() == 0 else None)
+            except OSError as e:  # a cache is only an optimisation: a worker without it compiles, as before
+                print(f"llm4llm verifier: kernel cache {self.kernel_cache} not used ({e})", file=sys.stderr)
         ours, theirs = socket.socketpair()
         # what each task kind hands a worker open (e.g. a GPU lock shared by shards): the child cannot reach its path
         handed = [h for h in (k.worker_handover() for k in all_kinds()) if h[0] is not None]
@@ -324,7 +327,10 @@ class VerifierPool:
     def _keep_kernels(self, w: _Worker, source: str) -> None:
         """The worker's compiled kernels into the shared cache, where its candidate could run project code only."""
         if self.kernel_cache is not None and host_only(source):
-            keep_kernels(w.box / "work" / ".triton", self.kernel_cache)
+            try:
+                keep_kernels(w.box / "work" / ".triton", self.kernel_cache)
+            except OSError as e:  # an unwritable or misplaced cache costs the sharing, never the verdict
+                print(f"llm4llm verifier: kernel cache {self.kernel_cache} not written ({e})", file=sys.stderr)
 
     def _load_job(self, local: Path, source: str, opts: dict) -> dict:
         """The worker's load message. Per candidate: the draws' seed, how many fresh draws, the canary layout (a
