@@ -94,8 +94,10 @@ def test_time_task_times_the_module_not_the_harness(decode_tasks, cpu_events):
     draws = make_draws(task, dev, 1, 0)
     harness = reference_fn(task, dev)
     seen = []
-    for _ in range(3):  # another process loading the CPU evens the ratio out (0.98 seen); a harness-timed reference
-        v = Verdict(source_hash="x", task_id=task.spec.task_id)  # reads ~1.0 on every attempt
+    # another process loading the CPU evens the ratio out (0.98 seen; 1.06 on three attempts in a row once, CI on a
+    # shared 2-core host); a harness-timed reference reads ~1.0 on every attempt
+    for _ in range(6):
+        v = Verdict(source_hash="x", task_id=task.spec.task_id)
         timing.time_task(v, task, harness, draws, dev)
         assert v.reference_in_context is not None and v.candidate_in_context is not None
         assert v.reference_in_context.reps >= timing.MIN_REPS
