@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -449,13 +450,18 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     named = dict(model.named_modules())
     order = {name: i for i, name in enumerate(named)}
     modules = {r.module_path: named[r.module_path] for r in records}
+    t0 = time.perf_counter()
+
+    def took() -> str:  # each step's end in the children's log: where a serving regime's extraction spends its time
+        return f"{time.perf_counter() - t0:.1f} s"
+
     with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
         run_fn()
-    print(f"extract: {_host_note(recorder.observed)} after the capture")
+    print(f"extract: {_host_note(recorder.observed)} after the capture, at {took()}")
     kv_paths = _kv_decode_paths(recorder.observed) if static_cache else []
     if kv_paths:
         static_obs = _capture_static(model, run_fn, {p: modules[p] for p in kv_paths}, max_cases)
-        print(f"extract: {_host_note(static_obs)} after the static-cache capture")
+        print(f"extract: {_host_note(static_obs)} after the static-cache capture, at {took()}")
         for path in kv_paths:
             recorder.observed[(path, "decode")] = static_obs.get((path, "decode"), _Observed())
 
@@ -468,6 +474,7 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
         reason = reason or check_stable(obs) or check_reproducible(module, obs.calls)
         instances.append(_Instance(rec.module_path, module, rec, obs, reason))
 
+    print(f"extract: {len(instances)} instances checked for reproducibility, at {took()}")
     groups: dict[tuple, list[_Instance]] = defaultdict(list)
     for inst in instances:
         groups[_group_key(inst)].append(inst)
@@ -489,4 +496,5 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     for spec, group in specs:
         if spec.deployable:
             write_task(Path(out_root), spec, _reference_module(group[0].module), _cases(group))
+    print(f"extract: {sum(s.deployable for s, _ in specs)} tasks written, at {took()}")
     return sorted((s for s, _ in specs), key=lambda s: s.hotspot_score, reverse=True)

@@ -54,6 +54,8 @@ for step in ${STEPS:-dispatch}; do
       LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
         > "$OUT/logs/readme_$w.log" 2>&1
       rc=$?; kill $mem 2>/dev/null
+      # the sandboxed children's own lines (the extraction's step times, the verifier's notes), the last 2 MB
+      tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
       # the bundles it accepted (under $LLM4LLM_HOME), for `llm4llm evaluate --bundle` in a later call
       find "$LLM4LLM_HOME" -maxdepth 4 -type f -name manifest.json -path '*bundle*' 2>/dev/null \
         | xargs -r -n1 dirname | tar czf "$OUT/bundles_$w.tgz" -T - 2>/dev/null
