@@ -72,7 +72,8 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     import pickle
     import time
 
-    from llm4llm.verify.sandbox import (RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
+    from llm4llm.verify.kernel_cache import seed_child
+    from llm4llm.verify.sandbox import (NOBODY, RssWatchdog, default_mem_limit, kill_group, make_box, remove_box,
                                         sandboxed_popen)
 
     from kernels_runtime.interp import interpret_without_gpu
@@ -82,6 +83,8 @@ def in_subprocess(fn, *args, timeout_s: float = 3600.0, poll=None, poll_every_s:
     interpret_without_gpu()
     box = box or make_box("llm4llm-call-")
     work = box / "work"
+    # the project's kernels the verifier compiled (a bundle's, at every batch bucket) are not compiled again
+    seed_child(work / ".triton", NOBODY if os.geteuid() == 0 else None)
     mapped = _map_outputs(work, outputs or {}, kwargs)
 
     def polled() -> None:

@@ -104,3 +104,27 @@ def test_a_misplaced_cache_costs_the_sharing_never_the_verdict(tmp_path, capfd):
     finally:
         pool.close()
     assert "kernel cache" in capfd.readouterr().err
+
+
+
+def test_whole_model_children_start_with_the_shared_kernels(tmp_path, monkeypatch):
+    """Acceptance and evaluation children load bundles whose kernels the verifier's workers compiled: they start
+    with a copy of the shared cache (none where it does not exist, as on the CPU), and add nothing to it."""
+    import os
+
+    from llm4llm.isolation import in_subprocess
+    from llm4llm.verify.sandbox import make_box
+
+    def in_child(fn):  # fn on the child's own Triton cache dir, inside the child
+        box = make_box()
+        return in_subprocess(fn, str(box / "work" / ".triton"), box=box)
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(shared))
+    assert in_child(os.path.isdir) is False
+    _triton_entry(tmp_path / "w1" / ".triton", "abc123", monkeypatch)
+    kernel_cache.keep(tmp_path / "w1" / ".triton", shared)
+    assert in_child(os.listdir) == ["abc123"]
+    assert sorted(p.name for p in shared.iterdir()) == ["abc123"]
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, "off")
+    assert in_child(os.path.isdir) is False

@@ -5,7 +5,8 @@ loads). So every candidate recompiled every kernel it launched: a serving regime
 four GEMV stages each) spent its whole 120 s verification limit compiling. Entries compiled by a worker whose
 candidate could only run the project's host code with literal settings (static_check.host_only: the built-in
 templates' form) are the project's kernels, so they are kept here and copied into each new worker's cache before
-it starts; entries from any other worker are never kept. The cache lives in the project's home (`LLM4LLM_HOME`,
+it starts; entries from any other worker are never kept. Whole-model children (acceptance, evaluation) start with
+a copy too (seed_child) and add nothing. The cache lives in the project's home (`LLM4LLM_HOME`,
 default ./.llm4llm) under triton-cache/, or at `LLM4LLM_KERNEL_CACHE` ("off" disables it); it is not used on the
 CPU (the interpreter compiles nothing). Triton names each entry by the hash of the kernel's source, constants,
 options and Triton's version, so entries never go stale; they are only added, up to MAX_BYTES."""
@@ -27,6 +28,19 @@ def default_dir(device: str) -> Path | None:
     if where.lower() in ("off", "0", "none") or not device.startswith("cuda"):
         return None
     return Path(where) if where else Path(os.environ.get("LLM4LLM_HOME", ".llm4llm")).resolve() / "triton-cache"
+
+
+def seed_child(box_cache: Path, owner: int | None = None) -> int:
+    """Seed a whole-model child's private cache (acceptance trials, end-to-end evaluation: they load bundles whose
+    kernels the verifier's workers compiled) from the GPU's shared cache, where one exists; nothing the child
+    compiles is kept. Returns how many entries were copied; a failure only costs the child its compiles."""
+    cache = default_dir("cuda")
+    if cache is None or not cache.is_dir():
+        return 0
+    try:
+        return seed(cache, box_cache, owner)
+    except OSError:
+        return 0
 
 
 def _entries(root: Path) -> list[Path]:
