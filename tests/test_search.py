@@ -519,7 +519,7 @@ def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypa
     out = search_stage.run_task_search(str(task_dir), str(tmp_path / "data"), Recorder(), settings,
                                        proposer_obj=LibraryProposer(seed=0, templates=[FAKE]))
     assert pools == [("cpu", 7.0, "graph")]
-    assert starts[0][3] == "sample" and starts[0][5] == 3 and out["trials"] == 3
+    assert starts[0][3] == "sample" and starts[0][5] == 3 and out.trials == 3
     from llm4llm.planner import MAX_TRIALS
 
     assert SearchSettings().trials() == MAX_TRIALS and SearchSettings(budget=4).trials() == 4
