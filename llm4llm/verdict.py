@@ -1,4 +1,5 @@
-"""The verifier's typed result: one `GateResult` per gate, in the order they ran, and a `Verdict` per candidate."""
+"""The verifier's typed result: one `GateResult` per gate, in the order they ran, and a `Verdict` per candidate (a
+search's Trial keeps it too: llm4llm.search imports it from here, below the verifier)."""
 from __future__ import annotations
 
 import hashlib
