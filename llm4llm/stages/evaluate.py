@@ -99,8 +99,8 @@ def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int 
                  deadline: float | None = None, batch_sizes: tuple[int, ...] | None = None,
                  prompt_lens: tuple[int, ...] | None = None) -> list[E2ERow]:
     """Measure the workload's variants; returns the newest measurements (llm4llm.evaluate's rows, as E2ERow) of
-    each variant at each point, in the order first measured. on_measured: called with each batch of new rows as they arrive.
-    max_s, deadline: the interleaved rounds' time budget and end; batch_sizes, prompt_lens: the points
+    each variant at each point, in the order first measured. on_measured: called with each batch of new rows as
+    they arrive. max_s, deadline: the interleaved rounds' time budget and end; batch_sizes, prompt_lens: the points
     (llm4llm.evaluate.evaluate_workload)."""
     from llm4llm.evaluate import evaluate_workload
     from llm4llm.verify.sandbox import copy_readonly, make_box
