@@ -97,7 +97,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
     from prefect.artifacts import Artifact  # the stages' markdown artifacts, keyed per workload
 
     board = Artifact.get("tiny-llama-leaderboard")
-    assert board is not None and all(s["task_id"] in board.data for s in searches)
+    assert board is not None and all(s.task_id in board.data for s in searches)
     assert Artifact.get("tiny-llama-hotspots") is not None
 
 
