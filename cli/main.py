@@ -311,8 +311,8 @@ def _print_run(out: dict, db: Optional[Path]) -> None:
     if "tasks" in out:
         _print_tasks(db, out["run_id"])
     for r in out.get("searches", []):
-        console.print(f"search {r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, "
-                      f"best utility {r['best_utility']}")
+        console.print(f"search {r.task_id}: {r.trials} trials, pass rate {r.pass_rate:.0%}, "
+                      f"best utility {r.best_utility}")
     if "acceptance" in out:
         a = out["acceptance"]
         console.print(f"acceptance ({a['timing']}, {a.get('metric', '')}): {a['accepted']} accepted, "
@@ -545,12 +545,12 @@ def search(task: Optional[list[str]] = typer.Option(None, "--task", help="task i
                                    device=device or ("cuda" if info["device"] == "cuda" else "cpu"),
                                    task_ids=task or None, llm=llm, scale=scale)
         for r in results:
-            console.print(f"{r['task_id']}: {r['trials']} trials, pass rate {r['pass_rate']:.0%}, best utility "
-                          f"{r['best_utility']}, best {r['best_candidate']}")
-            if "llm_calls" in r:
-                cost = f", ${r['llm_cost_usd']:.4f}" if r.get("llm_cost_usd") else ""
-                console.print(f"  llm: {r['llm_calls']} calls, {r['llm_tokens']} tokens{cost}"
-                              + (f"; stopped: {r['llm_exhausted']}" if r.get("llm_exhausted") else ""))
+            console.print(f"{r.task_id}: {r.trials} trials, pass rate {r.pass_rate:.0%}, best utility "
+                          f"{r.best_utility}, best {r.best_candidate}")
+            if r.llm_backed:
+                cost = f", ${r.llm_cost_usd:.4f}" if r.llm_cost_usd else ""
+                console.print(f"  llm: {r.llm_calls} calls, {r.llm_tokens} tokens{cost}"
+                              + (f"; stopped: {r.llm_exhausted}" if r.llm_exhausted else ""))
 
 
 @app.command()

@@ -24,7 +24,7 @@ from tasks.planning import plan_search, record_plan, record_stage_times
 from storage.store import Store
 from tasks.profiling import describe
 from tasks.reporting import publish_markdown
-from tasks.search import close_pools, search_task
+from tasks.search import SearchSummary, close_pools, search_task
 
 
 def _publish(kind: str, workload_name: str, run_id: str, db_path: str | None) -> None:
@@ -218,7 +218,7 @@ def _search_and_accept(run: _Run) -> dict:
         results = _search_wave(run, plan, wave)
         out["searches"] += results
         searched += [w.task_id for w in wave]
-        failed += [r["task_id"] for r in results if not r.get("best_candidate")]
+        failed += [r.task_id for r in results if not r.best_candidate]
         if "accept" in stages:
             acc = _accept(run, [w.task_id for w in wave], bundle)
             bundle = acc["bundle"] or bundle
@@ -237,7 +237,7 @@ def _search_and_accept(run: _Run) -> dict:
     return out
 
 
-def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) -> list[dict]:
+def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) -> list[SearchSummary]:
     """Search the wave's tasks one after another (one GPU), each until its share of the search time is spent."""
     cfg = run.cfg
     if cfg.scale.task_runner == "ray":  # fanned out: one search per Ray task, each its planned trials
@@ -255,10 +255,10 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
             with run.stage("search", item.task_id) as span:
                 r = search_task(item.artifact_path, cfg.search, run.db_path, run.data_dir, run.device, run.run_id,
                                 cfg.llm, trials=item.trials, deadline=deadline)
-                span["trials"] = r["trials"]
-            best = f"best {r['best_utility']:.2f}x" if r.get("best_utility") else "no speedup measured"
-            run.say(f"search {item.task_id}: {r['trials']} trials, {r['pass_rate']:.0%} passed, {best}, "
-                    f"ended by {r['ended_by']}")
+                span["trials"] = r.trials
+            best = f"best {r.best_utility:.2f}x" if r.best_utility else "no speedup measured"
+            run.say(f"search {item.task_id}: {r.trials} trials, {r.pass_rate:.0%} passed, {best}, "
+                    f"ended by {r.ended_text}")
             results.append(r)
     finally:
         close_pools()

@@ -8,14 +8,14 @@ from flows.progress import run_log
 from llm4llm.config import SearchSettings
 from llm4llm.llm.config import LLMConfig
 from llm4llm.scale import ScaleOut
-from tasks.search import (close_pools, record_search, remote_search_input, search_task, search_task_remote,
-                          searchable_tasks)
+from tasks.search import (SearchSummary, close_pools, record_search, remote_search_input, search_task,
+                          search_task_remote, searchable_tasks)
 
 
 @flow(name="search-tasks", log_prints=True)
 def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: str | None = None,
                  data_dir: str | None = None, device: str = "cpu", task_ids: list[str] | None = None,
-                 llm: LLMConfig | dict | None = None, scale: ScaleOut | None = None) -> list[dict]:
+                 llm: LLMConfig | dict | None = None, scale: ScaleOut | None = None) -> list[SearchSummary]:
     """Fan out one search per task of a run (`settings`: llm4llm.config.SearchSettings; its families and top pick
     the tasks unless task_ids names them). Timing is one job per GPU at a time: all searches share the device's
     single verifier worker, whose lock serializes them (the settings' decode_timing says how it times). With
@@ -27,7 +27,7 @@ def search_tasks(run_id: str, settings: SearchSettings | None = None, db_path: s
 
 def _search_tasks(run_id: str, settings: SearchSettings | None, db_path: str | None, data_dir: str | None,
                   device: str, task_ids: list[str] | None, llm: LLMConfig | dict | None,
-                  scale: ScaleOut | None) -> list[dict]:
+                  scale: ScaleOut | None) -> list[SearchSummary]:
     s = settings if settings is not None else SearchSettings(top=None)
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm
@@ -42,13 +42,15 @@ def _search_tasks(run_id: str, settings: SearchSettings | None, db_path: str | N
         finally:
             close_pools()
     if results:
-        create_table_artifact(key="search", table=[{k: r.get(k) for k in ("task_id", "trials", "pass_rate",
-                                                                      "best_utility", "ended_by")} for r in results],
+        create_table_artifact(key="search", table=[{"task_id": r.task_id, "trials": r.trials, "pass_rate": r.pass_rate,
+                                                    "best_utility": r.best_utility, "ended_by": r.ended_text}
+                                                   for r in results],
                               description=f"Search results of run {run_id} ({s.mode}, budget {s.trials()})")
     return results
 
 
-def _search_remote(dirs: list[str], scale: ScaleOut, db_path: str | None, data_dir: str, kw: dict) -> list[dict]:
+def _search_remote(dirs: list[str], scale: ScaleOut, db_path: str | None, data_dir: str,
+                   kw: dict) -> list[SearchSummary]:
     """Every search as a Ray task with `gpus_per_eval` GPUs; rows written here as each search comes back."""
     from prefect_ray.context import remote_options
 

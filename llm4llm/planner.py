@@ -447,7 +447,7 @@ def near_floor(trials: list) -> str | None:
     for t in trials:
         if not t.feedback.passed:
             continue
-        ms, floor = _p50(t.verdict, "candidate_in_context"), t.verdict.get("floor_ms")
+        ms, floor = _p50(t.verdict, "candidate_in_context"), t.verdict.floor_ms
         if ms and floor and (best is None or ms / floor < best[0]):
             best = (ms / floor, ms, floor)
     if best is not None and best[0] <= NEAR_FLOOR:

@@ -243,7 +243,7 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
 
 
 def _fields(verdict) -> dict[str, Any]:
-    """A verdict's fields as JSON-able data, as llm4llm.search.types.verdict_dict writes them in transcripts."""
+    """A verdict's fields as JSON-able data (a Verdict's model_dump(mode="json"), as transcripts hold a Trial's)."""
     if isinstance(verdict, dict):
         return dict(verdict)
     if hasattr(verdict, "model_dump"):
@@ -288,9 +288,10 @@ def search_end(result) -> SearchEnd:
             "best_utility": best.feedback.utility if best else None}
 
 
-def e2e_row(run_id: str, workload_hash: str, measured: dict) -> dict:
-    """An `e2e_results` row: one variant's measurements (llm4llm.evaluate's row) under the run and workload."""
-    return {"run_id": run_id, "workload_hash": workload_hash, **measured}
+def e2e_row(run_id: str, workload_hash: str, measured) -> dict:
+    """An `e2e_results` row: one variant's measurements (an llm4llm.stages.evaluate.E2ERow, serialized here: the
+    columns are its fields) under the run and workload."""
+    return {"run_id": run_id, "workload_hash": workload_hash, **measured.model_dump(mode="json")}
 
 
 def rejection_episode_row(run_id: str, index: int) -> EpisodeRow:

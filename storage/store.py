@@ -195,8 +195,9 @@ class Store:
 
     # ---- evaluate
     @staticmethod
-    def e2e_rows(run_id: str, workload_hash: str, measured: list[dict]) -> list[dict]:
-        """Measurements (llm4llm.evaluate's rows) as `e2e_results` rows; writes nothing."""
+    def e2e_rows(run_id: str, workload_hash: str, measured: list) -> list[dict]:
+        """Measurements (llm4llm.stages.evaluate.E2ERow, typed; not imported: storage imports nothing of the core)
+        as `e2e_results` rows; writes nothing."""
         from storage.rows import e2e_row
 
         return [e2e_row(run_id, workload_hash, m) for m in measured]

@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from llm4llm import isolation
 from llm4llm.config import SearchSettings
 from llm4llm.stages import search as search_stage
+from llm4llm.stages.search import SearchSummary
 from storage.store import Store
 from tasks.common import infrastructure_only
 
@@ -24,7 +25,7 @@ def _search_run_name(parameters: dict) -> str:
       task_run_name=_search_run_name)
 def search_task(task_dir: str, settings: SearchSettings, db_path: str | None, data_dir: str, device: str,
                 run_id: str | None, llm: dict | None = None, trials: int | None = None,
-                deadline: float | None = None) -> dict:
+                deadline: float | None = None) -> SearchSummary:
     """One task's search: `trials` (the plan's; default the settings' budget) until `deadline` (Unix time, the
     plan's share of the time budget). A failing candidate is data (a row), not a task failure: only infrastructure
     errors (the worker pool cannot start, the database is unavailable) fail and retry this task. The task run shows
@@ -106,7 +107,7 @@ def search_task_remote(task_id: str, task: bytes, prior: list[dict], settings: S
 
 @task(name="record-search", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only,
       cache_policy=NO_CACHE)
-def record_search(rows: dict, db_path: str | None, data_dir: str) -> dict:
+def record_search(rows: dict, db_path: str | None, data_dir: str) -> SearchSummary:
     """Write a remote search's rows, in the flow's process (DuckDB's one writer)."""
     return search_stage.record_packed_search(rows, Store(db_path), data_dir)
 

@@ -54,6 +54,6 @@ def test_rejection_becomes_experience_and_prunes_the_next_search(norm_task):
     out = search_recorded(task_dir, Store(db_path), str(root), SearchSettings(mode="sample", budget=2, seed=0),
                           device="cpu")
     with Database(db_path) as db:
-        tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out["search_id"])
+        tried = repo.candidate_rows(db, task_id=spec.task_id, search_id=out.search_id)
     assert first.id not in set(tried["candidate_id"]) and len(tried) == 2
     isolation.close_pools()

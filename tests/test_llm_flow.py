@@ -130,15 +130,15 @@ def test_llm_search_through_run_task_search(tiny_run):
     # 150 tokens per answer: compile error, (429) good, no code = 450 >= 400, so the fourth request is never sent
     # and the search ends short of its budget of 6, cleanly.
     assert len(server.requests) == 4
-    assert out["trials"] == 3 and out["ended_by"] == "exhausted"
-    assert out["llm_exhausted"].startswith("token budget spent") and out["llm_tokens"] == 450
-    assert out["llm_calls"] == 4 and out["best_candidate"] is not None
-    sid = out["search_id"]
+    assert out.trials == 3 and out.ended_by == "exhausted"
+    assert out.llm_exhausted.startswith("token budget spent") and out.llm_tokens == 450
+    assert out.llm_calls == 4 and out.best_candidate is not None
+    sid = out.search_id
 
     [search] = rows(tiny_run["db"], "SELECT * FROM searches WHERE search_id = ?", [sid])
     assert (search["proposer"], search["trials"], search["passed"], search["run_id"]) == ("llm", 3, 1,
                                                                                          tiny_run["run_id"])
-    assert search["finished_at"] is not None and search["best_candidate_id"] == out["best_candidate"]
+    assert search["finished_at"] is not None and search["best_candidate_id"] == out.best_candidate
 
     cands = rows(tiny_run["db"], "SELECT * FROM candidates WHERE search_id = ? ORDER BY iteration", [sid])
     assert [c["passed"] for c in cands] == [False, True, False]
@@ -197,8 +197,8 @@ def test_hybrid_search_shares_the_budget(tiny_run):
         out = search_recorded(tiny_run["task_dir"], Store(tiny_run["db"]), tiny_run["data_dir"],
                               SearchSettings(budget=4, proposer="hybrid"), run_id=tiny_run["run_id"],
                               llm=llm_options(server, hybrid_share=0.5))
-    sid = out["search_id"]
-    assert out["trials"] == 4 and len(server.requests) == 2 and out["llm_calls"] == 2
+    sid = out.search_id
+    assert out.trials == 4 and len(server.requests) == 2 and out.llm_calls == 2
     [search] = rows(tiny_run["db"], "SELECT proposer, trials FROM searches WHERE search_id = ?", [sid])
     assert search == {"proposer": "hybrid", "trials": 4}
     cands = rows(tiny_run["db"], "SELECT proposer, passed, source_path FROM candidates WHERE search_id = ?", [sid])

@@ -128,7 +128,10 @@ def test_parse_duration_refuses_what_it_cannot_read(text):
 
 
 def _trial(passed: bool, utility: float = 0.0, ctx_ms: float | None = None, floor_ms: float | None = None):
-    verdict = {"candidate_in_context": {"p50": ctx_ms} if ctx_ms else None, "floor_ms": floor_ms}
+    from llm4llm.verdict import Latency, Verdict
+
+    lat = Latency(p20=ctx_ms, p50=ctx_ms, p80=ctx_ms) if ctx_ms else None
+    verdict = Verdict(source_hash="h", task_id="t", candidate_in_context=lat, floor_ms=floor_ms)
     return SimpleNamespace(feedback=SimpleNamespace(passed=passed, utility=utility), verdict=verdict)
 
 

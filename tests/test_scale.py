@@ -74,7 +74,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
     db_path, data, out = scaled
     searches = out["searches"]
     assert len(searches) == 3
-    places = [s["placement"] for s in searches]
+    places = [s.placement for s in searches]
     assert all(len(p["gpu_ids"]) == 1 and p["cuda_visible_devices"] == p["gpu_ids"][0] for p in places), places
     assert all(p["pid"] != os.getpid() for p in places)  # evaluated in Ray workers, not in the flow
     spans = [(p["started"], p["finished"]) for p in places]
@@ -88,7 +88,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
         cands = repo.candidate_rows(db)
         eps = repo.table_df(db, "episodes")
         exp = repo.table_df(db, "experience")
-    assert sorted(rows["search_id"]) == sorted(s["search_id"] for s in searches)
+    assert sorted(rows["search_id"]) == sorted(s.search_id for s in searches)
     assert (rows["trials"] == 1).all() and rows["finished_at"].notna().all() and (rows["run_id"] == out["run_id"]).all()
     assert len(cands) == 3 and cands["passed"].all()  # the library's default of each template is correct
     assert all(Path(p).is_file() and Path(p).is_relative_to(data) for p in cands["source_path"])
@@ -97,7 +97,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
     from prefect.artifacts import Artifact  # the stages' markdown artifacts, keyed per workload
 
     board = Artifact.get("tiny-llama-leaderboard")
-    assert board is not None and all(s["task_id"] in board.data for s in searches)
+    assert board is not None and all(s.task_id in board.data for s in searches)
     assert Artifact.get("tiny-llama-hotspots") is not None
 
 

@@ -376,14 +376,14 @@ def test_the_best_trial_is_the_fastest_against_the_searchs_pooled_reference(task
                         SearchSettings(mode="sample", budget=12), archive_dir=task_dir.parent / "archive")
     passed = [t for t in result.trials if t.feedback.passed]
     assert any(t.candidate.config["num_warps"] == 1 for t in passed), "the lucky-reference trial must be sampled"
-    fastest = min(passed, key=lambda t: t.verdict["candidate_in_context"]["p50"])
-    lucky = max(passed, key=lambda t: t.verdict["speedup_in_context"])
+    fastest = min(passed, key=lambda t: t.verdict.candidate_in_context.p50)
+    lucky = max(passed, key=lambda t: t.verdict.speedup_in_context)
     assert lucky.candidate.config["num_warps"] == 1 and lucky is not fastest  # the per-trial ratio would pick it
     assert result.best is fastest
-    refs = sorted(t.verdict["reference_in_context"]["p50"] for t in passed)
+    refs = sorted(t.verdict.reference_in_context.p50 for t in passed)
     pooled = refs[len(refs) // 2] if len(refs) % 2 else (refs[len(refs) // 2 - 1] + refs[len(refs) // 2]) / 2
     for t in passed:
-        assert t.feedback.utility == pytest.approx(pooled / t.verdict["candidate_in_context"]["p50"])
+        assert t.feedback.utility == pytest.approx(pooled / t.verdict.candidate_in_context.p50)
 
 
 # (candidate time, reference time beside it) in us: Mamba-130M's decode block search on the H200 (2026-11-30,
@@ -510,7 +510,7 @@ def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypa
             starts.append(a)
 
         def trial(self, candidate, verdict, *a):
-            return bool(verdict["passed"])
+            return bool(verdict.passed)
 
         def end(self, *a):
             pass
@@ -519,7 +519,7 @@ def test_the_search_settings_reach_the_search_whole(task_dir, tmp_path, monkeypa
     out = search_stage.run_task_search(str(task_dir), str(tmp_path / "data"), Recorder(), settings,
                                        proposer_obj=LibraryProposer(seed=0, templates=[FAKE]))
     assert pools == [("cpu", 7.0, "graph")]
-    assert starts[0][3] == "sample" and starts[0][5] == 3 and out["trials"] == 3
+    assert starts[0][3] == "sample" and starts[0][5] == 3 and out.trials == 3
     from llm4llm.planner import MAX_TRIALS
 
     assert SearchSettings().trials() == MAX_TRIALS and SearchSettings(budget=4).trials() == 4

@@ -64,8 +64,8 @@ def run_problems(directory: str, data_dir: str, search: Callable[..., dict], tri
             else:
                 summary = search(str(task_dir), mode=mode, budget=budget, proposer=proposer, device=device,
                                  timeout_s=timeout_s, seed=seed, run_id=kb_run_id, proposer_obj=prop)
-                row.update(search_id=summary["search_id"], trials=summary["trials"])
-                _fill_best(row, trials(summary["search_id"]))
+                row.update(search_id=summary.search_id, trials=summary.trials)
+                _fill_best(row, trials(summary.search_id))
             record(row)
             rows.append(row)
             if on_problem:

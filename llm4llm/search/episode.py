@@ -25,8 +25,9 @@ from pydantic import BaseModel, Field
 from llm4llm.outcomes import FINAL_ENDS, EpisodeEnd
 from llm4llm.search.experience import distil, signature_of
 from llm4llm.search.proposer import Proposer
-from llm4llm.search.types import Candidate, Experience, Feedback, verdict_dict
+from llm4llm.search.types import Candidate, Experience, Feedback
 from llm4llm.taskspec import TaskSpec, load_spec
+from llm4llm.verdict import Verdict, source_hash
 
 
 class SearchSettings(Protocol):
@@ -40,7 +41,7 @@ class SearchSettings(Protocol):
 
 
 Mode = Literal["episodic", "sample", "iter"]  # llm4llm.config.SearchMode
-Verify = Callable[[Path, str], Any]  # (task_dir, source) -> Verdict-like
+Verify = Callable[[Path, str], Any]  # (task_dir, source) -> a Verdict, or a dict of its fields (as_verdict)
 OnTrial = Callable[[Candidate, Any, int, int], None]  # (candidate, verdict, episode, iteration)
 # (the trials so far) -> why the search ends before its next trial, or None: the planner's time share and floor
 Stop = Callable[[list["Trial"]], "str | None"]
@@ -51,7 +52,7 @@ EMPTY_RETRIES = 2  # proposer calls that return nothing new before the search st
 class Trial(BaseModel):
     candidate: Candidate
     feedback: Feedback
-    verdict: dict[str, Any]
+    verdict: Verdict  # typed; a transcript holds it as model_dump(mode="json")
     episode: int
     iteration: int  # 0-based index within the whole search
 
@@ -151,10 +152,17 @@ def run_search(task_dir: Path, proposer: Proposer, verify: Verify, settings: Sea
     return result
 
 
-def _p50(verdict: dict[str, Any], key: str) -> float | None:
-    lat = verdict.get(key) or {}
-    v = lat.get("p50") if isinstance(lat, dict) else None
-    return float(v) if v else None
+def as_verdict(verdict: Verdict | dict[str, Any], candidate: Candidate, task_id: str) -> Verdict:
+    """What `verify` returned as a Verdict: the verifier's own, or a dict of its fields (a stand-in verifier's)
+    parsed here, its source hash and task id filled in when it leaves them out."""
+    if isinstance(verdict, Verdict):
+        return verdict
+    return Verdict.model_validate({"source_hash": source_hash(candidate.source), "task_id": task_id, **verdict})
+
+
+def _p50(verdict: Verdict, key: str) -> float | None:
+    lat = getattr(verdict, key)
+    return float(lat.p50) if lat is not None and lat.p50 else None
 
 
 def pool_reference(trials: list[Trial]) -> float | None:
@@ -218,10 +226,10 @@ class _Run:
     def _trial(self, candidate: Candidate, k: int) -> None:
         iteration = len(self.trials)
         candidate = candidate.model_copy(update={"episode": k, "iteration": iteration})
-        verdict = self.verify(self.task_dir, candidate.source)
+        verdict = as_verdict(self.verify(self.task_dir, candidate.source), candidate, self.spec.task_id)
         self.tried.add(candidate.id)
         trial = Trial(candidate=candidate, feedback=Feedback.from_verdict(candidate, verdict),
-                      verdict=verdict_dict(verdict), episode=k, iteration=iteration)
+                      verdict=verdict, episode=k, iteration=iteration)
         self.trials.append(trial)
         self.episode_trials.append(trial)
         pool_reference(self.trials)

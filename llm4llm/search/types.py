@@ -47,15 +47,6 @@ def _field(verdict: Any, name: str, default: Any = None) -> Any:
     return getattr(verdict, name, default)
 
 
-def verdict_dict(verdict: Any) -> dict[str, Any]:
-    """A verdict (pydantic Verdict, dataclass-like or dict) as JSON-able data for transcripts."""
-    if isinstance(verdict, dict):
-        return dict(verdict)
-    if hasattr(verdict, "model_dump"):
-        return verdict.model_dump(mode="json")
-    return {k: v for k, v in vars(verdict).items() if not k.startswith("_")}
-
-
 class Feedback(BaseModel):
     """What a proposer sees of one verified candidate."""
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from llm4llm import isolation
 from llm4llm.config import EvaluateSettings
@@ -14,10 +16,56 @@ from llm4llm.config import EvaluateSettings
 DEFAULT_VARIANTS = ("eager", "patched", "torch_compile")
 
 
+class E2ERow(BaseModel):
+    """One variant's measurements at one point, as llm4llm.evaluate writes them (E2EResult.to_row, with the GPU's
+    name and the library versions): what run_evaluate returns and storage.store.Store.e2e_rows takes. Frozen; parsed
+    from the sandboxed child's JSON lines, and written out with model_dump(mode="json") (the e2e_results columns)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    variant: str
+    prefill_ms: float | None = None
+    decode_ms_per_token: float | None = None
+    total_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_mem_mb: float | None = None
+    compile_s: float | None = None
+    repeats: int = 0
+    notes: str = ""
+    total_samples_ms: tuple[float, ...] = ()
+    prefill_samples_ms: tuple[float, ...] = ()
+    cpu_samples_ms: tuple[float, ...] = ()
+    vs_eager: float | None = None
+    vs_eager_p20: float | None = None
+    vs_eager_p80: float | None = None
+    vs_eager_cpu: float | None = None
+    vs_eager_cpu_p20: float | None = None
+    vs_eager_cpu_p80: float | None = None
+    vs_compile: float | None = None
+    vs_compile_p20: float | None = None
+    vs_compile_p80: float | None = None
+    gpu_step_ms: float | None = None
+    host_overhead_ms: float | None = None
+    hbm_floor_ms: float | None = None
+    copy_gbps: float | None = None
+    batch_size: int | None = None
+    prompt_len: int | None = None
+    decode_ms_p20: float | None = None
+    decode_ms_p80: float | None = None
+    decode_tokens_per_s: float | None = None
+    gpu_name: str | None = None
+    versions_json: dict[str, Any] | None = None
+
+    @property
+    def point(self) -> tuple[str, int | None, int | None]:
+        """(variant, batch size, prompt length): a later row at the same point supersedes an earlier one."""
+        return self.variant, self.batch_size, self.prompt_len
+
+
 class EvaluateRepository(Protocol):
     """Where the measurements go (storage.store.Store on DuckDB): the stage opens no database."""
 
-    def e2e_rows(self, run_id: str, workload_hash: str, measured: list[dict]) -> list[dict]:
+    def e2e_rows(self, run_id: str, workload_hash: str, measured: list[E2ERow]) -> list[dict]:
         """Measurements as `e2e_results` rows; writes nothing."""
 
     def record_e2e(self, rows: list[dict]) -> None: ...
@@ -35,7 +83,7 @@ def evaluate_recorded(workload_path: str, repo: EvaluateRepository, settings: Ev
     wl = describe_workload(workload_path)
     run_id = run_id or new_run_id(wl["name"] + "-eval")
 
-    def record(measured: list[dict]) -> None:
+    def record(measured: list[E2ERow]) -> None:
         repo.record_e2e(repo.e2e_rows(run_id, wl["workload_hash"], measured))
 
     latest = run_evaluate(workload_path, bundle=bundle, repeats=s.repeats, variants=tuple(s.variants or DEFAULT_VARIANTS),
@@ -47,18 +95,18 @@ def evaluate_recorded(workload_path: str, repo: EvaluateRepository, settings: Ev
 
 def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int = 7,
                  variants: tuple[str, ...] = DEFAULT_VARIANTS,
-                 on_measured: Callable[[list[dict]], None] | None = None, max_s: float | None = None,
+                 on_measured: Callable[[list[E2ERow]], None] | None = None, max_s: float | None = None,
                  deadline: float | None = None, batch_sizes: tuple[int, ...] | None = None,
-                 prompt_lens: tuple[int, ...] | None = None) -> list[dict]:
-    """Measure the workload's variants; returns the newest measurements (llm4llm.evaluate's rows) of each variant at
-    each point, in the order first measured. on_measured: called with each batch of new rows as they arrive.
-    max_s, deadline: the interleaved rounds' time budget and end; batch_sizes, prompt_lens: the points
+                 prompt_lens: tuple[int, ...] | None = None) -> list[E2ERow]:
+    """Measure the workload's variants; returns the newest measurements (llm4llm.evaluate's rows, as E2ERow) of
+    each variant at each point, in the order first measured. on_measured: called with each batch of new rows as
+    they arrive. max_s, deadline: the interleaved rounds' time budget and end; batch_sizes, prompt_lens: the points
     (llm4llm.evaluate.evaluate_workload)."""
     from llm4llm.evaluate import evaluate_workload
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
     # (variant, batch, prompt) -> its newest row (the child re-sends a variant's row at a point after each round)
-    latest: dict[tuple, dict] = {}
+    latest: dict[tuple, E2ERow] = {}
     seen = [0]
     with tempfile.TemporaryDirectory(prefix="llm4llm-e2e-") as tmp:
         stream = Path(tmp) / "rows.jsonl"
@@ -67,14 +115,14 @@ def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int 
             new = []
             for line in (stream.read_text().splitlines() if stream.exists() else [])[seen[0]:]:
                 try:
-                    new.append(json.loads(line))
+                    new.append(E2ERow.model_validate(json.loads(line)))
                 except json.JSONDecodeError:  # the line being written: the next poll reads it whole
                     break
             if new:
                 if on_measured is not None:
                     on_measured(new)
                 seen[0] += len(new)
-                latest.update(((r["variant"], r.get("batch_size"), r.get("prompt_len")), r) for r in new)
+                latest.update((r.point, r) for r in new)
 
         # the bundle (candidate code) as a read-only copy in the child's private dir: the bundle store's own dirs
         # need not be reachable by the sandbox's uid (a layer the child would otherwise lose)

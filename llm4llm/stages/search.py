@@ -7,11 +7,50 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from llm4llm import isolation
 from llm4llm.config import SearchSettings
+from llm4llm.outcomes import EpisodeEnd
 from llm4llm.stages.common import code_version
+
+
+class SearchSummary(BaseModel):
+    """What one task's search did, as the stage returns it to the flow, the CLI and storage (frozen: handed on
+    unchanged). ended_by: why its last episode ended (None: no episode ran, e.g. a task no built-in template covers,
+    `skipped` then says why); ended_detail: that ending with its detail, for people ("stopped: time share spent").
+    The llm_* fields are set when the proposer is LLM-backed. placement: where a search away from the flow ran
+    (record_packed_search; None for a local search). A search away from the flow crosses to the flow as
+    model_dump(mode="json") and is rebuilt with model_validate."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    search_id: str | None
+    task_id: str
+    trials: int = 0
+    pass_rate: float = 0.0
+    best_candidate: str | None = None
+    best_utility: float | None = None
+    episodes: int = 0
+    ended_by: EpisodeEnd | None = None
+    ended_detail: str | None = None
+    skipped: str | None = None
+    llm_calls: int | None = None
+    llm_tokens: int | None = None
+    llm_cost_usd: float | None = None
+    llm_exhausted: str | None = None
+    placement: dict[str, Any] | None = None
+
+    @property
+    def llm_backed(self) -> bool:
+        return self.llm_calls is not None
+
+    @property
+    def ended_text(self) -> str | None:
+        """How it ended, for people: the last episode's ending with its detail, or why no episode ran."""
+        return self.ended_detail or self.skipped
 
 
 class SearchRecorder(Protocol):
@@ -48,7 +87,8 @@ class SearchRepository(Protocol):
     def task_rows(self, run_id: str | None = None): ...
 
     def record_search_rows(self, rows: dict, data_dir: str) -> dict:
-        """Write the rows a search away from the flow returned; returns the search's summary."""
+        """Write the rows a search away from the flow returned; returns the search's summary as the rows carry it
+        (SearchSummary.model_dump(mode="json"))."""
 
 
 # task dir -> the task's template checks (one dict per template of its family): check_applicability
@@ -80,10 +120,10 @@ def make_proposer(kind: str, seed: int = 0, llm=None, templates=None):
 def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, settings: SearchSettings, *,
                     device: str = "cpu", run_id: str | None = None, llm: dict | None = None,
                     prior: list | None = None, proposer_obj=None, check: CheckFn | None = None,
-                    deadline: float | None = None, planned: bool = False) -> dict:
+                    deadline: float | None = None, planned: bool = False) -> SearchSummary:
     """Search one task under `settings` (its mode, proposer, trials, seed, per-candidate timeout and decode
     timing); every trial goes to `recorder` as it is verified (its source under the data dir), every episode with
-    its experience at the end. Returns a small summary. prior: the task's stored experience (Experience records,
+    its experience at the end. Returns its SearchSummary. prior: the task's stored experience (Experience records,
     oldest first). check: the task's template checks, which pick the built-in templates the library and hybrid
     proposers may use (needed for them unless proposer_obj is given). planned: a search the run's plan sized (llm4llm.planner): it ends early when its best is near the
     task's physical floor or stops improving, or by `deadline` (Unix time, its share of the time budget: no trial
@@ -103,8 +143,7 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, sett
         templates = applicable_templates_of(TEMPLATES, check(task_dir))
         if not templates and proposer == "library":
             print(f"search: {spec.task_id} {NOT_COVERED} (no trial spent)")
-            return {"search_id": None, "task_id": spec.task_id, "trials": 0, "pass_rate": 0.0,
-                    "best_candidate": None, "best_utility": None, "episodes": 0, "ended_by": NOT_COVERED}
+            return SearchSummary(search_id=None, task_id=spec.task_id, skipped=NOT_COVERED)
         if not templates:  # hybrid: the LLM writes for it alone
             proposer = "llm"
     prop = proposer_obj if proposer_obj is not None else make_proposer(proposer, settings.seed, llm, templates)
@@ -184,24 +223,26 @@ def _llm_search_kw(prop, archive_dir: Path, only_unset: bool) -> dict:
     return {"samples_per_step": prop.config.samples_per_step}
 
 
-def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> dict:
-    best = result.best
-    summary = {"search_id": search_id, "task_id": task_id, "trials": result.trials_used,
-               "pass_rate": result.pass_rate, "best_candidate": best.candidate.id if best else None,
-               "best_utility": best.feedback.utility if best else None, "episodes": len(result.episodes),
-               "ended_by": result.episodes[-1].ended_by if result.episodes else None}
+def search_summary(search_id: str, task_id: str, result, llm_prop=None) -> SearchSummary:
+    """The SearchSummary of a finished search (llm4llm.search.episode.SearchResult); llm_prop: its LLM-backed
+    proposer (an LLMProposer, or a HybridProposer with its `llm`), None for the others."""
+    best, last = result.best, result.episodes[-1] if result.episodes else None
+    llm = {}
     if llm_prop is not None:
         llm_prop = getattr(llm_prop, "llm", llm_prop)
-        summary.update(llm_calls=len(llm_prop.calls), llm_tokens=llm_prop.tokens_used,
-                       llm_cost_usd=llm_prop.cost_used, llm_exhausted=llm_prop.exhausted)
-    return summary
+        llm = dict(llm_calls=len(llm_prop.calls), llm_tokens=llm_prop.tokens_used, llm_cost_usd=llm_prop.cost_used,
+                   llm_exhausted=llm_prop.exhausted)
+    return SearchSummary(search_id=search_id, task_id=task_id, trials=result.trials_used, pass_rate=result.pass_rate,
+                         best_candidate=best.candidate.id if best else None,
+                         best_utility=best.feedback.utility if best else None, episodes=len(result.episodes),
+                         ended_by=last.ended if last else None, ended_detail=last.ended_by if last else None, **llm)
 
 
 # ---- searches away from the flow (a task runner's workers: Ray, one GPU each) ----------------------------------
 
 def search_away(task_dir: str, work_dir: str, recorder: SearchRecorder, settings: SearchSettings, *,
                 device: str = "cpu", run_id: str | None = None, llm: dict | None = None,
-                prior: list[dict] | None = None) -> tuple[dict, dict]:
+                prior: list[dict] | None = None) -> tuple[SearchSummary, dict]:
     """Search one task under `settings` away from the flow: every row goes to `recorder` (storage.recorders.SearchRows collects them
     for the flow to write, so DuckDB keeps one writer however many machines evaluate). Verifies on a verifier worker
     of its own, started for this search and closed after it (a pooled Ray worker may hold another GPU next time);
@@ -253,7 +294,7 @@ def search_packed(task: bytes, recorder: SearchRecorder, settings: SearchSetting
         summary, files = search_away(str(task_dir), tmp, recorder, settings,
                                      device="cuda" if device.startswith("cuda") else device, run_id=run_id, llm=llm,
                                      prior=prior)
-        rows = recorder.rows(summary, files)
+        rows = recorder.rows(summary.model_dump(mode="json"), files)  # JSON-able: the rows cross to the flow
     rows["placement"] = {**where, "started": started, "finished": time.time()}
     return rows
 
@@ -367,7 +408,7 @@ def applicable_templates_of(templates, checks: list[dict]) -> list:
 def search_recorded(task_dir: str, repo: SearchRepository, data_dir: str, settings: SearchSettings | None = None, *,
                     device: str = "cpu", run_id: str | None = None, llm: dict | None = None, proposer_obj=None,
                     trials: int | None = None, deadline: float | None = None,
-                    wrap: Callable[[SearchRecorder], SearchRecorder] | None = None) -> dict:
+                    wrap: Callable[[SearchRecorder], SearchRecorder] | None = None) -> SearchSummary:
     """Search one task in this process under `settings` (default: SearchSettings' defaults) (run_task_search);
     every trial goes to `repo`'s recorder as it is verified, every episode with its experience at the end.
     settings.warm_start: start from the task's stored experience (earlier searches and acceptance rejections; off
@@ -412,10 +453,12 @@ def packed_task_input(task_dir: str, repo: SearchRepository) -> dict:
     return {"task_id": spec.task_id, "task": pack_dir(task_dir), "prior": prior}
 
 
-def record_packed_search(rows: dict, repo: SearchRepository, data_dir: str) -> dict:
+def record_packed_search(rows: dict, repo: SearchRepository, data_dir: str) -> SearchSummary:
     """Write the rows search_packed returned (in the flow's process: DuckDB has one writer); returns the search's
-    summary with where the search ran (`placement`, None when the rows do not say)."""
-    return repo.record_search_rows(rows, data_dir) | {"placement": rows.get("placement")}
+    summary, rebuilt from its serialized form, with where the search ran (`placement`, None when the rows do not
+    say)."""
+    summary = repo.record_search_rows(rows, data_dir)
+    return SearchSummary.model_validate({**summary, "placement": rows.get("placement")})
 
 
 def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | None, device: str,
