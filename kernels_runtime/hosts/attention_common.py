@@ -52,8 +52,9 @@ def with_past(past, new, extra: int = 0):
 
 
 def softcap(static: dict, p: str = ""):
-    """The attention-logit cap the module applies: transformers' SDPA path ignores it."""
-    if "sdpa" in str(static.get(p + "attn_implementation") or ""):
+    """The attention-logit cap the module applies: transformers' SDPA path ignores it. The implementation is read
+    under the prefix, else unprefixed (a decoder layer's task records the model's at the top level)."""
+    if "sdpa" in str(static.get(p + "attn_implementation") or static.get("attn_implementation") or ""):
         return None
     return opt(static, p + "attn_logit_softcapping", p + "config.attn_logit_softcapping")
 

@@ -8,6 +8,7 @@ kernels_runtime.ops.gemv that streams its weight once, the work around it in the
   the MLP half (post_attention_layernorm in o_proj's reduction or gate/up's prologue: `post_norm`);
 - decode_static_layer (decoder_layer.decode_static): the raw q/k/v pass, attention_decode_static on the static cache
   (attention_common.static_attention), the same MLP half;
+- decode_static_gemma2_layer (decoder_layer.decode_static_gemma2): Gemma-2's sandwich-norm layer on the same ops;
 - lm_head (lm_head.gemv): the vocabulary projection.
 
 Each GEMV stage's keyword arguments come from the config's keys under its prefix (`qkv_`, `o_`, `gu_`, `dn_`, `lm_`)
@@ -155,6 +156,46 @@ def decode_static_layer(config: dict):
         q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
         o, state_out = static_attention(q, k, v, inputs, weights, state, static, step, ATTN_P)  # [B, Hq, 1, D]
         out = mlp(o.transpose(1, 2).reshape(B * S, -1), x2, weights, static)
+        return {"out": out.view(x.shape), **state_out}
+    return entry
+
+
+def _eps(static: dict, norm: str) -> float:
+    return float(static_value(static, norm + ".eps", norm + ".variance_epsilon"))
+
+
+def decode_static_gemma2_layer(config: dict):
+    """Gemma2DecoderLayer on the static KV cache: h = x + post_attention_layernorm(attn(input_layernorm(x)));
+    out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))), every norm Gemma's (fp32, 1 + w).
+    input_layernorm in the raw q/k/v pass's prologue; attention_decode_static (the module's scaling, soft-cap and
+    sliding window: static_attention); o_proj with post_attention_layernorm, the residual add and
+    pre_feedforward_layernorm in its reduction; gate/up + gelu-tanh in one pass; down_proj with
+    post_feedforward_layernorm and the second residual add in its reduction."""
+    qkv, o_kw, gu, dn = stage(config, "qkv_"), stage(config, "o_"), stage(config, "gu_"), stage(config, "dn_")
+    prefetch = mlp_prefetch(config)
+    step = {k: v for k, v in config.items() if k.startswith("attn_") or k in STATIC_STEP_KEYS}
+
+    def entry(inputs, weights, state, static):
+        x = inputs["hidden_states"]  # [B, 1, H]
+        B, S, _ = x.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        D = int(static_value(static, "self_attn.head_dim"))
+        q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
+                                weights["self_attn.v_proj.weight"], None, None, D,
+                                norm_w=weights["input_layernorm.weight"], norm_eps=_eps(static, "input_layernorm"),
+                                gemma_norm=True, **qkv)  # [B*S, H, D] views of one buffer
+        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
+        o, state_out = static_attention(q, k, v, inputs, weights, state, static, step, ATTN_P)  # [B, Hq, 1, D]
+        h, hn = gemv_residual_rmsnorm(o.transpose(1, 2).reshape(B * S, -1), weights["self_attn.o_proj.weight"], x2,
+                                      weights["pre_feedforward_layernorm.weight"],
+                                      _eps(static, "pre_feedforward_layernorm"),
+                                      out_norm_w=weights["post_attention_layernorm.weight"],
+                                      out_eps=_eps(static, "post_attention_layernorm"), gemma=True,
+                                      l2_prefetch=prefetch(weights), **o_kw)
+        g = gate_up_swiglu(hn, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], act="gelu_tanh", **gu)
+        out, _ = gemv_residual_rmsnorm(g, weights["mlp.down_proj.weight"], h, None,
+                                       out_norm_w=weights["post_feedforward_layernorm.weight"],
+                                       out_eps=_eps(static, "post_feedforward_layernorm"), gemma=True, **dn)
         return {"out": out.view(x.shape), **state_out}
     return entry
 

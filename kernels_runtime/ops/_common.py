@@ -46,6 +46,29 @@ def rnd(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def gate_act(g, GELU: tl.constexpr, DTYPE: tl.constexpr):
+    # a gated MLP's activation of its rounded gate g (fp32), rounded to DTYPE as the eager op: silu (LlamaMLP) or,
+    # GELU, the tanh approximation (Gemma's gelu_pytorch_tanh, fp32 inside: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715
+    # g^3))); tanh from exp, no libdevice)
+    if GELU:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = tl.exp(-2.0 * tl.abs(z))
+        return rnd(0.5 * g * (1.0 + tl.where(z >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t)), DTYPE)
+    else:
+        return rnd(g * tl.sigmoid(g), DTYPE)
+
+
+@triton.jit
+def rms_scale(x, rstd, w, GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    # HF's RMSNorm of x (fp32) from its rstd and weight w (fp32, broadcast by the caller): Llama's
+    # w * (x * rstd).to(dtype), rounded again; GEMMA: Gemma's (x * rstd) * (1 + w) in fp32, rounded once
+    if GEMMA:
+        return rnd(x * rstd * (1.0 + w), DTYPE)
+    else:
+        return rnd(w * rnd(x * rstd, DTYPE), DTYPE)
+
+
+@triton.jit
 def cast_out(x, DTYPE: tl.constexpr, RNE: tl.constexpr):
     # fp32 x cast to an output dtype; RNE (pass interpreting()) rounds bf16 to nearest-even first, as the GPU does
     if RNE:

@@ -12,10 +12,12 @@ buffer [SPLIT_K, M, N_total] and a second, tiny launch adds them in a fixed orde
 runs the epilogue:
 - `gemv`: plain, or `residual + out` (an o_proj / down_proj with the block's residual add); the lm_head;
 - `gemv_residual_rmsnorm`: `h = residual + out` and the next RMSNorm of h (one program per row: it needs the row);
-- `gate_up_swiglu`: gate and up in one pass, `silu(gate) * up` in the reduction;
+- `gate_up_swiglu`: gate and up in one pass, `silu(gate) * up` in the reduction (`act="gelu_tanh"`: Gemma's
+  `gelu_pytorch_tanh(gate) * up`);
 - `qkv_norm_rope`: q, k, v in one pass; per head the Qwen3 q/k RMSNorm and the rotary embedding in the reduction.
 A `norm_w` prologue (RMSNorm of x folded into the GEMV: each program reads the whole x row from L2 for its rstd)
-removes the norm launch in front of a projection (post_attention_layernorm before gate/up).
+removes the norm launch in front of a projection (post_attention_layernorm before gate/up). Gemma's RMSNorm (fp32
+inside, scaled by 1 + w, rounded once) where a launcher takes `gemma` / `gemma_norm`: Gemma-2's decoder layer.
 
 Numerics follow transformers 5.17 (LlamaAttention / Qwen3Attention / LlamaMLP, bf16 modules): each nn.Linear
 output is rounded to the activation dtype before the next op, each elementwise op of the eager code rounds.
@@ -66,33 +68,44 @@ def gemv_ref(x, w, residual=None, norm_w=None, eps=1e-6):
     return y if residual is None else (residual.float() + y.float()).to(residual.dtype)
 
 
-def _rmsnorm_ref(x, w, eps):
+def _rmsnorm_ref(x, w, eps, gemma=False):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # Gemma's: (x * rstd) * (1 + w) in fp32, rounded once
+        return (h * (1.0 + w.float())).to(x.dtype)
     return w * h.to(x.dtype)
 
 
-def gemv_residual_rmsnorm_ref(x, w, residual, norm_w, eps=1e-6):
-    """-> (h = residual + x @ w.T, RMSNorm(h) * norm_w)."""
-    h = gemv_ref(x, w, residual)
-    return h, _rmsnorm_ref(h, norm_w, eps)
+def gemv_residual_rmsnorm_ref(x, w, residual, norm_w, eps=1e-6, out_norm_w=None, out_eps=1e-6, gemma=False):
+    """-> (h = residual + x @ w.T, RMSNorm(h) * norm_w or None without norm_w); out_norm_w: x @ w.T RMSNorm'd
+    before the add (Gemma-2's sandwich norms); gemma: Gemma's norms."""
+    y = gemv_ref(x, w)
+    if out_norm_w is not None:
+        y = _rmsnorm_ref(y, out_norm_w, out_eps, gemma)
+    h = (residual.float() + y.float()).to(residual.dtype)
+    return h, None if norm_w is None else _rmsnorm_ref(h, norm_w, eps, gemma)
 
 
-def gate_up_swiglu_ref(x, w_gate, w_up, norm_w=None, eps=1e-6):
-    """-> silu(x @ w_gate.T) * (x @ w_up.T), x RMSNorm'd by norm_w first when given."""
+ACTS = {"silu": torch.nn.functional.silu,  # gate_up_swiglu's `act`: LlamaMLP's, Gemma's gelu_pytorch_tanh
+        "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+
+
+def gate_up_swiglu_ref(x, w_gate, w_up, norm_w=None, eps=1e-6, act="silu"):
+    """-> act(x @ w_gate.T) * (x @ w_up.T) (act: silu or gelu_tanh), x RMSNorm'd by norm_w first when given."""
     if norm_w is not None:
         x = _rmsnorm_ref(x, norm_w, eps)
     g = torch.nn.functional.linear(x.float(), w_gate.float()).to(x.dtype)
     u = torch.nn.functional.linear(x.float(), w_up.float()).to(x.dtype)
-    return torch.nn.functional.silu(g) * u
+    return ACTS[act](g) * u
 
 
 def qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6, norm_w=None,
-                      norm_eps=1e-6):
+                      norm_eps=1e-6, gemma_norm=False):
     """x: [M, K], cos/sin: [M, D] or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (Qwen3Attention's
-    projections, q_norm/k_norm and apply_rotary_pos_emb; Llama's without the norms); x RMSNorm'd by norm_w first."""
+    projections, q_norm/k_norm and apply_rotary_pos_emb; Llama's without the norms); x RMSNorm'd by norm_w first
+    (gemma_norm: Gemma's norm)."""
     if norm_w is not None:
-        x = _rmsnorm_ref(x, norm_w, norm_eps)
+        x = _rmsnorm_ref(x, norm_w, norm_eps, gemma_norm)
     def proj(w):
         return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).view(x.shape[0], -1, head_dim)
 
@@ -133,7 +146,7 @@ def _weights(ws, K, dtype):
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
-            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES):
+            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES, act="silu", gemma=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
@@ -143,7 +156,8 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     weight tiles in flight a program; PDL (implies PREFETCH): programmatic dependent launch. l2_prefetch: up to two
     (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). TMA (a pipeline depth, 0
     off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
-    dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL)."""
+    dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL). act: the paired
+    pass's activation (ACTS); gemma: norm_w is Gemma's (the register pass only)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     _check_rows(FMA_MAX_M)
     M, K = x2.shape
@@ -159,8 +173,10 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     swiglu = swiglu_up is not None
     if swiglu and (not direct or len(ws) != 1):
         raise ValueError("gemv: the paired gate/up pass takes one gate weight and no K split")
+    if act not in ACTS:
+        raise ValueError(f"gemv: expected act in {list(ACTS)}, got {act!r}")
     if TMA and _tma_fits(M, K, ws, direct, DOT, BLOCK_N, BLOCK_K, ws[0].dtype) and (
-            norm_w is None or _norm_row(True, 1, K)):
+            norm_w is None or (_norm_row(True, 1, K) and not gemma)):
         n = ws[0].shape[0]
         block = [BLOCK_N, BLOCK_K]
         a_desc = TensorDescriptor.from_tensor(ws[0], block)
@@ -173,8 +189,8 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
             PRO_NORM=norm_w is not None, HAS_RES=residual2 is not None, SWIGLU=swiglu,
             ACT_DTYPE=_TL.get(x2.dtype, tl.float32), RNE=interpreting(), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             STAGES=int(TMA), NORM_ROW=_norm_row(norm_w is not None, 1, K), PDL=pdl_on(PDL),
-            PRE=bool(TMA_PRE), LATE=bool(TMA_LATE) and pdl_on(PDL), TIMELINE=ts is not None, num_warps=num_warps,
-            **pdl_launch(PDL))
+            PRE=bool(TMA_PRE), LATE=bool(TMA_LATE) and pdl_on(PDL), TIMELINE=ts is not None,
+            GELU=act == "gelu_tanh", num_warps=num_warps, **pdl_launch(PDL))
         return direct_out, 0
     block_m = _rows_per_program(M, DOT)
     out = direct_out if direct else torch.empty((split, M, ntot), device=x2.device, dtype=torch.float32)
@@ -198,7 +214,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              PREFETCH=bool(PREFETCH or (PDL and not DOT)), PDL=pdl_on(PDL),
              NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
              L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
-             TIMELINE=ts is not None),
+             TIMELINE=ts is not None, GELU=act == "gelu_tanh", GEMMA=bool(gemma)),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
     return out, (0 if direct else split)
 
@@ -238,46 +254,53 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], N)
 
 
-def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
-                          eps: float = 1e-6, *, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
+def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor | None,
+                          eps: float = 1e-6, *, out_norm_w: torch.Tensor | None = None, out_eps: float = 1e-6,
+                          gemma: bool = False, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
                           PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
                           FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
-    down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s."""
+    down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s. out_norm_w [N]: x @ w.T RMSNorm'd
+    (out_eps) before the add (Gemma-2's post_attention / post_feedforward norm); norm_w None: no norm after it (the
+    second value None); gemma: both norms Gemma's."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
-    if tuple(residual.shape) != (*x.shape[:-1], N) or norm_w.shape != (N,):
+    if tuple(residual.shape) != (*x.shape[:-1], N) or any(
+            t is not None and t.shape != (N,) for t in (norm_w, out_norm_w)):
         raise ValueError(f"gemv_residual_rmsnorm: expected residual {[*x.shape[:-1], N]} and norm_w [{N}], got "
-                         f"{tuple(residual.shape)}, {tuple(norm_w.shape)}")
+                         f"{tuple(residual.shape)}, {[getattr(t, 'shape', None) for t in (norm_w, out_norm_w)]}")
     if N > MAX_ROW:
         raise ValueError(f"gemv_residual_rmsnorm: expected N <= {MAX_ROW}, got {N}")
     x2, r2 = _rows2(x, K, "x"), _rows2(residual, N, "residual")
     M = x2.shape[0]
     h = torch.empty((M, N), device=x.device, dtype=residual.dtype)
-    y = torch.empty((M, N), device=x.device, dtype=residual.dtype)
+    y = torch.empty((M, N), device=x.device, dtype=residual.dtype) if norm_w is not None else h
     if M:
         part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
                               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch,
                               FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
-            part, r2, norm_w, h, y, M, N, split, r2.stride(0), h.stride(0), y.stride(0), float(eps)),
+            part, r2, h if norm_w is None else norm_w, h if out_norm_w is None else out_norm_w, h, y, M, N, split,
+            r2.stride(0), h.stride(0), y.stride(0), float(eps), float(out_eps)),
             dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RES_DTYPE=_TL.get(residual.dtype, tl.float32),
-                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N), PDL=pdl_on(PDL)),
+                 RNE=interpreting(), BLOCK=triton.next_power_of_2(N), PDL=pdl_on(PDL),
+                 OUT_NORM=out_norm_w is not None, HAS_NORM=norm_w is not None, GEMMA=bool(gemma)),
             num_warps=reduce_warps, **pdl_launch(PDL))
     lead = x.shape[:-1]
-    return h.reshape(*lead, N), y.reshape(*lead, N)
+    return h.reshape(*lead, N), None if norm_w is None else y.reshape(*lead, N)
 
 
 def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
                    paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES) -> torch.Tensor:
-    """x: [..., K], w_gate/w_up: [I, K] -> silu(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass;
+                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, act: str = "silu") -> torch.Tensor:
+    """x: [..., K], w_gate/w_up: [I, K] -> act(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass
+    (act: silu, or gelu_tanh for Gemma's MLP);
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (FMA or tl.dot
     path alike) each program streams BLOCK_N / 2 rows of gate and the same rows of up and writes the product itself
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
@@ -295,7 +318,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
-              DOT_STAGES=DOT_STAGES)
+              DOT_STAGES=DOT_STAGES, act=act)
     bk = _dot_tiles(BLOCK_N, BLOCK_K)[1] if _dot_path(M, DOT, FMA_MAX_M) else BLOCK_K  # the K tile _stream uses
     if M and paired and BLOCK_N >= 2 and _split_of(K, bk, SPLIT_K)[0] == 1:
         _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA,
@@ -305,7 +328,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
         blk = _reduce_block(I)
         launch(_swiglu_reduce_kernel, (M, triton.cdiv(I, blk)), (part, y, M, I, split, y.stride(0)),
                dict(ACT_DTYPE=_TL.get(x.dtype, tl.float32), RNE=interpreting(), BLOCK=blk,
-                    PDL=pdl_on(PDL)), **pdl_launch(PDL))
+                    PDL=pdl_on(PDL), GELU=act == "gelu_tanh"), **pdl_launch(PDL))
     return y.reshape(*x.shape[:-1], I)
 
 
@@ -315,13 +338,14 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
                   PREFETCH: bool = False, PDL: bool = False,
-                  FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES
+                  FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, gemma_norm: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
     is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm). Without
-    the q/k norms, the rotary embedding and a K split, the pass writes q/k/v itself (one launch)."""
+    the q/k norms, the rotary embedding and a K split, the pass writes q/k/v itself (one launch). gemma_norm: the
+    prologue norm is Gemma's (Gemma-2's input_layernorm)."""
     K = x.shape[-1]
     _weights([wq, wk, wv], K, x.dtype)
     D = head_dim
@@ -346,7 +370,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
                               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
-              DOT_STAGES=DOT_STAGES)
+                              DOT_STAGES=DOT_STAGES, gemma=gemma_norm)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,
@@ -361,5 +385,5 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     return q, k, v
 
 
-__all__ = ["CONFIG_SPACE", "DEFAULT", "gate_up_swiglu", "gate_up_swiglu_ref", "gemv", "gemv_ref",
+__all__ = ["ACTS", "CONFIG_SPACE", "DEFAULT", "gate_up_swiglu", "gate_up_swiglu_ref", "gemv", "gemv_ref",
            "gemv_residual_rmsnorm", "gemv_residual_rmsnorm_ref", "qkv_norm_rope", "qkv_norm_rope_ref"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, pdl_wait, rnd
+from kernels_runtime.ops._common import cast_out, gate_act, pdl_wait, rms_scale, rnd
 
 MAX_ROW = 16384  # the one-program-per-row epilogues (residual + RMSNorm) keep the row in registers
 
@@ -39,34 +39,43 @@ def _reduce_kernel(p_ptr, r_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_ym,
 
 @triton.jit
 def _swiglu_reduce_kernel(p_ptr, y_ptr, M, N, SPLIT, stride_ym,
-                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          ACT_DTYPE: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                          GELU: tl.constexpr = False):
     pdl_wait(PDL)
-    # y = silu(gate) * up, gate = p[:, row, :N], up = p[:, row, N:]; each eager op's rounding (LlamaMLP)
+    # y = silu(gate) * up (GELU: gelu-tanh), gate = p[:, row, :N], up = p[:, row, N:]; each eager op's rounding
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = rnd(_split_sum(p_ptr, row, cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
     u = rnd(_split_sum(p_ptr, row, N + cols, mask, M, 2 * N, SPLIT), ACT_DTYPE)
-    act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+    act = gate_act(g, GELU, ACT_DTYPE)
     tl.store(y_ptr + row * stride_ym + cols, cast_out(act * u, y_ptr.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit
-def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, h_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_hm,
-                                    stride_ym, eps, ACT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
-                                    RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _residual_rmsnorm_reduce_kernel(p_ptr, r_ptr, nw_ptr, on_ptr, h_ptr, y_ptr, M, N, SPLIT, stride_rm, stride_hm,
+                                    stride_ym, eps, out_eps, ACT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
+                                    RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                                    OUT_NORM: tl.constexpr = False, HAS_NORM: tl.constexpr = True,
+                                    GEMMA: tl.constexpr = False):
     pdl_wait(PDL)
-    # one program per row: h = residual + out (in the residual's dtype, as the eager add), y = RMSNorm(h)
+    # one program per row: h = residual + out (in the residual's dtype, as the eager add), y = RMSNorm(h) (HAS_NORM);
+    # OUT_NORM: out RMSNorm'd first (on_ptr, out_eps: Gemma-2's post_attention / post_feedforward norm, the
+    # sandwich); GEMMA: both norms Gemma's (1 + w, fp32 inside, rms_scale)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     out = rnd(_split_sum(p_ptr, row, cols, mask, M, N, SPLIT), ACT_DTYPE)
+    if OUT_NORM:
+        ow = tl.load(on_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = rms_scale(out, tl.rsqrt(tl.sum(out * out, axis=0) / N + out_eps), ow, GEMMA, ACT_DTYPE)
     h = rnd(out + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32), RES_DTYPE)
     tl.store(h_ptr + row * stride_hm + cols, cast_out(h, h_ptr.dtype.element_ty, RNE), mask=mask)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = nw * rnd(h * rstd, RES_DTYPE)
-    tl.store(y_ptr + row * stride_ym + cols, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = rms_scale(h, rstd, nw, GEMMA, RES_DTYPE)
+        tl.store(y_ptr + row * stride_ym + cols, cast_out(y, y_ptr.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, l2_prefetch, l2_prefetch_bytes, rnd, stamp
+from kernels_runtime.ops._common import cast_out, gate_act, l2_prefetch, l2_prefetch_bytes, rms_scale, rnd, stamp
 
 # Rows one program takes, so that each weight tile is read once for the whole decode batch. The FMA path keeps a
 # [BLOCK_M, BLOCK_N, BLOCK_K] fp32 product in registers, so it takes at most MAX_FMA_M rows (FMA_MAX_M, a launcher
@@ -41,8 +41,9 @@ def _gemv_kernel(
     DOT: tl.constexpr = False, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
-    TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False, GELU: tl.constexpr = False, GEMMA: tl.constexpr = False,
 ):
+    # GELU: SWIGLU's activation is GELU's tanh form (Gemma's MLP); GEMMA: the prologue norm is Gemma's (1 + w).
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
     # the gate): the program also streams the same rows of the up weight (w1_ptr) and stores silu(gate) * up.
@@ -143,9 +144,9 @@ def _gemv_kernel(
             if SWIGLU:
                 u = tl.load(u_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again
+        if PRO_NORM:  # HF's RMSNorm: weight * (x * rstd).to(dtype), rounded again (GEMMA: rms_scale's)
             nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = rnd(nw[None, :] * rnd(x * rstd[:, None], ACT_DTYPE), ACT_DTYPE)
+            x = rms_scale(x, rstd[:, None], nw[None, :], GEMMA, ACT_DTYPE)
         if DOT:
             xd = x.to(w.dtype)  # exact: x is a value of the activation dtype (loaded, or rounded by rnd)
             if UPCAST_DOT:
@@ -178,9 +179,8 @@ def _gemv_kernel(
         if SWIGLU:
             out_u = tl.sum(acc3_u, axis=2)
     mask = m_ok[:, None] & n_ok[None, :]
-    if SWIGLU:  # LlamaMLP's roundings: each projection, silu, then the product
-        g = rnd(out, ACT_DTYPE)
-        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+    if SWIGLU:  # LlamaMLP's roundings: each projection, silu (GELU: gelu-tanh), then the product
+        act = gate_act(rnd(out, ACT_DTYPE), GELU, ACT_DTYPE)
         y = act * rnd(out_u, ACT_DTYPE)
         tl.store(p_ptr + rm[:, None] * stride_pm + rn[None, :], cast_out(y, p_ptr.dtype.element_ty, RNE), mask=mask)
     elif DIRECT:

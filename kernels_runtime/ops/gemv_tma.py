@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_runtime.ops._common import cast_out, rnd, stamp
+from kernels_runtime.ops._common import cast_out, gate_act, rnd, stamp
 
 
 @triton.jit
@@ -32,8 +32,9 @@ def _gemv_tma_kernel(
     PRO_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, ACT_DTYPE: tl.constexpr,
     RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_ROW: tl.constexpr,
     PDL: tl.constexpr = False, PRE: tl.constexpr = False, LATE: tl.constexpr = False,
-    TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False, GELU: tl.constexpr = False,
 ):
+    # GELU: SWIGLU's activation is GELU's tanh form (Gemma's MLP); the prologue norm is Llama's only (`_stream`).
     # One x row (batch 1), no K split: y[n] = w0[n] . x (+ residual) or, SWIGLU, silu(w0[n] . x) * (w1[n] . x), with
     # `_gemv_kernel`'s roundings. The weight tiles come by TMA into shared memory, STAGES of them in flight a
     # program (Triton's pipeliner), where `_gemv_kernel` holds its tiles in registers: more bytes in flight an SM
@@ -82,8 +83,7 @@ def _gemv_tma_kernel(
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     if SWIGLU:
-        g = rnd(out, ACT_DTYPE)
-        act = rnd(g * tl.sigmoid(g), ACT_DTYPE)
+        act = gate_act(rnd(out, ACT_DTYPE), GELU, ACT_DTYPE)
         out = act * rnd(tl.sum(acc_u, axis=1), ACT_DTYPE)
     elif HAS_RES:
         out = rnd(out, ACT_DTYPE) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)

@@ -66,6 +66,38 @@ def test_gate_up_swiglu(dtype, norm, cfg):
         assert_close(out, ref.float(), dtype, name="gate_up_swiglu vs float64")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[1]])  # the paired pass (GELU in _gemv_kernel), the split reduction
+def test_gemma2_epilogues(dtype, cfg):
+    """Gemma-2's decoder layer in the GEMV epilogues: gelu_pytorch_tanh(gate) * up, the sandwich norm (the o_proj /
+    down_proj output RMSNorm'd before the residual add, the pre-feedforward norm of the sum after it, or none) and
+    the input_layernorm prologue of q/k/v, each with Gemma's (1 + w) fp32 norm."""
+    x, wg, wu = torch.randn(2, 41, dtype=dtype) * 2, _w(23, 41, dtype), _w(23, 41, dtype)
+    out = gate_up_swiglu(x, wg, wu, act="gelu_tanh", **cfg)
+    assert_close(out, gate_up_swiglu_ref(x, wg, wu, act="gelu_tanh"), name="gelu_tanh")
+    if dtype == torch.float32:
+        ref = gate_up_swiglu_ref(x.double(), wg.double(), wu.double(), act="gelu_tanh")
+        assert_close(out, ref.float(), dtype, name="gelu_tanh vs float64")
+    x, w = torch.randn(3, 50, dtype=dtype), _w(27, 50, dtype)
+    res = torch.randn(3, 27, dtype=dtype)
+    nw, ow = 0.5 * torch.randn(27, dtype=dtype), 0.5 * torch.randn(27, dtype=dtype)
+    for norm_w in (nw, None):
+        h, y = gemv_residual_rmsnorm(x, w, res, norm_w, 1e-5, out_norm_w=ow, out_eps=1e-6, gemma=True, **cfg)
+        h_ref, y_ref = gemv_residual_rmsnorm_ref(x, w, res, norm_w, 1e-5, out_norm_w=ow, out_eps=1e-6, gemma=True)
+        assert_close(h, h_ref, name="h")
+        assert (y is None) == (norm_w is None)
+        if norm_w is not None:
+            assert_close(y, y_ref, name="gemma rmsnorm(h)")
+    D, K = 8, 35
+    x = torch.randn(2, K, dtype=dtype)
+    wq, wk, wv = _w(4 * D, K, dtype), _w(2 * D, K, dtype), _w(2 * D, K, dtype)
+    nw = 0.5 * torch.randn(K, dtype=dtype)
+    got = qkv_norm_rope(x, wq, wk, wv, None, None, D, norm_w=nw, norm_eps=1e-6, gemma_norm=True, **cfg)
+    want = qkv_norm_rope_ref(x, wq, wk, wv, None, None, D, norm_w=nw, norm_eps=1e-6, gemma_norm=True)
+    for name, a, b in zip("qkv", got, want):
+        assert_close(a, b, name=name)
+
+
 def _rope(M, D, dtype):
     pos = torch.arange(M, dtype=torch.float64)[:, None] * 7 + 3
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
