@@ -10,6 +10,10 @@ around it in the GEMV's prologue or its split-K reduction. One template per boun
 - decoder_layer.decode_static (the same layer on transformers' static KV cache, what decode graphs run on): the
   input_layernorm + q/k/v GEMV, then attention.decode_static's kernel (q/k norms, rotary, the cache write at the
   device-side length, split-KV attention: its `attn_` keys), then the MLP half as decode_fused;
+- decoder_layer.decode_static_gemma2 (Gemma2DecoderLayer on the static cache): decode_static's ops with Gemma's
+  (1 + w) norms: input_layernorm in the q/k/v prologue, the attention with the module's soft-cap and window,
+  post_attention_layernorm + residual + pre_feedforward_layernorm in o_proj's reduction, gate/up + gelu-tanh,
+  post_feedforward_layernorm + residual in down_proj's reduction;
 - lm_head.gemv: the vocabulary projection.
 Each GEMV stage has its own keys (prefix `qkv_`, `o_`, `gu_`, `dn_`, `lm_`): BLOCK_N (rows a program), BLOCK_K (the
 K tile: 512 bf16 = 16-byte loads, 64 per row a step), SPLIT_K (programs along K, a deterministic second launch adds
@@ -175,7 +179,7 @@ def _layer_structure(spec: TaskSpec) -> str | None:
     extra = [w for w in spec.weight_names if not w.startswith((ATTN_P, MLP_P, "input_layernorm.",
                                                                 "post_attention_layernorm."))]
     if extra:  # Gemma-2's pre/post feedforward norms, ...: another layer structure
-        return f"weights outside a Llama-style layer: {extra}"
+        return f"weights outside a Llama-style layer: {extra} (Gemma-2's: decoder_layer.decode_static_gemma2)"
     for key in ("input_layernorm.variance_epsilon", "post_attention_layernorm.variance_epsilon"):
         if not isinstance(spec.static.get(key), float):
             return f"expected static {key}, got {spec.static.get(key)!r}"
@@ -222,7 +226,7 @@ def _layer_static_applies(spec: TaskSpec) -> str | None:
     return f"decoder_layer.decode_static: {why}" if why else None
 
 
-def _attn_static_applies(spec: TaskSpec) -> str | None:
+def _attn_static_applies(spec: TaskSpec, softcap_ok: bool = False) -> str | None:
     need = {ATTN_P + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")}
     if not need <= set(spec.weight_names):
         return f"expected weights {sorted(need)}, got {spec.weight_names}"
@@ -243,7 +247,8 @@ def _attn_static_applies(spec: TaskSpec) -> str | None:
     if spec.static.get(ATTN_P + "attention_type") not in (None, "full_attention", "sliding_attention"):
         return f"attention type {spec.static.get(ATTN_P + 'attention_type')!r} is out of scope"
     attn_static = {k[len(ATTN_P):]: v for k, v in spec.static.items() if k.startswith(ATTN_P)}
-    if any(attn_static.get(n) is not None for n in ("attn_logit_softcapping", "config.attn_logit_softcapping")):
+    if not softcap_ok and any(attn_static.get(n) is not None for n in ("attn_logit_softcapping",
+                                                                        "config.attn_logit_softcapping")):
         # whether the module caps depends on its attention implementation (module_softcap), not recorded here
         return f"logit soft-capping is out of scope (module_softcap: {module_softcap(attn_static)})"
     return static_mask_problem(spec) or _bias_free(spec, ATTN_P)
@@ -337,6 +342,59 @@ def _layer_static_render(spec, config):
     return host_source("decoder_layer.decode_static", spec, config, HOSTS, "decode_static_layer")
 
 
+# -------------------------------------------------------------------------- Gemma-2's decoder layer, static cache
+# decoder_layer.decode_static_gemma2: Gemma2DecoderLayer (h = x + post_attention_layernorm(attn(input_layernorm(x)));
+# out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))), Gemma's fp32 (1 + w) norms, a gelu-tanh
+# gated MLP) on decode_static's ops and keys: the same four weight passes plus the attention, the norms in the
+# prologue and the reductions (kernels_runtime.hosts.decode_layer.decode_static_gemma2_layer). The attention applies
+# the module's soft-cap where its implementation does (attention_common.softcap: not under SDPA) and its window.
+# No `post_norm` choice (both norms sit in o_proj's reduction) and no TMA for down_proj (its reduction holds the
+# post-feedforward norm).
+
+GEMMA2_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+GELU_TANH = ("GELUTanh", "PytorchGELUTanh")  # transformers' gelu_pytorch_tanh: torch's gelu(approximate="tanh")
+GEMMA2_DROP = ("post_norm", "dn_TMA", "dn_TMA_PRE", "dn_TMA_LATE")  # decode_static's keys this layer has not
+
+
+def _gemma2_structure(spec: TaskSpec) -> str | None:
+    if not spec.module_class.endswith(".Gemma2DecoderLayer"):  # the norm weights alone do not say (1 + w)
+        return f"expected transformers' Gemma2DecoderLayer (Gemma's 1 + w norms), got {spec.module_class}"
+    norms = [n + ".weight" for n in GEMMA2_NORMS]
+    missing = [w for w in norms if w not in spec.weight_names]
+    extra = [w for w in spec.weight_names if not w.startswith((ATTN_P, MLP_P)) and w not in norms]
+    if missing or extra:
+        return f"expected Gemma-2's four layer norms and nothing else outside attention and MLP, missing " \
+               f"{missing}, extra {extra}"
+    for n in GEMMA2_NORMS:
+        if not isinstance(spec.static.get(n + ".eps"), float):
+            return f"expected static {n}.eps, got {spec.static.get(n + '.eps')!r}"
+    if any(ATTN_P + n in spec.weight_names for n in ("q_norm.weight", "k_norm.weight")):
+        return "q/k norms (Gemma-3's 1 + w) are out of scope"
+    act = spec.static.get(MLP_P + "act_fn.__class__")
+    if act not in GELU_TANH:
+        return f"expected a gelu-tanh act_fn {GELU_TANH}, got {act!r}"
+    return _bias_free(spec, MLP_P)
+
+
+def _gemma2_applies(spec: TaskSpec) -> str | None:
+    why = _gemma2_structure(spec) or _attn_static_applies(spec, softcap_ok=True)
+    return f"decoder_layer.decode_static_gemma2: {why}" if why else None
+
+
+def _gemma2(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in GEMMA2_DROP}
+
+
+def _gemma2_seeds(spec: TaskSpec) -> list[dict]:
+    seeds = [_gemma2(sd) for sd in _layer_static_seeds(spec)]
+    return [sd for sd in seeds if sd]
+
+
+def _gemma2_render(spec, config):
+    return host_source("decoder_layer.decode_static_gemma2", spec, config, HOSTS, "decode_static_gemma2_layer")
+
+
 # -------------------------------------------------------------------------------------------------------- lm_head
 
 def _lm_applies(spec: TaskSpec) -> str | None:
@@ -374,6 +432,10 @@ TEMPLATES = [
     Template(name="decoder_layer.decode_static", family="decoder_layer", phases=("decode",),
              requires=(*OPS, DECODE_STATIC_OP), space_fn=_layer_static_space, render_fn=_layer_static_render,
              applies_fn=_layer_static_applies, default_fn=_layer_static_default, seeds_fn=_layer_static_seeds),
+    Template(name="decoder_layer.decode_static_gemma2", family="decoder_layer", phases=("decode",),
+             requires=(*OPS, DECODE_STATIC_OP), space_fn=lambda spec: _gemma2(_layer_static_space(spec)),
+             render_fn=_gemma2_render, applies_fn=_gemma2_applies,
+             default_fn=lambda spec: _gemma2(_layer_static_default(spec)), seeds_fn=_gemma2_seeds),
     Template(name="lm_head.gemv", family="lm_head", phases=("prefill", "decode"), requires=OPS,
              space_fn=lambda spec: {**_stage_space("lm_"), "num_stages": [1, 2, 3], **rows_space(spec)},
              render_fn=_lm_render,
