@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_hosts_decode import _check_source
+
 GEMMA2 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, sliding_window=16, query_pre_attn_scalar=24, layer_types=None)
 
@@ -72,7 +74,10 @@ def test_gemma2_decoder_layer_fused_on_the_static_cache(tmp_path, batch):
         checks = check_templates(task_dir, spec, [template], lambda path, source: _verify(path, source, draws=0))
         assert [(c.applicable, c.failure_class) for c in checks] == [(True, None)], checks
         (pinned,) = applicable_templates([template], checks)
-        v = _verify(task_dir, pinned.render(spec, pinned.default(spec)), draws=1)
+        source = pinned.render(spec, pinned.default(spec))
+        _check_source(source, template.name)  # a short source importing its host factory, as decode_static's
+        assert "import decode_static_gemma2_layer" in source
+        v = _verify(task_dir, source, draws=1)
         assert v.passed, f"{spec.task_id}: {v.failure_class}: {v.message}"
         assert v.max_abs_err is not None and v.max_abs_err < 1e-4, v.max_abs_err
 
