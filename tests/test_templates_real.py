@@ -56,6 +56,7 @@ CASES = [
     ("tiny-llama", "decoder_layer.decode_fused", "decode"),
     ("tiny-qwen3+static", "decoder_layer.decode_static", "decode"),  # the layer on the static KV cache
     ("tiny-llama+static", "decoder_layer.decode_static", "decode"),
+    ("tiny-gemma2+static", "decoder_layer.decode_static_gemma2", "decode"),  # Gemma-2's sandwich-norm layer
     ("tiny-qwen3", "lm_head.gemv", "decode"),
     ("tiny-llama", "lm_head.gemv", "prefill"),  # generate's prefill: the last position's logits only
 ]

@@ -135,6 +135,21 @@ def decode_fused_layer(config: dict):
     return entry
 
 
+def static_attend(x, inputs, weights, state, static, qkv: dict, step: dict, gemma_norm: bool = False):
+    """x [B, 1, H] -> (x2 [B, H], o [B, Hq * D], the state-out): input_layernorm in the raw q/k/v pass's prologue
+    (gemma_norm: Gemma's), then attention_common.static_attention on the static cache (in place)."""
+    B, S, _ = x.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    D = int(static_value(static, "self_attn.head_dim"))
+    norm_eps = float(static_value(static, "input_layernorm.variance_epsilon", "input_layernorm.eps"))
+    q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
+                            weights["self_attn.v_proj.weight"], None, None, D, norm_w=weights["input_layernorm.weight"],
+                            norm_eps=norm_eps, gemma_norm=gemma_norm, **qkv)  # [B*S, H, D] views of one buffer
+    q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
+    o, state_out = static_attention(q, k, v, inputs, weights, state, static, step, ATTN_P)  # [B, Hq, 1, D]
+    return x2, o.transpose(1, 2).reshape(B * S, -1), state_out
+
+
 def decode_static_layer(config: dict):
     """decode_fused_layer on transformers' static KV cache: input_layernorm in the q/k/v pass's prologue (the raw
     projections: the attention kernel applies the q/k norms and rotary), attention_decode_static (the cache write at
@@ -145,17 +160,8 @@ def decode_static_layer(config: dict):
 
     def entry(inputs, weights, state, static):
         x = inputs["hidden_states"]  # [B, 1, H]
-        B, S, _ = x.shape
-        x2 = x.reshape(-1, x.shape[-1])
-        D = int(static_value(static, "self_attn.head_dim"))
-        q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
-                                weights["self_attn.v_proj.weight"], None, None, D,
-                                norm_w=weights["input_layernorm.weight"],
-                                norm_eps=float(static["input_layernorm.variance_epsilon"]),
-                                **qkv)  # [B*S, H, D] views of one buffer
-        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
-        o, state_out = static_attention(q, k, v, inputs, weights, state, static, step, ATTN_P)  # [B, Hq, 1, D]
-        out = mlp(o.transpose(1, 2).reshape(B * S, -1), x2, weights, static)
+        x2, o, state_out = static_attend(x, inputs, weights, state, static, qkv, step)
+        out = mlp(o, x2, weights, static)
         return {"out": out.view(x.shape), **state_out}
     return entry
 
@@ -177,16 +183,8 @@ def decode_static_gemma2_layer(config: dict):
 
     def entry(inputs, weights, state, static):
         x = inputs["hidden_states"]  # [B, 1, H]
-        B, S, _ = x.shape
-        x2 = x.reshape(-1, x.shape[-1])
-        D = int(static_value(static, "self_attn.head_dim"))
-        q, k, v = qkv_norm_rope(x2, weights["self_attn.q_proj.weight"], weights["self_attn.k_proj.weight"],
-                                weights["self_attn.v_proj.weight"], None, None, D,
-                                norm_w=weights["input_layernorm.weight"], norm_eps=_eps(static, "input_layernorm"),
-                                gemma_norm=True, **qkv)  # [B*S, H, D] views of one buffer
-        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D] views
-        o, state_out = static_attention(q, k, v, inputs, weights, state, static, step, ATTN_P)  # [B, Hq, 1, D]
-        h, hn = gemv_residual_rmsnorm(o.transpose(1, 2).reshape(B * S, -1), weights["self_attn.o_proj.weight"], x2,
+        x2, o, state_out = static_attend(x, inputs, weights, state, static, qkv, step, gemma_norm=True)
+        h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2,
                                       weights["pre_feedforward_layernorm.weight"],
                                       _eps(static, "pre_feedforward_layernorm"),
                                       out_norm_w=weights["post_attention_layernorm.weight"],
