@@ -48,7 +48,8 @@ def _write(tmp_path: Path, toml: str, script: str | None = None) -> Path:
 
 def test_examples_present():
     assert {p.stem for p in TINY} == {"tiny-llama", "tiny-qwen3", "tiny-mamba", "tiny-mamba2", "tiny-recurrentgemma",
-                                      "tiny-falcon-mamba", "tiny-gpt-neox", "tiny-llama-padded", "tiny-qwen3-padded"}
+                                      "tiny-falcon-mamba", "tiny-gpt-neox", "tiny-llama-padded", "tiny-qwen3-padded",
+                                      "tiny-gemma2"}
     assert {p.stem for p in REAL} == {"qwen3-4b", "llama-2-7b", "mamba-130m", "mamba2-2.7b", "recurrentgemma-2b",
                                       "falcon-mamba-7b", "qwen3-4b-serving"}
     assert all(p.is_file() for p in LOSSY)
