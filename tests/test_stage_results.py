@@ -135,7 +135,7 @@ def _acceptance_result(decisions, bundle_dir=None):
 
 
 def test_accept_recorded_returns_a_frozen_accept_summary_and_records_the_outcome(monkeypatch):
-    from llm4llm.outcomes import AcceptDecision, DecidedBy
+    from llm4llm.outcomes import AcceptDecision, AcceptTiming, DecidedBy
     from llm4llm.stages import accept as accept_stage
     from llm4llm.stages.accept import AcceptOutcome, AcceptSummary
 
@@ -158,10 +158,13 @@ def test_accept_recorded_returns_a_frozen_accept_summary_and_records_the_outcome
     assert s.accepted_tasks == ("won",) and s.retry_tasks == ("slow",)
     assert (s.timing, s.metric, s.floor, s.baseline_ms, s.final_ms) == ("cuda", "logits_rel_l2_floor", "3 runs",
                                                                          10.0, 9.0)
+    assert s.timing is AcceptTiming.CUDA  # the string the result carried, as its member
     with pytest.raises(pydantic.ValidationError):
         s.accepted = 2
     with pytest.raises(pydantic.ValidationError):
         AcceptSummary(bundle=None, verdict="yes")  # no field beyond the summary's
+    with pytest.raises(pydantic.ValidationError):
+        AcceptSummary(timing="on a hunch")  # not an AcceptTiming
 
 
 def test_evaluate_recorded_returns_a_frozen_evaluate_result_of_typed_rows(monkeypatch):

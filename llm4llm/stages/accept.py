@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llm4llm import isolation
 from llm4llm.config import AcceptSettings
-from llm4llm.outcomes import AcceptDecision
+from llm4llm.outcomes import AcceptDecision, AcceptTiming
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
 
@@ -25,8 +25,8 @@ class AcceptSummary(BaseModel):
     """What one acceptance step did, as the stage returns it to the flow, the CLI and storage (frozen: handed on
     unchanged). bundle: the bundle this step wrote (None: none written); accepted, rejected: how many decisions went
     each way; accepted_tasks: the tasks accepted in this step; retry_tasks: the rejected tasks worth searching again
-    (Decision.retried: not the CPU's skipped latency gate); timing: how latency was judged ("cuda" | "skipped:
-    cpu"); baseline_ms, final_ms: the model unpatched and with the bundle; metric: the in-model metric applied;
+    (Decision.retried: not the CPU's skipped latency gate); timing: how latency was judged (an AcceptTiming; None:
+    not said); baseline_ms, final_ms: the model unpatched and with the bundle; metric: the in-model metric applied;
     floor: how the noise floor was measured; graphs: the decode-graphs decision ("" when not asked for)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -36,7 +36,7 @@ class AcceptSummary(BaseModel):
     rejected: int = 0
     accepted_tasks: tuple[str, ...] = ()
     retry_tasks: tuple[str, ...] = ()
-    timing: str = ""
+    timing: AcceptTiming | None = None
     baseline_ms: float | None = None
     final_ms: float | None = None
     metric: str = ""
