@@ -257,7 +257,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
 
 
 def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], data_dir: Optional[Path],
-                  started: float) -> dict:
+                  started: float):
     """The flow with progress on the console, its budget counted from `started`; Ctrl-C ends it with what it
     leaves (exit 130)."""
     from llm4llm.planner import RUN_STARTED
@@ -302,27 +302,28 @@ def _print_interrupted(db: Optional[Path], started: float) -> None:
         err_console.print("no bundle was accepted before the stop.")
 
 
-def _print_run(out: dict, db: Optional[Path]) -> None:
-    """What an optimize run did: its id, graphs, hotspots, tasks, searches, acceptance decisions and e2e table."""
-    console.print(f"run [bold]{out['run_id']}[/]")
-    if out.get("decode_graphs"):
-        console.print(f"decode graphs: {out['decode_graphs']}")
-    _print_hotspots(out["profile_path"], 15)
-    if "tasks" in out:
-        _print_tasks(db, out["run_id"])
-    for r in out.get("searches", []):
+def _print_run(out, db: Optional[Path]) -> None:
+    """What an optimize run did (its OptimizeResult, llm4llm.outcome): its id, graphs, hotspots, tasks, searches,
+    acceptance decisions and e2e table."""
+    console.print(f"run [bold]{out.run_id}[/]")
+    if out.decode_graphs:
+        console.print(f"decode graphs: {out.decode_graphs}")
+    _print_hotspots(out.profile_path, 15)
+    if out.tasks is not None:
+        _print_tasks(db, out.run_id)
+    for r in out.searches:
         console.print(f"search {r.task_id}: {r.trials} trials, pass rate {r.pass_rate:.0%}, "
                       f"best utility {r.best_utility}")
-    if "acceptance" in out:
-        a = out["acceptance"]
-        console.print(f"acceptance ({a['timing']}, {a.get('metric', '')}): {a['accepted']} accepted, "
-                      f"{a['rejected']} rejected; bundle {a['bundle']}")
-        if a.get("floor"):
-            console.print(f"  noise {a['floor']}")
-        _print_decisions(db, out["run_id"])
-    if "e2e" in out:
-        _print_e2e(out["e2e"]["rows"])
-    for line in out.get("summary") or []:
+    if out.acceptance is not None:
+        a = out.acceptance
+        console.print(f"acceptance ({a.timing}, {a.metric}): {a.accepted} accepted, "
+                      f"{a.rejected} rejected; bundle {out.bundle}")
+        if a.floor:
+            console.print(f"  noise {a.floor}")
+        _print_decisions(db, out.run_id)
+    if out.e2e is not None:
+        _print_e2e(out.e2e.rows)
+    for line in out.summary:
         console.print(line, highlight=False, soft_wrap=True)
 
 
@@ -427,8 +428,9 @@ def _run_workload_path(d, run_id: str) -> Optional[Path]:
     return Path(path) if path else None
 
 
-def _print_e2e(rows: list[dict]) -> None:
-    """The e2e rows as a table, as many columns as the terminal holds, an empty value as '-'."""
+def _print_e2e(rows: list) -> None:
+    """The e2e rows (E2ERow, or dicts of their fields) as a table, as many columns as the terminal holds, an empty
+    value as '-'."""
     import pandas as pd
 
     from llm4llm.evaluate import table_rows
@@ -477,11 +479,14 @@ def _points(workload: Path, batch_sizes: Optional[str], prompt_lens: Optional[st
     return sizes, prompts
 
 
-def _print_points(rows: list[dict]) -> None:
-    """The e2e rows of several (batch, prompt) points as one table, point by point; notes under it."""
+def _print_points(rows: list) -> None:
+    """The e2e rows (E2ERow, or dicts of their fields) of several (batch, prompt) points as one table, point by
+    point; notes under it."""
     import pandas as pd
 
-    from llm4llm.evaluate import point_rows
+    from llm4llm.evaluate import point_rows, row_dicts
+
+    rows = row_dicts(rows)
 
     headers = {"batch_size": "batch", "prompt_len": "prompt", "ms_per_step": "ms/step", "tokens_per_s": "tok/s",
                "vs_compile": "vs compile", "vs_eager": "vs eager", "x_floor": "x floor"}
@@ -601,9 +606,9 @@ def evaluate(workload: Path = typer.Argument(..., help="workload TOML"),
             out = evaluate_recorded(str(workload), Store(str(db) if db else None), settings,
                                     bundle=str(bundle) if bundle else None)
         if sizes or prompts:
-            _print_points(out["rows"])
+            _print_points(out.rows)
         else:
-            _print_e2e(out["rows"])
+            _print_e2e(out.rows)
 
 
 @app.command()

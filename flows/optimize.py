@@ -17,9 +17,9 @@ from llm4llm.config import OptimizeConfig, RunKind
 from llm4llm.coverage import coverage_of_run
 from llm4llm.evaluate import eval_batches
 from llm4llm.graph_plan import decode_graphs_plan, extract_on_static_cache, prefill_graphed
-from llm4llm.outcome import summary_lines
+from llm4llm.outcome import OptimizeResult, summary_lines
 from llm4llm.outcomes import DecodeTiming
-from tasks.acceptance import accept_patches, evaluate_e2e
+from tasks.acceptance import AcceptSummary, EvaluateResult, accept_patches, evaluate_e2e
 from tasks.planning import plan_search, record_plan, record_stage_times
 from storage.store import Store
 from tasks.profiling import describe
@@ -50,7 +50,7 @@ def _coverage_artifact(run_id: str, db_path: str | None) -> None:
 
 @flow(name="optimize-workload", log_prints=True)
 def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfig(), db_path: str | None = None,
-                      data_dir: str | None = None, kind: RunKind | None = None) -> dict:
+                      data_dir: str | None = None, kind: RunKind | None = None) -> OptimizeResult:
     """The closed loop over one workload: profile -> extract -> plan -> search -> accept -> evaluate, inside
     `config.time_budget_s` counted from now (or from when the CLI command started: llm4llm.planner.RUN_STARTED).
 
@@ -59,7 +59,8 @@ def optimize_workload(workload_path: str, config: OptimizeConfig = OptimizeConfi
     its targets. The most valuable target is searched and accepted first, so a run stopped by its budget (or
     Ctrl-C) already has an accepted bundle; the other targets follow, and are accepted on top of it; a target that
     is searched whole and fails hands its place to the modules inside it. Every stage's span is a `stage_times`
-    row, the plan `plans` rows, and the run ends with what it gave (llm4llm.outcome.summary_lines).
+    row, the plan `plans` rows, and the run ends with what it gave (llm4llm.outcome.summary_lines). Returns an
+    OptimizeResult (llm4llm.outcome): each stage's typed result as the stage returned it.
 
     `config` holds every setting (llm4llm.config.OptimizeConfig: search, accept, graphs, evaluate, llm); db_path and
     data_dir say where the run reads and writes. Every flow run is a run of its own (its own run id and rows, also
@@ -148,14 +149,14 @@ class _Run:
         return None if rem is None else rem - self.later_s(plan) - (self.cfg.time_budget_s or 0.0) * planner.SAFETY
 
 
-def _optimize(run: _Run, kind: str) -> dict:
+def _optimize(run: _Run, kind: str) -> OptimizeResult:
     cfg, stages = run.cfg, set(run.cfg.stages)
     with run.stage("profile"):
         prof = profile_workload(run.workload_path, db_path=run.db_path, data_dir=run.data_dir, refresh=cfg.refresh,
                                 kind=kind)
     run.run_id, run.workload, run.profile_path = prof["run_id"], prof["workload"], prof["profile_path"]
     run.name, run.device = prof["workload"]["name"], prof["workload"]["device"]
-    out = {"run_id": run.run_id, "profile_path": run.profile_path}
+    out = OptimizeResult(run_id=run.run_id, profile_path=run.profile_path)
     _publish("hotspots", run.name, run.run_id, run.db_path)
     if "extract" not in stages:
         return out
@@ -165,31 +166,29 @@ def _optimize(run: _Run, kind: str) -> dict:
                             data_dir=run.data_dir, min_score=cfg.search.min_score, refresh=cfg.refresh,
                             static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs))
     run.index_path = ext["index_path"]
-    out.update(index_path=ext["index_path"], tasks=ext["tasks"])
+    out = out.model_copy(update={"index_path": ext["index_path"], "tasks": ext["tasks"]})
     if "search" not in stages:
         return out
     graphs, static_cache, why = decode_graphs_plan(run.index_path, run.device, cfg.graphs.decode_graphs)
     run.say(f"decode graphs: {why}")
-    out["decode_graphs"] = why
     # candidates are timed as the model will run them: decode (and, on Mamba/Mamba2, prefill) under graph replay
     timing = (DecodeTiming.GRAPH_PREFILL if prefill_graphed(run.index_path) else DecodeTiming.GRAPH) if graphs \
         else DecodeTiming.LAUNCH
     run.cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"decode_timing": timing})})
     run.graph_plan = GraphPlan(decode_graphs=graphs, static_cache=static_cache)
-    out.update(_search_and_accept(run))
+    out = _search_and_accept(run, out.model_copy(update={"decode_graphs": why}))
     if "accept" in stages:
         _publish("acceptance", run.name, run.run_id, run.db_path)
         _coverage_artifact(run.run_id, run.db_path)
-        if (out.get("acceptance") or {}).get("graphs"):  # no acceptance where the plan found nothing to search
-            out["decode_graphs"] = out["acceptance"]["graphs"]
-    if "evaluate" in stages and "acceptance" in out:
-        out["e2e"] = _evaluate(run, out["acceptance"]["bundle"], graphs)
+        if out.acceptance is not None and out.acceptance.graphs:  # none where the plan found nothing to search
+            out = out.model_copy(update={"decode_graphs": out.acceptance.graphs})
+    e2e = None
+    if "evaluate" in stages and out.acceptances:
+        e2e = _evaluate(run, out.bundle, graphs)
         _publish("e2e", run.name, run.run_id, run.db_path)
-    out["summary"] = summary_lines(
-        (out.get("e2e") or {}).get("rows"), (out.get("acceptance") or {}).get("bundle"),
-        (out.get("acceptance") or {}).get("accepted_tasks", []), run.clock.seconds(), run.clock.elapsed(),
-        cfg.time_budget_s, run.device)
-    return out
+    lines = summary_lines(e2e.rows if e2e is not None else None, out.bundle, list(out.accepted_tasks),
+                          run.clock.seconds(), run.clock.elapsed(), cfg.time_budget_s, run.device)
+    return out.model_copy(update={"e2e": e2e, "summary": tuple(lines)})
 
 
 def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> planner.Plan:
@@ -202,37 +201,35 @@ def _plan(run: _Run, searched: list[str] = (), excluded: list[str] = ()) -> plan
     return plan
 
 
-def _search_and_accept(run: _Run) -> dict:
+def _search_and_accept(run: _Run, out: OptimizeResult) -> OptimizeResult:
     """Search the plan's targets and accept them: the most valuable first and alone (the first bundle early), then
     the rest on top of it; after each step the plan is made again with what is left (children of a module that
-    failed whole become targets). Returns searches, the last acceptance summary (its bundle holds every step's
-    patches) and the plans."""
+    failed whole become targets). Returns `out` with the first plan's items, every search's SearchSummary and every
+    acceptance step's AcceptSummary, each as its stage returned it (the last step's bundle holds every step's
+    patches)."""
     stages = set(run.cfg.stages)
     plan = _plan(run)
-    out: dict = {"searches": [], "plan": [i.__dict__ for i in plan.items]}
+    out = out.model_copy(update={"plan": tuple(dict(i.__dict__) for i in plan.items)})
     searched: list[str] = []
     failed: list[str] = []
-    bundle, first = None, True
+    first = True
     while plan.targets():
         wave = plan.targets()[:1] if first and "accept" in stages else plan.targets()
-        results = _search_wave(run, plan, wave)
-        out["searches"] += results
+        results = tuple(_search_wave(run, plan, wave))
+        out = out.model_copy(update={"searches": out.searches + results})
         searched += [w.task_id for w in wave]
         failed += [r.task_id for r in results if not r.best_candidate]
         if "accept" in stages:
-            acc = _accept(run, [w.task_id for w in wave], bundle)
-            bundle = acc["bundle"] or bundle
-            acc["bundle"] = bundle
-            acc["accepted_tasks"] = (out.get("acceptance") or {}).get("accepted_tasks", []) + acc["accepted_tasks"]
-            out["acceptance"] = acc
-            failed += acc.get("retry_tasks") or []
+            acc = _accept(run, [w.task_id for w in wave], out.bundle)
+            out = out.model_copy(update={"acceptances": out.acceptances + (acc,)})
+            failed += acc.retry_tasks
         first = False
         left = run.search_left(plan)
         if left is not None and left < plan.estimates.trial_s * planner.MIN_TRIALS:
             run.say(f"plan: {max(left, 0):.0f} s left for searching; on to evaluation")
             break
         plan = _plan(run, searched, failed)
-    out.update(_retry_rounds(run, plan, out, bundle))
+    out = _retry_rounds(run, plan, out)
     _publish("leaderboard", run.name, run.run_id, run.db_path)
     return out
 
@@ -265,34 +262,33 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
     return results
 
 
-def _accept(run: _Run, task_ids: list[str], base_bundle: str | None) -> dict:
+def _accept(run: _Run, task_ids: list[str], base_bundle: str | None) -> AcceptSummary:
+    """One acceptance step of `task_ids` on top of `base_bundle`; its AcceptSummary as the stage returned it."""
     with run.stage("accept", ", ".join(task_ids)):
         acc = accept_patches(run.workload_path, run.run_id, run.cfg.accept, run.db_path, run.data_dir,
                              task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan)
-    run.say(f"accept: {acc['accepted']} accepted, {acc['rejected']} rejected; bundle {acc['bundle'] or base_bundle}")
+    run.say(f"accept: {acc.accepted} accepted, {acc.rejected} rejected; bundle {acc.bundle or base_bundle}")
     return acc
 
 
-def _retry_rounds(run: _Run, plan: planner.Plan, out: dict, bundle: str | None) -> dict:
+def _retry_rounds(run: _Run, plan: planner.Plan, out: OptimizeResult) -> OptimizeResult:
     """config.search.rounds > 1: tasks rejected in the model are searched again from their experience (the
     rejection included) and accepted on top of the bundle, while the budget lasts."""
     items = {i.task_id: i for i in plan.items}
     for _ in range(1, run.cfg.search.rounds):
-        retry = [items[t] for t in (out.get("acceptance") or {}).get("retry_tasks") or [] if t in items]
+        retry = [items[t] for t in (out.acceptance.retry_tasks if out.acceptance else ()) if t in items]
         left = run.search_left(plan)
         if not retry or (left is not None and left < plan.estimates.trial_s):
             break
         for item in retry:
             item.trials = run.cfg.search.budget or planner.MIN_TRIALS
-        out["searches"] += _search_wave(run, plan, retry)
-        acc = _accept(run, [i.task_id for i in retry], bundle)
-        bundle = acc["bundle"] or bundle
-        acc.update(bundle=bundle, accepted_tasks=out["acceptance"]["accepted_tasks"] + acc["accepted_tasks"])
-        out["acceptance"] = acc
+        searches = out.searches + tuple(_search_wave(run, plan, retry))
+        acc = _accept(run, [i.task_id for i in retry], out.bundle)
+        out = out.model_copy(update={"searches": searches, "acceptances": out.acceptances + (acc,)})
     return out
 
 
-def _evaluate(run: _Run, bundle: str | None, graphs: bool) -> dict:
+def _evaluate(run: _Run, bundle: str | None, graphs: bool) -> EvaluateResult:
     """End to end, inside what is left of the budget (the interleaved rounds end by its deadline)."""
     variants = run.cfg.evaluate.variants
     if variants is None:

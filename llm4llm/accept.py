@@ -36,7 +36,7 @@ from kernels_runtime.patch import verified_on
 from kernels_runtime.tolerances import tolerance_for
 from llm4llm.config import AcceptSettings
 from llm4llm.evaluate import clone_sharing_weights
-from llm4llm.outcomes import NOT_RETRIED, AcceptDecision, DecidedBy
+from llm4llm.outcomes import NOT_RETRIED, AcceptDecision, AcceptTiming, DecidedBy
 from llm4llm.patchspec import task_patch_spec
 from llm4llm.taskspec import TaskSpec
 
@@ -448,7 +448,7 @@ class AcceptanceResult:
     baseline_ms: float | None
     final_ms: float | None
     metric: str  # the metric applied (auto resolved)
-    timing: str  # "cuda" | "skipped: cpu"
+    timing: AcceptTiming  # a member is its string: "cuda" | "skipped: cpu"
     floor: list[float] | None = None  # per-step noise floor (logits_rel_l2_floor), None if not measured/unavailable
     floor_note: str = ""  # how the floor was measured, or why it is unavailable
     graphs: str = ""  # the decode-graphs decision and its numbers ("" when not asked for)
@@ -552,7 +552,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches
         bundle_path = str(save_bundle(accepted, bundle_dir))
     return AcceptanceResult(decisions, bundle_path, baseline, current, r.metric,
-                            "cuda" if r.on_gpu else "skipped: cpu",
+                            AcceptTiming.CUDA if r.on_gpu else AcceptTiming.SKIPPED_CPU,
                             floor=r.floor.per_step if r.floor is not None else None,
                             floor_note=r.floor.describe() if r.floor is not None else "", graphs=graphs_note,
                             graph_decision=graph_decision)

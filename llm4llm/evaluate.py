@@ -102,9 +102,15 @@ TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "to
                  "compile_s", "notes")
 
 
-def table_rows(rows: list[dict]) -> list[dict]:
-    """e2e rows (`E2EResult.to_row` plus run fields) as the CLI table and the Prefect artifact show them: the medians,
-    the total's min-max over the timed runs and each ratio as `median (p20-p80)`."""
+def row_dicts(rows) -> list[dict]:
+    """e2e rows as dicts, where a table is made of them: a typed row (llm4llm.stages.evaluate.E2ERow, what the
+    evaluate stage returns) as its fields, a stored `e2e_results` row as it is."""
+    return [r if isinstance(r, dict) else r.model_dump() for r in rows]
+
+
+def table_rows(rows: list) -> list[dict]:
+    """e2e rows (E2ERow, or `E2EResult.to_row` plus run fields) as the CLI table and the Prefect artifact show
+    them: the medians, the total's min-max over the timed runs and each ratio as `median (p20-p80)`."""
     def cell(r: dict, k: str):
         if k == "total_range_ms":
             return spread(r.get("total_samples_ms"))
@@ -112,17 +118,17 @@ def table_rows(rows: list[dict]) -> list[dict]:
             return ratio_cell(r.get(k), r.get(f"{k}_p20"), r.get(f"{k}_p80"))
         return r.get(k)
 
-    return [{k: cell(r, k) for k in TABLE_COLUMNS} for r in rows]
+    return [{k: cell(r, k) for k in TABLE_COLUMNS} for r in row_dicts(rows)]
 
 
 POINT_COLUMNS = ("batch_size", "prompt_len", "variant", "ms_per_step", "tokens_per_s", "vs_compile", "vs_eager",
                  "x_floor")
 
 
-def point_rows(rows: list[dict]) -> list[dict]:
-    """e2e rows at several (batch, prompt) points as `evaluate --batch-sizes/--prompt-lens` prints them, point by
-    point: the decode step's ms as `median (p20-p80)` over the rounds, the decode throughput (batch x decoded
-    tokens / decode time), each ratio as `median (p20-p80)`, and the step's GPU time over its floor."""
+def point_rows(rows: list) -> list[dict]:
+    """e2e rows (E2ERow, or stored rows) at several (batch, prompt) points as `evaluate --batch-sizes/--prompt-lens`
+    prints them, point by point: the decode step's ms as `median (p20-p80)` over the rounds, the decode throughput
+    (batch x decoded tokens / decode time), each ratio as `median (p20-p80)`, and the step's GPU time over its floor."""
     def cell(r: dict, k: str):
         if k == "ms_per_step":
             m, lo, hi = (r.get(c) for c in ("decode_ms_per_token", "decode_ms_p20", "decode_ms_p80"))
@@ -137,6 +143,7 @@ def point_rows(rows: list[dict]) -> list[dict]:
             return f"{step / floor:.2f}x" if step and floor else ""
         return r.get(k)
 
+    rows = row_dicts(rows)
     order = sorted(range(len(rows)), key=lambda i: (rows[i].get("prompt_len") or 0, rows[i].get("batch_size") or 0))
     return [{k: cell(rows[i], k) for k in POINT_COLUMNS} for i in order]
 

@@ -1,8 +1,64 @@
-"""What a run gave its user, in the few lines `llm4llm optimize` ends with: end to end against eager and against
-torch.compile (median and spread over the interleaved rounds), the bundle, the line that installs it, the time."""
+"""What a run gave its user: the flow's typed result (OptimizeResult, holding each stage's result as the stage
+returned it; NightlyResult, with the night's service decision), and the few lines `llm4llm optimize` ends with: end
+to end against eager and against torch.compile (median and spread over the interleaved rounds), the bundle, the line
+that installs it, the time."""
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
 from llm4llm.planner import fmt_s
+from llm4llm.stages.accept import AcceptSummary
+from llm4llm.stages.evaluate import EvaluateResult
+from llm4llm.stages.search import SearchSummary
+
+
+class OptimizeResult(BaseModel):
+    """What one optimize run (flows.optimize.optimize_workload) returns to the CLI and to the nightly flow. Frozen;
+    the stages' results are held as the stages returned them: `searches` each task search's SearchSummary,
+    `acceptances` each acceptance step's AcceptSummary (in step order), `e2e` the evaluation's EvaluateResult. A
+    field of a stage that did not run is empty (None or ()). plan: the first plan's items (llm4llm.planner.PlanItem's
+    fields); decode_graphs: the decode-graphs decision, the last acceptance step's where it made one; summary: the
+    closing lines (summary_lines)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    profile_path: str | None = None
+    index_path: str | None = None
+    tasks: int | None = None
+    decode_graphs: str | None = None
+    plan: tuple[dict[str, Any], ...] = ()
+    searches: tuple[SearchSummary, ...] = ()
+    acceptances: tuple[AcceptSummary, ...] = ()
+    e2e: EvaluateResult | None = None
+    summary: tuple[str, ...] = ()
+
+    @property
+    def acceptance(self) -> AcceptSummary | None:
+        """The last acceptance step's summary (None: no step ran)."""
+        return self.acceptances[-1] if self.acceptances else None
+
+    @property
+    def bundle(self) -> str | None:
+        """The run's bundle: the newest one a step wrote (each step's holds the earlier steps' patches too)."""
+        return next((a.bundle for a in reversed(self.acceptances) if a.bundle), None)
+
+    @property
+    def accepted_tasks(self) -> tuple[str, ...]:
+        """The tasks accepted in every step, in step order."""
+        return tuple(t for a in self.acceptances for t in a.accepted_tasks)
+
+
+class NightlyResult(BaseModel):
+    """What one night (flows.nightly.nightly_workload) returns: tonight's optimize run as it returned it, and the
+    keep / replace / rollback decision (llm4llm.nightly.decide_night). Frozen."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    optimize: OptimizeResult
+    service: dict[str, Any]
 
 # the variant that is what the bundle gives in serving, best first
 SERVED = ("patched_graphs", "patched")
@@ -22,9 +78,10 @@ def _ms(row: dict | None) -> str:
     return f"{v:.1f} ms" if v is not None and v == v else "-"
 
 
-def result_lines(rows: list[dict]) -> list[str]:
+def result_lines(rows: list) -> list[str]:
     """One result line per measured point (batch size, prompt length), in the order measured: one line, as
-    `result_line`, where the run measured one point."""
+    `result_line`, where the run measured one point. rows: the evaluate stage's E2ERows, or dicts of their fields."""
+    rows = [r if isinstance(r, dict) else r.model_dump() for r in rows]
     points = list(dict.fromkeys((r.get("batch_size"), r.get("prompt_len")) for r in rows))
     if len(points) <= 1:
         return [result_line(rows)]
@@ -55,7 +112,7 @@ def result_line(rows: list[dict], at: str = "") -> str:
     return ", ".join(parts) + tail
 
 
-def summary_lines(rows: list[dict] | None, bundle: str | None, accepted: list[str], seconds: dict[str, float],
+def summary_lines(rows: list | None, bundle: str | None, accepted: list[str], seconds: dict[str, float],
                   elapsed_s: float, budget_s: float | None, device: str) -> list[str]:
     """The closing lines of a run."""
     lines = []

@@ -51,6 +51,14 @@ class FailureClass(StrEnum):
 FATAL_TO_WORKER = frozenset({FailureClass.GPU_FAULT, FailureClass.OOM})
 
 
+class AcceptTiming(StrEnum):
+    """How an acceptance step judged latency (AcceptanceResult.timing, AcceptSummary.timing): on the GPU, or not
+    at all on the CPU (where no timing may accept a patch)."""
+
+    CUDA = "cuda"
+    SKIPPED_CPU = "skipped: cpu"
+
+
 class AcceptDecision(StrEnum):
     """An acceptance decision (Decision.decision; the acceptances table's decision)."""
 

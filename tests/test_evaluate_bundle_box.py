@@ -23,7 +23,7 @@ def test_bundle_under_a_private_dir_keeps_every_sandbox_layer(tmp_path, capfd):
     path = save_bundle(PatchBundle(name="empty"), private / "bundles" / "b")
     out = evaluate_recorded(str(EXAMPLES / "tiny-llama.toml"), Store(str(tmp_path / "db.duckdb")),
                             EvaluateSettings(repeats=1, variants=["patched"]), bundle=str(path), run_id="r-box")
-    assert [r["variant"] for r in out["rows"]] == ["patched"]
+    assert [r.variant for r in out.rows] == ["patched"]
     err = capfd.readouterr().err
     assert "layer uid unavailable" not in err and "could not reach" not in err, err[-2000:]
     assert Path(path).exists()  # the store itself is untouched

@@ -36,10 +36,10 @@ def test_runs_and_profiles_in_duckdb(optimized):
         runs = repo.list_runs(db)
         assert set(runs["workload_name"]) == {"tiny-llama", "tiny-mamba"}
         for name, res in out.items():
-            run = repo.get_run(db, res["run_id"])
+            run = repo.get_run(db, res.run_id)
             assert run["status"] == "ok" and run["prefill_forwards"] == 1 and run["decode_forwards"] == 3
             assert run["kind"] == "cli" and run["finished_at"] is not None
-            prof = repo.profile_rows(db, res["run_id"])
+            prof = repo.profile_rows(db, res.run_id)
             assert set(prof["phase"]) == {"prefill", "decode"}
             top_level = prof[prof["depth"] == 0]
             assert (top_level["share"].round(6) == 1.0).all()
@@ -48,8 +48,8 @@ def test_runs_and_profiles_in_duckdb(optimized):
 def test_hotspot_ranking_families(optimized):
     _, db_path, out = optimized
     with Database(db_path) as db:
-        llama = repo.profile_rows(db, out["tiny-llama"]["run_id"])
-        mamba = repo.profile_rows(db, out["tiny-mamba"]["run_id"])
+        llama = repo.profile_rows(db, out["tiny-llama"].run_id)
+        mamba = repo.profile_rows(db, out["tiny-mamba"].run_id)
     leafish = {"attention", "mlp", "norm", "ssm_mixer"}
     llama_top = [f for f in llama["family"] if f in leafish][:3]
     assert "attention" in llama_top or "mlp" in llama_top
@@ -60,8 +60,8 @@ def test_hotspot_ranking_families(optimized):
 def test_tasks_extracted_and_round_trip(optimized):
     _, db_path, out = optimized
     with Database(db_path) as db:
-        tasks = repo.task_rows(db, out["tiny-llama"]["run_id"])
-        mtasks = repo.task_rows(db, out["tiny-mamba"]["run_id"])
+        tasks = repo.task_rows(db, out["tiny-llama"].run_id)
+        mtasks = repo.task_rows(db, out["tiny-mamba"].run_id)
     dep = tasks[tasks["deployable"]]
     assert {"prefill", "decode"} <= set(dep["phase"])
     assert {"attention", "mlp", "norm"} <= set(dep["family"])
@@ -71,7 +71,7 @@ def test_tasks_extracted_and_round_trip(optimized):
     assert task.spec.dispatch is not None and task.spec.dispatch.sibling_tasks
     assert task.cases and task.cases[0].ref
     assert "ssm_mixer" in set(mtasks[mtasks["deployable"]]["family"])
-    index = json.loads(Path(out["tiny-llama"]["index_path"]).read_text())
+    index = json.loads(Path(out["tiny-llama"].index_path).read_text())
     assert len(index) == len(tasks)
 
 
@@ -82,14 +82,14 @@ def test_a_cached_rerun_is_a_run_of_its_own_that_links_the_profile_it_reused(pre
     from flows.profiling import profile_workload
 
     root, db_path, out = optimized
-    first = out["tiny-llama"]["run_id"]
+    first = out["tiny-llama"].run_id
     again = {}
     for deployment, kind in ((None, "cli"), ("manual", "manual"), ("on-change-gpu-cuda-0", "on-change")):
         if deployment:  # as a run that this deployment started sees it (prefect.runtime reads this override)
             monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", deployment)
         again[kind] = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path,
                                        data_dir=str(root / "data"))
-        assert again[kind]["profile_path"] == out["tiny-llama"]["profile_path"]  # served from the cache
+        assert again[kind]["profile_path"] == out["tiny-llama"].profile_path  # served from the cache
     ids = [first] + [a["run_id"] for a in again.values()]
     assert len(set(ids)) == 4
     with Database(db_path, read_only=True) as db:
@@ -164,8 +164,9 @@ def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tm
     cfg = OptimizeConfig(search={"budget": 1, "top": 2, "rounds": 2, "families": ["mlp"]},
                          evaluate={"variants": ["eager", "patched"], "repeats": 1})  # rows asserted, not timings
     out = optimize_workload(str(EXAMPLES / "tiny-llama.toml"), cfg, db_path=db_path, data_dir=str(tmp_path / "data"))
-    assert len(out["searches"]) == 2 and out["acceptance"]["accepted"] == 0 and out["acceptance"]["bundle"] is None
-    assert out["acceptance"]["retry_tasks"] == []  # CPU rejections are not the candidates' fault: no second round
+    assert len(out.searches) == 2 and out.acceptance.accepted == 0 and out.acceptance.bundle is None
+    assert out.bundle is None and len(out.acceptances) == 2  # the first target accepted alone, then the other
+    assert out.acceptance.retry_tasks == ()  # CPU rejections are not the candidates' fault: no second round
     with Database(db_path) as db:
         acc = repo.table_df(db, "acceptances")
         e2e = repo.table_df(db, "e2e_results")
@@ -221,7 +222,7 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
     assert e2e["total_ms"].iloc[0] > 0 and e2e["workload_hash"].iloc[0]
     out = evaluate_recorded(str(EXAMPLES / "tiny-llama.toml"), Store(db_path),
                             EvaluateSettings(repeats=2, variants=["eager", "patched"]), run_id="r-whole")
-    assert [r["variant"] for r in out["rows"]] == ["eager", "patched"]
+    assert [r.variant for r in out.rows] == ["eager", "patched"]
     with Database(db_path) as db:
         assert db.query("select count(*) from e2e_results where run_id = 'r-whole'")[0][0] == 2
         eager = repo.table_df(db, "e2e_results", "run_id = 'r-whole' and variant = 'eager'").iloc[0]
@@ -231,9 +232,9 @@ def run(model, workload, inputs, **generate_kwargs):  # the compiled variant's f
     assert eager["total_ms"] == pytest.approx(sum(totals) / 2) and eager["prefill_ms"] == pytest.approx(sum(prefills) / 2)
     from llm4llm.evaluate import TABLE_COLUMNS, spread, table_rows
     assert spread(eager["total_samples_ms"]) == f"{min(totals):.1f}-{max(totals):.1f}" and spread(None) == ""
-    shown = table_rows(out["rows"])  # the CLI table and the Prefect artifact
+    shown = table_rows(out.rows)  # the CLI table and the Prefect artifact
     assert [list(r) for r in shown] == [list(TABLE_COLUMNS)] * 2 and shown[1]["total_range_ms"] == ""
-    assert shown[0]["total_range_ms"] == spread(out["rows"][0]["total_samples_ms"]) != ""
+    assert shown[0]["total_range_ms"] == spread(out.rows[0].total_samples_ms) != ""
 
 
 @pytest.mark.parametrize("flag,value", [("--accept-min-task-speedup", "-1"), ("--accept-floor-factor", "0"),
@@ -299,7 +300,7 @@ def test_library_searches_skip_tasks_no_template_applies_to(optimized, capsys):
     from storage.store import Store
 
     _, db_path, out = optimized
-    run = out["tiny-llama"]["run_id"]
+    run = out["tiny-llama"].run_id
     rotary = searchable_of_run(run, Store(db_path), SearchSettings(families=["rotary"], proposer="llm"))
     assert rotary and all(load_spec(Path(d)).family == "rotary" for d in rotary)
     assert searchable_of_run(run, Store(db_path), SearchSettings(families=["rotary"], proposer="library")) == []
@@ -319,7 +320,7 @@ def test_phase_filter_keeps_only_that_phases_tasks_before_top(optimized):
     from storage.store import Store
 
     _, db_path, out = optimized
-    run = out["tiny-llama"]["run_id"]
+    run = out["tiny-llama"].run_id
     everything = searchable_of_run(run, Store(db_path), SearchSettings(proposer="llm"))
     decode = searchable_of_run(run, Store(db_path), SearchSettings(proposer="llm", phases=["decode"]))
     assert decode and {load_spec(Path(d)).phase for d in decode} == {"decode"}

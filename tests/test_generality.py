@@ -165,7 +165,7 @@ def test_architecture_through_optimize(prefect_harness, tmp_path, arch):
         assert all(json.loads(c["pinned_json"]) == {"xproj_rms": True} for c in checks if c["applicable"])
     if last == "accept":  # the CPU never accepts (no CPU timing may), but the kernel ran in-model and matched
         assert acc and all(a["decision"] == "rejected" and "in-model correctness ok" in a["reason"] for a in acc), acc
-    cov = coverage_of_run(out["run_id"], Store(db_path))
+    cov = coverage_of_run(out.run_id, Store(db_path))
     searched = [r for r in cov["tasks"] if r["status"] == "searched"]
     assert searched and all(r["wrong_output"] == 0 for r in searched)
     for r in cov["tasks"]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from llm4llm.outcome import OptimizeResult
+from llm4llm.stages.accept import AcceptSummary
 from storage import repo
 from storage.db import Database
 
@@ -86,8 +88,7 @@ def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness
         with Database(db_path) as d:
             repo.record_patch_bundle(d, {"bundle_id": f"{run_id}-bundle", "run_id": run_id, "workload_hash": "h",
                                          "bundle_path": str(path), "manifest_json": {}})
-        return {"bundle": str(path), "accepted": 1, "rejected": 0, "accepted_tasks": list(task_ids),
-                "retry_tasks": [], "graphs": ""}
+        return AcceptSummary(bundle=str(path), accepted=1, accepted_tasks=tuple(task_ids))
 
     def evaluate(*a, **kw):
         order.append("evaluate")
@@ -124,7 +125,7 @@ def test_time_budget_reaches_the_config(budget, expected, monkeypatch, tmp_path)
 
     def fake(workload_path, cfg, db_path=None, data_dir=None, kind=None):
         seen["budget"] = cfg.time_budget_s
-        return {"run_id": "r", "profile_path": None}
+        return OptimizeResult(run_id="r")
 
     monkeypatch.setattr(opt, "optimize_workload", fake)
     monkeypatch.setattr("cli.main._print_run", lambda out, db: None)

@@ -50,8 +50,8 @@ def test_the_retry_follows_the_kind_not_the_text():
     assert [d.retried() for d in decisions] == [False, True, True, False]
     result = AcceptanceResult(decisions, None, None, None, "logits_rel_l2_floor", "skipped: cpu")
     s = AcceptOutcome("run-1", "wl", result).summary()
-    assert s["retry_tasks"] == ["look-alike", "slow"] and s["accepted_tasks"] == ["won"]
-    assert (s["accepted"], s["rejected"]) == (1, 3)
+    assert s.retry_tasks == ("look-alike", "slow") and s.accepted_tasks == ("won",)
+    assert (s.accepted, s.rejected) == (1, 3)
 
 
 def test_the_acceptances_row_holds_the_plain_string():

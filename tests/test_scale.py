@@ -72,7 +72,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
     from storage.db import Database
 
     db_path, data, out = scaled
-    searches = out["searches"]
+    searches = out.searches
     assert len(searches) == 3
     places = [s.placement for s in searches]
     assert all(len(p["gpu_ids"]) == 1 and p["cuda_visible_devices"] == p["gpu_ids"][0] for p in places), places
@@ -89,7 +89,7 @@ def test_searches_fan_out_one_gpu_each_and_the_flow_writes_the_rows(scaled):
         eps = repo.table_df(db, "episodes")
         exp = repo.table_df(db, "experience")
     assert sorted(rows["search_id"]) == sorted(s.search_id for s in searches)
-    assert (rows["trials"] == 1).all() and rows["finished_at"].notna().all() and (rows["run_id"] == out["run_id"]).all()
+    assert (rows["trials"] == 1).all() and rows["finished_at"].notna().all() and (rows["run_id"] == out.run_id).all()
     assert len(cands) == 3 and cands["passed"].all()  # the library's default of each template is correct
     assert all(Path(p).is_file() and Path(p).is_relative_to(data) for p in cands["source_path"])
     assert set(eps["search_id"]) == set(rows["search_id"]) == set(exp["search_id"])
@@ -108,5 +108,5 @@ def test_a_cluster_without_the_gpus_fails_at_once(scaled):
     db_path, data, out = scaled
     scale = ScaleOut(task_runner="ray", gpus_per_eval=3)
     with pytest.raises(Llm4llmError, match="expected at least 3 GPU for one search, got 2"):
-        search_flow(scale)(out["run_id"], SearchSettings(budget=1, top=1), db_path=db_path, data_dir=data,
+        search_flow(scale)(out.run_id, SearchSettings(budget=1, top=1), db_path=db_path, data_dir=data,
                            scale=scale)

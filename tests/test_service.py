@@ -270,20 +270,21 @@ def test_two_nights_keep_their_rows_and_an_infrastructure_failure_is_retried(pre
     monkeypatch.setattr(profile_stage, "record_run", flaky)  # where the record-profile task looks it up
     two = nightly_workload(str(w.cpu), cfg, db_path=db, data_dir=data)
     assert len(calls) == 2  # failed once, retried once
-    assert one["run_id"] != two["run_id"] and one["profile_path"] == two["profile_path"]  # cached profile
+    one, two = one.optimize, two.optimize  # tonight's optimize run as it returned it
+    assert one.run_id != two.run_id and one.profile_path == two.profile_path  # cached profile
     with Database(db) as d:
-        runs = repo.get_run(d, two["run_id"])
-        assert runs["profile_of"] == one["run_id"]
+        runs = repo.get_run(d, two.run_id)
+        assert runs["profile_of"] == one.run_id
         for night in (one, two):
-            run = night["run_id"]
+            run = night.run_id
             assert d.query("select count(*) from profiles where run_id = ?", [run])[0][0] > 0
             assert d.query("select count(*) from tasks where run_id = ?", [run])[0][0] > 0
             assert d.query("select count(*) from searches where run_id = ?", [run])[0][0] == 1
             assert d.query("select variant from e2e_results where run_id = ?", [run + "-e2e"]) == [("eager",)]
         decisions = repo.service_decisions(d, "tiny-llama")
         transcripts = [r[0] for r in d.query("select e.transcript_path from episodes e join searches s "
-                                             "using (search_id) where s.run_id = ?", [two["run_id"]])]
-    assert list(decisions["run_id"]) == [one["run_id"], two["run_id"]]
+                                             "using (search_id) where s.run_id = ?", [two.run_id])]
+    assert list(decisions["run_id"]) == [one.run_id, two.run_id]
     assert list(decisions["decision"]) == ["keep", "keep"]  # the CPU accepts nothing: no bundle in service
     assert decisions["reason"].str.contains("no bundle in service and none accepted tonight").all()
     assert transcripts and json.loads(Path(transcripts[0]).read_text())["experience_in"]  # warm start

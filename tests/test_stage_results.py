@@ -1,7 +1,8 @@
 """One typed result per stage, frozen, handed on unchanged (issue 41): the search stage's SearchSummary (its
 `ended_by` an EpisodeEnd; serialized only where it crosses from a Ray worker to the flow, and rebuilt there), the
-evaluate stage's E2ERow measurements (parsed from the sandboxed child's JSON lines), and a search Trial's Verdict
-(typed on the trial, dumped only into the transcript)."""
+evaluate stage's E2ERow measurements (parsed from the sandboxed child's JSON lines) and EvaluateResult, the
+acceptance stage's AcceptSummary, a search Trial's Verdict (typed on the trial, dumped only into the transcript),
+and the flow's OptimizeResult / NightlyResult, which hold the stages' objects as the stages returned them."""
 import json
 from types import SimpleNamespace
 
@@ -124,3 +125,184 @@ def test_a_trial_keeps_its_verdict_typed_and_its_transcript_holds_it_as_json(tmp
     [transcript] = (tmp_path / "archive").glob("*.json")
     trials = json.loads(transcript.read_text())["trials"]
     assert [t["verdict"] for t in trials] == [t.verdict.model_dump(mode="json") for t in res.trials]
+
+
+def _acceptance_result(decisions, bundle_dir=None):
+    from llm4llm.accept import AcceptanceResult
+
+    return AcceptanceResult(decisions, bundle_dir, 10.0, 9.0, "logits_rel_l2_floor", "cuda", floor_note="3 runs",
+                            graphs="")
+
+
+def test_accept_recorded_returns_a_frozen_accept_summary_and_records_the_outcome(monkeypatch):
+    from llm4llm.outcomes import AcceptDecision, AcceptTiming, DecidedBy
+    from llm4llm.stages import accept as accept_stage
+    from llm4llm.stages.accept import AcceptOutcome, AcceptSummary
+
+    def decision(task_id, verdict, by):
+        return SimpleNamespace(task_id=task_id, decision=verdict, accepted=verdict == AcceptDecision.ACCEPTED,
+                               retried=lambda: verdict == AcceptDecision.REJECTED and by != DecidedBy.LATENCY_SKIPPED)
+
+    result = _acceptance_result([decision("won", AcceptDecision.ACCEPTED, DecidedBy.LATENCY),
+                                 decision("slow", AcceptDecision.REJECTED, DecidedBy.LATENCY),
+                                 decision("cpu", AcceptDecision.REJECTED, DecidedBy.LATENCY_SKIPPED)], "/b/run-1")
+    outcome = AcceptOutcome("run-1", "wl", result)
+    monkeypatch.setattr(accept_stage, "best_proposals", lambda *a, **kw: [])
+    monkeypatch.setattr(accept_stage, "run_accept", lambda *a, **kw: outcome)
+    recorded = []
+    repo = SimpleNamespace(record_acceptance=recorded.append)
+    s = accept_stage.accept_recorded("wl.toml", "run-1", repo, "data")
+    assert recorded == [outcome]  # storage gets the typed outcome; the flow its summary
+    assert isinstance(s, AcceptSummary) and s == outcome.summary()
+    assert (s.bundle, s.accepted, s.rejected) == ("/b/run-1", 1, 2)
+    assert s.accepted_tasks == ("won",) and s.retry_tasks == ("slow",)
+    assert (s.timing, s.metric, s.floor, s.baseline_ms, s.final_ms) == ("cuda", "logits_rel_l2_floor", "3 runs",
+                                                                         10.0, 9.0)
+    assert s.timing is AcceptTiming.CUDA  # the string the result carried, as its member
+    with pytest.raises(pydantic.ValidationError):
+        s.accepted = 2
+    with pytest.raises(pydantic.ValidationError):
+        AcceptSummary(bundle=None, verdict="yes")  # no field beyond the summary's
+    with pytest.raises(pydantic.ValidationError):
+        AcceptSummary(timing="on a hunch")  # not an AcceptTiming
+
+
+def test_evaluate_recorded_returns_a_frozen_evaluate_result_of_typed_rows(monkeypatch):
+    from llm4llm.evaluate import table_rows
+    from llm4llm.stages import common
+    from llm4llm.stages.evaluate import EvaluateResult, evaluate_recorded
+
+    rows = [E2ERow(variant="eager", total_ms=30.0, total_samples_ms=(29.0, 31.0)),
+            E2ERow(variant="patched", total_ms=20.0, vs_eager=1.5)]
+    monkeypatch.setattr(common, "describe_workload", lambda p: {"name": "wl", "workload_hash": "h1"})
+
+    def measure(workload_path, *, on_measured, **kw):
+        on_measured(rows)
+        return rows
+
+    monkeypatch.setattr(evaluate_stage, "run_evaluate", measure)
+    written = []
+    repo = SimpleNamespace(e2e_rows=lambda run_id, h, measured: [(run_id, h, m.variant) for m in measured],
+                           record_e2e=written.extend)
+    out = evaluate_recorded("wl.toml", repo, run_id="r-e2e")
+    assert isinstance(out, EvaluateResult) and out.run_id == "r-e2e"
+    assert out.rows == tuple(rows) and all(a is b for a, b in zip(out.rows, rows))  # the rows as measured
+    assert written == [("r-e2e", "h1", "eager"), ("r-e2e", "h1", "patched")]  # serialized only for storage
+    with pytest.raises(pydantic.ValidationError):
+        out.run_id = "other"
+    shown = table_rows(out.rows)  # a table reads the typed rows
+    assert shown[0]["total_range_ms"] == "29.0-31.0" and shown[1]["vs_eager"] == "1.50x"
+    assert table_rows([r.model_dump(mode="json") for r in rows]) == shown  # as a stored row shows the same
+
+
+def test_the_prefect_tasks_hand_on_the_stages_objects(monkeypatch):
+    import tasks.acceptance as ta
+    from llm4llm.stages.accept import AcceptSummary
+    from llm4llm.stages.evaluate import EvaluateResult
+
+    acc = AcceptSummary(bundle="/b", accepted=1, accepted_tasks=("t",))
+    ev = EvaluateResult(run_id="r-e2e", rows=(E2ERow(variant="eager", total_ms=3.0),))
+    monkeypatch.setattr(ta.accept_stage, "accept_recorded", lambda *a, **kw: acc)
+    monkeypatch.setattr(ta.evaluate_stage, "evaluate_recorded", lambda *a, **kw: ev)
+    tables = []
+    monkeypatch.setattr(ta, "create_table_artifact", lambda key, table, description: tables.append(table))
+    assert ta.accept_patches.fn("wl.toml", "r", None, None, "data") is acc
+    assert ta.evaluate_e2e.fn("wl.toml", None, None, None, "r-e2e") is ev
+    assert [t["variant"] for t in tables[0]] == ["eager"]  # the artifact's table made from the typed rows
+
+
+def _fake_run(monkeypatch, tmp_path, searches, acceptances, e2e):
+    """flows.optimize with its tasks replaced: the profile, extraction and plan of one task `t1`, the searches,
+    acceptance steps and evaluation returning the given objects in turn."""
+    import flows.optimize as opt
+    from llm4llm import planner
+    from llm4llm.planner import PlanAction, PlanItem
+
+    def plan(run, searched=(), excluded=()):
+        item = PlanItem("t1", "mlp", "decode", 1.0, 2.0, 0.5, PlanAction.SKIP if searched else PlanAction.SEARCH,
+                        "hot", trials=1, artifact_path=str(tmp_path / "t1"))
+        est = SimpleNamespace(trial_s=0.01, accept_s=0.0, evaluate_s=0.0)
+        return planner.Plan([item], None, None, est)
+
+    calls = {"search": iter(searches), "accept": iter(acceptances), "base": []}
+
+    def accept(*a, base_bundle=None, **kw):
+        calls["base"].append(base_bundle)
+        return next(calls["accept"])
+
+    monkeypatch.setattr(opt, "profile_workload", lambda *a, **kw: {
+        "run_id": "run-1", "profile_path": "/p.json", "workload": {"name": "wl", "device": "cpu"}})
+    monkeypatch.setattr(opt, "extract_tasks", lambda *a, **kw: {"run_id": "run-1", "index_path": "/i.json",
+                                                                "tasks": 1})
+    monkeypatch.setattr(opt, "decode_graphs_plan", lambda *a: (False, False, "off: on the CPU"))
+    monkeypatch.setattr(opt, "_plan", plan)
+    monkeypatch.setattr(opt, "search_task", lambda *a, **kw: next(calls["search"]))
+    monkeypatch.setattr(opt, "close_pools", lambda: None)
+    monkeypatch.setattr(opt, "accept_patches", accept)
+    monkeypatch.setattr(opt, "evaluate_e2e", lambda *a, **kw: e2e)
+    monkeypatch.setattr(opt, "eval_batches", lambda *a: None)
+    monkeypatch.setattr(opt, "_publish", lambda *a: None)
+    monkeypatch.setattr(opt, "_coverage_artifact", lambda *a: None)
+    return calls
+
+
+def test_the_flow_returns_a_frozen_optimize_result_holding_each_stages_object_unchanged(monkeypatch, tmp_path):
+    """Two rounds (config.search.rounds): `t1` rejected in the first step is searched and accepted again on top of
+    the first step's bundle; the result holds both searches and both steps as the stages returned them."""
+    import time
+
+    import flows.optimize as opt
+    from llm4llm.config import OptimizeConfig
+    from llm4llm.outcome import OptimizeResult
+    from llm4llm.stages.accept import AcceptSummary
+    from llm4llm.stages.evaluate import EvaluateResult
+
+    searches = [SearchSummary(search_id=f"s{k}", task_id="t1", trials=1, best_candidate="c") for k in (1, 2)]
+    steps = [AcceptSummary(bundle="/b/run-1", accepted=1, rejected=1, accepted_tasks=("t0",), retry_tasks=("t1",),
+                           graphs="decode graphs on"),
+             AcceptSummary(bundle=None, accepted=0, rejected=1)]
+    e2e = EvaluateResult(run_id="run-1-e2e", rows=(E2ERow(variant="eager", total_ms=30.0),
+                                                   E2ERow(variant="patched", total_ms=20.0, vs_eager=1.5)))
+    calls = _fake_run(monkeypatch, tmp_path, searches, steps, e2e)
+    cfg = OptimizeConfig(search={"rounds": 2})
+    out = opt._optimize(opt._Run("wl.toml", cfg, None, str(tmp_path), time.time()), "cli")
+    assert isinstance(out, OptimizeResult)
+    assert all(a is b for a, b in zip(out.searches, searches)) and len(out.searches) == 2
+    assert all(a is b for a, b in zip(out.acceptances, steps)) and len(out.acceptances) == 2
+    assert out.e2e is e2e
+    assert calls["base"] == [None, "/b/run-1"]  # the retry is accepted on top of the first step's bundle
+    assert out.acceptance is steps[1] and out.bundle == "/b/run-1" and out.accepted_tasks == ("t0",)
+    assert (out.run_id, out.profile_path, out.index_path, out.tasks) == ("run-1", "/p.json", "/i.json", 1)
+    assert out.decode_graphs == "off: on the CPU"  # the last step made no decode-graphs decision
+    assert out.plan and out.plan[0]["task_id"] == "t1"
+    assert out.summary[0].startswith("result: patched 20.0 ms") and "bundle: /b/run-1 (t0)" in out.summary
+    with pytest.raises(pydantic.ValidationError):
+        out.run_id = "other"
+    with pytest.raises(pydantic.ValidationError):
+        OptimizeResult(run_id="r", searches=({"task_id": "t"},))  # a search is a SearchSummary
+
+
+def test_the_nightly_flow_hands_on_the_optimize_result_unchanged(monkeypatch):
+    from contextlib import nullcontext
+
+    import flows.nightly as fn
+    from llm4llm.outcome import NightlyResult, OptimizeResult
+    from llm4llm.stages.accept import AcceptSummary
+
+    run = OptimizeResult(run_id="run-1", acceptances=(AcceptSummary(bundle="/b/run-1", accepted=1),))
+    seen = {}
+
+    def decide(workload_path, run_id, candidate, current, *a):
+        seen.update(run_id=run_id, candidate=candidate, current=current)
+        return {"decision": "replace"}
+
+    monkeypatch.setattr(fn, "gpu_slot", lambda device: nullcontext())
+    monkeypatch.setattr(fn, "describe", lambda p: {"device": "cpu"})
+    monkeypatch.setattr(fn, "revalidate_current", lambda *a: None)
+    monkeypatch.setattr(fn, "optimize_workload", lambda *a, **kw: run)
+    monkeypatch.setattr(fn, "decide_service", decide)
+    night = fn.nightly_workload.fn("wl.toml", data_dir="data")
+    assert isinstance(night, NightlyResult) and night.optimize is run and night.service == {"decision": "replace"}
+    assert seen == {"run_id": "run-1", "candidate": "/b/run-1", "current": None}
+    with pytest.raises(pydantic.ValidationError):
+        night.service = {}

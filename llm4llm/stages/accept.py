@@ -9,14 +9,39 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import BaseModel, ConfigDict
+
 from llm4llm import isolation
 from llm4llm.config import AcceptSettings
-from llm4llm.outcomes import AcceptDecision
+from llm4llm.outcomes import AcceptDecision, AcceptTiming
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
 
 if TYPE_CHECKING:
     from llm4llm.accept import GraphPlan
+
+
+class AcceptSummary(BaseModel):
+    """What one acceptance step did, as the stage returns it to the flow, the CLI and storage (frozen: handed on
+    unchanged). bundle: the bundle this step wrote (None: none written); accepted, rejected: how many decisions went
+    each way; accepted_tasks: the tasks accepted in this step; retry_tasks: the rejected tasks worth searching again
+    (Decision.retried: not the CPU's skipped latency gate); timing: how latency was judged (an AcceptTiming; None:
+    not said); baseline_ms, final_ms: the model unpatched and with the bundle; metric: the in-model metric applied;
+    floor: how the noise floor was measured; graphs: the decode-graphs decision ("" when not asked for)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bundle: str | None = None
+    accepted: int = 0
+    rejected: int = 0
+    accepted_tasks: tuple[str, ...] = ()
+    retry_tasks: tuple[str, ...] = ()
+    timing: AcceptTiming | None = None
+    baseline_ms: float | None = None
+    final_ms: float | None = None
+    metric: str = ""
+    floor: str = ""
+    graphs: str = ""
 
 
 @dataclass
@@ -30,15 +55,14 @@ class AcceptOutcome:
     rejections: list[tuple[int, str, dict]] = field(default_factory=list)
     manifest: dict | None = None
 
-    def summary(self) -> dict:
+    def summary(self) -> AcceptSummary:
         r = self.result
-        retry = sorted({d.task_id for d in r.decisions if d.retried()})
-        return {"bundle": r.bundle_dir, "accepted": sum(d.accepted for d in r.decisions),
-                "retry_tasks": retry,
-                "accepted_tasks": [d.task_id for d in r.decisions if d.accepted],
-                "rejected": sum(d.decision == AcceptDecision.REJECTED for d in r.decisions), "timing": r.timing,
-                "baseline_ms": r.baseline_ms, "final_ms": r.final_ms, "metric": r.metric,
-                "floor": r.floor_note, "graphs": r.graphs}
+        return AcceptSummary(bundle=r.bundle_dir, accepted=sum(d.accepted for d in r.decisions),
+                             rejected=sum(d.decision == AcceptDecision.REJECTED for d in r.decisions),
+                             accepted_tasks=tuple(d.task_id for d in r.decisions if d.accepted),
+                             retry_tasks=tuple(sorted({d.task_id for d in r.decisions if d.retried()})),
+                             timing=r.timing, baseline_ms=r.baseline_ms, final_ms=r.final_ms, metric=r.metric,
+                             floor=r.floor_note, graphs=r.graphs)
 
 
 class AcceptRepository(Protocol):
@@ -63,10 +87,10 @@ def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0
 
 def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, data_dir: str,
                     cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
-                    base_bundle: str | None = None, graphs: GraphPlan | None = None) -> dict:
+                    base_bundle: str | None = None, graphs: GraphPlan | None = None) -> AcceptSummary:
     """Deployment-time acceptance of the run's best candidates (run_accept), of `task_ids` alone when given, on top
     of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience for the next search
-    round) written through `repo`. Returns its summary."""
+    round) written through `repo`. Returns its AcceptSummary."""
     proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
     outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs)
     repo.record_acceptance(outcome)

@@ -62,6 +62,17 @@ class E2ERow(BaseModel):
         return self.variant, self.batch_size, self.prompt_len
 
 
+class EvaluateResult(BaseModel):
+    """What one evaluation did, as the stage returns it to the flow, the CLI and storage (frozen: handed on
+    unchanged): its run id (the `e2e_results` rows' run_id) and each variant's newest measurement at each point, in
+    the order first measured. Tables (llm4llm.evaluate.table_rows, point_rows) read the rows as they are."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    rows: tuple[E2ERow, ...] = ()
+
+
 class EvaluateRepository(Protocol):
     """Where the measurements go (storage.store.Store on DuckDB): the stage opens no database."""
 
@@ -72,11 +83,12 @@ class EvaluateRepository(Protocol):
 
 
 def evaluate_recorded(workload_path: str, repo: EvaluateRepository, settings: EvaluateSettings | None = None, *,
-                      bundle: str | None = None, run_id: str | None = None, deadline: float | None = None) -> dict:
+                      bundle: str | None = None, run_id: str | None = None,
+                      deadline: float | None = None) -> EvaluateResult:
     """The workload end to end (run_evaluate) under `settings` (its variants, default eager, patched, torch_compile;
     repeats; max_s; the points batch_sizes x prompt_lens, default the workload's own), each variant's `e2e_results`
     row written through `repo` as it is measured. deadline: Unix time by which the interleaved rounds end. Returns
-    {"run_id", "rows"}: each variant's newest row at each point."""
+    an EvaluateResult: the run id and each variant's newest row at each point."""
     from llm4llm.stages.common import describe_workload, new_run_id
 
     s = settings if settings is not None else EvaluateSettings()
@@ -90,7 +102,7 @@ def evaluate_recorded(workload_path: str, repo: EvaluateRepository, settings: Ev
                           on_measured=record, max_s=s.max_s, deadline=deadline,
                           batch_sizes=tuple(s.batch_sizes) if s.batch_sizes else None,
                           prompt_lens=tuple(s.prompt_lens) if s.prompt_lens else None)
-    return {"run_id": run_id, "rows": repo.e2e_rows(run_id, wl["workload_hash"], latest)}
+    return EvaluateResult(run_id=run_id, rows=tuple(latest))
 
 
 def run_evaluate(workload_path: str, *, bundle: str | None = None, repeats: int = 7,
