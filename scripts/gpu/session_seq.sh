@@ -3,6 +3,8 @@
 # side (decode is host-bound: a second lane on the same host skews every timing). Each optimize has its own time
 # limit (TERM, then KILL 15 s later, the whole process group: the acceptance and verifier workers are children).
 # Logs come back as one tarball ($OUT returns at most 8 files).
+# LIMIT counts from this script's start and the script sources env.sh itself: do not source it before (a second
+# unpacking of the wheels took the 25 s a killed run needs to write its summary, and the call hit its 600 s).
 #   STEPS="dispatch optimize:mamba-130m:4:2:220 optimize:qwen3-4b:4:3" LIMIT=575 bash scripts/gpu/session_seq.sh
 #   (optimize:WORKLOAD:BUDGET:TOP[:MAX_S[:VARIANTS]], VARIANTS comma-separated, default eager,patched,torch_compile;
 #    dispatch: scripts/gpu/dispatch_overhead.py;
@@ -47,14 +49,17 @@ for step in ${STEPS:-dispatch}; do
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
-      # host and GPU memory every 10 s beside it (a serving regime's extraction once went past the host's memory)
+      # host and GPU memory every 10 s beside it (a serving regime's extraction once went past the host's memory),
+      # and the sandboxed children's own lines (the extraction's step times, the verifier's notes; their last 2 MB),
+      # copied as it goes: a call stopped at its limit still brings them back
       ( while sleep 10; do echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB gpu" \
-          "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done ) > "$OUT/logs/readme_${w}_mem.log" 2>&1 &
+          "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+          tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
+        done ) > "$OUT/logs/readme_${w}_mem.log" 2>&1 &
       mem=$!
       LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
         > "$OUT/logs/readme_$w.log" 2>&1
       rc=$?; kill $mem 2>/dev/null
-      # the sandboxed children's own lines (the extraction's step times, the verifier's notes), the last 2 MB
       tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
       # the bundles it accepted (under $LLM4LLM_HOME), for `llm4llm evaluate --bundle` in a later call
       find "$LLM4LLM_HOME" -maxdepth 4 -type f -name manifest.json -path '*bundle*' 2>/dev/null \
