@@ -169,6 +169,36 @@ def test_gemv_ops_on_gpu_at_model_shapes():
             assert_close(a, b, name="down+res+norm")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemma_options_on_gpu_at_gemma2_shapes(M):
+    """Gemma-2-2B's layer passes (hidden 2304, MLP 9216, 8 q / 4 kv heads of 256) on the GPU, compiled by Triton
+    rather than interpreted: gelu-tanh gate/up, Gemma's (1 + w) norms in the q/k/v prologue and in o_proj's sandwich
+    reduction (post-attention norm, residual, pre-feedforward norm); batch 1 (register pass) and 8 (tl.dot)."""
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    x = torch.randn(M, 2304, dtype=dt, device=dev)
+
+    def nw(n):  # Gemma's norm weights sit near 0 (the norm scales by 1 + w)
+        return (0.1 * torch.randn(n, device=dev)).to(dt)
+
+    wq, wk, wv = (_w(n, 2304, dt).to(dev) for n in (2048, 1024, 1024))
+    cos, sin = (t.to(dev) for t in _rope(M, 256, dt))
+    wg, wu, wo = _w(9216, 2304, dt).to(dev), _w(9216, 2304, dt).to(dev), _w(2304, 2048, dt).to(dev)
+    attn, res, n_in, n_post, n_pre = torch.randn(M, 2048, dtype=dt, device=dev), torch.randn_like(x), *(
+        nw(2304) for _ in range(3))
+    for cfg in (dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1), dict(BLOCK_N=8, BLOCK_K=256, SPLIT_K=4)):
+        for a, b in zip(qkv_norm_rope(x, wq, wk, wv, cos, sin, 256, norm_w=n_in, gemma_norm=True, **cfg),
+                        qkv_norm_rope_ref(x, wq, wk, wv, cos, sin, 256, norm_w=n_in, gemma_norm=True)):
+            assert_close(a, b, name=f"gemma qkv M={M}")
+        assert_close(gate_up_swiglu(x, wg, wu, act="gelu_tanh", **cfg),
+                     gate_up_swiglu_ref(x, wg, wu, act="gelu_tanh"), name=f"gelu gate/up M={M}")
+        for a, b in zip(gemv_residual_rmsnorm(attn, wo, res, n_pre, out_norm_w=n_post, gemma=True, **cfg),
+                        gemv_residual_rmsnorm_ref(attn, wo, res, n_pre, out_norm_w=n_post, gemma=True)):
+            assert_close(a, b, name=f"gemma o_proj sandwich M={M}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 3])
 def test_dot_path_every_op(dtype, M):
