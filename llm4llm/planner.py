@@ -65,6 +65,7 @@ MAX_TRIALS = 15  # and at most this many (the former fixed budget)
 # Llama-3.2-3B: acceptance 66-112 s for a 2.3-4.6 s run; evaluation's set-up and torch.compile 85-148 s;
 # docs/hardware.md) and on a 2-core CPU (tiny workloads: a trial 10-20 s under Triton's interpreter).
 TRIAL_S = {"cuda": 32.0, "cpu": 15.0}
+PER_BATCH_S = 20.0  # a verification's extra seconds for each further decode batch a task's cases hold
 ACCEPT_FIXED_S = {"cuda": 20.0, "cpu": 15.0}
 ACCEPT_PER_RUN = {"cuda": 20.0, "cpu": 10.0}  # x the workload's eager run time
 EVALUATE_FIXED_S = {"cuda": 75.0, "cpu": 20.0}  # model build, warm-ups, torch.compile's compile
@@ -112,13 +113,23 @@ class TaskView:
     deployable: bool = True
     reason: str = ""
     artifact_path: str | None = None
+    batches: int = 1  # the batch sizes its captured cases hold (a serving regime's decode task: every bucket)
 
     @classmethod
     def of(cls, entry: dict) -> "TaskView":
         return cls(task_id=entry["task_id"], family=entry["family"], phase=entry["phase"],
                    instances=list(entry.get("instances") or []), score=float(entry.get("hotspot_score", 0.0)),
                    time_ms=float(entry.get("time_ms") or 0.0), deployable=bool(entry.get("deployable", True)),
-                   reason=entry.get("reason") or "", artifact_path=entry.get("artifact_path"))
+                   reason=entry.get("reason") or "", artifact_path=entry.get("artifact_path"),
+                   batches=_batch_sizes(entry))
+
+
+def _batch_sizes(entry: dict) -> int:
+    """How many batch sizes (dim 0 of the first input) an index entry's cases hold, as TaskSpec.batches counts."""
+    names = entry.get("input_names") or []
+    shapes = [((c.get("inputs") or {}).get(names[0]) or {}).get("shape") for c in entry.get("cases") or []] \
+        if names else []
+    return max(1, len({s[0] for s in shapes if s}))
 
 
 @dataclass
@@ -355,6 +366,7 @@ def make_plan(tasks: list[TaskView], *, device: str, run_s: float, delta: float,
     est = estimates_for(device, run_s, past)
     items = rank_tasks(tasks, delta=delta, history=history, covers=covers, excluded=excluded, searched=searched,
                        families=families, phases=phases, top=top)
+    _per_batch(est, tasks, items, past)
     notes = []
     search_s = None
     stages = tuple(stages)
@@ -369,6 +381,19 @@ def make_plan(tasks: list[TaskView], *, device: str, run_s: float, delta: float,
     if not targets:
         notes.append(_why_nothing(items))
     return Plan(items, budget_s, search_s, est, notes, tuple(s for s in ("accept", "evaluate") if s in stages))
+
+
+def _per_batch(est: Estimates, tasks: list[TaskView], items: list[PlanItem], past: dict | None) -> None:
+    """Without an earlier run's trial time: a trial on a task whose cases hold several batch sizes is verified at each
+    (compiles and checks per bucket), as its verification limit allows (PER_BATCH_S each past the first): qwen3-4b's
+    decode layer over batches 1-32 took 142 s a trial on an H200, where the default says 32."""
+    if past and "trial" in past:
+        return
+    searched = {i.task_id for i in items if i.action == PlanAction.SEARCH}
+    most = max((t.batches for t in tasks if t.task_id in searched), default=1)
+    if most > 1:
+        est.trial_s += PER_BATCH_S * (most - 1)
+        est.source += f", {most} batch sizes"
 
 
 def _why_nothing(items: list[PlanItem]) -> str:

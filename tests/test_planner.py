@@ -115,6 +115,28 @@ def test_estimates_from_the_last_run_of_the_workload():
     assert planner.estimates_for("cpu", 0.01).source.startswith("defaults for cpu")
 
 
+def test_a_trial_over_a_serving_regime_is_expected_to_verify_every_batch_size():
+    """A decode task whose cases hold six batch sizes (a serving regime's buckets 1-32) is verified at each: without
+    an earlier run the plan expects PER_BATCH_S more a further size (32 + 5 x 20 = 132 s; the H200 took 142 s, where
+    the plan said 32), and says so; an earlier run's measured trial time still wins."""
+    entries = json.loads((DATA / "qwen3-4b-decode.json").read_text())["tasks"]
+    layer = next(e for e in entries if e["family"] == "decoder_layer" and e["phase"] == "decode")
+    layer["input_names"] = ["hidden_states"]
+    layer["cases"] = [{"inputs": {"hidden_states": {"shape": [b, 1, 2560], "dtype": "bfloat16"}}}
+                      for b in (8, 1, 1, 2, 4, 8, 16, 32)]
+    tasks = [planner.TaskView.of(e) for e in entries]
+    assert next(t for t in tasks if t.task_id == layer["task_id"]).batches == 6
+    plan = planner.make_plan(tasks, device="cuda", run_s=4.9, delta=0.02, budget_s=480, elapsed_s=251)
+    assert plan.estimates.trial_s == planner.TRIAL_S["cuda"] + 5 * planner.PER_BATCH_S
+    assert "a trial ~132 s" in plan.lines(251)[0] and "6 batch sizes" in plan.lines(251)[0]
+    one = planner.make_plan(_tasks("qwen3-4b-decode"), device="cuda", run_s=4.9, delta=0.02, budget_s=480,
+                            elapsed_s=251)
+    assert one.estimates.trial_s == planner.TRIAL_S["cuda"]
+    past = planner.make_plan(tasks, device="cuda", run_s=4.9, delta=0.02, budget_s=480, elapsed_s=251,
+                             past={"trial": 142.0})
+    assert past.estimates.trial_s == 142.0
+
+
 @pytest.mark.parametrize("text,seconds", [("8m", 480), ("90s", 90), ("1h30m", 5400), ("600", 600), ("2.5m", 150),
                                           ("off", None), ("0", None), (None, None)])
 def test_parse_duration(text, seconds):

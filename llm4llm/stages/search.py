@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from llm4llm import isolation
 from llm4llm.config import SearchSettings
 from llm4llm.outcomes import EpisodeEnd
+from llm4llm.planner import PER_BATCH_S
 from llm4llm.stages.common import code_version
 
 
@@ -359,7 +360,6 @@ def recorded_checks(records: list[dict], names: set[str]) -> list[dict] | None:
     return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in records if r["template"] in names]
 
 
-PER_BATCH_S = 20.0  # the verification limit's allowance for each further decode batch a task's cases hold
 
 
 def verify_limit(spec, base_s: float) -> float:
