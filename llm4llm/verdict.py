@@ -58,6 +58,18 @@ class Verdict(BaseModel):
     # (output + weight bytes) / peak HBM bandwidth of one call, no margin (GPU): the planner stops a task's search
     # when its best candidate is near it (llm4llm.planner.NEAR_FLOOR)
     floor_ms: float | None = None
+    # where the verification's wall time went, seconds by phase: references (draws and the module's outputs),
+    # load (the worker's first call, compiles included), checks (every judged call), timing, timed_outputs; total
+    # (the pool's whole job: the worker's start and the copies included)
+    seconds: dict[str, float] = Field(default_factory=dict)
+
+    def lap(self, phase: str, since: float) -> float:
+        """Add the seconds from `since` (time.perf_counter) to `phase`; returns now, the next phase's start."""
+        import time
+
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - since, 3)
+        return now
 
     def fail(self, gate: str, failure_class: FailureClass | str, message: str) -> "Verdict":
         """Record a failing gate; the verdict is then final (later gates do not run). A class given as a string (a

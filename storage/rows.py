@@ -96,6 +96,7 @@ class CandidateRow(TypedDict):
     speedup_compile: float | None
     kb_means_json: dict | None
     kb_degenerate: bool | None  # migration 017
+    seconds_json: dict | None  # migration 018: the verification's seconds by phase
 
 
 class EpisodeRow(TypedDict):
@@ -239,6 +240,7 @@ def candidate_row(candidate, verdict, task_id: str, search_id: str, episode: int
         "worker": str(v.get("worker_pid")), "gpu_name": v.get("device_name"),
         "origin": candidate_origin(candidate), "speedup_compile": v.get("speedup_compile"),
         "kb_means_json": v.get("kb_means_ms"), "kb_degenerate": v.get("kb_degenerate"),
+        "seconds_json": v.get("seconds") or None,
     }
 
 

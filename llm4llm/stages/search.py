@@ -210,7 +210,16 @@ def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, bu
             else f"failed: {_verdict_get(verdict, 'failure_class')}")
     best = f"; best {counts['best']:.2f}x" if counts["best"] else ""
     return (f"search {task_id}: trial {counts['trials']}/{budget} {candidate.template or 'candidate'} {what}"
-            f"{best}")
+            f"{best}{_seconds_note(_verdict_get(verdict, 'seconds'))}")
+
+
+def _seconds_note(seconds: dict | None) -> str:
+    """Where the trial's verification time went, where it took long enough to ask (a serving regime's decode
+    layer: 142 s a trial): ' (142 s: checks 80, timing 40, ...)', the larger phases first."""
+    if not seconds or (seconds.get("total") or 0.0) < 30:
+        return ""
+    parts = sorted(((k, v) for k, v in seconds.items() if k != "total" and v >= 1), key=lambda kv: -kv[1])
+    return f" ({seconds['total']:.0f} s: " + ", ".join(f"{k} {v:.0f}" for k, v in parts) + ")"
 
 
 def _llm_search_kw(prop, archive_dir: Path, only_unset: bool) -> dict:

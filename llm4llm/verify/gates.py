@@ -775,10 +775,13 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
 
     rehearse (CPU only; tests, or to screen candidates for timing-only shortcuts): run the timed calls anyway,
     on host clocks whose numbers are discarded, so that the sampled timed outputs are checked there too."""
+    t = time.perf_counter()
     all_draws = make_draws(task, dev, draws, seed)
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
                    else None)
+    t = v.lap("references", t)
     r = rpc({"op": "load"})
+    t = v.lap("load", t)
     if "fail" in r:
         gate, cls, msg = r["fail"][:3]
         return v.fail(gate, cls, msg), bool(r.get("poisoned"))
@@ -796,7 +799,9 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     except GateFailure as f:
         append_passed_before(v, f.gate if f.gate != "does_the_work" else "launches_triton")
         v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
+        v.lap("checks", t)
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
+    v.lap("checks", t)
     v.max_abs_err, v.max_rel_err = judge.max_abs, judge.max_rel
     append_passed_before(v, None, runs=judge.runs, cases=len(task.cases), draws=draws, dev=dev,
                           floor=judge.floor_detail())
@@ -829,7 +834,9 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     import secrets
 
     name = f"timed-{secrets.token_hex(4)}.safetensors"
+    t = time.perf_counter()
     r = rpc({"op": "time", "fresh_seed": secrets.randbits(31), "path": name})
+    t = v.lap("timing", t)
     if "fail" in r:
         gate, cls, msg = r["fail"][:3]
         return v.fail(gate, cls, msg), bool(r.get("poisoned"))
@@ -866,6 +873,8 @@ def _judge_timed(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
     except GateFailure as f:
         return v.fail(f.gate, f.failure_class, f.message), f.poisoned
+    finally:
+        v.lap("timed_outputs", t)
     v.gates.append(GateResult(name="timed_outputs", passed=True, detail=f"{detail}; {again}"))
     if dev.type != "cuda":
         return v.finish(), False

@@ -275,6 +275,15 @@ class VerifierPool:
     # -- jobs
     def verify(self, task_dir: str | Path, source: str, *, timeout_s: float | None = None,
                **options: Any) -> Verdict:
+        """Judge `source` on the task in a fresh sandboxed worker (one per candidate); the verdict's
+        seconds["total"] is the whole job's wall time, the worker's start and the copies included."""
+        started = time.perf_counter()
+        v = self._verify(task_dir, source, timeout_s=timeout_s, **options)
+        v.seconds["total"] = round(time.perf_counter() - started, 3)
+        return v
+
+    def _verify(self, task_dir: str | Path, source: str, *, timeout_s: float | None = None,
+                **options: Any) -> Verdict:
         from llm4llm.taskspec import check_artifacts, load_spec
         from llm4llm.verify.sandbox import RssWatchdog, copy_readonly, layer_summary
 
