@@ -92,6 +92,9 @@ def clean_env(box: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update(HOME=str(work), TMPDIR=str(work / "tmp"), USER="nobody", LOGNAME="nobody",
                TRITON_CACHE_DIR=str(work / ".triton"), TRITON_HOME=str(work), XDG_CACHE_HOME=str(work / ".cache"),
                PYTHONDONTWRITEBYTECODE="1",
+               # a stage's own lines ("accept: ...") reach the log and the terminal as printed, not when the child
+               # ends: a child stopped at its limit lost them all (an acceptance stopped after 2:42 said nothing)
+               PYTHONUNBUFFERED="1",
                # joblib probes a POSIX semaphore at import, which the sandbox refuses, and warns once per process
                JOBLIB_MULTIPROCESSING="0")
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
