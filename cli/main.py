@@ -155,8 +155,8 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
         with progress.rich_progress(console):
             out = profile_workload(str(workload), db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None, refresh=refresh)
-        console.print(f"run [bold]{out['run_id']}[/]")
-        _print_hotspots(out["profile_path"], top)
+        console.print(f"run [bold]{out.run_id}[/]")
+        _print_hotspots(out.profile_path, top)
 
 
 GRAPHS_HELP = ("GPU: the one-token decode steps replay from CUDA graphs (kernels_runtime.graphs): decode candidates "

@@ -17,6 +17,8 @@ from llm4llm.search import LibraryProposer, run_search
 from llm4llm.search.templates.base import Template, header
 from llm4llm.stages import evaluate as evaluate_stage
 from llm4llm.stages.evaluate import E2ERow, run_evaluate
+from llm4llm.stages.extract import ExtractedTasks
+from llm4llm.stages.profile import ProfiledRun
 from llm4llm.stages.search import SearchSummary, record_packed_search, search_summary
 from llm4llm.taskspec import TaskSpec, write_task
 from llm4llm.verdict import Latency, Verdict
@@ -230,10 +232,10 @@ def _fake_run(monkeypatch, tmp_path, searches, acceptances, e2e):
         calls["base"].append(base_bundle)
         return next(calls["accept"])
 
-    monkeypatch.setattr(opt, "profile_workload", lambda *a, **kw: {
-        "run_id": "run-1", "profile_path": "/p.json", "workload": {"name": "wl", "device": "cpu"}})
-    monkeypatch.setattr(opt, "extract_tasks", lambda *a, **kw: {"run_id": "run-1", "index_path": "/i.json",
-                                                                "tasks": 1})
+    monkeypatch.setattr(opt, "profile_workload", lambda *a, **kw: ProfiledRun(
+        run_id="run-1", profile_path="/p.json", workload={"name": "wl", "device": "cpu"}))
+    monkeypatch.setattr(opt, "extract_tasks", lambda *a, **kw: ExtractedTasks(run_id="run-1", index_path="/i.json",
+                                                                              tasks=1))
     monkeypatch.setattr(opt, "decode_graphs_plan", lambda *a: (False, False, "off: on the CPU"))
     monkeypatch.setattr(opt, "_plan", plan)
     monkeypatch.setattr(opt, "search_task", lambda *a, **kw: next(calls["search"]))
@@ -306,3 +308,42 @@ def test_the_nightly_flow_hands_on_the_optimize_result_unchanged(monkeypatch):
     assert seen == {"run_id": "run-1", "candidate": "/b/run-1", "current": None}
     with pytest.raises(pydantic.ValidationError):
         night.service = {}
+
+
+def test_the_profile_and_extract_flows_return_frozen_typed_results(monkeypatch, tmp_path):
+    """profile-workload returns a ProfiledRun holding describe_workload's dict as the stage handed it;
+    extract-tasks returns an ExtractedTasks; both frozen, both refusing fields they do not declare."""
+    import flows.profiling as fp
+
+    wl = {"workload_hash": "h1", "name": "wl", "path": "/wl.toml", "device": "cpu", "config": {}}
+    profile_path, index_path = tmp_path / "profile.json", tmp_path / "tasks.json"
+    profile_path.write_text("{}")
+    index_path.write_text("[]")
+    finished = []
+
+    class Stage:  # a prefect task as the flow calls it: with_options(...)(args)
+        def __init__(self, path):
+            self.path = path
+
+        def with_options(self, **kw):
+            return lambda *a: str(self.path)
+
+    monkeypatch.setattr(fp.profiling, "describe", lambda p: wl)
+    monkeypatch.setattr(fp.profiling, "profile", Stage(profile_path))
+    monkeypatch.setattr(fp.profiling, "record_profile", lambda *a: "run-1")
+    monkeypatch.setattr(fp.profiling, "publish_hotspots", lambda p: None)
+    monkeypatch.setattr(fp, "Store", lambda db: SimpleNamespace(finish_run=finished.append))
+    monkeypatch.setattr(fp.extraction, "extract", Stage(index_path))
+    monkeypatch.setattr(fp.extraction, "record_tasks", lambda *a: 3)
+    monkeypatch.setattr(fp.extraction, "publish_tasks", lambda p: None)
+    prof = fp.profile_workload.fn("wl.toml", data_dir=str(tmp_path), kind="cli")
+    assert isinstance(prof, ProfiledRun) and prof.workload == wl and finished == ["run-1"]
+    assert (prof.run_id, prof.profile_path) == ("run-1", str(profile_path))
+    ext = fp.extract_tasks.fn("wl.toml", prof.run_id, prof.profile_path, data_dir=str(tmp_path))
+    assert isinstance(ext, ExtractedTasks) and (ext.run_id, ext.index_path, ext.tasks) == ("run-1", str(index_path), 3)
+    for obj, field in ((prof, "run_id"), (ext, "tasks")):
+        with pytest.raises(pydantic.ValidationError):
+            setattr(obj, field, "other")
+    with pytest.raises(pydantic.ValidationError):
+        ExtractedTasks(run_id="r", index_path="/i.json", tasks=1, extra=2)
+
