@@ -347,3 +347,31 @@ def test_the_profile_and_extract_flows_return_frozen_typed_results(monkeypatch, 
     with pytest.raises(pydantic.ValidationError):
         ExtractedTasks(run_id="r", index_path="/i.json", tasks=1, extra=2)
 
+
+def test_run_kernelbench_returns_a_frozen_result_and_dumps_each_problem_only_for_storage(monkeypatch):
+    """The stage hands the repository each KernelBenchProblem as a `kernelbench_results` row (a dict of every
+    column), and its caller the very problems run_problems made, in a frozen KernelBenchResult."""
+    from llm4llm.kernelbench import run as kb_run
+    from llm4llm.kernelbench.run import KernelBenchProblem
+    from llm4llm.stages.kernelbench import KernelBenchResult, run_kernelbench
+
+    made, told, written = [], [], []
+
+    def run_problems(directory, data_dir, search, trials, record, *, on_problem=None, **kw):
+        p = KernelBenchProblem(kb_run_id="kb-1", problem="2_G.py", problem_id=2, task_id="t2", mode="episodic",
+                               proposer="library", budget=1, trials=1, passed=True, search_id="s1", speedup_eager=1.5)
+        record(p)
+        on_problem(p)
+        made.append(p)
+        return "kb-1", [p]
+
+    monkeypatch.setattr(kb_run, "run_problems", run_problems)
+    repo = SimpleNamespace(candidate_rows=lambda s: None, record_kb_result=written.append)
+    out = run_kernelbench("kb", repo, "data", on_problem=told.append)
+    assert isinstance(out, KernelBenchResult) and out.run_id == "kb-1" and out.problems[0] is made[0] is told[0]
+    assert written == [made[0].model_dump()] and written[0]["speedup_eager"] == 1.5 and "skipped_reason" in written[0]
+    with pytest.raises(pydantic.ValidationError):
+        out.problems[0].passed = False
+    with pytest.raises(pydantic.ValidationError):
+        out.run_id = "kb-2"
+
