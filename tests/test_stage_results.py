@@ -375,3 +375,29 @@ def test_run_kernelbench_returns_a_frozen_result_and_dumps_each_problem_only_for
     with pytest.raises(pydantic.ValidationError):
         out.run_id = "kb-2"
 
+
+def test_check_applicability_returns_frozen_template_checks_and_dumps_them_only_for_storage(monkeypatch, tmp_path):
+    """Checks run now are written as `template_checks` rows (dicts) and returned as frozen TemplateCheckRecords;
+    recorded ones are read back into the same records (a NULL read through pandas as NaN made None)."""
+    from llm4llm.stages import search as stage
+    from llm4llm.stages.search import TemplateCheckRecord
+
+    spec = SimpleNamespace(task_id="t1", family="norm", phase="decode")
+    monkeypatch.setattr("llm4llm.taskspec.load_spec", lambda d: spec)
+    monkeypatch.setattr(stage, "family_templates", lambda s: {"a", "b"})
+    ran = [TemplateCheckRecord(task_id="t1", template="a", applicable=True, stage="computation", pinned={"BLOCK": 8}),
+           TemplateCheckRecord(task_id="t1", template="b", applicable=False, stage="scope", reason="no")]
+    monkeypatch.setattr(stage, "run_template_checks", lambda *a: ran)
+    written = []
+    repo = SimpleNamespace(template_check_records=lambda ids, cv: [], record_template_checks=written.extend)
+    got = stage.check_applicability(str(tmp_path), repo, "run-1", "cpu", SearchSettings())
+    assert got is ran and written == [c.model_dump() for c in ran] and written[0]["pinned"] == {"BLOCK": 8}
+    with pytest.raises(pydantic.ValidationError):
+        got[0].applicable = False
+    rows = [{**w, "pinned_json": json.dumps(w.pop("pinned")), "run_id": float("nan"), "checked_at": None}
+            for w in written]
+    repo = SimpleNamespace(template_check_records=lambda ids, cv: rows)
+    back = stage.check_applicability(str(tmp_path), repo, "run-1", "cpu", SearchSettings())
+    assert back == ran and all(isinstance(c, TemplateCheckRecord) for c in back)
+    templates = [SimpleNamespace(name=n, pinned=lambda p, n=n: (n, p)) for n in ("a", "b")]
+    assert stage.applicable_templates_of(templates, back) == [("a", {"BLOCK": 8})]
