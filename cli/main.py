@@ -155,8 +155,8 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
         with progress.rich_progress(console):
             out = profile_workload(str(workload), db_path=str(db) if db else None,
                                    data_dir=str(data_dir) if data_dir else None, refresh=refresh)
-        console.print(f"run [bold]{out['run_id']}[/]")
-        _print_hotspots(out["profile_path"], top)
+        console.print(f"run [bold]{out.run_id}[/]")
+        _print_hotspots(out.profile_path, top)
 
 
 GRAPHS_HELP = ("GPU: the one-token decode steps replay from CUDA graphs (kernels_runtime.graphs): decode candidates "
@@ -840,16 +840,16 @@ def kernelbench(directory: Path = typer.Argument(..., help="a folder of KernelBe
         _check_proposer(proposer)
         _check_kb_device(device)
 
-        def show(row):
-            sp = f"{row['speedup_eager']:.3f}x eager" if row.get("speedup_eager") else "untimed"
-            sc = f", {row['speedup_compile']:.3f}x compile" if row.get("speedup_compile") else ""
-            console.print(f"{row['problem']} [{row['mode']}]: {'pass' if row['passed'] else 'FAIL'} {sp}{sc} "
-                          f"({row['trials']} trials{', ' + row['origin'] if row.get('origin') else ''})"
-                          + (f" skipped: {row['skipped_reason']}" if row.get("skipped_reason") else ""))
+        def show(p):  # a llm4llm.kernelbench.run.KernelBenchProblem, as each is recorded
+            sp = f"{p.speedup_eager:.3f}x eager" if p.speedup_eager else "untimed"
+            sc = f", {p.speedup_compile:.3f}x compile" if p.speedup_compile else ""
+            console.print(f"{p.problem} [{p.mode}]: {'pass' if p.passed else 'FAIL'} {sp}{sc} "
+                          f"({p.trials} trials{', ' + p.origin if p.origin else ''})"
+                          + (f" skipped: {p.skipped_reason}" if p.skipped_reason else ""))
 
-        kb_run_id, _ = run_kernelbench(str(directory), Store(str(db) if db else None), str(data_dir or data_home()),
-                                       problems=problems, budget=budget, modes=list(mode), proposer=proposer,
-                                       device=device, timeout_s=timeout_s, kb_run_id=run_id, on_problem=show)
+        kb_run_id = run_kernelbench(str(directory), Store(str(db) if db else None), str(data_dir or data_home()),
+                                    problems=problems, budget=budget, modes=list(mode), proposer=proposer,
+                                    device=device, timeout_s=timeout_s, kb_run_id=run_id, on_problem=show).run_id
         with _db(db) as d:
             summary = repo.kb_summary(d, kb_run_id)
         _print_table(_df_table(pd.DataFrame(summary), f"kernelbench {kb_run_id}"))

@@ -154,8 +154,8 @@ def _optimize(run: _Run, kind: str) -> OptimizeResult:
     with run.stage("profile"):
         prof = profile_workload(run.workload_path, db_path=run.db_path, data_dir=run.data_dir, refresh=cfg.refresh,
                                 kind=kind)
-    run.run_id, run.workload, run.profile_path = prof["run_id"], prof["workload"], prof["profile_path"]
-    run.name, run.device = prof["workload"]["name"], prof["workload"]["device"]
+    run.run_id, run.workload, run.profile_path = prof.run_id, prof.workload, prof.profile_path
+    run.name, run.device = prof.workload["name"], prof.workload["device"]
     out = OptimizeResult(run_id=run.run_id, profile_path=run.profile_path)
     _publish("hotspots", run.name, run.run_id, run.db_path)
     if "extract" not in stages:
@@ -165,8 +165,8 @@ def _optimize(run: _Run, kind: str) -> OptimizeResult:
         ext = extract_tasks(run.workload_path, run.run_id, run.profile_path, db_path=run.db_path,
                             data_dir=run.data_dir, min_score=cfg.search.min_score, refresh=cfg.refresh,
                             static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs))
-    run.index_path = ext["index_path"]
-    out = out.model_copy(update={"index_path": ext["index_path"], "tasks": ext["tasks"]})
+    run.index_path = ext.index_path
+    out = out.model_copy(update={"index_path": ext.index_path, "tasks": ext.tasks})
     if "search" not in stages:
         return out
     graphs, static_cache, why = decode_graphs_plan(run.index_path, run.device, cfg.graphs.decode_graphs)

@@ -8,6 +8,8 @@ from llm4llm.config import RunKind, kind_of_deployment
 from storage.db import data_home
 from storage.store import Store
 from tasks import extraction, profiling
+from tasks.extraction import ExtractedTasks
+from tasks.profiling import ProfiledRun
 
 
 def _defaults(data_dir: str | None) -> str:
@@ -31,8 +33,8 @@ def _root_flow_run_id() -> str | None:
 
 @flow(name="profile-workload", log_prints=True)
 def profile_workload(workload_path: str, db_path: str | None = None, data_dir: str | None = None,
-                     refresh: bool = False, kind: RunKind | None = None) -> dict:
-    """Profile a workload per phase, as a run of its own; returns {"run_id", "profile_path", "workload"}. A
+                     refresh: bool = False, kind: RunKind | None = None) -> ProfiledRun:
+    """Profile a workload per phase, as a run of its own; returns its ProfiledRun (run id, profile path, workload). A
     profile served from the cache is recorded again under a new run id (`runs.profile_of` names the run that
     measured it), so every run keeps its own rows. kind: what started the run (default: the deployment that
     started this flow run, else cli). Run on its own it ends the run; as a subflow it leaves that to its parent.
@@ -55,15 +57,16 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
     profiling.publish_hotspots(profile_path)
     if not flow_run.parent_flow_run_id:
         Store(db_path).finish_run(run_id)
-    return {"run_id": run_id, "profile_path": profile_path, "workload": workload}
+    return ProfiledRun(run_id=run_id, profile_path=profile_path, workload=workload)
 
 
 @flow(name="extract-tasks", log_prints=True)
 def extract_tasks(workload_path: str, run_id: str, profile_path: str, db_path: str | None = None,
                   data_dir: str | None = None, min_score: float = 0.0, refresh: bool = False,
-                  static_cache: bool = False) -> dict:
-    """Extract phase-aware tasks for a profiled run; returns {"run_id", "index_path", "tasks"}. static_cache: the
-    decode tasks of KV-cache modules are captured on transformers' static cache (llm4llm.extract.extract_tasks)."""
+                  static_cache: bool = False) -> ExtractedTasks:
+    """Extract phase-aware tasks for a profiled run; returns its ExtractedTasks (run id, index path, task count).
+    static_cache: the decode tasks of KV-cache modules are captured on transformers' static cache
+    (llm4llm.extract.extract_tasks)."""
     data_dir = _defaults(data_dir)
     workload = profiling.describe(workload_path)
     index_path = extraction.extract.with_options(refresh_cache=refresh)(workload, profile_path, data_dir, min_score,
@@ -73,4 +76,4 @@ def extract_tasks(workload_path: str, run_id: str, profile_path: str, db_path: s
                                                                          static_cache)
     n = extraction.record_tasks(index_path, run_id, db_path)
     extraction.publish_tasks(index_path)
-    return {"run_id": run_id, "index_path": index_path, "tasks": n}
+    return ExtractedTasks(run_id=run_id, index_path=index_path, tasks=n)

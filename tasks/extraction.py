@@ -6,6 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from llm4llm.stages import extract as extract_stage
+from llm4llm.stages.extract import ExtractedTasks  # noqa: F401 - the flow's result type, re-exported to flows/
 from storage.store import Store
 from tasks.common import infrastructure_only, stage_cache_key
 

@@ -6,6 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from llm4llm.stages import common as common_stage, profile as profile_stage
+from llm4llm.stages.profile import ProfiledRun  # noqa: F401 - the flow's result type, re-exported to flows/
 from storage.store import Store
 from tasks.common import infrastructure_only, stage_cache_key
 

@@ -89,19 +89,19 @@ def test_a_cached_rerun_is_a_run_of_its_own_that_links_the_profile_it_reused(pre
             monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", deployment)
         again[kind] = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path,
                                        data_dir=str(root / "data"))
-        assert again[kind]["profile_path"] == out["tiny-llama"].profile_path  # served from the cache
-    ids = [first] + [a["run_id"] for a in again.values()]
+        assert again[kind].profile_path == out["tiny-llama"].profile_path  # served from the cache
+    ids = [first] + [a.run_id for a in again.values()]
     assert len(set(ids)) == 4
     with Database(db_path, read_only=True) as db:
         for kind, a in again.items():
-            run = repo.get_run(db, a["run_id"])
+            run = repo.get_run(db, a.run_id)
             assert (run["kind"], run["profile_of"], run["status"]) == (kind, first, "ok"), run
             assert run["finished_at"] is not None
-            assert len(repo.profile_rows(db, a["run_id"])) == len(repo.profile_rows(db, first))
+            assert len(repo.profile_rows(db, a.run_id)) == len(repo.profile_rows(db, first))
         assert repo.get_run(db, first)["kind"] == "cli" and len(repo.task_rows(db, first)) > 0
     fresh = profile_workload(str(EXAMPLES / "tiny-llama.toml"), db_path=db_path, data_dir=str(root / "data"),
                              refresh=True)
-    assert fresh["run_id"] not in ids
+    assert fresh.run_id not in ids
 
 
 def _bad_workload(tmp_path: Path, script_body: str | None, **overrides) -> Path:

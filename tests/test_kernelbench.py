@@ -96,9 +96,9 @@ def kb_run(kb_dir, tmp_path_factory):
 
     data = tmp_path_factory.mktemp("kbdata")
     db = str(data / "kb.duckdb")
-    kb_run_id, rows = run_kernelbench(str(kb_dir), Store(db), str(data), problems="2", budget=1, proposer="library",
-                                      device="cpu", timeout_s=300)
-    return kb_run_id, rows, db, data
+    kb = run_kernelbench(str(kb_dir), Store(db), str(data), problems="2", budget=1, proposer="library",
+                         device="cpu", timeout_s=300)
+    return kb.run_id, kb.problems, db, data
 
 
 def test_selection_and_seeds(kb_dir):
@@ -326,7 +326,7 @@ def test_run_passes_and_records_origins(kb_run):
     from storage.db import Database
 
     kb_run_id, rows, db, _ = kb_run
-    assert [r["passed"] for r in rows] == [True]
+    assert [r.passed for r in rows] == [True]
     with Database(db) as d:
         res = repo.kb_results(d, kb_run_id)
         cands = repo.candidate_rows(d)

@@ -152,17 +152,18 @@ def test_kernelbench_llm_run_passes_and_records_llm_origin(kb_dir, tmp_path):
     with srv.ScriptedLLM([srv.good(), srv.Reply(srv.fenced(MODEL_NEW))]) as llm:  # the wrong contract, then a ModelNew
         flags = {"model": "openai/test-model", "api_base": llm.base_url, "concurrency": 1, "samples_per_step": 1,
                  "max_retries": 0, "timeout_s": 20}
-        kb_run_id, rows = run_kernelbench(str(kb_dir), Store(db), str(tmp_path), budget=2, proposer="llm",
-                                          device="cpu", timeout_s=120, llm=flags)
+        kb = run_kernelbench(str(kb_dir), Store(db), str(tmp_path), budget=2, proposer="llm",
+                             device="cpu", timeout_s=120, llm=flags)
+    kb_run_id, rows = kb.run_id, kb.problems
     first, second = (r["body"]["messages"] for r in llm.requests)
     assert "class ModelNew(nn.Module)" in first[0]["content"] and "class Model(nn.Module)" in first[1]["content"]
     assert "built-in template kb." in first[1]["content"]  # the seed is a KernelBench template's ModelNew
     # the failed answer is feedback, not an attempt to repair (its placeholder source names ModelNew in a comment)
     assert "FAILED [static]" in second[1]["content"] and "Your previous attempt" not in second[1]["content"]
-    assert [(r["passed"], r["origin"], r["proposer"]) for r in rows] == [(True, "llm", "llm")]
+    assert [(r.passed, r.origin, r.proposer) for r in rows] == [(True, "llm", "llm")]
     with Database(db) as d:
         res = repo.kb_results(d, kb_run_id)
-        cands = repo.candidate_rows(d, search_id=rows[0]["search_id"])
+        cands = repo.candidate_rows(d, search_id=rows[0].search_id)
         calls = repo.table_df(d, "llm_calls")
     assert list(res["origin"]) == ["llm"] and bool(res["passed"].iloc[0])
     assert list(cands["proposer"]) == ["llm", "llm"] and list(cands["origin"]) == ["llm", "llm"]

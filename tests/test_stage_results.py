@@ -17,6 +17,8 @@ from llm4llm.search import LibraryProposer, run_search
 from llm4llm.search.templates.base import Template, header
 from llm4llm.stages import evaluate as evaluate_stage
 from llm4llm.stages.evaluate import E2ERow, run_evaluate
+from llm4llm.stages.extract import ExtractedTasks
+from llm4llm.stages.profile import ProfiledRun
 from llm4llm.stages.search import SearchSummary, record_packed_search, search_summary
 from llm4llm.taskspec import TaskSpec, write_task
 from llm4llm.verdict import Latency, Verdict
@@ -230,10 +232,10 @@ def _fake_run(monkeypatch, tmp_path, searches, acceptances, e2e):
         calls["base"].append(base_bundle)
         return next(calls["accept"])
 
-    monkeypatch.setattr(opt, "profile_workload", lambda *a, **kw: {
-        "run_id": "run-1", "profile_path": "/p.json", "workload": {"name": "wl", "device": "cpu"}})
-    monkeypatch.setattr(opt, "extract_tasks", lambda *a, **kw: {"run_id": "run-1", "index_path": "/i.json",
-                                                                "tasks": 1})
+    monkeypatch.setattr(opt, "profile_workload", lambda *a, **kw: ProfiledRun(
+        run_id="run-1", profile_path="/p.json", workload={"name": "wl", "device": "cpu"}))
+    monkeypatch.setattr(opt, "extract_tasks", lambda *a, **kw: ExtractedTasks(run_id="run-1", index_path="/i.json",
+                                                                              tasks=1))
     monkeypatch.setattr(opt, "decode_graphs_plan", lambda *a: (False, False, "off: on the CPU"))
     monkeypatch.setattr(opt, "_plan", plan)
     monkeypatch.setattr(opt, "search_task", lambda *a, **kw: next(calls["search"]))
@@ -306,3 +308,96 @@ def test_the_nightly_flow_hands_on_the_optimize_result_unchanged(monkeypatch):
     assert seen == {"run_id": "run-1", "candidate": "/b/run-1", "current": None}
     with pytest.raises(pydantic.ValidationError):
         night.service = {}
+
+
+def test_the_profile_and_extract_flows_return_frozen_typed_results(monkeypatch, tmp_path):
+    """profile-workload returns a ProfiledRun holding describe_workload's dict as the stage handed it;
+    extract-tasks returns an ExtractedTasks; both frozen, both refusing fields they do not declare."""
+    import flows.profiling as fp
+
+    wl = {"workload_hash": "h1", "name": "wl", "path": "/wl.toml", "device": "cpu", "config": {}}
+    profile_path, index_path = tmp_path / "profile.json", tmp_path / "tasks.json"
+    profile_path.write_text("{}")
+    index_path.write_text("[]")
+    finished = []
+
+    class Stage:  # a prefect task as the flow calls it: with_options(...)(args)
+        def __init__(self, path):
+            self.path = path
+
+        def with_options(self, **kw):
+            return lambda *a: str(self.path)
+
+    monkeypatch.setattr(fp.profiling, "describe", lambda p: wl)
+    monkeypatch.setattr(fp.profiling, "profile", Stage(profile_path))
+    monkeypatch.setattr(fp.profiling, "record_profile", lambda *a: "run-1")
+    monkeypatch.setattr(fp.profiling, "publish_hotspots", lambda p: None)
+    monkeypatch.setattr(fp, "Store", lambda db: SimpleNamespace(finish_run=finished.append))
+    monkeypatch.setattr(fp.extraction, "extract", Stage(index_path))
+    monkeypatch.setattr(fp.extraction, "record_tasks", lambda *a: 3)
+    monkeypatch.setattr(fp.extraction, "publish_tasks", lambda p: None)
+    prof = fp.profile_workload.fn("wl.toml", data_dir=str(tmp_path), kind="cli")
+    assert isinstance(prof, ProfiledRun) and prof.workload == wl and finished == ["run-1"]
+    assert (prof.run_id, prof.profile_path) == ("run-1", str(profile_path))
+    ext = fp.extract_tasks.fn("wl.toml", prof.run_id, prof.profile_path, data_dir=str(tmp_path))
+    assert isinstance(ext, ExtractedTasks) and (ext.run_id, ext.index_path, ext.tasks) == ("run-1", str(index_path), 3)
+    for obj, field in ((prof, "run_id"), (ext, "tasks")):
+        with pytest.raises(pydantic.ValidationError):
+            setattr(obj, field, "other")
+    with pytest.raises(pydantic.ValidationError):
+        ExtractedTasks(run_id="r", index_path="/i.json", tasks=1, extra=2)
+
+
+def test_run_kernelbench_returns_a_frozen_result_and_dumps_each_problem_only_for_storage(monkeypatch):
+    """The stage hands the repository each KernelBenchProblem as a `kernelbench_results` row (a dict of every
+    column), and its caller the very problems run_problems made, in a frozen KernelBenchResult."""
+    from llm4llm.kernelbench import run as kb_run
+    from llm4llm.kernelbench.run import KernelBenchProblem
+    from llm4llm.stages.kernelbench import KernelBenchResult, run_kernelbench
+
+    made, told, written = [], [], []
+
+    def run_problems(directory, data_dir, search, trials, record, *, on_problem=None, **kw):
+        p = KernelBenchProblem(kb_run_id="kb-1", problem="2_G.py", problem_id=2, task_id="t2", mode="episodic",
+                               proposer="library", budget=1, trials=1, passed=True, search_id="s1", speedup_eager=1.5)
+        record(p)
+        on_problem(p)
+        made.append(p)
+        return "kb-1", [p]
+
+    monkeypatch.setattr(kb_run, "run_problems", run_problems)
+    repo = SimpleNamespace(candidate_rows=lambda s: None, record_kb_result=written.append)
+    out = run_kernelbench("kb", repo, "data", on_problem=told.append)
+    assert isinstance(out, KernelBenchResult) and out.run_id == "kb-1" and out.problems[0] is made[0] is told[0]
+    assert written == [made[0].model_dump()] and written[0]["speedup_eager"] == 1.5 and "skipped_reason" in written[0]
+    with pytest.raises(pydantic.ValidationError):
+        out.problems[0].passed = False
+    with pytest.raises(pydantic.ValidationError):
+        out.run_id = "kb-2"
+
+
+def test_check_applicability_returns_frozen_template_checks_and_dumps_them_only_for_storage(monkeypatch, tmp_path):
+    """Checks run now are written as `template_checks` rows (dicts) and returned as frozen TemplateCheckRecords;
+    recorded ones are read back into the same records (a NULL read through pandas as NaN made None)."""
+    from llm4llm.stages import search as stage
+    from llm4llm.stages.search import TemplateCheckRecord
+
+    spec = SimpleNamespace(task_id="t1", family="norm", phase="decode")
+    monkeypatch.setattr("llm4llm.taskspec.load_spec", lambda d: spec)
+    monkeypatch.setattr(stage, "family_templates", lambda s: {"a", "b"})
+    ran = [TemplateCheckRecord(task_id="t1", template="a", applicable=True, stage="computation", pinned={"BLOCK": 8}),
+           TemplateCheckRecord(task_id="t1", template="b", applicable=False, stage="scope", reason="no")]
+    monkeypatch.setattr(stage, "run_template_checks", lambda *a: ran)
+    written = []
+    repo = SimpleNamespace(template_check_records=lambda ids, cv: [], record_template_checks=written.extend)
+    got = stage.check_applicability(str(tmp_path), repo, "run-1", "cpu", SearchSettings())
+    assert got is ran and written == [c.model_dump() for c in ran] and written[0]["pinned"] == {"BLOCK": 8}
+    with pytest.raises(pydantic.ValidationError):
+        got[0].applicable = False
+    rows = [{**w, "pinned_json": json.dumps(w.pop("pinned")), "run_id": float("nan"), "checked_at": None}
+            for w in written]
+    repo = SimpleNamespace(template_check_records=lambda ids, cv: rows)
+    back = stage.check_applicability(str(tmp_path), repo, "run-1", "cpu", SearchSettings())
+    assert back == ran and all(isinstance(c, TemplateCheckRecord) for c in back)
+    templates = [SimpleNamespace(name=n, pinned=lambda p, n=n: (n, p)) for n in ("a", "b")]
+    assert stage.applicable_templates_of(templates, back) == [("a", {"BLOCK": 8})]

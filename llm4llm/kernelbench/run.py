@@ -7,10 +7,43 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import BaseModel, ConfigDict
+
 from llm4llm.kernelbench.problem import make_task, problem_id, select
 from llm4llm.taskspec import load_spec
 
 MODES = ("episodic", "sample", "iter")
+
+
+class KernelBenchProblem(BaseModel):
+    """One problem of a KernelBench run in one search mode: its `kernelbench_results` row (migration 007), frozen
+    (handed unchanged to the stage's caller; dumped only where storage writes it). search_id: its search (None:
+    skipped, skipped_reason says why); passed: a candidate passed every gate, the best passing one (by speedup over
+    eager) named by best_candidate_id with its origin, KernelBench's means (eager_ms, compile_ms, candidate_ms), its
+    speedups and GPU; degenerate: the problem's output ignores its inputs (migration 017; None: not judged)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kb_run_id: str
+    problem: str
+    problem_id: int
+    task_id: str
+    mode: str
+    proposer: str
+    budget: int
+    trials: int = 0
+    passed: bool = False
+    search_id: str | None = None
+    best_candidate_id: str | None = None
+    origin: str | None = None
+    degenerate: bool | None = None
+    eager_ms: float | None = None
+    compile_ms: float | None = None
+    candidate_ms: float | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    gpu_name: str | None = None
+    skipped_reason: str | None = None
 
 
 def kb_proposer(kind: str, seed: int = 0, llm=None):
@@ -32,15 +65,16 @@ def kb_proposer(kind: str, seed: int = 0, llm=None):
     return llm_prop if kind == "llm" else HybridProposer(llm_prop, lib, cfg.hybrid_share)
 
 
-def run_problems(directory: str, data_dir: str, search: Callable[..., dict], trials: Callable[[str], Any],
-                 record: Callable[[dict], None], *, problems: str | None = None, budget: int = 4,
+def run_problems(directory: str, data_dir: str, search: Callable[..., Any], trials: Callable[[str], Any],
+                 record: Callable[[KernelBenchProblem], None], *, problems: str | None = None, budget: int = 4,
                  modes: list[str] | None = None, proposer: str = "library", device: str = "cpu",
                  timeout_s: float = 600.0, seed: int = 0, llm=None, kb_run_id: str | None = None,
-                 on_problem=None) -> tuple[str, list[dict]]:
+                 on_problem=None) -> tuple[str, list[KernelBenchProblem]]:
     """Each selected problem as a task under `data_dir`, searched per mode. search(task_dir, **options): one
     task's search with its rows recorded, returning its summary; trials(search_id): that search's `candidates`
-    rows (a DataFrame); record(row): a problem's `kernelbench_results` row. tasks/kernelbench.py wires them to
-    DuckDB."""
+    rows (a DataFrame); record(problem): a problem's KernelBenchProblem, its `kernelbench_results` row;
+    on_problem(problem): told of each as it is recorded. llm4llm/stages/kernelbench.py wires them to the
+    repository."""
     modes = modes or ["episodic"]
     for m in modes:
         if m not in MODES:
@@ -66,10 +100,11 @@ def run_problems(directory: str, data_dir: str, search: Callable[..., dict], tri
                                  timeout_s=timeout_s, seed=seed, run_id=kb_run_id, proposer_obj=prop)
                 row.update(search_id=summary.search_id, trials=summary.trials)
                 _fill_best(row, trials(summary.search_id))
-            record(row)
-            rows.append(row)
+            done = KernelBenchProblem(**row)
+            record(done)
+            rows.append(done)
             if on_problem:
-                on_problem(row)
+                on_problem(done)
     return kb_run_id, rows
 
 

@@ -5,9 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from llm4llm.stages.common import _build, _free, _write_json
 from llm4llm.stages.profile import load_profile, run_profile
 from llm4llm.workload import script_stage
+
+
+class ExtractedTasks(BaseModel):
+    """A run's extracted tasks, as the extract-tasks flow returns them to the optimize flow (frozen: handed on
+    unchanged). run_id: the profiled run they belong to; index_path: the run's task index (`tasks.json`); tasks: how
+    many tasks were recorded."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    index_path: str
+    tasks: int
 
 
 @script_stage("extract")

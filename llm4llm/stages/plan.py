@@ -77,7 +77,7 @@ def _covered(item: planner.PlanItem, settings: SearchSettings, device: str, repo
     if not LibraryProposer().templates_for(spec):
         return False
     checks = check_applicability(item.artifact_path, repo, run_id, device, settings)
-    return any(c["applicable"] for c in checks)
+    return any(c.applicable for c in checks)
 
 
 def _history(repo: PlanRepository, workload_name: str, device: str, profile_path: str):

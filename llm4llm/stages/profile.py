@@ -6,11 +6,26 @@ import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from llm4llm.records import ModuleRecord, PhaseInfo, ProfileResult
 from llm4llm.stages.common import _build, _free, _write_json, new_run_id
 from llm4llm.workload import script_stage
+
+
+class ProfiledRun(BaseModel):
+    """A profiled run, as the profile-workload flow returns it to the optimize flow and the CLI (frozen: handed on
+    unchanged). run_id: the run this profile was recorded under (a cached profile is recorded again under a new
+    one); profile_path: its `profile.json`; workload: the workload's identity (common.describe_workload's dict:
+    workload_hash, name, path, device, config; a dict, as the tasks' cache keys and storage read it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    profile_path: str
+    workload: dict[str, Any]
 
 
 @script_stage("profile")

@@ -92,7 +92,25 @@ class SearchRepository(Protocol):
         (SearchSummary.model_dump(mode="json"))."""
 
 
-# task dir -> the task's template checks (one dict per template of its family): check_applicability
+class TemplateCheckRecord(BaseModel):
+    """One template's applicability check on one task (llm4llm.search.applicability.TemplateCheck, with the task,
+    run and code version it was checked under), as check_applicability returns it: frozen, its `template_checks`
+    row dumped (model_dump) only where the repository writes it. pinned: the option values that matched."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_id: str
+    run_id: str | None = None
+    template: str
+    applicable: bool
+    stage: str
+    failure_class: str | None = None
+    reason: str = ""
+    pinned: dict[str, Any] = {}
+    code_version: str | None = None
+
+
+# task dir -> the task's template checks (one TemplateCheckRecord per template of its family): check_applicability
 CheckFn = Callable[[str], list]
 
 
@@ -342,8 +360,8 @@ def searchable_task_dirs(tasks, settings: SearchSettings, task_ids: list[str] | 
                 continue
             if check is not None:
                 checks = check(d)
-                if not any(c["applicable"] for c in checks):
-                    why = "; ".join(f"{c['template']}: {c['reason']}" for c in checks)
+                if not any(c.applicable for c in checks):
+                    why = "; ".join(f"{c.template}: {c.reason}" for c in checks)
                     print(f"search: {spec.task_id} left out, no built-in template computes what it does "
                           f"({why[:300]})")
                     continue
@@ -359,14 +377,24 @@ def family_templates(spec) -> set[str]:
     return {t.name for t in TEMPLATES if t.family == spec.family and spec.phase in t.phases}
 
 
-def recorded_checks(records: list[dict], names: set[str]) -> list[dict] | None:
+def _null(v):
+    """A column's value as read back, a missing one (None, or NaN through pandas) as None."""
+    return None if v is None or (isinstance(v, float) and v != v) else v
+
+
+def recorded_checks(records: list[dict], names: set[str]) -> list[TemplateCheckRecord] | None:
     """The task's recorded template checks (`template_checks` rows of this code version), when every template of
     its family has one; else None (they are run again)."""
     import json
 
     if not names <= {r["template"] for r in records}:
         return None
-    return [{**r, "pinned": json.loads(r["pinned_json"] or "{}")} for r in records if r["template"] in names]
+    return [TemplateCheckRecord(task_id=r["task_id"], run_id=_null(r.get("run_id")), template=r["template"],
+                                applicable=bool(r["applicable"]), stage=r["stage"],
+                                failure_class=_null(r.get("failure_class")), reason=_null(r.get("reason")) or "",
+                                pinned=json.loads(_null(r.get("pinned_json")) or "{}"),
+                                code_version=_null(r.get("code_version")))
+            for r in records if r["template"] in names]
 
 
 
@@ -379,9 +407,11 @@ def verify_limit(spec, base_s: float) -> float:
     return base_s + PER_BATCH_S * max(0, len(spec.batches()) - 1)
 
 
-def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings) -> list[dict]:
+def run_template_checks(task_dir: str, run_id: str | None, device: str,
+                        settings: SearchSettings) -> list[TemplateCheckRecord]:
     """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker (the
-    settings' timeout and decode timing pick it): correctness on the captured cases only, no budget. Returns one `template_checks` row per template of its family."""
+    settings' timeout and decode timing pick it): correctness on the captured cases only, no budget. Returns one
+    TemplateCheckRecord (a `template_checks` row) per template of its family."""
     from llm4llm.search.applicability import check_templates
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_spec
@@ -395,22 +425,22 @@ def run_template_checks(task_dir: str, run_id: str | None, device: str, settings
         with lock:
             return pool.verify(path, source, draws=0, timing=False, timeout_s=limit)
 
-    return [{**c.row(spec.task_id, run_id), "code_version": code_version()}
+    return [TemplateCheckRecord(**c.row(spec.task_id, run_id), code_version=code_version())
             for c in check_templates(Path(task_dir), spec, TEMPLATES, verify)]
 
 
-def report_inapplicable(task_id: str, rows: list[dict]) -> None:
-    for r in rows:
-        if not r["applicable"] and r["stage"] == "computation":
-            print(f"applicability: {r['template']} inapplicable to {task_id}: {r['reason'][:300]}")
+def report_inapplicable(task_id: str, checks: list[TemplateCheckRecord]) -> None:
+    for c in checks:
+        if not c.applicable and c.stage == "computation":
+            print(f"applicability: {c.template} inapplicable to {task_id}: {c.reason[:300]}")
 
 
-def applicable_templates_of(templates, checks: list[dict]) -> list:
+def applicable_templates_of(templates, checks: list[TemplateCheckRecord]) -> list:
     """The templates whose check passed, pinned to the option values that matched."""
     from llm4llm.search.applicability import TemplateCheck, applicable_templates
 
     fields = ("template", "applicable", "stage", "failure_class", "reason", "pinned")
-    return applicable_templates(templates, [TemplateCheck(**{k: c.get(k) for k in fields}) for c in checks])
+    return applicable_templates(templates, [TemplateCheck(**c.model_dump(include=set(fields))) for c in checks])
 
 
 
@@ -431,7 +461,7 @@ def search_recorded(task_dir: str, repo: SearchRepository, data_dir: str, settin
     settings = settings.model_copy(update={"budget": trials}) if trials else settings
     task_id = load_spec(Path(task_dir)).task_id
 
-    def check(d: str) -> list[dict]:
+    def check(d: str) -> list[TemplateCheckRecord]:
         return check_applicability(d, repo, run_id, device, settings)
 
     prior = prior_experience(repo, task_id) if settings.warm_start else []
@@ -471,21 +501,21 @@ def record_packed_search(rows: dict, repo: SearchRepository, data_dir: str) -> S
 
 
 def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | None, device: str,
-                        settings: SearchSettings) -> list[dict]:
+                        settings: SearchSettings) -> list[TemplateCheckRecord]:
     """The task's template checks (run, when they must be, under the settings' timeout and decode timing): the
     recorded ones of this code version when every template of its family has one, else run now in the device's
-    verifier worker (run_template_checks) and written through `repo`. Returns one dict per template of the
-    family."""
+    verifier worker (run_template_checks) and written through `repo` (as `template_checks` rows: dumped here
+    alone). Returns one TemplateCheckRecord per template of the family."""
     from llm4llm.taskspec import load_spec
 
     spec = load_spec(Path(task_dir))
     recorded = recorded_checks(repo.template_check_records([spec.task_id], code_version()), family_templates(spec))
     if recorded is not None:
         return recorded
-    rows = run_template_checks(task_dir, run_id, device, settings)
-    repo.record_template_checks(rows)
-    report_inapplicable(spec.task_id, rows)
-    return rows
+    checks = run_template_checks(task_dir, run_id, device, settings)
+    repo.record_template_checks([c.model_dump() for c in checks])
+    report_inapplicable(spec.task_id, checks)
+    return checks
 
 
 def searchable_of_run(run_id: str, repo: SearchRepository, settings: SearchSettings, device: str | None = None,
@@ -493,7 +523,7 @@ def searchable_of_run(run_id: str, repo: SearchRepository, settings: SearchSetti
     """The task dirs a search of the run fans out to under `settings` (its families, phases, top and proposer)
     (searchable_task_dirs over the run's `tasks` rows), of `task_ids` alone when given. With `device`, a template
     applies when its check on the device passes (check_applicability), else by the templates' scope."""
-    def check(d: str) -> list[dict]:
+    def check(d: str) -> list[TemplateCheckRecord]:
         return check_applicability(d, repo, run_id, device, settings)
 
     return searchable_task_dirs(repo.task_rows(run_id), settings, task_ids, check if device is not None else None)
