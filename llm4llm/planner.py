@@ -386,7 +386,7 @@ def make_plan(tasks: list[TaskView], *, device: str, run_s: float, delta: float,
 def _per_batch(est: Estimates, tasks: list[TaskView], items: list[PlanItem], past: dict | None) -> None:
     """Without an earlier run's trial time: a trial on a task whose cases hold several batch sizes is verified at each
     (compiles and checks per bucket), as its verification limit allows (PER_BATCH_S each past the first): qwen3-4b's
-    decode layer over batches 1-32 took 142 s a trial on an H200, where the default says 32."""
+    decode layer over batches 1-32 took 142 s a trial on the GPU, where the default says 32."""
     if past and "trial" in past:
         return
     searched = {i.task_id for i in items if i.action == PlanAction.SEARCH}

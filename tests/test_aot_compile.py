@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_task_dirs(tiny_extracted) -> list[str]:
     return [str(d) for name in ("tiny-llama", "tiny-qwen3", "tiny-qwen3+static", "tiny-mamba", "tiny-mamba2",
-                                "tiny-recurrentgemma", "tiny-gpt-neox", "tiny-falcon-mamba")
+                                "tiny-recurrentgemma", "tiny-gpt-neox", "tiny-falcon-mamba", "tiny-gemma2+static")
             for d in tiny_extracted(name)]
 
 
