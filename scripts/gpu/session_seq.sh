@@ -26,6 +26,15 @@ export LLM4LLM_TIMING_MIN_MS=60
 LIMIT=${LIMIT:-570}
 T0=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
+# host and GPU memory every 10 s beside a run (a serving regime's extraction once went past the host's memory), and
+# the sandboxed children's own lines (the extraction's step times, the verifier's and acceptance's notes; their last
+# 2 MB), copied as it goes: a call stopped at its limit still brings them back. Run in the background: $! to kill.
+watch_run() {
+  ( while sleep 10; do echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB gpu" \
+      "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+      tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$1.log" 2>/dev/null
+    done ) > "$OUT/logs/${2}_${1}_mem.log" 2>&1 &
+}
 for step in ${STEPS:-dispatch}; do
   IFS=: read -r kind w budget top max variants <<< "$step"
   s=$(date +%s)
@@ -49,14 +58,7 @@ for step in ${STEPS:-dispatch}; do
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
-      # host and GPU memory every 10 s beside it (a serving regime's extraction once went past the host's memory),
-      # and the sandboxed children's own lines (the extraction's step times, the verifier's notes; their last 2 MB),
-      # copied as it goes: a call stopped at its limit still brings them back
-      ( while sleep 10; do echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB gpu" \
-          "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
-          tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
-        done ) > "$OUT/logs/readme_${w}_mem.log" 2>&1 &
-      mem=$!
+      watch_run "$w" readme; mem=$!
       LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
         > "$OUT/logs/readme_$w.log" 2>&1
       rc=$?; kill $mem 2>/dev/null
@@ -70,9 +72,12 @@ for step in ${STEPS:-dispatch}; do
       t=$(left 25); [ -n "${max:-}" ] && [ "$t" -gt "$max" ] && t=$max
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
       key="OPT_ARGS_$(echo "$w" | tr '.-' '__')"; extra="${!key-${OPT_ARGS:-}}"
+      watch_run "$w" optimize; mem=$!
       timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
         --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${E2E_MAX_S:+--e2e-max-s $E2E_MAX_S} $extra > "$OUT/logs/optimize_$w.log" 2>&1
-      echo "optimize $w rc=$? in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
+      rc=$?; kill $mem 2>/dev/null
+      tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
+      echo "optimize $w rc=$rc in $(( $(date +%s) - s ))s (limit ${t}s)"; grep -a "decode graphs\|accept: baseline" "$OUT/logs/optimize_$w.log" | tail -4 ;;
     *) echo "unknown step $step: expected dispatch, trace, evaluate, gputest, readme or optimize" ;;
   esac
 done | tee "$OUT/logs/steps.txt"
