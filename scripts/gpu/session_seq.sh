@@ -12,7 +12,9 @@
 #    into the logs tarball;
 #    readme:WORKLOAD[:MAX_S]: the README's command as a user types it (`llm4llm optimize W.toml`, no flags; OPT_ARGS
 #    are not added), its rows into $OUT/e2e.duckdb;
-#    evaluate:WORKLOAD[:MAX_S[:VARIANTS]]: llm4llm evaluate, e.g. eager,eager_graphs; EVAL_ARGS: extra options, e.g.
+#    evaluate:WORKLOAD[:MAX_S[:VARIANTS[:BATCHES]]]: llm4llm evaluate, e.g. eager,eager_graphs, at BATCHES ('+'
+#    between sizes: 1+8+32 is --batch-sizes 1,8,32; a step per point set, so a slow one costs only itself); EVAL_ARGS:
+#    extra options, e.g.
 #    "--bundle docs/results/.../bundle_W --repeats 7" (a bundle an earlier call brought back in its logs);
 #    gputest[:MAX_S]: the GPU-marked tests of the graph wrapper, the timing reference and the ops (pytest -m gpu;
 #    GPUTEST_ARGS replaces the test paths, e.g. "tests/ops/test_linear.py");
@@ -51,10 +53,11 @@ for step in ${STEPS:-dispatch}; do
       timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
         ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
-    evaluate)
+    evaluate)  # evaluate:WORKLOAD[:MAX_S[:VARIANTS[:BATCHES]]], BATCHES '+'-separated (1+8): one step a point set
+      log="$OUT/logs/evaluate_$w${max:+_b$max}.log"
       timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
-        --variants "${top:-eager,eager_graphs}" ${EVAL_ARGS:-} > "$OUT/logs/evaluate_$w.log" 2>&1
-      echo "evaluate $w rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$OUT/logs/evaluate_$w.log" ;;
+        --variants "${top:-eager,eager_graphs}" ${max:+--batch-sizes ${max//+/,}} ${EVAL_ARGS:-} > "$log" 2>&1
+      echo "evaluate $w ${max:+batches ${max//+/,} }rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$log" ;;
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
