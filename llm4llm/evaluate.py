@@ -30,10 +30,12 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from llm4llm.e2e_result import E2EResult
 
 VARIANTS = ("eager", "patched", "torch_compile")  # the compiled baseline last: its compile is the slowest
 # Also measurable on request: the decode step replayed from CUDA graphs (kernels_runtime.graphs), unpatched and patched.
@@ -42,59 +44,6 @@ GRAPH_VARIANTS = ("eager_graphs", "patched_graphs")
 BASELINE_VARIANTS = ("liger",)
 ALL_VARIANTS = VARIANTS + GRAPH_VARIANTS + BASELINE_VARIANTS
 DEFAULT_ROUNDS = 7
-
-
-@dataclass
-class E2EResult:
-    variant: str
-    prefill_ms: float | None
-    decode_ms_per_token: float | None
-    total_ms: float | None
-    tokens_per_s: float | None
-    peak_mem_mb: float | None
-    compile_s: float | None = None
-    repeats: int = 0
-    timer: str = "wall+cuda_sync"
-    notes: str = ""
-    samples_ms: list[float] = field(default_factory=list)  # every timed full run, in order (total_ms: their median)
-    prefill_samples_ms: list[float] = field(default_factory=list)  # every timed one-token run (prefill_ms: median)
-    cpu_samples_ms: list[float] = field(default_factory=list)  # the main thread's CPU time of each timed full run
-    # Ratios taken round by round (eager's run / this variant's run of the same round): median and p20-p80
-    vs_eager: float | None = None
-    vs_eager_p20: float | None = None
-    vs_eager_p80: float | None = None
-    vs_eager_cpu: float | None = None  # the same, on the main thread's CPU time of the full runs
-    vs_eager_cpu_p20: float | None = None
-    vs_eager_cpu_p80: float | None = None
-    vs_compile: float | None = None
-    vs_compile_p20: float | None = None
-    vs_compile_p80: float | None = None
-    # GPU time of one decode step (its CUDA graph replayed back to back; graph variants only), and the rest of
-    # decode_ms_per_token: the host's share (generate's loop, dispatch) that no kernel removes
-    gpu_step_ms: float | None = None
-    host_overhead_ms: float | None = None
-    # Decode-step floor: the model's weight bytes plus the KV cache a mean decode step of this batch reads, at the
-    # copy bandwidth measured in this process
-    hbm_floor_ms: float | None = None
-    copy_gbps: float | None = None
-    # The point measured (the workload's batch_size and prompt_len, or one of `evaluate --batch-sizes/--prompt-lens`)
-    batch_size: int | None = None
-    prompt_len: int | None = None
-    # One decode step's ms in each timed round ((full run - prefill run) / steps): p20-p80 around
-    # decode_ms_per_token; and the decode throughput, batch_size tokens a step
-    decode_ms_p20: float | None = None
-    decode_ms_p80: float | None = None
-    decode_tokens_per_s: float | None = None
-
-    def to_row(self) -> dict:
-        d = asdict(self)
-        d["total_samples_ms"] = d.pop("samples_ms")
-        d.pop("timer")
-        return d
-
-    @property
-    def total_range_ms(self) -> str:
-        return spread(self.samples_ms)
 
 
 TABLE_COLUMNS = ("variant", "prefill_ms", "decode_ms_per_token", "total_ms", "total_range_ms", "vs_eager",
@@ -236,9 +185,9 @@ def _result(label, workload, totals, prefills, compile_s, peak, notes: str = "")
     per_round = [max(t - p, 0.0) / steps for t, p in zip(totals, prefills)]
     decode = statistics.median(per_round) if per_round else None
     new_tokens = workload.batch_size * workload.decode_len
-    res = E2EResult(label, pre, decode, total, new_tokens / (total / 1e3), peak, compile_s, len(totals),
-                    "wall+cuda_sync" if workload.device.startswith("cuda") else "wall (cpu: not a speedup)",
-                    notes, samples_ms=list(totals), prefill_samples_ms=list(prefills),
+    res = E2EResult(variant=label, prefill_ms=pre, decode_ms_per_token=decode, total_ms=total,
+                    tokens_per_s=new_tokens / (total / 1e3), peak_mem_mb=peak, compile_s=compile_s,
+                    repeats=len(totals), notes=notes, total_samples_ms=totals, prefill_samples_ms=prefills,
                     batch_size=workload.batch_size, prompt_len=workload.prompt_len)
     if per_round:
         res.decode_ms_p20, res.decode_ms_p80 = quantile(per_round, 0.2), quantile(per_round, 0.8)
@@ -543,8 +492,7 @@ class _Variants:
 
 
 def _failed_row(variant: str, wl, notes: str) -> E2EResult:
-    return E2EResult(variant, None, None, None, None, None, notes=notes, batch_size=wl.batch_size,
-                     prompt_len=wl.prompt_len)
+    return E2EResult(variant=variant, notes=notes, batch_size=wl.batch_size, prompt_len=wl.prompt_len)
 
 
 def _evaluate_point(vs: _Variants, variants: tuple[str, ...], wl, repeats: int, points_left: int) -> list[E2EResult]:
@@ -664,7 +612,7 @@ def _variant(variant, model, wl, batch, script, bundle, repeats) -> E2EResult:
 def _slot_result(slot: _Slot, wl, slots: dict[str, _Slot], peak: float | None = None,
                  floor: tuple[float, float] | None = None) -> E2EResult:
     res = _result(slot.variant, wl, slot.totals, slot.prefills, slot.compile_s, peak, slot.notes()[:500])
-    res.cpu_samples_ms = list(slot.cpu)
+    res.cpu_samples_ms = slot.cpu
     eager, compiled = slots.get("eager"), slots.get("torch_compile")
     for name, base, of in (("vs_eager", eager, "totals"), ("vs_eager_cpu", eager, "cpu"),
                            ("vs_compile", compiled, "totals")):

@@ -526,4 +526,4 @@ def test_measure_times_the_prefill_only_when_asked(split):
         assert r.prefill_ms is not None and r.decode_ms_per_token is not None
     else:
         assert seen == [full] * 5 and r.prefill_ms is None and r.decode_ms_per_token is None
-    assert r.total_ms is not None and len(r.samples_ms) == 3
+    assert r.total_ms is not None and len(r.total_samples_ms) == 3

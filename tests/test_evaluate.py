@@ -98,8 +98,8 @@ def test_rounds_rotate_the_order_and_pair_the_ratio_against_drift(tmp_path, monk
     assert [r[0] for r in rounds] == ["patched", "liger", "eager", "patched"]
     assert all(sorted(r) == ["eager", "liger", "patched"] for r in rounds)
     eager, patched, liger = rows
-    assert len(eager.samples_ms) == len(patched.samples_ms) == 5 and len(patched.prefill_samples_ms) == 5
-    assert max(eager.samples_ms) / min(eager.samples_ms) > 1.3  # the drift is there
+    assert len(eager.total_samples_ms) == len(patched.total_samples_ms) == 5 and len(patched.prefill_samples_ms) == 5
+    assert max(eager.total_samples_ms) / min(eager.total_samples_ms) > 1.3  # the drift is there
     assert 1.7 < patched.vs_eager_p20 <= patched.vs_eager <= patched.vs_eager_p80 < 2.4
     assert 0.8 < liger.vs_eager < 1.25 and eager.vs_eager is None
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()
@@ -130,7 +130,7 @@ def test_cpu_ratio_sees_the_variants_own_host_cost_through_the_hosts_contention(
 
     monkeypatch.setattr(ev, "_setup", setup)
     eager, patched = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=6)
-    assert len(patched.cpu_samples_ms) == len(patched.samples_ms) == 6
+    assert len(patched.cpu_samples_ms) == len(patched.total_samples_ms) == 6
     assert patched.vs_eager_p80 - patched.vs_eager_p20 > 0.5  # the wall ratio carries the contention
     assert 1.6 < patched.vs_eager_cpu_p20 <= patched.vs_eager_cpu <= patched.vs_eager_cpu_p80 < 2.5
     row = patched.to_row()
@@ -154,17 +154,17 @@ def test_a_time_budget_ends_the_rounds_early_and_the_last_one_still_records_the_
     t0 = time.perf_counter()
     eager, patched = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=400, max_s=0.5)
     took = time.perf_counter() - t0
-    n = len(eager.samples_ms)
-    assert 2 < n < 400 and len(patched.samples_ms) == n and eager.repeats == n
+    n = len(eager.total_samples_ms)
+    assert 2 < n < 400 and len(patched.total_samples_ms) == n and eager.repeats == n
     assert recorded == [[n - 1, n - 1]]  # asked for just before the last round, once
     assert patched.vs_eager is not None and took < 30
     one, _ = ev.evaluate_workload(wl_path, variants=("eager", "patched"), repeats=3)
-    assert len(one.samples_ms) == 3 and recorded[-1] == [2, 2]  # without a budget: every round, the last records
+    assert len(one.total_samples_ms) == 3 and recorded[-1] == [2, 2]  # without a budget: every round, the last records
 
 
 def test_table_rows_show_ratios_with_their_spread():
-    row = ev.E2EResult("patched", 1.0, 2.0, 10.0, 5.0, None, vs_eager=1.5, vs_eager_p20=1.4, vs_eager_p80=1.6,
-                       samples_ms=[9.0, 11.0]).to_row()
+    row = ev.E2EResult(variant="patched", prefill_ms=1.0, decode_ms_per_token=2.0, total_ms=10.0, tokens_per_s=5.0,
+                       vs_eager=1.5, vs_eager_p20=1.4, vs_eager_p80=1.6, total_samples_ms=[9.0, 11.0]).to_row()
     shown = ev.table_rows([row])[0]
     assert shown["vs_eager"] == "1.50x (1.40-1.60)" and shown["vs_compile"] == "" and shown["total_range_ms"] == "9.0-11.0"
 

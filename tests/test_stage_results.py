@@ -67,7 +67,8 @@ def test_run_evaluate_returns_typed_rows_parsed_from_the_childs_json_lines(tmp_p
     from llm4llm.verify import sandbox
 
     def row(variant, batch, total):
-        r = E2EResult(variant, 1.0, 2.0, total, 50.0, 10.0, batch_size=batch, prompt_len=8).to_row()
+        r = E2EResult(variant=variant, prefill_ms=1.0, decode_ms_per_token=2.0, total_ms=total, tokens_per_s=50.0,
+                      peak_mem_mb=10.0, batch_size=batch, prompt_len=8).to_row()
         return {**r, "gpu_name": None, "versions_json": {"torch": torch.__version__}}
 
     lines = [row("eager", 1, 30.0), row("patched", 1, 20.0), row("eager", 1, 29.0)]  # eager measured again
@@ -93,6 +94,24 @@ def test_run_evaluate_returns_typed_rows_parsed_from_the_childs_json_lines(tmp_p
     [stored] = Store.e2e_rows("r1", "h1", out[:1])
     assert stored == {"run_id": "r1", "workload_hash": "h1", **json.loads(json.dumps(lines[2]))}
     assert evaluate_stage.E2ERow is E2ERow
+
+
+
+def test_e2e_fields_are_declared_once_the_row_adds_only_the_gpu_and_the_versions():
+    """The measured fields are declared once (llm4llm.e2e_result.E2EResult, which the measuring code fills); E2ERow
+    is its frozen subclass and restates none of them, adding only gpu_name and versions_json."""
+    from llm4llm.evaluate import E2EResult
+
+    assert issubclass(E2ERow, E2EResult)
+    assert set(E2ERow.model_fields) == set(E2EResult.model_fields) | {"gpu_name", "versions_json"}
+    assert set(E2ERow.__annotations__) == {"gpu_name", "versions_json"}  # declared in E2ERow's body: these only
+    r = E2EResult(variant="eager", total_samples_ms=[1.0])
+    r.cpu_samples_ms = [2.0]  # mutable, validated: samples become a tuple, as in the frozen row
+    assert r.cpu_samples_ms == (2.0,) and set(r.to_row()) == set(E2EResult.model_fields)
+    with pytest.raises(pydantic.ValidationError):
+        E2EResult(variant="eager", samples_ms=[1.0])  # the stored name only (total_samples_ms)
+    with pytest.raises(pydantic.ValidationError):
+        E2ERow(variant="eager").notes = "x"
 
 
 def _render(spec, config):

@@ -12,47 +12,19 @@ from pydantic import BaseModel, ConfigDict
 
 from llm4llm import isolation
 from llm4llm.config import EvaluateSettings
+from llm4llm.e2e_result import E2EResult
 
 DEFAULT_VARIANTS = ("eager", "patched", "torch_compile")
 
 
-class E2ERow(BaseModel):
-    """One variant's measurements at one point, as llm4llm.evaluate writes them (E2EResult.to_row, with the GPU's
-    name and the library versions): what run_evaluate returns and storage.store.Store.e2e_rows takes. Frozen; parsed
-    from the sandboxed child's JSON lines, and written out with model_dump(mode="json") (the e2e_results columns)."""
+class E2ERow(E2EResult):
+    """One variant's measurements at one point, as llm4llm.evaluate writes them: E2EResult's fields (declared there
+    only) plus the GPU's name and the library versions. What run_evaluate returns and storage.store.Store.e2e_rows
+    takes. Frozen; parsed from the sandboxed child's JSON lines, and written out with model_dump(mode="json") (the
+    e2e_results columns)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True)
 
-    variant: str
-    prefill_ms: float | None = None
-    decode_ms_per_token: float | None = None
-    total_ms: float | None = None
-    tokens_per_s: float | None = None
-    peak_mem_mb: float | None = None
-    compile_s: float | None = None
-    repeats: int = 0
-    notes: str = ""
-    total_samples_ms: tuple[float, ...] = ()
-    prefill_samples_ms: tuple[float, ...] = ()
-    cpu_samples_ms: tuple[float, ...] = ()
-    vs_eager: float | None = None
-    vs_eager_p20: float | None = None
-    vs_eager_p80: float | None = None
-    vs_eager_cpu: float | None = None
-    vs_eager_cpu_p20: float | None = None
-    vs_eager_cpu_p80: float | None = None
-    vs_compile: float | None = None
-    vs_compile_p20: float | None = None
-    vs_compile_p80: float | None = None
-    gpu_step_ms: float | None = None
-    host_overhead_ms: float | None = None
-    hbm_floor_ms: float | None = None
-    copy_gbps: float | None = None
-    batch_size: int | None = None
-    prompt_len: int | None = None
-    decode_ms_p20: float | None = None
-    decode_ms_p80: float | None = None
-    decode_tokens_per_s: float | None = None
     gpu_name: str | None = None
     versions_json: dict[str, Any] | None = None
 
