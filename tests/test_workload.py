@@ -51,7 +51,7 @@ def test_examples_present():
                                       "tiny-falcon-mamba", "tiny-gpt-neox", "tiny-llama-padded", "tiny-qwen3-padded",
                                       "tiny-gemma2"}
     assert {p.stem for p in REAL} == {"qwen3-4b", "llama-2-7b", "mamba-130m", "mamba2-2.7b", "recurrentgemma-2b",
-                                      "falcon-mamba-7b", "qwen3-4b-serving"}
+                                      "falcon-mamba-7b", "qwen3-4b-serving", "llama-2-7b-serving"}
     assert all(p.is_file() for p in LOSSY)
 
 
