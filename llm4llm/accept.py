@@ -23,6 +23,7 @@ import copy
 import gc
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -763,9 +764,10 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
     from llm4llm.evaluate import _Slot
 
     trial, base = _Slot("trial", trial_model), _Slot("baseline", base_model)
-    for s in (trial, base):
-        for _ in range(2):
-            s.run_full(run_fn, wl, batch)
+    warm = {s.variant: [s.run_full(run_fn, wl, batch) for _ in range(2)] for s in (trial, base)}
+    # where a slow trial's time goes (a first run that compiles or captures), before the rounds are timed
+    print("accept: warm-up runs: " + "; ".join(f"{k} {', '.join(f'{ms / 1e3:.1f} s' for ms in v)}"
+                                               for k, v in warm.items()))
     for r in range(rounds):
         for s in ((trial, base) if r % 2 == 0 else (base, trial)):
             s.totals.append(s.run_full(run_fn, wl, batch))
@@ -831,13 +833,17 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     import kernels_runtime
 
     t = _Trial(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, impact, floor, budget, current)
+    t0 = time.perf_counter()
     try:
         report = kernels_runtime.apply(model, bundle, strict=True)  # bundle.decode_graphs: as the baseline ran
+        t1 = time.perf_counter()
         new_logits = teacher_forced_logits(model, batch, tokens, wl.decode_len)
         if wl.device.startswith("cuda"):
             torch.cuda.synchronize()
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
         return t.reject(DecidedBy.RUNTIME, f"runtime: {type(e).__name__}: {str(e)[:300]}")
+    print(f"accept: {p.candidate_id}: applied in {t1 - t0:.1f} s, its teacher-forced logits in "
+          f"{time.perf_counter() - t1:.1f} s")
     counters = report.totals()
     if budget is not None:  # a lossy trial answers to the workload's accuracy budget, not to the noise floor
         check = budget_check(ref_logits, new_logits, budget,

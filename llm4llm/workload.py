@@ -315,13 +315,15 @@ def script_stage(name: str):
 
 
 class _Heartbeat(threading.Thread):
-    """Every `every_s` while one script call runs: one line on stderr with the stage, the call and the elapsed
-    time, and the limit that will stop it."""
+    """Every `every_s` while one script call runs: one line on stderr with the stage, the call, the elapsed time,
+    the limit that will stop it, and where the calling thread is now (its innermost frames): a slow call says what
+    it is doing (compiling, capturing a graph, waiting on the GPU) in the log it leaves, even when it is killed."""
 
     def __init__(self, what: str, every_s: float, limit_s: float):
         super().__init__(daemon=True, name="llm4llm-script-heartbeat")
         self.what, self.every_s, self.limit_s = what, every_s, limit_s
         self.stage = SCRIPT_STAGE.get()
+        self.caller = threading.get_ident()
         self.stopped = threading.Event()
         self.t0 = time.monotonic()
 
@@ -330,12 +332,25 @@ class _Heartbeat(threading.Thread):
         limit = (f"stopped at {self.limit_s:.0f} s (script_timeout_s)" if self.limit_s > 0
                  else "no time limit (script_timeout_s = 0)")
         while not self.stopped.wait(self.every_s):
+            now = where_now(self.caller)
             sys.stderr.write(f"llm4llm: {where}the workload script's {self.what} still running after "
-                             f"{time.monotonic() - self.t0:.0f} s; {limit}\n")
+                             f"{time.monotonic() - self.t0:.0f} s; {limit}{'; now in ' + now if now else ''}\n")
             sys.stderr.flush()
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def where_now(thread_id: int, frames: int = 6) -> str:
+    """The innermost `frames` frames of a running thread, innermost first, as `file:line function` joined by
+    ' < ' (file names without their directories); '' once the thread has ended."""
+    import traceback
+
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return ""
+    stack = traceback.extract_stack(frame)[-frames:]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
 
 
 def call_script(fn: Callable, *args: Any, **kwargs: Any) -> Any:

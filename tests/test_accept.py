@@ -4,6 +4,8 @@ PyTorch (bf16 tl.dot is wrong under the Triton interpreter; the runtime does not
 from __future__ import annotations
 
 import math
+import re
+import time
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -284,9 +286,11 @@ def test_a_noisy_bracket_is_measured_again_alternately(ref, current, trials, bas
      "rejected", 0.0),
     ([99.0] * 7, [100.0] * 7, "rejected", 0.01),  # a real 1 % gain is below delta 2 %
 ])
-def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, trials, bases, decision, gain):
+def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, trials, bases, decision, gain,
+                                                                          capsys):
     """On the GPU the gate times trial and baseline alternately in rounds (scripted timings here: the gate's
-    arithmetic, not a CPU timing); neither the one-shot latency nor the bracket is measured."""
+    arithmetic, not a CPU timing); neither the one-shot latency nor the bracket is measured. The trial's first
+    phases (apply, teacher-forced logits) say their seconds in the log before any timing."""
     spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
     wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
     untouched = lambda: pytest.fail("the interleaved gate measured the one-shot latency")  # noqa: E731
@@ -298,17 +302,22 @@ def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, 
         kernels_runtime.revert(ref.model)
     assert d.decision == decision and d.gain == pytest.approx(gain, abs=1e-9), d.reason
     assert f"median of {len(trials)} interleaved rounds" in d.reason and "p20" in d.reason, d.reason
+    assert re.search(r"^accept: c1: applied in \d+\.\d s, its teacher-forced logits in \d+\.\d s$",
+                     capsys.readouterr().out, re.M)
     assert d.e2e_before_ms == sorted(bases)[3] and d.e2e_after_ms == sorted(trials)[3]
 
 
-def test_interleave_alternates_the_order_after_warming_both(tmp_path):
-    """interleave(): two warm-up runs of each side, then T B, B T, T B ... (each side's own model object)."""
+def test_interleave_alternates_the_order_after_warming_both(tmp_path, capsys):
+    """interleave(): two warm-up runs of each side, then T B, B T, T B ... (each side's own model object); the
+    warm-up runs' times are printed before the rounds (a slow first run says so even if the rounds never end)."""
     order = []
 
     class Script:
         @staticmethod
         def run(model, workload, inputs):
             order.append(model.tag)
+            if len(order) == 1:
+                time.sleep(0.25)
 
     a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     a.tag, b.tag = "T", "B"
@@ -316,6 +325,9 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path):
     trials, bases = acc.interleave(a, b, wl, None, Script.run, 3)
     assert order == ["T", "T", "B", "B", "T", "B", "B", "T", "T", "B"]
     assert len(trials) == len(bases) == 3 and min(trials + bases) >= 0
+    warm = [line for line in capsys.readouterr().out.splitlines() if line.startswith("accept: warm-up runs: ")]
+    assert len(warm) == 1 and re.fullmatch(r"accept: warm-up runs: trial 0\.[2-9] s, 0\.0 s; baseline 0\.0 s, 0\.0 s",
+                                           warm[0]), warm
 
 
 def test_interleave_rounds_is_checked():

@@ -1,5 +1,5 @@
 """A workload script whose run() does not return: while it runs the command prints a heartbeat (stage, call,
-elapsed, the limit), and stopping the command (SIGTERM from a scheduler, SIGINT from Ctrl-C) ends every process it
+elapsed, the limit, where the call is now), and stopping the command (SIGTERM from a scheduler, SIGINT from Ctrl-C) ends every process it
 started, Prefect's ephemeral API server (uvicorn) included."""
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def test_a_stopped_profile_leaves_no_process_and_beats_while_it_runs(tmp_path):
                     beats.append(line)
         assert len(beats) == 2, "".join(seen)[-3000:]
         assert "stopped at 600 s (script_timeout_s)" in beats[0]
+        # where the call is now, innermost frame first: the script's own loop
+        line = SCRIPT.splitlines().index("        time.sleep(0.2)") + 1
+        assert f"; now in hangs.py:{line} run < workload.py:" in beats[0], beats[0]
         server = [p for p in _with_env("PREFECT_HOME", str(home)) if p != proc.pid]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

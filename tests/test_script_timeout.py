@@ -85,3 +85,32 @@ def test_a_run_that_never_returns_is_stopped_with_everything_it_started(tmp_path
     assert not _alive(child), "the process the script started outlived the limit"
     assert _with_env("PREFECT_HOME", str(home)) == [], "a process of this run (Prefect's server?) outlived it"
     assert took < 300
+
+
+def test_where_now_names_a_running_threads_innermost_frames_first():
+    """The heartbeat's `now in` part: the frames of another thread as it runs, innermost first; '' once it ended."""
+    import threading
+
+    from llm4llm.workload import where_now
+
+    go, done = threading.Event(), threading.Event()
+
+    def inner():
+        go.set()
+        done.wait(10)
+
+    def outer():
+        inner()
+
+    t = threading.Thread(target=outer)
+    t.start()
+    go.wait(10)
+    try:
+        now = where_now(t.ident, frames=4)
+    finally:
+        done.set()
+        t.join()
+    assert now.split(" < ")[2:] == [f"test_script_timeout.py:{inner.__code__.co_firstlineno + 2} inner",
+                                    f"test_script_timeout.py:{outer.__code__.co_firstlineno + 1} outer"], now
+    assert now.startswith("threading.py:"), now  # done.wait, inside the standard library
+    assert where_now(t.ident) == ""
