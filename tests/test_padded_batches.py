@@ -316,3 +316,38 @@ def test_a_serving_regime_on_the_static_cache_is_one_decode_task_across_cache_si
     v, _ = run_gates(str(task_dir), tpl.render(task.spec, tpl.default(task.spec)), device="cpu", draws=1,
                      timing=False)
     assert v.passed, f"{v.failure_class}: {v.message}"
+
+
+def test_a_regime_bundle_replays_one_graph_per_bucket_across_script_runs(padded_task):
+    """Acceptance times a trial as the workload's script runs it, run after run (two warm-ups each side, then the
+    rounds): with the layer kernel, the regime's batch buckets and decode graphs on the static cache, the first run
+    captures the bucket's step once and every later decode step of every run replays it (on the serving regime an
+    H100's trial runs took 30-60 s each where the unpatched graphed run took 0.9 s: a step captured again per call
+    would do that). Graphs re-run their closure here (Triton under the interpreter)."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle
+    from kernels_runtime.graphs import disable_decode_graphs, enable_decode_graphs
+    from llm4llm.patchspec import task_patch_spec
+    from llm4llm.workload import call_script, load_script, load_workload
+
+    _, task = padded_task("tiny-qwen3-padded", "decoder_layer")
+    tpl = _template("decoder_layer.decode_static")
+    wl = load_workload(str(WORKLOADS / "tiny-qwen3-padded.toml"))
+    script = load_script(wl)
+    model, batch = call_script(script.build, wl), call_script(script.inputs, wl)
+    buckets = list(wl.regime.batch_buckets())
+    bundle = PatchBundle(name="regime-graphs", batch_buckets=buckets)
+    bundle.add_patch(task_patch_spec(task.spec, "c", 1.0, "cpu"), source=tpl.render(task.spec, tpl.default(task.spec)))
+    report = kernels_runtime.apply(model, bundle, strict=True)
+    graphs = enable_decode_graphs(model, backend="rerun", static_cache=True, buckets=tuple(buckets))
+    try:
+        runs = 3
+        for _ in range(runs):
+            call_script(script.run, model, wl, batch)
+        stats = graphs.stats()
+    finally:
+        disable_decode_graphs(model)
+        kernels_runtime.revert(model)
+    assert stats["graphs"] == 1 and stats["refused"] == [], stats
+    assert stats["replays"] >= runs * (wl.decode_len - 1) - 2, stats
+    assert report.calls_of(bundle.patches[0].patch_id) > 0
