@@ -536,6 +536,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     for p, spec, impact in rank(proposals):
         task_decisions, trial = _task_trials(r, p, spec, impact, accepted, current, base_model, run_id)
         decisions += task_decisions
+        for d in task_decisions:
+            print(decision_line(d))
         last = task_decisions[-1]
         if trial is not None:
             accepted, current = trial, last.e2e_after_ms
@@ -548,6 +550,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     regime = _regime_gate(r, accepted, base_model) if accepted.patches else None
     if regime is not None:
         decisions.append(regime[0])
+        print(decision_line(regime[0]))
         accepted = regime[1]
     bundle_path = None
     if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches
@@ -557,6 +560,12 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                             floor=r.floor.per_step if r.floor is not None else None,
                             floor_note=r.floor.describe() if r.floor is not None else "", graphs=graphs_note,
                             graph_decision=graph_decision)
+
+
+def decision_line(d: Decision) -> str:
+    """One decision as it is made, in the log and on the terminal: a run stopped later (a time limit, Ctrl-C)
+    still shows what its finished trials decided and why."""
+    return f"accept: {d.task_id} {d.candidate_id}: {d.decision} ({d.decided_by}): {d.reason[:400]}"
 
 
 def _start_fresh(r: _Run, base_model, current: float | None):

@@ -158,13 +158,16 @@ def _workload(tmp_path: Path, budget: str | None) -> str:
     return str(path)
 
 
-def test_acceptance_never_keeps_a_lossy_candidate_without_the_opt_in(prefill_task, tmp_path):
+def test_acceptance_never_keeps_a_lossy_candidate_without_the_opt_in(prefill_task, tmp_path, capsys):
     spec = load_spec(prefill_task)
     config = _config(spec)
     p = Proposal(str(prefill_task), "c1", TILEMIX.render(spec, config), 5.0, config, NAME)
     res = acc.accept(_workload(tmp_path, None), [p], str(tmp_path / "bundle"), cfg=AcceptSettings())
     [d] = res.decisions
     assert d.decision == "rejected" and "has not opted in" in d.reason and res.bundle_dir is None
+    # each decision is printed as it is made (a run stopped later still shows it)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"accept: {d.task_id} c1: ")]
+    assert lines == [f"accept: {d.task_id} c1: rejected ({d.decided_by}): {d.reason[:400]}"], lines
 
 
 def test_acceptance_holds_a_lossy_candidate_to_the_budget_walking_the_coverage_down(prefill_task, tmp_path):
