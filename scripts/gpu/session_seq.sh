@@ -39,6 +39,9 @@ watch_run() {
 }
 for step in ${STEPS:-dispatch}; do
   IFS=: read -r kind w budget top max variants <<< "$step"
+  # WORKLOAD: a name under examples/workloads, or a path to a TOML elsewhere (a config no example names, e.g. in a
+  # results folder); logs are named by its file name
+  wt=examples/workloads/$w.toml; case "$w" in */*) wt=$w; w=$(basename "$w" .toml) ;; esac
   s=$(date +%s)
   case "$kind" in
     gputest)
@@ -50,19 +53,19 @@ for step in ${STEPS:-dispatch}; do
       echo "dispatch overhead rc=$? in $(( $(date +%s) - s ))s" ;;
     trace)  # trace:WORKLOAD: eager vs the newest bundle an optimize step of this call made for it (if any)
       b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1)
-      timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py examples/workloads/$w.toml --out "$OUT/logs/trace_$w" \
+      timeout -k 5 "${budget:-180}" python3 scripts/gpu/trace_decode.py "$wt" --out "$OUT/logs/trace_$w" \
         ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
     evaluate)  # evaluate:WORKLOAD[:MAX_S[:VARIANTS[:BATCHES]]], BATCHES '+'-separated (1+8): one step a point set
       log="$OUT/logs/evaluate_$w${max:+_b$max}.log"
-      timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
+      timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate "$wt" --db "$OUT/e2e.duckdb" \
         --variants "${top:-eager,eager_graphs}" ${max:+--batch-sizes ${max//+/,}} ${EVAL_ARGS:-} > "$log" 2>&1
       echo "evaluate $w ${max:+batches ${max//+/,} }rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$log" ;;
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
       watch_run "$w" readme; mem=$!
-      LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml \
+      LLM4LLM_DB="$OUT/e2e.duckdb" timeout -k 15 "$t" python3 -m llm4llm.cli optimize "$wt" \
         > "$OUT/logs/readme_$w.log" 2>&1
       rc=$?; kill $mem 2>/dev/null
       tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
@@ -76,7 +79,7 @@ for step in ${STEPS:-dispatch}; do
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
       key="OPT_ARGS_$(echo "$w" | tr '.-' '__')"; extra="${!key-${OPT_ARGS:-}}"
       watch_run "$w" optimize; mem=$!
-      timeout -k 15 "$t" python3 -m llm4llm.cli optimize examples/workloads/$w.toml --db "$OUT/e2e.duckdb" \
+      timeout -k 15 "$t" python3 -m llm4llm.cli optimize "$wt" --db "$OUT/e2e.duckdb" \
         --budget "${budget:-4}" --top "${top:-2}" --e2e-variants "${variants:-eager,patched,torch_compile}" ${E2E_MAX_S:+--e2e-max-s $E2E_MAX_S} $extra > "$OUT/logs/optimize_$w.log" 2>&1
       rc=$?; kill $mem 2>/dev/null
       tail -c 2000000 "$LLM4LLM_HOME/logs/children.log" > "$OUT/logs/children_$w.log" 2>/dev/null
