@@ -115,6 +115,14 @@ def _check_db_path(db: Optional[Path]) -> None:
     check_path(db.resolve() if db else default_db_path())
 
 
+def _check_workload(workload: Path) -> None:
+    """Before a command that runs a workload starts its flow: a bad workload TOML is one error line at once, not
+    after Prefect's API server has started (the flow validates it again where it runs)."""
+    from llm4llm.workload import load_workload
+
+    load_workload(workload)
+
+
 def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3,
               headers: dict[str, str] | None = None, whole: tuple[str, ...] = ()) -> Table:
     return cli_tables.df_table(df, title, columns, floats, headers, whole, width=_width())
@@ -150,6 +158,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     _quiet_prefect(verbose)
     with _user_errors():
         _check_db_path(db)
+        _check_workload(workload)
         from flows.profiling import profile_workload
 
         with progress.rich_progress(console):
@@ -263,6 +272,7 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     from llm4llm.planner import RUN_STARTED
 
     _check_db_path(db)
+    _check_workload(workload)
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):
