@@ -243,8 +243,6 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     started = time.time()
     _quiet_prefect(verbose)
     with _user_errors():
-        from flows.optimize import optimize_workload
-
         _check_graphs(decode_graphs, e2e_variants)
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         cfg = _config({
@@ -262,6 +260,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                          "max_s": e2e_max_s}}, sets or [])
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
+        from flows.optimize import optimize_workload  # after the flags are checked: a bad one costs no flow import
+
         _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
 
 
