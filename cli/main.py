@@ -115,6 +115,14 @@ def _check_db_path(db: Optional[Path]) -> None:
     check_path(db.resolve() if db else default_db_path())
 
 
+def _check_workload(workload: Path) -> None:
+    """Before a command that runs a workload starts its flow: a bad workload TOML is one error line at once, not
+    after Prefect's API server has started (the flow validates it again where it runs)."""
+    from llm4llm.workload import load_workload
+
+    load_workload(workload)
+
+
 def _df_table(df, title: str, columns: list[str] | None = None, floats: int = 3,
               headers: dict[str, str] | None = None, whole: tuple[str, ...] = ()) -> Table:
     return cli_tables.df_table(df, title, columns, floats, headers, whole, width=_width())
@@ -150,6 +158,7 @@ def profile(workload: Path = typer.Argument(..., help="workload TOML"), db: Opti
     _quiet_prefect(verbose)
     with _user_errors():
         _check_db_path(db)
+        _check_workload(workload)
         from flows.profiling import profile_workload
 
         with progress.rich_progress(console):
@@ -234,8 +243,6 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
     started = time.time()
     _quiet_prefect(verbose)
     with _user_errors():
-        from flows.optimize import optimize_workload
-
         _check_graphs(decode_graphs, e2e_variants)
         scale = scale_options(task_runner, ray_address, ray_gpus_per_eval)
         cfg = _config({
@@ -253,6 +260,8 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                          "max_s": e2e_max_s}}, sets or [])
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
+        from flows.optimize import optimize_workload  # after the flags are checked: a bad one costs no flow import
+
         _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
 
 
@@ -263,6 +272,7 @@ def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], da
     from llm4llm.planner import RUN_STARTED
 
     _check_db_path(db)
+    _check_workload(workload)
     token = RUN_STARTED.set(started)
     try:
         with progress.rich_progress(console):

@@ -97,8 +97,11 @@ def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness
     monkeypatch.setattr(opt, "search_task", search)
     monkeypatch.setattr(opt, "accept_patches", accept)
     monkeypatch.setattr(opt, "evaluate_e2e", evaluate)
+    # the flow's order is under test, not which module is searched: RMSNorm targets (verified in a second under the
+    # interpreter; the fused decoder layer costs ~25 s of applicability checks in the plans), --delta 0.001 keeps
+    # them targets whatever the host's load makes of the CPU profile
     res = _cli(["optimize", str(EXAMPLES / "tiny-llama.toml"), "--db", str(db), "--data-dir", str(tmp_path / "d"),
-                "--budget", "1"])
+                "--budget", "1", "--family", "norm", "--delta", "0.001"])
     assert res.exit_code == 130, res.output
     assert [o.split()[0] for o in order][:2] == ["search", "accept"] and order[2].split()[0] in ("search", "evaluate")
     assert len(order) == 3
