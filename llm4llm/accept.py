@@ -771,15 +771,21 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
     """(trial ms, baseline ms) of `rounds` interleaved full runs, the order swapped every round (T B, B T, ...), after
     two warm-up runs of each (the second captures a prompt graph)."""
     from llm4llm.evaluate import _Slot
+    from llm4llm.workload import script_stage
 
     trial, base = _Slot("trial", trial_model), _Slot("baseline", base_model)
-    warm = {s.variant: [s.run_full(run_fn, wl, batch) for _ in range(2)] for s in (trial, base)}
+
+    def run(s: _Slot) -> float:  # the heartbeat of a slow run names its side
+        with script_stage(f"accept ({s.variant})"):
+            return s.run_full(run_fn, wl, batch)
+
+    warm = {s.variant: [run(s) for _ in range(2)] for s in (trial, base)}
     # where a slow trial's time goes (a first run that compiles or captures), before the rounds are timed
     print("accept: warm-up runs: " + "; ".join(f"{k} {', '.join(f'{ms / 1e3:.1f} s' for ms in v)}"
                                                for k, v in warm.items()))
     for r in range(rounds):
         for s in ((trial, base) if r % 2 == 0 else (base, trial)):
-            s.totals.append(s.run_full(run_fn, wl, batch))
+            s.totals.append(run(s))
     return trial.totals, base.totals
 
 

@@ -316,12 +316,16 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path, capsys):
         @staticmethod
         def run(model, workload, inputs):
             order.append(model.tag)
+            # what a slow run's heartbeat line names: acceptance, and which side is running
+            assert SCRIPT_STAGE.get() == {"T": "accept (trial)", "B": "accept (baseline)"}[model.tag]
             if len(order) == 1:
                 time.sleep(0.25)
 
     a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     a.tag, b.tag = "T", "B"
     wl = SimpleNamespace(device="cpu", decode_len=4, model_copy=lambda update: wl)
+    from llm4llm.workload import SCRIPT_STAGE
+
     trials, bases = acc.interleave(a, b, wl, None, Script.run, 3)
     assert order == ["T", "T", "B", "B", "T", "B", "B", "T", "T", "B"]
     assert len(trials) == len(bases) == 3 and min(trials + bases) >= 0
