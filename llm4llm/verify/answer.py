@@ -80,3 +80,65 @@ def read_answer(work: Path, name: str, limit: int = MAX_ANSWER_BYTES, deadline: 
             os.unlink(Path(work) / name)
         except OSError:  # missing, or a directory: the worker's dir goes with the worker
             pass
+
+
+# ------------------------------------------------------------------------------------------ delta-coded tensors
+# A judged call's answer holds the state buffers the candidate updated in place: a decode step writes one position
+# of a static KV cache, and at batch 32 with a 2k cache the full buffers are hundreds of MB a call, written, read and
+# copied back to the device by every judged call (most of a serving task's verification time). Where both sides hold
+# the tensor's pristine value (a buffer before the call: the draw, which each side makes from the same seed, inside
+# its canary margins), the worker sends only the elements whose bits changed, `delta.<key>.idx` (int64, flat) and
+# `delta.<key>.val`, and the parent rebuilds the tensor from its own pristine copy. Lossless and bit-exact (NaN and
+# -0.0 included); a tensor that changed in more than DELTA_MAX_FRACTION of its elements goes whole.
+DELTA_MAX_FRACTION = 0.25
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_bits(t):
+    import torch
+
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])) if t.element_size() in _INT_OF_SIZE else None
+
+
+def delta_encode(tensors: dict, bases: dict) -> dict:
+    """`tensors` (device tensors by answer key) with each one that has a base of its shape and dtype replaced by
+    its changed elements where they are few; the rest as given. Host tensors out."""
+    out = {}
+    for key, t in tensors.items():
+        base = bases.get(key)
+        base = base() if callable(base) else base
+        a = _as_bits(t) if base is not None and base.shape == t.shape and base.dtype == t.dtype and t.numel() \
+            else None
+        b = _as_bits(base) if a is not None else None
+        if a is not None and b is not None:
+            idx = (a != b.to(a.device)).nonzero().reshape(-1)
+            if idx.numel() <= DELTA_MAX_FRACTION * t.numel():
+                out[f"delta.{key}.idx"] = idx.cpu()
+                out[f"delta.{key}.val"] = t.detach().contiguous().reshape(-1)[idx].cpu()
+                continue
+        out[key] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def delta_decode(saved: dict, bases: dict, device) -> dict:
+    """The answer's tensors with every `delta.<key>.*` pair rebuilt on `device` from `bases[key]` (a tensor or a
+    callable giving one). Raises AnswerError on a pair that does not fit its base (the candidate process's doing)."""
+    import torch
+
+    out = {k: v for k, v in saved.items() if not k.startswith("delta.")}
+    keys = {k[len("delta."):].rsplit(".", 1)[0] for k in saved if k.startswith("delta.")}
+    for key in keys:
+        idx, val, base = saved.get(f"delta.{key}.idx"), saved.get(f"delta.{key}.val"), bases.get(key)
+        base = base() if callable(base) else base
+        if base is None or key in out:
+            raise AnswerError(f"answer: {key!r} is delta-coded but has no base here, or is also sent whole")
+        if idx is None or val is None or idx.dtype != torch.int64 or idx.dim() != 1 or val.dim() != 1 \
+                or val.numel() != idx.numel() or val.dtype != base.dtype:
+            raise AnswerError(f"answer: the delta of {key!r} is malformed")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= base.numel()):
+            raise AnswerError(f"answer: the delta of {key!r} indexes outside its {base.numel()} elements")
+        flat = base.detach().to(device, copy=True).contiguous().reshape(-1)
+        flat[idx.to(device)] = val.to(device)
+        out[key] = flat.view(base.shape)
+    return out

@@ -43,10 +43,11 @@ from kernels_runtime.tolerances import compare_lossy
 from llm4llm.outcomes import FATAL_TO_WORKER, DecodeTiming, FailureClass
 from llm4llm.taskkind import kind_of
 from llm4llm.taskspec import Task, load_task
+from llm4llm.verify.answer import AnswerError, delta_decode, delta_encode, read_answer
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
-from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, append_passed_before, call_candidate,
-                                  canary_fill, check_guards, check_shapes, classify_exception, compare_outputs, guard,
-                                  nonfinite_where_ref_finite)
+from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, answer_bases, append_passed_before,
+                                  call_candidate, canary_fill, check_guards, check_shapes, classify_exception,
+                                  compare_outputs, guard, nonfinite_where_ref_finite)
 from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
 from llm4llm.verify.timing import flat_outputs, fresh_draw, module_runner, time_task
@@ -605,11 +606,13 @@ class CandidateSession:
 
             # copies: an output may be the very state buffer the candidate updated in place (a state_out), and on the
             # CPU .cpu() would keep the alias, which safetensors refuses to write
-            tensors = {f"out.{n}": t.detach().to("cpu", copy=True).contiguous() for n, t in outs.items()}
+            # in-place updates go as their changed elements (answer.delta_encode): a decode step's KV cache write
+            tensors = {f"out.{n}": t for n, t in outs.items()}
             for name, buf, pad, n, margins in g.buffers:
                 if name.startswith("weights.") and buf.numel() * buf.element_size() > WEIGHT_BUFFER_LIMIT:
                     continue
-                tensors[f"buf.{name}"] = buf.detach().to("cpu", copy=True)
+                tensors[f"buf.{name}"] = buf
+            tensors = delta_encode(tensors, answer_bases(d, self.canary))
             save_file(tensors, path)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
@@ -654,7 +657,6 @@ def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, FailureCla
     (`mangled`: its gate, class and what it held)."""
     from safetensors.torch import load
 
-    from llm4llm.verify.answer import AnswerError, read_answer
 
     try:
         data = read_answer(work, name, deadline=getattr(rpc, "deadline", None))
@@ -685,6 +687,10 @@ class RemoteJudge(Judge):
             raise GateFailure(gate, cls, msg, poisoned=bool(reply.get("poisoned")))
         self.runs += 1
         saved = _load_answer(self.work, name, self.rpc)
+        try:
+            saved = delta_decode(saved, answer_bases(draw, self.canary), self.device)
+        except AnswerError as e:
+            raise GateFailure("output_shape_dtype", FailureClass.SHAPE_DTYPE, str(e)) from None
         # every judged call: a candidate that hands the work to torch only from its Nth call is caught on that call
         out_elems = sum(r.numel() for r in draw.ref.values())
         why = torch_work_failure(reply.get("dispatch"), out_elems, self.task.spec.family)

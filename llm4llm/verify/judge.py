@@ -7,6 +7,7 @@ floor). The model tasks' gates (gates.py), their timing (timing.py) and KernelBe
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -117,6 +118,26 @@ def guard(draw: Draw, canary: Canary | None = None) -> Guarded:
             if kind != "state":
                 originals[f"{kind}.{name}"] = t.clone()
     return Guarded(views["inputs"], views["weights"], views["state"], buffers, originals)
+
+
+def _pristine_buffer(t: torch.Tensor, pad: int, canary: Canary) -> torch.Tensor:
+    buf = torch.empty(t.numel() + 2 * pad, dtype=t.dtype, device=t.device)
+    canary_fill(buf, canary)
+    buf[pad:pad + t.numel()].copy_(t.reshape(-1))
+    return buf
+
+
+def answer_bases(draw: Draw, canary: Canary) -> dict[str, Any]:
+    """What each side holds of a judged call's answer before the call (answer.delta_encode): every input and state
+    buffer as `guard` builds it (the draw inside its canary margins; built when asked), and a `state_out.<name>`
+    output's state. The worker and the parent make the same draws from the same seed, so these are equal on both."""
+    bases: dict[str, Any] = {}
+    for kind in ("inputs", "state"):
+        for name, t in getattr(draw, kind).items():
+            bases[f"buf.{kind}.{name}"] = functools.partial(_pristine_buffer, t, canary.pad(f"{kind}.{name}",
+                                                                                           t.numel()), canary)
+    bases.update({f"out.state_out.{name}": t for name, t in draw.state.items()})
+    return bases
 
 
 def _poison_allocator(ref: dict[str, torch.Tensor], value: float, device: torch.device) -> None:
