@@ -710,6 +710,9 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, Pa
             kernels_runtime.apply(model, b, strict=True)
     try:
         trials, bases = interleave(r.model, base_model, wl, batch, r.script.run, max(3, r.cfg.interleave_rounds))
+    except SlowTrial as e:  # decided on the warm-up runs: the bundle's fastest against the baseline's slowest
+        trials, bases = [min(e.trial_ms)], [max(e.base_ms)]
+        print(f"accept: at batch {big}: {e}")
     finally:
         for model in (r.model, base_model):
             kernels_runtime.revert(model)
@@ -767,9 +770,30 @@ def decide_graphs(check: LogitsCheck | None, before: float, after: float | None,
     return decision(AcceptDecision.ACCEPTED, DecidedBy.LATENCY, f"end-to-end gain {gain:+.2%}: {numbers}", gain)
 
 
+# A trial whose faster warm-up run is over this many times the baseline's slower one (and a second longer) is
+# decided on its warm-up runs, without rounds: drift between calls is 20-35 %, so no round can turn such a loss
+# into a gain, and each of its runs may take a minute (a layer trial at a serving batch on the H100: 30-60 s against
+# 0.9 s, docs/results/2026-12-07-h100-serving), which cost the run its acceptance.
+SLOW_TRIAL_FACTOR, SLOW_TRIAL_MIN_MS = 3.0, 1000.0
+
+
+class SlowTrial(Exception):
+    """interleave(): the trial's warm-up runs were far slower than the baseline's (SLOW_TRIAL_FACTOR)."""
+
+    def __init__(self, trial_ms: list[float], base_ms: list[float]):
+        self.trial_ms, self.base_ms = trial_ms, base_ms
+        super().__init__(f"the trial's warm-up runs took {_secs(trial_ms)}, the baseline's {_secs(base_ms)}: over "
+                         f"{SLOW_TRIAL_FACTOR:g}x slower, no rounds timed")
+
+
+def _secs(ms: list[float]) -> str:
+    return ", ".join(f"{m / 1e3:.1f} s" for m in ms)
+
+
 def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple[list[float], list[float]]:
     """(trial ms, baseline ms) of `rounds` interleaved full runs, the order swapped every round (T B, B T, ...), after
-    two warm-up runs of each (the second captures a prompt graph)."""
+    two warm-up runs of each (the second captures a prompt graph). Raises SlowTrial, without rounds, where the
+    trial's warm-up runs are both far slower than the baseline's."""
     from llm4llm.evaluate import _Slot
     from llm4llm.workload import script_stage
 
@@ -781,8 +805,10 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
 
     warm = {s.variant: [run(s) for _ in range(2)] for s in (trial, base)}
     # where a slow trial's time goes (a first run that compiles or captures), before the rounds are timed
-    print("accept: warm-up runs: " + "; ".join(f"{k} {', '.join(f'{ms / 1e3:.1f} s' for ms in v)}"
-                                               for k, v in warm.items()))
+    print("accept: warm-up runs: " + "; ".join(f"{k} {_secs(v)}" for k, v in warm.items()))
+    fast, slow = min(warm["trial"]), max(warm["baseline"])
+    if fast > SLOW_TRIAL_FACTOR * slow and fast - slow > SLOW_TRIAL_MIN_MS:
+        raise SlowTrial(warm["trial"], warm["baseline"])
     for r in range(rounds):
         for s in ((trial, base) if r % 2 == 0 else (base, trial)):
             s.totals.append(run(s))
@@ -913,6 +939,11 @@ def _interleaved_gate(t: _Trial, interleaved: Callable[[], tuple[list[float], li
     median per-round gain must reach delta."""
     try:
         trials, bases = interleaved()
+    except SlowTrial as e:
+        after, t.before = min(e.trial_ms), max(e.base_ms)
+        t.again = t.before
+        return t.reject(DecidedBy.LATENCY, f"end-to-end: {e}; {_with_graphs(t, check.detail)}", check, after,
+                        1 - after / t.before, counters)
     except Exception as e:  # noqa: BLE001 - a failure while timing costs this candidate only
         return t.reject(DecidedBy.RUNTIME, f"runtime (interleaved timing): {type(e).__name__}: {str(e)[:300]}",
                         check, counters=counters)

@@ -21,6 +21,7 @@ from llm4llm.accept import (
     reference_tokens, teacher_forced_logits,
 )
 from llm4llm.config import AcceptSettings
+from llm4llm.outcomes import DecidedBy
 from llm4llm.patchspec import guard_for
 from llm4llm.taskspec import CaseSig, TaskSpec, TensorSig
 
@@ -332,6 +333,56 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path, capsys):
     warm = [line for line in capsys.readouterr().out.splitlines() if line.startswith("accept: warm-up runs: ")]
     assert len(warm) == 1 and re.fullmatch(r"accept: warm-up runs: trial 0\.[2-9] s, 0\.0 s; baseline 0\.0 s, 0\.0 s",
                                            warm[0]), warm
+
+
+def test_a_trial_far_slower_in_its_warm_up_runs_is_decided_without_rounds(ref, monkeypatch, capsys):
+    """A trial whose warm-up runs are both over SLOW_TRIAL_FACTOR x the baseline's slower one raises SlowTrial
+    before any round (a layer trial once took 30-60 s a run against 0.9 s, and its rounds outlived the call); the
+    latency gate rejects it on those runs, with their times in the reason."""
+    monkeypatch.setattr(acc, "SLOW_TRIAL_MIN_MS", 50.0)
+    order = []
+
+    class Script:
+        @staticmethod
+        def run(model, workload, inputs):
+            order.append(model.tag)
+            time.sleep(0.2 if model.tag == "T" else 0.0)
+
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    a.tag, b.tag = "T", "B"
+    wl = SimpleNamespace(device="cpu", decode_len=4, model_copy=lambda update: wl)
+    with pytest.raises(acc.SlowTrial, match=r"trial's warm-up runs took 0\.2 s, 0\.2 s, the baseline's 0\.0 s"):
+        acc.interleave(a, b, wl, None, Script.run, 5)
+    assert order == ["T", "T", "B", "B"]  # no round ran
+    # one slow warm-up (a first run that compiles) is not enough: the rounds run
+    order.clear()
+    first = [True]
+
+    def once(model, workload, inputs):
+        order.append(model.tag)
+        if model.tag == "T" and first[0]:
+            first[0] = False
+            time.sleep(0.2)
+
+    trials, bases = acc.interleave(a, b, wl, None, once, 2)
+    assert len(trials) == len(bases) == 2 and len(order) == 8
+
+    spec, p = SimpleNamespace(task_id="norm-decode-abc"), SimpleNamespace(candidate_id="c1")
+    wl = SimpleNamespace(decode_len=DECODE_LEN, device="cpu", torch_dtype=torch.bfloat16)
+    untouched = lambda: pytest.fail("the gate measured the one-shot latency")  # noqa: E731
+
+    def slow():
+        raise acc.SlowTrial([40e3, 31e3], [900.0, 950.0])
+
+    try:
+        d = acc._try(ref.model, rmsnorm_bundle(RMSNORM_FP32), spec, p, ref.batch, ref.tokens, ref.logits, wl,
+                     AcceptSettings(delta=0.02), untouched, 150.0, 0.1, floor=ref.floor, rebaseline=untouched,
+                     interleaved=slow)
+    finally:
+        kernels_runtime.revert(ref.model)
+    assert d.decision == "rejected" and d.decided_by == DecidedBy.LATENCY, d.reason
+    assert "warm-up runs took 40.0 s, 31.0 s, the baseline's 0.9 s, 0.9 s" in d.reason, d.reason
+    assert d.e2e_after_ms == 31e3 and d.e2e_before_ms == 950.0 and d.gain == pytest.approx(1 - 31e3 / 950.0)
 
 
 def test_interleave_rounds_is_checked():
