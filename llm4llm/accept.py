@@ -24,6 +24,7 @@ import gc
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -803,7 +804,13 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
         with script_stage(f"accept ({s.variant})"):
             return s.run_full(run_fn, wl, batch)
 
-    warm = {s.variant: [run(s) for _ in range(2)] for s in (trial, base)}
+    warm: dict[str, list[float]] = {}
+    for s in (trial, base):
+        for i in range(2):
+            warm.setdefault(s.variant, []).append(run(s))
+            # what the run did, counted so far: a slow side shows here whether its graphs re-captured or refused,
+            # or its kernels fell back, while the run is in the log before any round
+            print(f"accept: warm-up {s.variant} {i + 1}: {warm[s.variant][-1] / 1e3:.1f} s; {side_counts(s.model)}")
     # where a slow trial's time goes (a first run that compiles or captures), before the rounds are timed
     print("accept: warm-up runs: " + "; ".join(f"{k} {_secs(v)}" for k, v in warm.items()))
     fast, slow = min(warm["trial"]), max(warm["baseline"])
@@ -813,6 +820,20 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
         for s in ((trial, base) if r % 2 == 0 else (base, trial)):
             s.totals.append(run(s))
     return trial.totals, base.totals
+
+
+def side_counts(model) -> str:
+    """The decode graphs' summary and the patches' kernel calls and fallbacks (by reason) of `model`, so far."""
+    import kernels_runtime
+
+    g = kernels_runtime.decode_graphs_of(model)
+    kernel, fallback = 0, Counter()
+    for c in kernels_runtime.report_of(model).values():
+        kernel += sum(c["kernel"].values())
+        fallback.update(c["fallback"])
+    falls = "; ".join(f"{why} x{n}" for why, n in fallback.most_common(3))
+    return (f"decode graphs: {g.summary() if g is not None else 'off'}; kernel calls {kernel}, fallbacks "
+            f"{sum(fallback.values())}" + (f" ({falls})" if falls else ""))
 
 
 def interleaved_gain(trials: list[float], bases: list[float]) -> tuple[float, float, float]:

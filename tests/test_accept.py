@@ -330,9 +330,15 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path, capsys):
     trials, bases = acc.interleave(a, b, wl, None, Script.run, 3)
     assert order == ["T", "T", "B", "B", "T", "B", "B", "T", "T", "B"]
     assert len(trials) == len(bases) == 3 and min(trials + bases) >= 0
-    warm = [line for line in capsys.readouterr().out.splitlines() if line.startswith("accept: warm-up runs: ")]
+    out = capsys.readouterr().out
+    warm = [line for line in out.splitlines() if line.startswith("accept: warm-up runs: ")]
     assert len(warm) == 1 and re.fullmatch(r"accept: warm-up runs: trial 0\.[2-9] s, 0\.0 s; baseline 0\.0 s, 0\.0 s",
                                            warm[0]), warm
+    # each warm-up run, as it ends, with what its side counted (these sides have no graphs and no patches)
+    runs = [line for line in out.splitlines() if line.startswith("accept: warm-up ") and "runs:" not in line]
+    assert [r.split(":")[1] for r in runs] == [" warm-up trial 1", " warm-up trial 2", " warm-up baseline 1",
+                                               " warm-up baseline 2"], runs
+    assert runs[0].endswith("s; decode graphs: off; kernel calls 0, fallbacks 0"), runs
 
 
 def test_a_trial_far_slower_in_its_warm_up_runs_is_decided_without_rounds(ref, monkeypatch, capsys):
@@ -383,6 +389,19 @@ def test_a_trial_far_slower_in_its_warm_up_runs_is_decided_without_rounds(ref, m
     assert d.decision == "rejected" and d.decided_by == DecidedBy.LATENCY, d.reason
     assert "warm-up runs took 40.0 s, 31.0 s, the baseline's 0.9 s, 0.9 s" in d.reason, d.reason
     assert d.e2e_after_ms == 31e3 and d.e2e_before_ms == 950.0 and d.gain == pytest.approx(1 - 31e3 / 950.0)
+
+
+def test_side_counts_say_what_a_patched_run_did(ref):
+    """The warm-up lines' counts on a patched model: the kernel's calls, and the fallbacks by reason."""
+    kernels_runtime.apply(ref.model, rmsnorm_bundle(RMSNORM_FP32), strict=True)
+    try:
+        teacher_forced_logits(ref.model, ref.batch, ref.tokens, DECODE_LEN)
+        line = acc.side_counts(ref.model)
+    finally:
+        kernels_runtime.revert(ref.model)
+    m = re.fullmatch(r"decode graphs: off; kernel calls (\d+), fallbacks (\d+)( \(.*\))?", line)
+    assert m and int(m[1]) > 0, line
+    assert (int(m[2]) > 0) == bool(m[3]), line  # reasons shown exactly when something fell back
 
 
 def test_interleave_rounds_is_checked():
