@@ -905,7 +905,7 @@ def _try(model, bundle, spec, p, batch, tokens, ref_logits, wl, cfg, latency, cu
     except Exception as e:  # runtime validity: a CUDA error or a kernel failure under the model's own allocator
         return t.reject(DecidedBy.RUNTIME, f"runtime: {type(e).__name__}: {str(e)[:300]}")
     print(f"accept: {p.candidate_id}: applied in {t1 - t0:.1f} s, its teacher-forced logits in "
-          f"{time.perf_counter() - t1:.1f} s")
+          f"{time.perf_counter() - t1:.1f} s; {side_counts(model)}")
     counters = report.totals()
     if budget is not None:  # a lossy trial answers to the workload's accuracy budget, not to the noise floor
         check = budget_check(ref_logits, new_logits, budget,

@@ -303,7 +303,8 @@ def test_the_interleaved_latency_gate_decides_on_the_median_per_round_gain(ref, 
         kernels_runtime.revert(ref.model)
     assert d.decision == decision and d.gain == pytest.approx(gain, abs=1e-9), d.reason
     assert f"median of {len(trials)} interleaved rounds" in d.reason and "p20" in d.reason, d.reason
-    assert re.search(r"^accept: c1: applied in \d+\.\d s, its teacher-forced logits in \d+\.\d s$",
+    assert re.search(r"^accept: c1: applied in \d+\.\d s, its teacher-forced logits in \d+\.\d s; decode graphs: off; "
+                     r"kernel calls [1-9]\d*, fallbacks \d+.*$",
                      capsys.readouterr().out, re.M)
     assert d.e2e_before_ms == sorted(bases)[3] and d.e2e_after_ms == sorted(trials)[3]
 
