@@ -832,8 +832,13 @@ def side_counts(model) -> str:
         kernel += sum(c["kernel"].values())
         fallback.update(c["fallback"])
     falls = "; ".join(f"{why} x{n}" for why, n in fallback.most_common(3))
+    from kernels_runtime.ops._common import compiled_launches
+
+    # compiled kernel specializations held by the runtime's launcher cache: a count that grows run after run is
+    # a kernel argument that specializes per call (a compile or cache load each time)
     return (f"decode graphs: {g.summary() if g is not None else 'off'}; kernel calls {kernel}, fallbacks "
-            f"{sum(fallback.values())}" + (f" ({falls})" if falls else ""))
+            f"{sum(fallback.values())}" + (f" ({falls})" if falls else "")
+            + f"; compiled launches {compiled_launches()}")
 
 
 def interleaved_gain(trials: list[float], bases: list[float]) -> tuple[float, float, float]:

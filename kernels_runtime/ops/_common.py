@@ -255,6 +255,11 @@ def _param_defaults(jit_fn) -> list[tuple[str, Any]]:
     return out
 
 
+def compiled_launches() -> int:
+    """How many (kernel, specialization) launchers `launch` holds (diagnostics: it grows by one per new one)."""
+    return len(_LAUNCHERS)
+
+
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, **options):
     """jit_fn[grid](*args, **constexprs, **options), through the cached compiled kernel after the first call."""
     if not _CACHED_LAUNCH["on"] or interpreting() or not _on_gpu(args):
