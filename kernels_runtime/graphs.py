@@ -945,8 +945,7 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, note
         if base is None:
             r, of = rel_l2(g, w), ""
         else:
-            b = base[i].to(torch.float64)
-            r, of = rel_l2(g.double() - b, w.double() - b), " of the step's change"
+            r, of = rel_l2(g, w, base=base[i]), " of the step's change"
         if r <= bound:
             notes.append(f"{what} {i}: rel-L2{of} {r:.2e} <= {bound:g} ({rep.reason})")
             continue

@@ -34,6 +34,24 @@ class CloseReport:
     criterion: str = "table"  # "table": TOLERANCES[dtype] against the reference; "floor": see compare_floor
 
 
+# Comparisons run where the tensors live, in float64, a chunk of elements at a time: a decode graph's capture check
+# compares the whole KV cache (2.7 GB of bf16 at batch 32 on qwen3-4b), which as one float64 copy on the host took
+# 20-50 s and 8 GB of GPU memory per capture (docs/results/2026-12-07-h100-serving-b).
+_CHUNK = 1 << 24
+
+
+def _pairs(*ts: torch.Tensor):
+    """The tensors broadcast together and flattened, on the first one's device, as float64 chunks of _CHUNK
+    elements (a tuple per chunk)."""
+    dev = ts[0].device
+    ts = tuple(t.detach().to(dev) for t in ts)
+    if len({t.shape for t in ts}) > 1:
+        ts = torch.broadcast_tensors(*ts)
+    flat = [t.reshape(-1) for t in ts]
+    for i in range(0, flat[0].numel(), _CHUNK):
+        yield tuple(f[i:i + _CHUNK].double() for f in flat)
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> CloseReport:
     """Compare `out` with `ref` under TOLERANCES[dtype or ref.dtype]. NaN or Inf in `out` never passes,
     nor does a shape or dtype mismatch."""
@@ -44,17 +62,21 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = No
     if out.numel() == 0:
         return CloseReport(True, 0.0, 0.0)
     if not ref.is_floating_point():  # integer state (a cache length, a position): exact, there is no rounding
-        same = torch.equal(out.detach().cpu(), ref.detach().cpu())
+        same = torch.equal(out.detach(), ref.detach().to(out.device))
         return CloseReport(same, 0.0 if same else float("inf"), 0.0 if same else float("inf"),
                            "" if same else f"{ref.dtype} values differ (integers compare exactly)")
-    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(o).all():
-        return CloseReport(False, float("inf"), float("inf"), "non-finite values (NaN/Inf) in output")
-    diff = (o - r).abs()
-    max_abs = float(diff.max())
-    max_rel = float((diff / r.abs().clamp_min(1e-12)).max())
     tol = tolerance_for(dtype or ref.dtype)
-    ok = bool((diff <= tol.atol + tol.rtol * r.abs()).all())
+    finite, within, max_abs, max_rel = [], [], [], []  # per chunk, on the device: one host read at the end
+    for o, r in _pairs(out, ref):
+        diff = (o - r).abs()
+        finite.append(torch.isfinite(o).all())
+        within.append((diff <= tol.atol + tol.rtol * r.abs()).all())
+        max_abs.append(diff.max())
+        max_rel.append((diff / r.abs().clamp_min(1e-12)).max())
+    if not bool(torch.stack(finite).all()):
+        return CloseReport(False, float("inf"), float("inf"), "non-finite values (NaN/Inf) in output")
+    ok, max_abs, max_rel = bool(torch.stack(within).all()), float(torch.stack(max_abs).max()), float(
+        torch.stack(max_rel).max())
     return CloseReport(ok, max_abs, max_rel, "" if ok else f"max abs err {max_abs:.3g} over atol={tol.atol} rtol={tol.rtol}")
 
 
@@ -78,10 +100,13 @@ FLOOR_FACTOR = 2.0
 FLOOR_MAX_REL_L2 = 0.05
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b||_2 / ||b||_2 in float64 (inf when b is all zeros and a is not)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    num, den = float((a - b).norm()), float(b.norm())
+def rel_l2(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None = None) -> float:
+    """||a - b||_2 / ||b||_2 in float64 (inf when b is all zeros and a is not), on a's device, chunked; with `base`,
+    of the changes from it: ||a - b||_2 / ||b - base||_2 (a state update judged against what the step wrote)."""
+    sq = torch.zeros(2, dtype=torch.float64, device=a.device)
+    for x, y, *z in _pairs(a, b, *([] if base is None else [base])):
+        sq += torch.stack([(x - y).square().sum(), (y - z[0] if z else y).square().sum()])
+    num, den = (float(v) for v in sq.sqrt())
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
@@ -109,7 +134,7 @@ def compare_floor(out: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor,
 
     if ref32.shape != ref16.shape:
         return fail(f"fp32 reference shape {tuple(ref32.shape)} differs from {tuple(ref16.shape)}")
-    o, r16, r32 = (t.detach().double().cpu() for t in (out, ref16, ref32))
+    o, r16, r32 = (t.detach().to(out.device).double() for t in (out, ref16, ref32))  # where they live, no host copy
     if not torch.isfinite(o).all():
         return fail("non-finite values (NaN/Inf) in output")
     if not (torch.isfinite(r16).all() and torch.isfinite(r32).all()):
@@ -154,7 +179,7 @@ def compare_lossy(out: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor | No
     if base.ok or out.shape != ref.shape or out.dtype != ref.dtype:
         return base
     anchor = ref32 if ref32 is not None and ref32.shape == ref.shape else ref
-    o = out.detach().double().cpu()
+    o = out.detach().double()
     if not torch.isfinite(o).all():
         return CloseReport(False, base.max_abs, base.max_rel, "lossy: non-finite values (NaN/Inf) in output", "lossy")
     got = rel_l2(o, anchor)
