@@ -36,7 +36,7 @@ class CloseReport:
 
 # Comparisons run where the tensors live, in float64, a chunk of elements at a time: a decode graph's capture check
 # compares the whole KV cache (2.7 GB of bf16 at batch 32 on qwen3-4b), which as one float64 copy on the host took
-# 20-50 s and 8 GB of GPU memory per capture (docs/results/2026-12-07-h100-serving-b).
+# 20-50 s and 8 GB of GPU memory per capture (measured: docs/hardware.md points to the run).
 _CHUNK = 1 << 24
 
 

@@ -773,8 +773,8 @@ def decide_graphs(check: LogitsCheck | None, before: float, after: float | None,
 
 # A trial whose faster warm-up run is over this many times the baseline's slower one (and a second longer) is
 # decided on its warm-up runs, without rounds: drift between calls is 20-35 %, so no round can turn such a loss
-# into a gain, and each of its runs may take a minute (a layer trial at a serving batch on the H100: 30-60 s against
-# 0.9 s, docs/results/2026-12-07-h100-serving), which cost the run its acceptance.
+# into a gain, and each of its runs may take a minute (a serving batch's first runs once took 30-60 s against 0.9 s),
+# which would cost the run its acceptance.
 SLOW_TRIAL_FACTOR, SLOW_TRIAL_MIN_MS = 3.0, 1000.0
 
 
