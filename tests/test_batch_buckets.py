@@ -220,6 +220,35 @@ def test_a_bundle_slower_at_the_regimes_largest_batch_keeps_only_the_smaller_buc
     assert _regime_gate(cpu, bundle, object()) is None
 
 
+def test_the_regime_check_decides_a_far_slower_bundle_on_its_warm_up_runs(monkeypatch, capsys):
+    """At the regime's largest batch, a bundle whose warm-up runs are far slower than its model's without kernels
+    (interleave raises SlowTrial) is decided on those runs, its fastest against the baseline's slowest: rejected
+    past delta, the larger buckets dropped, the reason in the log. Scripted timings: the gate's arithmetic."""
+    import kernels_runtime
+    from kernels_runtime.bundle import PatchBundle, PatchSpec
+    from llm4llm import accept as acc
+
+    bundle = PatchBundle(name="serving", batch_buckets=[1, 2, 4, 8, 16, 32])
+    bundle.add_patch(PatchSpec(patch_id="layer", module_class="m.Layer", phase="decode", instances=["l.0"],
+                               kernel="", guard=Guard(batch_buckets=[1, 2, 4, 8, 16, 32])))
+    for name in ("apply", "revert", "disable_decode_graphs"):
+        monkeypatch.setattr(kernels_runtime, name, lambda *a, **k: None)
+
+    def slow(*a, **k):
+        raise acc.SlowTrial([40e3, 35e3], [900.0, 1100.0])
+
+    monkeypatch.setattr(acc, "interleave", slow)
+    wl = SimpleNamespace(regime=object(), batch_size=8, model_copy=lambda update: SimpleNamespace(**update))
+    script = SimpleNamespace(inputs=lambda w: {}, run=None)
+    r = SimpleNamespace(on_gpu=True, wl=wl, model=object(), script=script,
+                        cfg=SimpleNamespace(interleave_rounds=7, delta=0.02))
+    monkeypatch.setattr("llm4llm.workload.call_script", lambda fn, w: {})
+    decision, narrowed = acc._regime_gate(r, bundle, object())
+    assert decision.decision == "rejected" and decision.e2e_after_ms == 35e3 and decision.e2e_before_ms == 1100.0
+    assert narrowed.batch_buckets == [1, 2, 4, 8]
+    assert "at batch 32: the trial's warm-up runs took 40.0 s, 35.0 s" in capsys.readouterr().out
+
+
 def test_decode_graphs_keep_generates_per_row_positions_of_a_left_padded_batch():
     """generate derives each row's positions from the attention mask only when the model's forward takes
     `position_ids` (it inspects the signature). The graphs' wrapper must show the original's signature: behind a
