@@ -339,7 +339,7 @@ def test_interleave_alternates_the_order_after_warming_both(tmp_path, capsys):
     runs = [line for line in out.splitlines() if line.startswith("accept: warm-up ") and "runs:" not in line]
     assert [r.split(":")[1] for r in runs] == [" warm-up trial 1", " warm-up trial 2", " warm-up baseline 1",
                                                " warm-up baseline 2"], runs
-    assert runs[0].endswith("s; decode graphs: off; kernel calls 0, fallbacks 0; compiled launches 0"), runs
+    assert re.search(r"s; decode graphs: off; kernel calls 0, fallbacks 0; compiled launches \d+$", runs[0]), runs
 
 
 def test_a_trial_far_slower_in_its_warm_up_runs_is_decided_without_rounds(ref, monkeypatch, capsys):
