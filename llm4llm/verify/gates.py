@@ -604,9 +604,9 @@ class CandidateSession:
                 torch.cuda.synchronize(self.dev)
             from safetensors.torch import save_file
 
-            # copies: an output may be the very state buffer the candidate updated in place (a state_out), and on the
-            # CPU .cpu() would keep the alias, which safetensors refuses to write
-            # in-place updates go as their changed elements (answer.delta_encode): a decode step's KV cache write
+            # in-place updates go as their changed elements, the rest as host copies (answer.delta_encode: a copy
+            # each, since an output may be the very state buffer the candidate updated, which safetensors refuses
+            # to write twice)
             tensors = {f"out.{n}": t for n, t in outs.items()}
             for name, buf, pad, n, margins in g.buffers:
                 if name.startswith("weights.") and buf.numel() * buf.element_size() > WEIGHT_BUFFER_LIMIT:
@@ -656,7 +656,6 @@ def _load_answer(work: Path, name: str, rpc: Any, mangled: tuple[str, FailureCla
     a regular one is the candidate tampering with the harness (worker_crash), a mangled one a wrong answer
     (`mangled`: its gate, class and what it held)."""
     from safetensors.torch import load
-
 
     try:
         data = read_answer(work, name, deadline=getattr(rpc, "deadline", None))

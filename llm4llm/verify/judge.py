@@ -108,10 +108,8 @@ def guard(draw: Draw, canary: Canary | None = None) -> Guarded:
         for name, t in getattr(draw, kind).items():
             n = t.numel()
             pad = canary.pad(f"{kind}.{name}", n)
-            buf = torch.empty(n + 2 * pad, dtype=t.dtype, device=t.device)
-            canary_fill(buf, canary)
+            buf = _pristine_buffer(t, pad, canary)
             view = buf[pad:pad + n].view(t.shape)
-            view.copy_(t)
             margins = torch.cat([buf[:pad], buf[pad + n:]]).clone()
             buffers.append((f"{kind}.{name}", buf, pad, n, margins))
             views[kind][name] = view
@@ -121,6 +119,7 @@ def guard(draw: Draw, canary: Canary | None = None) -> Guarded:
 
 
 def _pristine_buffer(t: torch.Tensor, pad: int, canary: Canary) -> torch.Tensor:
+    """`t` flattened between two `pad`-element canary margins: the buffer `guard` hands the candidate."""
     buf = torch.empty(t.numel() + 2 * pad, dtype=t.dtype, device=t.device)
     canary_fill(buf, canary)
     buf[pad:pad + t.numel()].copy_(t.reshape(-1))
