@@ -143,6 +143,12 @@ class _Run:
         return ((plan.estimates.accept_s if "accept" in stages else 0.0)
                 + (plan.estimates.evaluate_s if "evaluate" in stages else 0.0))
 
+    def accept_deadline(self, plan: planner.Plan) -> float | None:
+        """Unix time by which acceptance ends what it can shorten: the budget's end less evaluation's estimate and
+        the safety share (None: no budget)."""
+        reserve = plan.estimates.evaluate_s if "evaluate" in set(self.cfg.stages) else 0.0
+        return self.clock.deadline_wall(reserve_s=reserve + (self.cfg.time_budget_s or 0.0) * planner.SAFETY)
+
     def search_left(self, plan: planner.Plan) -> float | None:
         """Seconds left for searching (None: no budget)."""
         rem = self.clock.remaining()
@@ -220,7 +226,7 @@ def _search_and_accept(run: _Run, out: OptimizeResult) -> OptimizeResult:
         searched += [w.task_id for w in wave]
         failed += [r.task_id for r in results if not r.best_candidate]
         if "accept" in stages:
-            acc = _accept(run, [w.task_id for w in wave], out.bundle)
+            acc = _accept(run, [w.task_id for w in wave], out.bundle, run.accept_deadline(plan))
             out = out.model_copy(update={"acceptances": out.acceptances + (acc,)})
             failed += acc.retry_tasks
         first = False
@@ -262,11 +268,12 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
     return results
 
 
-def _accept(run: _Run, task_ids: list[str], base_bundle: str | None) -> AcceptSummary:
-    """One acceptance step of `task_ids` on top of `base_bundle`; its AcceptSummary as the stage returned it."""
+def _accept(run: _Run, task_ids: list[str], base_bundle: str | None, deadline: float | None) -> AcceptSummary:
+    """One acceptance step of `task_ids` on top of `base_bundle`, inside `deadline` (Unix time, None: no budget);
+    its AcceptSummary as the stage returned it."""
     with run.stage("accept", ", ".join(task_ids)):
         acc = accept_patches(run.workload_path, run.run_id, run.cfg.accept, run.db_path, run.data_dir,
-                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan)
+                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan, deadline=deadline)
     run.say(f"accept: {acc.accepted} accepted, {acc.rejected} rejected; bundle {acc.bundle or base_bundle}")
     return acc
 
@@ -283,7 +290,7 @@ def _retry_rounds(run: _Run, plan: planner.Plan, out: OptimizeResult) -> Optimiz
         for item in retry:
             item.trials = run.cfg.search.budget or planner.MIN_TRIALS
         searches = out.searches + tuple(_search_wave(run, plan, retry))
-        acc = _accept(run, [i.task_id for i in retry], out.bundle)
+        acc = _accept(run, [i.task_id for i in retry], out.bundle, run.accept_deadline(plan))
         out = out.model_copy(update={"searches": searches, "acceptances": out.acceptances + (acc,)})
     return out
 

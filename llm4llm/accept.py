@@ -76,6 +76,10 @@ class Proposal:
         return load_spec(Path(self.task_dir))
 
 
+# decisions made without running the patched model: they take no time, so they do not count as the run's first trial
+UNTRIED = frozenset({DecidedBy.NOT_TRIED, DecidedBy.LOSSY_NOT_ALLOWED, DecidedBy.TIME_BUDGET})
+
+
 @dataclass
 class Decision:
     """One acceptance decision. `decision` and `decided_by` are what code reads; `reason` says the same in words,
@@ -475,10 +479,15 @@ class _Run:
     floor: NoiseFloor | None
     metric: str
     graphs: GraphPlan = GraphPlan()
+    deadline: float | None = None  # Unix time: the run's time budget for acceptance (None: none)
 
     @property
     def on_gpu(self) -> bool:
         return self.wl.device.startswith("cuda")
+
+    def out_of_time(self, need_s: float = 0.0) -> bool:
+        """Whether `need_s` more seconds would end past the deadline."""
+        return self.deadline is not None and time.time() + need_s > self.deadline
 
     def latency(self) -> float | None:
         from llm4llm.evaluate import measure
@@ -505,26 +514,30 @@ def reference_run(wl, cfg: AcceptSettings):
     return script, model, batch, metric, tokens, ref_logits, floor
 
 
-def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan) -> _Run:
+def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan, deadline: float | None = None) -> _Run:
     from llm4llm.workload import load_workload
 
     wl = load_workload(workload_path)
     script, model, batch, metric, tokens, ref_logits, floor = reference_run(wl, cfg)
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
-    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric, graphs)
+    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric, graphs, deadline)
 
 
 def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptSettings | None = None,
-           graphs: GraphPlan | None = None, run_id: str = "", base_bundle: str | None = None) -> AcceptanceResult:
+           graphs: GraphPlan | None = None, run_id: str = "", base_bundle: str | None = None,
+           deadline: float | None = None) -> AcceptanceResult:
     """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact).
     base_bundle: a bundle accepted earlier in this run (its patches and its decode-graphs decision): the trials
     start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now.
-    graphs: the run's CUDA-graph plan (default: none)."""
+    graphs: the run's CUDA-graph plan (default: none). deadline: Unix time, the run's time budget for acceptance.
+    Past it, the interleaved rounds stop at MIN_ROUNDS, later trials are not tried, and a regime's check at its
+    largest batch is not run when it would end past it (the bundle then keeps the buckets up to the workload's
+    batch). The first trial of a run always runs: a run that ends without a bundle gave its user nothing."""
     import kernels_runtime
 
     cfg = cfg or AcceptSettings()
-    r = _prepare(workload_path, cfg, graphs or GraphPlan())
+    r = _prepare(workload_path, cfg, graphs or GraphPlan(), deadline)
     current = baseline = r.latency()
     # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
     base_model = clone_sharing_weights(r.model) if r.on_gpu and cfg.interleave_rounds > 0 else None
@@ -535,6 +548,13 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     graphs = accepted.decode_graphs
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
+        if r.out_of_time() and (base_bundle is not None or any(d.decided_by not in UNTRIED for d in decisions)):
+            decisions.append(Decision(spec.task_id, p.candidate_id, AcceptDecision.REJECTED,
+                                      "not tried: the run's time budget ended before its trial (a longer "
+                                      "--time-budget tries it)", r.metric, None, current, None, None, impact,
+                                      decided_by=DecidedBy.TIME_BUDGET))
+            print(decision_line(decisions[-1]))
+            continue
         task_decisions, trial = _task_trials(r, p, spec, impact, accepted, current, base_model, run_id)
         decisions += task_decisions
         for d in task_decisions:
@@ -548,7 +568,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                 kernels_runtime.apply(base_model, accepted, strict=True)
         elif last.baseline_after_ms is not None:  # the latest measurement of the state the next trial starts from
             current = last.baseline_after_ms
-    regime = _regime_gate(r, accepted, base_model) if accepted.patches else None
+    regime = _regime_gate(r, accepted, base_model, current) if accepted.patches else None
     if regime is not None:
         decisions.append(regime[0])
         print(decision_line(regime[0]))
@@ -654,7 +674,7 @@ def _task_trials(r: _Run, p: Proposal, spec: TaskSpec, impact: float, accepted: 
             ps.lossy = {**lossy_of(q), "budget": dict(budget)}
         trial.add_patch(ps, source=q.source)
         interleaved = None if base_model is None else (
-            lambda: interleave(r.model, base_model, r.wl, r.batch, r.script.run, cfg.interleave_rounds))
+            lambda: interleave(r.model, base_model, r.wl, r.batch, r.script.run, cfg.interleave_rounds, r.deadline))
         decision = _try(r.model, trial, spec, q, r.batch, r.tokens, r.ref_logits, r.wl, cfg, r.latency, current,
                         impact, floor=r.floor, rebaseline=lambda: _measure_as(r.model, accepted, r.latency),
                         interleaved=interleaved, budget=budget if lossy is not None else None)
@@ -687,12 +707,15 @@ GRAPHS_TASK = "decode-graphs"  # the acceptances row of the graph decision (task
 REGIME_TASK = "regime-largest-batch"  # the acceptances row of the check at a regime's largest decode batch
 
 
-def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, PatchBundle] | None:
+def _regime_gate(r: _Run, bundle: PatchBundle, base_model, current: float | None = None
+                 ) -> tuple[Decision, PatchBundle] | None:
     """A serving regime's second gain check (the first is the representative point's, per patch): the accepted
     bundle against the model without its kernels (its decode graphs kept) at the regime's largest decode bucket,
     interleaved. A bundle measurably slower there (past delta) keeps the buckets up to the workload's batch only:
-    larger batches fall back to the model's own forward (counted), the rest keep the kernels. None where there is
-    nothing to check: on the CPU, without a regime, or when the largest bucket is the workload's own batch."""
+    larger batches fall back to the model's own forward (counted), the rest keep the kernels; so does a bundle
+    whose check would end past the run's deadline (regime_check_s from `current`, the bundle's run time in ms at
+    the workload's batch). None where there is nothing to check: on the CPU, without a regime, or when the largest
+    bucket is the workload's own batch."""
     import kernels_runtime
 
     buckets = sorted(bundle.batch_buckets)
@@ -701,6 +724,14 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, Pa
     from llm4llm.workload import call_script
 
     big = buckets[-1]
+    need = regime_check_s(current, big, r.wl.batch_size)
+    if r.out_of_time(need):
+        keep = [b for b in bundle.batch_buckets if b <= r.wl.batch_size]
+        return Decision(REGIME_TASK, f"batch-{big}", AcceptDecision.REJECTED,
+                        f"not checked: the run's time budget ends before the check at batch {big} (about "
+                        f"{need:.0f} s): the bundle keeps batch buckets {keep}, larger batches fall back (a longer "
+                        f"--time-budget checks them)", "", None, None, None, None, 0.0,
+                        decided_by=DecidedBy.TIME_BUDGET), narrow_buckets(bundle, keep)
     wl = r.wl.model_copy(update={"batch_size": big})
     batch = call_script(r.script.inputs, wl)
     base = bundle.model_copy(update={"patches": []})
@@ -710,7 +741,8 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, Pa
         if b.patches or b.decode_graphs:
             kernels_runtime.apply(model, b, strict=True)
     try:
-        trials, bases = interleave(r.model, base_model, wl, batch, r.script.run, max(3, r.cfg.interleave_rounds))
+        trials, bases = interleave(r.model, base_model, wl, batch, r.script.run,
+                                   max(MIN_ROUNDS, r.cfg.interleave_rounds), r.deadline)
     except SlowTrial as e:  # decided on the warm-up runs: the bundle's fastest against the baseline's slowest
         trials, bases = [min(e.trial_ms)], [max(e.base_ms)]
         print(f"accept: at batch {big}: {e}")
@@ -718,6 +750,13 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model) -> tuple[Decision, Pa
         for model in (r.model, base_model):
             kernels_runtime.revert(model)
     return regime_decision(bundle, big, r.wl.batch_size, trials, bases, r.cfg.delta)
+
+
+def regime_check_s(current_ms: float | None, big: int, own: int) -> float:
+    """Seconds the regime's check at batch `big` is expected to take: its warm-up and MIN_ROUNDS interleaved runs of
+    both sides, each as long as a run at the workload's batch (`current_ms`) scaled by the batch (an upper bound
+    while decode streams the weights once a step). Unknown (no measurement): 0."""
+    return 0.0 if current_ms is None else REGIME_RUNS * current_ms / 1e3 * big / max(own, 1)
 
 
 def regime_decision(bundle: PatchBundle, big: int, own: int, trials: list[float], bases: list[float],
@@ -776,6 +815,10 @@ def decide_graphs(check: LogitsCheck | None, before: float, after: float | None,
 # into a gain, and each of its runs may take a minute (a serving batch's first runs once took 30-60 s against 0.9 s),
 # which would cost the run its acceptance.
 SLOW_TRIAL_FACTOR, SLOW_TRIAL_MIN_MS = 3.0, 1000.0
+# the interleaved rounds a gain is decided on even past the run's deadline; a regime's check at its largest batch
+# costs REGIME_RUNS runs (two warm-ups of each side and MIN_ROUNDS rounds of two)
+MIN_ROUNDS = 3
+REGIME_RUNS = 4 + 2 * MIN_ROUNDS
 
 
 class SlowTrial(Exception):
@@ -791,10 +834,12 @@ def _secs(ms: list[float]) -> str:
     return ", ".join(f"{m / 1e3:.1f} s" for m in ms)
 
 
-def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple[list[float], list[float]]:
+def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int,
+               deadline: float | None = None) -> tuple[list[float], list[float]]:
     """(trial ms, baseline ms) of `rounds` interleaved full runs, the order swapped every round (T B, B T, ...), after
-    two warm-up runs of each (the second captures a prompt graph). Raises SlowTrial, without rounds, where the
-    trial's warm-up runs are both far slower than the baseline's."""
+    two warm-up runs of each (the second captures a prompt graph); past `deadline` (Unix time) the rounds end after
+    MIN_ROUNDS. Raises SlowTrial, without rounds, where the trial's warm-up runs are both far slower than the
+    baseline's."""
     from llm4llm.evaluate import _Slot
     from llm4llm.workload import script_stage
 
@@ -817,6 +862,9 @@ def interleave(trial_model, base_model, wl, batch, run_fn, rounds: int) -> tuple
     if fast > SLOW_TRIAL_FACTOR * slow and fast - slow > SLOW_TRIAL_MIN_MS:
         raise SlowTrial(warm["trial"], warm["baseline"])
     for r in range(rounds):
+        if r >= MIN_ROUNDS and deadline is not None and time.time() > deadline:
+            print(f"accept: the run's time budget ended the interleaved rounds after {r} of {rounds}")
+            break
         for s in ((trial, base) if r % 2 == 0 else (base, trial)):
             s.totals.append(run(s))
     return trial.totals, base.totals

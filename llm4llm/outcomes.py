@@ -77,10 +77,11 @@ class DecidedBy(StrEnum):
     TOKENS = "tokens"  # greedy tokens differ (check_tokens)
     LATENCY_SKIPPED = "latency_skipped"  # correct in-model on a CPU, where no timing may accept a patch
     LATENCY = "latency"  # the end-to-end gain against delta: accepted, or rejected as too small
+    TIME_BUDGET = "time_budget"  # not tried (or a regime's check not run): the run's time budget had ended
 
 
 # rejections that say nothing about the candidate, so its task is not searched again for them
-NOT_RETRIED = frozenset({DecidedBy.LATENCY_SKIPPED})
+NOT_RETRIED = frozenset({DecidedBy.LATENCY_SKIPPED, DecidedBy.TIME_BUDGET})
 
 
 class EpisodeEnd(StrEnum):

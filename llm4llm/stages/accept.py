@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llm4llm import isolation
 from llm4llm.config import AcceptSettings
-from llm4llm.outcomes import AcceptDecision, AcceptTiming
+from llm4llm.outcomes import AcceptDecision, AcceptTiming, DecidedBy
 from llm4llm.stages.common import describe_workload
 from llm4llm.stages.experience import proposal_of, rejection_experience
 
@@ -87,12 +87,15 @@ def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0
 
 def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, data_dir: str,
                     cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
-                    base_bundle: str | None = None, graphs: GraphPlan | None = None) -> AcceptSummary:
+                    base_bundle: str | None = None, graphs: GraphPlan | None = None,
+                    deadline: float | None = None) -> AcceptSummary:
     """Deployment-time acceptance of the run's best candidates (run_accept), of `task_ids` alone when given, on top
-    of `base_bundle` when given; decisions, the bundle and rejected reasons (as experience for the next search
-    round) written through `repo`. Returns its AcceptSummary."""
+    of `base_bundle` when given, inside `deadline` (Unix time; llm4llm.accept.accept says what it shortens);
+    decisions, the bundle and rejected reasons (as experience for the next search round) written through `repo`.
+    Returns its AcceptSummary."""
     proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
-    outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs)
+    outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs,
+                         deadline=deadline)
     repo.record_acceptance(outcome)
     return outcome.summary()
 
@@ -109,7 +112,8 @@ def proposals_of(rows) -> list:
 
 
 def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg: AcceptSettings | None = None,
-               base_bundle: str | None = None, graphs: GraphPlan | None = None) -> AcceptOutcome:
+               base_bundle: str | None = None, graphs: GraphPlan | None = None,
+               deadline: float | None = None) -> AcceptOutcome:
     """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (the run's
     AcceptSettings; default: their defaults) and the run's CUDA-graph plan `graphs` (default: none). base_bundle:
     the bundle an earlier acceptance step of this run wrote; the trials start on top of it, and the bundle this
@@ -134,7 +138,7 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
                                      outputs={"bundle_dir": str(bundle_dir)},
                                      readable=isolation.workload_paths(workload_path), box=box,
                                      cfg=cfg, graphs=graphs, run_id=run_id,
-                                     base_bundle=inside_base)
+                                     base_bundle=inside_base, deadline=deadline)
     if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
@@ -160,6 +164,7 @@ def _outcome(workload_path: str, run_id: str, proposals: list, result) -> Accept
     wl = describe_workload(workload_path)
     by_id = {p.candidate_id: p for p in proposals}
     rejections = [(i, d.task_id, json.loads(rejection_experience(d, proposal_of(by_id, d.candidate_id)).to_json()))
-                  for i, d in enumerate(result.decisions) if d.decision == AcceptDecision.REJECTED]
+                  for i, d in enumerate(result.decisions)
+                  if d.decision == AcceptDecision.REJECTED and d.decided_by != DecidedBy.TIME_BUDGET]
     manifest = json.loads((Path(result.bundle_dir) / "manifest.json").read_text()) if result.bundle_dir else None
     return AcceptOutcome(run_id, wl["workload_hash"], result, rejections, manifest)
