@@ -76,12 +76,12 @@ def select(directory: Path, selection: str | None) -> list[Path]:
 
 
 def load_module(source: str, name: str | None = None) -> ModuleType:
-    """Execute a problem's source as a fresh module backed by a file (inspect and Triton read sources)."""
-    import tempfile
+    """Execute a problem's source as a fresh module backed by a file (inspect and Triton read sources); the file lives
+    in the process's scratch directory (llm4llm.scratch), removed at exit."""
+    from llm4llm.scratch import scratch_dir
 
     name = name or f"kb_problem_{hashlib.sha256(source.encode()).hexdigest()[:12]}_{uuid.uuid4().hex[:6]}"
-    d = Path(tempfile.mkdtemp(prefix="kb-"))
-    path = d / f"{name}.py"
+    path = scratch_dir("kb-") / f"{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)

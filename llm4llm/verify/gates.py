@@ -41,6 +41,7 @@ import torch
 
 from kernels_runtime.tolerances import compare_lossy
 from llm4llm.outcomes import FATAL_TO_WORKER, DecodeTiming, FailureClass
+from llm4llm.scratch import scratch_dir
 from llm4llm.taskkind import kind_of
 from llm4llm.taskspec import Task, load_task
 from llm4llm.verify.answer import AnswerError, delta_decode, delta_encode, read_answer
@@ -556,7 +557,7 @@ class CandidateSession:
 
     def load(self) -> dict:
         install_launch_hook()
-        workdir = Path(tempfile.mkdtemp(prefix="cand-"))
+        workdir = scratch_dir("cand-")  # this process's, removed at exit (the module's name is its source's hash)
         try:
             module = load_candidate(self.source, workdir, self.name)
         except BaseException as e:  # noqa: BLE001
