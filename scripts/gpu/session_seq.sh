@@ -57,10 +57,16 @@ for step in ${STEPS:-dispatch}; do
         ${b:+--bundle "$b"} ${TRACE_ARGS:-} > "$OUT/logs/trace_$w.log" 2>&1
       echo "trace $w (bundle ${b:-none}) rc=$? in $(( $(date +%s) - s ))s"; tail -6 "$OUT/logs/trace_$w.log" ;;
     evaluate)  # evaluate:WORKLOAD[:MAX_S[:VARIANTS[:BATCHES]]], BATCHES '+'-separated (1+8): one step a point set
-      log="$OUT/logs/evaluate_$w${max:+_b$max}.log"
-      timeout -k 15 "${budget:-150}" python3 -m llm4llm.cli evaluate "$wt" --db "$OUT/e2e.duckdb" \
-        --variants "${top:-eager,eager_graphs}" ${max:+--batch-sizes ${max//+/,}} ${EVAL_ARGS:-} > "$log" 2>&1
-      echo "evaluate $w ${max:+batches ${max//+/,} }rc=$? in $(( $(date +%s) - s ))s"; tail -12 "$log" ;;
+      # without --bundle in EVAL_ARGS: the newest bundle an optimize step made for it on this machine, if any
+      log="$OUT/logs/evaluate_$w${max:+_b$max}.log"; b=""
+      case "${EVAL_ARGS:-}" in *--bundle*) ;; *) b=$(ls -td /tmp/l4l/bundles/$w-* 2>/dev/null | head -1) ;; esac
+      t=$(left 25); [ "$t" -gt "${budget:-150}" ] && t=${budget:-150}
+      if [ "$t" -lt 60 ]; then echo "evaluate $w skipped (${t}s left)"; continue; fi
+      timeout -k 15 "$t" python3 -m llm4llm.cli evaluate "$wt" --db "$OUT/e2e.duckdb" \
+        --variants "${top:-eager,eager_graphs}" ${max:+--batch-sizes ${max//+/,}} ${b:+--bundle "$b"} ${EVAL_ARGS:-} \
+        > "$log" 2>&1
+      echo "evaluate $w ${max:+batches ${max//+/,} }(bundle ${b:-as given}) rc=$? in $(( $(date +%s) - s ))s"
+      tail -12 "$log" ;;
     readme)
       t=$(left 25); [ -n "${budget:-}" ] && [ "$t" -gt "$budget" ] && t=$budget
       if [ "$t" -lt 90 ]; then echo "$w skipped (${t}s left)"; continue; fi
