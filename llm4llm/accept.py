@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import math
 import statistics
 import time
@@ -108,6 +109,13 @@ class Decision:
     @property
     def accepted(self) -> bool:
         return self.decision == AcceptDecision.ACCEPTED
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        return cls(**json.loads(text))
 
     def retried(self) -> bool:
         """Whether the task goes back to search with this decision as experience: a rejection that says something
@@ -526,15 +534,24 @@ def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan, deadlin
 
 def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptSettings | None = None,
            graphs: GraphPlan | None = None, run_id: str = "", base_bundle: str | None = None,
-           deadline: float | None = None) -> AcceptanceResult:
+           deadline: float | None = None, journal: str | None = None) -> AcceptanceResult:
     """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact).
     base_bundle: a bundle accepted earlier in this run (its patches and its decode-graphs decision): the trials
     start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now.
     graphs: the run's CUDA-graph plan (default: none). deadline: Unix time, the run's time budget for acceptance.
     Past it, the interleaved rounds stop at MIN_ROUNDS, later trials are not tried, and a regime's check at its
     largest batch is not run when it would end past it (the bundle then keeps the buckets up to the workload's
-    batch). The first trial of a run always runs: a run that ends without a bundle gave its user nothing."""
+    batch). The first trial of a run always runs: a run that ends without a bundle gave its user nothing.
+    journal: a file each decision is appended to as it is made (JSON lines, Decision.from_json reads them back), for
+    the caller to record before the step ends: a run stopped mid-step keeps what it decided."""
     import kernels_runtime
+
+    def record(d: Decision, echo: bool = True) -> None:
+        if echo:
+            print(decision_line(d))
+        if journal:
+            with open(journal, "a") as f:
+                f.write(d.to_json() + "\n")
 
     cfg = cfg or AcceptSettings()
     r = _prepare(workload_path, cfg, graphs or GraphPlan(), deadline)
@@ -545,6 +562,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         accepted, graph_decision, graphs_note, current = _start_from(r, base_bundle, base_model, current)
     else:
         accepted, graph_decision, graphs_note, current = _start_fresh(r, base_model, current)
+    if graph_decision is not None:
+        record(graph_decision, echo=False)  # its line was printed with its numbers
     graphs = accepted.decode_graphs
     decisions: list[Decision] = []
     for p, spec, impact in rank(proposals):
@@ -553,12 +572,12 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                                       "not tried: the run's time budget ended before its trial (a longer "
                                       "--time-budget tries it)", r.metric, None, current, None, None, impact,
                                       decided_by=DecidedBy.TIME_BUDGET))
-            print(decision_line(decisions[-1]))
+            record(decisions[-1])
             continue
         task_decisions, trial = _task_trials(r, p, spec, impact, accepted, current, base_model, run_id)
         decisions += task_decisions
         for d in task_decisions:
-            print(decision_line(d))
+            record(d)
         last = task_decisions[-1]
         if trial is not None:
             accepted, current = trial, last.e2e_after_ms
@@ -571,7 +590,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     regime = _regime_gate(r, accepted, base_model, current) if accepted.patches else None
     if regime is not None:
         decisions.append(regime[0])
-        print(decision_line(regime[0]))
+        record(regime[0])
         accepted = regime[1]
     bundle_path = None
     if accepted.patches or graphs:  # graphs alone are a deployable gain: a bundle with no kernel patches

@@ -392,10 +392,13 @@ def decision_rows(result, run_id: str) -> list[AcceptanceRow]:
     """One acceptances row per decision of a llm4llm.accept.AcceptanceResult, the decode-graphs gate first
     (task_id GRAPHS_TASK) where it ran."""
     head = [result.graph_decision] if result.graph_decision is not None else []
-    return [
-        {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,
-         "candidate_id": d.candidate_id, "decision": d.decision, "reason": d.reason, "metric": d.metric,
-         "in_model_max_abs_err": d.in_model_err, "e2e_before_ms": d.e2e_before_ms, "e2e_after_ms": d.e2e_after_ms,
-         "gain": d.gain}
-        for d in head + result.decisions
-    ]
+    return [decision_row(d, run_id) for d in head + result.decisions]
+
+
+def decision_row(d, run_id: str) -> AcceptanceRow:
+    """The acceptances row of one llm4llm.accept.Decision (its id: run, task, candidate: written again, it
+    replaces itself)."""
+    return {"acceptance_id": f"{run_id}:{d.task_id}:{d.candidate_id}", "run_id": run_id, "task_id": d.task_id,
+            "candidate_id": d.candidate_id, "decision": d.decision, "reason": d.reason, "metric": d.metric,
+            "in_model_max_abs_err": d.in_model_err, "e2e_before_ms": d.e2e_before_ms, "e2e_after_ms": d.e2e_after_ms,
+            "gain": d.gain}

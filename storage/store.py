@@ -155,6 +155,14 @@ class Store:
         with Database(self.db_path) as db:
             return repo.best_candidates(db, run_id, min_utility)
 
+    def record_decision(self, run_id: str, decision) -> None:
+        """One acceptance decision (llm4llm.accept.Decision) as it is made: a run stopped later keeps it; the
+        step's record_acceptance writes it again (the same row)."""
+        from storage.rows import decision_row
+
+        with Database(self.db_path) as db:
+            repo.record_acceptance(db, decision_row(decision, run_id))
+
     def record_acceptance(self, outcome) -> None:
         """An acceptance step's rows (llm4llm.stages.accept.AcceptOutcome): one per decision, one `episodes` row with
         its experience per rejection (the run's pseudo-search `accept-<run id>`), and the bundle."""

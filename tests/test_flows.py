@@ -177,6 +177,10 @@ def test_whole_loop_on_cpu_checks_in_model_but_never_accepts(prefect_harness, tm
     assert acc["reason"].str.contains("in-model correctness ok").all()
     assert set(e2e["variant"]) == {"eager", "patched"}
     assert e2e.set_index("variant").loc["patched", "notes"] == "skipped: no bundle"
+    # each step's decisions were journalled as made (what a stopped step keeps: tests/test_accept_journal.py)
+    journalled = [json.loads(line)["candidate_id"] for f in sorted((tmp_path / "data" / "accept").glob("*.jsonl"))
+                  for line in f.read_text().splitlines()]
+    assert sorted(journalled) == sorted(acc["candidate_id"])
 
 
 def test_evaluate_with_a_missing_bundle_fails_loudly(tmp_path):

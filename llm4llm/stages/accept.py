@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -74,6 +74,9 @@ class AcceptRepository(Protocol):
     def record_acceptance(self, outcome: AcceptOutcome) -> None:
         """One row per decision, one `episodes` row with its experience per rejection, and the bundle."""
 
+    def record_decision(self, run_id: str, decision) -> None:
+        """One decision's row as it is made (record_acceptance writes the same row again at the step's end)."""
+
 
 def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0,
                    task_ids: list[str] | None = None) -> list:
@@ -95,7 +98,7 @@ def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, dat
     Returns its AcceptSummary."""
     proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
     outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs,
-                         deadline=deadline)
+                         deadline=deadline, on_decision=lambda d: repo.record_decision(run_id, d))
     repo.record_acceptance(outcome)
     return outcome.summary()
 
@@ -113,16 +116,19 @@ def proposals_of(rows) -> list:
 
 def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg: AcceptSettings | None = None,
                base_bundle: str | None = None, graphs: GraphPlan | None = None,
-               deadline: float | None = None) -> AcceptOutcome:
+               deadline: float | None = None, on_decision: Callable[[Any], None] | None = None) -> AcceptOutcome:
     """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (the run's
     AcceptSettings; default: their defaults) and the run's CUDA-graph plan `graphs` (default: none). base_bundle:
     the bundle an earlier acceptance step of this run wrote; the trials start on top of it, and the bundle this
-    step writes (a directory of its own, `<run id>.<k>`) holds it plus what is accepted now."""
+    step writes (a directory of its own, `<run id>.<k>`) holds it plus what is accepted now. on_decision: called
+    with each decision (llm4llm.accept.Decision) within a second of the child making it, and for the last ones when
+    the child ends however it ends (a step stopped by Ctrl-C or a time limit keeps them)."""
     from llm4llm.accept import accept
     from llm4llm.taskspec import check_artifacts
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
-    bundle_dir = _step_dir(Path(data_dir) / "bundles", run_id)
+    bundle_dir = _step_dir(Path(data_dir) / "bundles", run_id, Path(data_dir) / "accept")
+    journal = DecisionJournal(Path(data_dir) / "accept" / f"{bundle_dir.name}.jsonl", on_decision)
     # the trials see read-only, hash-checked copies of the tasks in their private dir
     box, local = make_box("llm4llm-accept-"), {}
     inside_base = str(copy_readonly(Path(base_bundle), box / "ro" / "base-bundle")) if base_bundle else None
@@ -135,7 +141,8 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
     # acceptance step (the task retries), never the flow process or its database connection.
     # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
     result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
-                                     outputs={"bundle_dir": str(bundle_dir)},
+                                     outputs={"bundle_dir": str(bundle_dir), "journal": str(journal.path)},
+                                     poll=journal.read if on_decision is not None else None,
                                      readable=isolation.workload_paths(workload_path), box=box,
                                      cfg=cfg, graphs=graphs, run_id=run_id,
                                      base_bundle=inside_base, deadline=deadline)
@@ -148,14 +155,42 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
     return _outcome(workload_path, run_id, proposals, result)
 
 
-def _step_dir(root: Path, run_id: str) -> Path:
+class DecisionJournal:
+    """The decisions an acceptance child appends to its journal (llm4llm.accept.accept, `journal`), handed to
+    `on_decision` once each, in order, as complete lines appear (read: the poll of isolation.in_subprocess; a
+    failing call is retried by the next poll)."""
+
+    def __init__(self, path: Path, on_decision: Callable[[Any], None] | None):
+        self.path, self.on_decision, self.seen = path, on_decision, 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+
+    def read(self) -> None:
+        from llm4llm.accept import Decision
+
+        if self.on_decision is None or not self.path.exists():
+            return
+        lines = self.path.read_text().split("\n")[:-1]  # a line still being written has no newline yet
+        for line in lines[self.seen:]:
+            try:
+                decision = Decision.from_json(line)
+            except (ValueError, TypeError) as e:  # written where candidates run: the step's result still decides
+                print(f"accept: journal line {self.seen + 1} unreadable, skipped: {type(e).__name__}: {str(e)[:200]}")
+                decision = None
+            if decision is not None:
+                self.on_decision(decision)
+            self.seen += 1
+
+
+def _step_dir(root: Path, run_id: str, journals: Path | None = None) -> Path:
     """The bundle directory of a run's next acceptance step: `<run id>` first, then `<run id>.2`, `.3`, ... (an
-    earlier step's bundle is never overwritten: a run stopped mid-step keeps it)."""
-    path, k = root / run_id, 1
-    while path.exists():
+    earlier step's bundle, or its decisions' journal `journals/<name>.jsonl` where it wrote no bundle, is never
+    overwritten: a run stopped mid-step keeps it)."""
+    name, k = run_id, 1
+    while (root / name).exists() or (journals is not None and (journals / f"{name}.jsonl").exists()):
         k += 1
-        path = root / f"{run_id}.{k}"
-    return path
+        name = f"{run_id}.{k}"
+    return root / name
 
 
 def _outcome(workload_path: str, run_id: str, proposals: list, result) -> AcceptOutcome:
