@@ -543,7 +543,8 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
     largest batch is not run when it would end past it (the bundle then keeps the buckets up to the workload's
     batch). The first trial of a run always runs: a run that ends without a bundle gave its user nothing.
     journal: a file each decision is appended to as it is made (JSON lines, Decision.from_json reads them back), for
-    the caller to record before the step ends: a run stopped mid-step keeps what it decided."""
+    the caller to record before the step ends: a run stopped mid-step keeps what it decided. Each accepted trial
+    also writes `bundle_dir` at once (`provisional`): a stopped step leaves the bundle accepted so far."""
     import kernels_runtime
 
     def record(d: Decision, echo: bool = True) -> None:
@@ -581,6 +582,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
         last = task_decisions[-1]
         if trial is not None:
             accepted, current = trial, last.e2e_after_ms
+            save_bundle(provisional(r, accepted), bundle_dir)  # what a step stopped from now on ships
             if base_model is not None:  # the baseline side now carries the new bundle
                 kernels_runtime.revert(base_model)
                 kernels_runtime.disable_decode_graphs(base_model)
@@ -769,6 +771,15 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model, current: float | None
         for model in (r.model, base_model):
             kernels_runtime.revert(model)
     return regime_decision(bundle, big, r.wl.batch_size, trials, bases, r.cfg.delta)
+
+
+def provisional(r: _Run, bundle: PatchBundle) -> PatchBundle:
+    """What the step ships if it is stopped before its end: the bundle accepted so far, its batch buckets cut to the
+    workload's batch while a regime's check at a larger batch is still to come (the step's end replaces it)."""
+    buckets = sorted(bundle.batch_buckets)
+    if r.wl.regime is not None and buckets and buckets[-1] > r.wl.batch_size:
+        return narrow_buckets(bundle, [b for b in buckets if b <= r.wl.batch_size])
+    return bundle
 
 
 def regime_check_s(current_ms: float | None, big: int, own: int) -> float:

@@ -163,6 +163,14 @@ class Store:
         with Database(self.db_path) as db:
             repo.record_acceptance(db, decision_row(decision, run_id))
 
+    def record_bundle(self, run_id: str, workload_hash: str, bundle_path: str, manifest: dict) -> None:
+        """The run's bundle as an acceptance step has written it so far (a stopped step leaves it; the step's end
+        writes its final bundle over the same row)."""
+        from storage.rows import patch_row
+
+        with Database(self.db_path) as db:
+            repo.record_patch_bundle(db, patch_row(run_id, workload_hash, bundle_path, manifest))
+
     def record_acceptance(self, outcome) -> None:
         """An acceptance step's rows (llm4llm.stages.accept.AcceptOutcome): one per decision, one `episodes` row with
         its experience per rejection (the run's pseudo-search `accept-<run id>`), and the bundle."""

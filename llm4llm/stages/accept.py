@@ -77,6 +77,9 @@ class AcceptRepository(Protocol):
     def record_decision(self, run_id: str, decision) -> None:
         """One decision's row as it is made (record_acceptance writes the same row again at the step's end)."""
 
+    def record_bundle(self, run_id: str, workload_hash: str, bundle_path: str, manifest: dict) -> None:
+        """The run's bundle as written so far (record_acceptance writes the step's final one over it)."""
+
 
 def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0,
                    task_ids: list[str] | None = None) -> list:
@@ -97,8 +100,13 @@ def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, dat
     decisions, the bundle and rejected reasons (as experience for the next search round) written through `repo`.
     Returns its AcceptSummary."""
     proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
+
+    def on_bundle(path: str, manifest: dict) -> None:
+        repo.record_bundle(run_id, describe_workload(workload_path)["workload_hash"], path, manifest)
+
     outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs,
-                         deadline=deadline, on_decision=lambda d: repo.record_decision(run_id, d))
+                         deadline=deadline, on_decision=lambda d: repo.record_decision(run_id, d),
+                         on_bundle=on_bundle)
     repo.record_acceptance(outcome)
     return outcome.summary()
 
@@ -116,19 +124,22 @@ def proposals_of(rows) -> list:
 
 def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg: AcceptSettings | None = None,
                base_bundle: str | None = None, graphs: GraphPlan | None = None,
-               deadline: float | None = None, on_decision: Callable[[Any], None] | None = None) -> AcceptOutcome:
+               deadline: float | None = None, on_decision: Callable[[Any], None] | None = None,
+               on_bundle: Callable[[str, dict], None] | None = None) -> AcceptOutcome:
     """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (the run's
     AcceptSettings; default: their defaults) and the run's CUDA-graph plan `graphs` (default: none). base_bundle:
     the bundle an earlier acceptance step of this run wrote; the trials start on top of it, and the bundle this
     step writes (a directory of its own, `<run id>.<k>`) holds it plus what is accepted now. on_decision: called
     with each decision (llm4llm.accept.Decision) within a second of the child making it, and for the last ones when
-    the child ends however it ends (a step stopped by Ctrl-C or a time limit keeps them)."""
+    the child ends however it ends (a step stopped by Ctrl-C or a time limit keeps them); on_bundle the same with
+    (path, manifest) each time the child writes its bundle (after each accepted trial: what a stopped step ships)."""
     from llm4llm.accept import accept
     from llm4llm.taskspec import check_artifacts
     from llm4llm.verify.sandbox import copy_readonly, make_box
 
     bundle_dir = _step_dir(Path(data_dir) / "bundles", run_id, Path(data_dir) / "accept")
     journal = DecisionJournal(Path(data_dir) / "accept" / f"{bundle_dir.name}.jsonl", on_decision)
+    watch = BundleWatch(bundle_dir, on_bundle)
     # the trials see read-only, hash-checked copies of the tasks in their private dir
     box, local = make_box("llm4llm-accept-"), {}
     inside_base = str(copy_readonly(Path(base_bundle), box / "ro" / "base-bundle")) if base_bundle else None
@@ -142,7 +153,7 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
     # the child runs in its sandbox's private dir: a path relative to the caller's directory would not resolve there
     result = isolation.in_subprocess(accept, str(Path(workload_path).resolve()), inside,
                                      outputs={"bundle_dir": str(bundle_dir), "journal": str(journal.path)},
-                                     poll=journal.read if on_decision is not None else None,
+                                     poll=lambda: (journal.read(), watch.check()),
                                      readable=isolation.workload_paths(workload_path), box=box,
                                      cfg=cfg, graphs=graphs, run_id=run_id,
                                      base_bundle=inside_base, deadline=deadline)
@@ -180,6 +191,29 @@ class DecisionJournal:
             if decision is not None:
                 self.on_decision(decision)
             self.seen += 1
+
+
+class BundleWatch:
+    """Hands `on_bundle` (path, manifest) each time the bundle directory's manifest changes (the child rewrites the
+    whole directory atomically after each accepted trial; the parent's copy follows at every poll). A manifest that
+    does not parse yet (copied mid-write) waits for the next poll."""
+
+    def __init__(self, path: Path, on_bundle: Callable[[str, dict], None] | None):
+        self.path, self.on_bundle, self.seen = path, on_bundle, None
+
+    def check(self) -> None:
+        manifest = self.path / "manifest.json"
+        if self.on_bundle is None or not manifest.is_file():
+            return
+        text = manifest.read_text()
+        if text == self.seen:
+            return
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return
+        self.on_bundle(str(self.path), parsed)
+        self.seen = text
 
 
 def _step_dir(root: Path, run_id: str, journals: Path | None = None) -> Path:
