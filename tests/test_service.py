@@ -120,7 +120,15 @@ def served(prefect_server, tmp_path_factory):
         log.close()
 
 
-def test_a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctness(served):
+def test_served_deployments_run_register_and_react_to_a_change_event(served):
+    """The served process's three deployments, in one test: a server and a `deployments.serve` start cost ~40 s, and
+    under pytest-xdist --dist worksteal the module's tests, split between the workers, started both twice."""
+    _a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctness(served)
+    _nightly_registers_with_schedule_and_concurrency_limit(served)
+    _change_event_starts_the_on_change_deployment_with_its_path(served)
+
+
+def _a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctness(served):
     """A manual run of the served `optimize-workload/manual` (a flow-run process that no CLI set up) completes as a
     run of kind `manual`, searches one RMSNorm task and tries its best candidate in the model: the decision checked
     in-model correctness (never an interpreter error: the served process runs Triton's interpreter on a CPU host as
@@ -142,7 +150,7 @@ def test_a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctn
     assert not any("Interpreter" in r or "outside of the scope of a kernel" in r for r in reasons), reasons
 
 
-def test_nightly_registers_with_schedule_and_concurrency_limit(served):
+def _nightly_registers_with_schedule_and_concurrency_limit(served):
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -158,7 +166,7 @@ def test_nightly_registers_with_schedule_and_concurrency_limit(served):
     assert "nightly-w-gpu: not scheduled on this host" in served.log.read_text()
 
 
-def test_change_event_starts_the_on_change_deployment_with_its_path(served):
+def _change_event_starts_the_on_change_deployment_with_its_path(served):
     from prefect import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
