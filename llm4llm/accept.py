@@ -747,12 +747,12 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model, current: float | None
     big = buckets[-1]
     need = regime_check_s(current, big, r.wl.batch_size)
     if r.out_of_time(need):
-        keep = [b for b in bundle.batch_buckets if b <= r.wl.batch_size]
+        kept = up_to(bundle, r.wl.batch_size)
         return Decision(REGIME_TASK, f"batch-{big}", AcceptDecision.REJECTED,
                         f"not checked: the run's time budget ends before the check at batch {big} (about "
-                        f"{need:.0f} s): the bundle keeps batch buckets {keep}, larger batches fall back (a longer "
-                        f"--time-budget checks them)", "", None, None, None, None, 0.0,
-                        decided_by=DecidedBy.TIME_BUDGET), narrow_buckets(bundle, keep)
+                        f"{need:.0f} s): the bundle keeps batch buckets {kept.batch_buckets}, larger batches fall "
+                        f"back (a longer --time-budget checks them)", "", None, None, None, None, 0.0,
+                        decided_by=DecidedBy.TIME_BUDGET), kept
     wl = r.wl.model_copy(update={"batch_size": big})
     batch = call_script(r.script.inputs, wl)
     base = bundle.model_copy(update={"patches": []})
@@ -778,7 +778,7 @@ def provisional(r: _Run, bundle: PatchBundle) -> PatchBundle:
     workload's batch while a regime's check at a larger batch is still to come (the step's end replaces it)."""
     buckets = sorted(bundle.batch_buckets)
     if r.wl.regime is not None and buckets and buckets[-1] > r.wl.batch_size:
-        return narrow_buckets(bundle, [b for b in buckets if b <= r.wl.batch_size])
+        return up_to(bundle, r.wl.batch_size)
     return bundle
 
 
@@ -799,11 +799,15 @@ def regime_decision(bundle: PatchBundle, big: int, own: int, trials: list[float]
     if gain >= -delta:
         return Decision(REGIME_TASK, f"batch-{big}", "accepted", f"no loss {numbers}", "", None, before, after,
                         gain, 0.0, decided_by=DecidedBy.LATENCY), bundle
-    keep = [b for b in bundle.batch_buckets if b <= own]
+    kept = up_to(bundle, own)
     return Decision(REGIME_TASK, f"batch-{big}", "rejected",
-                    f"slower past delta {delta:.0%} {numbers}: the bundle keeps batch buckets {keep}, larger "
-                    f"batches fall back", "", None, before, after, gain, 0.0, decided_by=DecidedBy.LATENCY), \
-        narrow_buckets(bundle, keep)
+                    f"slower past delta {delta:.0%} {numbers}: the bundle keeps batch buckets {kept.batch_buckets}, "
+                    f"larger batches fall back", "", None, before, after, gain, 0.0, decided_by=DecidedBy.LATENCY), kept
+
+
+def up_to(bundle: PatchBundle, own: int) -> PatchBundle:
+    """The bundle serving batches up to `own` (the workload's batch, where its gain was measured) only."""
+    return narrow_buckets(bundle, [b for b in bundle.batch_buckets if b <= own])
 
 
 def narrow_buckets(bundle: PatchBundle, keep: list[int]) -> PatchBundle:
