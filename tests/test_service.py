@@ -148,6 +148,10 @@ def _a_served_run_completes_as_a_manual_run_and_decides_on_in_model_correctness(
     assert (name, kind, status) == ("tiny-llama", "manual", "ok")  # the kind from the deployment's name
     assert reasons and all("in-model correctness ok" in r for r in reasons), reasons
     assert not any("Interpreter" in r or "outside of the scope of a kernel" in r for r in reasons), reasons
+    # the served flow's acceptance journalled each decision as it made it (what a stopped step keeps)
+    journalled = [line for f in (served.data / "accept").glob(f"{run_id}*.jsonl")
+                  for line in f.read_text().splitlines()]
+    assert len(journalled) == len(reasons), (journalled, reasons)
 
 
 def _nightly_registers_with_schedule_and_concurrency_limit(served):
