@@ -1,4 +1,4 @@
-"""Decode batch buckets: the batch sizes a bundle verified, and the only ones its decode kernels and graphs take.
+"""Decode batch buckets: the batch sizes a bundle verified, and the only ones its decode kernels take.
 
 Serving engines capture decode graphs at a few batch sizes (1, 2, 4, 8, 16, 32) and pad a batch to the next one;
 a bundle over a serving regime does the same. Extraction runs each bucket of the regime (llm4llm/regime.py), so every

@@ -542,8 +542,10 @@ class DecodeGraphs:
     # When a list: every decode replay appends a (start, end) pair of CUDA events around the graph, so the GPU time
     # of a step can be read apart from the host's (gpu_step_ms); None (the default) records nothing.
     step_events: list | None = None
-    # The batch buckets the bundle verified (kernels_runtime.buckets): a decode step at another batch runs eagerly,
-    # counted; () graphs every batch.
+    # The batch buckets the bundle verified (kernels_runtime.buckets): one graph each. A decode step at another batch
+    # (past the largest: `generate` pads the others) still gets its graph while max_graphs allows: inside it the
+    # patched modules' guards send that batch to their original forwards (counted at capture), and the capture's own
+    # check holds the replay to the eager step, so outside the regime a bundle decodes as fast as eager with graphs.
     buckets: tuple = ()
 
     @property
@@ -576,8 +578,6 @@ class DecodeGraphs:
             ids = kwargs.get("input_ids")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
                 raise NotGraphable("not a one-token decode call (input_ids [B, 1])")
-            if self.buckets and ids.shape[0] not in self.buckets:
-                raise NotGraphable(outside_buckets(ids.shape[0], self.buckets))
             if kwargs.get("inputs_embeds") is not None:
                 raise NotGraphable("inputs_embeds given")
             cache_name, cache = _find_cache(kwargs)
@@ -953,8 +953,7 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], what: str, note
     return ""
 
 
-def outside_buckets(batch: int, buckets: tuple) -> str:
-    return f"batch {batch} is not a verified bucket {list(buckets)}"
+OUTSIDE_GRAPHS = 2  # graphs for decode batches past a bundle's buckets (DecodeGraphs.buckets)
 
 
 def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_graphs: int = 8,
@@ -972,15 +971,15 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     prefill: also replay a prompt's forward on a fresh cache of PREFILL_LAYERS (Mamba, Mamba2) from a graph per
     prompt signature, captured on its second call (DecodeGraphs._prefill_call).
 
-    buckets: the batch buckets a bundle verified (kernels_runtime.buckets): one graph per bucket (max_graphs grows
-    to hold them), a decode step at another batch eager and counted."""
+    buckets: the batch buckets a bundle verified (kernels_runtime.buckets): one graph per bucket, and OUTSIDE_GRAPHS
+    more for batches past them (max_graphs grows to hold both)."""
     existing = model.__dict__.get(_ATTR)
     if existing is not None:
         if static_cache and existing.saved_generation is None:
             existing.saved_generation = _static_generation(model)
         if buckets:
             existing.buckets = tuple(buckets)
-            existing.max_graphs = max(existing.max_graphs, len(buckets))
+            existing.max_graphs = max(existing.max_graphs, len(buckets) + OUTSIDE_GRAPHS)
         return existing
     if backend == "cuda":
         if not torch.cuda.is_available():
@@ -993,7 +992,8 @@ def enable_decode_graphs(model: torch.nn.Module, *, backend: str = "cuda", max_g
     else:
         raise ValueError(f"backend: expected 'cuda', 'emulate' or 'rerun', got {backend!r}")
     had_forward = "forward" in model.__dict__
-    graphs = DecodeGraphs(model, model.forward, impl, max(max_graphs, len(buckets)), had_instance_forward=had_forward,
+    graphs = DecodeGraphs(model, model.forward, impl, max(max_graphs, len(buckets) + OUTSIDE_GRAPHS if buckets else 0),
+                          had_instance_forward=had_forward,
                           saved_generation=_static_generation(model) if static_cache else None, prefill=prefill,
                           buckets=tuple(buckets))
     model.__dict__[_ATTR] = graphs
