@@ -290,6 +290,32 @@ def test_a_point_after_the_first_is_not_started_past_the_deadline(tmp_path, monk
     assert rows[1].total_ms is None and rows[1].notes == ev.PAST_DEADLINE
 
 
+def test_a_point_that_would_end_past_the_deadline_is_not_started(tmp_path, monkeypatch):
+    """The deadline is still ahead after the first point, but less of it is left than that point took: the second
+    point (which recompiles and warms up again) is not started, so the run ends inside its budget."""
+    (tmp_path / "s.py").write_text(FAKE)
+    (tmp_path / "wl.toml").write_text(TINY.replace('"../scripts/hf_generate.py"', '"s.py"'))
+    now = [1000.0]  # the clock: each point takes 10 s of it
+
+    def setup(variant, model, clean, wl, script, bundle):
+        model.cost = 1.0
+        return ev._Slot(variant, model)
+
+    def point(*args, **kwargs):
+        out = real_point(*args, **kwargs)
+        now[0] += 10.0
+        return out
+
+    real_point = ev._evaluate_point
+    monkeypatch.setattr(ev, "_setup", setup)
+    monkeypatch.setattr(ev, "_evaluate_point", point)
+    monkeypatch.setattr(ev.time, "time", lambda: now[0])
+    rows = ev.evaluate_workload(str(tmp_path / "wl.toml"), variants=("eager",), repeats=2, batch_sizes=(1, 4),
+                                deadline=1015.0, results_path=None)
+    assert rows[0].total_ms is not None
+    assert rows[1].total_ms is None and rows[1].notes == ev.PAST_DEADLINE
+
+
 def test_a_time_budget_is_shared_by_the_points_still_to_run(monkeypatch):
     vs = ev._Variants(None, lambda: None, None, None, lambda r: None, max_s=10.0, deadline=None)
     assert vs.budget(2) == 5.0
