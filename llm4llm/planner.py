@@ -171,6 +171,9 @@ class Estimates:
     accept_s: float
     evaluate_s: float
     source: str = "defaults"
+    # the part of evaluate_s that is its interleaved rounds: what evaluation gives up first (it runs at least one
+    # round), so acceptance, whose decisions are the bundle a user ships, may spend it (flows/optimize.py)
+    evaluate_rounds_s: float = 0.0
 
 
 @dataclass
@@ -347,10 +350,12 @@ def estimates_for(device: str, run_s: float, past: dict[str, float] | None = Non
     est = Estimates(trial_s=TRIAL_S[kind],
                     accept_s=ACCEPT_FIXED_S[kind] + ACCEPT_PER_RUN[kind] * run_s,
                     evaluate_s=EVALUATE_FIXED_S[kind] + EVALUATE_PER_RUN[kind] * run_s + MIN_EVALUATE_ROUNDS_S[kind])
+    est.evaluate_rounds_s = MIN_EVALUATE_ROUNDS_S[kind]
     if past:
         est.trial_s = past.get("trial", est.trial_s)
         est.accept_s = past.get("accept", est.accept_s)
         est.evaluate_s = past.get("evaluate", est.evaluate_s)
+        est.evaluate_rounds_s = min(est.evaluate_rounds_s, est.evaluate_s / 2)
         est.source = "this workload's last run"
     else:
         est.source = f"defaults for {kind} and a {run_s:.1f} s run"

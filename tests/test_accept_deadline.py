@@ -152,8 +152,9 @@ def test_the_flow_gives_acceptance_the_budget_less_evaluation_and_the_safety_sha
     cfg = OptimizeConfig(time_budget_s=480.0)
     started = time.time() - 100.0
     run = FlowRun("wl.toml", cfg, None, "data", started)
-    plan = SimpleNamespace(estimates=SimpleNamespace(evaluate_s=135.0, accept_s=70.0))
-    assert run.accept_deadline(plan) == pytest.approx(started + 480.0 - 135.0 - 480.0 * planner.SAFETY, abs=0.05)
+    plan = SimpleNamespace(estimates=SimpleNamespace(evaluate_s=135.0, accept_s=70.0, evaluate_rounds_s=30.0))
+    # evaluation's rounds are acceptance's to spend: 135 s less its 30 s of rounds is kept back
+    assert run.accept_deadline(plan) == pytest.approx(started + 480.0 - 105.0 - 480.0 * planner.SAFETY, abs=0.05)
     no_eval = FlowRun("wl.toml", cfg.model_copy(update={"stages": ("profile", "extract", "search", "accept")}),
                       None, "data", started)
     assert no_eval.accept_deadline(plan) == pytest.approx(started + 480.0 * (1 - planner.SAFETY), abs=0.05)
