@@ -48,7 +48,7 @@ from llm4llm.verify.answer import AnswerError, delta_decode, delta_encode, read_
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, answer_bases, append_passed_before,
                                   call_candidate, canary_fill, check_guards, check_shapes, classify_exception,
-                                  compare_outputs, guard, nonfinite_where_ref_finite)
+                                  compare_outputs, guard, nonfinite_where_ref_finite, resident)
 from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
 from llm4llm.verify.timing import flat_outputs, fresh_draw, module_runner, time_task
@@ -107,8 +107,31 @@ def _fresh(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(t.shape, generator=gen, device="cpu") * std).to(device=t.device, dtype=t.dtype)
 
 
-def make_draws(task: Task, device: torch.device, draws: int, seed: int) -> list[Draw]:
+# A task whose draws, with the parent's references and fp32 anchors beside them, would take more than this share
+# of the GPU's memory keeps them on the host, each copied over for its own call (judge.resident): Llama-2-7B's
+# decode layer over a serving regime (a 1.1 GB KV cache a draw at batch 32 x 2048, 6-9 draws a case) once held
+# 78 GB in the verifying parent, and the worker beside it could not load its first draw.
+HOST_DRAWS_SHARE = 0.15
+REF_COPIES = 3  # a draw's references in the parent: ref and the fp32 anchor (twice the bytes), about its own size
+
+
+def draws_home(task: Task, device: torch.device, draws: int) -> torch.device:
+    """Where make_draws keeps a task's draws: on `device`, or on the host when they would crowd the GPU."""
+    if device.type != "cuda":
+        return device
+    nbytes = sum(t.numel() * t.element_size() for case in task.cases for part in (case.inputs, case.state)
+                 for t in part.values())
+    need = (draws + 1) * nbytes * (1 + REF_COPIES)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return torch.device("cpu") if need > HOST_DRAWS_SHARE * total else device
+
+
+def make_draws(task: Task, device: torch.device, draws: int, seed: int,
+               home: torch.device | None = None) -> list[Draw]:
+    """Each case's captured call and `draws` fresh ones, on `home` (default `device`: draws_home says when the
+    host instead; the judge copies a host-kept draw over for its call)."""
     out = []
+    device = home or device
     for k, case in enumerate(task.cases):
         to_dev = lambda d: {n: t.to(device) for n, t in d.items()}  # noqa: E731
         inputs, weights, state = to_dev(case.inputs), to_dev(case.weights), to_dev(case.state)
@@ -125,28 +148,39 @@ def expected_names(task: Task) -> list[str]:
 
 
 @torch.no_grad()
-def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable | None = None) -> None:
+def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable | None = None,
+                   device: torch.device | None = None) -> None:
     """Each draw's reference outputs (d.ref); with `ref32` (16-bit tasks), also the fp32 anchor (d.ref32). A ref32
-    that raises, lacks an output or returns another shape leaves d.ref32 None: the floor is then not applied."""
-    def call(fn, d):
+    that raises, lacks an output or returns another shape leaves d.ref32 None: the floor is then not applied.
+    device: where the references run (a host-kept draw is copied there for its own, its results kept on the host)."""
+    for d in draws:
+        if device is None:
+            _fill_one(task, d, ref, ref32)
+        else:
+            with resident(d, device):
+                _fill_one(task, d, ref, ref32)
+
+
+@torch.no_grad()
+def _fill_one(task: Task, d: Draw, ref: Callable, ref32: Callable | None) -> None:
+    def call(fn):
         return fn({n: t.clone() for n, t in d.inputs.items()}, {n: t.clone() for n, t in d.weights.items()},
                   {n: t.clone() for n, t in d.state.items()}, copy.deepcopy(task.spec.static))
 
-    for d in draws:
-        got = call(ref, d)
-        missing = [n for n in expected_names(task) if n not in got]
-        if missing:
-            raise RuntimeError(f"reference: expected outputs {expected_names(task)}, missing {missing}")
-        d.ref = {n: got[n].detach() for n in expected_names(task)}
-        if ref32 is None:
-            continue
-        try:
-            wide = call(ref32, d)
-            wide = {n: wide[n].detach() for n in expected_names(task)}
-        except Exception:  # noqa: BLE001 - an fp32 copy the module refuses only costs the floor, never the run
-            continue
-        if all(wide[n].shape == d.ref[n].shape for n in d.ref):
-            d.ref32 = wide
+    got = call(ref)
+    missing = [n for n in expected_names(task) if n not in got]
+    if missing:
+        raise RuntimeError(f"reference: expected outputs {expected_names(task)}, missing {missing}")
+    d.ref = {n: got[n].detach() for n in expected_names(task)}
+    if ref32 is None:
+        return
+    try:
+        wide = call(ref32)
+        wide = {n: wide[n].detach() for n in expected_names(task)}
+    except Exception:  # noqa: BLE001 - an fp32 copy the module refuses only costs the floor, never the run
+        return
+    if all(wide[n].shape == d.ref[n].shape for n in d.ref):
+        d.ref32 = wide
 
 
 # ------------------------------------------------------------------------------------------------ guarded buffers
@@ -543,7 +577,7 @@ class CandidateSession:
         self.dev = torch.device(device)
         self.task = load_task(Path(task_dir))
         self.source, self.timing, self.decode_timing = source, timing, decode_timing
-        self.draws = make_draws(self.task, self.dev, draws, seed)
+        self.draws = make_draws(self.task, self.dev, draws, seed, home=draws_home(self.task, self.dev, draws))
         self.by_key = {d.key: d for d in self.draws}
         self.canary = Canary(canary_seed)
         self.name = f"llm4llm_candidate_{source_hash(source)[:16]}"
@@ -568,8 +602,9 @@ class CandidateSession:
             return {"fail": ["compile", "compile", "the module defines no callable `entry`"]}
         t0 = time.perf_counter()
         try:
-            out, _ = call_candidate(self.entry, guard(self.draws[0], self.canary), self.task.spec.static, self.dev,
-                                    first_call=True)
+            with resident(self.draws[0], self.dev):
+                out, _ = call_candidate(self.entry, guard(self.draws[0], self.canary), self.task.spec.static,
+                                        self.dev, first_call=True)
         except GateFailure as f:
             return {"fail": [f.gate, f.failure_class, f.message], "poisoned": f.poisoned}
         self._hold(out)
@@ -579,6 +614,10 @@ class CandidateSession:
         """One judged call of draw `key`: its aten ops counted (every thread), its outputs checked for ownership
         and written to `path` with the canary buffers, for the parent to judge."""
         d = self.by_key[tuple(key)]
+        with resident(d, self.dev):
+            return self._call(d, poison, meta, path)
+
+    def _call(self, d: Draw, poison: float, meta: dict, path: str) -> dict:
         g = guard(d, self.canary)
         expected = meta_tensors(meta)
         counter = AtenCounter()
@@ -782,9 +821,11 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     rehearse (CPU only; tests, or to screen candidates for timing-only shortcuts): run the timed calls anyway,
     on host clocks whose numbers are discarded, so that the sampled timed outputs are checked there too."""
     t = time.perf_counter()
-    all_draws = make_draws(task, dev, draws, seed)
+    all_draws = make_draws(task, dev, draws, seed, home=draws_home(task, dev, draws))
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
-                   else None)
+                   else None, device=dev)
+    if dev.type == "cuda":  # the references' working memory, back to the driver before the worker loads its draws
+        torch.cuda.empty_cache()
     t = v.lap("references", t)
     r = rpc({"op": "load"})
     t = v.lap("load", t)

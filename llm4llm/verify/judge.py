@@ -6,6 +6,7 @@ floor). The model tasks' gates (gates.py), their timing (timing.py) and KernelBe
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -46,6 +47,36 @@ class Draw:
     # 16-bit tasks only: the same reference with module, weights, inputs and state upcast to fp32 (the floor's anchor);
     # None where the task is not 16-bit or the upcast reference could not be computed
     ref32: dict[str, torch.Tensor] | None = None
+
+
+_DRAW_FIELDS = ("inputs", "weights", "state", "ref", "ref32")
+
+
+def draw_device(d: Draw) -> torch.device | None:
+    """Where the draw's tensors live (its first one's device; None for a draw without tensors)."""
+    t = next((t for f in _DRAW_FIELDS for t in (getattr(d, f) or {}).values()), None)
+    return None if t is None else t.device
+
+
+@contextlib.contextmanager
+def resident(d: Draw, device: torch.device):
+    """The draw on `device` for the block: a draw kept on the host (make_draws' `home`, when a task's draws would
+    crowd the GPU) is copied over, and after the block its host tensors are back and any reference the block
+    computed (ref, ref32) is moved to the host. A draw already there is used as it is."""
+    home = draw_device(d)
+    if home is None or home == torch.device(device):
+        yield d
+        return
+    kept = {f: getattr(d, f) for f in _DRAW_FIELDS}
+    for f, v in kept.items():
+        setattr(d, f, None if v is None else {n: t.to(device) for n, t in v.items()})
+    try:
+        yield d
+    finally:
+        for f in _DRAW_FIELDS:
+            now = getattr(d, f)
+            computed = f in ("ref", "ref32") and now is not None and not kept[f]
+            setattr(d, f, {n: t.to(home) for n, t in now.items()} if computed else kept[f])
 
 
 @dataclass
@@ -290,6 +321,11 @@ class Judge:
         return kept, g
 
     def judge(self, draw: Draw) -> None:
+        home = draw_device(draw)
+        with resident(draw, self.device):
+            self._judge(draw, home)
+
+    def _judge(self, draw: Draw, home: torch.device | None) -> None:
         outs, _ = self.run_once(draw, float("nan"))
         reports, floored = compare_outputs(self.task, outs, draw.ref, draw.ref32)
         for n in floored:
@@ -308,7 +344,7 @@ class Judge:
             if nonfinite:
                 raise GateFailure("poisoned_outputs", "nan_inf", f"NaN/Inf where the reference is finite: {nonfinite}")
             for key, prev in self.history:
-                if key != draw.key and all(same_bits(outs[n], prev[n]) for n in outs):
+                if key != draw.key and all(same_bits(outs[n], prev[n].to(outs[n].device)) for n in outs):
                     raise GateFailure("no_cached_output", "cached_output",
                                       f"draw {draw.key}: outputs are bit-identical to those returned for draw {key} "
                                       f"(different inputs)")
@@ -317,7 +353,8 @@ class Judge:
             raise GateFailure("correctness", "wrong_output", "; ".join(f"{n}: {r.reason}" for n, r in bad.items())
                               + f" (case {draw.key[0]}, draw {draw.key[1]})")
         self._errs(reports)
-        self.history.append((draw.key, outs))
+        # kept where the draw lives: a host-kept draw's outputs would otherwise pile up on the GPU, draw after draw
+        self.history.append((draw.key, outs if home is None else {n: t.to(home) for n, t in outs.items()}))
 
     def _note_floor(self, name: str, draw: Draw, out: torch.Tensor) -> None:
         self.floor_passes += 1

@@ -30,6 +30,7 @@ There is no CPU timing: a CPU time would say nothing about the GPU and must neve
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -41,7 +42,7 @@ from typing import Callable
 import torch
 
 from llm4llm.outcomes import FailureClass
-from llm4llm.verify.judge import classify_exception
+from llm4llm.verify.judge import classify_exception, resident
 from llm4llm.verify.verdict import GateResult, Latency, Verdict
 
 FLUSH_BYTES = 256 << 20
@@ -732,7 +733,13 @@ class _TaskTimer:
     def time_case(self, k: int, mode: str, graph: bool, how_mode: dict[str, HowTimed]) -> tuple[Latency, Latency]:
         """(candidate, reference) latencies of case k in `mode`: under graph replay where asked and capturable
         (`how_mode` records how), else back to back."""
-        args = [(d.inputs, d.weights, d.state, self.task.spec.static) for d in self.draws if d.key[0] == k]
+        with contextlib.ExitStack() as on_device:  # a host-kept case's draws are on the GPU while it is timed
+            mine = [on_device.enter_context(resident(d, self.device)) for d in self.draws if d.key[0] == k]
+            args = [(d.inputs, d.weights, d.state, self.task.spec.static) for d in mine]
+            return self._time_case(args, k, mode, graph, how_mode)
+
+    def _time_case(self, args: list, k: int, mode: str, graph: bool,
+                   how_mode: dict[str, HowTimed]) -> tuple[Latency, Latency]:
         if graph:
             try:
                 c, r, detail = self.graph_pair(args, k)

@@ -370,10 +370,14 @@ class VerifierPool:
             got = Verdict.model_validate(r["verdict"])
             got.worker_pid, got.sandbox, got.judge_seed = v.worker_pid, v.sandbox, seed
         else:
-            got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
-                                          Canary(seed), timing=bool(opts["timing"]),
-                                          rehearse=bool(opts.get("rehearse_timing")),
-                                          lossy=lossy_of_source(source, task))
+            try:
+                got, _poisoned = judge_remote(v, task, torch.device(self.device), rpc, w.box / "work", draws, seed,
+                                              Canary(seed), timing=bool(opts["timing"]),
+                                              rehearse=bool(opts.get("rehearse_timing")),
+                                              lossy=lossy_of_source(source, task))
+            finally:  # the draws' and references' blocks, back to the driver for the next worker or stage
+                if self.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
         if opts.get("memcheck") and got.passed:
             from llm4llm.verify.sanitizer import memcheck_gate
 

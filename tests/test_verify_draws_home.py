@@ -1,0 +1,55 @@
+"""Draws kept on the host when a task's draws would crowd the GPU (llm4llm.verify.gates.draws_home) and copied over
+for each call (llm4llm.verify.judge.resident): a Llama-2-7B serving regime's decode layer once held 78 GB in the
+verifying parent, so that the worker beside it failed to load its first draw. The copy itself is exercised here with
+the meta device as the GPU stand-in (its tensors carry shape and dtype, no data)."""
+from types import SimpleNamespace
+
+import torch
+
+from llm4llm.verify import gates
+from llm4llm.verify.judge import Draw, resident
+
+
+def _task(state_mb: int, cases: int = 2):
+    state = {"past_k": torch.empty(state_mb << 19, dtype=torch.bfloat16)}  # state_mb MiB a case
+    case = SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={}, state=state)
+    return SimpleNamespace(cases=[case] * cases)
+
+
+def test_draws_stay_on_the_gpu_unless_they_would_crowd_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
+    gpu = torch.device("cuda", 0)
+    # qwen3-4b at batch 1: a few MB a case; 9 draws with their references: far under 15 % of 80 GB
+    assert gates.draws_home(_task(4), gpu, 8) == gpu
+    # a 1.1 GB KV cache a case (Llama-2-7B at batch 32 x 2048), 9 draws and three references' worth each: the host
+    assert gates.draws_home(_task(1100), gpu, 8) == torch.device("cpu")
+    assert gates.draws_home(_task(1100), torch.device("cpu"), 8) == torch.device("cpu")  # the CPU: where it is
+
+
+def test_make_draws_puts_every_draw_where_it_is_told():
+    task = SimpleNamespace(cases=[SimpleNamespace(inputs={"x": torch.randn(3, 4)}, weights={"w": torch.randn(4)},
+                                                  state={"s": torch.randn(2)})])
+    draws = gates.make_draws(task, torch.device("meta"), 2, 0, home=torch.device("cpu"))
+    assert len(draws) == 3 and all(t.device.type == "cpu" for d in draws for part in (d.inputs, d.state, d.weights)
+                                   for t in part.values())
+    assert not torch.equal(draws[1].inputs["x"], draws[0].inputs["x"])  # fresh draws, on the host
+
+
+def test_a_host_draw_is_on_the_device_for_the_block_and_back_after_it_with_what_it_computed():
+    x, w, s = torch.randn(3, 4), torch.randn(4), torch.randn(2)
+    d = Draw((0, 1), {"x": x}, {"w": w}, {"s": s})
+    with resident(d, torch.device("meta")):
+        assert d.inputs["x"].device.type == d.weights["w"].device.type == d.state["s"].device.type == "meta"
+        d.ref = {"out": torch.ones(3)}  # what fill_reference computes there
+    assert d.inputs["x"] is x and d.weights["w"] is w and d.state["s"] is s  # the host tensors themselves
+    assert d.ref["out"].device.type == "cpu" and d.ref32 is None
+    with resident(d, torch.device("meta")):  # judged later: its reference goes over too
+        assert d.ref["out"].device.type == "meta"
+    assert d.ref["out"].device.type == "cpu"
+
+
+def test_a_draw_already_on_the_device_is_used_as_it_is():
+    x = torch.randn(3)
+    d = Draw((0, 0), {"x": x}, {}, {})
+    with resident(d, torch.device("cpu")) as same:
+        assert same.inputs["x"] is x
