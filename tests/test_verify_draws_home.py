@@ -4,6 +4,7 @@ verifying parent, so that the worker beside it failed to load its first draw. Th
 the meta device as the GPU stand-in (its tensors carry shape and dtype, no data)."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from llm4llm.verify import gates
@@ -29,7 +30,10 @@ def test_draws_stay_on_the_gpu_unless_they_would_crowd_it(monkeypatch):
 def test_make_draws_puts_every_draw_where_it_is_told():
     task = SimpleNamespace(cases=[SimpleNamespace(inputs={"x": torch.randn(3, 4)}, weights={"w": torch.randn(4)},
                                                   state={"s": torch.randn(2)})])
-    draws = gates.make_draws(task, torch.device("meta"), 2, 0, home=torch.device("cpu"))
+    draws = gates.make_draws(task, torch.device("cpu"), 2, 0, home=torch.device("meta"))
+    assert len(draws) == 3 and all(t.device.type == "meta" for d in draws for part in (d.inputs, d.state, d.weights)
+                                   for t in part.values())
+    draws = gates.make_draws(task, torch.device("cpu"), 2, 0)
     assert len(draws) == 3 and all(t.device.type == "cpu" for d in draws for part in (d.inputs, d.state, d.weights)
                                    for t in part.values())
     assert not torch.equal(draws[1].inputs["x"], draws[0].inputs["x"])  # fresh draws, on the host
@@ -53,3 +57,19 @@ def test_a_draw_already_on_the_device_is_used_as_it_is():
     d = Draw((0, 0), {"x": x}, {}, {})
     with resident(d, torch.device("cpu")) as same:
         assert same.inputs["x"] is x
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_parent_and_the_worker_draw_the_same_and_a_host_home_keeps_them_there():
+    """The parent and its worker each make the draws (the parent's references must be of the worker's calls): drawn
+    on the GPU from the same seed they are equal, whether kept there or on the host."""
+    cuda = torch.device("cuda")
+    task = SimpleNamespace(cases=[SimpleNamespace(inputs={"x": torch.randn(64, 128)}, weights={"w": torch.randn(128)},
+                                                  state={"k_cache": torch.randn(4, 2, 256, 64).bfloat16()})])
+    on_gpu = gates.make_draws(task, cuda, 3, 7)
+    on_host = gates.make_draws(task, cuda, 3, 7, home=torch.device("cpu"))
+    for a, b in zip(on_gpu, on_host):
+        assert a.inputs["x"].is_cuda and b.inputs["x"].device.type == "cpu"
+        assert torch.equal(a.inputs["x"].cpu(), b.inputs["x"]) and torch.equal(a.state["k_cache"].cpu(),
+                                                                                b.state["k_cache"])
+    assert not torch.equal(on_gpu[1].state["k_cache"], on_gpu[2].state["k_cache"])
