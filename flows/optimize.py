@@ -144,13 +144,22 @@ class _Run:
                 + (plan.estimates.evaluate_s if "evaluate" in stages else 0.0))
 
     def accept_deadline(self, plan: planner.Plan) -> float | None:
-        """Unix time by which acceptance ends what it can shorten: the budget's end less evaluation's estimate
-        without its interleaved rounds, and the safety share (None: no budget). Acceptance decides what the bundle
-        serves (a regime's check at its largest batch, about 19 s, was once skipped to keep evaluation's rounds, and
-        the bundle lost batches 16 and 32); evaluation only measures it and runs one round at least."""
+        """Unix time by which acceptance ends what it can shorten (rounds, later trials): the budget's end less
+        evaluation's estimate without its interleaved rounds, and the safety share (None: no budget). Acceptance's
+        decisions are the bundle a user ships; evaluation only measures it and runs one round at least."""
+        return self.clock.deadline_wall(reserve_s=self._evaluation_fixed_s(plan)
+                                        + (self.cfg.time_budget_s or 0.0) * planner.SAFETY)
+
+    def bundle_deadline(self, plan: planner.Plan) -> float | None:
+        """Unix time by which a regime's check at its largest batch ends: accept_deadline without the safety share.
+        The check (about 19 s for qwen3-4b at batch 32) decides whether the bundle serves the regime's larger
+        batches at all; the README command on qwen3-4b-serving once skipped it at 5:31 of 8:00 and shipped buckets
+        1-8 for a regime of 1-32. Evaluation then has its set-up and one round left."""
+        return self.clock.deadline_wall(reserve_s=self._evaluation_fixed_s(plan))
+
+    def _evaluation_fixed_s(self, plan: planner.Plan) -> float:
         est = plan.estimates
-        reserve = est.evaluate_s - est.evaluate_rounds_s if "evaluate" in set(self.cfg.stages) else 0.0
-        return self.clock.deadline_wall(reserve_s=reserve + (self.cfg.time_budget_s or 0.0) * planner.SAFETY)
+        return est.evaluate_s - est.evaluate_rounds_s if "evaluate" in set(self.cfg.stages) else 0.0
 
     def search_left(self, plan: planner.Plan) -> float | None:
         """Seconds left for searching (None: no budget)."""
@@ -229,7 +238,7 @@ def _search_and_accept(run: _Run, out: OptimizeResult) -> OptimizeResult:
         searched += [w.task_id for w in wave]
         failed += [r.task_id for r in results if not r.best_candidate]
         if "accept" in stages:
-            acc = _accept(run, [w.task_id for w in wave], out.bundle, run.accept_deadline(plan))
+            acc = _accept(run, [w.task_id for w in wave], out.bundle, plan)
             out = out.model_copy(update={"acceptances": out.acceptances + (acc,)})
             failed += acc.retry_tasks
         first = False
@@ -271,12 +280,13 @@ def _search_wave(run: _Run, plan: planner.Plan, wave: list[planner.PlanItem]) ->
     return results
 
 
-def _accept(run: _Run, task_ids: list[str], base_bundle: str | None, deadline: float | None) -> AcceptSummary:
-    """One acceptance step of `task_ids` on top of `base_bundle`, inside `deadline` (Unix time, None: no budget);
-    its AcceptSummary as the stage returned it."""
+def _accept(run: _Run, task_ids: list[str], base_bundle: str | None, plan: planner.Plan) -> AcceptSummary:
+    """One acceptance step of `task_ids` on top of `base_bundle`, inside the plan's deadlines (accept_deadline,
+    bundle_deadline); its AcceptSummary as the stage returned it."""
     with run.stage("accept", ", ".join(task_ids)):
         acc = accept_patches(run.workload_path, run.run_id, run.cfg.accept, run.db_path, run.data_dir,
-                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan, deadline=deadline)
+                             task_ids=task_ids, base_bundle=base_bundle, graphs=run.graph_plan,
+                             deadline=run.accept_deadline(plan), bundle_deadline=run.bundle_deadline(plan))
     run.say(f"accept: {acc.accepted} accepted, {acc.rejected} rejected; bundle {acc.bundle or base_bundle}")
     return acc
 
@@ -293,7 +303,7 @@ def _retry_rounds(run: _Run, plan: planner.Plan, out: OptimizeResult) -> Optimiz
         for item in retry:
             item.trials = run.cfg.search.budget or planner.MIN_TRIALS
         searches = out.searches + tuple(_search_wave(run, plan, retry))
-        acc = _accept(run, [i.task_id for i in retry], out.bundle, run.accept_deadline(plan))
+        acc = _accept(run, [i.task_id for i in retry], out.bundle, plan)
         out = out.model_copy(update={"searches": searches, "acceptances": out.acceptances + (acc,)})
     return out
 

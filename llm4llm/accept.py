@@ -488,6 +488,9 @@ class _Run:
     metric: str
     graphs: GraphPlan = GraphPlan()
     deadline: float | None = None  # Unix time: the run's time budget for acceptance (None: none)
+    # Unix time by which a check that decides what the bundle serves ends (the regime's at its largest batch); later
+    # than `deadline` (evaluation gives up its rounds for it); None: `deadline`
+    bundle_deadline: float | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -496,6 +499,11 @@ class _Run:
     def out_of_time(self, need_s: float = 0.0) -> bool:
         """Whether `need_s` more seconds would end past the deadline."""
         return self.deadline is not None and time.time() + need_s > self.deadline
+
+    def bundle_out_of_time(self, need_s: float) -> bool:
+        """Whether a check of `need_s` seconds that decides the bundle's reach would end past bundle_deadline."""
+        end = self.deadline if self.bundle_deadline is None else self.bundle_deadline
+        return end is not None and time.time() + need_s > end
 
     def latency(self) -> float | None:
         from llm4llm.evaluate import measure
@@ -522,26 +530,29 @@ def reference_run(wl, cfg: AcceptSettings):
     return script, model, batch, metric, tokens, ref_logits, floor
 
 
-def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan, deadline: float | None = None) -> _Run:
+def _prepare(workload_path: str, cfg: AcceptSettings, graphs: GraphPlan, deadline: float | None = None,
+             bundle_deadline: float | None = None) -> _Run:
     from llm4llm.workload import load_workload
 
     wl = load_workload(workload_path)
     script, model, batch, metric, tokens, ref_logits, floor = reference_run(wl, cfg)
     if floor is not None:
         print(f"accept: {metric}: {floor.describe()}")
-    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric, graphs, deadline)
+    return _Run(wl, script, model, batch, cfg, tokens, ref_logits, floor, metric, graphs, deadline, bundle_deadline)
 
 
 def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cfg: AcceptSettings | None = None,
            graphs: GraphPlan | None = None, run_id: str = "", base_bundle: str | None = None,
-           deadline: float | None = None, journal: str | None = None) -> AcceptanceResult:
+           deadline: float | None = None, journal: str | None = None,
+           bundle_deadline: float | None = None) -> AcceptanceResult:
     """Greedy acceptance in order of expected impact, re-measuring after each accepted patch (patches interact).
     base_bundle: a bundle accepted earlier in this run (its patches and its decode-graphs decision): the trials
     start on top of it instead of the unpatched model, and the bundle written holds it plus what is accepted now.
     graphs: the run's CUDA-graph plan (default: none). deadline: Unix time, the run's time budget for acceptance.
     Past it, the interleaved rounds stop at MIN_ROUNDS, later trials are not tried, and a regime's check at its
-    largest batch is not run when it would end past it (the bundle then keeps the buckets up to the workload's
-    batch). The first trial of a run always runs: a run that ends without a bundle gave its user nothing.
+    largest batch is not run when it would end past `bundle_deadline` (default `deadline`; the flow gives it
+    evaluation's rounds too: the check decides what the bundle serves), and the bundle then keeps the buckets up to
+    the workload's batch. The first trial of a run always runs: a run that ends without a bundle gave its user nothing.
     journal: a file each decision is appended to as it is made (JSON lines, Decision.from_json reads them back), for
     the caller to record before the step ends: a run stopped mid-step keeps what it decided. Each accepted trial
     also writes `bundle_dir` at once (`provisional`): a stopped step leaves the bundle accepted so far."""
@@ -555,7 +566,7 @@ def accept(workload_path: str, proposals: list[Proposal], bundle_dir: str, *, cf
                 f.write(d.to_json() + "\n")
 
     cfg = cfg or AcceptSettings()
-    r = _prepare(workload_path, cfg, graphs or GraphPlan(), deadline)
+    r = _prepare(workload_path, cfg, graphs or GraphPlan(), deadline, bundle_deadline)
     current = baseline = r.latency()
     # the interleaved gate's baseline side: a weight-sharing copy that always carries the accepted bundle
     base_model = clone_sharing_weights(r.model) if r.on_gpu and cfg.interleave_rounds > 0 else None
@@ -746,7 +757,7 @@ def _regime_gate(r: _Run, bundle: PatchBundle, base_model, current: float | None
 
     big = buckets[-1]
     need = regime_check_s(current, big, r.wl.batch_size)
-    if r.out_of_time(need):
+    if r.bundle_out_of_time(need):
         kept = up_to(bundle, r.wl.batch_size)
         return Decision(REGIME_TASK, f"batch-{big}", AcceptDecision.REJECTED,
                         f"not checked: the run's time budget ends before the check at batch {big} (about "

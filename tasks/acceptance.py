@@ -17,12 +17,15 @@ from tasks.common import infrastructure_only
 @task(name="accept-patches", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)
 def accept_patches(workload_path: str, run_id: str, cfg: AcceptSettings, db_path: str | None, data_dir: str,
                    task_ids: list[str] | None = None, base_bundle: str | None = None,
-                   graphs: GraphPlan | None = None, deadline: float | None = None) -> AcceptSummary:
+                   graphs: GraphPlan | None = None, deadline: float | None = None,
+                   bundle_deadline: float | None = None) -> AcceptSummary:
     """task_ids: only these tasks' best candidates (default: every searched task's); base_bundle: an earlier step's
     bundle of this run that the trials start from; graphs: the run's CUDA-graph plan; deadline: Unix time by which
-    acceptance ends what it can shorten (the run's time budget, less what evaluation needs)."""
+    acceptance ends what it can shorten (the run's time budget, less what evaluation needs); bundle_deadline: by
+    which a regime's check at its largest batch ends (later: it decides what the bundle serves)."""
     return accept_stage.accept_recorded(workload_path, run_id, Store(db_path), data_dir, cfg, task_ids=task_ids,
-                                        base_bundle=base_bundle, graphs=graphs, deadline=deadline)
+                                        base_bundle=base_bundle, graphs=graphs, deadline=deadline,
+                                        bundle_deadline=bundle_deadline)
 
 
 @task(name="evaluate-e2e", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only)

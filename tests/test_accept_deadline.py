@@ -105,7 +105,7 @@ def _serving_bundle() -> PatchBundle:
     return bundle
 
 
-def _regime_run(monkeypatch, deadline: float | None, interleaved):
+def _regime_run(monkeypatch, deadline: float | None, interleaved, bundle_deadline: float | None = None):
     for name in ("apply", "revert", "disable_decode_graphs"):
         monkeypatch.setattr(kernels_runtime, name, lambda *a, **k: None)
     monkeypatch.setattr(acc, "interleave", interleaved)
@@ -114,7 +114,25 @@ def _regime_run(monkeypatch, deadline: float | None, interleaved):
                          model_copy=lambda update: SimpleNamespace(**update))
     script = SimpleNamespace(inputs=lambda w: {}, run=None)
     return _Run(wl, script, object(), {}, AcceptSettings(interleave_rounds=7), None, [], None, "m", GraphPlan(),
-                deadline)
+                deadline, bundle_deadline)
+
+
+def test_a_regime_check_past_the_rounds_deadline_runs_when_it_ends_inside_the_bundle_deadline(monkeypatch):
+    """The check decides what batches the bundle serves: it may end after the deadline of acceptance's rounds (the
+    README command on qwen3-4b-serving ended its trial's rounds at 5:31 of 8:00, 1 s past that deadline, and skipped
+    a 19-s check), as long as it ends by the bundle's deadline."""
+    ran = []
+
+    def interleaved(trial, base, wl, batch, run_fn, rounds, deadline=None):
+        ran.append(wl.batch_size)
+        return [100.0] * 3, [101.0] * 3
+
+    r = _regime_run(monkeypatch, time.time() - 1.0, interleaved, bundle_deadline=time.time() + 30.0)
+    decision, bundle = acc._regime_gate(r, _serving_bundle(), object(), current=500.0)  # about 20 s
+    assert ran == [32] and decision.decision == "accepted" and bundle.batch_buckets[-1] == 32
+    r = _regime_run(monkeypatch, time.time() - 1.0, interleaved, bundle_deadline=time.time() + 10.0)
+    decision, bundle = acc._regime_gate(r, _serving_bundle(), object(), current=500.0)
+    assert ran == [32] and decision.decided_by == DecidedBy.TIME_BUDGET and bundle.batch_buckets[-1] == 8
 
 
 def test_a_regime_check_that_would_end_past_the_deadline_is_not_run_and_the_bundle_keeps_its_measured_buckets(
@@ -158,5 +176,7 @@ def test_the_flow_gives_acceptance_the_budget_less_evaluation_and_the_safety_sha
     no_eval = FlowRun("wl.toml", cfg.model_copy(update={"stages": ("profile", "extract", "search", "accept")}),
                       None, "data", started)
     assert no_eval.accept_deadline(plan) == pytest.approx(started + 480.0 * (1 - planner.SAFETY), abs=0.05)
+    # the regime's check may also spend the safety share: evaluation's set-up alone is kept back
+    assert run.bundle_deadline(plan) == pytest.approx(started + 480.0 - 105.0, abs=0.05)
     off = FlowRun("wl.toml", cfg.model_copy(update={"time_budget_s": None}), None, "data", started)
     assert off.accept_deadline(plan) is None

@@ -83,7 +83,7 @@ def test_an_interrupted_run_keeps_the_bundle_of_its_first_target(prefect_harness
         return real_search(task_dir, *a, **kw)
 
     def accept(workload_path, run_id, cfg, db_path, data_dir, task_ids=None, base_bundle=None, graphs=None,
-               deadline=None):
+               deadline=None, bundle_deadline=None):
         order.append(f"accept {','.join(task_ids)}")
         path = save_bundle(PatchBundle(name="tiny-llama", decode_graphs=False), Path(data_dir) / "bundles" / run_id)
         with Database(db_path) as d:

@@ -242,7 +242,7 @@ def _fake_run(monkeypatch, tmp_path, searches, acceptances, e2e):
     def plan(run, searched=(), excluded=()):
         item = PlanItem("t1", "mlp", "decode", 1.0, 2.0, 0.5, PlanAction.SKIP if searched else PlanAction.SEARCH,
                         "hot", trials=1, artifact_path=str(tmp_path / "t1"))
-        est = SimpleNamespace(trial_s=0.01, accept_s=0.0, evaluate_s=0.0)
+        est = SimpleNamespace(trial_s=0.01, accept_s=0.0, evaluate_s=0.0, evaluate_rounds_s=0.0)
         return planner.Plan([item], None, None, est)
 
     calls = {"search": iter(searches), "accept": iter(acceptances), "base": []}

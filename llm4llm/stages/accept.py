@@ -94,9 +94,10 @@ def best_proposals(run_id: str, repo: AcceptRepository, min_utility: float = 0.0
 def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, data_dir: str,
                     cfg: AcceptSettings | None = None, task_ids: list[str] | None = None,
                     base_bundle: str | None = None, graphs: GraphPlan | None = None,
-                    deadline: float | None = None) -> AcceptSummary:
+                    deadline: float | None = None, bundle_deadline: float | None = None) -> AcceptSummary:
     """Deployment-time acceptance of the run's best candidates (run_accept), of `task_ids` alone when given, on top
-    of `base_bundle` when given, inside `deadline` (Unix time; llm4llm.accept.accept says what it shortens);
+    of `base_bundle` when given, inside `deadline` and `bundle_deadline` (Unix times; llm4llm.accept.accept says
+    what each shortens);
     decisions, the bundle and rejected reasons (as experience for the next search round) written through `repo`.
     Returns its AcceptSummary."""
     proposals = best_proposals(run_id, repo, min_utility=0.0, task_ids=task_ids)
@@ -105,7 +106,8 @@ def accept_recorded(workload_path: str, run_id: str, repo: AcceptRepository, dat
         repo.record_bundle(run_id, describe_workload(workload_path)["workload_hash"], path, manifest)
 
     outcome = run_accept(workload_path, run_id, proposals, data_dir, cfg, base_bundle=base_bundle, graphs=graphs,
-                         deadline=deadline, on_decision=lambda d: repo.record_decision(run_id, d),
+                         deadline=deadline, bundle_deadline=bundle_deadline,
+                         on_decision=lambda d: repo.record_decision(run_id, d),
                          on_bundle=on_bundle)
     repo.record_acceptance(outcome)
     return outcome.summary()
@@ -124,7 +126,8 @@ def proposals_of(rows) -> list:
 
 def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, cfg: AcceptSettings | None = None,
                base_bundle: str | None = None, graphs: GraphPlan | None = None,
-               deadline: float | None = None, on_decision: Callable[[Any], None] | None = None,
+               deadline: float | None = None, bundle_deadline: float | None = None,
+               on_decision: Callable[[Any], None] | None = None,
                on_bundle: Callable[[str, dict], None] | None = None) -> AcceptOutcome:
     """Deployment-time acceptance of `proposals` (the run's best candidates) under `cfg` (the run's
     AcceptSettings; default: their defaults) and the run's CUDA-graph plan `graphs` (default: none). base_bundle:
@@ -156,7 +159,8 @@ def run_accept(workload_path: str, run_id: str, proposals: list, data_dir: str, 
                                      poll=lambda: (journal.read(), watch.check()),
                                      readable=isolation.workload_paths(workload_path), box=box,
                                      cfg=cfg, graphs=graphs, run_id=run_id,
-                                     base_bundle=inside_base, deadline=deadline)
+                                     base_bundle=inside_base, deadline=deadline,
+                                     bundle_deadline=bundle_deadline)
     if result.bundle_dir:  # written in the sandbox's dir, copied here by isolation.in_subprocess
         result.bundle_dir = str(bundle_dir)
     back = {v: k for k, v in local.items()}
