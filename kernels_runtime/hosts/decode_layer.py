@@ -39,6 +39,33 @@ def stage(config: dict, prefix: str) -> dict:
     return kw
 
 
+# PDL (each kernel launched while the one before drains) gains ~10 % a qwen3-4b layer at one row, and costs 4-8 % at 8
+# and 32 rows, where each GEMV's weight pass is long enough to hide its own launch (the stacked-layer bench with and
+# without it, H100; docs/hardware.md). So by default a layer's kernels use it up to PDL_MAX_M rows only; a config's
+# `pdl_max_m` moves the limit (the search may try it).
+PDL_MAX_M = 1
+
+
+def pdl_by_rows(factory):
+    """A decoder-layer factory whose config's PDL applies to calls of at most `pdl_max_m` rows (batch x tokens):
+    two entries made once, one with PDL and one without, picked per call by the rows of hidden_states (a decode
+    graph captures the one its bucket takes)."""
+    def make(config: dict):
+        with_pdl = factory(config)
+        if not config.get("pdl"):
+            return with_pdl
+        without = factory({**config, "pdl": False})
+        limit = int(config.get("pdl_max_m", PDL_MAX_M))
+
+        def entry(inputs, weights, state, static):
+            x = inputs["hidden_states"]
+            rows = x.shape[0] * x.shape[1]
+            return (with_pdl if rows <= limit else without)(inputs, weights, state, static)
+        return entry
+    make.__name__, make.__qualname__, make.__doc__ = factory.__name__, factory.__qualname__, factory.__doc__
+    return make
+
+
 def mlp_prefetch(config: dict):
     """weights -> o_proj's L2 prefetch: the first `l2pf_mlp_mb` MB of gate/up (half each), the rows gate/up's first
     programs read; () without it."""
@@ -150,6 +177,7 @@ def static_attend(x, inputs, weights, state, static, qkv: dict, step: dict, gemm
     return x2, o.transpose(1, 2).reshape(B * S, -1), state_out
 
 
+@pdl_by_rows
 def decode_static_layer(config: dict):
     """decode_fused_layer on transformers' static KV cache: input_layernorm in the q/k/v pass's prologue (the raw
     projections: the attention kernel applies the q/k norms and rotary), attention_decode_static (the cache write at
@@ -170,6 +198,7 @@ def _eps(static: dict, norm: str) -> float:
     return float(static_value(static, norm + ".eps", norm + ".variance_epsilon"))
 
 
+@pdl_by_rows
 def decode_static_gemma2_layer(config: dict):
     """Gemma2DecoderLayer on the static KV cache: h = x + post_attention_layernorm(attn(input_layernorm(x)));
     out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))), every norm Gemma's (fp32, 1 + w).

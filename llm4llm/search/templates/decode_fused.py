@@ -258,7 +258,15 @@ def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
             "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec),
-            **rows_space(spec)}
+            **rows_space(spec), **pdl_rows_space(spec)}
+
+
+def pdl_rows_space(spec: TaskSpec) -> dict[str, list]:
+    """`pdl_max_m` (kernels_runtime.hosts.decode_layer.PDL_MAX_M: the most rows a layer call launches its kernels
+    with PDL; first the default, one row) for a task with batches on sm_90+; {} otherwise."""
+    if task_rows(spec) <= 1 or not sm90_capable(spec):
+        return {}
+    return {"pdl_max_m": [1, MAX_ROWS]}
 
 
 TMA_STAGES = [0, 2, 3, 4, 5, 6, 8]  # a stage's `TMA` (kernels_runtime.ops.gemv): 0 off, else the pipeline's depth
