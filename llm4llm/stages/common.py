@@ -93,8 +93,12 @@ def _write_json(path: Path, obj) -> Path:
     return path
 
 
-def _free(*objs) -> None:
-    del objs
+def _free() -> None:
+    """Hand the GPU memory a stage's model held back to the driver. Call it after the stage dropped its references
+    (`del model, run_fn`): freed tensors stay in PyTorch's cache until then, out of reach of the processes that come
+    next (the verifier's worker, acceptance's child). Profile and extraction once passed their model and run_fn in
+    as arguments, the caller's own names kept them alive, and the parent held a 7B model's 13.6 GB through the
+    search."""
     gc.collect()
     try:
         import torch

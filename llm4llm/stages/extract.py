@@ -50,7 +50,8 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
     path = _write_json(Path(profile_path).parent / "tasks.json", index)
-    _free(model, run_fn)
+    del model, run_fn
+    _free()
     progress.done(f"extract:{profile_path}")
     return str(path)
 

@@ -53,7 +53,8 @@ def run_profile(workload_path: str, data_dir: str) -> str:
         "profile": asdict(result),
     }
     path = _write_json(run_dir / "profile.json", payload)
-    _free(model, run_fn)
+    del model, run_fn
+    _free()
     progress.done(f"profile:{workload_path}")
     return str(path)
 
