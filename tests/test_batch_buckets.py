@@ -244,7 +244,7 @@ def test_the_regime_check_decides_a_far_slower_bundle_on_its_warm_up_runs(monkey
     script = SimpleNamespace(inputs=lambda w: {}, run=None)
     r = SimpleNamespace(on_gpu=True, wl=wl, model=object(), script=script,
                         cfg=SimpleNamespace(interleave_rounds=7, delta=0.02), deadline=None,
-                        out_of_time=lambda need_s=0.0: False)
+                        out_of_time=lambda need_s=0.0: False, bundle_out_of_time=lambda need_s: False)
     monkeypatch.setattr("llm4llm.workload.call_script", lambda fn, w: {})
     decision, narrowed = acc._regime_gate(r, bundle, object())
     assert decision.decision == "rejected" and decision.e2e_after_ms == 35e3 and decision.e2e_before_ms == 1100.0
