@@ -75,6 +75,7 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
         out[f"dot_{name}"] = {**base, **{p + k: v for p in stages for k, v in kv.items()}}
     out["dot_sk2_od"] = {**base, "o_SPLIT_K": 2, "dn_SPLIT_K": 2}  # the sweep's best: o_proj and down split in 2
     out["nopdl"] = {**base, "pdl": False}
+    out["pdl_all"] = {**base, "pdl": True, "pdl_max_m": 64}  # PDL at every batch (the default: at one row only)
     return out
 
 
@@ -359,8 +360,8 @@ def check_outputs(outs, bad):
         c = compare(outs[name], outs[first])  # bf16's tolerance: after many layers, roundings grow
         if not c.ok:
             bad.setdefault(name, f"differs from {first}: {c}"[:300])
-    for a, b in (("prefetch", "default"), ("nopdl", "default"), ("l2o", "default"), ("l2o_m16", "default"),
-                 ("m16", "default")):
+    for a, b in (("prefetch", "default"), ("nopdl", "default"), ("pdl_all", "default"), ("l2o", "default"),
+                 ("l2o_m16", "default"), ("m16", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
             bad.setdefault(a, f"PDL, PREFETCH or an L2 prefetch changed the bits of {b}")
 
