@@ -41,8 +41,8 @@ def stage(config: dict, prefix: str) -> dict:
 
 # PDL (each kernel launched while the one before drains) gains ~10 % a qwen3-4b layer at one row, and costs 4-8 % at 8
 # and 32 rows, where each GEMV's weight pass is long enough to hide its own launch (the stacked-layer bench with and
-# without it, H100; docs/hardware.md). So by default a layer's kernels use it up to PDL_MAX_M rows only; a config's
-# `pdl_max_m` moves the limit (the search may try it).
+# without it; docs/hardware.md names the measurement). So by default a layer's kernels use it up to PDL_MAX_M rows
+# only; a config's `pdl_max_m` moves the limit (the search may try it).
 PDL_MAX_M = 1
 
 
