@@ -73,3 +73,15 @@ def test_on_the_gpu_the_parent_and_the_worker_draw_the_same_and_a_host_home_keep
         assert torch.equal(a.inputs["x"].cpu(), b.inputs["x"]) and torch.equal(a.state["k_cache"].cpu(),
                                                                                 b.state["k_cache"])
     assert not torch.equal(on_gpu[1].state["k_cache"], on_gpu[2].state["k_cache"])
+
+
+def test_cuda_and_cuda_0_are_one_device_so_a_draw_there_is_not_copied(monkeypatch):
+    """The worker's device is `cuda` while its tensors say `cuda:0`: no copy, no host round trip for such a draw."""
+    from llm4llm.verify.judge import same_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert not same_device(torch.device("cuda:1"), torch.device("cuda"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda"))
+    assert same_device(torch.device("cpu"), torch.device("cpu"))

@@ -17,6 +17,8 @@ factory computes them once and a call only unpacks them.
 """
 from __future__ import annotations
 
+import functools
+
 from kernels_runtime.hosts import prefixed, static_value
 from kernels_runtime.hosts.attention_common import pad_keys, static_attention, with_past
 from kernels_runtime.ops.attention_decode import attention_decode
@@ -50,6 +52,7 @@ def pdl_by_rows(factory):
     """A decoder-layer factory whose config's PDL applies to calls of at most `pdl_max_m` rows (batch x tokens):
     two entries made once, one with PDL and one without, picked per call by the rows of hidden_states (a decode
     graph captures the one its bucket takes)."""
+    @functools.wraps(factory)
     def make(config: dict):
         with_pdl = factory(config)
         if not config.get("pdl"):
@@ -62,7 +65,6 @@ def pdl_by_rows(factory):
             rows = x.shape[0] * x.shape[1]
             return (with_pdl if rows <= limit else without)(inputs, weights, state, static)
         return entry
-    make.__name__, make.__qualname__, make.__doc__ = factory.__name__, factory.__qualname__, factory.__doc__
     return make
 
 

@@ -58,13 +58,23 @@ def draw_device(d: Draw) -> torch.device | None:
     return None if t is None else t.device
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """a and b are one device (`cuda` names the current one, which a tensor's device spells `cuda:0`)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 @contextlib.contextmanager
 def resident(d: Draw, device: torch.device):
     """The draw on `device` for the block: a draw kept on the host (make_draws' `home`, when a task's draws would
     crowd the GPU) is copied over, and after the block its host tensors are back and any reference the block
     computed (ref, ref32) is moved to the host. A draw already there is used as it is."""
     home = draw_device(d)
-    if home is None or home == torch.device(device):
+    if home is None or same_device(home, torch.device(device)):
         yield d
         return
     kept = {f: getattr(d, f) for f in _DRAW_FIELDS}
