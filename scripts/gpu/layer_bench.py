@@ -24,6 +24,7 @@ then adds the KV bytes the step reads (every row's cache up to --pos).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -75,6 +76,7 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
         out[f"dot_{name}"] = {**base, **{p + k: v for p in stages for k, v in kv.items()}}
     out["dot_sk2_od"] = {**base, "o_SPLIT_K": 2, "dn_SPLIT_K": 2}  # the sweep's best: o_proj and down split in 2
     out["nopdl"] = {**base, "pdl": False}
+    out["mask_late"] = {**base, "bench_mask_ahead": False}  # the attention's K/V loads wait on their tile's mask
     out["pdl_all"] = {**base, "pdl": True, "pdl_max_m": 64}  # PDL at every batch (the default: at one row only)
     return out
 
@@ -327,23 +329,45 @@ def graph_of(fn, before):
     return g, out
 
 
+@contextlib.contextmanager
+def bench_switches(cfg: dict):
+    """A variant's `bench_*` keys (no template option: a kernel's earlier form kept to measure against, e.g.
+    `bench_mask_ahead`) set as the attention launcher's keyword defaults while its step runs and is captured (the
+    graph keeps the kernels launched then); -> the config without them."""
+    from kernels_runtime.ops import attention_decode_static as ads
+
+    switches = {k.removeprefix("bench_"): v for k, v in cfg.items() if k.startswith("bench_")}
+    saved = dict(ads.attention_decode_static.__kwdefaults__)
+    unknown = set(switches) - set(saved)
+    if unknown:
+        raise ValueError(f"layer_bench: no attention_decode_static keyword {sorted(unknown)}")
+    ads.attention_decode_static.__kwdefaults__.update(switches)
+    try:
+        yield {k: v for k, v in cfg.items() if not k.startswith("bench_")}
+    finally:
+        ads.attention_decode_static.__kwdefaults__.clear()
+        ads.attention_decode_static.__kwdefaults__.update(saved)
+
+
 def build_variants(vs, spec, x, layers, cos, sin, pos, gpu, mask=None):
     """Each variant's step run eagerly and captured in a graph; -> (graphs, eager outputs, problems)."""
     runs, outs, bad = {}, {}, {}
     for name, cfg in vs.items():
         try:
-            entry = with_mask(template_entry(spec, cfg), mask)
-            reset(layers, pos)
-            eager = step(x, layers, cos, sin, entry)
-            if gpu:
-                torch.cuda.synchronize()
-                g, out = graph_of(lambda entry=entry: step(x, layers, cos, sin, entry), lambda: reset(layers, pos))
+            with bench_switches(cfg) as cfg:
+                entry = with_mask(template_entry(spec, cfg), mask)
                 reset(layers, pos)
-                g.replay()
-                torch.cuda.synchronize()
-                if not torch.equal(out, eager):
-                    bad[name] = "graph replay differs from the eager run"
-                runs[name] = g
+                eager = step(x, layers, cos, sin, entry)
+                if gpu:
+                    torch.cuda.synchronize()
+                    g, out = graph_of(lambda entry=entry: step(x, layers, cos, sin, entry),
+                                      lambda: reset(layers, pos))
+                    reset(layers, pos)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    if not torch.equal(out, eager):
+                        bad[name] = "graph replay differs from the eager run"
+                    runs[name] = g
             outs[name] = eager.clone()
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others go on
             bad[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -361,6 +385,7 @@ def check_outputs(outs, bad):
         if not c.ok:
             bad.setdefault(name, f"differs from {first}: {c}"[:300])
     for a, b in (("prefetch", "default"), ("nopdl", "default"), ("pdl_all", "default"), ("l2o", "default"),
+                 ("mask_late", "default"),
                  ("l2o_m16", "default"), ("m16", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
             bad.setdefault(a, f"PDL, PREFETCH or an L2 prefetch changed the bits of {b}")
