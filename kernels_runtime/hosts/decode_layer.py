@@ -30,7 +30,8 @@ STATIC_STEP_KEYS = ("pdl", "l2pf_o")
 
 
 def stage(config: dict, prefix: str) -> dict:
-    """One GEMV stage's keyword arguments: its `prefix`ed keys, the shared pipeline depth, PDL and the batch keys."""
+    """One GEMV stage's keyword arguments: its `prefix`ed keys, the shared pipeline depth, PDL and the batch keys
+    (`fma_max_m`, `dot_stages`, `norm_pass`)."""
     kw = prefixed(config, prefix)
     kw["num_stages"] = config["num_stages"]
     kw["PDL"] = bool(config.get("pdl", False))
@@ -38,6 +39,8 @@ def stage(config: dict, prefix: str) -> dict:
         kw["FMA_MAX_M"] = config["fma_max_m"]
     if "dot_stages" in config:
         kw["DOT_STAGES"] = config["dot_stages"]
+    if "norm_pass" in config:
+        kw["NORM_PASS"] = config["norm_pass"]
     return kw
 
 

@@ -46,7 +46,7 @@ from kernels_runtime.ops.gemv_reduce import (MAX_ROW, _qkv_reduce_kernel, _reduc
                                              _residual_rmsnorm_reduce_kernel, _split_sum, _swiglu_reduce_kernel)
 from kernels_runtime.ops.gemv_stream import (DOT_MIN_M, DOT_STAGES, MAX_FMA_M, MAX_ROWS, _check_cfg, _check_rows,
                                              _dot_path, _dot_tiles, _gemv_kernel, _l2_targets, _norm_row,
-                                             _rows_per_program, _split_of)
+                                             _row_rstd_kernel, _rows_per_program, _split_of)
 from kernels_runtime.ops.gemv_tma import _gemv_tma_kernel, _tma_fits, _tma_tile
 
 # Hand-picked starting points for a 132-SM HBM3 GPU (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per
@@ -146,7 +146,8 @@ def _weights(ws, K, dtype):
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
-            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES, act="silu", gemma=False):
+            TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES, act="silu", gemma=False,
+            NORM_PASS=False):
     """The weight-streaming pass over ws (1-3 weights side by side): fp32 partials [split, M, sum N], or with
     `direct_out` and no split the output itself (columns side by side; a residual only with one weight), or with
     `swiglu_up` too (ws = [gate], no split) silu(x @ gate.T) * (x @ up.T). Returns (partials or direct_out,
@@ -157,7 +158,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     (tensor, bytes) whose first bytes the pass asks the L2 for (`_gemv_kernel`'s L2PF). TMA (a pipeline depth, 0
     off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
     dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL). act: the paired
-    pass's activation (ACTS); gemma: norm_w is Gemma's (the register pass only)."""
+    pass's activation (ACTS); gemma: norm_w is Gemma's (the register pass only). NORM_PASS: where the norm
+    prologue would sum each row over K in every program (more than one row a program), a one-program-a-row pass
+    (`_row_rstd_kernel`) computes the rows' rstd first and the GEMV loads them (one more launch)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     _check_rows(FMA_MAX_M)
     M, K = x2.shape
@@ -199,12 +202,18 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     if swiglu:
         w1 = swiglu_up
     pf = _l2_targets(l2_prefetch)
+    norm_row = _norm_row(norm_w is not None, block_m, K)
+    rstd = None
+    if norm_w is not None and NORM_PASS and not norm_row:
+        rstd = torch.empty((M,), device=x2.device, dtype=torch.float32)
+        launch(_row_rstd_kernel, (M,), (x2, rstd, K, x2.stride(0), float(eps)),
+               dict(BLOCK=min(1024, triton.next_power_of_2(K))), num_warps=4)
     grid = (sum(nbs), split, triton.cdiv(M, block_m))
     ts = None if TIMELINE["buf"] is None else timeline_rows(  # (off: one lookup on the launch path)
         "swiglu" if swiglu else ("gemv" if direct else "gemv_split"), math.prod(grid))
     launch(_gemv_kernel, grid, (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2, *(t if t is not None else x2 for t, _ in pf),
-        x2 if ts is None else ts,
+        x2 if ts is None else ts, x2 if rstd is None else rstd,
         *(n for _, n in pf), M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
@@ -212,7 +221,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or (PDL and not DOT)), PDL=pdl_on(PDL),
-             NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
+             NORM_ROW=norm_row, ONE_TILE=k_per == BLOCK_K, RSTD_IN=rstd is not None,
              L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
              TIMELINE=ts is not None, GELU=act == "gelu_tanh", GEMMA=bool(gemma)),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
@@ -223,12 +232,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
          l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-         FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES) -> torch.Tensor:
+         FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
     asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only).
-    FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`), DOT_STAGES tiles in flight."""
+    FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`), DOT_STAGES tiles in flight.
+    NORM_PASS: `_stream`'s (the rows' rstd in a pass of its own)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -244,7 +254,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
         part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
                               BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
                               PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA, TMA_PRE=TMA_PRE,
-                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES)
+                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES, NORM_PASS=NORM_PASS)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -259,13 +269,14 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
                           gemma: bool = False, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
                           PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
-                          FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES
+                          FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
     down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s. out_norm_w [N]: x @ w.T RMSNorm'd
     (out_eps) before the add (Gemma-2's post_attention / post_feedforward norm); norm_w None: no norm after it (the
-    second value None); gemma: both norms Gemma's."""
+    second value None); gemma: both norms Gemma's. NORM_PASS: accepted for a layer's shared stage keys; no
+    prologue norm here."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -298,7 +309,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
                    eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
                    paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, act: str = "silu") -> torch.Tensor:
+                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, act: str = "silu",
+                   NORM_PASS: bool = False) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> act(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass
     (act: silu, or gelu_tanh for Gemma's MLP);
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (FMA or tl.dot
@@ -306,7 +318,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
     BLOCK_N rows of each would double the fp32 accumulators and cut occupancy);
     else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA (TMA_PRE,
-    TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1)."""
+    TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1). NORM_PASS: `_stream`'s."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)
     if w_up.shape != w_gate.shape:
@@ -318,7 +330,7 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
-              DOT_STAGES=DOT_STAGES, act=act)
+              DOT_STAGES=DOT_STAGES, act=act, NORM_PASS=NORM_PASS)
     bk = _dot_tiles(BLOCK_N, BLOCK_K)[1] if _dot_path(M, DOT, FMA_MAX_M) else BLOCK_K  # the K tile _stream uses
     if M and paired and BLOCK_N >= 2 and _split_of(K, bk, SPLIT_K)[0] == 1:
         _stream(x2, [w_gate], direct_out=y, swiglu_up=w_up, **{**kw, "BLOCK_N": BLOCK_N // 2}, TMA=TMA,
@@ -338,14 +350,14 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   norm_eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512,
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
                   PREFETCH: bool = False, PDL: bool = False,
-                  FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, gemma_norm: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, gemma_norm: bool = False,
+                  NORM_PASS: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
     is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm). Without
     the q/k norms, the rotary embedding and a K split, the pass writes q/k/v itself (one launch). gemma_norm: the
-    prologue norm is Gemma's (Gemma-2's input_layernorm)."""
+    prologue norm is Gemma's (Gemma-2's input_layernorm). NORM_PASS: `_stream`'s."""
     K = x.shape[-1]
     _weights([wq, wk, wv], K, x.dtype)
     D = head_dim
@@ -370,7 +382,7 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
                               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
-                              DOT_STAGES=DOT_STAGES, gemma=gemma_norm)
+                              DOT_STAGES=DOT_STAGES, gemma=gemma_norm, NORM_PASS=NORM_PASS)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

@@ -77,6 +77,13 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
     out["dot_sk2_od"] = {**base, "o_SPLIT_K": 2, "dn_SPLIT_K": 2}  # the sweep's best: o_proj and down split in 2
     out["nopdl"] = {**base, "pdl": False}
     out["mask_late"] = {**base, "bench_mask_ahead": False}  # the attention's K/V loads wait on their tile's mask
+    # the attention's cache split and tile at a batch (the default splits by rows: rows x KV heads x splits near
+    # the GPU's target programs)
+    out.update({f"attn_sp{n}": {**base, "attn_num_splits": n} for n in (2, 4, 8, 16)})
+    out["attn_n64"] = {**base, "attn_BLOCK_N": 64}
+    out["attn_w8"] = {**base, "attn_num_warps": 8}
+    out["norm_pass"] = {**base, "norm_pass": True}  # the norm prologues' row rstd in a pass of their own
+    out["o_reduce"] = {**base, "post_norm": "o_reduce"}  # the post norm in o_proj's reduction: gate/up unnormed
     out["pdl_all"] = {**base, "pdl": True, "pdl_max_m": 64}  # PDL at every batch (the default: at one row only)
     return out
 
@@ -441,8 +448,9 @@ def bench_model(model, args, meta, sms, gpu, dt, B: int = 1):
     for name in (args.timeline.split(",") if gpu and args.timeline else []):
         if name in vs and name not in bad:
             try:
-                timelines[name] = timeline(with_mask(template_entry(spec, vs[name]), mask), x, layers, cos, sin,
-                                           lambda: reset(layers, pos))
+                with bench_switches(vs[name]) as cfg:
+                    timelines[name] = timeline(with_mask(template_entry(spec, cfg), mask), x, layers, cos, sin,
+                                               lambda: reset(layers, pos))
             except Exception as exc:  # noqa: BLE001 - a timeline that cannot be taken costs the breakdown only
                 timelines[name] = f"{type(exc).__name__}: {exc}"[:300]
     check_outputs(outs, bad)

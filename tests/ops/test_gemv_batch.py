@@ -109,3 +109,40 @@ def test_fma_max_m_moves_rows_to_tl_dot(launches):
     assert [(dot, bm) for _, _, dot, bm in launches] == [(False, 4), (True, 16), (True, 16)]
     with pytest.raises(ValueError, match=r"expected FMA_MAX_M an int in 0\.\.16, got 17"):
         gemv(x, w, FMA_MAX_M=17)
+
+
+@pytest.mark.parametrize("M", [1, 5, 33])
+def test_norm_pass_computes_the_rows_rstd_once_and_matches_float64(M, launches):
+    """NORM_PASS: with more than one row a program, one program a row sums the row's squares first and the GEMV
+    loads its rstd (no per-program loop over K); at one row the one-load prologue stays and nothing more is
+    launched. Every norm'd op (gemv, gate/up, q/k/v) matches its float64 reference either way."""
+    torch.manual_seed(M)
+    dt = torch.float32
+    cfg = dict(BLOCK_N=8, BLOCK_K=16, NORM_PASS=True)
+    x, w = torch.randn(M, K, dtype=dt), _w(N, K, dt)
+    nw = (1 + 0.1 * torch.randn(K)).to(dt)
+    x64, nw64 = x.double(), nw.double()
+    assert_close(gemv(x, w, norm_w=nw, **cfg), gemv_ref(x64, w.double(), norm_w=nw64).float(), dt, name="gemv")
+    wg, wu = _w(N, K, dt), _w(N, K, dt)
+    assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, **cfg),
+                 gate_up_swiglu_ref(x64, wg.double(), wu.double(), norm_w=nw64).float(), dt, name="gate/up")
+    wq, wk, wv = _w(4 * D, K, dt), _w(2 * D, K, dt), _w(2 * D, K, dt)
+    got = qkv_norm_rope(x, wq, wk, wv, None, None, D, norm_w=nw, norm_eps=1e-5, **cfg)
+    want = qkv_norm_rope_ref(x64, wq.double(), wk.double(), wv.double(), None, None, D, norm_w=nw64, norm_eps=1e-5)
+    for name, a, b in zip("qkv", got, want):
+        assert_close(a, b.float(), dt, name=name)
+    names = [name for name, *_ in launches]
+    if M == 1:
+        assert "_row_rstd_kernel" not in names, names
+    else:
+        assert names == ["_row_rstd_kernel", "_gemv_kernel"] * 3, names
+        assert all(grid == (M,) for name, grid, *_ in launches if name == "_row_rstd_kernel"), launches
+
+
+def test_norm_pass_bf16_keeps_the_eager_roundings():
+    """bf16 at a batch: the rstd from its own pass gives HF's RMSNorm roundings as the in-program sum does."""
+    dt, M = torch.bfloat16, 9
+    x, wg, wu = torch.randn(M, K, dtype=dt), _w(N, K, dt), _w(N, K, dt)
+    nw = (1 + 0.1 * torch.randn(K)).to(dt)
+    want = gate_up_swiglu_ref(x, wg, wu, norm_w=nw)
+    assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=8, BLOCK_K=16, NORM_PASS=True), want, dt, name="pass")

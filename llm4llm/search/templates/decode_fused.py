@@ -50,12 +50,14 @@ def _stage_space(prefix: str) -> dict[str, list]:
 
 
 def rows_space(spec: TaskSpec) -> dict[str, list]:
-    """`fma_max_m` (the values below its largest batch, and the default) and `dot_stages` for a task with batches;
-    {} at batch 1."""
+    """`fma_max_m` (the values below its largest batch, and the default), `dot_stages` and `norm_pass` (a norm
+    prologue's row rstd in a pass of its own, kernels_runtime.ops.gemv's NORM_PASS) for a task with batches; {} at
+    batch 1."""
     rows = task_rows(spec)
     if rows <= 1:
         return {}
-    return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows], "dot_stages": list(DOT_STAGES)}
+    return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows], "dot_stages": list(DOT_STAGES),
+            "norm_pass": [False, True]}
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
