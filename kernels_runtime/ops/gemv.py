@@ -144,6 +144,18 @@ def _weights(ws, K, dtype):
             raise ValueError(f"gemv: expected weights in {dtype}, got {w.dtype}")
 
 
+def _batch_tiles(M: int, kw: dict) -> dict:
+    """A launcher's keywords with the tl.dot path's own tile (DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K; 0: the
+    stage's BLOCK_N / BLOCK_K / SPLIT_K, the FMA path's) in place of the stage's where this call of M rows takes
+    tl.dot (`_dot_path`): batch 1 and a batch of rows then run each at their own tile from one config."""
+    dot_kw = {k: kw.pop(k, 0) for k in ("DOT_BLOCK_N", "DOT_BLOCK_K", "DOT_SPLIT_K")}
+    if _dot_path(M, kw.get("DOT", False), kw.get("FMA_MAX_M", MAX_FMA_M)):
+        for k, v in dot_kw.items():
+            if v:
+                kw[k.removeprefix("DOT_")] = v
+    return kw
+
+
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
             TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES, act="silu", gemma=False,
@@ -232,13 +244,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
          eps: float = 1e-6, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1, num_warps: int = 4,
          num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
          l2_prefetch=(), TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
-         FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False) -> torch.Tensor:
+         FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False,
+         DOT_BLOCK_N: int = 0, DOT_BLOCK_K: int = 0, DOT_SPLIT_K: int = 0) -> torch.Tensor:
     """x: [..., K] (decode: a few rows), w: [N, K] -> x @ w.T [..., N] in x's dtype; `residual` [..., N]: plus the
     residual (the output then in its dtype); `norm_w` [K]: x RMSNorm'd (eps) first, inside the GEMV. PREFETCH /
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
     asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only).
     FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`), DOT_STAGES tiles in flight.
-    NORM_PASS: `_stream`'s (the rows' rstd in a pass of its own)."""
+    NORM_PASS: `_stream`'s (the rows' rstd in a pass of its own). DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K: the
+    tile and K split where the call takes tl.dot (`_batch_tiles`; 0: BLOCK_N, BLOCK_K, SPLIT_K)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -251,10 +265,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
         r2 = _rows2(residual, N, "residual")
     y = torch.empty((x2.shape[0], N), device=x.device, dtype=out_dtype)
     if y.numel():
-        part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, BLOCK_N=BLOCK_N,
-                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps, num_stages=num_stages, DOT=DOT,
-                              PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA, TMA_PRE=TMA_PRE,
-                              TMA_LATE=TMA_LATE, FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES, NORM_PASS=NORM_PASS)
+        kw = _batch_tiles(x2.shape[0], dict(
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT=DOT, FMA_MAX_M=FMA_MAX_M, DOT_BLOCK_N=DOT_BLOCK_N,
+            DOT_BLOCK_K=DOT_BLOCK_K, DOT_SPLIT_K=DOT_SPLIT_K))
+        part, split = _stream(x2, [w], norm_w=norm_w, eps=eps, direct_out=y, residual2=r2, num_warps=num_warps,
+                              num_stages=num_stages, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch, TMA=TMA,
+                              TMA_PRE=TMA_PRE, TMA_LATE=TMA_LATE, DOT_STAGES=DOT_STAGES, NORM_PASS=NORM_PASS, **kw)
         if split:
             blk = _reduce_block(N)
             launch(_reduce_kernel, (x2.shape[0], triton.cdiv(N, blk)), (
@@ -269,14 +285,15 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
                           gemma: bool = False, BLOCK_N: int = 16, BLOCK_K: int = 512, SPLIT_K: int = 1,
                           num_warps: int = 4, num_stages: int = 1, reduce_warps: int = 4, DOT: bool = False,
                           PREFETCH: bool = False, PDL: bool = False, l2_prefetch=(),
-                          FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False
+                          FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, NORM_PASS: bool = False,
+                          DOT_BLOCK_N: int = 0, DOT_BLOCK_K: int = 0, DOT_SPLIT_K: int = 0
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [..., K], w: [N, K], residual: [..., N], norm_w: [N] -> (h = residual + x @ w.T, RMSNorm(h) * norm_w),
     both in the residual's dtype: an o_proj with the residual add and post_attention_layernorm after it, or a
     down_proj with the next layer's input_layernorm. l2_prefetch: `gemv`'s. out_norm_w [N]: x @ w.T RMSNorm'd
     (out_eps) before the add (Gemma-2's post_attention / post_feedforward norm); norm_w None: no norm after it (the
     second value None); gemma: both norms Gemma's. NORM_PASS: accepted for a layer's shared stage keys; no
-    prologue norm here."""
+    prologue norm here. DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K: `gemv`'s."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)
     N = w.shape[0]
@@ -291,9 +308,10 @@ def gemv_residual_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tens
     h = torch.empty((M, N), device=x.device, dtype=residual.dtype)
     y = torch.empty((M, N), device=x.device, dtype=residual.dtype) if norm_w is not None else h
     if M:
-        part, split = _stream(x2, [w], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, l2_prefetch=l2_prefetch,
-                              FMA_MAX_M=FMA_MAX_M, DOT_STAGES=DOT_STAGES)
+        kw = _batch_tiles(M, dict(BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT=DOT, FMA_MAX_M=FMA_MAX_M,
+                                  DOT_BLOCK_N=DOT_BLOCK_N, DOT_BLOCK_K=DOT_BLOCK_K, DOT_SPLIT_K=DOT_SPLIT_K))
+        part, split = _stream(x2, [w], num_warps=num_warps, num_stages=num_stages, PREFETCH=PREFETCH, PDL=PDL,
+                              l2_prefetch=l2_prefetch, DOT_STAGES=DOT_STAGES, **kw)
         launch(_residual_rmsnorm_reduce_kernel, (M,), (
             part, r2, h if norm_w is None else norm_w, h if out_norm_w is None else out_norm_w, h, y, M, N, split,
             r2.stride(0), h.stride(0), y.stride(0), float(eps), float(out_eps)),
@@ -310,7 +328,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
                    num_stages: int = 1, DOT: bool = False, PREFETCH: bool = False, PDL: bool = False,
                    paired: bool = True, TMA: int = 0, TMA_PRE: bool = False, TMA_LATE: bool = False,
                    FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, act: str = "silu",
-                   NORM_PASS: bool = False) -> torch.Tensor:
+                   NORM_PASS: bool = False, DOT_BLOCK_N: int = 0, DOT_BLOCK_K: int = 0,
+                   DOT_SPLIT_K: int = 0) -> torch.Tensor:
     """x: [..., K], w_gate/w_up: [I, K] -> act(x @ w_gate.T) * (x @ w_up.T) [..., I], both weights in one pass
     (act: silu, or gelu_tanh for Gemma's MLP);
     `norm_w` [K]: x RMSNorm'd first inside the GEMV (post_attention_layernorm). Without a K split (FMA or tl.dot
@@ -318,7 +337,8 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     (`paired`: one launch, the same bytes and accumulator registers a program as an unpaired BLOCK_N-row program;
     BLOCK_N rows of each would double the fp32 accumulators and cut occupancy);
     else gate and up are blocks of one pass and a second launch takes the product of the sums. TMA (TMA_PRE,
-    TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1). NORM_PASS: `_stream`'s."""
+    TMA_LATE): the paired pass's weight tiles by TMA (`_stream`'s, batch 1). NORM_PASS: `_stream`'s.
+    DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K: `gemv`'s (DOT_BLOCK_N counts gate and up rows together, as BLOCK_N)."""
     K = x.shape[-1]
     _weights([w_gate, w_up], K, x.dtype)
     if w_up.shape != w_gate.shape:
@@ -327,6 +347,9 @@ def gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
     x2 = _rows2(x, K, "x")
     M = x2.shape[0]
     y = torch.empty((M, I), device=x.device, dtype=x.dtype)
+    tiles = _batch_tiles(M, dict(BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT=DOT, FMA_MAX_M=FMA_MAX_M,
+                                 DOT_BLOCK_N=DOT_BLOCK_N, DOT_BLOCK_K=DOT_BLOCK_K, DOT_SPLIT_K=DOT_SPLIT_K))
+    BLOCK_N, BLOCK_K, SPLIT_K = tiles["BLOCK_N"], tiles["BLOCK_K"], tiles["SPLIT_K"]
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     kw = dict(norm_w=norm_w, eps=eps, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
               num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
@@ -351,13 +374,15 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
                   SPLIT_K: int = 1, num_warps: int = 4, num_stages: int = 1, DOT: bool = False,
                   PREFETCH: bool = False, PDL: bool = False,
                   FMA_MAX_M: int = MAX_FMA_M, DOT_STAGES: int = DOT_STAGES, gemma_norm: bool = False,
-                  NORM_PASS: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  NORM_PASS: bool = False, DOT_BLOCK_N: int = 0, DOT_BLOCK_K: int = 0, DOT_SPLIT_K: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., K] (M rows), wq: [Hq * D, K], wk/wv: [Hkv * D, K], cos/sin: [..., D] (the token's rotary table,
     HF's position_embeddings) or None -> q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D] (views of one buffer), with
     the per-head q/k RMSNorms (Qwen3, eps) when q_norm_w/k_norm_w [D] are given and the rotary embedding when cos
     is; `norm_w` [K]: x RMSNorm'd (norm_eps) first inside the GEMV (a decoder layer's input_layernorm). Without
     the q/k norms, the rotary embedding and a K split, the pass writes q/k/v itself (one launch). gemma_norm: the
-    prologue norm is Gemma's (Gemma-2's input_layernorm). NORM_PASS: `_stream`'s."""
+    prologue norm is Gemma's (Gemma-2's input_layernorm). NORM_PASS: `_stream`'s. DOT_BLOCK_N, DOT_BLOCK_K,
+    DOT_SPLIT_K: `gemv`'s."""
     K = x.shape[-1]
     _weights([wq, wk, wv], K, x.dtype)
     D = head_dim
@@ -379,10 +404,11 @@ def qkv_norm_rope(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch
     y = torch.empty((M, ntot), device=x.device, dtype=x.dtype)
     plain = q_norm_w is None and c2 is None  # nothing per head after the projections
     if M:
+        kw = _batch_tiles(M, dict(BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT=DOT, FMA_MAX_M=FMA_MAX_M,
+                                  DOT_BLOCK_N=DOT_BLOCK_N, DOT_BLOCK_K=DOT_BLOCK_K, DOT_SPLIT_K=DOT_SPLIT_K))
         part, split = _stream(x2, [wq, wk, wv], norm_w=norm_w, eps=norm_eps, direct_out=y if plain else None,
-                              BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=num_warps,
-                              num_stages=num_stages, DOT=DOT, PREFETCH=PREFETCH, PDL=PDL, FMA_MAX_M=FMA_MAX_M,
-                              DOT_STAGES=DOT_STAGES, gemma=gemma_norm, NORM_PASS=NORM_PASS)
+                              num_warps=num_warps, num_stages=num_stages, PREFETCH=PREFETCH, PDL=PDL,
+                              DOT_STAGES=DOT_STAGES, gemma=gemma_norm, NORM_PASS=NORM_PASS, **kw)
     if M and split:
         launch(_qkv_reduce_kernel, (M, hq + 2 * hkv), (
             part, y if c2 is None else c2, y if s2 is None else s2, y if q_norm_w is None else q_norm_w,

@@ -71,10 +71,13 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
     stages = ("qkv_", "o_", "gu_", "dn_")
     out = {f"fma{v}": {**base, "fma_max_m": v} for v in (2, 4, 8, 16) if v < B}
     out.update({f"st{v}": {**base, "dot_stages": v} for v in (2, 3) if v != base.get("dot_stages")})
-    for name, kv in (("n32", {"BLOCK_N": 32}), ("n32k128", {"BLOCK_N": 32, "BLOCK_K": 128}), ("k128", {"BLOCK_K": 128}),
-                     ("w8", {"num_warps": 8}), ("sk2", {"SPLIT_K": 2})):
+    # the tl.dot tiles (the stages' DOT_* keys; the default: the GEMV sweep's best point per projection)
+    for name, kv in (("n32", {"DOT_BLOCK_N": 32}), ("n128", {"DOT_BLOCK_N": 128}), ("k128", {"DOT_BLOCK_K": 128}),
+                     ("k256", {"DOT_BLOCK_K": 256}), ("w8", {"num_warps": 8}), ("sk1", {"DOT_SPLIT_K": 1}),
+                     ("sk2", {"DOT_SPLIT_K": 2})):
         out[f"dot_{name}"] = {**base, **{p + k: v for p in stages for k, v in kv.items()}}
-    out["dot_sk2_od"] = {**base, "o_SPLIT_K": 2, "dn_SPLIT_K": 2}  # the sweep's best: o_proj and down split in 2
+    # the tiles derived from the batch-1 FMA tiles (16 x 256 here, no split): the tl.dot path before DOT_*
+    out["dot_derived"] = {**base, **{p + k: 0 for p in stages for k in ("DOT_BLOCK_N", "DOT_BLOCK_K", "DOT_SPLIT_K")}}
     out["nopdl"] = {**base, "pdl": False}
     out["mask_late"] = {**base, "bench_mask_ahead": False}  # the attention's K/V loads wait on their tile's mask
     # the attention's cache split and tile at a batch (the default splits by rows: rows x KV heads x splits near

@@ -146,3 +146,30 @@ def test_norm_pass_bf16_keeps_the_eager_roundings():
     nw = (1 + 0.1 * torch.randn(K)).to(dt)
     want = gate_up_swiglu_ref(x, wg, wu, norm_w=nw)
     assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=8, BLOCK_K=16, NORM_PASS=True), want, dt, name="pass")
+
+
+def test_dot_tiles_apply_to_calls_on_tl_dot_only(launches):
+    """DOT_BLOCK_N / DOT_BLOCK_K / DOT_SPLIT_K: a call of more rows than FMA_MAX_M runs at the tl.dot tile (grid:
+    N over DOT_BLOCK_N, DOT_SPLIT_K splits), a call on the FMA path at the stage's own tile; 0 keeps the stage's
+    tile on tl.dot too. Both match float64."""
+    Kb, Nb = 64, 48
+    w = _w(Nb, Kb, torch.float32)
+    cfg = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=1, FMA_MAX_M=4, DOT_BLOCK_N=16, DOT_BLOCK_K=16, DOT_SPLIT_K=2)
+    for M in (3, 9):
+        x = torch.randn(M, Kb)
+        assert_close(gemv(x, w, **cfg), gemv_ref(x.double(), w.double()).float(), name=f"{M} rows")
+    gemv(torch.randn(9, Kb), w, **{**cfg, "DOT_BLOCK_N": 0, "DOT_BLOCK_K": 0, "DOT_SPLIT_K": 0})
+    grids = [(grid[:2], dot) for name, grid, dot, _ in launches if name == "_gemv_kernel"]
+    assert grids == [((6, 1), False), ((3, 2), True), ((3, 1), True)], grids
+
+
+def test_gate_up_dot_tiles_count_gate_and_up_rows_together(launches):
+    """gate_up_swiglu's DOT_BLOCK_N, as its BLOCK_N: gate and up rows of a paired program together (32 -> 16 of
+    each); a DOT_SPLIT_K past 1 takes the unpaired pass (blocks of 32 rows of each weight) and its reduction."""
+    M, I = 20, 64
+    x, wg, wu = torch.randn(M, K), _w(I, K, torch.float32), _w(I, K, torch.float32)
+    want = gate_up_swiglu_ref(x.double(), wg.double(), wu.double()).float()
+    assert_close(gate_up_swiglu(x, wg, wu, DOT_BLOCK_N=32, DOT_BLOCK_K=16), want, name="paired")
+    assert_close(gate_up_swiglu(x, wg, wu, DOT_BLOCK_N=32, DOT_BLOCK_K=16, DOT_SPLIT_K=2), want, name="split")
+    assert [(n, g[:2]) for n, g, *_ in launches] == [("_gemv_kernel", (4, 1)), ("_gemv_kernel", (4, 2)),
+                                                     ("_swiglu_reduce_kernel", (M, 1))], launches

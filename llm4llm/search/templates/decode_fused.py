@@ -49,15 +49,34 @@ def _stage_space(prefix: str) -> dict[str, list]:
     return {prefix + k: list(v) for k, v in STAGE.items()}
 
 
-def rows_space(spec: TaskSpec) -> dict[str, list]:
-    """`fma_max_m` (the values below its largest batch, and the default), `dot_stages` and `norm_pass` (a norm
-    prologue's row rstd in a pass of its own, kernels_runtime.ops.gemv's NORM_PASS) for a task with batches; {} at
-    batch 1."""
+def rows_space(spec: TaskSpec, *prefixes: str) -> dict[str, list]:
+    """`fma_max_m` (the values below its largest batch, and the default), `dot_stages`, `norm_pass` (a norm
+    prologue's row rstd in a pass of its own, kernels_runtime.ops.gemv's NORM_PASS) and the tl.dot tiles of the
+    stages `prefixes` (`dot_tile_space`) for a task with batches; {} at batch 1."""
     rows = task_rows(spec)
     if rows <= 1:
         return {}
     return {"fma_max_m": [v for v in FMA_ROWS if v == FMA_ROWS[0] or v < rows], "dot_stages": list(DOT_STAGES),
-            "norm_pass": [False, True]}
+            "norm_pass": [False, True], **dot_tile_space(spec, *prefixes)}
+
+
+# The tl.dot path's own tile a stage (kernels_runtime.ops.gemv's DOT_BLOCK_N / DOT_BLOCK_K / DOT_SPLIT_K), so that
+# batch 1 and a batch each run at their own tile from one config. First value, the default: the GEMV batch sweep's
+# best point per projection over 8 and 32 rows on qwen3-4b's shapes (docs/hardware.md names the measurement); 0
+# derives the tile from the stage's FMA tile (raised to tl.dot's minimum), the earlier behaviour.
+DOT_TILE_DEFAULTS = {"qkv_": (64, 128, 1), "o_": (64, 256, 2), "gu_": (128, 128, 1), "dn_": (64, 256, 2)}
+DOT_TILE_VALUES = {"DOT_BLOCK_N": [16, 32, 64, 128], "DOT_BLOCK_K": [64, 128, 256], "DOT_SPLIT_K": [1, 2, 4]}
+
+
+def dot_tile_space(spec: TaskSpec, *prefixes: str) -> dict[str, list]:
+    """The tl.dot tile keys of the stages `prefixes` for a task with batches (the default first, 0 last)."""
+    if task_rows(spec) <= 1:
+        return {}
+    out = {}
+    for p in prefixes:
+        for (key, values), first in zip(DOT_TILE_VALUES.items(), DOT_TILE_DEFAULTS[p]):
+            out[p + key] = [first, *(v for v in values if v != first), 0]
+    return out
 
 
 def _stage_default(prefix: str, n_out: int, k: int, sms: int) -> dict:
@@ -115,7 +134,7 @@ def _mlp_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int]:
 
 
 def _mlp_space(spec):
-    return {**_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3], **rows_space(spec)}
+    return {**_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3], **rows_space(spec, "gu_", "dn_")}
 
 
 def _mlp_default(spec):
@@ -154,7 +173,8 @@ def _attn_dims(spec: TaskSpec, prefix: str = "") -> tuple[int, int, int]:
 
 def _attn_space(spec):
     attn = {k: v for k, v in ATTN_DECODE.items() if k != "cache_update"}
-    return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3], **rows_space(spec)}
+    return {**_stage_space("qkv_"), **_stage_space("o_"), **attn, "num_stages": [1, 2, 3],
+            **rows_space(spec, "qkv_", "o_")}
 
 
 def _attn_default(spec, prefix=""):
@@ -195,7 +215,7 @@ def _layer_applies(spec: TaskSpec) -> str | None:
 
 def _layer_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_attn_space(spec), **_stage_space("gu_"),
-            **_stage_space("dn_")}
+            **_stage_space("dn_"), **dot_tile_space(spec, "gu_", "dn_")}
 
 
 def _layer_default(spec):
@@ -260,7 +280,7 @@ def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
             "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec),
-            **rows_space(spec), **pdl_rows_space(spec)}
+            **rows_space(spec, "qkv_", "o_", "gu_", "dn_"), **pdl_rows_space(spec)}
 
 
 def pdl_rows_space(spec: TaskSpec) -> dict[str, list]:
