@@ -156,6 +156,15 @@ def _batch_tiles(M: int, kw: dict) -> dict:
     return kw
 
 
+def _rstd_pass(x2: torch.Tensor, eps: float) -> torch.Tensor:
+    """The rows' RMSNorm rstd [M] (fp32), one program a row (`_stream`'s NORM_PASS)."""
+    M, K = x2.shape
+    rstd = torch.empty((M,), device=x2.device, dtype=torch.float32)
+    launch(_row_rstd_kernel, (M,), (x2, rstd, K, x2.stride(0), float(eps)),
+           dict(BLOCK=min(1024, triton.next_power_of_2(K))), num_warps=4)
+    return rstd
+
+
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
             SPLIT_K, num_warps, num_stages, DOT=False, PREFETCH=False, PDL=False, l2_prefetch=(), TMA=0,
             TMA_PRE=False, TMA_LATE=False, FMA_MAX_M=MAX_FMA_M, DOT_STAGES=DOT_STAGES, act="silu", gemma=False,
@@ -215,11 +224,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
         w1 = swiglu_up
     pf = _l2_targets(l2_prefetch)
     norm_row = _norm_row(norm_w is not None, block_m, K)
-    rstd = None
-    if norm_w is not None and NORM_PASS and not norm_row:
-        rstd = torch.empty((M,), device=x2.device, dtype=torch.float32)
-        launch(_row_rstd_kernel, (M,), (x2, rstd, K, x2.stride(0), float(eps)),
-               dict(BLOCK=min(1024, triton.next_power_of_2(K))), num_warps=4)
+    rstd = _rstd_pass(x2, eps) if norm_w is not None and NORM_PASS and not norm_row else None
     grid = (sum(nbs), split, triton.cdiv(M, block_m))
     ts = None if TIMELINE["buf"] is None else timeline_rows(  # (off: one lookup on the launch path)
         "swiglu" if swiglu else ("gemv" if direct else "gemv_split"), math.prod(grid))
