@@ -65,16 +65,18 @@ def test_layer_bench_smoke_run(tmp_path):
 
 def test_layer_bench_runs_a_left_padded_batch(tmp_path):
     """layer_bench.py --batch 3: the stack at three rows, the batch's mask among the entry's inputs, the batch
-    default (tl.dot past one row, 4 stages) and its own points, each matching the first variant."""
+    default (tl.dot past one row, 3 stages, the post norm in o_proj's reduction) and its own points (the earlier
+    default, the attention's mask loaded late: a bench switch, bit-equal), each matching the first variant."""
     out = tmp_path / "layers.jsonl"
     res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--batch", "3", "--out", str(out),
-                "--only", "default,fma2,st2,dot_sk2_od"])
+                "--only", "default,fma2,st2,prev_default,mask_late"])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["default", "fma2", "st2", "dot_sk2_od"]
+    assert [r["variant"] for r in rows] == ["default", "fma2", "st2", "mask_late", "prev_default"]
     assert all(r["ok"] and r["batch"] == 3 and r["kv_bytes"] > 0 for r in rows), rows
     default = rows[0]["config"]
-    assert default["fma_max_m"] == 1 and default["dot_stages"] == 4
+    assert default["fma_max_m"] == 1 and default["dot_stages"] == 3 and default["post_norm_batch"] == "o_reduce"
+    assert rows[4]["config"]["dot_stages"] == 4 and rows[3]["config"]["bench_mask_ahead"] is False
 
 
 def test_tilemix_bench_records_the_committed_frontier_into_duckdb(tmp_path):

@@ -132,9 +132,23 @@ def mlp_half(config: dict):
     """(o, x2, weights, static) -> the layer's output rows: o_proj + the residual add (x2: the layer's input rows) +
     post_attention_layernorm, gate/up + SwiGLU, down_proj + the second residual add. `post_norm` picks where the
     norm runs: o_proj's reduction (one program a row; `o_reduce`) or gate/up's prologue (every gate/up program
-    reads the row for its rstd; `gate_up_prologue`)."""
+    reads the row for its rstd; `gate_up_prologue`). `post_norm_batch` (a task with batches) picks it for calls of
+    more than one row: on tl.dot tiles the prologue's per-tile normalisation, redone by every gate/up program, cost
+    more than o_proj's extra reduction launch (docs/hardware.md)."""
+    single = _mlp_half(config, config["post_norm"])
+    batch = config.get("post_norm_batch", config["post_norm"])
+    if batch == config["post_norm"]:
+        return single
+    rows = _mlp_half(config, batch)
+
+    def mlp(o, x2, weights, static):
+        return (single if o.shape[0] <= 1 else rows)(o, x2, weights, static)
+    return mlp
+
+
+def _mlp_half(config: dict, post_norm: str):
     o_kw, gu, dn, prefetch = stage(config, "o_"), stage(config, "gu_"), stage(config, "dn_"), mlp_prefetch(config)
-    if config["post_norm"] == "o_reduce":
+    if post_norm == "o_reduce":
         def mlp(o, x2, weights, static):
             h, hn = gemv_residual_rmsnorm(o, weights["self_attn.o_proj.weight"], x2,
                                           weights["post_attention_layernorm.weight"],

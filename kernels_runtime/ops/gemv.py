@@ -46,7 +46,7 @@ from kernels_runtime.ops.gemv_reduce import (MAX_ROW, _qkv_reduce_kernel, _reduc
                                              _residual_rmsnorm_reduce_kernel, _split_sum, _swiglu_reduce_kernel)
 from kernels_runtime.ops.gemv_stream import (DOT_MIN_M, DOT_STAGES, MAX_FMA_M, MAX_ROWS, _check_cfg, _check_rows,
                                              _dot_path, _dot_tiles, _gemv_kernel, _l2_targets, _norm_row,
-                                             _row_rstd_kernel, _rows_per_program, _split_of)
+                                             _row_norm_kernel, _rows_per_program, _split_of)
 from kernels_runtime.ops.gemv_tma import _gemv_tma_kernel, _tma_fits, _tma_tile
 
 # Hand-picked starting points for a 132-SM HBM3 GPU (bf16, batch 1): 16-row tiles 512 deep are 16 KB a step per
@@ -156,13 +156,15 @@ def _batch_tiles(M: int, kw: dict) -> dict:
     return kw
 
 
-def _rstd_pass(x2: torch.Tensor, eps: float) -> torch.Tensor:
-    """The rows' RMSNorm rstd [M] (fp32), one program a row (`_stream`'s NORM_PASS)."""
+def _norm_pass(x2: torch.Tensor, norm_w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """x2's rows RMSNorm'd (HF's roundings, Gemma's with `gemma`) into a new [M, K] tensor of x2's dtype, one
+    program a row (`_stream`'s NORM_PASS)."""
     M, K = x2.shape
-    rstd = torch.empty((M,), device=x2.device, dtype=torch.float32)
-    launch(_row_rstd_kernel, (M,), (x2, rstd, K, x2.stride(0), float(eps)),
-           dict(BLOCK=min(1024, triton.next_power_of_2(K))), num_warps=4)
-    return rstd
+    y = torch.empty_like(x2)
+    launch(_row_norm_kernel, (M,), (x2, norm_w, y, K, x2.stride(0), y.stride(0), float(eps)),
+           dict(GEMMA=bool(gemma), ACT_DTYPE=_TL.get(x2.dtype, tl.float32), BLOCK=min(1024, triton.next_power_of_2(K))),
+           num_warps=4)
+    return y
 
 
 def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, swiglu_up=None, BLOCK_N, BLOCK_K,
@@ -180,8 +182,9 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     off): the weight tiles by TMA (`_gemv_tma_kernel`) where the pass fits it (`_tma_fits`; l2_prefetch then
     dropped), else the register pass; TMA_PRE / TMA_LATE: that kernel's PRE and LATE (with PDL). act: the paired
     pass's activation (ACTS); gemma: norm_w is Gemma's (the register pass only). NORM_PASS: where the norm
-    prologue would sum each row over K in every program (more than one row a program), a one-program-a-row pass
-    (`_row_rstd_kernel`) computes the rows' rstd first and the GEMV loads them (one more launch)."""
+    prologue would normalise the rows tile by tile in every program (more than one row a program), a
+    one-program-a-row pass (`_row_norm_kernel`, the same roundings) writes the normalised rows first and the GEMV
+    streams against them without a prologue (one more launch)."""
     _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K)
     _check_rows(FMA_MAX_M)
     M, K = x2.shape
@@ -223,14 +226,14 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
     if swiglu:
         w1 = swiglu_up
     pf = _l2_targets(l2_prefetch)
-    norm_row = _norm_row(norm_w is not None, block_m, K)
-    rstd = _rstd_pass(x2, eps) if norm_w is not None and NORM_PASS and not norm_row else None
+    if norm_w is not None and NORM_PASS and not _norm_row(True, block_m, K):
+        x2, norm_w = _norm_pass(x2, norm_w, eps, gemma), None
     grid = (sum(nbs), split, triton.cdiv(M, block_m))
     ts = None if TIMELINE["buf"] is None else timeline_rows(  # (off: one lookup on the launch path)
         "swiglu" if swiglu else ("gemv" if direct else "gemv_split"), math.prod(grid))
     launch(_gemv_kernel, grid, (
         x2, x2 if norm_w is None else norm_w, w0, w1, w2, out, r2, *(t if t is not None else x2 for t, _ in pf),
-        x2 if ts is None else ts, x2 if rstd is None else rstd,
+        x2 if ts is None else ts,
         *(n for _, n in pf), M, K, k_per, ns[0], ns[1], ns[2], nbs[0], nbs[0] + nbs[1], ntot,
         x2.stride(0), out.stride(-2) if direct else ntot, r2.stride(-2) if residual2 is not None else 0, float(eps)),
         dict(PRO_NORM=norm_w is not None, DIRECT=direct, HAS_RES=direct and residual2 is not None,
@@ -238,7 +241,7 @@ def _stream(x2, ws, *, norm_w=None, eps=0.0, direct_out=None, residual2=None, sw
              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=bool(DOT), UPCAST_DOT=bool(DOT) and interpreting(),
              DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", SWIGLU=swiglu,
              PREFETCH=bool(PREFETCH or (PDL and not DOT)), PDL=pdl_on(PDL),
-             NORM_ROW=norm_row, ONE_TILE=k_per == BLOCK_K, RSTD_IN=rstd is not None,
+             NORM_ROW=_norm_row(norm_w is not None, block_m, K), ONE_TILE=k_per == BLOCK_K,
              L2PF=sum(n > 0 for _, n in pf) if l2_prefetch_on(pf[0][1]) else 0, LANES=32 * num_warps,
              TIMELINE=ts is not None, GELU=act == "gelu_tanh", GEMMA=bool(gemma)),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(PDL))
@@ -256,7 +259,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = No
     PDL: `_gemv_kernel`'s; l2_prefetch: up to two (tensor, bytes or None for all) of a later kernel that the pass
     asks the L2 for (a hint: the result does not depend on it). TMA, TMA_PRE, TMA_LATE: `_stream`'s (batch 1 only).
     FMA_MAX_M: the most rows the FMA path takes; more take tl.dot (`_dot_path`), DOT_STAGES tiles in flight.
-    NORM_PASS: `_stream`'s (the rows' rstd in a pass of its own). DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K: the
+    NORM_PASS: `_stream`'s (the rows normalised in a pass of their own). DOT_BLOCK_N, DOT_BLOCK_K, DOT_SPLIT_K: the
     tile and K split where the call takes tl.dot (`_batch_tiles`; 0: BLOCK_N, BLOCK_K, SPLIT_K)."""
     K = x.shape[-1]
     _weights([w], K, x.dtype)

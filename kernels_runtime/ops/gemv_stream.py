@@ -28,7 +28,7 @@ DOT_STAGES = 4
 @triton.jit
 def _gemv_kernel(
     # Pointers
-    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr, ts_ptr, rstd_ptr,
+    x_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, p_ptr, r_ptr, pf0_ptr, pf1_ptr, ts_ptr,
     # Dimensions: segment widths N0, N1, N2, their first block indices NB1 = blocks(N0), NB2 = NB1 + blocks(N1);
     # the bytes of pf0 / pf1 to prefetch into L2
     PF0_BYTES, PF1_BYTES, M, K, K_PER, N0, N1, N2, NB1, NB2, NTOT,
@@ -42,11 +42,8 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     NORM_ROW: tl.constexpr = 0, ONE_TILE: tl.constexpr = False, L2PF: tl.constexpr = 0, LANES: tl.constexpr = 128,
     TIMELINE: tl.constexpr = False, GELU: tl.constexpr = False, GEMMA: tl.constexpr = False,
-    RSTD_IN: tl.constexpr = False,
 ):
     # GELU: SWIGLU's activation is GELU's tanh form (Gemma's MLP); GEMMA: the prologue norm is Gemma's (1 + w).
-    # RSTD_IN (PRO_NORM): each row's rstd read from rstd_ptr (`_row_rstd_kernel`, launched before) instead of
-    # summed over K by every program before it streams.
     # Grid (blocks over N0 + N1 + N2, SPLIT_K, blocks over M). DIRECT (no split): y[:, col] = out (+ residual, one
     # segment only) stored in p_ptr's dtype; else fp32 partial sums p[split, m, col]. SWIGLU (DIRECT, one segment:
     # the gate): the program also streams the same rows of the up weight (w1_ptr) and stores silu(gate) * up.
@@ -99,9 +96,7 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
     stamp(ts_ptr, pid_ts, 1, TIMELINE)
     if PRO_NORM:  # rstd of each x row over all of K (from L2: every program reads the row)
-        if RSTD_IN:  # one load: the rows' rstd from the pass before
-            rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=1.0)
-        elif NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
+        if NORM_ROW > 0:  # the whole row in one load: one L2 round trip before streaming, not one a tile
             rr = tl.arange(0, NORM_ROW)
             xs = tl.load(x_rows + rr[None, :], mask=m_ok[:, None] & (rr < K)[None, :], other=0.0).to(tl.float32)
             ss = tl.sum(xs * xs, axis=1)
@@ -111,8 +106,7 @@ def _gemv_kernel(
                 xs = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & ((k0 + rk) < K)[None, :],
                              other=0.0).to(tl.float32)
                 ss += tl.sum(xs * xs, axis=1)
-        if not RSTD_IN:
-            rstd = tl.rsqrt(ss / K + eps)
+        rstd = tl.rsqrt(ss / K + eps)
     if DOT:  # the tensor cores over a 16..64-row x tile (rows past M masked): Triton pipelines dot operands' loads
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
@@ -202,16 +196,24 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _row_rstd_kernel(x_ptr, rstd_ptr, K, stride_xm, eps, BLOCK: tl.constexpr):
-    # One program a row: rstd = 1 / sqrt(mean(x^2) + eps) in fp32, for a GEMV's norm prologue (`RSTD_IN`): the
-    # GEMV's programs then load one value a row instead of each summing the row over K before streaming.
+def _row_norm_kernel(x_ptr, nw_ptr, y_ptr, K, stride_xm, stride_ym, eps, GEMMA: tl.constexpr,
+                     ACT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    # One program a row: y = HF's RMSNorm of x (rms_scale: the prologue's roundings, so the GEMV that reads y computes
+    # what its PRO_NORM prologue would), for a GEMV of several rows a program (`_stream`'s NORM_PASS): its programs
+    # then stream weights against y instead of each summing and scaling the rows tile by tile.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ss = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         xs = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
         ss += xs * xs
-    tl.store(rstd_ptr + row, tl.rsqrt(tl.sum(ss, axis=0) / K + eps))
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    for k0 in range(0, K, BLOCK):
+        ok = (k0 + offs) < K
+        xs = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + k0 + offs, rms_scale(xs, rstd, w, GEMMA, ACT_DTYPE).to(
+            y_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_cfg(BLOCK_N, BLOCK_K, SPLIT_K):

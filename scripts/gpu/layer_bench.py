@@ -85,8 +85,11 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
     out.update({f"attn_sp{n}": {**base, "attn_num_splits": n} for n in (2, 4, 8, 16)})
     out["attn_n64"] = {**base, "attn_BLOCK_N": 64}
     out["attn_w8"] = {**base, "attn_num_warps": 8}
-    out["norm_pass"] = {**base, "norm_pass": True}  # the norm prologues' row rstd in a pass of their own
-    out["o_reduce"] = {**base, "post_norm": "o_reduce"}  # the post norm in o_proj's reduction: gate/up unnormed
+    out["norm_pass"] = {**base, "norm_pass": True}  # the prologue norms' rows normalised in a pass of their own
+    # the batch defaults before the stacked-layer bench of 2026-12-07 (post norm in gate/up's prologue, 4 tl.dot
+    # tiles in flight), and the post norm's other placement
+    out["prev_default"] = {**base, "post_norm_batch": "gate_up_prologue", "dot_stages": 4}
+    out["gu_prologue"] = {**base, "post_norm_batch": "gate_up_prologue"}
     out["pdl_all"] = {**base, "pdl": True, "pdl_max_m": 64}  # PDL at every batch (the default: at one row only)
     return out
 

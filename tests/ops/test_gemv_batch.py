@@ -112,9 +112,9 @@ def test_fma_max_m_moves_rows_to_tl_dot(launches):
 
 
 @pytest.mark.parametrize("M", [1, 5, 33])
-def test_norm_pass_computes_the_rows_rstd_once_and_matches_float64(M, launches):
-    """NORM_PASS: with more than one row a program, one program a row sums the row's squares first and the GEMV
-    loads its rstd (no per-program loop over K); at one row the one-load prologue stays and nothing more is
+def test_norm_pass_normalises_the_rows_once_and_matches_float64(M, launches):
+    """NORM_PASS: with more than one row a program, one program a row normalises the rows first and the GEMV
+    streams against them without its prologue; at one row the one-load prologue stays and nothing more is
     launched. Every norm'd op (gemv, gate/up, q/k/v) matches its float64 reference either way."""
     torch.manual_seed(M)
     dt = torch.float32
@@ -133,19 +133,28 @@ def test_norm_pass_computes_the_rows_rstd_once_and_matches_float64(M, launches):
         assert_close(a, b.float(), dt, name=name)
     names = [name for name, *_ in launches]
     if M == 1:
-        assert "_row_rstd_kernel" not in names, names
+        assert "_row_norm_kernel" not in names, names
     else:
-        assert names == ["_row_rstd_kernel", "_gemv_kernel"] * 3, names
-        assert all(grid == (M,) for name, grid, *_ in launches if name == "_row_rstd_kernel"), launches
+        assert names == ["_row_norm_kernel", "_gemv_kernel"] * 3, names
+        assert all(grid == (M,) for name, grid, *_ in launches if name == "_row_norm_kernel"), launches
 
 
-def test_norm_pass_bf16_keeps_the_eager_roundings():
-    """bf16 at a batch: the rstd from its own pass gives HF's RMSNorm roundings as the in-program sum does."""
+@pytest.mark.parametrize("gemma", [False, True])
+def test_norm_pass_bf16_equals_the_prologue(gemma):
+    """bf16 at a batch: the rows normalised by their own pass (HF's roundings; Gemma's 1 + w) give what the GEMV's
+    prologue gives, to the bit here, and the eager roundings."""
     dt, M = torch.bfloat16, 9
-    x, wg, wu = torch.randn(M, K, dtype=dt), _w(N, K, dt), _w(N, K, dt)
+    x, w = torch.randn(M, K, dtype=dt), _w(N, K, dt)
     nw = (1 + 0.1 * torch.randn(K)).to(dt)
-    want = gate_up_swiglu_ref(x, wg, wu, norm_w=nw)
-    assert_close(gate_up_swiglu(x, wg, wu, norm_w=nw, BLOCK_N=8, BLOCK_K=16, NORM_PASS=True), want, dt, name="pass")
+    wq, wk = _w(4 * D, K, dt), _w(2 * D, K, dt)
+    cfg = dict(BLOCK_N=8, BLOCK_K=16, norm_w=nw, norm_eps=1e-5, gemma_norm=gemma)
+    a = qkv_norm_rope(x, wq, wk, wk, None, None, D, **cfg)
+    b = qkv_norm_rope(x, wq, wk, wk, None, None, D, NORM_PASS=True, **cfg)
+    for name, p, q in zip("qkv", a, b):
+        assert torch.equal(p, q), name
+    want = qkv_norm_rope_ref(x, wq, wk, wk, None, None, D, norm_w=nw, norm_eps=1e-5, gemma_norm=gemma)
+    for name, p, q in zip("qkv", b, want):
+        assert_close(p, q, dt, name=name)
 
 
 def test_dot_tiles_apply_to_calls_on_tl_dot_only(launches):

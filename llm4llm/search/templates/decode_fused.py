@@ -40,9 +40,11 @@ STAGE = {"BLOCK_N": [2, 4, 8, 16, 32], "BLOCK_K": [128, 256, 512, 1024, 2048, 40
 # most rows the FMA reduction takes before tl.dot tiles take over (kernels_runtime.ops.gemv's FMA_MAX_M), and
 # `dot_stages`, the tl.dot path's pipeline depth (DOT_STAGES). First: the default. One config then picks the path
 # per batch bucket by M; batch-1 tasks' spaces do not change. Default 1 row: the FMA reduction of 8 rows spills
-# (a qwen3-4b step 29 ms at batch 8 against 6.7 ms on tl.dot; docs/hardware.md names the measurement).
+# (a qwen3-4b step 29 ms at batch 8 against 6.7 ms on tl.dot; docs/hardware.md names the measurement). Default 3
+# tiles in flight: 12-15 % faster than 4 at batch 32 with the batch tiles below, even at batch 8 (the stacked-layer
+# bench on qwen3-4b and llama-2-7b; docs/hardware.md).
 FMA_ROWS = [1, 2, 4, 8, 16]
-DOT_STAGES = [4, 3, 2]
+DOT_STAGES = [3, 4, 2]
 MAX_ROWS = 64  # kernels_runtime.ops.gemv.MAX_ROWS: the rows one weight pass serves
 
 def _stage_space(prefix: str) -> dict[str, list]:
@@ -51,8 +53,8 @@ def _stage_space(prefix: str) -> dict[str, list]:
 
 def rows_space(spec: TaskSpec, *prefixes: str) -> dict[str, list]:
     """`fma_max_m` (the values below its largest batch, and the default), `dot_stages`, `norm_pass` (a norm
-    prologue's row rstd in a pass of its own, kernels_runtime.ops.gemv's NORM_PASS) and the tl.dot tiles of the
-    stages `prefixes` (`dot_tile_space`) for a task with batches; {} at batch 1."""
+    prologue's rows normalised in a pass of their own, kernels_runtime.ops.gemv's NORM_PASS) and the tl.dot tiles
+    of the stages `prefixes` (`dot_tile_space`) for a task with batches; {} at batch 1."""
     rows = task_rows(spec)
     if rows <= 1:
         return {}
@@ -215,7 +217,7 @@ def _layer_applies(spec: TaskSpec) -> str | None:
 
 def _layer_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_attn_space(spec), **_stage_space("gu_"),
-            **_stage_space("dn_"), **dot_tile_space(spec, "gu_", "dn_")}
+            **_stage_space("dn_"), **dot_tile_space(spec, "gu_", "dn_"), **post_norm_rows_space(spec)}
 
 
 def _layer_default(spec):
@@ -280,7 +282,13 @@ def _layer_static_space(spec):
     return {"post_norm": ["o_reduce", "gate_up_prologue"], **_stage_space("qkv_"), **_stage_space("o_"),
             **ATTN_STATIC, **_stage_space("gu_"), **_stage_space("dn_"), "num_stages": [1, 2, 3],
             "pdl": [False, True] if sm90_capable(spec) else [False], **l2_prefetch_space(spec), **tma_space(spec),
-            **rows_space(spec, "qkv_", "o_", "gu_", "dn_"), **pdl_rows_space(spec)}
+            **rows_space(spec, "qkv_", "o_", "gu_", "dn_"), **pdl_rows_space(spec), **post_norm_rows_space(spec)}
+
+
+def post_norm_rows_space(spec: TaskSpec) -> dict[str, list]:
+    """`post_norm_batch` (kernels_runtime.hosts.decode_layer.mlp_half: where post_attention_layernorm runs for a call
+    of more than one row; first the default, o_proj's reduction) for a task with batches; {} at batch 1."""
+    return {"post_norm_batch": ["o_reduce", "gate_up_prologue"]} if task_rows(spec) > 1 else {}
 
 
 def pdl_rows_space(spec: TaskSpec) -> dict[str, list]:
@@ -384,7 +392,7 @@ def _layer_static_render(spec, config):
 GEMMA2_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
 GELU_TANH = ("GELUTanh", "PytorchGELUTanh")  # transformers' gelu_pytorch_tanh: torch's gelu(approximate="tanh")
-GEMMA2_DROP = ("post_norm", "dn_TMA", "dn_TMA_PRE", "dn_TMA_LATE")  # decode_static's keys this layer has not
+GEMMA2_DROP = ("post_norm", "post_norm_batch", "dn_TMA", "dn_TMA_PRE", "dn_TMA_LATE")  # decode_static's keys this layer has not
 
 
 def _gemma2_structure(spec: TaskSpec) -> str | None:
