@@ -73,12 +73,13 @@ def test_batch_task_gets_the_rows_key_and_batch_one_does_not(batch_layer, tiny_e
     assert sorted({c.inputs["hidden_states"].shape[0] for c in spec.cases}) == [1, 3, 20]
     tpl = _template(NAME)
     assert tpl.space(spec)["fma_max_m"] == [1, 2, 4, 8, 16] and tpl.default(spec)["fma_max_m"] == 1
-    assert tpl.space(spec)["dot_stages"] == [4, 3, 2] and tpl.default(spec)["dot_stages"] == 4
+    assert tpl.space(spec)["dot_stages"] == [3, 4, 2] and tpl.default(spec)["dot_stages"] == 3
+    assert tpl.default(spec)["post_norm_batch"] == "o_reduce" and tpl.default(spec)["qkv_DOT_BLOCK_N"] == 64
     # the cache split is left to the op per call (rows x KV heads) at a batch; batch 1 keeps the fixed split
     assert tpl.default(spec)["attn_num_splits"] is None
     one = load_task(next(d for d in tiny_extracted("tiny-qwen3+static")
                          if d.name.startswith("decoder_layer-decode-"))).spec
-    assert "fma_max_m" not in tpl.space(one)
+    assert "fma_max_m" not in tpl.space(one) and "post_norm_batch" not in tpl.space(one)
     assert isinstance(tpl.default(one)["attn_num_splits"], int)
 
 
