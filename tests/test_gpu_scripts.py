@@ -66,7 +66,8 @@ def test_layer_bench_smoke_run(tmp_path):
 def test_layer_bench_runs_a_left_padded_batch(tmp_path):
     """layer_bench.py --batch 3: the stack at three rows, the batch's mask among the entry's inputs, the batch
     default (tl.dot past one row, 3 stages, the post norm in o_proj's reduction) and its own points (the earlier
-    default, the attention's mask loaded late: a bench switch, bit-equal), each matching the first variant."""
+    default, the attention's mask loaded late: a bench switch, bit-equal), each passing the verifier's criterion
+against the stack in plain PyTorch (bf16 and fp32)."""
     out = tmp_path / "layers.jsonl"
     res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--batch", "3", "--out", str(out),
                 "--only", "default,fma2,st2,prev_default,mask_late"])
@@ -77,6 +78,8 @@ def test_layer_bench_runs_a_left_padded_batch(tmp_path):
     default = rows[0]["config"]
     assert default["fma_max_m"] == 1 and default["dot_stages"] == 3 and default["post_norm_batch"] == "o_reduce"
     assert rows[4]["config"]["dot_stages"] == 4 and rows[3]["config"]["bench_mask_ahead"] is False
+    # each variant checked against the stack in plain PyTorch: no further from its fp32 form than eager bf16 is
+    assert all(0 < r["err_vs_fp32"] <= 2 * r["eager_bf16_err_vs_fp32"] for r in rows), rows
 
 
 def test_tilemix_bench_records_the_committed_frontier_into_duckdb(tmp_path):
