@@ -57,7 +57,7 @@ def test_batch_space_defaults_and_batch_one_spaces(monkeypatch):
     monkeypatch.setattr(decode_fused, "task_rows", lambda spec: 32)
     assert decode_fused.post_norm_rows_space(None) == {"post_norm_batch": ["o_reduce", "gate_up_prologue"]}
     space = decode_fused.rows_space(None, "qkv_", "gu_")
-    assert space["dot_stages"][0] == 3 and space["norm_pass"][0] is False
+    assert space["dot_stages"][0] == 3 and space["norm_pass"][0] is True
     assert space["gu_DOT_BLOCK_N"][0] == 128 and space["qkv_DOT_BLOCK_K"][0] == 128 and space["gu_DOT_SPLIT_K"][-1] == 0
     monkeypatch.setattr(decode_fused, "task_rows", lambda spec: 1)
     assert decode_fused.post_norm_rows_space(None) == {} and decode_fused.rows_space(None, "qkv_") == {}

@@ -99,7 +99,8 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
     out["np_st4"] = {**np_base, "dot_stages": 4}
     # the batch defaults before the stacked-layer bench of 2026-12-07 (post norm in gate/up's prologue, 4 tl.dot
     # tiles in flight), and the post norm's other placement
-    out["prev_default"] = {**base, "post_norm_batch": "gate_up_prologue", "dot_stages": 4}
+    out["prev_default"] = {**base, "post_norm_batch": "gate_up_prologue", "dot_stages": 4, "norm_pass": False}
+    out["prologue_norm"] = {**base, "norm_pass": False}  # q/k/v's input norm in its prologue (before 2026-12-07's flip)
     out["gu_prologue"] = {**base, "post_norm_batch": "gate_up_prologue"}
     out["pdl_all"] = {**base, "pdl": True, "pdl_max_m": 64}  # PDL at every batch (the default: at one row only)
     return out
