@@ -38,6 +38,7 @@ from kernels_runtime.boundary import (MODULE_ADAPTERS, BoundaryCall, Unsupported
                                       recipe_inputs, record_outputs, tensor_attributes, weights_of)
 from kernels_runtime.phase import CURRENT_PHASE, PHASES, PhaseTracker
 from kernels_runtime.tolerances import TOLERANCES, compare, tolerance_for
+from llm4llm import progress
 from llm4llm.records import ModuleRecord, ProfileResult
 from llm4llm.taskspec import Case, CaseSig, DispatchTemplate, TaskSpec, TensorSig, write_task
 
@@ -452,16 +453,21 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     modules = {r.module_path: named[r.module_path] for r in records}
     t0 = time.perf_counter()
 
-    def took() -> str:  # each step's end in the children's log: where a serving regime's extraction spends its time
-        return f"{time.perf_counter() - t0:.1f} s"
+    laps: list[str] = []
+
+    def took(step: str = "") -> str:  # each step's end: where a serving regime's extraction spends its time
+        s = f"{time.perf_counter() - t0:.1f} s"
+        if step:
+            laps.append(f"{step} {s}")
+        return s
 
     with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
         run_fn()
-    print(f"extract: {_host_note(recorder.observed)} after the capture, at {took()}")
+    print(f"extract: {_host_note(recorder.observed)} after the capture, at {took('capture')}")
     kv_paths = _kv_decode_paths(recorder.observed) if static_cache else []
     if kv_paths:
         static_obs = _capture_static(model, run_fn, {p: modules[p] for p in kv_paths}, max_cases)
-        print(f"extract: {_host_note(static_obs)} after the static-cache capture, at {took()}")
+        print(f"extract: {_host_note(static_obs)} after the static-cache capture, at {took('static-cache capture')}")
         for path in kv_paths:
             recorder.observed[(path, "decode")] = static_obs.get((path, "decode"), _Observed())
 
@@ -474,7 +480,7 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
         reason = reason or check_stable(obs) or check_reproducible(module, obs.calls)
         instances.append(_Instance(rec.module_path, module, rec, obs, reason))
 
-    print(f"extract: {len(instances)} instances checked for reproducibility, at {took()}")
+    print(f"extract: {len(instances)} instances checked for reproducibility, at {took('reproducibility')}")
     groups: dict[tuple, list[_Instance]] = defaultdict(list)
     for inst in instances:
         groups[_group_key(inst)].append(inst)
@@ -496,5 +502,6 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     for spec, group in specs:
         if spec.deployable:
             write_task(Path(out_root), spec, _reference_module(group[0].module), _cases(group))
-    print(f"extract: {sum(s.deployable for s, _ in specs)} tasks written, at {took()}")
+    print(f"extract: {sum(s.deployable for s, _ in specs)} tasks written, at {took('written')}")
+    progress.note(f"extract: steps ended at {', '.join(laps)} ({_host_note(recorder.observed)})")
     return sorted((s for s, _ in specs), key=lambda s: s.hotspot_score, reverse=True)

@@ -3,6 +3,7 @@ reaches DuckDB through storage.store.Store.record_task_index (the record-tasks t
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -35,7 +36,9 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
 
     progress.start(f"extract:{profile_path}", f"extract tasks {Path(workload_path).stem}", None)
     payload, profile = load_profile(profile_path)
+    t0 = time.perf_counter()
     wl, model, run_fn = _build(workload_path, corners=True)
+    progress.note(f"extract: model built in {time.perf_counter() - t0:.1f} s")
     # a regime's corners and batch buckets are captured as cases of the same tasks (each point adds a prefill and a
     # decode shape)
     corners = len(wl.regime.points(wl.decode_len)) if wl.regime is not None else 0
