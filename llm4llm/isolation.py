@@ -26,10 +26,27 @@ def verifier_pool(device: str, timeout_s: float, decode_timing: DecodeTiming | s
     return _POOLS[key]
 
 
+# Passed verifications a task's template check ran in full (draws and timing, as a trial) of the template default
+# a search tries first, by (device, timeout, decode timing, task dir, source hash): that search's trial of the same
+# source in this process takes the verdict instead of verifying it again (a 7B serving regime's decode layer spent
+# 81 s checking its default and then 169 s verifying it again as its first trial).
+_VERIFIED: dict = {}
+
+
+def remember_verdict(key: tuple, verdict) -> None:
+    _VERIFIED[key] = verdict
+
+
+def take_verdict(key: tuple):
+    """The verdict remembered under `key`, once (None when there is none)."""
+    return _VERIFIED.pop(key, None)
+
+
 def close_pools() -> None:
     for pool, _ in _POOLS.values():
         pool.close()
     _POOLS.clear()
+    _VERIFIED.clear()
 
 
 def _run_child(fn, args, kwargs):

@@ -507,7 +507,10 @@ def search_stop(deadline_wall: float | None, started_wall: float | None = None):
         if why:
             return why
         if deadline_wall is not None and trials:
-            pace = (time.time() - t0) / len(trials)
+            # a trial whose verdict came from its template check took no time here, but the next one will take
+            # what that verification took (its verdict's seconds)
+            verified = sum((getattr(t.verdict, "seconds", None) or {}).get("total", 0.0) for t in trials)
+            pace = max(time.time() - t0, verified) / len(trials)
             if time.time() + pace > deadline_wall:
                 return f"its share of the time budget is spent ({len(trials)} trials at {pace:.0f} s each)"
         return None

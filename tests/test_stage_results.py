@@ -406,9 +406,10 @@ def test_check_applicability_returns_frozen_template_checks_and_dumps_them_only_
     monkeypatch.setattr(stage, "family_templates", lambda s: {"a", "b"})
     ran = [TemplateCheckRecord(task_id="t1", template="a", applicable=True, stage="computation", pinned={"BLOCK": 8}),
            TemplateCheckRecord(task_id="t1", template="b", applicable=False, stage="scope", reason="no")]
-    monkeypatch.setattr(stage, "run_template_checks", lambda *a: ran)
+    monkeypatch.setattr(stage, "run_template_checks", lambda *a, **k: ran)
     written = []
-    repo = SimpleNamespace(template_check_records=lambda ids, cv: [], record_template_checks=written.extend)
+    repo = SimpleNamespace(template_check_records=lambda ids, cv: [], record_template_checks=written.extend,
+                           experience_records=lambda task_id: [])
     got = stage.check_applicability(str(tmp_path), repo, "run-1", "cpu", SearchSettings())
     assert got is ran and written == [c.model_dump() for c in ran] and written[0]["pinned"] == {"BLOCK": 8}
     with pytest.raises(pydantic.ValidationError):

@@ -177,6 +177,10 @@ def run_task_search(task_dir: str, data_dir: str, recorder: SearchRecorder, sett
     limit = verify_limit(spec, settings.timeout_s)
 
     def verify(task_path, source):
+        checked = isolation.take_verdict(trial_key(device, settings, task_path, source))
+        if checked is not None:  # verified in full by the task's template check in this process
+            return checked.model_copy(update={"message": (checked.message + "; " if checked.message else "")
+                                                         + VERIFIED_IN_CHECK})
         with lock:
             return pool.verify(task_path, source, timeout_s=limit)
 
@@ -219,6 +223,9 @@ def trial_speedup(verdict) -> float | None:
     return float(x) if x else None
 
 
+VERIFIED_IN_CHECK = "verified once, in the task's template check"
+
+
 def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, budget: int) -> str:
     """One verified trial as a progress line: what it was, how it did, the search's best so far."""
     x = trial_speedup(verdict)
@@ -228,7 +235,8 @@ def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, bu
             else f"failed: {_verdict_get(verdict, 'failure_class')}")
     best = f"; best {counts['best']:.2f}x" if counts["best"] else ""
     return (f"search {task_id}: trial {counts['trials']}/{budget} {candidate.template or 'candidate'} {what}"
-            f"{best}{_seconds_note(_verdict_get(verdict, 'seconds'))}")
+            f"{best}{_seconds_note(_verdict_get(verdict, 'seconds'))}"
+            f"{' (' + VERIFIED_IN_CHECK + ')' if VERIFIED_IN_CHECK in (_verdict_get(verdict, 'message') or '') else ''}")
 
 
 def _seconds_note(seconds: dict | None) -> str:
@@ -407,11 +415,33 @@ def verify_limit(spec, base_s: float) -> float:
     return base_s + PER_BATCH_S * max(0, len(spec.batches()) - 1)
 
 
-def run_template_checks(task_dir: str, run_id: str | None, device: str,
-                        settings: SearchSettings) -> list[TemplateCheckRecord]:
+def trial_key(device: str, settings: SearchSettings, task_dir: str | Path, source: str) -> tuple:
+    """The key of a verification a search's trial may take from its task's template check (isolation's
+    remember_verdict / take_verdict): the same pool, task and source."""
+    from llm4llm.verdict import source_hash
+
+    return (device, settings.timeout_s, str(settings.decode_timing), str(Path(task_dir).resolve()),
+            source_hash(source))
+
+
+def first_trial_source(spec, templates) -> str | None:
+    """The source a library search of the task tries first where it has no experience: the default of the first of
+    its family's in-scope templates written for the fewest phases (llm4llm.search.builtin's starting points)."""
+    fits = [t for t in templates if t.family == spec.family and spec.phase in t.phases and not t.why_not(spec)]
+    if not fits:
+        return None
+    first = min(fits, key=lambda t: len(t.phases))  # min keeps the library order among equals
+    return first.render(spec, first.default(spec))
+
+
+def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings,
+                        full_first: bool = False) -> list[TemplateCheckRecord]:
     """Run the task's template checks (llm4llm.search.applicability) in the device's verifier worker (the
     settings' timeout and decode timing pick it): correctness on the captured cases only, no budget. Returns one
-    TemplateCheckRecord (a `template_checks` row) per template of its family."""
+    TemplateCheckRecord (a `template_checks` row) per template of its family. full_first: the template default the
+    search will try first (`first_trial_source`) is verified as a trial is (fresh draws, timing), and where it
+    passes its verdict is kept for that trial (`trial_key`): the check and the first trial are then one
+    verification, not two."""
     from llm4llm.search.applicability import check_templates
     from llm4llm.search.templates import TEMPLATES
     from llm4llm.taskspec import load_spec
@@ -420,10 +450,16 @@ def run_template_checks(task_dir: str, run_id: str | None, device: str,
     pool, lock = isolation.verifier_pool(device, settings.timeout_s, settings.decode_timing)
 
     limit = verify_limit(spec, settings.timeout_s)
+    first = first_trial_source(spec, TEMPLATES) if full_first else None
 
     def verify(path, source):
         with lock:
-            return pool.verify(path, source, draws=0, timing=False, timeout_s=limit)
+            if first is None or source != first:
+                return pool.verify(path, source, draws=0, timing=False, timeout_s=limit)
+            v = pool.verify(path, source, timeout_s=limit)
+            if _verdict_get(v, "passed"):
+                isolation.remember_verdict(trial_key(device, settings, path, source), v)
+            return v
 
     return [TemplateCheckRecord(**c.row(spec.task_id, run_id), code_version=code_version())
             for c in check_templates(Path(task_dir), spec, TEMPLATES, verify)]
@@ -512,7 +548,9 @@ def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | Non
     recorded = recorded_checks(repo.template_check_records([spec.task_id], code_version()), family_templates(spec))
     if recorded is not None:
         return recorded
-    checks = run_template_checks(task_dir, run_id, device, settings)
+    # without experience the search starts at the first template's default: the check verifies it as that trial
+    full_first = not settings.warm_start or not repo.experience_records(spec.task_id)
+    checks = run_template_checks(task_dir, run_id, device, settings, full_first=full_first)
     repo.record_template_checks([c.model_dump() for c in checks])
     report_inapplicable(spec.task_id, checks)
     return checks
