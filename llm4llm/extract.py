@@ -212,11 +212,13 @@ def check_reproducible(module: torch.nn.Module, calls: list[BoundaryCall], repea
     weights = weights_of(module)
     device = next(iter(weights.values())).device if weights else torch.device("cpu")
     for k, call in enumerate(calls):
-        ref = call.reference()
+        # the kept calls live in host memory (_Recorder), the module where the workload put it: one call's tensors
+        # at a time go to the module's device, once (each re-run takes a copy made there: it may write its state in
+        # place), and the comparisons run there too (a 7B serving layer's KV cache is a GB a call, 32 layers)
+        ref = _moved(call.reference(), device)
+        inputs0, state0 = _moved(call.inputs, device), _moved(call.state, device)
         for attempt in range(1, repeats + 1):
-            # the kept calls live in host memory (_Recorder), the module where the workload put it: one call's
-            # tensors at a time go to the module's device
-            inputs, state = _moved(call.inputs, device), _moved(call.state, device)
+            inputs, state = ({n: v.clone() for n, v in d.items()} for d in (inputs0, state0))
             try:
                 got = call_reference(module, weights, inputs, state, call.static, call.recipe)
             except Exception as exc:
