@@ -66,18 +66,19 @@ def test_layer_bench_smoke_run(tmp_path):
 def test_layer_bench_runs_a_left_padded_batch(tmp_path):
     """layer_bench.py --batch 3: the stack at three rows, the batch's mask among the entry's inputs, the batch
     default (tl.dot past one row, 3 stages, the post norm in o_proj's reduction) and its own points (the earlier
-    default, the attention's mask loaded late: a bench switch, bit-equal), each passing the verifier's criterion
+    default, q/k/v's input norm in its prologue), each passing the verifier's criterion
 against the stack in plain PyTorch (bf16 and fp32)."""
     out = tmp_path / "layers.jsonl"
     res = _run(["scripts/gpu/layer_bench.py", "--device", "cpu", "--models", "tiny", "--batch", "3", "--out", str(out),
-                "--only", "default,fma2,st2,prev_default,mask_late"])
+                "--only", "default,fma2,st2,prev_default,prologue_norm"])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["default", "fma2", "st2", "mask_late", "prev_default"]
+    assert [r["variant"] for r in rows] == ["default", "fma2", "st2", "prev_default", "prologue_norm"]
     assert all(r["ok"] and r["batch"] == 3 and r["kv_bytes"] > 0 for r in rows), rows
     default = rows[0]["config"]
     assert default["fma_max_m"] == 1 and default["dot_stages"] == 3 and default["post_norm_batch"] == "o_reduce"
-    assert rows[4]["config"]["dot_stages"] == 4 and rows[3]["config"]["bench_mask_ahead"] is False
+    assert default["norm_pass"] is True
+    assert rows[3]["config"]["dot_stages"] == 4 and rows[4]["config"]["norm_pass"] is False
     # each variant checked against the stack in plain PyTorch: no further from its fp32 form than eager bf16 is
     assert all(0 < r["err_vs_fp32"] <= 2 * r["eager_bf16_err_vs_fp32"] for r in rows), rows
 

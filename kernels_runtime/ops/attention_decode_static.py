@@ -85,7 +85,7 @@ def _attention_decode_static_kernel(
     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     L2PF: tl.constexpr = False, LANES: tl.constexpr = 128, DIRECT_OUT: tl.constexpr = False,
-    TIMELINE: tl.constexpr = False, MASK_AHEAD: tl.constexpr = True,
+    TIMELINE: tl.constexpr = False,
 ):
     # DIRECT_OUT (one split: the program covers [lo, pos] whole): the normalized output goes to O in its dtype, no
     # partials and no merge
@@ -122,8 +122,7 @@ def _attention_decode_static_kernel(
         pad_cur = tl.load(m_base + offs_n * stride_mk, mask=kv_ok, other=0) != 0
         kv_ok &= pad_cur
         offs_n1 = offs_n + BLOCK_N
-        if MASK_AHEAD:
-            pad_nxt = tl.load(m_base + offs_n1 * stride_mk, mask=(offs_n1 < s_end) & (offs_n1 >= lo), other=0) != 0
+        pad_nxt = tl.load(m_base + offs_n1 * stride_mk, mask=(offs_n1 < s_end) & (offs_n1 >= lo), other=0) != 0
     kt_nxt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,  # [BLOCK_D, BLOCK_N]
                      mask=kv_ok[None, :] & mask_d[:, None], other=0.0)
     v_nxt = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,  # [BLOCK_N, BLOCK_D]
@@ -176,22 +175,15 @@ def _attention_decode_static_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n < s_end) & (offs_n >= lo)
         if HAS_MASK:
-            if MASK_AHEAD:
-                kv_ok &= pad_cur
-            else:
-                kv_ok &= tl.load(m_base + offs_n * stride_mk, mask=kv_ok, other=0) != 0
+            kv_ok &= pad_cur
         kt, v = kt_nxt, v_nxt
         offs_nn = offs_n + BLOCK_N  # the next tile (an empty mask past the split)
         nn_ok = (offs_nn < s_end) & (offs_nn >= lo)
         if HAS_MASK:
-            if MASK_AHEAD:
-                nn_ok &= pad_nxt  # loaded a tile ago
-                offs_n2 = offs_nn + BLOCK_N  # the mask of the tile after: used by the next iteration's K/V loads
-                pad_cur = pad_nxt
-                pad_nxt = tl.load(m_base + offs_n2 * stride_mk, mask=(offs_n2 < s_end) & (offs_n2 >= lo),
-                                  other=0) != 0
-            else:  # the K/V loads wait on this tile's mask load (the earlier kernel, kept to measure against)
-                nn_ok &= tl.load(m_base + offs_nn * stride_mk, mask=nn_ok, other=0) != 0
+            nn_ok &= pad_nxt  # loaded a tile ago
+            offs_n2 = offs_nn + BLOCK_N  # the mask of the tile after: used by the next iteration's K/V loads
+            pad_cur = pad_nxt
+            pad_nxt = tl.load(m_base + offs_n2 * stride_mk, mask=(offs_n2 < s_end) & (offs_n2 >= lo), other=0) != 0
         kt_nxt = tl.load(k_base + offs_nn[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                          mask=nn_ok[None, :] & mask_d[:, None], other=0.0)
         v_nxt = tl.load(v_base + offs_nn[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -354,7 +346,7 @@ def attention_decode_static(
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     sliding_window: int | None = None, softcap: float | None = None, kv_mask: torch.Tensor | None = None,
     advance: bool = True, BLOCK_N: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, PDL: bool = False,
-    l2_prefetch: torch.Tensor | None = None, l2_prefetch_bytes: int | None = None, mask_ahead: bool = True,
+    l2_prefetch: torch.Tensor | None = None, l2_prefetch_bytes: int | None = None,
 ) -> torch.Tensor:
     """`attention_decode_static_ref`'s computation, with the caches written and (advance) `cache_len` advanced IN
     PLACE; returns out [B, Hq, 1, D] in q's dtype. q/k/v may be strided views (HF's transposed projections), and so
@@ -363,9 +355,7 @@ def attention_decode_static(
     then waits for the previous kernel (the q/k/v projections); stage 2 waits first.
     l2_prefetch: a tensor the next kernel reads (o_proj's weight), whose first `l2_prefetch_bytes` (all of it when
     None) stage 1's programs ask the L2 for while they run (sm_90+; nothing under the interpreter). A hint: the
-    results do not depend on it.
-    mask_ahead: a tile's key mask loaded two tiles ahead, so the K/V loads never wait on it (False: the earlier
-    kernel, whose K/V loads waited on their tile's mask load; a bench switch, the results are the same)."""
+    results do not depend on it."""
     norms = (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("attention_decode_static: expected both q_norm_weight and k_norm_weight, or neither")
@@ -400,7 +390,7 @@ def attention_decode_static(
         DTYPE=_tl_dtype(q.dtype), UPCAST_DOT=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PDL=pdl_on(PDL), L2PF=l2_prefetch_on(pf_bytes), LANES=32 * num_warps, DIRECT_OUT=direct,
-        TIMELINE=ts is not None, MASK_AHEAD=bool(mask_ahead), **pdl_launch(PDL),
+        TIMELINE=ts is not None, **pdl_launch(PDL),
     )
     if direct:
         if advance:

@@ -234,9 +234,9 @@ def _trial_line(task_id: str, candidate, verdict, passed: bool, counts: dict, bu
     what = (f"passed, {float(x):.2f}x" if passed and x else "passed (untimed on the CPU)" if passed
             else f"failed: {_verdict_get(verdict, 'failure_class')}")
     best = f"; best {counts['best']:.2f}x" if counts["best"] else ""
+    reused = f" ({VERIFIED_IN_CHECK})" if VERIFIED_IN_CHECK in (_verdict_get(verdict, "message") or "") else ""
     return (f"search {task_id}: trial {counts['trials']}/{budget} {candidate.template or 'candidate'} {what}"
-            f"{best}{_seconds_note(_verdict_get(verdict, 'seconds'))}"
-            f"{' (' + VERIFIED_IN_CHECK + ')' if VERIFIED_IN_CHECK in (_verdict_get(verdict, 'message') or '') else ''}")
+            f"{best}{_seconds_note(_verdict_get(verdict, 'seconds'))}{reused}")
 
 
 def _seconds_note(seconds: dict | None) -> str:

@@ -25,7 +25,6 @@ then adds the KV bytes the step reads (every row's cache up to --pos).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -80,7 +79,6 @@ def batch_variants(base: dict, B: int) -> dict[str, dict]:
     # the tiles derived from the batch-1 FMA tiles (16 x 256 here, no split): the tl.dot path before DOT_*
     out["dot_derived"] = {**base, **{p + k: 0 for p in stages for k in ("DOT_BLOCK_N", "DOT_BLOCK_K", "DOT_SPLIT_K")}}
     out["nopdl"] = {**base, "pdl": False}
-    out["mask_late"] = {**base, "bench_mask_ahead": False}  # the attention's K/V loads wait on their tile's mask
     # the attention's cache split and tile at a batch (the default splits by rows: rows x KV heads x splits near
     # the GPU's target programs)
     out.update({f"attn_sp{n}": {**base, "attn_num_splits": n} for n in (2, 4, 8, 16)})
@@ -395,45 +393,24 @@ def graph_of(fn, before):
     return g, out
 
 
-@contextlib.contextmanager
-def bench_switches(cfg: dict):
-    """A variant's `bench_*` keys (no template option: a kernel's earlier form kept to measure against, e.g.
-    `bench_mask_ahead`) set as the attention launcher's keyword defaults while its step runs and is captured (the
-    graph keeps the kernels launched then); -> the config without them."""
-    from kernels_runtime.ops import attention_decode_static as ads
-
-    switches = {k.removeprefix("bench_"): v for k, v in cfg.items() if k.startswith("bench_")}
-    saved = dict(ads.attention_decode_static.__kwdefaults__)
-    unknown = set(switches) - set(saved)
-    if unknown:
-        raise ValueError(f"layer_bench: no attention_decode_static keyword {sorted(unknown)}")
-    ads.attention_decode_static.__kwdefaults__.update(switches)
-    try:
-        yield {k: v for k, v in cfg.items() if not k.startswith("bench_")}
-    finally:
-        ads.attention_decode_static.__kwdefaults__.clear()
-        ads.attention_decode_static.__kwdefaults__.update(saved)
-
-
 def build_variants(vs, spec, x, layers, cos, sin, pos, gpu, mask=None):
     """Each variant's step run eagerly and captured in a graph; -> (graphs, eager outputs, problems)."""
     runs, outs, bad = {}, {}, {}
     for name, cfg in vs.items():
         try:
-            with bench_switches(cfg) as cfg:
-                entry = with_mask(template_entry(spec, cfg), mask)
+            entry = with_mask(template_entry(spec, cfg), mask)
+            reset(layers, pos)
+            eager = step(x, layers, cos, sin, entry)
+            if gpu:
+                torch.cuda.synchronize()
+                g, out = graph_of(lambda entry=entry: step(x, layers, cos, sin, entry),
+                                  lambda: reset(layers, pos))
                 reset(layers, pos)
-                eager = step(x, layers, cos, sin, entry)
-                if gpu:
-                    torch.cuda.synchronize()
-                    g, out = graph_of(lambda entry=entry: step(x, layers, cos, sin, entry),
-                                      lambda: reset(layers, pos))
-                    reset(layers, pos)
-                    g.replay()
-                    torch.cuda.synchronize()
-                    if not torch.equal(out, eager):
-                        bad[name] = "graph replay differs from the eager run"
-                    runs[name] = g
+                g.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(out, eager):
+                    bad[name] = "graph replay differs from the eager run"
+                runs[name] = g
             outs[name] = eager.clone()
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others go on
             bad[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -459,7 +436,6 @@ def check_outputs(outs, bad, refs=None):
         elif not (c := compare(outs[name], outs[first])).ok:
             bad.setdefault(name, f"differs from {first}: {c}"[:300])
     for a, b in (("prefetch", "default"), ("nopdl", "default"), ("pdl_all", "default"), ("l2o", "default"),
-                 ("mask_late", "default"),
                  ("l2o_m16", "default"), ("m16", "default")):
         if a in outs and b in outs and not torch.equal(outs[a], outs[b]):
             bad.setdefault(a, f"PDL, PREFETCH or an L2 prefetch changed the bits of {b}")
@@ -519,9 +495,8 @@ def bench_model(model, args, meta, sms, gpu, dt, B: int = 1):
     for name in (args.timeline.split(",") if gpu and args.timeline else []):
         if name in vs and name not in bad:
             try:
-                with bench_switches(vs[name]) as cfg:
-                    timelines[name] = timeline(with_mask(template_entry(spec, cfg), mask), x, layers, cos, sin,
-                                               lambda: reset(layers, pos))
+                timelines[name] = timeline(with_mask(template_entry(spec, vs[name]), mask), x, layers, cos, sin,
+                                           lambda: reset(layers, pos))
             except Exception as exc:  # noqa: BLE001 - a timeline that cannot be taken costs the breakdown only
                 timelines[name] = f"{type(exc).__name__}: {exc}"[:300]
     refs = (reference_step(x, layers, cos, sin, mask, pos, s, dt), reference_step(x, layers, cos, sin, mask, pos, s,
