@@ -31,8 +31,9 @@ def _search_tasks(run_id: str, settings: SearchSettings | None, db_path: str | N
     s = settings if settings is not None else SearchSettings(top=None)
     data_dir = _defaults(data_dir)
     llm = llm.model_dump() if isinstance(llm, LLMConfig) else llm
-    dirs = searchable_tasks(run_id, db_path, s, device, task_ids)
-    if scale is not None and scale.task_runner == "ray":
+    ray = scale is not None and scale.task_runner == "ray"
+    dirs = searchable_tasks(run_id, db_path, s, device, task_ids, searched_here=not ray)
+    if ray:
         kw = dict(settings=s, device=device, run_id=run_id, llm=llm)
         results = _search_remote(dirs, scale, db_path, data_dir, kw)
     else:

@@ -87,10 +87,10 @@ class ProgressArtifact:
 
 @task(name="searchable-tasks")
 def searchable_tasks(run_id: str, db_path: str | None, settings: SearchSettings, device: str | None = None,
-                     task_ids: list[str] | None = None) -> list[str]:
+                     task_ids: list[str] | None = None, searched_here: bool = True) -> list[str]:
     """Hottest deployable tasks first; with the library proposer, those no built-in template computes (checked on
     `device` before any trial) are left out before the top N."""
-    return search_stage.searchable_of_run(run_id, Store(db_path), settings, device, task_ids)
+    return search_stage.searchable_of_run(run_id, Store(db_path), settings, device, task_ids, searched_here)
 
 
 @task(name="search-task-remote", retries=1, retry_delay_seconds=5, retry_condition_fn=infrastructure_only,

@@ -128,3 +128,11 @@ def test_a_first_trial_taken_from_the_check_still_sets_the_searchs_pace():
     quick = SimpleNamespace(verdict=taken.verdict.model_copy(update={"seconds": {"total": 1.0}}),
                             feedback=taken.feedback)
     assert search_stop(time.time() + 100)([quick]) is None
+
+
+def test_a_search_elsewhere_keeps_the_bare_check(norm_task, pool):
+    """Searches fanned out to Ray tasks cannot take a verdict kept in the flow's process: the check stays bare
+    (searched_here=False, as flows/search.py and the plan pass it for `scale.task_runner = "ray"`)."""
+    settings = SearchSettings(mode="sample", budget=1, seed=0)
+    stage.check_applicability(str(norm_task), _repo([]), "run-1", "cpu", settings, searched_here=False)
+    assert pool.calls and all(bare for _, bare in pool.calls)

@@ -55,7 +55,8 @@ def make_run_plan(index_path: str, profile_path: str, run_id: str, workload: dic
                 plan.notes.append(f"expected speedups: this database's searches on {gpu} where it has them, else "
                                   "the measured priors")
             return plan
-        covers[unchecked[0].task_id] = _covered(unchecked[0], s, device, repo, run_id)
+        covers[unchecked[0].task_id] = _covered(unchecked[0], s, device, repo, run_id,
+                                                cfg.scale.task_runner != "ray")
 
 
 def store_plan(run_id: str, plan: planner.Plan, repo: PlanRepository) -> None:
@@ -65,7 +66,7 @@ def store_plan(run_id: str, plan: planner.Plan, repo: PlanRepository) -> None:
 
 
 def _covered(item: planner.PlanItem, settings: SearchSettings, device: str, repo: PlanRepository,
-             run_id: str) -> bool:
+             run_id: str, searched_here: bool = True) -> bool:
     """Whether the proposer can write for the task: the LLM proposers can for any task; the built-in library when
     one of its templates computes what the module does, checked on the device (recorded checks are reused)."""
     if settings.proposer != "library":
@@ -76,7 +77,7 @@ def _covered(item: planner.PlanItem, settings: SearchSettings, device: str, repo
     spec = load_spec(Path(item.artifact_path))
     if not LibraryProposer().templates_for(spec):
         return False
-    checks = check_applicability(item.artifact_path, repo, run_id, device, settings)
+    checks = check_applicability(item.artifact_path, repo, run_id, device, settings, searched_here)
     return any(c.applicable for c in checks)
 
 

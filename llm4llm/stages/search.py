@@ -537,7 +537,7 @@ def record_packed_search(rows: dict, repo: SearchRepository, data_dir: str) -> S
 
 
 def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | None, device: str,
-                        settings: SearchSettings) -> list[TemplateCheckRecord]:
+                        settings: SearchSettings, searched_here: bool = True) -> list[TemplateCheckRecord]:
     """The task's template checks (run, when they must be, under the settings' timeout and decode timing): the
     recorded ones of this code version when every template of its family has one, else run now in the device's
     verifier worker (run_template_checks) and written through `repo` (as `template_checks` rows: dumped here
@@ -549,7 +549,8 @@ def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | Non
     if recorded is not None:
         return recorded
     # without experience the search starts at the first template's default: the check verifies it as that trial
-    full_first = not settings.warm_start or not repo.experience_records(spec.task_id)
+    # (a search elsewhere, a Ray task, cannot take the verdict: there the check stays a bare check)
+    full_first = searched_here and (not settings.warm_start or not repo.experience_records(spec.task_id))
     checks = run_template_checks(task_dir, run_id, device, settings, full_first=full_first)
     repo.record_template_checks([c.model_dump() for c in checks])
     report_inapplicable(spec.task_id, checks)
@@ -557,11 +558,12 @@ def check_applicability(task_dir: str, repo: SearchRepository, run_id: str | Non
 
 
 def searchable_of_run(run_id: str, repo: SearchRepository, settings: SearchSettings, device: str | None = None,
-                      task_ids: list[str] | None = None) -> list[str]:
+                      task_ids: list[str] | None = None, searched_here: bool = True) -> list[str]:
     """The task dirs a search of the run fans out to under `settings` (its families, phases, top and proposer)
     (searchable_task_dirs over the run's `tasks` rows), of `task_ids` alone when given. With `device`, a template
-    applies when its check on the device passes (check_applicability), else by the templates' scope."""
+    applies when its check on the device passes (check_applicability), else by the templates' scope.
+    searched_here: the searches run in this process (check_applicability's)."""
     def check(d: str) -> list[TemplateCheckRecord]:
-        return check_applicability(d, repo, run_id, device, settings)
+        return check_applicability(d, repo, run_id, device, settings, searched_here)
 
     return searchable_task_dirs(repo.task_rows(run_id), settings, task_ids, check if device is not None else None)
