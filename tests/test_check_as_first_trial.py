@@ -136,3 +136,34 @@ def test_a_search_elsewhere_keeps_the_bare_check(norm_task, pool):
     settings = SearchSettings(mode="sample", budget=1, seed=0)
     stage.check_applicability(str(norm_task), _repo([]), "run-1", "cpu", settings, searched_here=False)
     assert pool.calls and all(bare for _, bare in pool.calls)
+
+
+def test_a_default_correct_on_every_call_but_failing_in_timing_still_passes_its_check(norm_task, monkeypatch):
+    """The check asks whether the template computes the module: a full verification that passed every correctness
+    gate and failed later (timing) keeps the template applicable at its default, and nothing is kept for the
+    trial."""
+    from llm4llm.outcomes import FailureClass
+    from llm4llm.search.templates import TEMPLATES
+    from llm4llm.verdict import GateResult
+
+    class LateFail(CountingPool):
+        def verify(self, path, source, timeout_s=None, **kw):
+            v = super().verify(path, source, timeout_s, **kw)
+            if kw.get("draws") == 0:
+                return v
+            v = Verdict(source_hash="x", task_id="t", device_name="cpu")
+            v.gates.append(GateResult(name="does_the_work", passed=True, detail="-"))
+            return v.fail("timing_in_context", FailureClass.IMPOSSIBLE_TIME, "below the floor")
+
+    p = LateFail()
+    monkeypatch.setattr(isolation, "verifier_pool", lambda *a: (p, threading.Lock()))
+    settings = SearchSettings(mode="sample", budget=1, seed=0)
+    spec = load_spec(norm_task)
+    first = stage.first_trial_source(spec, TEMPLATES)
+    checks = stage.run_template_checks(str(norm_task), None, "cpu", settings, full_first=True)
+    name = next(t.name for t in TEMPLATES if t.render(spec, t.default(spec)) == first)
+    check = next(c for c in checks if c.template == name)
+    assert check.applicable
+    assert "default config matches" in check.reason
+    assert isolation.take_verdict(stage.trial_key("cpu", settings, norm_task, first)) is None
+    isolation.close_pools()

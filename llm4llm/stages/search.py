@@ -459,6 +459,10 @@ def run_template_checks(task_dir: str, run_id: str | None, device: str, settings
             v = pool.verify(path, source, timeout_s=limit)
             if _verdict_get(v, "passed"):
                 isolation.remember_verdict(trial_key(device, settings, path, source), v)
+            elif any(g.name == "does_the_work" and g.passed for g in v.gates):
+                # correct on every judged call, failed in the timing phase: for the check (does the template compute
+                # the module?) that is a pass; the trial verifies it again
+                return v.model_copy(update={"passed": True, "message": f"correct; failed in timing: {v.message}"})
             return v
 
     return [TemplateCheckRecord(**c.row(spec.task_id, run_id), code_version=code_version())
