@@ -164,6 +164,13 @@ def _repair(pool, last: Feedback, t: Template, spec: TaskSpec, rng) -> tuple[str
                                      _distance(t, spec, p[1], default) if p[0] == t.name else 99, rng.random()))
 
 
+def first_start(templates: dict, spec) -> tuple[str, dict] | None:
+    """The point a search over `templates` (name -> template) tries first where it has no experience: the first of
+    `_starting_points` (None without templates)."""
+    points = _starting_points(templates, spec)
+    return (points[0][0], points[0][1]) if points else None
+
+
 def _starting_points(templates, spec) -> list[tuple[str, dict, bool]]:
     """The known-safe starting points in the order they are tried: the default, then the seeds, of the templates
     written for the fewest phases (the task's own specialists), then every other template's default, then their

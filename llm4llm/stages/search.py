@@ -427,11 +427,11 @@ def trial_key(device: str, settings: SearchSettings, task_dir: str | Path, sourc
 def first_trial_source(spec, templates) -> str | None:
     """The source a library search of the task tries first where it has no experience: the default of the first of
     its family's in-scope templates written for the fewest phases (llm4llm.search.builtin's starting points)."""
-    fits = [t for t in templates if t.family == spec.family and spec.phase in t.phases and not t.why_not(spec)]
-    if not fits:
-        return None
-    first = min(fits, key=lambda t: len(t.phases))  # min keeps the library order among equals
-    return first.render(spec, first.default(spec))
+    from llm4llm.search.builtin import first_start
+
+    fits = {t.name: t for t in templates if t.family == spec.family and spec.phase in t.phases and not t.why_not(spec)}
+    start = first_start(fits, spec)
+    return fits[start[0]].render(spec, start[1]) if start else None
 
 
 def run_template_checks(task_dir: str, run_id: str | None, device: str, settings: SearchSettings,
