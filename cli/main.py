@@ -66,6 +66,32 @@ def _quiet_prefect(verbose: bool) -> None:
             logging.getLogger(name).addFilter(_NoTracebacks())
 
 
+def _boot_prefect_api():
+    """Prefect's ephemeral API server (no PREFECT_API_URL set), started in a thread now, so that its boot (a uvicorn
+    subprocess, several seconds) overlaps the flow's imports, which the run's time budget counts; returns the wait
+    that joins it before the flow's first client call. Prefect's client finds the same server started. One that
+    fails to start here is started again, and its failure reported, by that client."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return lambda: None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+
+    def boot() -> None:
+        try:
+            server.start()
+        except Exception:  # noqa: BLE001 - start() leaves it stopped; the client's own start says why
+            pass
+
+    thread = threading.Thread(target=boot, name="llm4llm-prefect-api", daemon=True)
+    thread.start()
+    return thread.join
+
+
 class _NoTracebacks:
     """Drops ERROR records and tracebacks from Prefect's run loggers (the CLI reports the error itself)."""
 
@@ -260,8 +286,10 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                          "max_s": e2e_max_s}}, sets or [])
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
+        api_ready = _boot_prefect_api()  # after the flags are checked: a bad one starts no server
         from flows.optimize import optimize_workload  # after the flags are checked: a bad one costs no flow import
 
+        api_ready()
         _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
 
 

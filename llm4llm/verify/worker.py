@@ -117,6 +117,19 @@ def _serve(conn) -> None:
             return
 
 
+FRESH_CALLS = 24  # fresh draws a task's cases share at the least, before the per-case count is cut
+
+
+def fresh_draws(draws: int, cases: int, randomise: bool = True) -> int:
+    """Fresh draws per captured case. A task with many cases (a serving regime's corners: batch x prompt length,
+    each a distinct shape) shares FRESH_CALLS among them, at least 2 a case, instead of `draws` each: every judged
+    call of a 7B layer at batch 32 moves and checks a GB of KV cache, and its corners' draws and references were
+    half of its verification (docs/results). A bare check (draws 0) stays bare. A random extra (0-3, 0-1 past 4
+    cases) keeps the call count unknown to the candidate."""
+    base = max(2, min(draws, -(-FRESH_CALLS // max(cases, 1)))) if draws > 2 and cases > 1 else draws
+    return base + (secrets.randbelow(4 if cases <= 4 else 2) if randomise else 0)
+
+
 class _WorkerTimeout(Exception):
     pass
 
@@ -305,7 +318,7 @@ class VerifierPool:
             print(f"WARNING: llm4llm verifier: sandbox incomplete: {layer_summary(v.sandbox)}", file=sys.stderr)
         local = copy_readonly(Path(task_dir), w.box / "ro" / spec.task_id)
         opts = {**self.options, **options}
-        job = self._load_job(local, source, opts)
+        job = self._load_job(local, source, opts, len(spec.cases))
         v.judge_seed = job["seed"]
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
@@ -341,12 +354,12 @@ class VerifierPool:
             except OSError as e:  # an unwritable or misplaced cache costs the sharing, never the verdict
                 print(f"llm4llm verifier: kernel cache {self.kernel_cache} not written ({e})", file=sys.stderr)
 
-    def _load_job(self, local: Path, source: str, opts: dict) -> dict:
-        """The worker's load message. Per candidate: the draws' seed, how many fresh draws, the canary layout (a
-        fixed call count or canary offset is something a kernel can count on)."""
+    def _load_job(self, local: Path, source: str, opts: dict, cases: int = 1) -> dict:
+        """The worker's load message. Per candidate: the draws' seed, how many fresh draws (`fresh_draws`), the
+        canary layout (a fixed call count or canary offset is something a kernel can count on)."""
         nonce = secrets.randbits(31) | 1
         seed = int(opts.get("seed") or 0) * 1_000_003 + nonce if opts.get("randomise", True) else int(opts["seed"])
-        draws = int(opts["draws"]) + (secrets.randbelow(4) if opts.get("randomise", True) else 0)
+        draws = fresh_draws(int(opts["draws"]), cases, bool(opts.get("randomise", True)))
         return {"op": "load", "task_dir": str(local), "source": source, "device": self.device, "draws": draws,
                 "seed": seed, "canary_seed": seed, "timing": opts["timing"], "decode_timing": opts["decode_timing"]}
 
