@@ -182,7 +182,8 @@ def _optimize(run: _Run, kind: str) -> OptimizeResult:
     with run.stage("extract"):
         ext = extract_tasks(run.workload_path, run.run_id, run.profile_path, db_path=run.db_path,
                             data_dir=run.data_dir, min_score=cfg.search.min_score, refresh=cfg.refresh,
-                            static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs))
+                            static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs),
+                            min_share=cfg.accept.delta if "accept" in stages else 0.0)
     run.index_path = ext.index_path
     out = out.model_copy(update={"index_path": ext.index_path, "tasks": ext.tasks})
     if "search" not in stages:

@@ -63,17 +63,18 @@ def profile_workload(workload_path: str, db_path: str | None = None, data_dir: s
 @flow(name="extract-tasks", log_prints=True)
 def extract_tasks(workload_path: str, run_id: str, profile_path: str, db_path: str | None = None,
                   data_dir: str | None = None, min_score: float = 0.0, refresh: bool = False,
-                  static_cache: bool = False) -> ExtractedTasks:
+                  static_cache: bool = False, min_share: float = 0.0) -> ExtractedTasks:
     """Extract phase-aware tasks for a profiled run; returns its ExtractedTasks (run id, index path, task count).
-    static_cache: the decode tasks of KV-cache modules are captured on transformers' static cache
+    static_cache: the decode tasks of KV-cache modules are captured on transformers' static cache; min_share: a
+    module class whose whole share is below it (the acceptance's delta) is not captured
     (llm4llm.extract.extract_tasks)."""
     data_dir = _defaults(data_dir)
     workload = profiling.describe(workload_path)
     index_path = extraction.extract.with_options(refresh_cache=refresh)(workload, profile_path, data_dir, min_score,
-                                                                         static_cache)
+                                                                         static_cache, min_share)
     if not Path(index_path).exists():
         index_path = extraction.extract.with_options(refresh_cache=True)(workload, profile_path, data_dir, min_score,
-                                                                         static_cache)
+                                                                         static_cache, min_share)
     n = extraction.record_tasks(index_path, run_id, db_path)
     extraction.publish_tasks(index_path)
     return ExtractedTasks(run_id=run_id, index_path=index_path, tasks=n)

@@ -393,6 +393,25 @@ def candidate_records(model: torch.nn.Module, profile: ProfileResult, min_score:
             and r.hotspot_score >= min_score]
 
 
+BELOW_SHARE = "below delta"  # the reason's head (it groups the instances of a class and phase into one spec)
+
+
+def below_share(records: list[ModuleRecord], min_share: float) -> dict[tuple[str, str], str]:
+    """(module path, phase) of the records whose module class's whole share of the workload in that phase (the
+    hotspot scores of all its instances, the plan's end-to-end bound) is below `min_share`, each with its reason.
+    No kernel for them, however fast, could bring the end-to-end gain acceptance asks for, and a serving regime's
+    prefill corners are GBs of tensors a task to capture and write: they are not captured."""
+    if min_share <= 0:
+        return {}
+    total: Counter = Counter()
+    for r in records:
+        total[(r.class_name, r.phase)] += r.hotspot_score
+    return {(r.module_path, r.phase): f"{BELOW_SHARE}: the whole {r.phase} share of {r.class_name} "
+                                      f"({total[(r.class_name, r.phase)]:.2%}) is below the acceptance's minimum "
+                                      f"end-to-end gain ({min_share:.0%}); not captured"
+            for r in records if total[(r.class_name, r.phase)] < min_share}
+
+
 # Cache layers of a KV cache that grows per token; under `static_cache` their decode calls are captured again on
 # transformers' static cache (StaticLayer), which decode graphs run on
 DYNAMIC_KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
@@ -439,7 +458,7 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
                   workload_name: str = "", run_id: str = "", hardware: dict | None = None, min_score: float = 0.0,
                   families: Iterable[str] | None = None, max_cases: int = 4,
                   static_cache: bool = False, accuracy_budget: dict | None = None,
-                  regime: bool = False) -> list[TaskSpec]:
+                  regime: bool = False, min_share: float = 0.0) -> list[TaskSpec]:
     """Capture the candidates' calls in one more run of the workload and turn them into tasks; deployable ones are
     written under `out_root/<task_id>/`. Returns every task, deployable or not, by descending hotspot score.
 
@@ -448,8 +467,10 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
     decode tasks come from that run (StaticLayer state: the preallocated keys/values and the device-side length),
     so a kernel is searched for the cache it will meet; prefill and every other task stay as captured first.
     `accuracy_budget` (the workload's lossy opt-in, Workload.lossy_budget()) goes into every spec; `regime`: the
-    workload declared a serving regime whose corners the captured cases include (TaskSpec.regime)."""
+    workload declared a serving regime whose corners the captured cases include (TaskSpec.regime); `min_share` (the
+    acceptance's delta): a module class whose whole share in a phase is below it is not captured (`below_share`)."""
     records = candidate_records(model, profile, min_score, families)
+    cold = below_share(records, min_share)
     named = dict(model.named_modules())
     order = {name: i for i, name in enumerate(named)}
     modules = {r.module_path: named[r.module_path] for r in records}
@@ -464,6 +485,8 @@ def extract_tasks(model: torch.nn.Module, run_fn: Callable[[], Any], profile: Pr
         return s
 
     with PhaseTracker(model), _Recorder(modules, max_cases) as recorder:
+        for key, reason in cold.items():
+            recorder.observed[key].error = reason
         run_fn()
     print(f"extract: {_host_note(recorder.observed)} after the capture, at {took('capture')}")
     kv_paths = _kv_decode_paths(recorder.observed) if static_cache else []

@@ -17,12 +17,13 @@ from tasks.common import infrastructure_only, stage_cache_key
     retry_delay_seconds=5,
     retry_condition_fn=infrastructure_only,
     cache_key_fn=lambda ctx, p: stage_cache_key("extract", p, "profile_path", "data_dir", "min_score",
-                                                "static_cache"),
+                                                "static_cache", "min_share"),
     persist_result=True,
 )
 def extract(workload: dict, profile_path: str, data_dir: str, min_score: float = 0.0,
-            static_cache: bool = False) -> str:
-    return extract_stage.run_extract(workload["path"], profile_path, data_dir, min_score, static_cache=static_cache)
+            static_cache: bool = False, min_share: float = 0.0) -> str:
+    return extract_stage.run_extract(workload["path"], profile_path, data_dir, min_score, static_cache=static_cache,
+                                     min_share=min_share)
 
 
 @task(name="record-tasks", retries=2, retry_delay_seconds=2, retry_condition_fn=infrastructure_only)

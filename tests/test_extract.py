@@ -329,3 +329,25 @@ def test_the_static_cache_capture_records_decode_calls_only():
                        pad_token_id=0)
     assert {phase for _, phase in rec.observed} == {"decode"}
     assert all(obs.calls for obs in rec.observed.values()) and len(rec.observed) == len(layers)
+
+
+def test_a_class_whose_whole_share_is_below_delta_is_not_captured(tmp_path):
+    """The acceptance's delta bounds what a task can bring end to end: a module class whose whole share in a phase
+    is below it is not captured nor written (a serving regime's prefill corners are GBs a task), and its spec says
+    why; every other class is extracted as before."""
+    model = tiny_model("llama")
+    profile = profile_of(model)
+    for r in profile.records:  # prefill a sliver of the workload, decode the rest
+        r.hotspot_score = 1e-4 if r.phase == "prefill" else 0.05
+    specs = extract_tasks(model, lambda: generate(model), profile, tmp_path, workload_name="tiny", run_id="r1",
+                          min_share=0.02)
+    prefill = [s for s in specs if s.phase == "prefill"]
+    assert prefill and not any(s.deployable for s in prefill)
+    assert all("below delta: the whole prefill share of " in s.reason for s in prefill)
+    assert not any((tmp_path / s.task_id).exists() for s in prefill)
+    mlp = find(specs, "LlamaMLP", "decode")[0]
+    assert mlp.deployable and (tmp_path / mlp.task_id).exists()
+    assert_task_reproduces(tmp_path / mlp.task_id)
+    kept = extract_tasks(model, lambda: generate(model), profile, tmp_path / "all", workload_name="tiny",
+                         run_id="r1")
+    assert any(s.deployable for s in kept if s.phase == "prefill")

@@ -27,10 +27,11 @@ class ExtractedTasks(BaseModel):
 
 @script_stage("extract")
 def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score: float = 0.0,
-                static_cache: bool = False) -> str:
+                static_cache: bool = False, min_share: float = 0.0) -> str:
     """Re-run the workload with capture hooks on the profiled hotspots and write task artifacts; returns the path
     of `tasks.json` (the run's task index). static_cache: KV-cache decode tasks captured on transformers' static
-    cache, as decode graphs will run them (extract_tasks)."""
+    cache, as decode graphs will run them (extract_tasks); min_share: the acceptance's delta, below which a module
+    class's whole share is not captured (extract.below_share)."""
     from llm4llm import progress
     from llm4llm.extract import extract_tasks
 
@@ -49,6 +50,7 @@ def run_extract(workload_path: str, profile_path: str, data_dir: str, min_score:
         static_cache=static_cache,
         accuracy_budget=wl.lossy_budget(),
         regime=wl.regime is not None,
+        min_share=min_share,
     )
     index = [json.loads(s.model_dump_json()) | {"artifact_path": str(Path(data_dir) / "tasks" / s.task_id)
                                                 if s.deployable else None} for s in specs]
