@@ -176,7 +176,7 @@ def test_the_flow_gives_acceptance_the_budget_less_evaluation_and_the_safety_sha
     no_eval = FlowRun("wl.toml", cfg.model_copy(update={"stages": ("profile", "extract", "search", "accept")}),
                       None, "data", started)
     assert no_eval.accept_deadline(plan) == pytest.approx(started + 480.0 * (1 - planner.SAFETY), abs=0.05)
-    # the regime's check may also spend the safety share: evaluation's set-up alone is kept back
-    assert run.bundle_deadline(plan) == pytest.approx(started + 480.0 - 105.0, abs=0.05)
+    # the regime's check, which decides the bundle's reach, may spend the whole budget: nothing is kept back
+    assert run.bundle_deadline(plan) == pytest.approx(started + 480.0, abs=0.05)
     off = FlowRun("wl.toml", cfg.model_copy(update={"time_budget_s": None}), None, "data", started)
     assert off.accept_deadline(plan) is None
