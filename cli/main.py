@@ -66,6 +66,16 @@ def _quiet_prefect(verbose: bool) -> None:
             logging.getLogger(name).addFilter(_NoTracebacks())
 
 
+def _optimize_flow():
+    """The optimize flow, imported once the flags are checked (a bad one costs no flow import and starts no
+    server), while Prefect's ephemeral API boots beside the import (`_boot_prefect_api`)."""
+    api_ready = _boot_prefect_api()
+    from flows.optimize import optimize_workload
+
+    api_ready()
+    return optimize_workload
+
+
 def _boot_prefect_api():
     """Prefect's ephemeral API server (no PREFECT_API_URL set), started in a thread now, so that its boot (a uvicorn
     subprocess, several seconds) overlaps the flow's imports, which the run's time budget counts; returns the wait
@@ -286,11 +296,7 @@ def optimize(workload: Path = typer.Argument(..., help="workload TOML"), db: Opt
                          "max_s": e2e_max_s}}, sets or [])
         if cfg.search.proposer != "library":
             cfg.llm = _llm_options(workload, llm_model, llm_api_base)
-        api_ready = _boot_prefect_api()  # after the flags are checked: a bad one starts no server
-        from flows.optimize import optimize_workload  # after the flags are checked: a bad one costs no flow import
-
-        api_ready()
-        _print_run(_run_optimize(optimize_workload, workload, cfg, db, data_dir, started), db)
+        _print_run(_run_optimize(_optimize_flow(), workload, cfg, db, data_dir, started), db)
 
 
 def _run_optimize(optimize_workload, workload: Path, cfg, db: Optional[Path], data_dir: Optional[Path],

@@ -168,6 +168,13 @@ class _Run:
         return None if rem is None else rem - self.later_s(plan) - (self.cfg.time_budget_s or 0.0) * planner.SAFETY
 
 
+def _min_share(cfg: OptimizeConfig) -> float:
+    """The share below which extraction does not capture a module class: the acceptance's delta, where the plan
+    applies it (it skips such a task), else 0 (no acceptance, or `--top N`, which searches the N hottest whatever
+    their share)."""
+    return cfg.accept.delta if "accept" in set(cfg.stages) and cfg.search.top is None else 0.0
+
+
 def _optimize(run: _Run, kind: str) -> OptimizeResult:
     cfg, stages = run.cfg, set(run.cfg.stages)
     with run.stage("profile"):
@@ -184,7 +191,7 @@ def _optimize(run: _Run, kind: str) -> OptimizeResult:
         ext = extract_tasks(run.workload_path, run.run_id, run.profile_path, db_path=run.db_path,
                             data_dir=run.data_dir, min_score=cfg.search.min_score, refresh=cfg.refresh,
                             static_cache=extract_on_static_cache(run.device, cfg.graphs.decode_graphs),
-                            min_share=cfg.accept.delta if "accept" in stages else 0.0)
+                            min_share=_min_share(cfg))
     run.index_path = ext.index_path
     out = out.model_copy(update={"index_path": ext.index_path, "tasks": ext.tasks})
     if "search" not in stages:

@@ -351,3 +351,15 @@ def test_a_class_whose_whole_share_is_below_delta_is_not_captured(tmp_path):
     kept = extract_tasks(model, lambda: generate(model), profile, tmp_path / "all", workload_name="tiny",
                          run_id="r1")
     assert any(s.deployable for s in kept if s.phase == "prefill")
+
+
+def test_the_flow_skips_below_delta_only_where_its_plan_would():
+    """The default run (the plan applies delta) captures nothing below it; `--top N` (the N hottest, whatever
+    their share) and a run without acceptance capture everything."""
+    from flows.optimize import _min_share
+    from llm4llm.config import OptimizeConfig
+
+    cfg = OptimizeConfig()
+    assert _min_share(cfg) == cfg.accept.delta > 0
+    assert _min_share(OptimizeConfig(search={"top": 1})) == 0.0
+    assert _min_share(OptimizeConfig(stages=["profile", "extract", "search"])) == 0.0
