@@ -365,8 +365,8 @@ def _print_run(out, db: Optional[Path]) -> None:
         if a.floor:
             console.print(f"  noise {a.floor}")
         _print_decisions(db, out.run_id)
-    if out.e2e is not None:
-        _print_e2e(out.e2e.rows)
+    if out.e2e is not None:  # the server owner's view: ms a step, tokens/s, the ratios, the step over its floor
+        _print_points(out.e2e.rows)
     for line in out.summary:
         console.print(line, highlight=False, soft_wrap=True)
 
@@ -480,7 +480,7 @@ def _print_e2e(rows: list) -> None:
     from llm4llm.evaluate import table_rows
 
     df = pd.DataFrame(table_rows(rows))
-    cols, headers = cli_tables.e2e_view(tuple(df.columns), _width())
+    cols, headers = cli_tables.e2e_view(df, _width())
     _print_table(_df_table(df, "end to end", cols, headers=headers, whole=("variant", *cli_tables.RATIOS)))
     for line in cli_tables.e2e_notes(df, cols):
         console.print(f"  {line}", highlight=False)

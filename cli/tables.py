@@ -134,18 +134,31 @@ def tasks_view(df, width: int) -> tuple[list[str], dict[str, str]]:
 RATIOS = ("vs_eager", "vs_eager_cpu", "vs_compile")
 
 
-def e2e_view(columns: tuple[str, ...], width: int) -> tuple[list[str], dict[str, str]]:
-    """The e2e table's columns at `width`: below WIDE the variant, decode and total times, the ratios and the notes
-    (prefill, spread, CPU ratio, GPU step, floor, memory and compile time are in `llm4llm sql` and the report);
-    below NARROW the notes go under the table (`e2e_notes`)."""
-    headers = {"prefill_ms": "prefill ms", "decode_ms_per_token": "decode ms/tok", "total_ms": "total ms",
+# the e2e table's columns, the most wanted first: a narrower terminal drops them from the end of this list
+E2E_PRIORITY = ("variant", "decode_ms_per_token", "total_ms", "vs_compile", "vs_eager", "tokens_per_s",
+                "gpu_step_ms", "hbm_floor_ms", "prefill_ms", "compile_s", "total_range_ms", "peak_mem_mb",
+                "vs_eager_cpu")
+E2E_HEADERS = {"prefill_ms": "prefill ms", "decode_ms_per_token": "decode ms/tok", "total_ms": "total ms",
                "total_range_ms": "total range", "tokens_per_s": "tok/s", "vs_eager": "vs eager",
                "vs_eager_cpu": "vs eager cpu", "vs_compile": "vs compile", "gpu_step_ms": "gpu step ms",
                "hbm_floor_ms": "hbm floor ms", "peak_mem_mb": "peak MB", "compile_s": "compile s"}
-    if width >= WIDE:
-        return list(columns), headers
-    keep = ("variant", "decode_ms_per_token", "total_ms", "vs_eager", "vs_compile") + (("notes",) * (width >= NARROW))
-    return [c for c in columns if c in keep], headers
+
+
+def e2e_view(df, width: int, floats: int = 3) -> tuple[list[str], dict[str, str]]:
+    """The e2e table's columns at `width`: as many of E2E_PRIORITY as fit whole at their longest cell (a header
+    wraps at its words), in the frame's order; the notes (free text, often longer than a line) never in the table
+    but under it (`e2e_notes`). A CI log's 160 columns once held every column and the notes: rich folded each
+    number into five-character slivers, a row over thirty lines. The rest is in `llm4llm sql` and the report."""
+    def need(c: str) -> int:
+        words = E2E_HEADERS.get(c, c).split()
+        return max([max(len(w) for w in words)] + [len(cell(v, floats)) for v in df[c]]) + 3
+
+    keep, used = [], 1
+    for c in (c for c in E2E_PRIORITY if c in df.columns):
+        if not keep or used + need(c) <= width:
+            keep.append(c)
+            used += need(c)
+    return [c for c in df.columns if c in keep], E2E_HEADERS
 
 
 def e2e_notes(df, columns: list[str]) -> list[str]:

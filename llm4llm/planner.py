@@ -216,7 +216,24 @@ class Plan:
         if tail and not targets_only:
             out.append(f"  {'skip':>10}  {tail} more task(s) under 0.01 % of the time each")
         out += [f"  note: {n}" for n in self.notes]
-        return out
+        over = self.overrun_note(elapsed_s)
+        return out + ([f"  note: {over}"] if over and not targets_only else [])
+
+    def overrun_note(self, elapsed_s: float) -> str | None:
+        """Where the stages after the search are expected to end past the budget (a 7B serving regime's check and
+        acceptance can spend it before evaluation starts): said at plan time, with the budget that would fit them,
+        so nobody learns it from the clock at the end. None when they fit (or there is no budget)."""
+        if self.budget_s is None:
+            return None
+        est = self.estimates
+        end = elapsed_s + self.search_s + sum(s for stage, s in (("accept", est.accept_s),
+                                                                  ("evaluate", est.evaluate_s)) if stage in self.later)
+        if end <= self.budget_s * (1 + SAFETY):
+            return None
+        fits = math.ceil(end / 60)
+        return (f"expected to end near {fmt_s(end)}, past the {fmt_s(self.budget_s)} budget: what is left of it cannot "
+                f"hold acceptance and evaluation (the second may be cut to one round or skip its last points); "
+                f"--time-budget {fits}m fits them")
 
 
 # ---- expected speedups --------------------------------------------------------------------------------------

@@ -121,3 +121,47 @@ def test_the_help_choices_are_the_configs():
     assert cli.PROPOSERS == typing.get_args(config.ProposerKind)
     assert cli.GRAPHS == typing.get_args(config.GraphChoice)
     assert cli.METRICS == typing.get_args(config.Metric)
+
+
+def _full_row(variant: str, notes: str) -> dict:
+    """An e2e row with every column filled, as a serving evaluation writes it (the notes a patch report)."""
+    return {"variant": variant, "prefill_ms": 107.4917, "decode_ms_per_token": 5.0903, "total_ms": 428.1812,
+            "total_samples_ms": [422.04, 428.18, 449.10], "vs_eager": 8.25, "vs_eager_p20": 7.795,
+            "vs_eager_p80": 8.705, "vs_eager_cpu": 8.258, "vs_eager_cpu_p20": 7.804, "vs_eager_cpu_p80": 8.713,
+            "vs_compile": 1.699, "vs_compile_p20": 1.666, "vs_compile_p80": 1.732, "tokens_per_s": 1195.755,
+            "gpu_step_ms": 4.2957, "hbm_floor_ms": 2.8457, "peak_mem_mb": 11104.889, "compile_s": 66.658,
+            "batch_size": 8, "prompt_len": 512, "decode_ms_p20": 5.05, "decode_ms_p80": 5.24,
+            "decode_tokens_per_s": 1257.3, "notes": notes}
+
+
+@pytest.mark.parametrize("columns", [80, 120, 160, 240])
+def test_a_full_e2e_row_keeps_its_numbers_whole(capsys, monkeypatch, columns):
+    """Every column filled and a long note (a README run's log at 160 columns once folded each number into
+    five-character slivers and a row over thirty lines): the table fits, each shown number is whole on its line,
+    and the notes come under the table, one line each."""
+    from cli import main as cli
+
+    note = "static cache, compile off; llm4llm patch report (bundle qwen3-4b-serving): 1 applied, 0 skipped; " * 3
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cli._print_e2e([_full_row("patched_graphs", note), _full_row("torch_compile", None)])
+    out = capsys.readouterr().out
+    _check_fits(out.split("\n  patched_graphs: ")[0], columns, ["patched_graphs", "5.090", "428.181",
+                                                                "1.70x (1.67-1.73)"])
+    assert out.count("\n  patched_graphs: static cache") == 1, out
+    body = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert len(body) == 2, out  # one line a row
+    if columns >= 160:
+        assert "8.25x (7.79-8.71)" in out or "8.25x (7.80-8.71)" in out, out
+
+
+def test_optimize_prints_the_per_point_view(capsys, monkeypatch):
+    """optimize's closing table is the one `evaluate --batch-sizes` prints: batch, prompt, ms a step, tokens/s, the
+    ratios and the step over its floor."""
+    from cli import main as cli
+
+    monkeypatch.setenv("COLUMNS", "160")
+    cli._print_points([_full_row("patched_graphs", "a note"), _full_row("torch_compile", None)])
+    out = capsys.readouterr().out
+    _check_fits(out.split("\n  ms/step")[0], 160, ["patched_graphs", "5.09 (5.05-5.24)", "1.70x (1.67-1.73)",
+                                                    "1.51x"])
+    assert "8x512 patched_graphs: a note" in out, out

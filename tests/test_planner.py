@@ -4,6 +4,7 @@ clock, and the lines a run ends with (llm4llm/outcome.py)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -234,3 +235,22 @@ def test_the_run_ends_with_what_the_user_got():
     assert "torch.compile: failed" in result_line([E2E[1] | {"vs_compile": None},
                                                     {"variant": "torch_compile", "total_ms": None,
                                                      "notes": "failed: x"}])
+
+
+def test_a_plan_says_when_acceptance_and_evaluation_will_end_past_the_budget():
+    """llama-2-7b-serving's README run (H100, 2026-12-08): the check took the plan to 6:03 of 8:00 and acceptance
+    plus evaluation were expected to need 4:51 more; the run ended near 10:00 and said so only by its clock. The plan
+    now says it, with the budget that fits; a plan that fits says nothing."""
+    late = planner.make_plan(_tasks("qwen3-4b-decode"), device="cuda", run_s=5.2, delta=0.02, budget_s=480,
+                             elapsed_s=363)
+    end = 363 + late.search_s + late.estimates.accept_s + late.estimates.evaluate_s
+    assert end > 480
+    note = next(ln for ln in late.lines(363) if "past the 8:00 budget" in ln)
+    assert f"expected to end near {planner.fmt_s(end)}" in note
+    assert f"--time-budget {math.ceil(end / 60)}m" in note
+    early = planner.make_plan(_tasks("qwen3-4b-decode"), device="cuda", run_s=2.676, delta=0.02, budget_s=480,
+                              elapsed_s=71)
+    assert not any("past the" in ln for ln in early.lines(71))
+    free = planner.make_plan(_tasks("qwen3-4b-decode"), device="cuda", run_s=2.676, delta=0.02, budget_s=None,
+                             elapsed_s=363)
+    assert free.overrun_note(363) is None
