@@ -177,12 +177,28 @@ def make_box(prefix: str = "llm4llm-sbx-") -> Path:
     return box
 
 
+def _link_or_copy(src: str, dst: str) -> str:
+    """A hard link where src and dst share a filesystem (no bytes move: a 7B serving regime's decoder-layer task is
+    GBs of KV-cache cases, copied once per verified candidate), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
 def copy_readonly(src: Path, dst: Path) -> Path:
-    """Copy a task's artifact dir into the box, owned by this (parent) user, files 0444 and dirs 0555."""
-    shutil.copytree(src, dst, symlinks=False)
+    """A task's artifact dir in the box, owned by this (parent) user, files 0444 and dirs 0555. As root (the child
+    then runs as nobody, which can neither write nor chmod root's 0444 files) the files are hard-linked where they
+    share a filesystem with the box, and the originals turn 0444 too (task artifacts are written once; re-extraction
+    replaces the whole dir); else, or across filesystems, copied (a child of the same user could chmod a link and
+    write through it into the original)."""
+    shutil.copytree(src, dst, symlinks=False, copy_function=_link_or_copy if os.geteuid() == 0 else shutil.copy2)
     for root, dirs, files in os.walk(dst):
         for f in files:
-            os.chmod(os.path.join(root, f), 0o444)
+            p = os.path.join(root, f)
+            if os.stat(p).st_mode & 0o777 != 0o444:  # a chmod moves the inode's ctime even to the same mode
+                os.chmod(p, 0o444)
         for d in dirs:
             os.chmod(os.path.join(root, d), 0o555)
     os.chmod(dst, 0o555)
