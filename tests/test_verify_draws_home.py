@@ -11,20 +11,35 @@ from llm4llm.verify import gates
 from llm4llm.verify.judge import Draw, resident
 
 
-def _task(state_mb: int, cases: int = 2):
-    state = {"past_k": torch.empty(state_mb << 19, dtype=torch.bfloat16)}  # state_mb MiB a case
-    case = SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={}, state=state)
-    return SimpleNamespace(cases=[case] * cases)
+def _task(*state_mb: int):
+    """One case a size: its state `mb` MiB."""
+    return SimpleNamespace(cases=[SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={},
+                                                  state={"past_k": torch.empty(mb << 19, dtype=torch.bfloat16)})
+                                  for mb in state_mb])
 
 
 def test_draws_stay_on_the_gpu_unless_they_would_crowd_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
-    gpu = torch.device("cuda", 0)
-    # qwen3-4b at batch 1: a few MB a case; 9 draws with their references: far under 15 % of 80 GB
-    assert gates.draws_home(_task(4), gpu, 8) == gpu
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # qwen3-4b at batch 1: a few MB a case; 9 draws with their references: far under a quarter of 80 GB
+    assert gates.draws_home(_task(4, 4), gpu, 8) == [gpu, gpu]
     # a 1.1 GB KV cache a case (Llama-2-7B at batch 32 x 2048), 9 draws and three references' worth each: the host
-    assert gates.draws_home(_task(1100), gpu, 8) == torch.device("cpu")
-    assert gates.draws_home(_task(1100), torch.device("cpu"), 8) == torch.device("cpu")  # the CPU: where it is
+    assert gates.draws_home(_task(1100, 1100), gpu, 8) == [cpu, cpu]
+    assert gates.draws_home(_task(1100, 4), cpu, 8) == [cpu, cpu]  # the CPU: where it is
+
+
+def test_a_regimes_small_cases_stay_on_the_gpu_and_its_largest_go_to_the_host(monkeypatch):
+    """A serving regime's corners (batch 1 to 32): the smallest first while they fit the share, so only the largest
+    corners pay a copy a call. 4 draws: 20 x a case's bytes each; 20 GB of an 80 GB GPU's share."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    mb = [256, 34, 1100, 68, 540, 136, 34, 272]  # batch 8, 1, 32, 2, 16, 4, 1, 8 at 2049 positions
+    homes = gates.draws_home(_task(*mb), gpu, 4)
+    assert [h.type for h in homes] == ["cuda", "cuda", "cpu", "cuda", "cpu", "cuda", "cuda", "cuda"]
+    kept = sum(20 * m for m, h in zip(mb, homes) if h == gpu)
+    assert kept <= 20 * 1024 < kept + 20 * min(m for m, h in zip(mb, homes) if h == cpu)
+    draws = gates.make_draws(_task(*mb[:2]), cpu, 1, 0, home=[torch.device("meta"), cpu])
+    assert [d.state["past_k"].device.type for d in draws] == ["meta", "meta", "cpu", "cpu"]
 
 
 def test_make_draws_puts_every_draw_where_it_is_told():

@@ -109,41 +109,49 @@ def _fresh(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(t.shape, generator=gen, device=gen.device) * std).to(device=t.device, dtype=t.dtype)
 
 
-# A task whose draws, with the parent's references and fp32 anchors beside them, would take more than this share
+# A case whose draws, with the parent's references and fp32 anchors beside them, would take the task past this share
 # of the GPU's memory keeps them on the host, each copied over for its own call (judge.resident): Llama-2-7B's
 # decode layer over a serving regime (a 1.1 GB KV cache a draw at batch 32 x 2048, 6-9 draws a case) once held
-# 78 GB in the verifying parent, and the worker beside it could not load its first draw.
-HOST_DRAWS_SHARE = 0.15
+# 78 GB in the verifying parent, and the worker beside it could not load its first draw. The worker holds the draws
+# alone (a quarter of the parent's need), so parent and worker together stay near 1.25 x this share. The choice is
+# per case, the smallest first: a regime's small batches stay on the GPU and only the largest corners pay the copies
+# (every phase of a check copies a host-kept draw: the references, each judged call, the timed outputs' check).
+HOST_DRAWS_SHARE = 0.25
 REF_COPIES = 3  # a draw's references in the parent: ref and the fp32 anchor (twice the bytes), about its own size
 
 
-def draws_home(task: Task, device: torch.device, draws: int) -> torch.device:
-    """Where make_draws keeps a task's draws: on `device`, or on the host when they would crowd the GPU."""
+def draws_home(task: Task, device: torch.device, draws: int) -> list[torch.device]:
+    """Where make_draws keeps each case's draws: on `device`, or on the host for the largest cases, those past
+    HOST_DRAWS_SHARE of the GPU's memory once the smaller ones are counted."""
+    homes = [device] * len(task.cases)
     if device.type != "cuda":
-        return device
-    nbytes = sum(t.numel() * t.element_size() for case in task.cases for part in (case.inputs, case.state)
-                 for t in part.values())
-    need = (draws + 1) * nbytes * (1 + REF_COPIES)
-    total = torch.cuda.get_device_properties(device).total_memory
-    return torch.device("cpu") if need > HOST_DRAWS_SHARE * total else device
+        return homes
+    need = [(draws + 1) * (1 + REF_COPIES) * sum(t.numel() * t.element_size() for part in (case.inputs, case.state)
+                                                 for t in part.values()) for case in task.cases]
+    room = HOST_DRAWS_SHARE * torch.cuda.get_device_properties(device).total_memory
+    for k in sorted(range(len(need)), key=lambda k: need[k]):
+        room -= need[k]
+        if room < 0:
+            homes[k] = torch.device("cpu")
+    return homes
 
 
 def make_draws(task: Task, device: torch.device, draws: int, seed: int,
-               home: torch.device | None = None) -> list[Draw]:
+               home: torch.device | list[torch.device] | None = None) -> list[Draw]:
     """Each case's captured call and `draws` fresh ones, drawn on `device` (deterministic in `seed` there: the
-    verifying parent and its worker draw the same) and kept on `home` (default `device`; draws_home says when the
-    host instead: the judge copies a host-kept draw over for its call)."""
+    verifying parent and its worker draw the same) and kept on `home` (default `device`; one device, or one a case:
+    draws_home says which cases the host keeps, whose draws the judge copies over for each call)."""
     out = []
-    home = home or device
+    homes = home if isinstance(home, list) else [home or device] * len(task.cases)
     for k, case in enumerate(task.cases):
         on = lambda d, dev: {n: t.to(dev) for n, t in d.items()}  # noqa: E731
         inputs, state = on(case.inputs, device), on(case.state, device)
-        weights = on(case.weights, home)
-        out.append(Draw((k, 0), on(inputs, home), weights, on(state, home)))
+        weights = on(case.weights, homes[k])
+        out.append(Draw((k, 0), on(inputs, homes[k]), weights, on(state, homes[k])))
         for d in range(1, draws + 1):
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + k * 1009 + d)
-            out.append(Draw((k, d), on({n: _fresh(n, t, gen) for n, t in inputs.items()}, home), weights,
-                            on({n: _fresh(n, t, gen) for n, t in state.items()}, home)))
+            out.append(Draw((k, d), on({n: _fresh(n, t, gen) for n, t in inputs.items()}, homes[k]), weights,
+                            on({n: _fresh(n, t, gen) for n, t in state.items()}, homes[k])))
     return out
 
 
