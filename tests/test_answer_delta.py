@@ -80,6 +80,16 @@ def test_a_static_cache_layer_is_judged_on_its_changed_elements(tmp_path, monkey
         return decode(saved, bases, device)
 
     monkeypatch.setattr(gates, "delta_decode", spy)
+    # the parent's references too: each draw's cache state-out (and its fp32 anchor) kept as a DeltaRef
+    from llm4llm.verify.judge import DeltaRef
+    compacted, compact = [], gates.compact_refs
+
+    def spy_compact(d):
+        compact(d)
+        compacted.append(sorted(f"{f}.{n}" for f in ("ref", "ref32") for n, r in (getattr(d, f) or {}).items()
+                                if isinstance(r, DeltaRef)))
+
+    monkeypatch.setattr(gates, "compact_refs", spy_compact)
     spec, task_dir = _layer_tasks(tmp_path, 2)[0]
     template = {t.name: t for t in TEMPLATES}["decoder_layer.decode_static_gemma2"]
     source = template.render(spec, template.default(spec))
@@ -87,6 +97,7 @@ def test_a_static_cache_layer_is_judged_on_its_changed_elements(tmp_path, monkey
         v = pool.verify(task_dir, source)
     assert v.passed, f"{v.failure_class}: {v.message}"
     assert seen, "no judged call was decoded"
+    assert compacted and all(len(c) >= 2 for c in compacted), compacted  # key and value caches, at least
     caches = [n for n in spec.state_names if "cache" in n and "len" not in n]
     assert caches, spec.state_names
     shapes = {tuple(c.state[n].shape) for c in spec.cases for n in caches}

@@ -11,33 +11,50 @@ from llm4llm.verify import gates
 from llm4llm.verify.judge import Draw, resident
 
 
-def _task(*state_mb: int):
-    """One case a size: its state `mb` MiB."""
-    return SimpleNamespace(cases=[SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={},
-                                                  state={"past_k": torch.empty(mb << 19, dtype=torch.bfloat16)})
-                                  for mb in state_mb])
+def _task(*state_mb: int, ref: bool = False):
+    """One case a size: its state `mb` MiB; with `ref`, the reference outputs a static cache's layer records (a
+    hidden-state row and the state-out, the state's shape)."""
+    def case(mb):
+        state = {"past_k": torch.empty(mb << 19, dtype=torch.bfloat16)}
+        refs = {"out": torch.empty(4, 8), "state_out.past_k": torch.empty(mb << 19, dtype=torch.bfloat16)}
+        return SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={}, state=state, ref=refs if ref else {})
+    return SimpleNamespace(cases=[case(mb) for mb in state_mb])
 
 
 def test_draws_stay_on_the_gpu_unless_they_would_crowd_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    # qwen3-4b at batch 1: a few MB a case; 9 draws with their references: far under a quarter of 80 GB
+    # qwen3-4b at batch 1: a few MB a case; 9 draws in parent and worker with whole references: far under the share
     assert gates.draws_home(_task(4, 4), gpu, 8) == [gpu, gpu]
-    # a 1.1 GB KV cache a case (Llama-2-7B at batch 32 x 2048), 9 draws and three references' worth each: the host
+    # a 1.1 GB KV cache a case (Llama-2-7B at batch 32 x 2048), 9 draws, their references whole: the host
     assert gates.draws_home(_task(1100, 1100), gpu, 8) == [cpu, cpu]
     assert gates.draws_home(_task(1100, 4), cpu, 8) == [cpu, cpu]  # the CPU: where it is
 
 
+def test_a_state_out_kept_as_a_delta_costs_nothing_beside_its_draw():
+    """A static cache's state-out has its state's shape: judge.DeltaRef keeps it as the few positions written, so
+    a case needs its draws twice (parent and worker) and only its other outputs' references."""
+    small = 4 * 8 * 4
+    whole, delta = _task(1100).cases[0], _task(1100, ref=True).cases[0]
+    data = 1100 << 20
+    assert gates.case_need(whole, 4) == 5 * (2 * (data + small) + 3 * (data + small))
+    assert gates.case_need(delta, 4) == 5 * (2 * (data + small) + 3 * small)
+
+
 def test_a_regimes_small_cases_stay_on_the_gpu_and_its_largest_go_to_the_host(monkeypatch):
     """A serving regime's corners (batch 1 to 32): the smallest first while they fit the share, so only the largest
-    corners pay a copy a call. 4 draws: 20 x a case's bytes each; 20 GB of an 80 GB GPU's share."""
+    corners pay a copy a call. Their references whole: 25 x a case's bytes at 4 draws; as deltas: 10 x."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     mb = [256, 34, 1100, 68, 540, 136, 34, 272]  # batch 8, 1, 32, 2, 16, 4, 1, 8 at 2049 positions
     homes = gates.draws_home(_task(*mb), gpu, 4)
     assert [h.type for h in homes] == ["cuda", "cuda", "cpu", "cuda", "cpu", "cuda", "cuda", "cuda"]
-    kept = sum(20 * m for m, h in zip(mb, homes) if h == gpu)
-    assert kept <= 20 * 1024 < kept + 20 * min(m for m, h in zip(mb, homes) if h == cpu)
+    room = gates.HOST_DRAWS_SHARE * (80 << 30)
+    need = [gates.case_need(c, 4) for c in _task(*mb).cases]
+    kept = sum(n for n, h in zip(need, homes) if h == gpu)
+    assert kept <= room < kept + min(n for n, h in zip(need, homes) if h == cpu)
+    # the same corners with their static caches' state-out as deltas: every one on the GPU
+    assert gates.draws_home(_task(*mb, ref=True), gpu, 4) == [gpu] * len(mb)
     draws = gates.make_draws(_task(*mb[:2]), cpu, 1, 0, home=[torch.device("meta"), cpu])
     assert [d.state["past_k"].device.type for d in draws] == ["meta", "meta", "cpu", "cpu"]
 

@@ -26,6 +26,7 @@ How each cheat is caught:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -48,7 +49,8 @@ from llm4llm.verify.answer import AnswerError, delta_decode, delta_encode, read_
 from llm4llm.verify.candidate import LAUNCHES, install_launch_hook, load_candidate, unload_candidate
 from llm4llm.verify.judge import (Canary, Draw, GateFailure, Guarded, Judge, answer_bases, append_passed_before,
                                   call_candidate, canary_fill, check_guards, check_shapes, classify_exception,
-                                  compare_outputs, guard, nonfinite_where_ref_finite, resident)
+                                  compact_refs, compare_outputs, guard, nonfinite_where_ref_finite,
+                                  resident)
 from llm4llm.verify.static_gate import check_task_source
 from llm4llm.verify.timing import KEEP_AS_CAPTURED  # name fragments of inputs that are not random data
 from llm4llm.verify.timing import flat_outputs, fresh_draw, module_runner, time_task
@@ -109,25 +111,40 @@ def _fresh(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(t.shape, generator=gen, device=gen.device) * std).to(device=t.device, dtype=t.dtype)
 
 
-# A case whose draws, with the parent's references and fp32 anchors beside them, would take the task past this share
-# of the GPU's memory keeps them on the host, each copied over for its own call (judge.resident): Llama-2-7B's
-# decode layer over a serving regime (a 1.1 GB KV cache a draw at batch 32 x 2048, 6-9 draws a case) once held
-# 78 GB in the verifying parent, and the worker beside it could not load its first draw. The worker holds the draws
-# alone (a quarter of the parent's need), so parent and worker together stay near 1.25 x this share. The choice is
-# per case, the smallest first: a regime's small batches stay on the GPU and only the largest corners pay the copies
-# (every phase of a check copies a host-kept draw: the references, each judged call, the timed outputs' check).
-HOST_DRAWS_SHARE = 0.25
-REF_COPIES = 3  # a draw's references in the parent: ref and the fp32 anchor (twice the bytes), about its own size
+# The draws of a task's cases, in the verifying parent (with each draw's reference and fp32 anchor) and in its worker
+# (the draws alone), are kept on the GPU up to this share of its memory, the smallest cases first; a case past it
+# keeps its draws on the host, each copied over for its own call (judge.resident) in every phase of the check.
+# Llama-2-7B's decode layer over a serving regime (a 1.1 GB KV cache a draw at batch 32 x 2048, 6-9 draws a case,
+# each reference whole) once held 78 GB in the verifying parent, and the worker beside it could not load its first
+# draw. A state output that differs from its state in a few positions (a static KV cache's state-out) is kept as a
+# judge.DeltaRef, so it costs next to nothing here; every other output its reference plus a twice-as-wide anchor.
+HOST_DRAWS_SHARE = 0.4
+REF_COPIES = 3  # a whole reference in the parent: itself and the fp32 anchor (twice its bytes)
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def case_need(case, draws: int) -> int:
+    """GPU bytes a case's draws take in the parent and its worker: the draws twice (both hold them) and the
+    references that stay whole (outputs other than a state-out of its state's shape; all of them, where the case
+    recorded no reference outputs to tell)."""
+    data = _nbytes(case.inputs) + _nbytes(case.state)
+    ref = getattr(case, "ref", None) or {}
+    whole = sum(t.numel() * t.element_size() for n, t in ref.items()
+                if not (n.startswith("state_out.") and n[len("state_out."):] in case.state
+                        and case.state[n[len("state_out."):]].shape == t.shape)) if ref else data
+    return (draws + 1) * (2 * data + REF_COPIES * whole)
 
 
 def draws_home(task: Task, device: torch.device, draws: int) -> list[torch.device]:
     """Where make_draws keeps each case's draws: on `device`, or on the host for the largest cases, those past
-    HOST_DRAWS_SHARE of the GPU's memory once the smaller ones are counted."""
+    HOST_DRAWS_SHARE of the GPU's memory once the smaller ones are counted (case_need)."""
     homes = [device] * len(task.cases)
     if device.type != "cuda":
         return homes
-    need = [(draws + 1) * (1 + REF_COPIES) * sum(t.numel() * t.element_size() for part in (case.inputs, case.state)
-                                                 for t in part.values()) for case in task.cases]
+    need = [case_need(case, draws) for case in task.cases]
     room = HOST_DRAWS_SHARE * torch.cuda.get_device_properties(device).total_memory
     for k in sorted(range(len(need)), key=lambda k: need[k]):
         room -= need[k]
@@ -161,16 +178,17 @@ def expected_names(task: Task) -> list[str]:
 
 @torch.no_grad()
 def fill_reference(task: Task, draws: list[Draw], ref: Callable, ref32: Callable | None = None,
-                   device: torch.device | None = None) -> None:
+                   device: torch.device | None = None, compact: bool = False) -> None:
     """Each draw's reference outputs (d.ref); with `ref32` (16-bit tasks), also the fp32 anchor (d.ref32). A ref32
     that raises, lacks an output or returns another shape leaves d.ref32 None: the floor is then not applied.
-    device: where the references run (a host-kept draw is copied there for its own, its results kept on the host)."""
+    device: where the references run (a host-kept draw is copied there for its own, its results kept on the host).
+    compact: state outputs kept as their few changes from the draw's state (judge.DeltaRef; a draw judged through
+    judge.resident has them whole there)."""
     for d in draws:
-        if device is None:
+        with contextlib.nullcontext() if device is None else resident(d, device):
             _fill_one(task, d, ref, ref32)
-        else:
-            with resident(d, device):
-                _fill_one(task, d, ref, ref32)
+            if compact:  # on the device, before a host-kept draw's references go back to the host
+                compact_refs(d)
 
 
 @torch.no_grad()
@@ -835,7 +853,7 @@ def judge_remote(v: Verdict, task: Task, dev: torch.device, rpc: Callable[[dict]
     t = time.perf_counter()
     all_draws = make_draws(task, dev, draws, seed, home=draws_home(task, dev, draws))
     fill_reference(task, all_draws, reference_fn(task, dev), reference_fn(task, dev, upcast=True) if is_16bit(task)
-                   else None, device=dev)
+                   else None, device=dev, compact=True)
     if dev.type == "cuda":  # the references' working memory, back to the driver before the worker loads its draws
         torch.cuda.empty_cache()
     t = v.lap("references", t)

@@ -68,20 +68,102 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
+@dataclass
+class DeltaRef:
+    """A reference output kept as its changes from one of the draw's state tensors: a static KV cache's state-out is
+    the cache with one position written, so the reference and its fp32 anchor, kept whole, held the cache three
+    times over beside each draw (a 7B regime's draws then did not fit the GPU and were copied over for every call).
+    `resident` rebuilds the whole tensor for the block that judges with it, from the draw's state there."""
+
+    state: str  # the draw's state tensor it differs from
+    shape: torch.Size
+    dtype: torch.dtype
+    idx: torch.Tensor  # flat int64 indices of the elements whose bits differ
+    val: torch.Tensor  # their values
+
+    @staticmethod
+    def of(t: torch.Tensor, base: torch.Tensor | None, state: str) -> "DeltaRef | None":
+        """`t` as its bitwise changes from `base` (cast to t's dtype: exact for an fp32 anchor of a 16-bit state),
+        or None where they do not match in shape or more than answer.DELTA_MAX_FRACTION of it changed."""
+        from llm4llm.verify.answer import DELTA_MAX_FRACTION, _as_bits
+
+        if base is None or base.shape != t.shape or not t.numel():
+            return None
+        a, b = _as_bits(t), _as_bits(base.to(t.dtype))
+        if a is None or b is None:
+            return None
+        idx = (a != b).nonzero().reshape(-1)
+        if idx.numel() > DELTA_MAX_FRACTION * t.numel():
+            return None
+        return DeltaRef(state, t.shape, t.dtype, idx, t.detach().contiguous().reshape(-1)[idx].clone())
+
+    @property
+    def device(self) -> torch.device:
+        return self.idx.device
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def to(self, device) -> "DeltaRef":
+        return DeltaRef(self.state, self.shape, self.dtype, self.idx.to(device), self.val.to(device))
+
+    def full(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        flat = state[self.state].to(self.dtype, copy=True).contiguous().reshape(-1)
+        flat[self.idx.to(flat.device)] = self.val.to(flat.device)
+        return flat.view(self.shape)
+
+
+def compact_refs(d: Draw) -> None:
+    """Each `state_out.<name>` reference (and fp32 anchor) of the draw that differs from the draw's state `<name>` in
+    few elements, kept as a DeltaRef (the rest as they are)."""
+    for f in ("ref", "ref32"):
+        refs = getattr(d, f)
+        if not refs:
+            continue
+        for n, t in list(refs.items()):
+            if n.startswith("state_out.") and isinstance(t, torch.Tensor):
+                name = n[len("state_out."):]
+                delta = DeltaRef.of(t, d.state.get(name), name)
+                if delta is not None:
+                    refs[n] = delta
+
+
+@contextlib.contextmanager
+def _whole_refs(d: Draw):
+    """The draw's DeltaRefs rebuilt whole from its state for the block, its compact ones back after it."""
+    kept = {f: getattr(d, f) for f in ("ref", "ref32")}
+    if not any(isinstance(v, DeltaRef) for refs in kept.values() for v in (refs or {}).values()):
+        yield d
+        return
+    for f, refs in kept.items():
+        if refs:
+            setattr(d, f, {n: v.full(d.state) if isinstance(v, DeltaRef) else v for n, v in refs.items()})
+    try:
+        yield d
+    finally:
+        for f, refs in kept.items():
+            setattr(d, f, refs)
+
+
 @contextlib.contextmanager
 def resident(d: Draw, device: torch.device):
-    """The draw on `device` for the block: a draw kept on the host (make_draws' `home`, when a task's draws would
-    crowd the GPU) is copied over, and after the block its host tensors are back and any reference the block
-    computed (ref, ref32) is moved to the host. A draw already there is used as it is."""
+    """The draw on `device` for the block, its DeltaRefs whole: a draw kept on the host (make_draws' `home`, when a
+    task's draws would crowd the GPU) is copied over, and after the block its host tensors are back and any
+    reference the block computed (ref, ref32) is moved to the host. A draw already there is used as it is."""
     home = draw_device(d)
     if home is None or same_device(home, torch.device(device)):
-        yield d
+        with _whole_refs(d):
+            yield d
         return
     kept = {f: getattr(d, f) for f in _DRAW_FIELDS}
     for f, v in kept.items():
         setattr(d, f, None if v is None else {n: t.to(device) for n, t in v.items()})
     try:
-        yield d
+        with _whole_refs(d):
+            yield d
     finally:
         for f in _DRAW_FIELDS:
             now = getattr(d, f)
