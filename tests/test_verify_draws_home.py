@@ -11,18 +11,24 @@ from llm4llm.verify import gates
 from llm4llm.verify.judge import Draw, resident
 
 
-def _task(*state_mb: int, ref: bool = False):
-    """One case a size: its state `mb` MiB; with `ref`, the reference outputs a static cache's layer records (a
-    hidden-state row and the state-out, the state's shape)."""
-    def case(mb):
-        state = {"past_k": torch.empty(mb << 19, dtype=torch.bfloat16)}
-        refs = {"out": torch.empty(4, 8), "state_out.past_k": torch.empty(mb << 19, dtype=torch.bfloat16)}
+# sizes scaled down 1024x (KiB for MiB, an 80 MiB "GPU" for 80 GB): the same arithmetic, no GBs allocated
+GPU_BYTES = 80 << 20
+
+
+def _task(*state_kb: int, ref: bool = False):
+    """One case a size: its state `kb` KiB; with `ref`, the reference outputs a static cache's layer records (a
+    hidden-state row and the state-out, the state's shape, one position a row written)."""
+    def case(kb):
+        state = {"past_k": torch.zeros(kb << 9, dtype=torch.bfloat16)}
+        written = state["past_k"].clone()
+        written[::64] = 1.0  # a position a row
+        refs = {"out": torch.empty(4, 8), "state_out.past_k": written}
         return SimpleNamespace(inputs={"x": torch.empty(4, 8)}, weights={}, state=state, ref=refs if ref else {})
-    return SimpleNamespace(cases=[case(mb) for mb in state_mb])
+    return SimpleNamespace(cases=[case(kb) for kb in state_kb])
 
 
 def test_draws_stay_on_the_gpu_unless_they_would_crowd_it(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=GPU_BYTES))
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     # qwen3-4b at batch 1: a few MB a case; 9 draws in parent and worker with whole references: far under the share
     assert gates.draws_home(_task(4, 4), gpu, 8) == [gpu, gpu]
@@ -36,20 +42,23 @@ def test_a_state_out_kept_as_a_delta_costs_nothing_beside_its_draw():
     a case needs its draws twice (parent and worker) and only its other outputs' references."""
     small = 4 * 8 * 4
     whole, delta = _task(1100).cases[0], _task(1100, ref=True).cases[0]
-    data = 1100 << 20
+    data = 1100 << 10
     assert gates.case_need(whole, 4) == 5 * (2 * (data + small) + 3 * (data + small))
     assert gates.case_need(delta, 4) == 5 * (2 * (data + small) + 3 * small)
+    rolled = _task(1100, ref=True).cases[0]  # a cache that rolls each step (a full sliding window): whole
+    rolled.ref["state_out.past_k"] = torch.ones_like(rolled.state["past_k"])
+    assert gates.case_need(rolled, 4) == gates.case_need(whole, 4)
 
 
 def test_a_regimes_small_cases_stay_on_the_gpu_and_its_largest_go_to_the_host(monkeypatch):
     """A serving regime's corners (batch 1 to 32): the smallest first while they fit the share, so only the largest
     corners pay a copy a call. Their references whole: 25 x a case's bytes at 4 draws; as deltas: 10 x."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=GPU_BYTES))
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    mb = [256, 34, 1100, 68, 540, 136, 34, 272]  # batch 8, 1, 32, 2, 16, 4, 1, 8 at 2049 positions
+    mb = [256, 34, 1100, 68, 540, 136, 34, 272]  # batch 8, 1, 32, 2, 16, 4, 1, 8 at 2049 positions (/1024)
     homes = gates.draws_home(_task(*mb), gpu, 4)
     assert [h.type for h in homes] == ["cuda", "cuda", "cpu", "cuda", "cpu", "cuda", "cuda", "cuda"]
-    room = gates.HOST_DRAWS_SHARE * (80 << 30)
+    room = gates.HOST_DRAWS_SHARE * GPU_BYTES
     need = [gates.case_need(c, 4) for c in _task(*mb).cases]
     kept = sum(n for n, h in zip(need, homes) if h == gpu)
     assert kept <= room < kept + min(n for n, h in zip(need, homes) if h == cpu)

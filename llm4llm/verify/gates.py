@@ -126,16 +126,27 @@ def _nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _few_changes(out: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Whether `out` differs from `base` in few enough elements to be kept as a judge.DeltaRef, judged on a strided
+    sample of at most 64k elements (a cache that rolls each step, as a full sliding window does, changes most)."""
+    from llm4llm.verify.answer import DELTA_MAX_FRACTION
+
+    if base is None or base.shape != out.shape or base.dtype != out.dtype or not out.numel():
+        return False
+    step = max(1, out.numel() // 65536)
+    a, b = out.reshape(-1)[::step], base.reshape(-1)[::step]
+    return int((a != b).sum()) <= DELTA_MAX_FRACTION * a.numel()
+
+
 def case_need(case, draws: int) -> int:
     """GPU bytes a case's draws take in the parent and its worker: the draws twice (both hold them) and the
-    references that stay whole (outputs other than a state-out of its state's shape; all of them, where the case
-    recorded no reference outputs to tell)."""
+    references that stay whole (all but a state-out that differs from its state in few elements, as the case's
+    recorded reference shows; all of them where the case recorded none)."""
     data = _nbytes(case.inputs) + _nbytes(case.state)
     ref = getattr(case, "ref", None) or {}
     whole = sum(t.numel() * t.element_size() for n, t in ref.items()
-                if not (n.startswith("state_out.") and n[len("state_out."):] in case.state
-                        and case.state[n[len("state_out."):]].shape == t.shape)) if ref else data
-    return (draws + 1) * (2 * data + REF_COPIES * whole)
+                if not (n.startswith("state_out.") and _few_changes(t, case.state.get(n[len("state_out."):]))))
+    return (draws + 1) * (2 * data + REF_COPIES * (whole if ref else data))
 
 
 def draws_home(task: Task, device: torch.device, draws: int) -> list[torch.device]:
