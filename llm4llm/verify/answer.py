@@ -101,23 +101,30 @@ def _as_bits(t):
     return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])) if t.element_size() in _INT_OF_SIZE else None
 
 
+def changed_elements(t, base):
+    """The flat int64 indices where `t`'s bits differ from `base`'s (same shape and dtype), on t's device; None
+    where they do not match, or where more than DELTA_MAX_FRACTION of the elements changed (sent or kept whole)."""
+    if base is None or base.shape != t.shape or base.dtype != t.dtype or not t.numel():
+        return None
+    a, b = _as_bits(t), _as_bits(base)
+    if a is None or b is None:
+        return None
+    idx = (a != b.to(a.device)).nonzero().reshape(-1)
+    return idx if idx.numel() <= DELTA_MAX_FRACTION * t.numel() else None
+
+
 def delta_encode(tensors: dict, bases: dict) -> dict:
     """`tensors` (device tensors by answer key) with each one that has a base of its shape and dtype replaced by
     its changed elements where they are few; the rest as given. Host tensors out."""
     out = {}
     for key, t in tensors.items():
         base = bases.get(key)
-        base = base() if callable(base) else base
-        a = _as_bits(t) if base is not None and base.shape == t.shape and base.dtype == t.dtype and t.numel() \
-            else None
-        b = _as_bits(base) if a is not None else None
-        if a is not None and b is not None:
-            idx = (a != b.to(a.device)).nonzero().reshape(-1)
-            if idx.numel() <= DELTA_MAX_FRACTION * t.numel():
-                out[f"delta.{key}.idx"] = idx.cpu()
-                out[f"delta.{key}.val"] = t.detach().contiguous().reshape(-1)[idx].cpu()
-                continue
-        out[key] = t.detach().to("cpu", copy=True).contiguous()
+        idx = changed_elements(t, base() if callable(base) else base)
+        if idx is not None:
+            out[f"delta.{key}.idx"] = idx.cpu()
+            out[f"delta.{key}.val"] = t.detach().contiguous().reshape(-1)[idx].cpu()
+        else:
+            out[key] = t.detach().to("cpu", copy=True).contiguous()
     return out
 
 

@@ -84,16 +84,12 @@ class DeltaRef:
     @staticmethod
     def of(t: torch.Tensor, base: torch.Tensor | None, state: str) -> "DeltaRef | None":
         """`t` as its bitwise changes from `base` (cast to t's dtype: exact for an fp32 anchor of a 16-bit state),
-        or None where they do not match in shape or more than answer.DELTA_MAX_FRACTION of it changed."""
-        from llm4llm.verify.answer import DELTA_MAX_FRACTION, _as_bits
+        or None where they do not match in shape or too much of it changed (answer.changed_elements, the rule a
+        judged call's answer is delta-coded by)."""
+        from llm4llm.verify.answer import changed_elements
 
-        if base is None or base.shape != t.shape or not t.numel():
-            return None
-        a, b = _as_bits(t), _as_bits(base.to(t.dtype))
-        if a is None or b is None:
-            return None
-        idx = (a != b).nonzero().reshape(-1)
-        if idx.numel() > DELTA_MAX_FRACTION * t.numel():
+        idx = None if base is None or base.shape != t.shape else changed_elements(t, base.to(t.dtype))
+        if idx is None:
             return None
         return DeltaRef(state, t.shape, t.dtype, idx, t.detach().contiguous().reshape(-1)[idx].clone())
 
