@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +197,7 @@ HASH_CHUNK = 1 << 22
 HASH_MEMO_MAX = 4096
 RACY_NS = 2_000_000_000
 _hash_memo: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}
+_hash_memo_lock = threading.Lock()  # artifact_hashes' threads read and evict it together
 
 
 def _stat_key(f: Path) -> tuple[int, ...]:
@@ -206,7 +208,8 @@ def _stat_key(f: Path) -> tuple[int, ...]:
 def file_sha256(f: Path) -> str:
     """sha256 of one file, streamed; from this process's memo while the file's stat key is unchanged."""
     key = _stat_key(Path(f))
-    hit = _hash_memo.get(key[:2])
+    with _hash_memo_lock:
+        hit = _hash_memo.get(key[:2])
     if hit is not None and hit[0] == key:
         return hit[1]
     h = hashlib.sha256()
@@ -216,9 +219,10 @@ def file_sha256(f: Path) -> str:
     # not remembered if it changed while read, or if its times are too fresh to tell a rewrite in the same tick of a
     # coarse clock from the file as read (git's "racy" rule)
     if _stat_key(Path(f)) == key and time.time_ns() - max(key[3], key[4]) > RACY_NS:
-        if len(_hash_memo) >= HASH_MEMO_MAX:
-            _hash_memo.pop(next(iter(_hash_memo)))
-        _hash_memo[key[:2]] = (key, h.hexdigest())
+        with _hash_memo_lock:
+            if len(_hash_memo) >= HASH_MEMO_MAX:
+                _hash_memo.pop(next(iter(_hash_memo)))
+            _hash_memo[key[:2]] = (key, h.hexdigest())
     return h.hexdigest()
 
 
