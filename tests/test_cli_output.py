@@ -155,13 +155,19 @@ def test_a_full_e2e_row_keeps_its_numbers_whole(capsys, monkeypatch, columns):
 
 
 def test_optimize_prints_the_per_point_view(capsys, monkeypatch):
-    """optimize's closing table is the one `evaluate --batch-sizes` prints: batch, prompt, ms a step, tokens/s, the
-    ratios and the step over its floor."""
+    """optimize's closing table (`_print_run`, an OptimizeResult's e2e rows) is the one `evaluate --batch-sizes`
+    prints: batch, prompt, ms a step, tokens/s, the ratios and the step over its floor."""
+    from types import SimpleNamespace
+
     from cli import main as cli
 
     monkeypatch.setenv("COLUMNS", "160")
-    cli._print_points([_full_row("patched_graphs", "a note"), _full_row("torch_compile", None)])
+    monkeypatch.setattr(cli, "_print_hotspots", lambda path, top: None)  # no profile file here
+    rows = [_full_row("patched_graphs", "a note"), _full_row("torch_compile", None)]
+    cli._print_run(SimpleNamespace(run_id="r", decode_graphs=None, profile_path=None, tasks=None, searches=[],
+                                   acceptance=None, e2e=SimpleNamespace(rows=rows), summary=["result: ..."]), None)
     out = capsys.readouterr().out
+    assert "end to end per point" in out, out
     _check_fits(out.split("\n  ms/step")[0], 160, ["patched_graphs", "5.09 (5.05-5.24)", "1.70x (1.67-1.73)",
                                                     "1.51x"])
     assert "8x512 patched_graphs: a note" in out, out

@@ -41,8 +41,8 @@ def test_a_delta_rebuilds_its_tensor_bit_for_bit_and_an_fp32_anchor_too():
 def test_fill_reference_keeps_the_state_out_compact_and_a_judged_block_sees_it_whole():
     whole, compact = _draw(), _draw()
     up = lambda i, w, s, st: {n: t.float() for n, t in _cache_ref(i, w, s, st).items()}  # noqa: E731
-    gates.fill_reference(None_task(), [whole], _cache_ref, up)
-    gates.fill_reference(None_task(), [compact], _cache_ref, up, device=torch.device("cpu"), compact=True)
+    gates.fill_reference(_spec_task(), [whole], _cache_ref, up)
+    gates.fill_reference(_spec_task(), [compact], _cache_ref, up, device=torch.device("cpu"), compact=True)
     assert isinstance(compact.ref["state_out.k"], DeltaRef) and isinstance(compact.ref32["state_out.k"], DeltaRef)
     assert isinstance(compact.ref["out"], torch.Tensor)  # not a state-out: whole
     with resident(compact, torch.device("cpu")) as d:
@@ -51,13 +51,14 @@ def test_fill_reference_keeps_the_state_out_compact_and_a_judged_block_sees_it_w
                 assert torch.equal(getattr(d, f)[n], t), (f, n)
     assert isinstance(compact.ref["state_out.k"], DeltaRef)  # compact again after the block
     host = _draw()  # a host-kept draw judged on another device: its delta goes over and comes back
-    gates.fill_reference(None_task(), [host], _cache_ref, up, device=torch.device("cpu"), compact=True)
+    gates.fill_reference(_spec_task(), [host], _cache_ref, up, device=torch.device("cpu"), compact=True)
     with resident(host, torch.device("meta")) as d:
         assert d.ref["state_out.k"].device.type == "meta" and d.ref["state_out.k"].shape == (2, 3, 16, 8)
     assert isinstance(host.ref["state_out.k"], DeltaRef) and host.ref["state_out.k"].device.type == "cpu"
 
 
-def None_task():  # noqa: N802 - the few fields fill_reference reads
+def _spec_task():
+    """The few fields of a task fill_reference reads."""
     from types import SimpleNamespace
 
     return SimpleNamespace(spec=SimpleNamespace(output_names=["out"], state_names=["k"], static={}))
